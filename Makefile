@@ -1,0 +1,36 @@
+# Two entry points that work on a fresh machine with only Python 3.11+:
+#   make demo   set up .venv, run a 4-rank tray (host backend when no GPU is visible): the peer-barrier gate
+#   make test   set up .venv, run the test suite (GPU tests skip when no GPU is visible)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint gpu-wheels gpu-install clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/tray gate peer-barrier -n 4 --iters 200
+	$(BIN)/tray gate peer-barrier -n 4 --drop 2 --timeout-s 1
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q tests
+
+lint: $(BIN)/.installed
+	$(BIN)/pip install -q ruff mypy
+	$(BIN)/ruff check tray tests bench
+	$(BIN)/mypy
+
+# GPU machine without network: download the wheels here, install them there.
+gpu-wheels:
+	scripts/gpu-wheels.sh download
+
+gpu-install:
+	scripts/gpu-wheels.sh install
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Carry the Python packages the GPU machine lacks (it has no network) as wheels.
+#
+#   scripts/gpu-wheels.sh download   # here, with network: py3.12 manylinux x86_64 wheels into .whl/
+#   scripts/gpu-wheels.sh install    # there: pip install --no-index --target "$TRAY_GPU_SITE"
+#   eval "$(scripts/gpu-wheels.sh env)"   # there: PYTHONPATH = repo root + that site
+#
+# The GPU machine already has cuda-bindings, cuda-core, cuda-pathfinder, numpy, msgpack, psutil,
+# ml-dtypes, safetensors, pytest, hypothesis and the NCCL (nvidia-nccl-cu13, 2.28.9), cuBLAS, NVRTC
+# and CUDA runtime library wheels: never carry those (the NCCL wheel alone is ~200 MB).
+# The project itself is not installed there: PYTHONPATH carries the repo root (run `python3 -m tray`;
+# the `tray` console script exists only where the project was pip-installed).
+set -euo pipefail
+
+# One pinned version of each. nccl4py 0.6.0: raw bindings (nccl.bindings.nccl) generated from NCCL
+# 2.32 headers, loading the libnccl.so.2 that is there (2.28.9) at first call; needs cuda-core~=1.0,
+# cuda-pathfinder>=1.5.4 and (cu13) cuda-bindings~=13.0. nvmath-python 1.0.0: cuBLAS bindings for
+# cuda-bindings 13 / CUDA 13. packaging: a plain Requires-Dist of nccl4py (nccl.core) not on the list
+# of what the GPU machine is known to have.
+PINS=(
+    "pyzmq==27.3.0"
+    "nccl4py==0.6.0"
+    "nvmath-python==1.0.0"
+    "packaging==26.4"
+)
+# Requirements (without an extra) that the GPU machine already satisfies.
+PRESENT="cuda-bindings cuda-core cuda-pathfinder numpy msgpack psutil ml-dtypes safetensors pytest
+hypothesis nvidia-nccl-cu13 nvidia-cublas nvidia-cuda-nvrtc nvidia-cuda-runtime"
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WHL="$REPO/.whl"
+SITE="${TRAY_GPU_SITE:-/tmp/tray-site}"
+
+usage() {
+    echo "usage: $0 download|install|env" >&2
+    echo "  download  (with network) fetch the pinned cp312 manylinux x86_64 wheels into .whl/" >&2
+    echo "  install   (GPU machine, offline) install .whl/*.whl into \$TRAY_GPU_SITE (default /tmp/tray-site)" >&2
+    echo "  env       print the export line that puts the repo root and that site on PYTHONPATH" >&2
+    exit 2
+}
+
+env_line() {
+    echo "export PYTHONPATH=\"$REPO:$SITE\${PYTHONPATH:+:\$PYTHONPATH}\""
+}
+
+download() {
+    mkdir -p "$WHL"
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+        -d "$WHL" "${PINS[@]}"
+    # Keep exactly the pinned versions: drop wheels of other versions left by an earlier pin.
+    python3 - "$WHL" "$PRESENT" "${PINS[@]}" <<'EOF'
+import pathlib
+import re
+import sys
+import zipfile
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+whl, present, pins = pathlib.Path(sys.argv[1]), set(sys.argv[2].split()), sys.argv[3:]
+wanted = {norm(p.split("==")[0]): p.split("==")[1] for p in pins}
+found = {}
+for f in sorted(whl.glob("*.whl")):
+    name, version = f.name.split("-")[:2]
+    if wanted.get(norm(name)) != version:
+        print(f"removing {f.name} (not a pinned version)")
+        f.unlink()
+        continue
+    found[norm(name)] = f
+missing = sorted(set(wanted) - set(found))
+if missing:
+    sys.exit(f"error: no wheel downloaded for {', '.join(missing)}")
+# Every unconditional requirement must be pinned here or already on the GPU machine.
+unmet = []
+for f in found.values():
+    with zipfile.ZipFile(f) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    for line in text.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = line.split(":", 1)[1].strip()
+        if "extra ==" in req or "pypy" in req or "Windows" in req:
+            continue
+        dep = norm(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0])
+        if dep not in wanted and dep not in present:
+            unmet.append(f"{f.name}: {req}")
+if unmet:
+    sys.exit("error: requirements neither pinned nor on the GPU machine:\n  " + "\n  ".join(unmet))
+EOF
+    ls -l "$WHL"/*.whl
+    du -ch "$WHL"/*.whl | tail -1
+}
+
+install() {
+    shopt -s nullglob
+    local wheels=("$WHL"/*.whl)
+    if [ ${#wheels[@]} -eq 0 ]; then
+        echo "error: no wheels in $WHL; run '$0 download' on a machine with network first" >&2
+        exit 1
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "${wheels[@]}"
+    echo "installed ${#wheels[@]} wheels into $SITE" >&2
+    echo "the project itself is not installed: it runs from the repo root on PYTHONPATH" >&2
+    echo "(use 'python3 -m tray', not the 'tray' script). Run this, or eval \"\$($0 env)\":" >&2
+    env_line
+}
+
+case "${1:-}" in
+    download) download ;;
+    install) install ;;
+    env) env_line ;;
+    *) usage ;;
+esac

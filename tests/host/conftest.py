@@ -1,0 +1,106 @@
+"""Real multi-process trays on the host backend: run `tray launch` as a subprocess and check that it
+leaves no process, socket, job dir or shared-memory segment behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFESTS = REPO / "manifests"
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+class Tray:
+    """Launches trays for one test; on teardown asserts nothing was left behind."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.jobs_root = tmp_path / "jobs"
+        self.jobs_root.mkdir(mode=0o700)
+        self.marker = f"traytest-{uuid.uuid4().hex[:12]}"
+        self.shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["TRAY_JOBS_ROOT"] = str(self.jobs_root)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def script(self, body: str) -> Path:
+        path = self.tmp / f"prog_{uuid.uuid4().hex[:8]}.py"
+        path.write_text("import os, sys, time\nimport numpy as np\nimport tray\n" + textwrap.dedent(body))
+        return path
+
+    def command(self, n: int, body: str, *launch_args: str) -> list[str]:
+        prog = self.script(body)
+        return [sys.executable, "-m", "tray", "launch", "-n", str(n), "--backend", "host", *launch_args,
+                "--", sys.executable, str(prog), self.marker]
+
+    def launch(self, n: int, body: str, *launch_args: str, timeout_s: float = 60.0) -> Run:
+        return self.run(self.command(n, body, *launch_args), timeout_s)
+
+    def run(self, cmd: list[str], timeout_s: float = 60.0) -> Run:
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=self.env(),
+                              cwd=str(self.tmp))
+        return Run(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+    def leftovers(self) -> list[str]:
+        left = [f"process {p.pid}: {' '.join(p.cmdline())}" for p in _marked(self.marker)]
+        left += [f"job dir {d}" for d in self.jobs_root.iterdir()]
+        if os.path.isdir("/dev/shm"):
+            left += [f"shm {s}" for s in set(os.listdir("/dev/shm")) - self.shm_before]
+        return left
+
+    def cleanup(self) -> None:
+        for p in _marked(self.marker):
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+
+
+@pytest.fixture
+def tray_env(tmp_path: Path):
+    t = Tray(tmp_path)
+    try:
+        yield t
+        deadline = time.monotonic() + 3.0
+        while t.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert t.leftovers() == [], "the tray left things behind"
+    finally:
+        t.cleanup()

@@ -1,0 +1,225 @@
+"""The fault matrix: each fault must end the tray with the right root cause, exit code and time bound,
+and leave nothing behind (the `tray_env` fixture checks processes, job dirs and shm)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import MANIFESTS
+
+# A healthy rank: joins, then waits in the barrier long enough to be torn down by the head.
+WAIT_IN_BARRIER = """
+    with tray.init() as rank:
+        if rank.rank == 2:
+            FAULT
+        rank.barrier(timeout_s=30)
+"""
+
+
+def fault(action: str) -> str:
+    return WAIT_IN_BARRIER.replace("FAULT", action)
+
+
+def test_rank_exits_1(tray_env):
+    run = tray_env.launch(4, fault("sys.exit(1)"))
+    assert run.returncode == 1, run.output
+    assert "FAILED: rank 2" in run.stderr and "exited with code 1" in run.stderr
+    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert first and "rank 2" in first[0]
+    assert run.seconds < 15
+
+
+def test_rank_raises_reports_its_error(tray_env):
+    run = tray_env.launch(4, fault("raise ValueError('bad input 42')"))
+    assert run.returncode == 1, run.output
+    assert "FAILED: rank 2 reported ValueError: bad input 42" in run.stderr
+    assert "Traceback" in run.stderr
+    assert run.seconds < 15
+
+
+def test_rank_sigkilled(tray_env):
+    run = tray_env.launch(4, fault("os.kill(os.getpid(), 9)"))
+    assert run.returncode == 1, run.output
+    assert "rank 2" in run.stderr and "was killed by SIGKILL" in run.stderr
+    assert run.seconds < 15
+
+
+def test_rank_segfaults(tray_env):
+    run = tray_env.launch(4, fault("import ctypes; ctypes.string_at(0)"))
+    assert run.returncode == 1, run.output
+    assert "rank 2" in run.stderr and "was killed by SIGSEGV" in run.stderr
+    assert run.seconds < 15
+
+
+def test_rank_hangs_before_offer(tray_env):
+    body = """
+    if os.environ["TRAY_RANK"] == "3":
+        time.sleep(600)
+    with tray.init() as rank:
+        rank.barrier(timeout_s=30)
+    """
+    run = tray_env.launch(4, body, "--timeout-s", "2")
+    assert run.returncode == 3, run.output
+    assert "rank 3 did not offer within 2 s (process alive" in run.stderr
+    assert "never contacted the head" in run.stderr
+    assert run.seconds < 15
+
+
+def test_rank_hangs_in_barrier_is_named_missing(tray_env):
+    run = tray_env.launch(4, """
+    with tray.init() as rank:
+        if rank.rank == 1:
+            time.sleep(600)
+        rank.barrier(timeout_s=1.0)
+    """)
+    assert run.returncode == 1, run.output
+    line = next(ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED"))
+    assert "BarrierTimeout" in line and "for rank 1" in line and "waited 1.0" in line
+    assert run.seconds < 15
+
+
+def test_rank_stopped_misses_heartbeats(tray_env):
+    run = tray_env.launch(3, """
+    import signal
+    with tray.init() as rank:
+        if rank.rank == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        rank.barrier(timeout_s=60)
+    """,
+        "--heartbeat-timeout-s", "2")
+    assert run.returncode == 1, run.output
+    assert "rank 0" in run.stderr and "sent no heartbeat" in run.stderr
+    assert run.seconds < 20
+
+
+def test_offers_with_different_manifests(tray_env):
+    other = MANIFESTS / "peer_fill.json"
+    run = tray_env.launch(4, f"""
+    path = {str(other)!r} if os.environ["TRAY_RANK"] == "1" else None
+    with tray.init(manifest=path) as rank:
+        rank.barrier()
+    """)
+    assert run.returncode == 3, run.output
+    assert "manifests differ: rank 1 offered manifest" in run.stderr
+    assert "ranks 0,2,3 offered manifest" in run.stderr
+    assert run.seconds < 15
+
+
+def test_two_ranks_claim_one_device(tray_env):
+    run = tray_env.launch(4, """
+    if os.environ["TRAY_RANK"] == "1":
+        os.environ["TRAY_DEVICE"] = "0"
+    with tray.init() as rank:
+        rank.barrier()
+    """)
+    assert run.returncode == 3, run.output
+    assert "ranks 0,1 claim one device" in run.stderr
+    assert run.seconds < 15
+
+
+def test_non_member_cannot_fetch_fds(tray_env):
+    run = tray_env.launch(2, """
+    import subprocess
+    with tray.init() as rank:
+        if rank.rank == 0:
+            probe = (
+                "import sys\\n"
+                "from tray.handshake.fdpass import fetch_fds\\n"
+                "from tray.errors import HandshakeError\\n"
+                "try:\\n"
+                "    fetch_fds(sys.argv[1], sys.argv[2], ['tray:barrier:world'], 'rank 1', 5.0)\\n"
+                "    print('PROBE GOT FDS')\\n"
+                "except HandshakeError as e:\\n"
+                "    print('PROBE REFUSED:', e)\\n"
+            )
+            path = os.path.join(os.environ["TRAY_JOB"], "rank-1.fds")
+            out = subprocess.run([sys.executable, "-c", probe, path, os.environ["TRAY_TOKEN"]],
+                                 capture_output=True, text=True, timeout=30)
+            print(out.stdout.strip(), out.stderr.strip())
+        rank.barrier(timeout_s=30)
+    """)
+    assert run.returncode == 0, run.output
+    assert "PROBE REFUSED: rank 1's fd socket refused: pid" in run.stdout
+    assert "is not a member of the tray table" in run.stdout
+    assert "PROBE GOT FDS" not in run.stdout
+
+
+def test_garbage_and_wrong_token_are_rejected_naming_the_sender(tray_env):
+    run = tray_env.launch(2, """
+    import zmq, msgpack
+    with tray.init() as rank:
+        if rank.rank == 0:
+            ctx = zmq.Context()
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, b"intruder")
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(os.environ["TRAY_RDZV"])
+            s.send(b"\\xc1garbage")
+            s.send(msgpack.packb({"kind": "bye", "v": 1, "token": "not-the-token", "rank": 0}))
+            print("reply:", msgpack.unpackb(s.recv())["kind"])
+            s.close(); ctx.term()
+        rank.barrier(timeout_s=30)
+    """)
+    assert run.returncode == 0, run.output
+    assert "rejected a message from intruder" in run.stderr
+    assert "token" in run.stderr
+    assert "reply: reject" in run.stdout
+
+
+def test_head_sigkilled_takes_its_ranks(tray_env):
+    cmd = tray_env.command(3, """
+    with tray.init() as rank:
+        print("up", flush=True)
+        time.sleep(600)
+    """)
+    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=tray_env.env(),
+                            cwd=str(tray_env.tmp))
+    try:
+        seen = 0
+        deadline = time.monotonic() + 30
+        while seen < 3 and time.monotonic() < deadline:
+            line = head.stdout.readline()
+            seen += line.strip().endswith("up")
+        assert seen == 3
+        ranks = psutil.Process(head.pid).children()
+        assert len(ranks) == 3
+        t0 = time.monotonic()
+        head.send_signal(signal.SIGKILL)
+        head.wait(timeout=10)
+        gone, alive = psutil.wait_procs(ranks, timeout=5)
+        assert not alive, alive
+        assert time.monotonic() - t0 < 5
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+    # a head killed by SIGKILL cannot remove its job dir; the next launch sweeps it
+    assert len(list(tray_env.jobs_root.iterdir())) == 1
+    run = tray_env.launch(1, "pass")
+    assert run.returncode == 0, run.output
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_small_trays(tray_env, n):
+    run = tray_env.launch(n, """
+    with tray.init() as rank:
+        rank.barrier()
+        assert rank.exchange("x", rank.rank) == list(range(rank.world_size))
+    """)
+    assert run.returncode == 0, run.output
+
+
+def test_head_exit_code_is_usage_error_for_bad_manifest(tray_env, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": 1, "name": "x", "buffers": [{"name": "b", "dtype": "f33", "shape": [1]}]}')
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", "2", "--backend", "host", "--manifest",
+                        str(bad), "--", sys.executable, "-c", "pass"])
+    assert run.returncode == 2
+    assert "bad.json: $.buffers[0].dtype" in run.stderr
+    assert os.path.isdir(tray_env.jobs_root)

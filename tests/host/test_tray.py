@@ -1,0 +1,108 @@
+"""A 4-rank tray end to end on the host backend: handshake, peer tables, barrier, collectives."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import MANIFESTS
+
+FILL = str(MANIFESTS / "peer_fill.json")
+
+
+def test_plain_command_runs_without_handshake(tray_env):
+    run = tray_env.launch(3, "print('hello from', os.environ['TRAY_RANK'], os.environ['WORLD_SIZE'])")
+    assert run.returncode == 0, run.output
+    for r in range(3):
+        assert f"[rank {r}] hello from {r} 3" in run.stdout
+
+
+def test_four_ranks_share_memory_barrier_and_exchange(tray_env):
+    body = """
+    from tray.backend.host.twins import peer_fill_words
+    with tray.init() as rank:
+        me, n = rank.rank, rank.world_size
+        words = rank.buffer("fill").shape[0] // n
+        peers = rank.peers("fill")
+        assert len(peers.ptrs) == n and peers.ptrs[me] == rank.buffer("fill").ptr
+        kernel = rank.backend.load_kernel("peer_fill", None, "tray_peer_fill", (), True)
+        kernel.launch((1, 1, 1), (32, 1, 1), [peers.table_ptr, n, me, words, 7])
+        rank.barrier()
+        got = rank.read("fill").reshape(n, words)
+        for writer in range(n):
+            assert (got[writer] == peer_fill_words(7, writer, me, words)).all(), writer
+        # pairs group: instance {0,1} and {2,3}
+        g = rank.group("pairs")
+        assert g.members == ((0, 1) if me < 2 else (2, 3)), g
+        rank.barrier("pairs")
+        values = rank.exchange("sum", me * 10)
+        assert values == [r * 10 for r in range(n)], values
+        print("checked", n * words * 4, "bytes")
+    """
+    run = tray_env.launch(4, body, "--manifest", FILL)
+    assert run.returncode == 0, run.output
+    for r in range(4):
+        assert f"[rank {r}] checked {4 * 4096 * 4} bytes" in run.stdout
+    assert "tray up in" in run.stderr  # the startup timeline
+    for phase in ("import", "manifest", "allocate", "table", "import_peers", "ready"):
+        assert phase in run.stderr
+
+
+def test_host_collectives_match_numpy(tray_env):
+    body = """
+    with tray.init() as rank:
+        me, n = rank.rank, rank.world_size
+        count = rank.buffer("send").shape[0] // n
+        rng = np.random.default_rng(1234)
+        inputs = rng.standard_normal((n, n * count)).astype(np.float32)   # same on every rank
+        c = rank.collectives("world")
+        send, recv = rank.buffer("send"), rank.buffer("recv")
+        rank.write("send", inputs[me])
+        c.allreduce(send.ptr, recv.ptr, n * count, "f32")
+        ref = inputs[0].copy()
+        for i in range(1, n):
+            ref += inputs[i]
+        assert np.array_equal(rank.read("recv"), ref)
+        c.allgather(send.ptr, recv.ptr, count, "f32")
+        assert np.array_equal(rank.read("recv"), np.concatenate([inputs[i][:count] for i in range(n)]))
+        c.reducescatter(send.ptr, recv.ptr, count, "f32")
+        assert np.array_equal(rank.read("recv")[:count], ref[me * count:(me + 1) * count])
+        c.alltoall(send.ptr, recv.ptr, count, "f32")
+        want = np.concatenate([inputs[i][me * count:(me + 1) * count] for i in range(n)])
+        assert np.array_equal(rank.read("recv"), want)
+        print("collectives ok")
+    """
+    run = tray_env.launch(4, body, "--manifest", FILL, "--var", "count=256")
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("collectives ok") == 4
+
+
+def test_gate_peer_barrier_and_drop(tray_env, tmp_path):
+    import sys
+
+    out = tmp_path / "gate.json"
+    run = tray_env.run([sys.executable, "-m", "tray", "gate", "peer-barrier", "-n", "4", "--backend", "host",
+                        "--iters", "50", "--json", str(out)], timeout_s=120)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    assert report["passed"] and len(report["per_rank"]) == 4
+    assert all(r["eager_us"] > 0 and r["captured_us"] > 0 for r in report["per_rank"])
+    assert report["environment"]["commit"]
+
+    out = tmp_path / "drop.json"
+    run = tray_env.run([sys.executable, "-m", "tray", "gate", "peer-barrier", "-n", "4", "--backend", "host",
+                        "--drop", "1", "--timeout-s", "1", "--json", str(out)], timeout_s=60)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    assert [c["named"] for c in report["drop_checks"]] == [[1], [1], [1]]
+    assert all(c["seconds"] <= 1.5 for c in report["drop_checks"])
+    assert run.seconds < 20
+
+
+def test_usage_error_outside_a_tray(tray_env):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import tray; tray.init()"], capture_output=True, text=True,
+                          timeout=30, env=tray_env.env())
+    assert proc.returncode != 0
+    assert "tray launch -n N" in proc.stderr

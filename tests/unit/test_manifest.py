@@ -1,0 +1,655 @@
+"""Unit tests of tray.manifest: loading, validation errors with JSON paths, resolve, digest, inspect."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tray.errors import ManifestError, UsageError
+from tray.manifest import (
+    DTYPE_ITEMSIZE,
+    BufferRef,
+    ResolvedArg,
+    builtin_manifest,
+    format_inspect,
+    human_bytes,
+    load_manifest,
+    parse_manifest,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def full_doc() -> dict[str, Any]:
+    """A manifest that uses every section and op type; valid at world sizes 4 and 8."""
+    return {
+        "format": 1,
+        "name": "ep_moe",
+        "description": "every feature once",
+        "vars": {"tokens": 128, "hidden": 7168, "experts": 8},
+        "groups": [{"name": "tp", "size": 2}, {"name": "pairs", "ranks": [[0, 1], [2, 3]]}],
+        "buffers": [
+            {"name": "x", "dtype": "bf16", "shape": ["tokens", "hidden"], "export": True},
+            {"name": "y", "dtype": "bf16", "shape": ["tokens * world_size", "hidden"], "group": "tp"},
+            {"name": "w", "dtype": "f32", "shape": ["experts // world_size", 64, 64]},
+            {"name": "flag", "dtype": "u64", "shape": [], "export": True, "bind": {"role": "counter"}},
+        ],
+        "states": [{"name": "kv", "page_nbytes": 65536, "pages": "16 * world_size"}],
+        "kernels": [
+            {"name": "dispatch", "source": "kernels/dispatch.cu", "options": ["-O3"], "peers": True},
+            {"name": "combine", "source": "kernels/combine.cu", "entry": "tray_combine"},
+        ],
+        "programs": [
+            {
+                "name": "step",
+                "graph": True,
+                "ops": [
+                    {
+                        "op": "launch",
+                        "kernel": "dispatch",
+                        "grid": "tokens",
+                        "block": [128, 2],
+                        "shmem": 1024,
+                        "args": ["x", "x@hidden*2", "peers:x", "tokens", "world_size", 3, 0.5],
+                    },
+                    {
+                        "op": "nccl",
+                        "collective": "allgather",
+                        "group": "tp",
+                        "send": "x",
+                        "recv": "y",
+                        "count": "tokens*hidden",
+                        "dtype": "bf16",
+                    },
+                    {"op": "gemm", "a": "x", "b": "x", "c": "w", "m": 8, "n": 8, "k": 8, "dtype": "bf16"},
+                    {"op": "barrier", "group": "pairs"},
+                    {"op": "copy", "src": "x@16", "dst": "y", "bytes": 1024},
+                    {
+                        "op": "nccl",
+                        "collective": "sendrecv",
+                        "group": "tp",
+                        "send": "x",
+                        "recv": "x",
+                        "count": 4,
+                        "dtype": "bf16",
+                        "peer": 1,
+                    },
+                ],
+            },
+            {"name": "sync", "ops": [{"op": "barrier", "group": "world"}]},
+        ],
+    }
+
+
+def scalable_doc() -> dict[str, Any]:
+    """A manifest valid at every world size: groups and shapes follow world_size."""
+    return {
+        "format": 1,
+        "name": "scalable",
+        "vars": {"tokens": 4, "hidden": 256},
+        "groups": [{"name": "node", "size": "world_size"}, {"name": "solo", "size": 1}],
+        "buffers": [
+            {"name": "x", "dtype": "bf16", "shape": ["tokens", "hidden"], "export": True},
+            {"name": "y", "dtype": "f32", "shape": ["tokens * world_size", "hidden"], "group": "node"},
+        ],
+        "states": [{"name": "kv", "page_nbytes": "hidden * 4", "pages": "8 * world_size"}],
+    }
+
+
+def make_kernels(root: Path) -> None:
+    (root / "kernels").mkdir(parents=True, exist_ok=True)
+    (root / "kernels" / "dispatch.cu").write_text('extern "C" __global__ void dispatch() {}\n')
+    (root / "kernels" / "combine.cu").write_text('extern "C" __global__ void tray_combine() {}\n')
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    make_kernels(tmp_path)
+    return tmp_path
+
+
+def write(root: Path, doc: Any, name: str = "m.json") -> str:
+    path = root / name
+    path.write_text(json.dumps(doc, indent=2))
+    return str(path)
+
+
+def load_error(root: Path, doc: Any) -> tuple[str, ManifestError]:
+    path = write(root, doc)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    return path, info.value
+
+
+def assert_error(path: str, exc: ManifestError, json_path: str, *fragments: str) -> None:
+    assert exc.path == path
+    assert exc.json_path == json_path, str(exc)
+    assert str(exc).startswith(f"{path}: {json_path}: "), str(exc)
+    for fragment in fragments:
+        assert fragment in str(exc), str(exc)
+
+
+# -- loading and resolving -----------------------------------------------------------------------
+
+
+def test_full_manifest_loads(root: Path) -> None:
+    m = load_manifest(write(root, full_doc()))
+    assert m.name == "ep_moe" and m.format == 1 and m.description == "every feature once"
+    assert m.vars == {"tokens": 128, "hidden": 7168, "experts": 8}
+    assert [g.name for g in m.groups] == ["world", "tp", "pairs"]
+    assert m.group("pairs").ranks == ((0, 1), (2, 3))
+    assert m.group("tp").size == 2
+    assert m.buffer("x").shape == ("tokens", "hidden") and m.buffer("x").export
+    assert m.buffer("y").group == "tp" and m.buffer("x").group == "world"
+    assert m.buffer("flag").shape == () and m.buffer("flag").bind == {"role": "counter"}
+    dispatch, combine = m.kernels
+    assert dispatch.entry == "dispatch" and dispatch.options == ("-O3",) and dispatch.peers
+    assert combine.entry == "tray_combine" and combine.options == () and not combine.peers
+    assert os.path.isabs(combine.source) and combine.source == str(root / "kernels" / "combine.cu")
+    step = m.program("step")
+    assert step.graph and len(step.ops) == 6 and not m.program("sync").graph
+    launch = step.ops[0]
+    assert launch.op == "launch" and launch.json_path == "$.programs[0].ops[0]"
+    assert launch.fields["grid"] == ("tokens", 1, 1) and launch.fields["block"] == (128, 2, 1)
+    assert step.ops[1].fields["peer"] is None
+    assert step.ops[2].fields["accumulate"] is False
+    assert len(m.digest) == 64 and int(m.digest, 16) >= 0
+    assert m.doc == full_doc()
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_full_manifest_resolves(root: Path, world_size: int) -> None:
+    r = load_manifest(write(root, full_doc())).resolve(world_size)
+    assert r.vars == {"tokens": 128, "hidden": 7168, "experts": 8, "world_size": world_size}
+    assert r.groups["world"] == (tuple(range(world_size)),)
+    assert r.groups["tp"] == tuple((i, i + 1) for i in range(0, world_size, 2))
+    assert r.groups["pairs"] == ((0, 1), (2, 3))
+    assert r.group_of("tp", 3) == (2, 3)
+    assert r.group_of("pairs", world_size - 1) == ((2, 3) if world_size == 4 else None)
+    assert r.buffer("y").shape == (128 * world_size, 7168)
+    assert r.buffer("y").nbytes == 128 * world_size * 7168 * 2
+    assert r.buffer("w").shape == (8 // world_size, 64, 64)
+    assert r.buffer("flag").shape == () and r.buffer("flag").nbytes == 8
+    assert r.states[0].pages == 16 * world_size and r.states[0].nbytes == 65536 * 16 * world_size
+    ops = r.program("step").ops
+    assert ops[0].fields["grid"] == (128, 1, 1)
+    assert ops[0].fields["args"] == (
+        ResolvedArg("buffer", name="x"),
+        ResolvedArg("buffer", name="x", offset=7168 * 2),
+        ResolvedArg("peers", name="x"),
+        ResolvedArg("int", name="tokens", value=128),
+        ResolvedArg("int", name="world_size", value=world_size),
+        ResolvedArg("int", value=3),
+        ResolvedArg("float", value=0.5),
+    )
+    assert ops[1].fields["count"] == 128 * 7168 and ops[1].fields["recv"] == BufferRef("y")
+    assert ops[4].fields["src"] == BufferRef("x", 16) and ops[4].fields["bytes"] == 1024
+    assert ops[5].fields["peer"] == 1
+    assert r.eval("hidden // 2", "$.x") == 3584
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_scalable_manifest_resolves(root: Path, world_size: int) -> None:
+    r = load_manifest(write(root, scalable_doc())).resolve(world_size)
+    assert r.world_size == world_size
+    assert r.groups["node"] == (tuple(range(world_size)),)
+    assert r.groups["solo"] == tuple((i,) for i in range(world_size))
+    assert r.group_of("solo", world_size - 1) == (world_size - 1,)
+    assert [b.shape for b in r.buffers] == [(4, 256), (4 * world_size, 256)]
+    assert [b.nbytes for b in r.buffers] == [4 * 256 * 2, 4 * world_size * 256 * 4]
+    assert (r.states[0].page_nbytes, r.states[0].pages) == (1024, 8 * world_size)
+
+
+def test_overrides(root: Path) -> None:
+    m = load_manifest(write(root, scalable_doc()))
+    r = m.resolve(2, {"tokens": 16})
+    assert r.vars["tokens"] == 16 and r.buffer("x").shape == (16, 256)
+    assert m.vars["tokens"] == 4  # the spec is unchanged
+    with pytest.raises(UsageError, match=r"unknown var 'tokns'.*known: tokens, hidden.*did you mean 'tokens'"):
+        m.resolve(2, {"tokns": 16})
+    with pytest.raises(UsageError, match="world_size"):
+        m.resolve(2, {"world_size": 4})
+    with pytest.raises(UsageError, match="must be an int"):
+        m.resolve(2, {"tokens": "16"})  # type: ignore[dict-item]
+    with pytest.raises(UsageError, match="world_size must be an int >= 1"):
+        m.resolve(0)
+    with pytest.raises(UsageError, match=r"unknown group 'nod'.*did you mean 'node'"):
+        m.resolve(2).group_of("nod", 0)
+    with pytest.raises(UsageError, match="unknown program"):
+        m.program("step")
+
+
+def test_resolve_errors(root: Path) -> None:
+    m = load_manifest(write(root, full_doc()))
+    with pytest.raises(ManifestError) as info:
+        m.resolve(1)
+    assert_error(m.path, info.value, "$.groups[0].size", "world_size 1 is not divisible", "size 2")
+    with pytest.raises(ManifestError) as info:
+        m.resolve(2)
+    assert_error(m.path, info.value, "$.groups[1].ranks[1][0]", "rank 2", "out of range for world_size 2")
+    with pytest.raises(ManifestError) as info:
+        m.resolve(16)  # experts // world_size == 0
+    assert_error(m.path, info.value, "$.buffers[2].shape[0]", "must be >= 1, got 0", "experts=8, world_size=16")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "world_size", "json_path", "fragments"),
+    [
+        (lambda d: d["buffers"][0].update(shape=["tokens", "hidden - 7168"]), 4, "$.buffers[0].shape[1]",
+         ["must be >= 1, got 0", "hidden=7168"]),
+        (lambda d: d["buffers"][0].update(shape=["tokens", "hidden // (world_size - 4)"]), 4,
+         "$.buffers[0].shape[1]", ["division by zero", "world_size=4"]),
+        (lambda d: d["states"][0].update(pages="world_size - 8"), 8, "$.states[0].pages", ["must be >= 1"]),
+        (lambda d: d["programs"][0]["ops"][4].update(bytes="tokens * hidden * 2"), 4, "$.programs[0].ops[4].src",
+         ["copy of 1835008 B needs 1835008 B from offset 16 of buffer 'x'"]),
+        (lambda d: d["programs"][0]["ops"][1].update(recv="x"), 4, "$.programs[0].ops[1].recv",
+         ["allgather", "needs 3670016 B", "buffer 'x', which holds 1835008 B"]),
+        (lambda d: d["programs"][0]["ops"][2].update(m=4096), 4, "$.programs[0].ops[2].c",
+         ["gemm c (4096 x 8 bf16)"]),
+        (lambda d: d["programs"][0]["ops"][5].update(peer="world_size"), 4, "$.programs[0].ops[5].peer",
+         ["peer 4 is outside group 'tp' of 2 ranks"]),
+        (lambda d: d["programs"][0]["ops"][0]["args"].__setitem__(1, "x@tokens*hidden*4"), 4,
+         "$.programs[0].ops[0].args[1]", ["past the end of buffer 'x'"]),
+        (lambda d: d["programs"][0]["ops"][0].update(grid=[1, "world_size - 4"]), 4, "$.programs[0].ops[0].grid",
+         ["must be >= 1, got 0"]),
+        (lambda d: d["buffers"][0].update(shape=["tokens * 99999999999", "99999999999"]), 4, "$.buffers[0].shape",
+         ["out of range"]),
+    ],
+)  # fmt: skip
+def test_resolve_error_paths(root: Path, mutate: Any, world_size: int, json_path: str, fragments: list[str]) -> None:
+    doc = full_doc()
+    mutate(doc)
+    m = load_manifest(write(root, doc))
+    with pytest.raises(ManifestError) as info:
+        m.resolve(world_size)
+    assert_error(m.path, info.value, json_path, *fragments)
+
+
+# -- load-time errors ----------------------------------------------------------------------------
+
+
+def _set(path: tuple[Any, ...], value: Any) -> Any:
+    def mutate(doc: Any) -> None:
+        for key in path[:-1]:
+            doc = doc[key]
+        doc[path[-1]] = value
+
+    return mutate
+
+
+def _del(*path: Any) -> Any:
+    def mutate(doc: Any) -> None:
+        for key in path[:-1]:
+            doc = doc[key]
+        del doc[path[-1]]
+
+    return mutate
+
+
+OPS = ("programs", 0, "ops")
+
+LOAD_ERRORS = [
+    (_set(("programz",), []), "$.programz", ["unknown key 'programz'", "allowed: format, name", "did you mean 'programs'"]),
+    (_set(("buffers", 0, "grop"), "tp"), "$.buffers[0].grop", ["allowed: name, dtype, shape", "did you mean 'group'"]),
+    (_del("name"), "$", ["missing key 'name'"]),
+    (_set(("format",), 2), "$.format", ["unsupported format 2"]),
+    (_set(("format",), True), "$.format", ["unsupported format true"]),
+    (_set(("name",), "bad name"), "$.name", ["invalid manifest name"]),
+    (_set(("vars",), []), "$.vars", ["expected an object"]),
+    (_set(("vars", "world_size"), 4), "$.vars.world_size", ["reserved"]),
+    (_set(("vars", "if"), 4), "$.vars.if", ["invalid var name"]),
+    (_set(("vars", "tokens"), "128"), "$.vars.tokens", ['expected an int, got "128"']),
+    (_set(("vars", "x"), 1), "$.buffers[0].name", ["buffer 'x' has the name of a var"]),
+    (_set(("groups", 0, "ranks"), "all"), "$.groups[0]", ["exactly one of 'ranks' or 'size'"]),
+    (_del("groups", 0, "size"), "$.groups[0]", ["exactly one of 'ranks' or 'size'"]),
+    (_set(("groups", 1, "ranks"), [[0, 1], [1, 2]]), "$.groups[1].ranks[1][0]",
+     ["rank 1 appears twice (also at $.groups[1].ranks[0][1])"]),
+    (_set(("groups", 1, "ranks"), [[0, -1]]), "$.groups[1].ranks[0][1]", ["must be >= 0, got -1"]),
+    (_set(("groups", 1, "ranks"), [[]]), "$.groups[1].ranks[0]", ["non-empty list"]),
+    (_set(("groups", 1, "ranks"), "some"), "$.groups[1].ranks", ['expected "all"']),
+    (_set(("groups", 1, "name"), "tp"), "$.groups[1].name", ["duplicate group name 'tp' (also at $.groups[0].name)"]),
+    (_set(("groups", 1), {"name": "world", "size": 2}), "$.groups[1]", ["the world group is always every rank"]),
+    (_set(("groups", 0, "size"), 0), "$.groups[0].size", ["must be >= 1, got 0"]),
+    (_set(("buffers", 1, "name"), "x"), "$.buffers[1].name", ["duplicate buffer or state name 'x'"]),
+    (_set(("states", 0, "name"), "x"), "$.states[0].name", ["duplicate buffer or state name 'x'"]),
+    (_set(("buffers", 0, "dtype"), "bf61"), "$.buffers[0].dtype", ["unknown dtype 'bf61'", "did you mean 'bf16'"]),
+    (_set(("buffers", 0, "shape", 1), "7168x"), "$.buffers[0].shape[1]", ["expected an int or an integer expression", "'7168x'"]),
+    (_set(("buffers", 0, "shape", 1), "hiden"), "$.buffers[0].shape[1]",
+     ["unknown name 'hiden'", "known: experts, hidden, tokens, world_size", "did you mean 'hidden'"]),
+    (_set(("buffers", 0, "shape", 1), "hidden ** 2"), "$.buffers[0].shape[1]", ["expected an int or an integer expression"]),
+    (_set(("buffers", 0, "shape", 1), "__import__('os')"), "$.buffers[0].shape[1]", ["expected an int"]),
+    (_set(("buffers", 0, "shape", 1), 1.5), "$.buffers[0].shape[1]", ["got 1.5"]),
+    (_set(("buffers", 0, "shape", 1), True), "$.buffers[0].shape[1]", ["got true"]),
+    (_set(("buffers", 0, "shape", 0), 0), "$.buffers[0].shape[0]", ["must be >= 1, got 0"]),
+    (_set(("buffers", 0, "shape"), "tokens"), "$.buffers[0].shape", ["expected a list"]),
+    (_set(("buffers", 0, "export"), 1), "$.buffers[0].export", ["expected true or false"]),
+    (_set(("buffers", 0, "group"), "tq"), "$.buffers[0].group", ["unknown group 'tq'", "known: world, tp, pairs"]),
+    (_set(("buffers", 0, "bind"), [1]), "$.buffers[0].bind", ["expected an object"]),
+    (_set(("states", 0, "page_nbytes"), -1), "$.states[0].page_nbytes", ["must be >= 1"]),
+    (_del("states", 0, "pages"), "$.states[0]", ["missing key 'pages'"]),
+    (_set(("kernels", 1, "name"), "dispatch"), "$.kernels[1].name", ["duplicate kernel name"]),
+    (_set(("kernels", 0, "options"), "-O3"), "$.kernels[0].options", ["expected a list"]),
+    (_set(("kernels", 0, "options"), [3]), "$.kernels[0].options[0]", ["expected a string"]),
+    (_set(("kernels", 0, "entry"), "tray-dispatch"), "$.kernels[0].entry", ["not a C identifier"]),
+    (_set(("kernels", 0, "name"), "d.x"), "$.kernels[0]", ["not a C identifier"]),
+    (_set(("programs", 1, "name"), "step"), "$.programs[1].name", ["duplicate program name"]),
+    (_set(("programs", 0, "graph"), "yes"), "$.programs[0].graph", ["expected true or false"]),
+    (_set((*OPS, 0, "kernel"), "dispach"), "$.programs[0].ops[0].kernel",
+     ["unknown kernel 'dispach'; known: dispatch, combine; did you mean 'dispatch'?"]),
+    (_set((*OPS, 0, "op"), "lanch"), "$.programs[0].ops[0].op", ["unknown op 'lanch'", "did you mean 'launch'"]),
+    (_del(*OPS, 0, "op"), "$.programs[0].ops[0]", ["missing key 'op'; one of: launch, nccl"]),
+    (_set((*OPS, 0, "peers"), True), "$.programs[0].ops[0].peers", ["unknown key 'peers' in launch op"]),
+    (_del(*OPS, 0, "grid"), "$.programs[0].ops[0]", ["missing key 'grid' in launch op"]),
+    (_set((*OPS, 0, "block"), [1, 2, 3, 4]), "$.programs[0].ops[0].block", ["1 to 3 dimensions"]),
+    (_set((*OPS, 0, "shmem"), -4), "$.programs[0].ops[0].shmem", ["must be >= 0"]),
+    (_set((*OPS, 0, "args", 2), "peers:y"), "$.programs[0].ops[0].args[2]", ["needs buffer 'y' to be exported"]),
+    (_set((*OPS, 0, "args", 2), "peers:z"), "$.programs[0].ops[0].args[2]", ["unknown buffer 'z'"]),
+    (_set((*OPS, 0, "args", 3), "tokenz"), "$.programs[0].ops[0].args[3]",
+     ["'tokenz' names no buffer", "peers:x", "did you mean 'tokens'"]),
+    (_set((*OPS, 0, "args", 1), "z@4"), "$.programs[0].ops[0].args[1]", ["names no buffer"]),
+    (_set((*OPS, 0, "args", 1), "x@-4"), "$.programs[0].ops[0].args[1]", ["must be >= 0"]),
+    (_set((*OPS, 0, "args", 1), "x@oops"), "$.programs[0].ops[0].args[1]", ["unknown name 'oops'"]),
+    (_set((*OPS, 0, "args", 1), True), "$.programs[0].ops[0].args[1]", ["got true"]),
+    (_set((*OPS, 0, "args", 1), None), "$.programs[0].ops[0].args[1]", ["got null"]),
+    (_set((*OPS, 1, "collective"), "allgahter"), "$.programs[0].ops[1].collective", ["did you mean 'allgather'"]),
+    (_set((*OPS, 1, "group"), "pear"), "$.programs[0].ops[1].group", ["unknown group 'pear'", "did you mean 'pairs'"]),
+    (_set((*OPS, 1, "send"), "q"), "$.programs[0].ops[1].send", ["unknown buffer 'q'"]),
+    (_set((*OPS, 1, "dtype"), "float"), "$.programs[0].ops[1].dtype", ["unknown dtype"]),
+    (_set((*OPS, 1, "peer"), 1), "$.programs[0].ops[1]", ["'peer' is required for collective sendrecv"]),
+    (_del(*OPS, 5, "peer"), "$.programs[0].ops[5]", ["'peer' is required for collective sendrecv"]),
+    (_set((*OPS, 1, "op_name"), "allgather"), "$.programs[0].ops[1].op_name", ["unknown key 'op_name'"]),
+    (_set((*OPS, 2, "accumulate"), 1), "$.programs[0].ops[2].accumulate", ["expected true or false"]),
+    (_set((*OPS, 2, "k"), 0), "$.programs[0].ops[2].k", ["must be >= 1"]),
+    (_set((*OPS, 3, "group"), "tpp"), "$.programs[0].ops[3].group", ["did you mean 'tp'"]),
+    (_set((*OPS, 4, "src"), "w@"), "$.programs[0].ops[4].src", ["expected an int or an integer expression"]),
+    (_set((*OPS, 4, "dst"), 7), "$.programs[0].ops[4].dst", ["expected a string"]),
+    (_set((*OPS, 4), "copy"), "$.programs[0].ops[4]", ['expected an object (op), got "copy"']),
+    (_set(("buffers", 0, "bind"), {"a": float("inf")}), "$.buffers[0].bind.a", ["finite number"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mutate", "json_path", "fragments"), LOAD_ERRORS)
+def test_load_errors_name_file_and_json_path(
+    root: Path, mutate: Any, json_path: str, fragments: list[str]
+) -> None:
+    doc = full_doc()
+    mutate(doc)
+    path, exc = load_error(root, doc)
+    assert_error(path, exc, json_path, *fragments)
+
+
+def test_missing_kernel_source_names_the_path(root: Path) -> None:
+    doc = full_doc()
+    doc["kernels"][1]["source"] = "kernels/combin.cu"
+    path, exc = load_error(root, doc)
+    assert_error(path, exc, "$.kernels[1].source", str(root / "kernels" / "combin.cu"), "cannot read")
+    doc["kernels"][1]["source"] = "kernels"  # a directory
+    path, exc = load_error(root, doc)
+    assert_error(path, exc, "$.kernels[1].source", "cannot read kernel source")
+
+
+def test_json_syntax_error_position(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "format": 1,\n  "name": "x",\n  "vars": {"a": 1,}\n}\n')
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    assert_error(str(path), info.value, "line 4 column 19", "Expecting property name")
+
+
+def test_duplicate_json_key(tmp_path: Path) -> None:
+    path = tmp_path / "dup.json"
+    path.write_text('{"format": 1, "name": "x", "vars": {"a": 1, "a": 2}}')
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    assert_error(str(path), info.value, "$.vars.a", "duplicate key 'a'")
+
+
+def test_unreadable_and_non_object_files(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ManifestError) as info:
+        load_manifest(missing)
+    assert_error(str(missing), info.value, "$", "cannot read the manifest")
+    for text, fragment in (("[1, 2]", "expected an object (manifest)"), ("\xff", "not UTF-8")):
+        path = tmp_path / "odd.json"
+        path.write_bytes(text.encode("latin-1"))
+        with pytest.raises(ManifestError, match=re.escape(fragment)):
+            load_manifest(path)
+
+
+def test_parse_manifest_in_memory(root: Path) -> None:
+    doc = full_doc()
+    doc["buffers"][0]["shape"] = ("tokens", "hidden")  # tuples read as lists
+    m = parse_manifest(doc, "<memory>", str(root))
+    assert m.path == "<memory>"
+    assert m.digest == load_manifest(write(root, full_doc())).digest
+    doc["vars"]["tokens"] = 1  # the manifest holds its own copy
+    assert m.vars["tokens"] == 128 and m.doc["vars"]["tokens"] == 128
+    with pytest.raises(ManifestError) as info:
+        parse_manifest({"format": 1, "name": "x", "vars": {1: 2}}, "<memory>", str(root))  # type: ignore[dict-item]
+    assert_error("<memory>", info.value, "$.vars[1]", "object keys must be strings")
+
+
+# -- digest --------------------------------------------------------------------------------------
+
+
+def test_digest_ignores_key_order_and_whitespace(root: Path) -> None:
+    doc = full_doc()
+    a = load_manifest(write(root, doc, "a.json"))
+    reordered = json.loads(json.dumps(doc), object_pairs_hook=lambda pairs: dict(reversed(pairs)))
+    b_path = root / "b.json"
+    b_path.write_text(json.dumps(reordered, separators=(",", ":")))
+    b = load_manifest(b_path)
+    assert list(b.doc) != list(a.doc)
+    assert a.digest == b.digest
+    changed = copy.deepcopy(doc)
+    changed["vars"]["tokens"] = 129
+    assert load_manifest(write(root, changed, "c.json")).digest != a.digest
+
+
+def test_digest_covers_kernel_sources(root: Path) -> None:
+    path = write(root, full_doc())
+    before = load_manifest(path).digest
+    source = root / "kernels" / "combine.cu"
+    data = bytearray(source.read_bytes())
+    data[0] ^= 1
+    source.write_bytes(bytes(data))
+    assert load_manifest(path).digest != before
+    data[0] ^= 1
+    source.write_bytes(bytes(data))
+    assert load_manifest(path).digest == before
+
+
+def test_digest_golden() -> None:
+    # NOTE: the digest is a wire contract between ranks (and tray versions): this pins its definition.
+    import hashlib
+
+    m = builtin_manifest()
+    canonical = json.dumps(m.doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    assert m.digest == hashlib.sha256(canonical).hexdigest()
+    m2 = parse_manifest({"format": 1, "name": "k", "kernels": [{"name": "b", "source": "b.cu"},
+                                                                 {"name": "a", "source": "a.cu"}]},
+                        "<memory>", str(_kernel_pair_dir()))  # fmt: skip
+    h = hashlib.sha256(json.dumps(m2.doc, sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"\0kernel\0a\0A")
+    h.update(b"\0kernel\0b\0B")
+    assert m2.digest == h.hexdigest()
+
+
+def _kernel_pair_dir() -> Path:
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="tray-manifest-"))
+    (d / "a.cu").write_bytes(b"A")
+    (d / "b.cu").write_bytes(b"B")
+    return d
+
+
+# -- builtin, repo manifest, inspect ---------------------------------------------------------------
+
+
+def test_builtin_manifest() -> None:
+    m = builtin_manifest()
+    assert m.name == "minimal" and m.path == "<builtin>"
+    assert m.description == "the world group and its barrier flags"
+    assert [(g.name, g.ranks) for g in m.groups] == [("world", "all")]
+    assert m.buffers == () and m.kernels == () and m.programs == ()
+    assert builtin_manifest().digest == m.digest
+    assert m.resolve(3).groups == {"world": ((0, 1, 2),)}
+
+
+def test_peer_barrier_manifest_loads() -> None:
+    m = load_manifest(REPO / "manifests" / "peer_barrier.json")
+    assert m.name == "peer_barrier" and m.vars == {"iters": 1000}
+    (kernel,) = m.kernels
+    assert (kernel.name, kernel.entry, kernel.peers) == ("peer_barrier", "tray_peer_barrier", True)
+    assert kernel.source == str(REPO / "manifests" / "kernels" / "peer_barrier.cu")
+    (op,) = m.program("barrier").ops
+    assert op.op == "barrier" and op.fields == {"group": "world"}
+    for n in (1, 2, 4, 8):
+        assert m.resolve(n).groups == {"world": (tuple(range(n)),)}
+
+
+def test_format_inspect(root: Path) -> None:
+    m = load_manifest(write(root, full_doc()))
+    text = format_inspect(m, 4, {"tokens": 256})
+    assert m.digest in text
+    assert "tokens=256" in text and "world_size=4" in text
+    assert "x            bf16[256, 7168]  3.5 MiB  export group=world" in text
+    assert "y            bf16[1024, 7168]  14 MiB  local" in text
+    assert "flag         u64[]  8 B  export group=world  bind" in text
+    assert "kv           64 pages x 64 KiB = 4 MiB" in text
+    assert "tp           2 instances of 2: [0,1] [2,3]" in text
+    assert "barrier flags: u64[G] per group instance, implicit" in text
+    assert "world: u64[4]" in text and "tp: u64[2] u64[2]" in text
+    assert "entry tray_combine" in text and str(root / "kernels" / "combine.cu") in text
+    assert "step         6 ops, graph=true" in text
+    assert "launch dispatch grid=(256,1,1) block=(128,2,1) shmem=1024 args=[x, x@14336, peers:x" in text
+    assert "nccl allgather group=tp send=x recv=y count=1835008 bf16" in text
+    assert "gemm w = x @ x  m=8 n=8 k=8 bf16" in text
+    assert "copy x@16 -> y  1 KiB" in text
+    assert "nccl sendrecv" in text and "peer=1" in text
+    assert "barrier pairs" in text
+
+
+def test_human_bytes() -> None:
+    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 1 << 20, 3 << 30, (1 << 30) + 1)] == [
+        "0 B", "1023 B", "1 KiB", "1.5 KiB", "1 MiB", "3 GiB", "1 GiB",
+    ]  # fmt: skip
+
+
+def test_dtype_table_matches_backend() -> None:
+    base = pytest.importorskip("tray.backend.base")
+    assert DTYPE_ITEMSIZE == base.DTYPE_ITEMSIZE
+
+
+def test_package_imports_no_numpy_or_zmq() -> None:
+    code = (
+        "import sys, tray.manifest\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'zmq', 'msgpack'))\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# -- garbage in, ManifestError out ---------------------------------------------------------------
+
+KNOWN_KEYS = sorted(
+    {
+        "format", "name", "description", "vars", "groups", "buffers", "states", "kernels", "programs",
+        "ranks", "size", "dtype", "shape", "export", "group", "bind", "page_nbytes", "pages", "source",
+        "entry", "options", "peers", "graph", "ops", "op", "kernel", "grid", "block", "shmem", "args",
+        "collective", "send", "recv", "count", "peer", "a", "b", "c", "m", "n", "k", "accumulate", "src",
+        "dst", "bytes",
+    }
+)  # fmt: skip
+WORDS = [
+    "world", "tp", "all", "x", "y", "x@4", "x@-1", "peers:x", "peers:y", "tokens", "hidden", "world_size",
+    "tokens*hidden", "1//0", "bf16", "u64", "launch", "nccl", "gemm", "barrier", "copy", "allgather",
+    "sendrecv", "dispatch", "kernels/dispatch.cu", "../", "", "\x00", "\ud800", "(", "9" * 30,
+]  # fmt: skip
+
+leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.integers(-3, 9)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=6)
+    | st.sampled_from(WORDS)
+)
+keys = st.sampled_from(KNOWN_KEYS) | st.text(max_size=5)
+values = st.recursive(
+    leaves,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=5),
+    max_leaves=24,
+)
+
+
+@pytest.fixture(scope="module")
+def garbage_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("garbage")
+    make_kernels(d)
+    return d
+
+
+def _only_manifest_errors(doc: Any, base_dir: Path) -> None:
+    try:
+        m = parse_manifest(doc, "<fuzz>", str(base_dir))
+    except ManifestError as exc:
+        assert exc.path == "<fuzz>" and exc.json_path
+        return
+    for world_size in (1, 2, 4):
+        try:
+            format_inspect(m, world_size)
+        except ManifestError:
+            pass
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(keys, values, max_size=8), st.booleans())
+def test_random_documents_raise_only_manifest_error(garbage_root: Path, doc: dict[Any, Any], header: bool) -> None:
+    if header:
+        doc = {**doc, "format": 1, "name": "fuzz"}
+    _only_manifest_errors(doc, garbage_root)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out += _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            out += _paths(item, (*prefix, i))
+    return out
+
+
+FULL_PATHS = _paths(full_doc())
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(FULL_PATHS), values | st.just(...)), min_size=1, max_size=3))
+def test_mutated_documents_raise_only_manifest_error(garbage_root: Path, edits: list[tuple[Any, Any]]) -> None:
+    doc = full_doc()
+    for path, value in edits:
+        target = doc
+        try:
+            for key in path[:-1]:
+                target = target[key]
+            if value is ...:
+                del target[path[-1]]
+            else:
+                target[path[-1]] = value
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier edit removed or replaced this path
+    _only_manifest_errors(doc, garbage_root)

@@ -1,0 +1,47 @@
+"""tray: one SPMD program across the GPUs of one host.
+
+Public API: `init()` (inside a rank started by `tray launch`), `Rank`, and the error classes.
+Nothing heavy happens at import time.
+"""
+
+from __future__ import annotations
+
+from tray.errors import (
+    BarrierTimeout,
+    DeviceError,
+    HandshakeError,
+    ManifestError,
+    NoRoom,
+    PeerFailure,
+    TrayError,
+    UsageError,
+)
+
+__all__ = [
+    "init",
+    "Rank",
+    "BarrierTimeout",
+    "DeviceError",
+    "HandshakeError",
+    "ManifestError",
+    "NoRoom",
+    "PeerFailure",
+    "TrayError",
+    "UsageError",
+]
+__version__ = "0.1.0"
+
+
+def init(**kwargs):  # noqa: ANN201 - re-exported
+    """Join the tray this process was launched into; see `tray.rank.init`."""
+    from tray.rank import init as _init
+
+    return _init(**kwargs)
+
+
+def __getattr__(name: str):  # lazy: keeps `import tray` free of numpy/zmq
+    if name == "Rank":
+        from tray.rank import Rank
+
+        return Rank
+    raise AttributeError(name)

@@ -1,0 +1,3 @@
+from tray.cli import main
+
+raise SystemExit(main())

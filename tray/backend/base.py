@@ -1,0 +1,292 @@
+"""The backend interface: what a rank needs from a device, implemented by `host` and `cuda`.
+
+Production code above this layer (rank lifecycle, gate, executor) never branches on the backend.
+Every resource returned here has `close()`; the backend closes what it still owns in its own `close()`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+# NOTE: the barrier's default wait; the gate and DESIGN section 6 use 2 s.
+DEFAULT_BARRIER_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Identity of the device a rank drives. `numa_node` is -1 when the platform gives none."""
+
+    ordinal: int
+    uuid: str
+    pci_bus: str
+    numa_node: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class ExportedHandle:
+    """How a buffer is shared. `fd` stays owned by the exporting buffer (the receiver dups or closes
+    its own received copy); `fabric` is the 64-byte handle when `kind == "fabric"`."""
+
+    kind: str  # "posix" | "memfd" | "fabric"
+    nbytes: int
+    fd: int | None = None
+    fabric: bytes | None = None
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One group instance as this rank sees it: `members` are global ranks in member order."""
+
+    name: str
+    members: tuple[int, ...]
+    index: int  # this rank's position in `members`
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class GroupJoin:
+    """What joining one group needs: its NCCL id (from member 0's offer; None on host), the
+    group's barrier, and the scratch buffer with every member's scratch mapped (host only)."""
+
+    group: GroupInfo
+    nccl_id: bytes | None
+    barrier: "Barrier"
+    scratch: "DeviceBuffer | None" = None
+    peer_scratch: "PtrTable | None" = None
+
+
+class DeviceBuffer(abc.ABC):
+    """A buffer owned by this rank. `ptr` is its address in this process (device VA on cuda)."""
+
+    name: str
+    nbytes: int
+    ptr: int
+
+    @abc.abstractmethod
+    def handle(self) -> ExportedHandle:
+        """The shareable handle; raises UsageError if the buffer was not allocated exportable."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class PeerMapping(abc.ABC):
+    """A peer's buffer mapped into this process. `ptr` is usable by this rank's device."""
+
+    ptr: int
+    nbytes: int
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class PtrTable(abc.ABC):
+    """A `u64[G]` array of peer addresses in member order, living where kernels can read it."""
+
+    ptr: int
+    ptrs: tuple[int, ...]
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Barrier(abc.ABC):
+    """The peer barrier of one group (DESIGN section 6). Epochs come from a counter the barrier
+    keeps itself, so a captured sequence replays with fresh epochs."""
+
+    group: GroupInfo
+
+    @abc.abstractmethod
+    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        """Enqueue one barrier on the rank's stream (host: run it now). May return before it ends."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """After a synchronisation: raise BarrierTimeout if any launched barrier timed out."""
+
+    def wait(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        """One barrier, synchronised and checked."""
+        self.launch(timeout_s)
+        self.synchronize()
+        self.check()
+
+    @abc.abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Timer(abc.ABC):
+    """Times work on the rank's stream: device events on cuda, a host clock on host."""
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def elapsed_s(self) -> float:
+        """Seconds between start and stop; synchronises as needed."""
+
+
+class Graph(abc.ABC):
+    """A captured sequence of stream work, replayed as one unit."""
+
+    @abc.abstractmethod
+    def replay(self) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Collectives(abc.ABC):
+    """Collectives of one group on raw addresses (NCCL on cuda; shared memory on host).
+
+    `count` is in elements of `dtype` (a numpy dtype name or "bf16"); for allgather and alltoall
+    `count` is the per-member chunk. All calls are enqueued on the rank's stream.
+    """
+
+    group: GroupInfo
+
+    @abc.abstractmethod
+    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
+
+    @abc.abstractmethod
+    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
+
+    @abc.abstractmethod
+    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
+
+    @abc.abstractmethod
+    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class BoundLaunch(abc.ABC):
+    """A kernel with its arguments packed once, for hot loops and captures."""
+
+    @abc.abstractmethod
+    def launch(self) -> None: ...
+
+
+class Kernel(abc.ABC):
+    """A loaded kernel. Python ints and floats are packed by the parameter's size on the device
+    (cuda: `cuFuncGetParamInfo`): int -> 4 or 8 bytes, float -> f32 or f64."""
+
+    name: str
+
+    @abc.abstractmethod
+    def bind(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[Any],
+        shmem_nbytes: int = 0,
+    ) -> BoundLaunch: ...
+
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[Any],
+        shmem_nbytes: int = 0,
+    ) -> None:
+        self.bind(grid, block, args, shmem_nbytes).launch()
+
+
+class Backend(abc.ABC):
+    """One rank's device. Construct with `open(ordinal)`; `close()` releases everything it made."""
+
+    name: str
+    info: DeviceInfo
+
+    # --- memory -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def allocate(self, name: str, nbytes: int, export: bool) -> DeviceBuffer:
+        """A zeroed buffer of at least `nbytes` (rounded up to the allocation granularity)."""
+
+    @abc.abstractmethod
+    def import_peer(self, handle: ExportedHandle) -> PeerMapping:
+        """Map a peer's buffer; `handle.fd` (if any) is a received fd this call closes."""
+
+    @abc.abstractmethod
+    def ptr_table(self, ptrs: Sequence[int]) -> PtrTable: ...
+
+    @abc.abstractmethod
+    def write(self, ptr: int, data: np.ndarray) -> None:
+        """Copy host bytes to `ptr` (synchronous)."""
+
+    @abc.abstractmethod
+    def read(self, ptr: int, nbytes: int) -> np.ndarray:
+        """Copy `nbytes` from `ptr` into a new host u8 array (synchronous)."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None: ...
+
+    # --- barrier, timing, graphs ----------------------------------------------------------------
+    @abc.abstractmethod
+    def barrier(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable) -> Barrier:
+        """The peer barrier over `flags` (own, `u64[G]`) and every member's flags (`peer_flags`)."""
+
+    @abc.abstractmethod
+    def timer(self) -> Timer: ...
+
+    @abc.abstractmethod
+    def capture(self, body: Callable[[], None]) -> Graph:
+        """Record the stream work `body` enqueues; replay it later as one graph."""
+
+    # --- kernels and collectives ----------------------------------------------------------------
+    @abc.abstractmethod
+    def load_kernel(self, name: str, source_path: str | None, entry: str, options: Sequence[str],
+                    peers: bool) -> Kernel: ...
+
+    def nccl_unique_id(self) -> bytes | None:
+        """A fresh NCCL unique id (128 bytes) for a group this rank leads; None if not used."""
+        return None
+
+    def scratch_nbytes(self, group_size: int, largest_nbytes: int) -> int:
+        """Bytes of exported per-group scratch the collectives need (host stages through it)."""
+        return 0
+
+    @abc.abstractmethod
+    def join_groups(self, joins: Sequence[GroupJoin]) -> dict[str, Collectives]:
+        """Join every group at once (one NCCL group call on cuda); keyed by group name."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a manifest dtype name."""
+    return DTYPE_ITEMSIZE[dtype]
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a manifest dtype name (bf16 through ml_dtypes)."""
+    if dtype == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(NUMPY_NAMES[dtype])
+
+
+NUMPY_NAMES = {
+    "u8": "uint8", "i8": "int8", "u16": "uint16", "i16": "int16", "u32": "uint32", "i32": "int32",
+    "u64": "uint64", "i64": "int64", "f16": "float16", "f32": "float32", "f64": "float64",
+}
+DTYPE_ITEMSIZE = {
+    "u8": 1, "i8": 1, "u16": 2, "i16": 2, "u32": 4, "i32": 4, "u64": 8, "i64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8,
+}

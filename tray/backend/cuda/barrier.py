@@ -1,0 +1,116 @@
+"""The peer barrier of the cuda backend (DESIGN section 6): host side of `tray_peer_barrier`.
+
+The kernel (manifests/kernels/peer_barrier.cu) keeps its epoch in a device counter and reports a
+timeout in an error word `u64[2]` = (epoch, bitmask of missing members); this class owns both, launches
+the kernel with arguments packed once per distinct timeout, and turns the error word into a
+BarrierTimeout after a synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import tray
+from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Barrier, DeviceBuffer, GroupInfo, PtrTable
+from tray.backend.cuda import driver as drv
+from tray.backend.cuda.kernels import CudaKernel, CudaLaunch
+from tray.errors import BarrierTimeout, UsageError
+
+BARRIER_SOURCE = "peer_barrier.cu"
+BARRIER_ENTRY = "tray_peer_barrier"
+MAX_GROUP_SIZE = 32  # NOTE: one warp; the missing-member mask is one u64 but the block is 32 threads
+_THREADS = 32
+_STATE_NBYTES = 32  # counter at +0, err[0] (epoch) at +16, err[1] (missing mask) at +24
+
+
+def kernel_dir() -> Path:
+    """`$TRAY_KERNEL_DIR`, else `<repo>/manifests/kernels` next to the `tray` package."""
+    override = os.environ.get("TRAY_KERNEL_DIR")
+    if override:
+        return Path(override)
+    return Path(tray.__file__).resolve().parent.parent / "manifests" / "kernels"
+
+
+class CudaBarrier(Barrier):
+    """One group's barrier. `flags` is this member's `u64[G]` (exported, zeroed); `peer_flags` holds
+    every member's flags as mapped here, in member order (own slot = own address)."""
+
+    def __init__(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable, kernel: CudaKernel,
+                 stream: Any) -> None:
+        if not 1 <= group.size <= MAX_GROUP_SIZE:
+            raise UsageError(f"barrier {group.name}: groups of 1 to {MAX_GROUP_SIZE} members are "
+                             f"supported, got {group.size}")
+        if flags.nbytes < 8 * group.size:
+            raise UsageError(f"barrier {group.name}: flags need {8 * group.size} B (u64[{group.size}]), "
+                             f"got {flags.nbytes} B")
+        if len(peer_flags.ptrs) != group.size:
+            raise UsageError(f"barrier {group.name}: peer_flags has {len(peer_flags.ptrs)} entries for "
+                             f"{group.size} members")
+        self.group = group
+        self._flags = flags
+        self._peer_flags = peer_flags
+        self._kernel = kernel
+        self._stream = stream
+        self._launches: dict[float, CudaLaunch] = {}
+        self._last_timeout_s = DEFAULT_BARRIER_TIMEOUT_S
+        self._state = drv.mem_alloc(_STATE_NBYTES)
+        try:
+            drv.memset_d8_async(self._state, 0, _STATE_NBYTES, stream)
+            drv.stream_synchronize(stream)
+        except BaseException:
+            drv.mem_free(self._state)
+            raise
+        self.counter_ptr = self._state
+        self.err_ptr = self._state + 16
+
+    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        """Enqueue one barrier; returns before it ends. Safe inside a capture (no sync, no alloc)."""
+        bound = self._launches.get(timeout_s)
+        if bound is None:
+            if self._state is None:
+                raise UsageError(f"barrier {self.group.name} is closed")
+            if not timeout_s > 0:
+                raise UsageError(f"barrier {self.group.name}: timeout_s must be > 0, got {timeout_s}")
+            args = [self._flags.ptr, self._peer_flags.ptr, self.counter_ptr, self.err_ptr,
+                    self.group.size, self.group.index, int(timeout_s * 1e9)]
+            bound = self._kernel.bind((1, 1, 1), (_THREADS, 1, 1), args)
+            self._launches[timeout_s] = bound
+        self._last_timeout_s = timeout_s
+        bound.launch()
+
+    def check(self) -> None:
+        """Raise BarrierTimeout if any barrier launched so far timed out (call after a sync)."""
+        err = self._read_err()
+        missing_mask = int(err[1])
+        if missing_mask:
+            missing = [m for i, m in enumerate(self.group.members) if missing_mask >> i & 1]
+            raise BarrierTimeout(self.group.name, int(err[0]), self.group.members[self.group.index],
+                                 missing, self._last_timeout_s)
+
+    def epoch(self) -> int:
+        """Barriers this member has entered so far (the device counter; synchronises)."""
+        out = np.zeros(1, dtype=np.uint64)
+        drv.memcpy_dtoh_async(out.ctypes.data, self.counter_ptr, 8, self._stream)
+        drv.stream_synchronize(self._stream)
+        return int(out[0])
+
+    def _read_err(self) -> np.ndarray:
+        if self._state is None:
+            raise UsageError(f"barrier {self.group.name} is closed")
+        out = np.zeros(2, dtype=np.uint64)
+        drv.memcpy_dtoh_async(out.ctypes.data, self.err_ptr, 16, self._stream)
+        drv.stream_synchronize(self._stream)
+        return out
+
+    def synchronize(self) -> None:
+        drv.stream_synchronize(self._stream)
+
+    def close(self) -> None:
+        state, self._state = self._state, None
+        self._launches.clear()
+        if state is not None:
+            drv.mem_free(state)

@@ -1,0 +1,254 @@
+"""The host backend: memfd buffers shared by fd, numpy kernels, shared-memory collectives.
+
+A real implementation, not a mock: real processes map each other's memfds, and the barrier runs
+the same epoch protocol as the GPU kernel, polled from Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from tray.backend.base import (
+    Backend,
+    BoundLaunch,
+    DeviceBuffer,
+    DeviceInfo,
+    ExportedHandle,
+    GroupInfo,
+    GroupJoin,
+    Graph,
+    Kernel,
+    PeerMapping,
+    PtrTable,
+    Timer,
+)
+from tray.backend.host.barrier import HostBarrier
+from tray.errors import DeviceError, UsageError
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+PAGE_NBYTES = mmap.PAGESIZE
+
+
+def _round_up(nbytes: int, granule: int) -> int:
+    return max(granule, (nbytes + granule - 1) // granule * granule)
+
+
+def map_fd(fd: int, nbytes: int, what: str) -> int:
+    """mmap a shared fd read-write; returns the address. Raises DeviceError naming `what`."""
+    addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise DeviceError(f"mmap({what}, {nbytes} B): {os.strerror(err)}")
+    return int(addr)
+
+
+def unmap(addr: int, nbytes: int) -> None:
+    _libc.munmap(addr, nbytes)
+
+
+def view(ptr: int, nbytes: int) -> np.ndarray:
+    """A u8 numpy view of `nbytes` at `ptr` (no copy; valid while the mapping lives)."""
+    if nbytes == 0:
+        return np.zeros(0, np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+class HostBuffer(DeviceBuffer):
+    """A memfd mapped into this process; exported as the memfd itself."""
+
+    def __init__(self, name: str, nbytes: int, export: bool) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        self.export = export
+        self.mapped_nbytes = _round_up(nbytes, PAGE_NBYTES)
+        self.fd = os.memfd_create(f"tray:{name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.mapped_nbytes)
+            self.ptr = map_fd(self.fd, self.mapped_nbytes, name)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def handle(self) -> ExportedHandle:
+        if not self.export:
+            raise UsageError(f"buffer {self.name!r} is not exported; set \"export\": true in the manifest")
+        return ExportedHandle(kind="memfd", nbytes=self.mapped_nbytes, fd=self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            unmap(self.ptr, self.mapped_nbytes)
+            os.close(self.fd)
+            self.fd = -1
+
+
+class HostMapping(PeerMapping):
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            unmap(self.ptr, self.nbytes)
+            self._open = False
+
+
+class HostPtrTable(PtrTable):
+    def __init__(self, ptrs: Sequence[int]) -> None:
+        self.ptrs = tuple(int(p) for p in ptrs)
+        self.array = np.array(self.ptrs, dtype=np.uint64)
+        self.ptr = int(self.array.ctypes.data)
+
+    def close(self) -> None:
+        pass
+
+
+class HostTimer(Timer):
+    def __init__(self) -> None:
+        self._t0 = self._t1 = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        self._t1 = time.perf_counter()
+
+    def elapsed_s(self) -> float:
+        return self._t1 - self._t0
+
+
+class HostGraph(Graph):
+    """Host work runs when it is called, so a captured body is kept and called again on replay."""
+
+    def __init__(self, body: Callable[[], None]) -> None:
+        self._body: Callable[[], None] | None = body
+
+    def replay(self) -> None:
+        if self._body is None:
+            raise UsageError("graph replayed after close()")
+        self._body()
+
+    def close(self) -> None:
+        self._body = None
+
+
+class HostBoundLaunch(BoundLaunch):
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+
+    def launch(self) -> None:
+        self._fn()
+
+
+class HostKernel(Kernel):
+    """A numpy twin of a CUDA kernel, called as twin(backend, grid, block, *args)."""
+
+    def __init__(self, backend: "HostBackend", name: str, twin: Callable[..., None]) -> None:
+        self.name = name
+        self._backend = backend
+        self._twin = twin
+
+    def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
+             shmem_nbytes: int = 0) -> BoundLaunch:
+        frozen = tuple(args)
+        backend, twin = self._backend, self._twin
+        return HostBoundLaunch(lambda: twin(backend, grid, block, *frozen))
+
+
+class HostBackend(Backend):
+    """One rank's "device" on the host: memory is memfd-backed shared memory."""
+
+    name = "host"
+
+    def __init__(self, ordinal: int, boot_id: str = "") -> None:
+        self.info = DeviceInfo(
+            ordinal=ordinal, uuid=f"host-{boot_id[:8] or 'local'}-{ordinal}", pci_bus="", numa_node=-1,
+            name="host (numpy)",
+        )
+        self._owned: list[Any] = []
+
+    @classmethod
+    def open(cls, ordinal: int, boot_id: str = "") -> "HostBackend":
+        return cls(ordinal, boot_id)
+
+    def allocate(self, name: str, nbytes: int, export: bool) -> HostBuffer:
+        buf = HostBuffer(name, nbytes, export)
+        self._owned.append(buf)
+        return buf
+
+    def import_peer(self, handle: ExportedHandle) -> HostMapping:
+        if handle.kind != "memfd" or handle.fd is None:
+            raise UsageError(f"host backend imports memfd handles only, got {handle.kind!r}")
+        try:
+            ptr = map_fd(handle.fd, handle.nbytes, "peer buffer")
+        finally:
+            os.close(handle.fd)
+        mapping = HostMapping(ptr, handle.nbytes)
+        self._owned.append(mapping)
+        return mapping
+
+    def ptr_table(self, ptrs: Sequence[int]) -> HostPtrTable:
+        return HostPtrTable(ptrs)
+
+    def write(self, ptr: int, data: np.ndarray) -> None:
+        src = np.ascontiguousarray(data)
+        ctypes.memmove(ptr, src.ctypes.data, src.nbytes)
+
+    def read(self, ptr: int, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, np.uint8)
+        ctypes.memmove(out.ctypes.data, ptr, nbytes)
+        return out
+
+    def synchronize(self) -> None:
+        pass
+
+    def barrier(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable) -> HostBarrier:
+        return HostBarrier(group, flags.ptr, peer_flags.ptrs)
+
+    def timer(self) -> HostTimer:
+        return HostTimer()
+
+    def capture(self, body: Callable[[], None]) -> HostGraph:
+        return HostGraph(body)
+
+    def load_kernel(self, name: str, source_path: str | None, entry: str, options: Sequence[str],
+                    peers: bool) -> HostKernel:
+        from tray.backend.host.twins import TWINS
+
+        twin = TWINS.get(name)
+        if twin is None:
+            known = ", ".join(sorted(TWINS)) or "none"
+            raise UsageError(
+                f"kernel {name!r} has no numpy twin for the host backend (known: {known}); "
+                "register one in tray/backend/host/twins.py or run with --backend cuda"
+            )
+        return HostKernel(self, name, twin)
+
+    def scratch_nbytes(self, group_size: int, largest_nbytes: int) -> int:
+        # NOTE: collectives stage a whole send buffer (alltoall sends G chunks) through scratch.
+        return _round_up(max(largest_nbytes, 8 * group_size), PAGE_NBYTES)
+
+    def join_groups(self, joins: Sequence[GroupJoin]) -> dict[str, Any]:
+        from tray.collectives.host import HostCollectives
+
+        out = {}
+        for j in joins:
+            if j.scratch is None or j.peer_scratch is None:
+                raise UsageError(f"group {j.group.name!r}: host collectives need a scratch buffer")
+            out[j.group.name] = HostCollectives(self, j.group, j.barrier, j.scratch, j.peer_scratch)
+        return out
+
+    def close(self) -> None:
+        while self._owned:
+            self._owned.pop().close()

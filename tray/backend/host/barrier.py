@@ -1,0 +1,76 @@
+"""The peer barrier on the host: the GPU kernel's epoch protocol over memfd-mapped flags."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from typing import Sequence
+
+import numpy as np
+
+from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Barrier, GroupInfo
+from tray.errors import BarrierTimeout
+
+# NOTE: spin this many polls before yielding the CPU, then sleep briefly: a laptop or a 2-core CI
+# box runs more ranks than cores, and a pure spin would starve the rank being waited for.
+_SPIN_POLLS = 200
+_YIELD_UNTIL_S = 0.002
+_SLEEP_S = 50e-6
+
+
+def _u64_view(ptr: int, count: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(ptr))
+
+
+class HostBarrier(Barrier):
+    """Member t's flags hold, at slot `me`, the last epoch `me` reached. Each barrier writes its
+    epoch into every member's flags, then waits until its own flags show that epoch from all.
+
+    x86 stores are seen in program order (TSO), so data written before the flag store is visible
+    to a peer that sees the flag.
+    """
+
+    def __init__(self, group: GroupInfo, own_flags_ptr: int, peer_flags_ptrs: Sequence[int]) -> None:
+        self.group = group
+        self.epoch = 0
+        self._me = group.index
+        self._own = _u64_view(own_flags_ptr, group.size)
+        self._peers = [_u64_view(p, group.size) for p in peer_flags_ptrs]
+        self._broken: BarrierTimeout | None = None
+
+    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        if self._broken is not None:
+            raise self._broken
+        self.epoch += 1
+        epoch, me, own = self.epoch, self._me, self._own
+        for peer in self._peers:
+            peer[me] = epoch
+        polls = 0
+        t0 = time.perf_counter()
+        while own.min() < epoch:
+            polls += 1
+            if polls < _SPIN_POLLS:
+                continue
+            waited = time.perf_counter() - t0
+            if waited >= timeout_s:
+                missing = [self.group.members[i] for i in range(self.group.size) if own[i] < epoch]
+                if not missing:  # arrived during the last poll
+                    break
+                me_rank = self.group.members[me]
+                self._broken = BarrierTimeout(self.group.name, epoch, me_rank, missing, waited)
+                raise self._broken
+            if waited < _YIELD_UNTIL_S:
+                os.sched_yield()
+            else:
+                time.sleep(_SLEEP_S)
+
+    def check(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._peers = []

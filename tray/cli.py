@@ -1,0 +1,160 @@
+"""`tray` / `python -m tray`: launch, gate, inspect, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import signal
+import sys
+from typing import Sequence
+
+from tray.errors import TrayError, UsageError
+
+EXIT_USAGE = 2
+# NOTE: with no GPU visible, a 4-rank tray is what CI and the demo run.
+HOST_DEFAULT_NPROCS = 4
+
+
+def _backend_and_n(backend: str | None, nprocs: int | None) -> tuple[str, int]:
+    from tray.backend import BACKENDS, detect_backend
+
+    chosen = backend or detect_backend()
+    if chosen not in BACKENDS:
+        raise UsageError(f"unknown backend {chosen!r}; expected one of {', '.join(BACKENDS)}")
+    if nprocs is None:
+        if chosen == "cuda":
+            from tray.backend.cuda import visible_gpu_count
+
+            nprocs = visible_gpu_count()
+            if nprocs == 0:
+                raise UsageError("--backend cuda but no GPU is visible; use --backend host")
+        else:
+            nprocs = HOST_DEFAULT_NPROCS
+    if nprocs < 1:
+        raise UsageError(f"-n must be at least 1, got {nprocs}")
+    return chosen, nprocs
+
+
+def _parse_vars(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    out = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--var expects NAME=INT, got {item!r}")
+        try:
+            out.append((name, int(value)))
+        except ValueError:
+            raise UsageError(f"--var {name}: expected an integer, got {value!r}") from None
+    return tuple(out)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from tray.launch import TraySpec, run_tray
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("tray launch needs a command: tray launch -n 4 -- python program.py")
+    backend, nprocs = _backend_and_n(args.backend, args.nprocs)
+    spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=args.manifest,
+                    vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
+                    heartbeat_timeout_s=args.heartbeat_timeout_s)
+    return run_tray(spec).exit_code
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from tray.gate import GATES
+
+    if args.gate not in GATES:
+        close = difflib.get_close_matches(args.gate, GATES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; known gates: {', '.join(GATES)}"
+        raise UsageError(f"unknown gate {args.gate!r}{hint}")
+    from tray.gate.peer_barrier import GateArgs, run_gate
+
+    backend, nprocs = _backend_and_n(args.backend, args.nprocs)
+    return run_gate(GateArgs(nprocs=nprocs, backend=backend, iters=args.iters, drop=args.drop,
+                             timeout_s=args.timeout_s, json_path=args.json, log_dir=args.log_dir))
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from tray.manifest import load_manifest
+    from tray.manifest.inspect import format_inspect
+
+    print(format_inspect(load_manifest(args.manifest), args.nprocs, dict(_parse_vars(args.var))))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from tray.backend.cuda import visible_gpu_count
+
+    if visible_gpu_count() == 0:
+        report = {"gpus": [], "note": "no GPU visible: the host backend runs every tray"}
+        print(json.dumps(report, indent=2) if args.json else "tray doctor: no GPU visible; "
+              "`tray launch` and the gates use the host backend (memfd + numpy)")
+        return 0
+    from tray.backend.cuda.doctor import doctor_report, format_doctor
+
+    report = doctor_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_doctor(report))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tray", description="Run one SPMD program across the GPUs of a host.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("launch", help="spawn N ranks of CMD and supervise them")
+    p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: visible GPUs, or 4)")
+    p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
+    p.add_argument("--manifest", default=None, help="manifest JSON (default: built-in world group)")
+    p.add_argument("--var", action="append", default=[], metavar="NAME=INT", help="override a manifest var")
+    p.add_argument("--log-dir", default=None, help="keep one log file per rank here")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="handshake timeout (default 30)")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0, help="missed-heartbeat timeout")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    p.set_defaults(fn=cmd_launch)
+
+    p = sub.add_parser("gate", help="qualification runs: peer-barrier")
+    p.add_argument("gate")
+    p.add_argument("-n", "--nprocs", type=int, default=None)
+    p.add_argument("--backend", choices=("host", "cuda"), default=None)
+    p.add_argument("--iters", type=int, default=1000, help="barriers per timed repeat")
+    p.add_argument("--drop", type=int, default=None, help="this rank never enters the barrier")
+    p.add_argument("--timeout-s", type=float, default=2.0, help="barrier timeout")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--log-dir", default=None)
+    p.set_defaults(fn=cmd_gate)
+
+    p = sub.add_parser("inspect", help="print a manifest's groups, buffers, kernels, programs, digest")
+    p.add_argument("manifest")
+    p.add_argument("-n", "--nprocs", type=int, default=4, help="world size to resolve shapes for")
+    p.add_argument("--var", action="append", default=[], metavar="NAME=INT")
+    p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("doctor", help="what this machine's GPUs can do")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_doctor)
+    return ap
+
+
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # SIGTERM to the head tears the tray down like Ctrl-C does (the ranks die with it anyway).
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        return int(args.fn(args))
+    except TrayError as exc:
+        print(f"tray: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("tray: interrupted; the tray was stopped", file=sys.stderr)
+        return 130

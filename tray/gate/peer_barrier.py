@@ -1,0 +1,120 @@
+"""`tray gate peer-barrier`: launch a tray, time its barrier, or prove a dropped rank is named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tray.envinfo import environment
+from tray.launch import TraySpec, run_tray
+
+# NOTE: DESIGN section 6: every surviving rank must name the dropped one within timeout + 0.5 s.
+DROP_SLACK_S = 0.5
+MANIFEST = Path(__file__).resolve().parent.parent.parent / "manifests" / "peer_barrier.json"
+
+
+@dataclass(frozen=True)
+class GateArgs:
+    nprocs: int
+    backend: str
+    iters: int = 1000
+    drop: int | None = None
+    timeout_s: float = 2.0
+    json_path: str | None = None
+    log_dir: str | None = None
+    quiet: bool = False
+
+
+def run_gate(args: GateArgs) -> int:
+    """Run the gate; print a table; write JSON. Returns the exit code (0 = passed)."""
+    if args.drop is not None and not 0 <= args.drop < args.nprocs:
+        print(f"tray: --drop {args.drop} is not a rank of a {args.nprocs}-rank tray (0..{args.nprocs - 1})",
+              file=sys.stderr)
+        return 2
+    out_dir = Path(tempfile.mkdtemp(prefix="tray-gate-"))
+    try:
+        cmd = [sys.executable, "-m", "tray.gate.peer_barrier_rank", "--iters", str(args.iters),
+               "--timeout-s", str(args.timeout_s), "--out", str(out_dir)]
+        if args.drop is not None:
+            cmd += ["--drop", str(args.drop)]
+        spec = TraySpec(nprocs=args.nprocs, cmd=tuple(cmd), backend=args.backend,
+                        manifest=str(MANIFEST) if MANIFEST.exists() else None, log_dir=args.log_dir,
+                        quiet=args.quiet)
+        result = run_tray(spec)
+        per_rank = []
+        for r in range(args.nprocs):
+            path = out_dir / f"rank-{r}.json"
+            if path.exists():
+                per_rank.append(json.loads(path.read_text()))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    report = _report(args, result, per_rank)
+    _print(report)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    if result.exit_code != 0:
+        return result.exit_code
+    return 0 if report["passed"] else 1
+
+
+def _median(per_rank: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in per_rank if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
+    report: dict[str, Any] = {
+        "gate": "peer-barrier", "backend": args.backend, "nprocs": args.nprocs, "iters": args.iters,
+        "timeout_s": args.timeout_s, "drop": args.drop, "tray_exit_code": result.exit_code,
+        "startup_s": result.startup_s,
+        "timeline": {k: {"s": v[0], "slowest_rank": v[1]} for k, v in result.timeline.items()},
+        "per_rank": per_rank,
+        "environment": environment({"device": per_rank[0].get("device") if per_rank else None,
+                                    "driver": per_rank[0].get("driver") if per_rank else None}),
+    }
+    complete = result.exit_code == 0 and len(per_rank) == args.nprocs
+    if args.drop is None:
+        for key in ("eager_us", "eager_sync_us", "captured_us"):
+            report[key] = _median(per_rank, key)
+        report["passed"] = complete
+        return report
+    bound = args.timeout_s + DROP_SLACK_S
+    checks = []
+    for r in per_rank:
+        if r.get("dropped"):
+            continue
+        ok = r.get("missing") == [args.drop] and r.get("seconds", 1e9) <= bound
+        checks.append({"rank": r["rank"], "named": r.get("missing"), "seconds": r.get("seconds"), "ok": ok,
+                       "message": r.get("message")})
+    report["drop_checks"] = checks
+    report["drop_bound_s"] = bound
+    report["passed"] = complete and len(checks) == args.nprocs - 1 and all(c["ok"] for c in checks)
+    return report
+
+
+def _print(report: dict) -> None:
+    head = f"peer-barrier gate: {report['nprocs']} ranks, {report['backend']} backend"
+    if report["drop"] is None:
+        print(f"{head}, {report['iters']} barriers per repeat (µs per barrier, median)")
+        print(f"  {'rank':>4} {'eager':>10} {'eager_sync':>11} {'captured':>10}")
+        for r in report["per_rank"]:
+            print(f"  {r['rank']:>4} {r['eager_us']:>10.2f} {r['eager_sync_us']:>11.2f} {r['captured_us']:>10.2f}")
+        if report.get("eager_us") is not None:
+            print(f"  {'all':>4} {report['eager_us']:>10.2f} {report['eager_sync_us']:>11.2f} "
+                  f"{report['captured_us']:>10.2f}")
+    else:
+        print(f"{head}, rank {report['drop']} dropped, timeout {report['timeout_s']:.2f} s "
+              f"(bound {report['drop_bound_s']:.2f} s)")
+        for c in report.get("drop_checks", []):
+            mark = "ok " if c["ok"] else "BAD"
+            print(f"  {mark} rank {c['rank']}: named {c['named']} after {c['seconds']:.3f} s")
+    if report.get("startup_s") is not None:
+        print(f"  tray up in {report['startup_s']:.3f} s")
+    print("PASSED" if report["passed"] else "FAILED")

@@ -1,0 +1,1 @@
+"""Offer/Table wire format, rendezvous client, fd passing."""

@@ -1,0 +1,87 @@
+"""The rank's side of the rendezvous: a ZeroMQ DEALER to the head, plus a heartbeat thread.
+
+The main socket is used by the rank's main thread only (ZeroMQ sockets are not thread-safe); the
+heartbeat thread owns a second DEALER so a rank busy in its program still proves it is alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from tray.errors import HandshakeError, PeerFailure
+from tray.handshake import wire
+
+# NOTE: a heartbeat every 0.5 s lets the head declare a rank dead after a few seconds without
+# costing the rank anything measurable.
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class RendezvousClient:
+    """Talks to the head at `endpoint` as rank `rank`, signing every message with `token`."""
+
+    def __init__(self, endpoint: str, token: str, rank: int) -> None:
+        self.rank = rank
+        self.token = token
+        self.phase = "start"
+        self._ctx = zmq.Context()
+        self._sock = self._connect(endpoint, f"rank-{rank}")
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat, args=(endpoint,), name="tray-heartbeat",
+                                    daemon=True)
+        self._hb.start()
+
+    def _connect(self, endpoint: str, identity: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, 2000)  # flush an error report before the process exits
+        sock.setsockopt(zmq.RECONNECT_IVL, 10)
+        sock.connect(endpoint)
+        return sock
+
+    def _heartbeat(self, endpoint: str) -> None:
+        sock = self._connect(endpoint, f"rank-{self.rank}.hb")
+        sock.setsockopt(zmq.LINGER, 0)
+        seq = 0
+        try:
+            while not self._stop.is_set():
+                msg = wire.Heartbeat(token=self.token, rank=self.rank, phase=self.phase, seq=seq)
+                try:
+                    sock.send(wire.encode(msg), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                seq += 1
+                self._stop.wait(HEARTBEAT_INTERVAL_S)
+        finally:
+            sock.close()
+
+    def send(self, msg: Any) -> None:
+        self._sock.send(wire.encode(msg))
+
+    def receive(self, expected: type, timeout_s: float, waiting_for: str) -> Any:
+        """The next message of type `expected`; raises on Abort/Reject or after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            if not self._sock.poll(left_ms, zmq.POLLIN):
+                raise HandshakeError(
+                    f"rank {self.rank}: no {waiting_for} from the head within {timeout_s:.1f} s "
+                    "(the head waits for every rank; see its report for who is missing)"
+                )
+            msg = wire.decode(self._sock.recv(), token=self.token, sender="the head")
+            if isinstance(msg, expected):
+                return msg
+            if isinstance(msg, wire.Abort):
+                raise PeerFailure(f"the head stopped the tray: {msg.reason}")
+            if isinstance(msg, wire.Reject):
+                raise HandshakeError(f"the head refused a message of rank {self.rank}: {msg.reason}")
+            # anything else is stale (e.g. a decision for an old round): skip it
+
+    def close(self) -> None:
+        self._stop.set()
+        self._hb.join(timeout=2.0)
+        self._sock.close()
+        self._ctx.term()

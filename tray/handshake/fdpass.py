@@ -1,0 +1,197 @@
+"""fd passing: each rank serves its exported fds on a UNIX socket (SCM_RIGHTS) to tray members only.
+
+The server checks SO_PEERCRED (same uid, a pid the tray table lists) and the job token before it
+sends anything. ZeroMQ cannot carry fds, hence this side channel.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Iterable
+
+import msgpack
+
+from tray.errors import HandshakeError
+
+# NOTE: requests and replies are tiny (names of a few buffers); a cap keeps garbage cheap.
+_MAX_REQUEST_NBYTES = 64 * 1024
+# NOTE: Linux SCM_MAX_FD is 253 fds per sendmsg.
+_MAX_FDS = 253
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a UNIX socket."""
+    pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
+
+
+def _recv_exact(conn: socket.socket, nbytes: int) -> bytes:
+    chunks = []
+    while nbytes:
+        chunk = conn.recv(nbytes)
+        if not chunk:
+            raise ConnectionError("peer closed the fd socket mid-message")
+        chunks.append(chunk)
+        nbytes -= len(chunk)
+    return b"".join(chunks)
+
+
+class FdServer:
+    """Serves `fds` (name -> fd, owned by the caller) at `path` to the pids of the tray table."""
+
+    def __init__(self, path: str, token: str, rank: int, fds: dict[str, int]) -> None:
+        self.path = path
+        self.rank = rank
+        self.refusals: list[str] = []
+        self._token = token
+        self._fds = dict(fds)
+        self._allowed: frozenset[int] | None = None
+        self._table_ready = threading.Event()
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(path)
+            os.chmod(path, 0o600)
+            self._sock.listen(64)
+            self._sock.settimeout(0.1)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._thread = threading.Thread(target=self._serve, name=f"tray-fds-{rank}", daemon=True)
+        self._thread.start()
+
+    def allow(self, pids: Iterable[int]) -> None:
+        """Set the tray table's pids; until then connections wait."""
+        self._allowed = frozenset(pids)
+        self._table_ready.set()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._answer(conn)
+                except (OSError, ConnectionError, ValueError, msgpack.UnpackException) as exc:
+                    self._refuse(conn, f"bad request: {exc}", log=True)
+
+    def _refuse(self, conn: socket.socket, reason: str, log: bool = True) -> None:
+        self.refusals.append(reason)
+        if log:
+            print(f"tray: rank {self.rank} fd socket: refused: {reason}", file=sys.stderr, flush=True)
+        try:
+            conn.sendall(_frame({"ok": False, "reason": reason}))
+        except OSError:
+            pass
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)
+        pid, uid = peer_credentials(conn)
+        # Read the (small, bounded) request first so a refusal reaches the client instead of a reset.
+        (length,) = struct.unpack("!I", _recv_exact(conn, 4))
+        if length > _MAX_REQUEST_NBYTES:
+            return self._refuse(conn, f"request of {length} B exceeds {_MAX_REQUEST_NBYTES} B")
+        request = msgpack.unpackb(_recv_exact(conn, length), raw=False)
+        if uid != os.getuid():
+            return self._refuse(conn, f"pid {pid} runs as uid {uid}, the tray as uid {os.getuid()}")
+        if not self._table_ready.wait(timeout=30.0):
+            return self._refuse(conn, f"pid {pid} asked before the tray table arrived")
+        assert self._allowed is not None
+        if pid not in self._allowed:
+            return self._refuse(conn, f"pid {pid} is not a member of the tray table")
+        if not isinstance(request, dict) or not hmac.compare_digest(
+            str(request.get("token", "")).encode(), self._token.encode()
+        ):
+            return self._refuse(conn, f"pid {pid} sent a request without the job token")
+        names = request.get("names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return self._refuse(conn, "request 'names' must be a list of buffer names")
+        unknown = [n for n in names if n not in self._fds]
+        if unknown:
+            return self._refuse(conn, f"unknown buffers {unknown}; this rank exports {sorted(self._fds)}",
+                                log=False)
+        for start in range(0, max(len(names), 1), _MAX_FDS):
+            part = names[start:start + _MAX_FDS]
+            header = _frame({"ok": True, "names": part, "more": start + _MAX_FDS < len(names)})
+            socket.send_fds(conn, [header], [self._fds[n] for n in part])
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(timeout=2.0)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _frame(obj: object) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack("!I", len(body)) + body
+
+
+def fetch_fds(path: str, token: str, names: list[str], owner: str, timeout_s: float) -> dict[str, int]:
+    """Ask the fd socket at `path` (of `owner`, e.g. "rank 2") for `names`; returns name -> fd
+    (the caller owns and closes them). Raises HandshakeError naming the owner on refusal/timeout."""
+    deadline = time.monotonic() + timeout_s
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    received: dict[str, int] = {}
+    try:
+        while True:
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if time.monotonic() >= deadline:
+                    raise HandshakeError(
+                        f"{owner}'s fd socket {path} did not answer within {timeout_s:.1f} s ({exc})"
+                    ) from None
+                time.sleep(0.005)
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        sock.sendall(_frame({"token": token, "names": names}))
+        while True:
+            data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST_NBYTES, _MAX_FDS)
+            if len(data) < 4:
+                raise HandshakeError(f"{owner}'s fd socket closed without an answer")
+            (length,) = struct.unpack("!I", data[:4])
+            body = data[4:]
+            while len(body) < length:
+                body += _recv_exact(sock, length - len(body))
+            reply = msgpack.unpackb(body, raw=False)
+            if not reply.get("ok"):
+                for fd in fds:
+                    os.close(fd)
+                raise HandshakeError(f"{owner}'s fd socket refused: {reply.get('reason')}")
+            if len(fds) != len(reply["names"]):
+                for fd in fds:
+                    os.close(fd)
+                raise HandshakeError(f"{owner} sent {len(fds)} fds for {len(reply['names'])} buffers")
+            received.update(zip(reply["names"], fds))
+            if not reply.get("more"):
+                return received
+    except TimeoutError:
+        for fd in received.values():
+            os.close(fd)
+        raise HandshakeError(f"{owner}'s fd socket {path}: no answer within {timeout_s:.1f} s") from None
+    except (OSError, ValueError, msgpack.UnpackException) as exc:
+        for fd in received.values():
+            os.close(fd)
+        raise HandshakeError(f"{owner}'s fd socket {path} failed: {exc}") from None
+    except BaseException:
+        for fd in received.values():
+            os.close(fd)
+        raise
+    finally:
+        sock.close()

@@ -1,0 +1,92 @@
+"""The head's check of all offers before it hands out the table (DESIGN section 5). Pure data."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Mapping, Sequence
+
+from tray.handshake.wire import Offer
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    rs = sorted(ranks)
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(str(r) for r in rs)
+
+
+def validate_offers(
+    offers: Sequence[Offer],
+    *,
+    world_size: int,
+    digest: str,
+    uid: int,
+    pids: Mapping[int, int],
+    nccl_leaders: Mapping[str, Sequence[int]],
+) -> list[str]:
+    """Problems with a complete set of offers (empty when the tray may proceed).
+
+    `pids`: rank -> pid of the process the head started. `nccl_leaders`: group name -> the ranks
+    that lead an instance of it and must carry its NCCL id (empty on the host backend).
+    Each problem names the ranks at fault and what to do.
+    """
+    problems: list[str] = []
+    by_rank = {o.rank: o for o in offers}
+    for o in offers:
+        if o.world_size != world_size:
+            problems.append(f"rank {o.rank} believes the tray has {o.world_size} ranks, the head "
+                            f"started {world_size}")
+        if o.uid != uid:
+            problems.append(f"rank {o.rank} runs as uid {o.uid}, the head as uid {uid}")
+        if pids.get(o.rank) != o.pid:
+            problems.append(f"rank {o.rank} offered from pid {o.pid}, but the head started pid "
+                            f"{pids.get(o.rank)}; only processes the head started may join")
+
+    digests: dict[str, list[int]] = defaultdict(list)
+    for o in offers:
+        digests[o.manifest].append(o.rank)
+    if len(digests) > 1 or digest not in digests:
+        parts = sorted(digests.items(), key=lambda kv: len(kv[1]))
+        said = "; ".join(f"{_ranks(rs)} offered manifest {d[:12]}..." for d, rs in parts)
+        problems.append(f"manifests differ: {said}; the head loaded {digest[:12]}...; run every rank "
+                        "with the same manifest file, kernels and vars")
+
+    backends: dict[str, list[int]] = defaultdict(list)
+    for o in offers:
+        backends[o.backend].append(o.rank)
+    if len(backends) > 1:
+        problems.append("backends differ: " + "; ".join(f"{_ranks(r)} on {b}" for b, r in backends.items()))
+
+    devices: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for o in offers:
+        devices[(o.host, o.device.uuid)].append(o.rank)
+    for (_, uuid), rs in devices.items():
+        if len(rs) > 1:
+            problems.append(f"{_ranks(rs)} claim one device {uuid}; give each rank its own GPU "
+                            "(check CUDA_VISIBLE_DEVICES and TRAY_DEVICE)")
+
+    hosts = {o.host for o in offers}
+    if len(hosts) > 1:
+        local = [o.rank for o in offers if any(b.handle in ("posix", "memfd") for b in o.buffers)]
+        if local:
+            problems.append(f"{_ranks(local)} offered host-local handles (posix/memfd) but the tray spans "
+                            f"{len(hosts)} hosts; such handles only work within one host")
+
+    reference = by_rank.get(0, offers[0] if offers else None)
+    if reference is not None:
+        ref = {b.name: b.nbytes for b in reference.buffers}
+        for o in offers:
+            mine = {b.name: b.nbytes for b in o.buffers}
+            if set(mine) != set(ref):
+                problems.append(f"rank {o.rank} exports buffers {sorted(mine)}, rank {reference.rank} "
+                                f"exports {sorted(ref)}")
+                continue
+            for name, nbytes in mine.items():
+                if nbytes != ref[name]:
+                    problems.append(f"rank {o.rank} offered buffer {name!r} of {nbytes} B, rank "
+                                    f"{reference.rank} of {ref[name]} B; check the vars of each rank")
+
+    for group, leaders in nccl_leaders.items():
+        for r in leaders:
+            o = by_rank.get(r)
+            if o is not None and group not in o.nccl:
+                problems.append(f"rank {r} leads group {group!r} but offered no NCCL id for it")
+    return problems

@@ -1,0 +1,672 @@
+"""Control messages between head and ranks: typed frozen dataclasses <-> checked msgpack bytes."""
+
+from __future__ import annotations
+
+import hmac
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Self, TypeAlias
+
+import msgpack  # type: ignore[import-untyped]
+
+from tray.errors import WireError
+
+PROTOCOL_VERSION = 1
+# NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
+# traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
+MAX_MESSAGE_NBYTES = 1 << 20
+# NOTE: a CUDA fabric handle (CUmemFabricHandle) is 64 opaque bytes; an ncclUniqueId is 128.
+FABRIC_HANDLE_NBYTES = 64
+NCCL_UNIQUE_ID_NBYTES = 128
+# NOTE: votes carry small config-like values; a deeper value is a bug or an attempt to blow the stack.
+MAX_VALUE_DEPTH = 8
+
+HANDLE_KINDS = ("fabric", "posix", "memfd")
+BACKENDS = ("cuda", "host")
+
+_ENVELOPE = ("kind", "v")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_TYPE_NAMES = {
+    type(None): "None",
+    bool: "bool",
+    int: "int",
+    float: "float",
+    str: "str",
+    bytes: "bytes",
+    list: "list",
+    tuple: "list",
+    dict: "map",
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# checks: each takes a value and the field's path, returns the value typed, or raises WireError
+
+
+def _tn(value: object) -> str:
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _show(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _bad(path: str, expected: str, value: object) -> WireError:
+    return WireError(f"field '{path}': expected {expected}, got {_tn(value)}")
+
+
+def _as_int(value: object, path: str, lo: int | None = None) -> int:
+    if type(value) is not int:
+        raise _bad(path, "int", value)
+    if lo is not None and value < lo:
+        raise WireError(f"field '{path}': expected int >= {lo}, got {value}")
+    return value
+
+
+def _as_float(value: object, path: str) -> float:
+    """A finite float; a msgpack int is accepted and converted (senders may round timings)."""
+    if type(value) is int:
+        value = float(value)
+    if type(value) is not float:
+        raise _bad(path, "float", value)
+    if not math.isfinite(value):
+        raise WireError(f"field '{path}': expected a finite float, got {value}")
+    return value
+
+
+def _as_str(value: object, path: str, choices: tuple[str, ...] = ()) -> str:
+    if type(value) is not str:
+        raise _bad(path, "str", value)
+    if choices and value not in choices:
+        raise WireError(f"field '{path}': expected one of {', '.join(choices)}, got {_show(value)}")
+    return value
+
+
+def _as_bytes(value: object, path: str, nbytes: int) -> bytes:
+    if type(value) is not bytes:
+        raise _bad(path, f"{nbytes} bytes", value)
+    if len(value) != nbytes:
+        raise WireError(f"field '{path}': expected {nbytes} bytes, got {len(value)} bytes")
+    return value
+
+
+def _as_list(value: object, path: str) -> list[Any]:
+    if type(value) is not list:
+        raise _bad(path, "list", value)
+    return value
+
+
+def _as_map(value: object, path: str) -> dict[str, Any]:
+    """A map whose keys are all str."""
+    if type(value) is not dict:
+        raise _bad(path, "map", value)
+    for key in value:
+        if type(key) is not str:
+            raise WireError(f"field '{path}': expected str keys, got {_tn(key)} key {_show(key)}")
+    return value
+
+
+def _as_float_map(value: object, path: str) -> dict[str, float]:
+    return {k: _as_float(v, f"{path}[{_show(k)}]") for k, v in _as_map(value, path).items()}
+
+
+def _as_bytes_map(value: object, path: str, nbytes: int) -> dict[str, bytes]:
+    return {k: _as_bytes(v, f"{path}[{_show(k)}]", nbytes) for k, v in _as_map(value, path).items()}
+
+
+def _as_plain(value: object, path: str, depth: int = 0) -> Any:
+    """Any msgpack value of at most MAX_VALUE_DEPTH nested lists/maps; returns it canonical:
+    tuples become lists, maps are sorted by key (so encoding is deterministic)."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return value
+    if type(value) not in (list, tuple, dict):
+        raise _bad(path, "None, bool, int, float, str, bytes, list or map", value)
+    if depth >= MAX_VALUE_DEPTH:
+        raise WireError(f"field '{path}': nested deeper than {MAX_VALUE_DEPTH} levels of lists/maps")
+    if isinstance(value, (list, tuple)):
+        return [_as_plain(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+    mapping = _as_map(value, path)
+    return {k: _as_plain(mapping[k], f"{path}[{_show(k)}]", depth + 1) for k in sorted(mapping)}
+
+
+def _fields(body: object, names: tuple[str, ...], prefix: str) -> dict[str, Any]:
+    """The map `body` with exactly the fields `names`: no unknown field, none missing."""
+    where = prefix.rstrip(".") or "message"
+    if type(body) is not dict:
+        raise WireError(f"'{where}': expected map, got {_tn(body)}")
+    unknown = [key for key in body if key not in names]
+    if unknown:
+        shown = ", ".join(_show(prefix + k if type(k) is str else k) for k in unknown[:5])
+        raise WireError(f"unknown field{'s' if len(unknown) > 1 else ''} {shown}")
+    missing = [name for name in names if name not in body]
+    if missing:
+        shown = ", ".join(repr(prefix + name) for name in missing)
+        raise WireError(f"missing field{'s' if len(missing) > 1 else ''} {shown}")
+    return body
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+# ---------------------------------------------------------------------------------------------------
+# nested values
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceIdentity:
+    """Which device a rank drives. `ordinal` is the CUDA ordinal (or the rank on the host backend),
+    `pci_bus` like "0000:1b:00.0", `numa_node` -1 when unknown."""
+
+    ordinal: int
+    uuid: str
+    pci_bus: str
+    numa_node: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "ordinal": self.ordinal,
+            "uuid": self.uuid,
+            "pci_bus": self.pci_bus,
+            "numa_node": self.numa_node,
+        }
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        return cls(
+            ordinal=_as_int(b["ordinal"], prefix + "ordinal", lo=0),
+            uuid=_as_str(b["uuid"], prefix + "uuid"),
+            pci_bus=_as_str(b["pci_bus"], prefix + "pci_bus"),
+            numa_node=_as_int(b["numa_node"], prefix + "numa_node", lo=-1),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BufferOffer:
+    """One exported buffer: `nbytes` long, shared by `handle` ("fabric": the 64-byte `fabric` handle;
+    "posix"/"memfd": an fd served on the rank's fd socket, `fabric` None)."""
+
+    name: str
+    nbytes: int
+    handle: str
+    fabric: bytes | None
+
+    def to_body(self) -> dict[str, Any]:
+        return {"name": self.name, "nbytes": self.nbytes, "handle": self.handle, "fabric": self.fabric}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        handle = _as_str(b["handle"], prefix + "handle", HANDLE_KINDS)
+        fabric: bytes | None = None
+        if handle == "fabric":
+            fabric = _as_bytes(b["fabric"], prefix + "fabric", FABRIC_HANDLE_NBYTES)
+        elif b["fabric"] is not None:
+            raise _bad(prefix + "fabric", f"None for a {handle} handle", b["fabric"])
+        return cls(
+            name=_as_str(b["name"], prefix + "name"),
+            nbytes=_as_int(b["nbytes"], prefix + "nbytes", lo=0),
+            handle=handle,
+            fabric=fabric,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# messages
+
+
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """Shared envelope: every message is one msgpack map {kind, v, token, ...fields}."""
+
+    KIND: ClassVar[str]
+    token: str
+
+    def _payload(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_body(self) -> dict[str, Any]:
+        """The map that goes on the wire: kind, v, token, then the fields, maps sorted by key."""
+        return {"kind": self.KIND, "v": PROTOCOL_VERSION, "token": self.token, **self._payload()}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        """Check `body` (the wire map without kind and v) and build the message; raises WireError."""
+        raise NotImplementedError
+
+    def to_msgpack(self) -> bytes:
+        """The wire bytes. Raises WireError when the peer would refuse them (a field out of range,
+        a wrong type, over MAX_MESSAGE_NBYTES), so a bad message fails where it is built."""
+        try:
+            body = self.to_body()
+            type(self).from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
+            data: bytes = msgpack.packb(body, use_bin_type=True)
+        except WireError as e:
+            raise WireError(f"cannot encode {self.KIND}: {e.reason}") from None
+        except (AttributeError, TypeError, ValueError, OverflowError) as e:
+            raise WireError(f"cannot encode {self.KIND}: {type(e).__name__}: {_show(str(e), 200)}") from None
+        if len(data) > MAX_MESSAGE_NBYTES:
+            raise WireError(
+                f"cannot encode {self.KIND}: {len(data)} bytes exceeds the limit of {MAX_MESSAGE_NBYTES} bytes"
+            )
+        return data
+
+    @classmethod
+    def from_msgpack(cls, data: bytes, *, token: str | None, sender: str | None = None) -> Self:
+        """decode(), and the message must be of this class; raises WireError."""
+        msg = decode(data, token=token, sender=sender)
+        if not isinstance(msg, cls):
+            raise WireError(f"expected a {cls.KIND} message, got {msg.KIND}", sender)
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class Offer(_Message):
+    """rank -> head: who this rank is, what it exports (DESIGN 5). `host` is the boot id, `manifest`
+    the manifest's sha256 hex, `nccl` {group name: 128-byte unique id} for groups whose member 0 is
+    this rank, `timings` {phase: seconds}."""
+
+    KIND: ClassVar[str] = "offer"
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    uid: int
+    device: DeviceIdentity
+    backend: str
+    manifest: str
+    fd_socket: str
+    buffers: tuple[BufferOffer, ...]
+    nccl: dict[str, bytes]
+    timings: dict[str, float]
+
+    def _payload(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": self.host,
+            "pid": self.pid,
+            "uid": self.uid,
+            "device": self.device.to_body(),
+            "backend": self.backend,
+            "manifest": self.manifest,
+            "fd_socket": self.fd_socket,
+            "buffers": [b.to_body() for b in self.buffers],
+            "nccl": dict(sorted(self.nccl.items())),
+            "timings": _timings_body(self.timings),
+        }
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        p = prefix
+        rank = _as_int(b["rank"], p + "rank", lo=0)
+        world_size = _as_int(b["world_size"], p + "world_size", lo=1)
+        if rank >= world_size:
+            raise WireError(f"field '{p}rank': expected int < world_size {world_size}, got {rank}")
+        manifest = _as_str(b["manifest"], p + "manifest")
+        if not _SHA256_HEX.fullmatch(manifest):
+            raise WireError(f"field '{p}manifest': expected 64 lowercase hex chars, got {_show(manifest)}")
+        buffers = _as_list(b["buffers"], p + "buffers")
+        return cls(
+            token=_as_str(b["token"], p + "token"),
+            rank=rank,
+            world_size=world_size,
+            host=_as_str(b["host"], p + "host"),
+            pid=_as_int(b["pid"], p + "pid", lo=1),
+            uid=_as_int(b["uid"], p + "uid", lo=0),
+            device=DeviceIdentity.from_body(_as_map(b["device"], p + "device"), prefix=p + "device."),
+            backend=_as_str(b["backend"], p + "backend", BACKENDS),
+            manifest=manifest,
+            fd_socket=_as_str(b["fd_socket"], p + "fd_socket"),
+            buffers=tuple(
+                BufferOffer.from_body(_as_map(x, f"{p}buffers[{i}]"), prefix=f"{p}buffers[{i}].")
+                for i, x in enumerate(buffers)
+            ),
+            nccl=_as_bytes_map(b["nccl"], p + "nccl", NCCL_UNIQUE_ID_NBYTES),
+            timings=_as_float_map(b["timings"], p + "timings"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Table(_Message):
+    """head -> every rank: all offers, in rank order, after the head checked them. Nested offers go
+    on the wire without kind, v and token; they carry the table's token."""
+
+    KIND: ClassVar[str] = "table"
+    offers: tuple[Offer, ...]
+
+    def _payload(self) -> dict[str, Any]:
+        for i, offer in enumerate(self.offers):
+            if not hmac.compare_digest(offer.token.encode(), self.token.encode()):
+                raise WireError(f"field 'offers[{i}].token': differs from the table's token")
+        return {"offers": [offer._payload() for offer in self.offers]}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        token = _as_str(b["token"], prefix + "token")
+        offers = []
+        for i, raw in enumerate(_as_list(b["offers"], prefix + "offers")):
+            p = f"{prefix}offers[{i}]"
+            nested = _as_map(raw, p)
+            if "token" in nested:
+                raise WireError(f"field '{p}.token': nested offers carry no token (the table's applies)")
+            offers.append(Offer.from_body({**nested, "token": token}, prefix=p + "."))
+        return cls(token=token, offers=tuple(offers))
+
+
+@dataclass(frozen=True, slots=True)
+class Ready(_Message):
+    """rank -> head: peer tables filled, NCCL groups joined; `timings` {phase: seconds}."""
+
+    KIND: ClassVar[str] = "ready"
+    rank: int
+    timings: dict[str, float]
+
+    def _payload(self) -> dict[str, Any]:
+        return {"rank": self.rank, "timings": _timings_body(self.timings)}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        return cls(
+            token=_as_str(b["token"], prefix + "token"),
+            rank=_as_int(b["rank"], prefix + "rank", lo=0),
+            timings=_as_float_map(b["timings"], prefix + "timings"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Go(_Message):
+    """head -> every rank: all are ready; `t_go` is the head's time.time() when it sent go."""
+
+    KIND: ClassVar[str] = "go"
+    t_go: float
+
+    def _payload(self) -> dict[str, Any]:
+        return {"t_go": float(self.t_go) if type(self.t_go) is int else self.t_go}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        return cls(token=_as_str(b["token"], prefix + "token"), t_go=_as_float(b["t_go"], prefix + "t_go"))
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReport(_Message):
+    """rank -> head: this rank failed in `phase`; the exception's type name, message and traceback."""
+
+    KIND: ClassVar[str] = "error"
+    rank: int
+    phase: str
+    error_type: str
+    message: str
+    traceback: str
+
+    def _payload(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "phase": self.phase,
+            "error_type": self.error_type,
+            "message": self.message,
+            "traceback": self.traceback,
+        }
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        p = prefix
+        return cls(
+            token=_as_str(b["token"], p + "token"),
+            rank=_as_int(b["rank"], p + "rank", lo=0),
+            phase=_as_str(b["phase"], p + "phase"),
+            error_type=_as_str(b["error_type"], p + "error_type"),
+            message=_as_str(b["message"], p + "message"),
+            traceback=_as_str(b["traceback"], p + "traceback"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(_Message):
+    """rank -> head: alive, now in `phase`; `seq` counts up from 0."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    rank: int
+    phase: str
+    seq: int
+
+    def _payload(self) -> dict[str, Any]:
+        return {"rank": self.rank, "phase": self.phase, "seq": self.seq}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        return cls(
+            token=_as_str(b["token"], prefix + "token"),
+            rank=_as_int(b["rank"], prefix + "rank", lo=0),
+            phase=_as_str(b["phase"], prefix + "phase"),
+            seq=_as_int(b["seq"], prefix + "seq", lo=0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(_Message):
+    """rank -> head: this rank finished and closes its connection."""
+
+    KIND: ClassVar[str] = "bye"
+    rank: int
+
+    def _payload(self) -> dict[str, Any]:
+        return {"rank": self.rank}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        return cls(
+            token=_as_str(b["token"], prefix + "token"), rank=_as_int(b["rank"], prefix + "rank", lo=0)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Vote(_Message):
+    """rank -> head: this rank's `value` for (`topic`, `round`). `value` is any msgpack value (None,
+    bool, int, float, str, bytes, list, map with str keys) at most MAX_VALUE_DEPTH deep; it decodes
+    with lists for tuples and maps sorted by key."""
+
+    KIND: ClassVar[str] = "vote"
+    rank: int
+    topic: str
+    round: int
+    value: Any
+
+    def _payload(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "topic": self.topic,
+            "round": self.round,
+            "value": _as_plain(self.value, "value"),
+        }
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        return cls(
+            token=_as_str(b["token"], prefix + "token"),
+            rank=_as_int(b["rank"], prefix + "rank", lo=0),
+            topic=_as_str(b["topic"], prefix + "topic"),
+            round=_as_int(b["round"], prefix + "round", lo=0),
+            value=_as_plain(b["value"], prefix + "value"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision(_Message):
+    """head -> every rank: the votes for (`topic`, `round`), `values[r]` from rank r."""
+
+    KIND: ClassVar[str] = "decision"
+    topic: str
+    round: int
+    values: tuple[Any, ...]
+
+    def _payload(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "round": self.round,
+            "values": [_as_plain(v, f"values[{i}]") for i, v in enumerate(self.values)],
+        }
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        values = _as_list(b["values"], prefix + "values")
+        return cls(
+            token=_as_str(b["token"], prefix + "token"),
+            topic=_as_str(b["topic"], prefix + "topic"),
+            round=_as_int(b["round"], prefix + "round", lo=0),
+            values=tuple(_as_plain(v, f"{prefix}values[{i}]") for i, v in enumerate(values)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(_Message):
+    """head -> every rank: the tray is going down, for `reason`."""
+
+    KIND: ClassVar[str] = "abort"
+    reason: str
+
+    def _payload(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        return cls(
+            token=_as_str(b["token"], prefix + "token"), reason=_as_str(b["reason"], prefix + "reason")
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Reject(_Message):
+    """head -> one rank: the head refused that rank's last message, for `reason`."""
+
+    KIND: ClassVar[str] = "reject"
+    reason: str
+
+    def _payload(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, _names(cls), prefix)
+        return cls(
+            token=_as_str(b["token"], prefix + "token"), reason=_as_str(b["reason"], prefix + "reason")
+        )
+
+
+def _timings_body(timings: dict[str, float]) -> dict[str, Any]:
+    return {k: float(v) if type(v) is int else v for k, v in sorted(timings.items())}
+
+
+Message: TypeAlias = (
+    Offer | Table | Ready | Go | ErrorReport | Heartbeat | Bye | Vote | Decision | Abort | Reject
+)
+
+KINDS: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (Offer, Table, Ready, Go, ErrorReport, Heartbeat, Bye, Vote, Decision, Abort, Reject)
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# encode / decode
+
+
+def encode(msg: Message) -> bytes:
+    """The wire bytes of `msg`: one msgpack map {kind, v, token, ...fields}; bytes as bin, nested
+    values as maps, tuples as arrays, maps sorted by key, so the same message gives the same bytes.
+    Raises WireError when the message would be refused by decode()."""
+    return msg.to_msgpack()
+
+
+def decode(data: bytes, *, token: str | None, sender: str | None = None) -> Message:
+    """Check and decode one message. `token`: the tray's token (None: accept any); `sender`: who sent
+    it (e.g. "rank-3"), named in the error. Raises WireError (and nothing else) saying what was
+    expected and what was seen; the token is never echoed."""
+    try:
+        return _decode(data, token, sender)
+    except WireError as e:
+        raise WireError(e.reason, sender) from None
+    except (ValueError, TypeError, OverflowError, RecursionError, UnicodeError, KeyError) as e:
+        # NOTE: a belt under the checks above: a hostile message must never escape as anything else.
+        raise WireError(f"malformed message ({type(e).__name__}: {_show(str(e), 200)})", sender) from None
+
+
+def _decode(data: bytes, token: str | None, sender: str | None) -> Message:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"expected bytes, got {_tn(data)}")
+    nbytes = len(data)
+    if nbytes > MAX_MESSAGE_NBYTES:
+        raise WireError(f"message of {nbytes} bytes exceeds the limit of {MAX_MESSAGE_NBYTES} bytes")
+    body = _unpack(data)
+    if type(body) is not dict:
+        raise WireError(f"expected a map at top level, got {_tn(body)}")
+    _check_version(body, sender)
+    if "kind" not in body:
+        raise WireError("missing field 'kind'")
+    kind = body["kind"]
+    if type(kind) is not str or kind not in KINDS:
+        raise WireError(f"unknown kind {_show(kind)}; expected one of {', '.join(sorted(KINDS))}")
+    _check_token(body, token)
+    try:
+        return KINDS[kind].from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
+    except WireError as e:
+        raise WireError(f"{kind}: {e.reason}") from None
+
+
+def _unpack(data: bytes | bytearray | memoryview) -> object:
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=MAX_MESSAGE_NBYTES,
+            max_bin_len=MAX_MESSAGE_NBYTES,
+            max_array_len=MAX_MESSAGE_NBYTES,
+            max_map_len=MAX_MESSAGE_NBYTES,
+            max_ext_len=MAX_MESSAGE_NBYTES,
+        )
+    except (msgpack.UnpackException, ValueError, TypeError, OverflowError, RecursionError) as e:
+        detail = str(e)
+        why = f"{type(e).__name__}: {_show(detail, 120)}" if detail else type(e).__name__
+        raise WireError(f"not valid msgpack ({why})") from None
+
+
+def _check_version(body: dict[Any, Any], sender: str | None) -> None:
+    if "v" not in body:
+        raise WireError("missing field 'v' (protocol version)")
+    version = body["v"]
+    if type(version) is not int:
+        raise _bad("v", "int", version)
+    if version != PROTOCOL_VERSION:
+        if version > PROTOCOL_VERSION:
+            act = "upgrade tray on this side"
+        else:
+            act = f"upgrade tray on {sender or 'the sender'}"
+        raise WireError(
+            f"protocol version {version}, expected {PROTOCOL_VERSION}; {act} (run one tray version everywhere)"
+        )
+
+
+def _check_token(body: dict[Any, Any], token: str | None) -> None:
+    if "token" not in body:
+        raise WireError("missing field 'token'")
+    seen = body["token"]
+    if type(seen) is not str:
+        raise _bad("token", "str", seen)
+    if token is not None and not hmac.compare_digest(seen.encode(), token.encode()):
+        raise WireError("wrong token (the sender belongs to another tray, or to an earlier one on this path)")

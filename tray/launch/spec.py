@@ -1,0 +1,79 @@
+"""What to launch (TraySpec), a running rank (RankProcess, RankState) and the outcome (TrayResult)."""
+
+from __future__ import annotations
+
+import enum
+import subprocess
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TraySpec:
+    """A tray to launch: `nprocs` ranks of `cmd` on `backend` with `manifest` (None: built-in)."""
+
+    nprocs: int
+    cmd: tuple[str, ...]
+    backend: str = "host"
+    manifest: str | None = None
+    vars: tuple[tuple[str, int], ...] = ()
+    log_dir: str | None = None
+    # NOTE: 30 s covers a cold CUDA context + NCCL init on 8 GPUs with a wide margin.
+    handshake_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 10.0
+    grace_s: float = 3.0
+    extra_env: tuple[tuple[str, str], ...] = ()
+    quiet: bool = False
+
+
+class RankState(enum.Enum):
+    """Where a rank is, as the head sees it. Transitions only move right, or to EXITED/FAILED."""
+
+    SPAWNED = "spawned"
+    OFFERED = "offered"
+    READY = "ready"
+    RUNNING = "running"
+    EXITED = "exited"
+    FAILED = "failed"
+
+
+@dataclass
+class RankProcess:
+    """A running child of the head."""
+
+    rank: int
+    popen: subprocess.Popen
+    t_spawn: float
+    state: RankState = RankState.SPAWNED
+    phase: str = "spawn"
+    last_heartbeat: float | None = None
+    tail: deque = field(default_factory=lambda: deque(maxlen=20))
+    returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a rank (or the tray) failed. `rank` is None for a tray-wide failure (handshake)."""
+
+    rank: int | None
+    summary: str
+    report: str = ""
+    tail: tuple[str, ...] = ()
+    exit_code: int = 1
+
+
+@dataclass
+class TrayResult:
+    """The outcome: exit code of the head, the root cause, every rank's return code and timeline."""
+
+    exit_code: int
+    root_cause: Failure | None
+    returncodes: dict[int, int | None]
+    timeline: dict[str, tuple[float, int]] = field(default_factory=dict)  # phase -> (s, slowest rank)
+    startup_s: float | None = None
+    job_dir: str = ""
+    rejected: list[str] = field(default_factory=list)

@@ -1,0 +1,31 @@
+"""The manifest digest: sha256 over the canonical JSON document and every kernel's source bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+
+def canonical_json(doc: Mapping[str, Any]) -> bytes:
+    """The document as canonical UTF-8 JSON: sorted keys, no whitespace, no ASCII escaping.
+
+    Lone surrogates (legal in JSON's \\u escapes, illegal in UTF-8) pass through as their raw
+    code units, so every document that parses has a digest.
+    """
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8", errors="surrogatepass")
+
+
+def compute_digest(doc: Mapping[str, Any], kernel_sources: Mapping[str, bytes]) -> str:
+    """sha256 hex of canonical_json(doc), then per kernel sorted by name: \\0kernel\\0 name \\0 source.
+
+    `kernel_sources` maps kernel name -> the source file's bytes. Key order and whitespace of the
+    file do not change the digest; any byte of any kernel source does.
+    """
+    h = hashlib.sha256(canonical_json(doc))
+    for name in sorted(kernel_sources):
+        h.update(b"\0kernel\0" + name.encode("utf-8", errors="surrogatepass") + b"\0")
+        h.update(kernel_sources[name])
+    return h.hexdigest()

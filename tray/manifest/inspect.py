@@ -1,0 +1,141 @@
+"""`tray inspect`: a manifest as human text, resolved at one world size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tray.manifest.schema import BufferRef, Manifest, ResolvedArg, ResolvedManifest, ResolvedOp
+
+_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def human_bytes(nbytes: int) -> str:
+    """`512 B`, `64 KiB`, `1.5 MiB`, `112 GiB`: the largest binary unit the size reaches."""
+    for unit, scale in _UNITS:
+        if nbytes >= scale:
+            value = nbytes / scale
+            text = f"{value:.0f}" if nbytes % scale == 0 else f"{value:.2f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}"
+    return f"{nbytes} B"
+
+
+def format_inspect(manifest: Manifest, world_size: int, overrides: dict[str, int] | None = None) -> str:
+    """Every section of `manifest`, resolved for `world_size` ranks, one item per line.
+
+    Raises what Manifest.resolve raises (UsageError, ManifestError).
+    """
+    r = manifest.resolve(world_size, overrides)
+    lines = [
+        f"manifest {manifest.name}  ({manifest.path})",
+        f"digest   {manifest.digest}",
+        f"world    {world_size} rank{'s' if world_size != 1 else ''}",
+    ]
+    if manifest.description:
+        lines.append(f"about    {manifest.description}")
+    lines.append("vars     " + (", ".join(f"{k}={v}" for k, v in r.vars.items())))
+    lines += _groups(r)
+    lines += _buffers(r)
+    lines += _states(r)
+    lines += _kernels(manifest)
+    lines += _programs(r)
+    return "\n".join(lines) + "\n"
+
+
+def _groups(r: ResolvedManifest) -> list[str]:
+    lines = ["groups"]
+    for name, instances in r.groups.items():
+        sizes = sorted({len(i) for i in instances})
+        size = "/".join(map(str, sizes))
+        shown = " ".join("[" + ",".join(map(str, i)) + "]" for i in instances)
+        plural = "s" if len(instances) != 1 else ""
+        lines.append(f"  {name:<12} {len(instances)} instance{plural} of {size}: {shown}")
+    flags = ", ".join(
+        f"{name}: " + " ".join(f"u64[{len(i)}]" for i in instances) for name, instances in r.groups.items()
+    )
+    lines.append(f"  barrier flags: u64[G] per group instance, implicit, exported ({flags})")
+    return lines
+
+
+def _buffers(r: ResolvedManifest) -> list[str]:
+    lines = ["buffers" + ("" if r.buffers else "  (none)")]
+    for b in r.buffers:
+        shape = ", ".join(map(str, b.shape))
+        export = f"export group={b.group}" if b.export else "local"
+        bind = "  bind" if b.bind else ""
+        lines.append(f"  {b.name:<12} {b.dtype}[{shape}]  {human_bytes(b.nbytes)}  {export}{bind}")
+    if r.buffers:
+        lines.append(f"  total        {human_bytes(sum(b.nbytes for b in r.buffers))} per rank")
+    return lines
+
+
+def _states(r: ResolvedManifest) -> list[str]:
+    lines = ["states" + ("" if r.states else "  (none)")]
+    for s in r.states:
+        lines.append(
+            f"  {s.name:<12} {s.pages} pages x {human_bytes(s.page_nbytes)} = {human_bytes(s.nbytes)}"
+        )
+    return lines
+
+
+def _kernels(m: Manifest) -> list[str]:
+    lines = ["kernels" + ("" if m.kernels else "  (none)")]
+    for k in m.kernels:
+        extra = "  peers" if k.peers else ""
+        options = f"  options {' '.join(k.options)}" if k.options else ""
+        lines.append(f"  {k.name:<12} entry {k.entry}  source {k.source}{extra}{options}")
+    return lines
+
+
+def _programs(r: ResolvedManifest) -> list[str]:
+    lines = ["programs" + ("" if r.programs else "  (none)")]
+    for p in r.programs.values():
+        count = len(p.ops)
+        lines.append(f"  {p.name:<12} {count} op{'s' if count != 1 else ''}, graph={str(p.graph).lower()}")
+        lines += [f"    {i:>3} {summarize_op(op)}" for i, op in enumerate(p.ops)]
+    return lines
+
+
+def summarize_op(op: ResolvedOp) -> str:
+    """One line for a resolved op, e.g. `nccl allreduce group=tp send=x recv=y count=1024 bf16`."""
+    f = op.fields
+    if op.op == "launch":
+        args = ", ".join(_arg(a) for a in f["args"])
+        return (
+            f"launch {f['kernel']} grid={_dim3(f['grid'])} block={_dim3(f['block'])}"
+            f" shmem={f['shmem']} args=[{args}]"
+        )
+    if op.op == "nccl":
+        peer = f" peer={f['peer']}" if f.get("peer") is not None else ""
+        return (
+            f"nccl {f['collective']} group={f['group']} send={_ref(f['send'])} recv={_ref(f['recv'])}"
+            f" count={f['count']} {f['dtype']}{peer}"
+        )
+    if op.op == "gemm":
+        acc = " +=" if f["accumulate"] else " ="
+        return (
+            f"gemm {_ref(f['c'])}{acc} {_ref(f['a'])} @ {_ref(f['b'])}"
+            f"  m={f['m']} n={f['n']} k={f['k']} {f['dtype']}"
+        )
+    if op.op == "barrier":
+        return f"barrier {f['group']}"
+    if op.op == "copy":
+        return f"copy {_ref(f['src'])} -> {_ref(f['dst'])}  {human_bytes(f['bytes'])}"
+    return f"{op.op} {f}"
+
+
+def _dim3(dims: Any) -> str:
+    return "(" + ",".join(map(str, dims)) + ")"
+
+
+def _ref(ref: BufferRef) -> str:
+    return f"{ref.name}@{ref.offset}" if ref.offset else ref.name
+
+
+def _arg(arg: ResolvedArg) -> str:
+    if arg.kind == "buffer":
+        return f"{arg.name}@{arg.offset}" if arg.offset else str(arg.name)
+    if arg.kind == "peers":
+        return f"peers:{arg.name}"
+    if arg.name is not None:
+        return f"{arg.name}={arg.value}"
+    return repr(arg.value)

@@ -1,0 +1,543 @@
+"""JSON -> Manifest: every rule of manifest format 1, each violation a ManifestError at its JSON path."""
+
+from __future__ import annotations
+
+import json
+import keyword
+import math
+import os
+import re
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from tray.errors import ManifestError
+from tray.manifest.digest import compute_digest
+from tray.manifest.expr import (
+    EXPR_HELP,
+    INT_LIMIT,
+    PEERS_PREFIX,
+    ExprError,
+    check_expr,
+    eval_expr,
+    expr_names,
+    did_you_mean,
+    known_list,
+    split_ref,
+)
+from tray.manifest.schema import (
+    COLLECTIVES,
+    DTYPE_ITEMSIZE,
+    FORMAT_VERSION,
+    OP_TYPES,
+    WORLD,
+    WORLD_SIZE_VAR,
+    BufferSpec,
+    GroupSpec,
+    IntOrExpr,
+    KernelSpec,
+    Manifest,
+    OpSpec,
+    ProgramSpec,
+    Ranks,
+    StateSpec,
+)
+
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
+MANIFEST_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# NOTE: real manifests nest four levels; the bound keeps the validator's recursion far from the
+# interpreter's limit whatever an in-memory document holds.
+MAX_DEPTH = 64
+# NOTE: JSON has no integer bound; 2**64 admits every u64 a bind table could carry while keeping
+# json.dumps (the digest) clear of Python's int-to-str digit limit.
+JSON_INT_LIMIT = 2**64
+
+TOP_KEYS = ("format", "name", "description", "vars", "groups", "buffers", "states", "kernels", "programs")
+GROUP_KEYS = ("name", "ranks", "size")
+BUFFER_KEYS = ("name", "dtype", "shape", "export", "group", "bind")
+STATE_KEYS = ("name", "page_nbytes", "pages")
+KERNEL_KEYS = ("name", "source", "entry", "options", "peers")
+PROGRAM_KEYS = ("name", "graph", "ops")
+# op type -> (allowed keys, required keys)
+OP_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "launch": (("op", "kernel", "grid", "block", "shmem", "args"), ("kernel", "grid", "block")),
+    "nccl": (
+        ("op", "collective", "group", "send", "recv", "count", "dtype", "peer"),
+        ("collective", "group", "send", "recv", "count", "dtype"),
+    ),
+    "gemm": (
+        ("op", "a", "b", "c", "m", "n", "k", "dtype", "accumulate"),
+        ("a", "b", "c", "m", "n", "k", "dtype"),
+    ),
+    "barrier": (("op", "group"), ("group",)),
+    "copy": (("op", "src", "dst", "bytes"), ("src", "dst", "bytes")),
+}
+# op type -> its integer fields and their lower bounds (checked on literals here, on all at resolve)
+OP_INT_FIELDS: dict[str, dict[str, int]] = {
+    "launch": {"shmem": 0},
+    "nccl": {"count": 0, "peer": 0},
+    "gemm": {"m": 1, "n": 1, "k": 1},
+    "barrier": {},
+    "copy": {"bytes": 0},
+}
+OP_BUFFER_FIELDS: dict[str, tuple[str, ...]] = {
+    "launch": (),
+    "nccl": ("send", "recv"),
+    "gemm": ("a", "b", "c"),
+    "barrier": (),
+    "copy": ("src", "dst"),
+}
+
+
+def child(json_path: str, key: str | int) -> str:
+    """`$.a` + key -> `$.a.key`, `$.a[3]`, or `$.a["odd key"]` for keys that are not identifiers."""
+    if isinstance(key, int):
+        return f"{json_path}[{key}]"
+    if IDENT_RE.match(key):
+        return f"{json_path}.{key}"
+    return f"{json_path}[{json.dumps(key)}]"
+
+
+def show(value: object) -> str:
+    """A JSON value for a message, cut to 60 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _DuplicateKeys(dict[str, Any]):
+    """A JSON object in which `duplicate` appeared twice; the validator reports it with its path."""
+
+    duplicate: str = ""
+
+
+def _pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            dup = _DuplicateKeys(pairs)
+            dup.duplicate = key
+            return dup
+        obj[key] = value
+    return obj
+
+
+def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read, parse and validate the manifest file at `path`; kernel sources resolve from its directory.
+
+    Raises ManifestError for an unreadable file, a JSON syntax error (json_path `line L column C`),
+    or any rule of format 1 (json_path `$.…`).
+    """
+    where = os.fspath(path)
+    try:
+        with open(where, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ManifestError(where, "$", f"cannot read the manifest: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(where, f"byte {exc.start}", "the manifest is not UTF-8 text") from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_pairs_hook)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(where, f"line {exc.lineno} column {exc.colno}", exc.msg) from None
+    except RecursionError:
+        raise ManifestError(where, "$", f"JSON nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except ValueError as exc:  # e.g. an integer literal past Python's digit limit
+        raise ManifestError(where, "$", f"invalid JSON: {exc}") from None
+    return parse_manifest(doc, where, os.path.dirname(os.path.abspath(where)))
+
+
+def parse_manifest(doc: dict[str, Any], path: str, base_dir: str) -> Manifest:
+    """Validate an in-memory document. `path` names it in errors; kernel sources resolve from `base_dir`.
+
+    Raises ManifestError only, whatever `doc` holds.
+    """
+    return _Parser(path, base_dir).parse(doc)
+
+
+class _Parser:
+    def __init__(self, path: str, base_dir: str) -> None:
+        self.path = path
+        self.base_dir = base_dir
+        self.vars: dict[str, int] = {}
+        self.groups: dict[str, GroupSpec] = {}
+        self.buffers: dict[str, BufferSpec] = {}
+        self.kernels: dict[str, KernelSpec] = {}
+        self.sources: dict[str, bytes] = {}
+        # name -> JSON path of its declaration, per namespace, for "also at ..." messages
+        self.declared: dict[str, dict[str, str]] = {}
+
+    def fail(self, json_path: str, message: str) -> NoReturn:
+        raise ManifestError(self.path, json_path, message)
+
+    # -- generic shapes ------------------------------------------------------------------------
+
+    def plain(self, value: object, jp: str, depth: int = 0) -> Any:
+        """A copy of `value` as plain JSON (dict/list/str/int/float/bool/None); tuples become lists."""
+        if depth > MAX_DEPTH:
+            self.fail(jp, f"nested too deeply (at most {MAX_DEPTH} levels)")
+        if isinstance(value, _DuplicateKeys):
+            self.fail(child(jp, value.duplicate), f"duplicate key '{value.duplicate}'")
+        if isinstance(value, dict):
+            out: dict[str, Any] = {}
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    self.fail(f"{jp}[{key!r}]", f"object keys must be strings, got {type(key).__name__}")
+                out[str(key)] = self.plain(item, child(jp, key), depth + 1)
+            return out
+        if isinstance(value, (list, tuple)):
+            return [self.plain(item, child(jp, i), depth + 1) for i, item in enumerate(value)]
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            return str(value)
+        if isinstance(value, int):
+            if abs(value) >= JSON_INT_LIMIT:
+                self.fail(jp, "integer out of range (|value| must be < 2**64)")
+            return int(value)
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                self.fail(jp, f"expected a finite number, got {value!r}")
+            return float(value)
+        self.fail(jp, f"expected a JSON value, got {type(value).__name__}")
+
+    def obj(
+        self, value: object, jp: str, what: str, allowed: Sequence[str], required: Sequence[str]
+    ) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            self.fail(jp, f"expected an object ({what}), got {show(value)}")
+        for key in value:
+            if key not in allowed:
+                self.fail(
+                    child(jp, key),
+                    f"unknown key '{key}' in {what}; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}",
+                )
+        for key in required:
+            if key not in value:
+                self.fail(jp, f"missing key '{key}' in {what}; required: {', '.join(required)}")
+        return value
+
+    def list_(self, value: object, jp: str, what: str) -> list[Any]:
+        if not isinstance(value, list):
+            self.fail(jp, f"expected a list ({what}), got {show(value)}")
+        return value
+
+    def str_(self, value: object, jp: str, what: str) -> str:
+        if not isinstance(value, str):
+            self.fail(jp, f"expected a string ({what}), got {show(value)}")
+        return value
+
+    def bool_(self, value: object, jp: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(jp, f"expected true or false, got {show(value)}")
+        return value
+
+    def int_(self, value: object, jp: str, minimum: int | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(jp, f"expected an int, got {show(value)}")
+        if abs(value) >= INT_LIMIT:
+            self.fail(jp, "integer out of range (|value| must be < 2**63)")
+        if minimum is not None and value < minimum:
+            self.fail(jp, f"must be >= {minimum}, got {value}")
+        return value
+
+    def expr(self, value: object, jp: str, minimum: int | None) -> IntOrExpr:
+        """An int (checked against `minimum` now) or an expression over vars (checked at resolve)."""
+        if isinstance(value, str):
+            try:
+                check_expr(value, [*self.vars, WORLD_SIZE_VAR])
+                # a constant ("-4", "64*1024") can be judged now, as a literal int is
+                constant = None if expr_names(value) else eval_expr(value, {})
+            except ExprError as exc:
+                self.fail(jp, str(exc))
+            if constant is not None and minimum is not None and constant < minimum:
+                self.fail(jp, f"must be >= {minimum}, got {constant} from {value!r}")
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(jp, f"expected {EXPR_HELP}, got {show(value)}")
+        return self.int_(value, jp, minimum)
+
+    def name(self, value: object, jp: str, namespace: str, pattern: re.Pattern[str] = NAME_RE) -> str:
+        """A new name in `namespace`: matches `pattern` and is not declared there yet."""
+        text = self.str_(value, jp, f"{namespace} name")
+        if not pattern.match(text):
+            rule = pattern.pattern.removesuffix("\\Z")
+            self.fail(jp, f"invalid {namespace} name {show(text)}; names must match {rule}")
+        seen = self.declared.setdefault(namespace, {})
+        if text in seen:
+            self.fail(jp, f"duplicate {namespace} name '{text}' (also at {seen[text]})")
+        seen[text] = jp
+        return text
+
+    def ref(self, value: object, jp: str, kind: str, known: Sequence[str]) -> str:
+        """A reference to a declared `kind`; unknown names list the known ones."""
+        text = self.str_(value, jp, f"{kind} name")
+        if text not in known:
+            self.fail(jp, f"unknown {kind} '{text}'; known: {known_list(known)}{did_you_mean(text, known)}")
+        return text
+
+    def dtype(self, value: object, jp: str) -> str:
+        return self.ref(value, jp, "dtype", list(DTYPE_ITEMSIZE))
+
+    # -- sections ------------------------------------------------------------------------------
+
+    def parse(self, raw: object) -> Manifest:
+        doc = self.plain(raw, "$")
+        top = self.obj(doc, "$", "manifest", TOP_KEYS, ("format", "name"))
+        fmt = top["format"]
+        if isinstance(fmt, bool) or fmt != FORMAT_VERSION:
+            self.fail("$.format", f"unsupported format {show(fmt)}; this tray reads format {FORMAT_VERSION}")
+        name = self.name(top["name"], "$.name", "manifest", MANIFEST_NAME_RE)
+        description = self.str_(top.get("description", ""), "$.description", "description")
+        self.parse_vars(top.get("vars", {}))
+        groups = self.parse_groups(top.get("groups", []))
+        buffers = self.parse_buffers(top.get("buffers", []))
+        states = self.parse_states(top.get("states", []))
+        kernels = self.parse_kernels(top.get("kernels", []))
+        programs = self.parse_programs(top.get("programs", []))
+        return Manifest(
+            path=self.path,
+            name=name,
+            description=description,
+            format=FORMAT_VERSION,
+            vars=dict(self.vars),
+            groups=groups,
+            buffers=buffers,
+            states=states,
+            kernels=kernels,
+            programs=programs,
+            digest=compute_digest(doc, self.sources),
+            doc=doc,
+        )
+
+    def parse_vars(self, raw: object) -> None:
+        if not isinstance(raw, dict):
+            self.fail("$.vars", f"expected an object (var name -> int default), got {show(raw)}")
+        for key, value in raw.items():
+            jp = child("$.vars", key)
+            if not IDENT_RE.match(key) or keyword.iskeyword(key):
+                self.fail(
+                    jp, f"invalid var name {show(key)}: use letters, digits and _ (not a Python keyword)"
+                )
+            if key == WORLD_SIZE_VAR:
+                self.fail(jp, f"'{WORLD_SIZE_VAR}' is reserved: the tray sets it to the number of ranks")
+            self.vars[key] = self.int_(value, jp)
+
+    def parse_groups(self, raw: object) -> tuple[GroupSpec, ...]:
+        out: list[GroupSpec] = []
+        for i, item in enumerate(self.list_(raw, "$.groups", "groups")):
+            jp = child("$.groups", i)
+            spec = self.obj(item, jp, "group", GROUP_KEYS, ("name",))
+            name = self.name(spec["name"], child(jp, "name"), "group")
+            if ("ranks" in spec) == ("size" in spec):
+                self.fail(jp, f"group '{name}' needs exactly one of 'ranks' or 'size'")
+            ranks: Ranks | None = None
+            size: IntOrExpr | None = None
+            if "size" in spec:
+                size = self.expr(spec["size"], child(jp, "size"), 1)
+            else:
+                ranks = self.parse_ranks(spec["ranks"], child(jp, "ranks"))
+            if name == WORLD and ranks != "all":
+                self.fail(
+                    jp, 'the world group is always every rank: declare it with "ranks": "all" or omit it'
+                )
+            out.append(GroupSpec(name, ranks, size))
+        if WORLD not in self.declared.get("group", {}):
+            out.insert(0, GroupSpec(WORLD, "all", None))
+        self.groups = {g.name: g for g in out}
+        return tuple(out)
+
+    def parse_ranks(self, raw: object, jp: str) -> Ranks:
+        if raw == "all":
+            return "all"
+        if not isinstance(raw, list) or not raw:
+            self.fail(
+                jp, f'expected "all" or a non-empty list of rank lists like [[0,1],[2,3]], got {show(raw)}'
+            )
+        seen: dict[int, str] = {}
+        instances: list[tuple[int, ...]] = []
+        for j, inst in enumerate(raw):
+            ijp = child(jp, j)
+            if not isinstance(inst, list) or not inst:
+                self.fail(ijp, f"expected a non-empty list of ranks, got {show(inst)}")
+            for k, rank in enumerate(inst):
+                rjp = child(ijp, k)
+                self.int_(rank, rjp, 0)
+                if rank in seen:
+                    self.fail(
+                        rjp, f"rank {rank} appears twice (also at {seen[rank]}); instances must be disjoint"
+                    )
+                seen[rank] = rjp
+            instances.append(tuple(inst))
+        return tuple(instances)
+
+    def parse_buffers(self, raw: object) -> tuple[BufferSpec, ...]:
+        out: list[BufferSpec] = []
+        for i, item in enumerate(self.list_(raw, "$.buffers", "buffers")):
+            jp = child("$.buffers", i)
+            spec = self.obj(item, jp, "buffer", BUFFER_KEYS, ("name", "dtype", "shape"))
+            name = self.name(spec["name"], child(jp, "name"), "buffer or state")
+            if name in self.vars:
+                self.fail(
+                    child(jp, "name"),
+                    f"buffer '{name}' has the name of a var; launch args could not tell them apart",
+                )
+            dtype = self.dtype(spec["dtype"], child(jp, "dtype"))
+            sjp = child(jp, "shape")
+            shape = tuple(
+                self.expr(d, child(sjp, k), 1) for k, d in enumerate(self.list_(spec["shape"], sjp, "shape"))
+            )
+            export = self.bool_(spec.get("export", False), child(jp, "export"))
+            group = self.ref(spec.get("group", WORLD), child(jp, "group"), "group", list(self.groups))
+            bind = spec.get("bind")
+            if bind is not None and not isinstance(bind, dict):
+                self.fail(child(jp, "bind"), f"expected an object, got {show(bind)}")
+            out.append(BufferSpec(name, dtype, shape, export, group, bind))
+        self.buffers = {b.name: b for b in out}
+        return tuple(out)
+
+    def parse_states(self, raw: object) -> tuple[StateSpec, ...]:
+        out: list[StateSpec] = []
+        for i, item in enumerate(self.list_(raw, "$.states", "states")):
+            jp = child("$.states", i)
+            spec = self.obj(item, jp, "state", STATE_KEYS, STATE_KEYS)
+            name = self.name(spec["name"], child(jp, "name"), "buffer or state")
+            page_nbytes = self.expr(spec["page_nbytes"], child(jp, "page_nbytes"), 1)
+            pages = self.expr(spec["pages"], child(jp, "pages"), 1)
+            out.append(StateSpec(name, page_nbytes, pages))
+        return tuple(out)
+
+    def parse_kernels(self, raw: object) -> tuple[KernelSpec, ...]:
+        out: list[KernelSpec] = []
+        for i, item in enumerate(self.list_(raw, "$.kernels", "kernels")):
+            jp = child("$.kernels", i)
+            spec = self.obj(item, jp, "kernel", KERNEL_KEYS, ("name", "source"))
+            name = self.name(spec["name"], child(jp, "name"), "kernel")
+            source = self.str_(spec["source"], child(jp, "source"), "path relative to the manifest")
+            full = os.path.abspath(os.path.join(self.base_dir, source))
+            try:
+                # NOTE: isfile first: open() on a FIFO named by mistake would block the loader.
+                if not os.path.isfile(full):
+                    raise FileNotFoundError(2, "no such regular file")
+                with open(full, "rb") as f:
+                    self.sources[name] = f.read()
+            except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                self.fail(child(jp, "source"), f"cannot read kernel source {full}: {reason}")
+            entry = self.str_(spec.get("entry", name), child(jp, "entry"), "entry function name")
+            if not IDENT_RE.match(entry):
+                where = child(jp, "entry") if "entry" in spec else jp
+                self.fail(
+                    where,
+                    f'entry {show(entry)} is not a C identifier; give "entry" the kernel\'s function name',
+                )
+            ojp = child(jp, "options")
+            options = tuple(
+                self.str_(o, child(ojp, k), "compiler option")
+                for k, o in enumerate(self.list_(spec.get("options", []), ojp, "compiler options"))
+            )
+            peers = self.bool_(spec.get("peers", False), child(jp, "peers"))
+            out.append(KernelSpec(name, full, entry, options, peers))
+        self.kernels = {k.name: k for k in out}
+        return tuple(out)
+
+    def parse_programs(self, raw: object) -> tuple[ProgramSpec, ...]:
+        out: list[ProgramSpec] = []
+        for i, item in enumerate(self.list_(raw, "$.programs", "programs")):
+            jp = child("$.programs", i)
+            spec = self.obj(item, jp, "program", PROGRAM_KEYS, ("name", "ops"))
+            name = self.name(spec["name"], child(jp, "name"), "program")
+            graph = self.bool_(spec.get("graph", False), child(jp, "graph"))
+            ojp = child(jp, "ops")
+            ops = tuple(
+                self.parse_op(op, child(ojp, k)) for k, op in enumerate(self.list_(spec["ops"], ojp, "ops"))
+            )
+            out.append(ProgramSpec(name, graph, ops))
+        return tuple(out)
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def parse_op(self, raw: object, jp: str) -> OpSpec:
+        if not isinstance(raw, dict):
+            self.fail(jp, f"expected an object (op), got {show(raw)}")
+        if "op" not in raw:
+            self.fail(jp, f"missing key 'op'; one of: {', '.join(OP_TYPES)}")
+        kind = self.ref(raw["op"], child(jp, "op"), "op", OP_TYPES)
+        allowed, required = OP_KEYS[kind]
+        spec = self.obj(raw, jp, f"{kind} op", allowed, required)
+        fields: dict[str, Any] = {}
+        for key, minimum in OP_INT_FIELDS[kind].items():
+            if key in spec:
+                fields[key] = self.expr(spec[key], child(jp, key), minimum)
+        for key in OP_BUFFER_FIELDS[kind]:
+            fields[key] = self.buffer_ref(spec[key], child(jp, key))
+        if "group" in spec:
+            fields["group"] = self.ref(spec["group"], child(jp, "group"), "group", list(self.groups))
+        if "dtype" in spec:
+            fields["dtype"] = self.dtype(spec["dtype"], child(jp, "dtype"))
+        if kind == "launch":
+            fields["kernel"] = self.ref(spec["kernel"], child(jp, "kernel"), "kernel", list(self.kernels))
+            fields["grid"] = self.dim3(spec["grid"], child(jp, "grid"))
+            fields["block"] = self.dim3(spec["block"], child(jp, "block"))
+            fields.setdefault("shmem", 0)
+            ajp = child(jp, "args")
+            args = self.list_(spec.get("args", []), ajp, "kernel arguments")
+            fields["args"] = tuple(self.launch_arg(a, child(ajp, k)) for k, a in enumerate(args))
+        elif kind == "nccl":
+            fields["collective"] = self.ref(
+                spec["collective"], child(jp, "collective"), "collective", COLLECTIVES
+            )
+            if (fields["collective"] == "sendrecv") != ("peer" in spec):
+                self.fail(jp, "'peer' is required for collective sendrecv and allowed only there")
+            fields.setdefault("peer", None)
+        elif kind == "gemm":
+            fields["accumulate"] = self.bool_(spec.get("accumulate", False), child(jp, "accumulate"))
+        return OpSpec(kind, fields, jp)
+
+    def dim3(self, raw: object, jp: str) -> tuple[IntOrExpr, ...]:
+        """grid/block: one int|expr, or a list of 1 to 3 of them; missing trailing dims are 1."""
+        if isinstance(raw, list):
+            if not 1 <= len(raw) <= 3:
+                self.fail(jp, f"expected 1 to 3 dimensions, got {len(raw)}")
+            dims = [self.expr(d, child(jp, k), 1) for k, d in enumerate(raw)]
+            return tuple(dims + [1] * (3 - len(dims)))
+        return (self.expr(raw, jp, 1), 1, 1)
+
+    def buffer_ref(self, raw: object, jp: str) -> str:
+        """`"buf"` or `"buf@offset_expr"` (bytes); the buffer must be declared."""
+        text = self.str_(raw, jp, "buffer reference")
+        name, offset = split_ref(text)
+        self.ref(name, jp, "buffer", list(self.buffers))
+        if offset is not None:
+            self.expr(offset, jp, 0)
+        return text
+
+    def launch_arg(self, raw: object, jp: str) -> str | int | float:
+        """`buffer[@offset]`, `peers:<exported buffer>`, a var name, or an int or float literal."""
+        if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+            self.fail(jp, f"expected a buffer, peers:<buffer>, var name or number, got {show(raw)}")
+        if isinstance(raw, int):
+            return self.int_(raw, jp)
+        if isinstance(raw, float):
+            return raw
+        if raw.startswith(PEERS_PREFIX):
+            name = self.ref(raw[len(PEERS_PREFIX) :], jp, "buffer", list(self.buffers))
+            if not self.buffers[name].export:
+                self.fail(jp, f"'{raw}' needs buffer '{name}' to be exported: add \"export\": true to it")
+            return raw
+        if raw in self.vars or raw == WORLD_SIZE_VAR:
+            return raw
+        name, _ = split_ref(raw)
+        if name in self.buffers:
+            return self.buffer_ref(raw, jp)
+        names = [*self.buffers, *(PEERS_PREFIX + b.name for b in self.buffers.values() if b.export)]
+        names += [*self.vars, WORLD_SIZE_VAR]
+        self.fail(
+            jp,
+            f"'{raw}' names no buffer, peers:<exported buffer> or var; known: {known_list(names)}"
+            f"{did_you_mean(name, names)}",
+        )

@@ -1,0 +1,229 @@
+"""Manifest -> ResolvedManifest for one world size: vars, groups, sizes and every op's arguments."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NoReturn
+
+from tray.errors import ManifestError, UsageError
+from tray.manifest.expr import (
+    INT_LIMIT,
+    PEERS_PREFIX,
+    ExprError,
+    describe,
+    did_you_mean,
+    eval_expr,
+    known_list,
+    split_ref,
+)
+from tray.manifest.schema import (
+    DTYPE_ITEMSIZE,
+    WORLD_SIZE_VAR,
+    BufferRef,
+    GroupSpec,
+    IntOrExpr,
+    Manifest,
+    OpSpec,
+    ResolvedArg,
+    ResolvedBuffer,
+    ResolvedManifest,
+    ResolvedOp,
+    ResolvedProgram,
+    ResolvedState,
+)
+
+Instances = tuple[tuple[int, ...], ...]
+
+
+def resolve_manifest(
+    manifest: Manifest, world_size: int, overrides: dict[str, int] | None = None
+) -> ResolvedManifest:
+    """See Manifest.resolve."""
+    env = resolve_vars(manifest, world_size, overrides)
+    return _Resolver(manifest, env).run()
+
+
+def resolve_vars(manifest: Manifest, world_size: int, overrides: dict[str, int] | None) -> dict[str, int]:
+    """Defaults, then overrides, then world_size. Raises UsageError for bad values or unknown names."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"world_size must be an int >= 1, got {world_size!r}")
+    env = dict(manifest.vars)
+    for name, value in (overrides or {}).items():
+        if name == WORLD_SIZE_VAR:
+            raise UsageError(f"'{WORLD_SIZE_VAR}' cannot be overridden: it is the number of ranks")
+        if name not in manifest.vars:
+            raise UsageError(
+                f"unknown var '{name}' for manifest {manifest.name} ({manifest.path}); "
+                f"known: {known_list(manifest.vars)}{did_you_mean(name, manifest.vars)}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= INT_LIMIT:
+            raise UsageError(f"var '{name}' must be an int (|value| < 2**63), got {value!r}")
+        env[name] = value
+    env[WORLD_SIZE_VAR] = world_size
+    return env
+
+
+class _Resolver:
+    def __init__(self, manifest: Manifest, env: dict[str, int]) -> None:
+        self.m = manifest
+        self.env = env
+        self.world_size = env[WORLD_SIZE_VAR]
+        self.groups: dict[str, Instances] = {}
+        self.buffers: dict[str, ResolvedBuffer] = {}
+
+    def fail(self, json_path: str, message: str) -> NoReturn:
+        raise ManifestError(self.m.path, json_path, message)
+
+    def int_(self, value: IntOrExpr, jp: str, minimum: int | None = None) -> int:
+        try:
+            result = eval_expr(value, self.env)
+        except ExprError as exc:
+            self.fail(jp, str(exc))
+        if minimum is not None and result < minimum:
+            source = "" if isinstance(value, int) else f" from {describe(value, self.env)}"
+            self.fail(jp, f"must be >= {minimum}, got {result}{source}")
+        return result
+
+    def run(self) -> ResolvedManifest:
+        for group in self.m.groups:
+            self.groups[group.name] = self.group(group)
+        for i, spec in enumerate(self.m.buffers):
+            jp = f"$.buffers[{i}]"
+            shape = tuple(self.int_(d, f"{jp}.shape[{k}]", 1) for k, d in enumerate(spec.shape))
+            nbytes = self.product([*shape, DTYPE_ITEMSIZE[spec.dtype]], f"{jp}.shape")
+            self.buffers[spec.name] = ResolvedBuffer(
+                spec.name, spec.dtype, shape, nbytes, spec.export, spec.group, spec.bind
+            )
+        states = []
+        for i, st in enumerate(self.m.states):
+            jp = f"$.states[{i}]"
+            page_nbytes = self.int_(st.page_nbytes, f"{jp}.page_nbytes", 1)
+            pages = self.int_(st.pages, f"{jp}.pages", 1)
+            self.product([page_nbytes, pages], jp)
+            states.append(ResolvedState(st.name, page_nbytes, pages))
+        programs = {
+            p.name: ResolvedProgram(p.name, p.graph, tuple(self.op(op) for op in p.ops))
+            for p in self.m.programs
+        }
+        return ResolvedManifest(
+            manifest=self.m,
+            world_size=self.world_size,
+            vars=dict(self.env),
+            groups=dict(self.groups),
+            buffers=tuple(self.buffers.values()),
+            states=tuple(states),
+            programs=programs,
+        )
+
+    def product(self, factors: list[int], jp: str) -> int:
+        total = math.prod(factors)
+        if total >= INT_LIMIT:
+            self.fail(jp, f"size {' x '.join(map(str, factors))} = {total} bytes is out of range (>= 2**63)")
+        return total
+
+    def group(self, spec: GroupSpec) -> Instances:
+        n = self.world_size
+        jp = self._group_path(spec.name)
+        if spec.ranks == "all":
+            return (tuple(range(n)),)
+        if spec.ranks is not None:
+            for j, inst in enumerate(spec.ranks):
+                for k, rank in enumerate(inst):
+                    if rank >= n:
+                        self.fail(
+                            f"{jp}.ranks[{j}][{k}]",
+                            f"rank {rank} of group '{spec.name}' is out of range for world_size {n}"
+                            f" (ranks are 0..{n - 1})",
+                        )
+            return spec.ranks
+        assert spec.size is not None  # load guarantees exactly one of ranks and size
+        size = self.int_(spec.size, f"{jp}.size", 1)
+        if n % size:
+            self.fail(
+                f"{jp}.size",
+                f"world_size {n} is not divisible by group '{spec.name}' size {describe(spec.size, self.env)}"
+                f" = {size}; run with a multiple of {size} ranks",
+            )
+        return tuple(tuple(range(start, start + size)) for start in range(0, n, size))
+
+    def _group_path(self, name: str) -> str:
+        declared = self.m.doc.get("groups", [])
+        index = next((i for i, g in enumerate(declared) if g.get("name") == name), None)
+        return "$.groups" if index is None else f"$.groups[{index}]"
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def op(self, spec: OpSpec) -> ResolvedOp:
+        f = spec.fields
+        jp = spec.json_path
+        out: dict[str, Any] = dict(f)
+        if spec.op == "launch":
+            out["grid"] = tuple(self.int_(d, f"{jp}.grid", 1) for d in f["grid"])
+            out["block"] = tuple(self.int_(d, f"{jp}.block", 1) for d in f["block"])
+            out["shmem"] = self.int_(f["shmem"], f"{jp}.shmem", 0)
+            out["args"] = tuple(self.arg(a, f"{jp}.args[{k}]") for k, a in enumerate(f["args"]))
+        elif spec.op == "nccl":
+            self.nccl(f, jp, out)
+        elif spec.op == "gemm":
+            m, n, k = (self.int_(f[key], f"{jp}.{key}", 1) for key in ("m", "n", "k"))
+            out.update(m=m, n=n, k=k)
+            item = DTYPE_ITEMSIZE[f["dtype"]]
+            for key, rows, cols in (("a", m, k), ("b", k, n), ("c", m, n)):
+                what = f"gemm {key} ({rows} x {cols} {f['dtype']})"
+                out[key] = self.room(f[key], f"{jp}.{key}", rows * cols * item, what)
+        elif spec.op == "copy":
+            nbytes = self.int_(f["bytes"], f"{jp}.bytes", 0)
+            out["bytes"] = nbytes
+            out["src"] = self.room(f["src"], f"{jp}.src", nbytes, f"copy of {nbytes} B")
+            out["dst"] = self.room(f["dst"], f"{jp}.dst", nbytes, f"copy of {nbytes} B")
+        return ResolvedOp(spec.op, out, jp)
+
+    def nccl(self, f: dict[str, Any], jp: str, out: dict[str, Any]) -> None:
+        """count is per rank (NCCL's convention): allgather/reducescatter/alltoall move count x G."""
+        group_size = max(len(inst) for inst in self.groups[f["group"]])
+        count = self.int_(f["count"], f"{jp}.count", 0)
+        out["count"] = count
+        coll = f["collective"]
+        if coll == "sendrecv":
+            peer = self.int_(f["peer"], f"{jp}.peer", 0)
+            if peer >= group_size:
+                self.fail(f"{jp}.peer", f"peer {peer} is outside group '{f['group']}' of {group_size} ranks")
+            out["peer"] = peer
+        item = DTYPE_ITEMSIZE[f["dtype"]]
+        send_elems = count * group_size if coll in ("reducescatter", "alltoall") else count
+        recv_elems = count * group_size if coll in ("allgather", "alltoall") else count
+        what = f"{coll} of count {count} {f['dtype']} over group '{f['group']}' ({group_size} ranks)"
+        out["send"] = self.room(f["send"], f"{jp}.send", send_elems * item, what)
+        out["recv"] = self.room(f["recv"], f"{jp}.recv", recv_elems * item, what)
+
+    def ref(self, text: str, jp: str) -> BufferRef:
+        name, offset_expr = split_ref(text)
+        buf = self.buffers[name]
+        offset = 0 if offset_expr is None else self.int_(offset_expr, jp, 0)
+        if offset > buf.nbytes:
+            self.fail(jp, f"offset {offset} B is past the end of buffer '{name}' ({buf.nbytes} B)")
+        return BufferRef(name, offset)
+
+    def room(self, text: str, jp: str, nbytes: int, what: str) -> BufferRef:
+        """The reference, after checking `nbytes` fit between its offset and its buffer's end."""
+        ref = self.ref(text, jp)
+        size = self.buffers[ref.name].nbytes
+        if ref.offset + nbytes > size:
+            self.fail(
+                jp,
+                f"{what} needs {nbytes} B from offset {ref.offset} of buffer '{ref.name}', which holds"
+                f" {size} B; enlarge the buffer or shrink the op",
+            )
+        return ref
+
+    def arg(self, raw: str | float, jp: str) -> ResolvedArg:
+        if isinstance(raw, int):
+            return ResolvedArg("int", value=raw)
+        if isinstance(raw, float):
+            return ResolvedArg("float", value=raw)
+        if raw.startswith(PEERS_PREFIX):
+            return ResolvedArg("peers", name=raw[len(PEERS_PREFIX) :])
+        if raw in self.env:
+            return ResolvedArg("int", name=raw, value=self.env[raw])
+        ref = self.ref(raw, jp)
+        return ResolvedArg("buffer", name=ref.name, offset=ref.offset)

@@ -1,0 +1,254 @@
+"""The manifest as frozen data: specs as written (`Manifest`) and as resolved for one world size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from tray.errors import ManifestError, UsageError
+from tray.manifest.expr import ExprError, did_you_mean, eval_expr, known_list
+
+FORMAT_VERSION = 1
+
+# NOTE: kept here (not imported from tray.backend.base) so this package stays free of numpy;
+# tests/unit/test_manifest.py checks the two tables agree.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "u8": 1, "i8": 1, "u16": 2, "i16": 2, "u32": 4, "i32": 4, "u64": 8, "i64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8,
+}  # fmt: skip
+
+OP_TYPES = ("launch", "nccl", "gemm", "barrier", "copy")
+COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
+WORLD = "world"
+WORLD_SIZE_VAR = "world_size"
+
+IntOrExpr = int | str
+Ranks = Literal["all"] | tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A topology group: exactly one of `ranks` ("all" or explicit instances) and `size` is set.
+
+    `size` splits the world into contiguous blocks of that many ranks; world_size must divide by it.
+    """
+
+    name: str
+    ranks: Ranks | None
+    size: IntOrExpr | None
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A device buffer: `shape` in elements of `dtype` (empty = scalar); peer tables span `group`."""
+
+    name: str
+    dtype: str
+    shape: tuple[IntOrExpr, ...]
+    export: bool
+    group: str
+    bind: dict[str, Any] | None = field(default=None, hash=False)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Paged state (e.g. a KV cache): `pages` pages of `page_nbytes` bytes each."""
+
+    name: str
+    page_nbytes: IntOrExpr
+    pages: IntOrExpr
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A CUDA C kernel: `source` is an absolute path, `entry` the extern "C" function name."""
+
+    name: str
+    source: str
+    entry: str
+    options: tuple[str, ...]
+    peers: bool
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One validated program op. `fields` holds its keys (less "op") with defaults filled in.
+
+    launch: kernel, grid and block (3-tuples of int|expr), shmem, args (tuple of raw args);
+    nccl: collective, group, send, recv, count, dtype, peer (None unless sendrecv);
+    gemm: a, b, c, m, n, k, dtype, accumulate; barrier: group; copy: src, dst, bytes.
+    Buffer references are strings `"name"` or `"name@offset_expr"` (offset in bytes).
+    """
+
+    op: str
+    fields: dict[str, Any] = field(hash=False)
+    json_path: str
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """An ordered list of ops that every rank runs in lockstep; `graph` captures it as one graph."""
+
+    name: str
+    graph: bool
+    ops: tuple[OpSpec, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest. `doc` is the JSON as loaded; `digest` proves two ranks hold the same one."""
+
+    path: str
+    name: str
+    description: str
+    format: int
+    vars: dict[str, int] = field(hash=False)
+    groups: tuple[GroupSpec, ...]
+    buffers: tuple[BufferSpec, ...]
+    states: tuple[StateSpec, ...]
+    kernels: tuple[KernelSpec, ...]
+    programs: tuple[ProgramSpec, ...]
+    digest: str
+    doc: dict[str, Any] = field(hash=False, repr=False)
+
+    def group(self, name: str) -> GroupSpec:
+        """The group named `name`. Raises UsageError naming the known groups."""
+        return _lookup("group", name, {g.name: g for g in self.groups})
+
+    def buffer(self, name: str) -> BufferSpec:
+        """The buffer named `name`. Raises UsageError naming the known buffers."""
+        return _lookup("buffer", name, {b.name: b for b in self.buffers})
+
+    def kernel(self, name: str) -> KernelSpec:
+        """The kernel named `name`. Raises UsageError naming the known kernels."""
+        return _lookup("kernel", name, {k.name: k for k in self.kernels})
+
+    def program(self, name: str) -> ProgramSpec:
+        """The program named `name`. Raises UsageError naming the known programs."""
+        return _lookup("program", name, {p.name: p for p in self.programs})
+
+    def resolve(self, world_size: int, overrides: dict[str, int] | None = None) -> ResolvedManifest:
+        """Evaluate every expression for `world_size` ranks and `overrides` of the var defaults.
+
+        Raises UsageError for a bad world size or override (unknown var, non-int value), and
+        ManifestError (with the JSON path) for expressions that fail, non-positive dims, groups that
+        do not fit the world, and ops whose sizes overrun their buffers.
+        """
+        from tray.manifest.resolve import resolve_manifest
+
+        return resolve_manifest(self, world_size, overrides)
+
+
+@dataclass(frozen=True)
+class ResolvedBuffer:
+    """A buffer at one world size: `shape` in elements, `nbytes` = prod(shape) * itemsize."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    export: bool
+    group: str
+    bind: dict[str, Any] | None = field(default=None, hash=False)
+
+
+@dataclass(frozen=True)
+class ResolvedState:
+    """A paged state at one world size; `nbytes` = pages * page_nbytes."""
+
+    name: str
+    page_nbytes: int
+    pages: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.page_nbytes * self.pages
+
+
+@dataclass(frozen=True)
+class BufferRef:
+    """A resolved buffer reference: `offset` bytes into buffer `name`."""
+
+    name: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class ResolvedArg:
+    """A resolved launch argument.
+
+    kind "buffer": a pointer `offset` bytes into `name`; "peers": the peer pointer table of `name`
+    (one pointer per rank of the buffer's group instance); "int" / "float": `value` (`name` is the
+    var it came from, or None for a literal).
+    """
+
+    kind: Literal["buffer", "peers", "int", "float"]
+    name: str | None = None
+    offset: int = 0
+    value: int | float = 0
+
+
+@dataclass(frozen=True)
+class ResolvedOp:
+    """An op with every expression evaluated.
+
+    Same keys as OpSpec.fields, with ints for expressions, BufferRef for buffer references, 3-tuples
+    of ints for grid/block and a tuple of ResolvedArg for launch args.
+    """
+
+    op: str
+    fields: dict[str, Any] = field(hash=False)
+    json_path: str
+
+
+@dataclass(frozen=True)
+class ResolvedProgram:
+    name: str
+    graph: bool
+    ops: tuple[ResolvedOp, ...]
+
+
+@dataclass(frozen=True)
+class ResolvedManifest:
+    """A manifest resolved for one world size. `vars` includes `world_size`.
+
+    `groups` maps every group name ("world" included) to its instances, each a tuple of global ranks
+    in member order.
+    """
+
+    manifest: Manifest
+    world_size: int
+    vars: dict[str, int] = field(hash=False)
+    groups: dict[str, tuple[tuple[int, ...], ...]] = field(hash=False)
+    buffers: tuple[ResolvedBuffer, ...]
+    states: tuple[ResolvedState, ...]
+    programs: dict[str, ResolvedProgram] = field(hash=False)
+
+    def group_of(self, name: str, rank: int) -> tuple[int, ...] | None:
+        """The instance of group `name` that contains `rank`, or None. UsageError for unknown groups."""
+        instances = _lookup("group", name, self.groups)
+        return next((inst for inst in instances if rank in inst), None)
+
+    def buffer(self, name: str) -> ResolvedBuffer:
+        """The resolved buffer named `name`. Raises UsageError naming the known buffers."""
+        return _lookup("buffer", name, {b.name: b for b in self.buffers})
+
+    def program(self, name: str) -> ResolvedProgram:
+        """The resolved program named `name`. Raises UsageError naming the known programs."""
+        return _lookup("program", name, self.programs)
+
+    def eval(self, value: IntOrExpr, json_path: str) -> int:
+        """Evaluate an int or expression with this manifest's vars; ManifestError at `json_path`."""
+        try:
+            return eval_expr(value, self.vars)
+        except ExprError as exc:
+            raise ManifestError(self.manifest.path, json_path, str(exc)) from None
+
+
+_T = TypeVar("_T")
+
+
+def _lookup(kind: str, name: str, table: dict[str, _T]) -> _T:
+    if name not in table:
+        raise UsageError(f"unknown {kind} '{name}'; known: {known_list(table)}{did_you_mean(name, table)}")
+    return table[name]

@@ -1,0 +1,48 @@
+"""The environment contract a rank is started with (DESIGN section 4), parsed once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from tray.errors import UsageError
+
+_REQUIRED = ("TRAY_RANK", "TRAY_WORLD_SIZE", "TRAY_RDZV", "TRAY_JOB", "TRAY_TOKEN", "TRAY_BACKEND")
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: int
+    endpoint: str
+    job_dir: str
+    token: str
+    manifest: str
+    backend: str
+    vars: tuple[tuple[str, int], ...]
+    t_spawn: float | None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RankEnv":
+        env = os.environ if environ is None else environ
+        missing = [k for k in _REQUIRED if not env.get(k)]
+        if missing:
+            raise UsageError(
+                f"tray.init() found no tray here ({', '.join(missing)} unset); start this program with "
+                "`tray launch -n N -- python your_program.py`"
+            )
+        try:
+            pairs = [kv.split("=", 1) for kv in env.get("TRAY_VARS", "").split(",") if kv]
+            return cls(
+                rank=int(env["TRAY_RANK"]), world_size=int(env["TRAY_WORLD_SIZE"]),
+                local_rank=int(env.get("TRAY_LOCAL_RANK", env["TRAY_RANK"])),
+                device=int(env.get("TRAY_DEVICE", env["TRAY_RANK"])), endpoint=env["TRAY_RDZV"],
+                job_dir=env["TRAY_JOB"], token=env["TRAY_TOKEN"], manifest=env.get("TRAY_MANIFEST", ""),
+                backend=env["TRAY_BACKEND"], vars=tuple((k, int(v)) for k, v in pairs),
+                t_spawn=float(env["TRAY_T_SPAWN"]) if env.get("TRAY_T_SPAWN") else None,
+            )
+        except ValueError as exc:
+            raise UsageError(f"malformed tray environment: {exc}") from None
