@@ -165,7 +165,7 @@ class Rank:
 
         t = self._enter("ready")
         self._client.send(wire.Ready(token=env.token, rank=env.rank, timings={
-            k: v for k, v in self.timings.items() if k in ("table", "import_peers", "nccl")}))
+            k: v for k, v in self.timings.items() if k in ("offer", "table", "import_peers", "nccl")}))
         self._client.receive(wire.Go, timeout_s, "go")
         self.timings["ready"] = time.perf_counter() - t
         self._go = True

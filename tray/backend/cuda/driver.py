@@ -10,7 +10,8 @@ objects; addresses are plain ints; sizes are bytes. Enum arguments are built her
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tray.errors import DeviceError, UsageError
 
@@ -28,7 +29,7 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     """Exceptions the bindings raise (instead of returning a code) when libcuda/libnvrtc is absent."""
     found: list[type[BaseException]] = [OSError]
     try:
-        import cuda.pathfinder as pathfinder
+        from cuda import pathfinder
     except ImportError:
         return tuple(found)
     for name in ("DynamicLibNotFoundError", "DynamicLibNotAvailableError", "DynamicLibUnknownError"):
@@ -292,9 +293,11 @@ def mem_free(ptr: int) -> None:
     _drv("cuMemFree", ptr, what=f"{ptr:#x}")
 
 
-def mem_host_alloc(nbytes: int) -> int:
-    """Pinned host memory (flags 0); returns its host address."""
-    return int(_drv("cuMemHostAlloc", nbytes, 0, what=fmt_bytes(nbytes)))
+def mem_host_alloc(nbytes: int, portable: bool = False) -> int:
+    """Pinned host memory; returns its host address. `portable`: pinned for every context, not only
+    the current one (CU_MEMHOSTALLOC_PORTABLE), so copies from any GPU run at pinned speed."""
+    flags = 0x1 if portable else 0  # NOTE: CU_MEMHOSTALLOC_PORTABLE
+    return int(_drv("cuMemHostAlloc", nbytes, flags, what=f"{fmt_bytes(nbytes)}, flags {flags:#x}"))
 
 
 def mem_free_host(ptr: int) -> None:

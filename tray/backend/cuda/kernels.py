@@ -7,7 +7,8 @@ pointers into it, both kept alive by the returned launch, so a hot loop or a cap
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,9 +51,7 @@ def pack_plan(param_sizes: Sequence[int], args: Sequence[Any], kernel: str = "ke
             plan.append((np.dtype(np.uint64), ptr))
         elif isinstance(arg, np.generic) and arg.dtype.itemsize == size:
             plan.append((arg.dtype, arg.item()))
-        elif isinstance(arg, (bool, np.bool_)):
-            plan.append((_int_dtype(int(arg), size, where), int(arg)))
-        elif isinstance(arg, (int, np.integer)):
+        elif isinstance(arg, (bool, np.bool_, int, np.integer)):
             plan.append((_int_dtype(int(arg), size, where), int(arg)))
         elif isinstance(arg, (float, np.floating)):
             if size not in _FLOATS:

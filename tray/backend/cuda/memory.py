@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import Any, Sequence
+from typing import Any, Self
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class VmmBuffer(DeviceBuffer):
         if teardown is not None:
             teardown.close()
 
-    def __enter__(self) -> VmmBuffer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -127,7 +128,7 @@ class VmmMapping(PeerMapping):
         if teardown is not None:
             teardown.close()
 
-    def __enter__(self) -> VmmMapping:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,7 +190,7 @@ class DevicePtrTable(PtrTable):
             self._open = False
             drv.mem_free(self.ptr)
 
-    def __enter__(self) -> DevicePtrTable:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

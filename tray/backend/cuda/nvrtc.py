@@ -11,9 +11,10 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tray.backend.cuda import driver as drv
 from tray.errors import UsageError
@@ -131,16 +132,18 @@ class LoadedFunction:
 
 
 def load_function(source: str, name: str, entry: str, options: Sequence[str],
-                  capability: tuple[int, int], peers: bool) -> LoadedFunction:
+                  capability: tuple[int, int], peers: bool, filename: str = "") -> LoadedFunction:
     """Compile (cached), check (peers: no multicast) and load `entry` of `source` for the device.
 
+    `name` is the kernel's name (in errors), `filename` the source's (NVRTC's program name, in its log);
     `capability` is the device's (major, minor). Raises CompileError / UsageError for the source,
     CudaError when the driver refuses the image or the entry is missing (the module is unloaded then).
     """
     major, minor = capability
-    cubin = compile_cached(source, name, options, f"sm_{major}{minor}")
+    program = filename or f"{name}.cu"
+    cubin = compile_cached(source, program, options, f"sm_{major}{minor}")
     if peers:
-        ptx = compile_cached(source, name, options, f"compute_{major}{minor}")
+        ptx = compile_cached(source, program, options, f"compute_{major}{minor}")
         refuse_multicast(name, ptx.decode(errors="replace"))
     module = drv.module_load_data(cubin, name)
     try:

@@ -1,0 +1,109 @@
+"""Startup: `tray launch` -> every rank ready (offers, peers mapped, groups joined) -> first allreduce.
+
+Per phase, the slowest rank (the head's timeline), median over repeats. With torch importable and
+GPUs visible, the baseline runs in the same process: torch spawn -> init_process_group(nccl) -> first
+allreduce. Writes JSON (with the environment) and prints the ratio.
+
+    python bench/startup.py -n 4 [--backend host|cuda] [--repeats 5] [--json bench/results/startup.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tray.backend import detect_backend  # noqa: E402
+from tray.envinfo import environment  # noqa: E402
+from tray.launch import TraySpec, run_tray  # noqa: E402
+
+RANK_PROGRAM = """
+import json, sys, time
+import numpy as np
+import tray
+with tray.init() as rank:
+    t_ready = time.time()
+    send, recv = rank.buffer("send"), rank.buffer("recv")
+    rank.write("send", np.full(send.shape, rank.rank + 1, np.float32))
+    rank.collectives("world").allreduce(send.ptr, recv.ptr, 1, "f32")
+    rank.backend.synchronize()
+    got = float(rank.read("recv")[0])
+    want = rank.world_size * (rank.world_size + 1) / 2
+    assert got == want, (got, want)
+    t_first = time.time()
+    with open(f"{sys.argv[1]}/rank-{rank.rank}.json", "w") as f:
+        json.dump({"t_ready": t_ready, "t_first_allreduce": t_first}, f)
+"""
+
+
+def tray_once(n: int, backend: str, workdir: Path) -> dict:
+    prog = workdir / "startup_rank.py"
+    prog.write_text(RANK_PROGRAM)
+    out = workdir / f"out-{time.monotonic_ns()}"
+    out.mkdir()
+    t0 = time.time()
+    result = run_tray(TraySpec(nprocs=n, cmd=(sys.executable, str(prog), str(out)), backend=backend,
+                               manifest=str(REPO / "manifests" / "peer_fill.json"), quiet=True))
+    if result.exit_code != 0:
+        raise SystemExit(f"tray failed: {result.root_cause}")
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
+    return {
+        "ready_s": max(r["t_ready"] for r in ranks) - t0,
+        "first_allreduce_s": max(r["t_first_allreduce"] for r in ranks) - t0,
+        "startup_s": result.startup_s,
+        "phases": {k: v[0] for k, v in result.timeline.items()},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=4)
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    backend = args.backend or detect_backend()
+    with tempfile.TemporaryDirectory(prefix="tray-startup-") as tmp:
+        tray_once(args.n, backend, Path(tmp))  # warm: page cache, kernel cache
+        runs = [tray_once(args.n, backend, Path(tmp)) for _ in range(args.repeats)]
+    phases = sorted({p for r in runs for p in r["phases"]})
+    summary = {
+        "ready_s": statistics.median(r["ready_s"] for r in runs),
+        "first_allreduce_s": statistics.median(r["first_allreduce_s"] for r in runs),
+        "phases_s": {p: statistics.median(r["phases"].get(p, 0.0) for r in runs) for p in phases},
+    }
+    report = {"bench": "startup", "nprocs": args.n, "backend": backend, "repeats": args.repeats, "tray": summary,
+              "runs": runs, "environment": environment()}
+    if backend == "cuda" and not args.no_baseline:
+        from bench.torch_baselines import torch_startup
+
+        base = torch_startup(args.n, args.repeats)
+        if base is not None:
+            report["torch"] = base
+            report["ratio_first_allreduce_vs_torch"] = summary["first_allreduce_s"] / base["first_allreduce_s"]
+    print(f"startup, {args.n} ranks, {backend} backend, median of {args.repeats}:")
+    print(f"  launch -> all ready          {summary['ready_s']:.3f} s")
+    print(f"  launch -> first allreduce    {summary['first_allreduce_s']:.3f} s")
+    for p in ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "nccl",
+              "ready"):
+        if p in summary["phases_s"]:
+            print(f"    {p:<14}{summary['phases_s'][p] * 1e3:8.1f} ms (slowest rank)")
+    if "torch" in report:
+        print(f"  torch spawn -> first allreduce {report['torch']['first_allreduce_s']:.3f} s; "
+              f"ratio tray/torch {report['ratio_first_allreduce_vs_torch']:.2f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

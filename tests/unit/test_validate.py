@@ -1,0 +1,54 @@
+"""The head's offer validation names the ranks at fault."""
+
+from __future__ import annotations
+
+from tray.handshake.validate import validate_offers
+from tray.handshake.wire import BufferOffer, DeviceIdentity, Offer
+
+DIGEST = "a" * 64
+OTHER = "b" * 64
+
+
+def offer(rank: int, *, manifest: str = DIGEST, uuid: str | None = None, nbytes: int = 4096, host: str = "boot",
+          backend: str = "host", nccl: dict | None = None, uid: int = 1000, pid: int | None = None) -> Offer:
+    return Offer(
+        token="t", rank=rank, world_size=4, host=host, pid=pid or 100 + rank, uid=uid,
+        device=DeviceIdentity(ordinal=rank, uuid=uuid or f"dev-{rank}", pci_bus="", numa_node=-1),
+        backend=backend, manifest=manifest, fd_socket=f"/tmp/rank-{rank}.fds",
+        buffers=(BufferOffer(name="x", nbytes=nbytes, handle="memfd", fabric=None),), nccl=nccl or {},
+        timings={},
+    )
+
+
+def check(offers, leaders=None):
+    return validate_offers(offers, world_size=4, digest=DIGEST, uid=1000, pids={r: 100 + r for r in range(4)},
+                           nccl_leaders=leaders or {})
+
+
+def test_agreeing_offers_pass():
+    assert check([offer(r) for r in range(4)]) == []
+
+
+def test_digest_minority_named_first():
+    (problem,) = check([offer(0), offer(1, manifest=OTHER), offer(2), offer(3)])
+    assert problem.startswith(f"manifests differ: rank 1 offered manifest {OTHER[:12]}...; ranks 0,2,3 offered")
+
+
+def test_device_claimed_twice():
+    (problem,) = check([offer(0), offer(1, uuid="dev-0"), offer(2), offer(3)])
+    assert "ranks 0,1 claim one device dev-0" in problem
+
+
+def test_buffer_size_mismatch_and_uid_and_pid():
+    problems = check([offer(0), offer(1, nbytes=8192), offer(2, uid=0), offer(3, pid=999)])
+    text = "\n".join(problems)
+    assert "rank 1 offered buffer 'x' of 8192 B, rank 0 of 4096 B" in text
+    assert "rank 2 runs as uid 0" in text
+    assert "rank 3 offered from pid 999, but the head started pid 103" in text
+
+
+def test_local_handles_across_hosts_and_missing_nccl_id():
+    problems = check([offer(0), offer(1), offer(2, host="other"), offer(3)], leaders={"world": [0]})
+    text = "\n".join(problems)
+    assert "host-local handles" in text
+    assert "rank 0 leads group 'world' but offered no NCCL id" in text

@@ -1,0 +1,355 @@
+"""The cuda backend: one rank's GPU (primary context, one non-blocking stream) through the facade.
+
+Everything a `CudaBackend` makes (buffers, mappings, tables, barriers, kernels, timers, graphs, NCCL
+groups) is tracked and released by `close()`, in reverse order of dependence. Calls that create or
+move things make the backend's context current first, so two backends in one process (tests, doctor)
+stay apart; the hot paths (kernel and barrier launches, graph replays) do not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from tray.backend.base import (
+    Backend,
+    Collectives,
+    DeviceBuffer,
+    DeviceInfo,
+    ExportedHandle,
+    Graph,
+    GroupInfo,
+    GroupJoin,
+    PtrTable,
+    Timer,
+)
+from tray.backend.cuda import driver as drv
+from tray.backend.cuda import memory, nvrtc
+from tray.backend.cuda.barrier import BARRIER_ENTRY, BARRIER_SOURCE, CudaBarrier, kernel_dir
+from tray.backend.cuda.kernels import CudaKernel
+from tray.errors import DeviceError, HandshakeError, UsageError
+
+
+class CudaTimer(Timer):
+    """Two events (default flags) recorded on the backend's stream."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._start = drv.event_create()
+        try:
+            self._stop = drv.event_create()
+        except BaseException:
+            drv.event_destroy(self._start)
+            raise
+        self._events: tuple[Any, Any] | None = (self._start, self._stop)
+
+    def start(self) -> None:
+        drv.event_record(self._start, self._stream)
+
+    def stop(self) -> None:
+        drv.event_record(self._stop, self._stream)
+
+    def elapsed_s(self) -> float:
+        """Seconds between the recorded start and stop; waits for the stop event."""
+        drv.event_synchronize(self._stop)
+        return drv.event_elapsed_ms(self._start, self._stop) / 1e3
+
+    def close(self) -> None:
+        events, self._events = self._events, None
+        if events is not None:
+            for event in events:
+                drv.event_destroy(event)
+
+
+class CudaGraph(Graph):
+    """An instantiated CUDA graph; `replay()` launches it on the backend's stream."""
+
+    def __init__(self, graph: Any, graph_exec: Any, stream: Any) -> None:
+        self._graph = graph
+        self._exec = graph_exec
+        self._stream = stream
+        self._open = True
+
+    def replay(self) -> None:
+        if not self._open:
+            raise UsageError("this graph is closed")
+        drv.graph_launch(self._exec, self._stream)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                drv.graph_exec_destroy(self._exec)
+            finally:
+                drv.graph_destroy(self._graph)
+
+
+def _device_info(ordinal: int, dev: Any) -> DeviceInfo:
+    try:
+        numa_node = drv.device_attribute(dev, "HOST_NUMA_ID")
+    except DeviceError:  # NOTE: older drivers or bindings know no host NUMA id; -1 means "no information"
+        numa_node = -1
+    return DeviceInfo(
+        ordinal=ordinal,
+        uuid=drv.device_uuid(dev),
+        pci_bus=drv.device_pci_bus_id(dev),
+        numa_node=numa_node if numa_node >= 0 else -1,
+        name=drv.device_name(dev),
+    )
+
+
+class CudaBackend(Backend):
+    """One rank's GPU. Construct with `CudaBackend.open(ordinal)`; `close()` releases what it made.
+
+    `stream` is the binding handle of the rank's non-blocking stream; `stream_handle` its address as an
+    int (for NCCL and cuBLAS). `capability` is the device's (major, minor).
+    """
+
+    name = "cuda"
+
+    def __init__(self, info: DeviceInfo, device: Any, context: Any, stream: Any,
+                 capability: tuple[int, int]) -> None:
+        self.info = info
+        self.device = device
+        self.context = context
+        self.stream = stream
+        self.stream_handle = int(stream)
+        self.capability = capability
+        self._fabric: bool | None = None
+        self._kernels: dict[tuple[Any, ...], CudaKernel] = {}
+        self._modules: list[Any] = []
+        self._owned: dict[str, list[Any]] = {
+            kind: [] for kind in ("collectives", "graphs", "timers", "barriers", "tables", "mappings",
+                                  "buffers")
+        }
+        self._closed = False
+
+    @classmethod
+    def open(cls, ordinal: int) -> CudaBackend:
+        """Retain device `ordinal`'s primary context, make it current, create the stream.
+
+        Raises UsageError if no such device is visible, CudaError (a DeviceError) on driver failures.
+        """
+        drv.init()
+        count = drv.device_count()
+        if not 0 <= ordinal < count:
+            raise UsageError(f"GPU {ordinal} is not visible: this process sees {count} GPU(s) "
+                             "(check CUDA_VISIBLE_DEVICES and -n)")
+        dev = drv.device_get(ordinal)
+        ctx = drv.primary_ctx_retain(dev)
+        try:
+            drv.ctx_set_current(ctx, ordinal)
+            info = _device_info(ordinal, dev)
+            capability = (drv.device_attribute(dev, "COMPUTE_CAPABILITY_MAJOR"),
+                          drv.device_attribute(dev, "COMPUTE_CAPABILITY_MINOR"))
+            stream = drv.stream_create()
+        except BaseException:
+            drv.primary_ctx_release(dev)
+            raise
+        return cls(info, dev, ctx, stream, capability)
+
+    def _current(self) -> None:
+        if self._closed:
+            raise UsageError(f"the cuda backend of GPU {self.info.ordinal} is closed")
+        drv.ctx_set_current(self.context, self.info.ordinal)
+
+    def _track(self, kind: str, obj: Any) -> Any:
+        self._owned[kind].append(obj)
+        return obj
+
+    # --- memory -------------------------------------------------------------------------------------
+
+    def fabric_supported(self) -> bool:
+        """Whether exported buffers also carry a FABRIC handle (probed once; see memory.probe_fabric)."""
+        if self._fabric is None:
+            self._current()
+            self._fabric = memory.probe_fabric(self.info.ordinal)
+        return self._fabric
+
+    def allocate(self, name: str, nbytes: int, export: bool) -> memory.VmmBuffer:
+        """A zeroed VMM buffer of at least `nbytes`; exported as a POSIX fd (+ FABRIC where it works)."""
+        fabric = export and self.fabric_supported()
+        self._current()
+        buf = memory.allocate(name, nbytes, self.info.ordinal, self.stream, export, fabric)
+        return self._track("buffers", buf)
+
+    def import_peer(self, handle: ExportedHandle) -> memory.VmmMapping:
+        """Map a peer's buffer for this GPU; `handle.fd` (a received copy) is closed here."""
+        if self._closed:
+            if handle.fd is not None:
+                os.close(handle.fd)
+            raise UsageError(f"the cuda backend of GPU {self.info.ordinal} is closed")
+        self._current()
+        return self._track("mappings", memory.import_peer(handle, self.info.ordinal))
+
+    def ptr_table(self, ptrs: Sequence[int]) -> memory.DevicePtrTable:
+        self._current()
+        return self._track("tables", memory.DevicePtrTable(ptrs, self.stream))
+
+    def write(self, ptr: int, data: np.ndarray) -> None:
+        """Copy a C-contiguous host array to device address `ptr`; returns when the bytes landed."""
+        if not isinstance(data, np.ndarray) or not data.flags.c_contiguous:
+            raise UsageError(f"write needs a C-contiguous numpy array, got {type(data).__name__}"
+                             + ("" if not isinstance(data, np.ndarray) else " (not C-contiguous; use "
+                                "np.ascontiguousarray)"))
+        if data.nbytes == 0:
+            return
+        self._current()
+        drv.memcpy_htod_async(ptr, data.ctypes.data, data.nbytes, self.stream)
+        drv.stream_synchronize(self.stream)
+
+    def read(self, ptr: int, nbytes: int) -> np.ndarray:
+        """`nbytes` from device address `ptr` as a new u8 array, after the stream's earlier work."""
+        out = np.empty(nbytes, dtype=np.uint8)
+        if nbytes:
+            self._current()
+            drv.memcpy_dtoh_async(out.ctypes.data, ptr, nbytes, self.stream)
+            drv.stream_synchronize(self.stream)
+        return out
+
+    def synchronize(self) -> None:
+        drv.stream_synchronize(self.stream)
+
+    # --- barrier, timing, graphs --------------------------------------------------------------------
+
+    def barrier(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable) -> CudaBarrier:
+        kernel = self.load_kernel("peer_barrier", str(kernel_dir() / BARRIER_SOURCE), BARRIER_ENTRY, (),
+                                  peers=True)
+        self._current()
+        return self._track("barriers", CudaBarrier(group, flags, peer_flags, kernel, self.stream))
+
+    def timer(self) -> CudaTimer:
+        self._current()
+        return self._track("timers", CudaTimer(self.stream))
+
+    def capture(self, body: Callable[[], None]) -> CudaGraph:
+        """Capture what `body` enqueues on the stream (THREAD_LOCAL mode) into an instantiated graph.
+
+        If `body` raises, the capture is ended and discarded and the exception propagates.
+        """
+        self._current()
+        drv.stream_begin_capture(self.stream)
+        try:
+            body()
+        except BaseException:
+            self._abandon_capture()
+            raise
+        graph = drv.stream_end_capture(self.stream)
+        if graph is None:
+            raise DeviceError(f"cuStreamEndCapture(device {self.info.ordinal}): the driver returned no graph")
+        try:
+            graph_exec = drv.graph_instantiate(graph)
+        except BaseException:
+            drv.graph_destroy(graph)
+            raise
+        return self._track("graphs", CudaGraph(graph, graph_exec, self.stream))
+
+    def _abandon_capture(self) -> None:
+        try:
+            graph = drv.stream_end_capture(self.stream)
+        except DeviceError:  # NOTE: an invalidated capture ends with an error; nothing to free then
+            return
+        if graph is not None:
+            drv.graph_destroy(graph)
+
+    # --- kernels and collectives --------------------------------------------------------------------
+
+    def load_kernel(self, name: str, source_path: str | None, entry: str, options: Sequence[str],
+                    peers: bool) -> CudaKernel:
+        """Compile (NVRTC, cached on disk) and load `entry` of the kernel's CUDA C source.
+
+        `source_path` may be absolute, relative to the working directory or to the manifests folder;
+        None means `<kernel dir>/<name>.cu`. Raises UsageError (source missing, compile error with
+        NVRTC's log, multicast in a peer kernel), CudaError when the driver refuses the image.
+        """
+        path = _resolve_source(name, source_path)
+        source = path.read_text()
+        key = (hashlib.sha256(source.encode()).hexdigest(), name, entry, tuple(options), peers)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            self._current()
+            loaded = nvrtc.load_function(source, name, entry, options, self.capability, peers,
+                                         filename=path.name)
+            self._modules.append(loaded.module)
+            kernel = CudaKernel(name, entry, loaded.function, self.stream)
+            self._kernels[key] = kernel
+        return kernel
+
+    def nccl_unique_id(self) -> bytes | None:
+        from tray.collectives import nccl
+
+        return nccl.get_unique_id()
+
+    def join_groups(self, joins: Sequence[GroupJoin]) -> dict[str, Collectives]:
+        """Join every group's NCCL communicator in one NCCL group call; keyed by group name."""
+        missing = [j.group.name for j in joins if j.nccl_id is None]
+        if missing:
+            raise HandshakeError(f"no NCCL unique id for group(s) {', '.join(missing)}: member 0 of each "
+                                 "group must offer one (was its offer made by a host-backend rank?)")
+        from tray.collectives import nccl
+
+        self._current()
+        groups = nccl.join_all(groups=[(j.group, j.nccl_id) for j in joins], stream=self.stream_handle,
+                               device=self.info.ordinal)
+        for group in groups.values():
+            self._track("collectives", group)
+        return dict(groups)
+
+    # --- teardown ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release everything this backend made, dependents first; raises the first failure at the end."""
+        if self._closed:
+            return
+        errors: list[BaseException] = []
+
+        def attempt(fn: Callable[..., Any], *args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - keep releasing; the first failure is raised below
+                errors.append(exc)
+
+        attempt(drv.ctx_set_current, self.context, self.info.ordinal)
+        attempt(drv.stream_synchronize, self.stream)  # nothing in flight may use what is freed next
+        for kind in ("collectives", "graphs", "timers", "barriers"):
+            while self._owned[kind]:
+                attempt(self._owned[kind].pop().close)
+        self._kernels.clear()
+        while self._modules:
+            attempt(drv.module_unload, self._modules.pop())
+        for kind in ("tables", "mappings", "buffers"):
+            while self._owned[kind]:
+                attempt(self._owned[kind].pop().close)
+        attempt(drv.stream_destroy, self.stream)
+        attempt(drv.primary_ctx_release, self.device)
+        self._closed = True
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _resolve_source(name: str, source_path: str | None) -> Path:
+    """The kernel's .cu file; UsageError listing where it looked if there is none."""
+    kdir = kernel_dir()
+    if source_path is None:
+        candidates = [kdir / f"{name}.cu"]
+    else:
+        given = Path(source_path)
+        candidates = [given] if given.is_absolute() else [given, kdir.parent / given, kdir / given,
+                                                          kdir / given.name]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates)
+    raise UsageError(f"kernel {name!r}: CUDA source not found (looked at {looked}); "
+                     "set TRAY_KERNEL_DIR or give the manifest's kernel a source path")
