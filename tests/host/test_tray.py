@@ -24,7 +24,7 @@ def test_four_ranks_share_memory_barrier_and_exchange(tray_env):
         words = rank.buffer("fill").shape[0] // n
         peers = rank.peers("fill")
         assert len(peers.ptrs) == n and peers.ptrs[me] == rank.buffer("fill").ptr
-        kernel = rank.backend.load_kernel("peer_fill", None, "tray_peer_fill", (), True)
+        kernel = rank.kernel("peer_fill")
         kernel.launch((1, 1, 1), (32, 1, 1), [peers.table_ptr, n, me, words, 7])
         rank.barrier()
         got = rank.read("fill").reshape(n, words)

@@ -30,6 +30,7 @@ from tray.backend.base import (
     ExportedHandle,
     GroupInfo,
     GroupJoin,
+    Kernel,
     PtrTable,
     numpy_dtype,
 )
@@ -112,6 +113,7 @@ class Rank:
         self._barriers: dict[str, Barrier] = {}
         self._collectives: dict[str, Collectives] = {}
         self._rounds: dict[str, int] = {}
+        self._kernels: dict[str, Kernel] = {}
         self._closed = False
         self._go = False
         self.phase = "start"
@@ -326,6 +328,18 @@ class Rank:
         self._require_go("barrier_of()")
         self.group(group)
         return self._barriers[group]
+
+    def kernel(self, name: str) -> Kernel:
+        """The manifest kernel `name`, compiled and loaded once (host: its numpy twin)."""
+        if name not in self._kernels:
+            spec = next((k for k in self.manifest.kernels if k.name == name), None)
+            if spec is None:
+                known = sorted(k.name for k in self.manifest.kernels)
+                raise UsageError(f"no kernel {name!r}; the manifest declares {known or 'none'}")
+            assert self.backend is not None
+            self._kernels[name] = self.backend.load_kernel(spec.name, spec.source, spec.entry, spec.options,
+                                                           spec.peers)
+        return self._kernels[name]
 
     def collectives(self, group: str = "world") -> Collectives:
         self._require_go("collectives()")

@@ -35,6 +35,11 @@ def kernel_dir() -> Path:
     return Path(tray.__file__).resolve().parent.parent / "manifests" / "kernels"
 
 
+def missing_members(members: tuple[int, ...], mask: int) -> list[int]:
+    """The global ranks whose bit is set in the kernel's missing-member mask (bit i = member i)."""
+    return [rank for i, rank in enumerate(members) if mask >> i & 1]
+
+
 class CudaBarrier(Barrier):
     """One group's barrier. `flags` is this member's `u64[G]` (exported, zeroed); `peer_flags` holds
     every member's flags as mapped here, in member order (own slot = own address)."""
@@ -85,9 +90,8 @@ class CudaBarrier(Barrier):
     def check(self) -> None:
         """Raise BarrierTimeout if any barrier launched so far timed out (call after a sync)."""
         err = self._read_err()
-        missing_mask = int(err[1])
-        if missing_mask:
-            missing = [m for i, m in enumerate(self.group.members) if missing_mask >> i & 1]
+        missing = missing_members(self.group.members, int(err[1]))
+        if missing:
             raise BarrierTimeout(self.group.name, int(err[0]), self.group.members[self.group.index],
                                  missing, self._last_timeout_s)
 

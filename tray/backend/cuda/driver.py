@@ -152,11 +152,14 @@ def device_name(dev: Any) -> str:
     return bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
 
 
-def device_uuid(dev: Any) -> str:
-    """`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, the form nvidia-smi prints."""
-    raw = bytes(_drv("cuDeviceGetUuid", dev, what=f"device {int(dev)}").bytes)[:16]
-    h = raw.hex()
+def format_uuid(raw: bytes) -> str:
+    """16 bytes as `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, the form nvidia-smi prints."""
+    h = bytes(raw)[:16].hex()
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def device_uuid(dev: Any) -> str:
+    return format_uuid(_drv("cuDeviceGetUuid", dev, what=f"device {int(dev)}").bytes)
 
 
 def device_pci_bus_id(dev: Any) -> str:

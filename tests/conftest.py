@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 
 
@@ -64,13 +64,13 @@ class Tray:
         path.write_text("import os, sys, time\nimport numpy as np\nimport tray\n" + textwrap.dedent(body))
         return path
 
-    def command(self, n: int, body: str, *launch_args: str) -> list[str]:
+    def command(self, n: int, body: str, *launch_args: str, backend: str = "host") -> list[str]:
         prog = self.script(body)
-        return [sys.executable, "-m", "tray", "launch", "-n", str(n), "--backend", "host", *launch_args,
+        return [sys.executable, "-m", "tray", "launch", "-n", str(n), "--backend", backend, *launch_args,
                 "--", sys.executable, str(prog), self.marker]
 
-    def launch(self, n: int, body: str, *launch_args: str, timeout_s: float = 60.0) -> Run:
-        return self.run(self.command(n, body, *launch_args), timeout_s)
+    def launch(self, n: int, body: str, *launch_args: str, timeout_s: float = 60.0, backend: str = "host") -> Run:
+        return self.run(self.command(n, body, *launch_args, backend=backend), timeout_s)
 
     def run(self, cmd: list[str], timeout_s: float = 60.0) -> Run:
         t0 = time.monotonic()
@@ -104,3 +104,21 @@ def tray_env(tmp_path: Path):
         assert t.leftovers() == [], "the tray left things behind"
     finally:
         t.cleanup()
+
+
+def visible_gpus() -> int:
+    try:
+        from tray.backend.cuda import visible_gpu_count
+    except ImportError:
+        return 0
+    return visible_gpu_count()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip only when no GPU is visible."""
+    if visible_gpus() > 0:
+        return
+    skip = pytest.mark.skip(reason="no GPU visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
