@@ -215,7 +215,9 @@ def test_overrides(root: Path) -> None:
     r = m.resolve(2, {"tokens": 16})
     assert r.vars["tokens"] == 16 and r.buffer("x").shape == (16, 256)
     assert m.vars["tokens"] == 4  # the spec is unchanged
-    with pytest.raises(UsageError, match=r"unknown var 'tokns'.*known: tokens, hidden.*did you mean 'tokens'"):
+    with pytest.raises(
+        UsageError, match=r"unknown var 'tokns'.*known: tokens, hidden.*did you mean 'tokens'"
+    ):
         m.resolve(2, {"tokns": 16})
     with pytest.raises(UsageError, match="world_size"):
         m.resolve(2, {"world_size": 4})
@@ -239,34 +241,74 @@ def test_resolve_errors(root: Path) -> None:
     assert_error(m.path, info.value, "$.groups[1].ranks[1][0]", "rank 2", "out of range for world_size 2")
     with pytest.raises(ManifestError) as info:
         m.resolve(16)  # experts // world_size == 0
-    assert_error(m.path, info.value, "$.buffers[2].shape[0]", "must be >= 1, got 0", "experts=8, world_size=16")
+    assert_error(
+        m.path, info.value, "$.buffers[2].shape[0]", "must be >= 1, got 0", "experts=8, world_size=16"
+    )
 
 
 @pytest.mark.parametrize(
     ("mutate", "world_size", "json_path", "fragments"),
     [
-        (lambda d: d["buffers"][0].update(shape=["tokens", "hidden - 7168"]), 4, "$.buffers[0].shape[1]",
-         ["must be >= 1, got 0", "hidden=7168"]),
-        (lambda d: d["buffers"][0].update(shape=["tokens", "hidden // (world_size - 4)"]), 4,
-         "$.buffers[0].shape[1]", ["division by zero", "world_size=4"]),
+        (
+            lambda d: d["buffers"][0].update(shape=["tokens", "hidden - 7168"]),
+            4,
+            "$.buffers[0].shape[1]",
+            ["must be >= 1, got 0", "hidden=7168"],
+        ),
+        (
+            lambda d: d["buffers"][0].update(shape=["tokens", "hidden // (world_size - 4)"]),
+            4,
+            "$.buffers[0].shape[1]",
+            ["division by zero", "world_size=4"],
+        ),
         (lambda d: d["states"][0].update(pages="world_size - 8"), 8, "$.states[0].pages", ["must be >= 1"]),
-        (lambda d: d["programs"][0]["ops"][4].update(bytes="tokens * hidden * 2"), 4, "$.programs[0].ops[4].src",
-         ["copy of 1835008 B needs 1835008 B from offset 16 of buffer 'x'"]),
-        (lambda d: d["programs"][0]["ops"][1].update(recv="x"), 4, "$.programs[0].ops[1].recv",
-         ["allgather", "needs 3670016 B", "buffer 'x', which holds 1835008 B"]),
-        (lambda d: d["programs"][0]["ops"][2].update(m=4096), 4, "$.programs[0].ops[2].c",
-         ["gemm c (4096 x 8 bf16)"]),
-        (lambda d: d["programs"][0]["ops"][5].update(peer="world_size"), 4, "$.programs[0].ops[5].peer",
-         ["peer 4 is outside group 'tp' of 2 ranks"]),
-        (lambda d: d["programs"][0]["ops"][0]["args"].__setitem__(1, "x@tokens*hidden*4"), 4,
-         "$.programs[0].ops[0].args[1]", ["past the end of buffer 'x'"]),
-        (lambda d: d["programs"][0]["ops"][0].update(grid=[1, "world_size - 4"]), 4, "$.programs[0].ops[0].grid",
-         ["must be >= 1, got 0"]),
-        (lambda d: d["buffers"][0].update(shape=["tokens * 99999999999", "99999999999"]), 4, "$.buffers[0].shape",
-         ["out of range"]),
+        (
+            lambda d: d["programs"][0]["ops"][4].update(bytes="tokens * hidden * 2"),
+            4,
+            "$.programs[0].ops[4].src",
+            ["copy of 1835008 B needs 1835008 B from offset 16 of buffer 'x'"],
+        ),
+        (
+            lambda d: d["programs"][0]["ops"][1].update(recv="x"),
+            4,
+            "$.programs[0].ops[1].recv",
+            ["allgather", "needs 3670016 B", "buffer 'x', which holds 1835008 B"],
+        ),
+        (
+            lambda d: d["programs"][0]["ops"][2].update(m=4096),
+            4,
+            "$.programs[0].ops[2].c",
+            ["gemm c (4096 x 8 bf16)"],
+        ),
+        (
+            lambda d: d["programs"][0]["ops"][5].update(peer="world_size"),
+            4,
+            "$.programs[0].ops[5].peer",
+            ["peer 4 is outside group 'tp' of 2 ranks"],
+        ),
+        (
+            lambda d: d["programs"][0]["ops"][0]["args"].__setitem__(1, "x@tokens*hidden*4"),
+            4,
+            "$.programs[0].ops[0].args[1]",
+            ["past the end of buffer 'x'"],
+        ),
+        (
+            lambda d: d["programs"][0]["ops"][0].update(grid=[1, "world_size - 4"]),
+            4,
+            "$.programs[0].ops[0].grid",
+            ["must be >= 1, got 0"],
+        ),
+        (
+            lambda d: d["buffers"][0].update(shape=["tokens * 99999999999", "99999999999"]),
+            4,
+            "$.buffers[0].shape",
+            ["out of range"],
+        ),
     ],
-)  # fmt: skip
-def test_resolve_error_paths(root: Path, mutate: Any, world_size: int, json_path: str, fragments: list[str]) -> None:
+)
+def test_resolve_error_paths(
+    root: Path, mutate: Any, world_size: int, json_path: str, fragments: list[str]
+) -> None:
     doc = full_doc()
     mutate(doc)
     m = load_manifest(write(root, doc))
@@ -299,8 +341,16 @@ def _del(*path: Any) -> Any:
 OPS = ("programs", 0, "ops")
 
 LOAD_ERRORS = [
-    (_set(("programz",), []), "$.programz", ["unknown key 'programz'", "allowed: format, name", "did you mean 'programs'"]),
-    (_set(("buffers", 0, "grop"), "tp"), "$.buffers[0].grop", ["allowed: name, dtype, shape", "did you mean 'group'"]),
+    (
+        _set(("programz",), []),
+        "$.programz",
+        ["unknown key 'programz'", "allowed: format, name", "did you mean 'programs'"],
+    ),
+    (
+        _set(("buffers", 0, "grop"), "tp"),
+        "$.buffers[0].grop",
+        ["allowed: name, dtype, shape", "did you mean 'group'"],
+    ),
     (_del("name"), "$", ["missing key 'name'"]),
     (_set(("format",), 2), "$.format", ["unsupported format 2"]),
     (_set(("format",), True), "$.format", ["unsupported format true"]),
@@ -312,28 +362,58 @@ LOAD_ERRORS = [
     (_set(("vars", "x"), 1), "$.buffers[0].name", ["buffer 'x' has the name of a var"]),
     (_set(("groups", 0, "ranks"), "all"), "$.groups[0]", ["exactly one of 'ranks' or 'size'"]),
     (_del("groups", 0, "size"), "$.groups[0]", ["exactly one of 'ranks' or 'size'"]),
-    (_set(("groups", 1, "ranks"), [[0, 1], [1, 2]]), "$.groups[1].ranks[1][0]",
-     ["rank 1 appears twice (also at $.groups[1].ranks[0][1])"]),
+    (
+        _set(("groups", 1, "ranks"), [[0, 1], [1, 2]]),
+        "$.groups[1].ranks[1][0]",
+        ["rank 1 appears twice (also at $.groups[1].ranks[0][1])"],
+    ),
     (_set(("groups", 1, "ranks"), [[0, -1]]), "$.groups[1].ranks[0][1]", ["must be >= 0, got -1"]),
     (_set(("groups", 1, "ranks"), [[]]), "$.groups[1].ranks[0]", ["non-empty list"]),
     (_set(("groups", 1, "ranks"), "some"), "$.groups[1].ranks", ['expected "all"']),
-    (_set(("groups", 1, "name"), "tp"), "$.groups[1].name", ["duplicate group name 'tp' (also at $.groups[0].name)"]),
-    (_set(("groups", 1), {"name": "world", "size": 2}), "$.groups[1]", ["the world group is always every rank"]),
+    (
+        _set(("groups", 1, "name"), "tp"),
+        "$.groups[1].name",
+        ["duplicate group name 'tp' (also at $.groups[0].name)"],
+    ),
+    (
+        _set(("groups", 1), {"name": "world", "size": 2}),
+        "$.groups[1]",
+        ["the world group is always every rank"],
+    ),
     (_set(("groups", 0, "size"), 0), "$.groups[0].size", ["must be >= 1, got 0"]),
     (_set(("buffers", 1, "name"), "x"), "$.buffers[1].name", ["duplicate buffer or state name 'x'"]),
     (_set(("states", 0, "name"), "x"), "$.states[0].name", ["duplicate buffer or state name 'x'"]),
-    (_set(("buffers", 0, "dtype"), "bf61"), "$.buffers[0].dtype", ["unknown dtype 'bf61'", "did you mean 'bf16'"]),
-    (_set(("buffers", 0, "shape", 1), "7168x"), "$.buffers[0].shape[1]", ["expected an int or an integer expression", "'7168x'"]),
-    (_set(("buffers", 0, "shape", 1), "hiden"), "$.buffers[0].shape[1]",
-     ["unknown name 'hiden'", "known: experts, hidden, tokens, world_size", "did you mean 'hidden'"]),
-    (_set(("buffers", 0, "shape", 1), "hidden ** 2"), "$.buffers[0].shape[1]", ["expected an int or an integer expression"]),
+    (
+        _set(("buffers", 0, "dtype"), "bf61"),
+        "$.buffers[0].dtype",
+        ["unknown dtype 'bf61'", "did you mean 'bf16'"],
+    ),
+    (
+        _set(("buffers", 0, "shape", 1), "7168x"),
+        "$.buffers[0].shape[1]",
+        ["expected an int or an integer expression", "'7168x'"],
+    ),
+    (
+        _set(("buffers", 0, "shape", 1), "hiden"),
+        "$.buffers[0].shape[1]",
+        ["unknown name 'hiden'", "known: experts, hidden, tokens, world_size", "did you mean 'hidden'"],
+    ),
+    (
+        _set(("buffers", 0, "shape", 1), "hidden ** 2"),
+        "$.buffers[0].shape[1]",
+        ["expected an int or an integer expression"],
+    ),
     (_set(("buffers", 0, "shape", 1), "__import__('os')"), "$.buffers[0].shape[1]", ["expected an int"]),
     (_set(("buffers", 0, "shape", 1), 1.5), "$.buffers[0].shape[1]", ["got 1.5"]),
     (_set(("buffers", 0, "shape", 1), True), "$.buffers[0].shape[1]", ["got true"]),
     (_set(("buffers", 0, "shape", 0), 0), "$.buffers[0].shape[0]", ["must be >= 1, got 0"]),
     (_set(("buffers", 0, "shape"), "tokens"), "$.buffers[0].shape", ["expected a list"]),
     (_set(("buffers", 0, "export"), 1), "$.buffers[0].export", ["expected true or false"]),
-    (_set(("buffers", 0, "group"), "tq"), "$.buffers[0].group", ["unknown group 'tq'", "known: world, tp, pairs"]),
+    (
+        _set(("buffers", 0, "group"), "tq"),
+        "$.buffers[0].group",
+        ["unknown group 'tq'", "known: world, tp, pairs"],
+    ),
     (_set(("buffers", 0, "bind"), [1]), "$.buffers[0].bind", ["expected an object"]),
     (_set(("states", 0, "page_nbytes"), -1), "$.states[0].page_nbytes", ["must be >= 1"]),
     (_del("states", 0, "pages"), "$.states[0]", ["missing key 'pages'"]),
@@ -344,25 +424,47 @@ LOAD_ERRORS = [
     (_set(("kernels", 0, "name"), "d.x"), "$.kernels[0]", ["not a C identifier"]),
     (_set(("programs", 1, "name"), "step"), "$.programs[1].name", ["duplicate program name"]),
     (_set(("programs", 0, "graph"), "yes"), "$.programs[0].graph", ["expected true or false"]),
-    (_set((*OPS, 0, "kernel"), "dispach"), "$.programs[0].ops[0].kernel",
-     ["unknown kernel 'dispach'; known: dispatch, combine; did you mean 'dispatch'?"]),
-    (_set((*OPS, 0, "op"), "lanch"), "$.programs[0].ops[0].op", ["unknown op 'lanch'", "did you mean 'launch'"]),
+    (
+        _set((*OPS, 0, "kernel"), "dispach"),
+        "$.programs[0].ops[0].kernel",
+        ["unknown kernel 'dispach'; known: dispatch, combine; did you mean 'dispatch'?"],
+    ),
+    (
+        _set((*OPS, 0, "op"), "lanch"),
+        "$.programs[0].ops[0].op",
+        ["unknown op 'lanch'", "did you mean 'launch'"],
+    ),
     (_del(*OPS, 0, "op"), "$.programs[0].ops[0]", ["missing key 'op'; one of: launch, nccl"]),
     (_set((*OPS, 0, "peers"), True), "$.programs[0].ops[0].peers", ["unknown key 'peers' in launch op"]),
     (_del(*OPS, 0, "grid"), "$.programs[0].ops[0]", ["missing key 'grid' in launch op"]),
     (_set((*OPS, 0, "block"), [1, 2, 3, 4]), "$.programs[0].ops[0].block", ["1 to 3 dimensions"]),
     (_set((*OPS, 0, "shmem"), -4), "$.programs[0].ops[0].shmem", ["must be >= 0"]),
-    (_set((*OPS, 0, "args", 2), "peers:y"), "$.programs[0].ops[0].args[2]", ["needs buffer 'y' to be exported"]),
+    (
+        _set((*OPS, 0, "args", 2), "peers:y"),
+        "$.programs[0].ops[0].args[2]",
+        ["needs buffer 'y' to be exported"],
+    ),
     (_set((*OPS, 0, "args", 2), "peers:z"), "$.programs[0].ops[0].args[2]", ["unknown buffer 'z'"]),
-    (_set((*OPS, 0, "args", 3), "tokenz"), "$.programs[0].ops[0].args[3]",
-     ["'tokenz' names no buffer", "peers:x", "did you mean 'tokens'"]),
+    (
+        _set((*OPS, 0, "args", 3), "tokenz"),
+        "$.programs[0].ops[0].args[3]",
+        ["'tokenz' names no buffer", "peers:x", "did you mean 'tokens'"],
+    ),
     (_set((*OPS, 0, "args", 1), "z@4"), "$.programs[0].ops[0].args[1]", ["names no buffer"]),
     (_set((*OPS, 0, "args", 1), "x@-4"), "$.programs[0].ops[0].args[1]", ["must be >= 0"]),
     (_set((*OPS, 0, "args", 1), "x@oops"), "$.programs[0].ops[0].args[1]", ["unknown name 'oops'"]),
     (_set((*OPS, 0, "args", 1), True), "$.programs[0].ops[0].args[1]", ["got true"]),
     (_set((*OPS, 0, "args", 1), None), "$.programs[0].ops[0].args[1]", ["got null"]),
-    (_set((*OPS, 1, "collective"), "allgahter"), "$.programs[0].ops[1].collective", ["did you mean 'allgather'"]),
-    (_set((*OPS, 1, "group"), "pear"), "$.programs[0].ops[1].group", ["unknown group 'pear'", "did you mean 'pairs'"]),
+    (
+        _set((*OPS, 1, "collective"), "allgahter"),
+        "$.programs[0].ops[1].collective",
+        ["did you mean 'allgather'"],
+    ),
+    (
+        _set((*OPS, 1, "group"), "pear"),
+        "$.programs[0].ops[1].group",
+        ["unknown group 'pear'", "did you mean 'pairs'"],
+    ),
     (_set((*OPS, 1, "send"), "q"), "$.programs[0].ops[1].send", ["unknown buffer 'q'"]),
     (_set((*OPS, 1, "dtype"), "float"), "$.programs[0].ops[1].dtype", ["unknown dtype"]),
     (_set((*OPS, 1, "peer"), 1), "$.programs[0].ops[1]", ["'peer' is required for collective sendrecv"]),
@@ -375,7 +477,7 @@ LOAD_ERRORS = [
     (_set((*OPS, 4, "dst"), 7), "$.programs[0].ops[4].dst", ["expected a string"]),
     (_set((*OPS, 4), "copy"), "$.programs[0].ops[4]", ['expected an object (op), got "copy"']),
     (_set(("buffers", 0, "bind"), {"a": float("inf")}), "$.buffers[0].bind.a", ["finite number"]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("mutate", "json_path", "fragments"), LOAD_ERRORS)
@@ -435,7 +537,8 @@ def test_parse_manifest_in_memory(root: Path) -> None:
     doc["vars"]["tokens"] = 1  # the manifest holds its own copy
     assert m.vars["tokens"] == 128 and m.doc["vars"]["tokens"] == 128
     with pytest.raises(ManifestError) as info:
-        parse_manifest({"format": 1, "name": "x", "vars": {1: 2}}, "<memory>", str(root))  # type: ignore[dict-item]
+        bad: Any = {"format": 1, "name": "x", "vars": {1: 2}}
+        parse_manifest(bad, "<memory>", str(root))
     assert_error("<memory>", info.value, "$.vars[1]", "object keys must be strings")
 
 
@@ -476,9 +579,8 @@ def test_digest_golden() -> None:
     m = builtin_manifest()
     canonical = json.dumps(m.doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     assert m.digest == hashlib.sha256(canonical).hexdigest()
-    m2 = parse_manifest({"format": 1, "name": "k", "kernels": [{"name": "b", "source": "b.cu"},
-                                                                 {"name": "a", "source": "a.cu"}]},
-                        "<memory>", str(_kernel_pair_dir()))  # fmt: skip
+    kernels = [{"name": "b", "source": "b.cu"}, {"name": "a", "source": "a.cu"}]
+    m2 = parse_manifest({"format": 1, "name": "k", "kernels": kernels}, "<memory>", str(_kernel_pair_dir()))
     h = hashlib.sha256(json.dumps(m2.doc, sort_keys=True, separators=(",", ":")).encode())
     h.update(b"\0kernel\0a\0A")
     h.update(b"\0kernel\0b\0B")
@@ -617,7 +719,9 @@ def _only_manifest_errors(doc: Any, base_dir: Path) -> None:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(keys, values, max_size=8), st.booleans())
-def test_random_documents_raise_only_manifest_error(garbage_root: Path, doc: dict[Any, Any], header: bool) -> None:
+def test_random_documents_raise_only_manifest_error(
+    garbage_root: Path, doc: dict[Any, Any], header: bool
+) -> None:
     if header:
         doc = {**doc, "format": 1, "name": "fuzz"}
     _only_manifest_errors(doc, garbage_root)
@@ -639,7 +743,9 @@ FULL_PATHS = _paths(full_doc())
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from(FULL_PATHS), values | st.just(...)), min_size=1, max_size=3))
-def test_mutated_documents_raise_only_manifest_error(garbage_root: Path, edits: list[tuple[Any, Any]]) -> None:
+def test_mutated_documents_raise_only_manifest_error(
+    garbage_root: Path, edits: list[tuple[Any, Any]]
+) -> None:
     doc = full_doc()
     for path, value in edits:
         target = doc

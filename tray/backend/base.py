@@ -98,6 +98,17 @@ class PtrTable(abc.ABC):
     def close(self) -> None: ...
 
 
+class HostMemory(abc.ABC):
+    """Host memory a device can copy to and from at full speed (pinned on cuda)."""
+
+    ptr: int
+    nbytes: int
+    numa_node: int
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
 class Barrier(abc.ABC):
     """The peer barrier of one group (DESIGN section 6). Epochs come from a counter the barrier
     keeps itself, so a captured sequence replays with fresh epochs."""
@@ -234,6 +245,26 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def synchronize(self) -> None: ...
+
+    # --- copies, pinned host memory, GEMM ------------------------------------------------------------
+    @abc.abstractmethod
+    def copy(self, dst_ptr: int, src_ptr: int, nbytes: int, *, transfer: bool = False) -> None:
+        """Enqueue a copy of `nbytes` (device or pinned-host addresses, either direction) on the rank's
+        stream, or on its transfer stream when `transfer`; host: runs now."""
+
+    @abc.abstractmethod
+    def sync_transfer(self) -> None:
+        """Wait until every copy enqueued with `transfer=True` has landed."""
+
+    @abc.abstractmethod
+    def pinned_host(self, nbytes: int) -> "HostMemory":
+        """Page-locked host memory on this device's NUMA node (host backend: plain memory)."""
+
+    @abc.abstractmethod
+    def gemm(self, a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, dtype: str = "bf16",
+             accumulate: bool = False) -> None:
+        """Row-major C[m, n] (+)= A[m, k] @ B[n, k]^T on the rank's stream; float32 accumulation.
+        `dtype` is the element type of A, B and C ("bf16", "f16" or "f32")."""
 
     # --- barrier, timing, graphs ----------------------------------------------------------------
     @abc.abstractmethod

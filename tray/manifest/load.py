@@ -18,9 +18,9 @@ from tray.manifest.expr import (
     PEERS_PREFIX,
     ExprError,
     check_expr,
+    did_you_mean,
     eval_expr,
     expr_names,
-    did_you_mean,
     known_list,
     split_ref,
 )
@@ -214,7 +214,8 @@ class _Parser:
             if key not in allowed:
                 self.fail(
                     child(jp, key),
-                    f"unknown key '{key}' in {what}; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}",
+                    f"unknown key '{key}' in {what}; allowed: {', '.join(allowed)}"
+                    f"{did_you_mean(key, allowed)}",
                 )
         for key in required:
             if key not in value:

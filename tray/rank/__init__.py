@@ -114,6 +114,8 @@ class Rank:
         self._collectives: dict[str, Collectives] = {}
         self._rounds: dict[str, int] = {}
         self._kernels: dict[str, Kernel] = {}
+        self._executor: Any = None
+        self._park: Any = None
         self._closed = False
         self._go = False
         self.phase = "start"
@@ -374,6 +376,37 @@ class Rank:
             if d.topic == topic and d.round == rnd:
                 return list(d.values)
 
+    # --- programs and park/wake (tray/rank/executor.py, tray/park/) ---------------------------------------
+    def run(self, program: str, vars: dict[str, int] | None = None) -> None:
+        """Run manifest program `program` in lockstep with every rank (arguments resolved once per
+        (program, vars), then replayed; `graph: true` programs replay one captured graph)."""
+        self._require_go("run()")
+        if self._executor is None:
+            from tray.rank.executor import Executor
+
+            self._executor = Executor(self)
+        self._executor.run(program, vars or {})
+
+    def _parking(self) -> Any:
+        self._require_go("park/wake")
+        if self._park is None:
+            from tray.park import Parking
+
+            self._park = Parking(self)
+        return self._park
+
+    def lease(self, pages: int, state: str | None = None) -> Any:
+        """Lease `pages` device pages of `state` (default: the manifest's only state) on this rank."""
+        return self._parking().lease(pages, state)
+
+    def park(self, session: Any) -> Any:
+        """Tray-wide: move every rank's pages of `session` to host memory, all or nothing (NoRoom)."""
+        return self._parking().park(session)
+
+    def wake(self, parked: Any) -> Any:
+        """Tray-wide: bring a parked session back to device pages on every rank, all or nothing."""
+        return self._parking().wake(parked)
+
     # --- ending --------------------------------------------------------------------------------------
     def _report(self, exc: BaseException) -> None:
         """Tell the head why this rank fails: an error file (survives a dead socket) and a message."""
@@ -400,6 +433,9 @@ class Rank:
         if self._closed:
             return
         self._closed = True
+        for owner in (self._executor, self._park):
+            if owner is not None:
+                owner.close()
         for c in self._collectives.values():
             c.close()
         for b in self._barriers.values():

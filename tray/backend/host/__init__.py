@@ -23,10 +23,12 @@ from tray.backend.base import (
     GroupInfo,
     GroupJoin,
     Graph,
+    HostMemory,
     Kernel,
     PeerMapping,
     PtrTable,
     Timer,
+    numpy_dtype,
 )
 from tray.backend.host.barrier import HostBarrier
 from tray.errors import DeviceError, UsageError
@@ -90,6 +92,25 @@ class HostBuffer(DeviceBuffer):
             unmap(self.ptr, self.mapped_nbytes)
             os.close(self.fd)
             self.fd = -1
+
+
+class HostRegion(HostMemory):
+    """Anonymous private host memory (the host backend has no pinning to do)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.numa_node = -1
+        self._mapped = _round_up(nbytes, PAGE_NBYTES)
+        addr = _libc.mmap(None, self._mapped, mmap.PROT_READ | mmap.PROT_WRITE,
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            raise DeviceError(f"mmap(host pool, {nbytes} B): {os.strerror(ctypes.get_errno())}")
+        self.ptr = int(addr)
+
+    def close(self) -> None:
+        if self.ptr:
+            unmap(self.ptr, self._mapped)
+            self.ptr = 0
 
 
 class HostMapping(PeerMapping):
@@ -212,6 +233,28 @@ class HostBackend(Backend):
 
     def synchronize(self) -> None:
         pass
+
+    def copy(self, dst_ptr: int, src_ptr: int, nbytes: int, *, transfer: bool = False) -> None:
+        ctypes.memmove(dst_ptr, src_ptr, nbytes)
+
+    def sync_transfer(self) -> None:
+        pass
+
+    def pinned_host(self, nbytes: int) -> "HostRegion":
+        region = HostRegion(nbytes)
+        self._owned.append(region)
+        return region
+
+    def gemm(self, a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, dtype: str = "bf16",
+             accumulate: bool = False) -> None:
+        dt = numpy_dtype(dtype)
+        a = view(a_ptr, m * k * dt.itemsize).view(dt).reshape(m, k).astype(np.float32)
+        b = view(b_ptr, n * k * dt.itemsize).view(dt).reshape(n, k).astype(np.float32)
+        c = view(c_ptr, m * n * dt.itemsize).view(dt).reshape(m, n)
+        out = a @ b.T
+        if accumulate:
+            out += c.astype(np.float32)
+        c[...] = out.astype(dt)
 
     def barrier(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable) -> HostBarrier:
         return HostBarrier(group, flags.ptr, peer_flags.ptrs)
