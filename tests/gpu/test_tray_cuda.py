@@ -6,7 +6,11 @@ import json
 import sys
 
 import pytest
+import os
+
 from conftest import MANIFESTS, visible_gpus
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
 
 pytestmark = pytest.mark.gpu
 FILL = str(MANIFESTS / "peer_fill.json")
@@ -103,3 +107,13 @@ def test_rank_hangs_in_gpu_barrier_is_named(tray_env):
     assert run.returncode == 1, run.output
     line = next(ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED"))
     assert "BarrierTimeout" in line and "for rank 1" in line
+
+
+def test_programs_on_gpu(tray_env):
+    from test_programs import BODY
+
+    n = ngpus()
+    run = tray_env.launch(n, BODY, "--manifest", str(MANIFESTS / "program_smoke.json"), backend="cuda",
+                          timeout_s=180)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("programs ok") == n

@@ -275,6 +275,12 @@ def test_resolve_errors(root: Path) -> None:
             ["allgather", "needs 3670016 B", "buffer 'x', which holds 1835008 B"],
         ),
         (
+            lambda d: d["programs"][0]["ops"][0].update(grid="world_size - 4"),
+            4,
+            "$.programs[0].ops[0].grid",
+            ["must be >= 1, got 0 from 'world_size - 4' with world_size=4"],
+        ),
+        (
             lambda d: d["programs"][0]["ops"][2].update(m=4096),
             4,
             "$.programs[0].ops[2].c",
@@ -295,7 +301,7 @@ def test_resolve_errors(root: Path) -> None:
         (
             lambda d: d["programs"][0]["ops"][0].update(grid=[1, "world_size - 4"]),
             4,
-            "$.programs[0].ops[0].grid",
+            "$.programs[0].ops[0].grid[1]",
             ["must be >= 1, got 0"],
         ),
         (

@@ -182,6 +182,10 @@ class Collectives(abc.ABC):
     def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
 
     @abc.abstractmethod
+    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
+        """Send `count` elements to member `peer_index` and receive as many from it."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 

@@ -76,5 +76,11 @@ class HostCollectives(Collectives):
             recv[i * count:(i + 1) * count] = self._peer(i, self.group.index * chunk, count, dtype)
         self._barrier.launch()
 
+    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
+        nbytes = count * numpy_dtype(dtype).itemsize
+        self._stage(send_ptr, nbytes)
+        self._typed(recv_ptr, count, dtype)[:] = self._peer(peer_index, 0, count, dtype)
+        self._barrier.launch()
+
     def close(self) -> None:
         pass

@@ -306,6 +306,12 @@ class NcclGroup(Collectives):
         self._call("ncclRecv", _RECV, self._mod.recv,
                    ptr, count, nccl_dtype(dtype), self._peer(peer_index), self.comm, self.stream)
 
+    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
+        """Exchange `count` elements with member `peer_index` (one grouped send + recv)."""
+        with self.batch():
+            self.send(send_ptr, count, dtype, peer_index)
+            self.recv(recv_ptr, count, dtype, peer_index)
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Fuse the calls made inside into one NCCL group (ncclGroupStart ... ncclGroupEnd).

@@ -136,6 +136,10 @@ def _arg(arg: ResolvedArg) -> str:
         return f"{arg.name}@{arg.offset}" if arg.offset else str(arg.name)
     if arg.kind == "peers":
         return f"peers:{arg.name}"
+    if arg.kind == "rank":
+        return "rank"
+    if arg.kind == "index":
+        return f"index:{arg.name}"
     if arg.name is not None:
         return f"{arg.name}={arg.value}"
     return repr(arg.value)

@@ -30,6 +30,8 @@ from tray.manifest.schema import (
     FORMAT_VERSION,
     OP_TYPES,
     WORLD,
+    INDEX_PREFIX,
+    RANK_ARG,
     WORLD_SIZE_VAR,
     BufferSpec,
     GroupSpec,
@@ -530,13 +532,16 @@ class _Parser:
             if not self.buffers[name].export:
                 self.fail(jp, f"'{raw}' needs buffer '{name}' to be exported: add \"export\": true to it")
             return raw
-        if raw in self.vars or raw == WORLD_SIZE_VAR:
+        if raw in self.vars or raw == WORLD_SIZE_VAR or raw == RANK_ARG:
+            return raw
+        if raw.startswith(INDEX_PREFIX):
+            self.ref(raw[len(INDEX_PREFIX) :], jp, "group", [*self.groups, "world"])
             return raw
         name, _ = split_ref(raw)
         if name in self.buffers:
             return self.buffer_ref(raw, jp)
         names = [*self.buffers, *(PEERS_PREFIX + b.name for b in self.buffers.values() if b.export)]
-        names += [*self.vars, WORLD_SIZE_VAR]
+        names += [*self.vars, WORLD_SIZE_VAR, RANK_ARG, INDEX_PREFIX + "<group>"]
         self.fail(
             jp,
             f"'{raw}' names no buffer, peers:<exported buffer> or var; known: {known_list(names)}"

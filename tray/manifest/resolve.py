@@ -18,6 +18,8 @@ from tray.manifest.expr import (
 )
 from tray.manifest.schema import (
     DTYPE_ITEMSIZE,
+    INDEX_PREFIX,
+    RANK_ARG,
     WORLD_SIZE_VAR,
     BufferRef,
     GroupSpec,
@@ -101,10 +103,11 @@ class _Resolver:
             pages = self.int_(st.pages, f"{jp}.pages", 1)
             self.product([page_nbytes, pages], jp)
             states.append(ResolvedState(st.name, page_nbytes, pages))
-        programs = {
-            p.name: ResolvedProgram(p.name, p.graph, tuple(self.op(op) for op in p.ops))
-            for p in self.m.programs
-        }
+        programs = {}
+        for i, p in enumerate(self.m.programs):
+            raw_ops = self.m.doc["programs"][i]["ops"]  # load keeps programs and ops in document order
+            ops = tuple(self.op(op, raw_ops[k]) for k, op in enumerate(p.ops))
+            programs[p.name] = ResolvedProgram(p.name, p.graph, ops)
         return ResolvedManifest(
             manifest=self.m,
             world_size=self.world_size,
@@ -153,13 +156,17 @@ class _Resolver:
 
     # -- ops -----------------------------------------------------------------------------------
 
-    def op(self, spec: OpSpec) -> ResolvedOp:
+    def op(self, spec: OpSpec, raw: dict[str, Any]) -> ResolvedOp:
+        """`raw` is the op as written, for the exact JSON path of a grid or block dimension."""
         f = spec.fields
         jp = spec.json_path
         out: dict[str, Any] = dict(f)
         if spec.op == "launch":
-            out["grid"] = tuple(self.int_(d, f"{jp}.grid", 1) for d in f["grid"])
-            out["block"] = tuple(self.int_(d, f"{jp}.block", 1) for d in f["block"])
+            for key in ("grid", "block"):
+                paths = [
+                    f"{jp}.{key}[{k}]" if isinstance(raw[key], list) else f"{jp}.{key}" for k in range(3)
+                ]
+                out[key] = tuple(self.int_(d, paths[k], 1) for k, d in enumerate(f[key]))
             out["shmem"] = self.int_(f["shmem"], f"{jp}.shmem", 0)
             out["args"] = tuple(self.arg(a, f"{jp}.args[{k}]") for k, a in enumerate(f["args"]))
         elif spec.op == "nccl":
@@ -223,6 +230,10 @@ class _Resolver:
             return ResolvedArg("float", value=raw)
         if raw.startswith(PEERS_PREFIX):
             return ResolvedArg("peers", name=raw[len(PEERS_PREFIX) :])
+        if raw == RANK_ARG:
+            return ResolvedArg("rank")
+        if raw.startswith(INDEX_PREFIX):
+            return ResolvedArg("index", name=raw[len(INDEX_PREFIX) :])
         if raw in self.env:
             return ResolvedArg("int", name=raw, value=self.env[raw])
         ref = self.ref(raw, jp)

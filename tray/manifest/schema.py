@@ -21,6 +21,9 @@ OP_TYPES = ("launch", "nccl", "gemm", "barrier", "copy")
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
 WORLD = "world"
 WORLD_SIZE_VAR = "world_size"
+# Launch arguments that differ per rank (everything else is the same on every rank):
+RANK_ARG = "rank"  # this rank's global rank
+INDEX_PREFIX = "index:"  # "index:<group>": this rank's member index in its instance of <group>
 
 IntOrExpr = int | str
 Ranks = Literal["all"] | tuple[tuple[int, ...], ...]
@@ -134,7 +137,7 @@ class Manifest:
         ManifestError (with the JSON path) for expressions that fail, non-positive dims, groups that
         do not fit the world, and ops whose sizes overrun their buffers.
         """
-        from tray.manifest.resolve import resolve_manifest
+        from tray.manifest.resolve import resolve_manifest  # here: resolve.py imports this module
 
         return resolve_manifest(self, world_size, overrides)
 
@@ -179,10 +182,11 @@ class ResolvedArg:
 
     kind "buffer": a pointer `offset` bytes into `name`; "peers": the peer pointer table of `name`
     (one pointer per rank of the buffer's group instance); "int" / "float": `value` (`name` is the
-    var it came from, or None for a literal).
+    var it came from, or None for a literal); "rank": the running rank; "index": the running rank's
+    member index in group `name` (both filled in by the executor).
     """
 
-    kind: Literal["buffer", "peers", "int", "float"]
+    kind: Literal["buffer", "peers", "int", "float", "rank", "index"]
     name: str | None = None
     offset: int = 0
     value: int | float = 0

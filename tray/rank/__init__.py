@@ -387,6 +387,14 @@ class Rank:
             self._executor = Executor(self)
         self._executor.run(program, vars or {})
 
+    def synchronize(self) -> None:
+        """Wait for this rank's stream; raise BarrierTimeout if a barrier it ran timed out."""
+        self._require_go("synchronize()")
+        assert self.backend is not None
+        self.backend.synchronize()
+        for barrier in self._barriers.values():
+            barrier.check()
+
     def _parking(self) -> Any:
         self._require_go("park/wake")
         if self._park is None:

@@ -213,6 +213,7 @@ class CudaBackend(Backend):
         return out
 
     def synchronize(self) -> None:
+        self._current()
         drv.stream_synchronize(self.stream)
 
     # --- barrier, timing, graphs --------------------------------------------------------------------

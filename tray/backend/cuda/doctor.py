@@ -160,6 +160,7 @@ def doctor_report() -> dict[str, Any]:
     report: dict[str, Any] = {"driver_version": _version_text(drv.driver_version()),
                               "nccl_version": _nccl_version()}
     with ExitStack() as stack:
+        stack.callback(drv.ctx_set_current, drv.ctx_get_current(), None)  # the caller's context, back
         gpus = []
         for ordinal in range(drv.device_count()):
             dev = drv.device_get(ordinal)

@@ -201,11 +201,17 @@ def primary_ctx_release(dev: Any) -> None:
     _drv("cuDevicePrimaryCtxRelease", dev, what=f"device {int(dev)}")
 
 
-def ctx_set_current(ctx: Any, ordinal: int) -> None:
+def ctx_get_current() -> Any:
+    """The calling thread's current context (a null CUcontext if none)."""
+    return _drv("cuCtxGetCurrent")
+
+
+def ctx_set_current(ctx: Any, ordinal: int | None) -> None:
     """Make `ctx` (of device `ordinal`) current on this thread; later errors name that device."""
     global _current_ordinal
-    _drv("cuCtxSetCurrent", ctx, what=f"device {ordinal}")
-    _current_ordinal = ordinal
+    _drv("cuCtxSetCurrent", ctx, what="" if ordinal is None else f"device {ordinal}")
+    if ordinal is not None:
+        _current_ordinal = ordinal
 
 
 def ctx_enable_peer_access(peer_ctx: Any, peer_ordinal: int) -> None:

@@ -1,0 +1,227 @@
+"""The cuda backend on real GPUs, in one process: VMM export/import, NVRTC kernels and their arguments,
+the multicast refusal, the peer barrier (passing, captured, and timing out), timers, and the doctor.
+
+Runs on device 0, and on device 1 too when a second GPU is visible. Skipped only when no GPU is."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tray.backend.base import ExportedHandle, GroupInfo
+from tray.backend.cuda import CudaBackend, visible_gpu_count
+from tray.backend.cuda.doctor import REPORT_KEYS, doctor_report, format_doctor
+from tray.errors import BarrierTimeout, UsageError
+
+pytestmark = pytest.mark.gpu
+
+GPUS = visible_gpu_count()
+if GPUS == 0:
+    pytest.skip("no GPU visible", allow_module_level=True)
+
+KERNELS = Path(__file__).resolve().parents[2] / "manifests" / "kernels"
+
+ARGS_KERNEL = r"""
+extern "C" __global__ void tray_test_args(unsigned long long* out, int a, unsigned int b, long long c,
+                                          float d, double e, unsigned long long* const* table) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        out[0] = (unsigned long long)(long long)a;
+        out[1] = b;
+        out[2] = (unsigned long long)c;
+        out[3] = __float_as_uint(d);
+        out[4] = (unsigned long long)__double_as_longlong(e);
+        out[5] = (unsigned long long)table[1];
+    }
+}
+"""
+
+MULTIMEM_KERNEL = r"""
+extern "C" __global__ void tray_test_multimem(unsigned int* p, unsigned int v) {
+    asm volatile("multimem.st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_cache(tmp_path_factory):
+    old = os.environ.get("TRAY_CACHE_DIR")
+    os.environ["TRAY_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TRAY_CACHE_DIR", None)
+    else:
+        os.environ["TRAY_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = CudaBackend.open(0)
+    yield b
+    b.close()
+
+
+def fill_reference(G: int, me: int, g: int, words: int, seed: int) -> np.ndarray:
+    """What tray_peer_fill writes into member g's slot `me` (u32[words])."""
+    i = np.arange(words, dtype=np.uint64)
+    base = (seed * 0x9E3779B1 & 0xFFFFFFFF) ^ (me << 24) ^ (g << 16)
+    return (np.uint64(base) ^ (i & np.uint64(0xFFFFFFFF))).astype(np.uint32)
+
+
+def test_open_reports_the_device(backend) -> None:
+    info = backend.info
+    assert info.ordinal == 0
+    assert info.uuid.startswith("GPU-") and len(info.uuid) == 40
+    assert len(info.pci_bus.split(":")) == 3 and info.pci_bus == info.pci_bus.lower()
+    assert info.numa_node >= -1 and info.name
+    assert backend.capability >= (7, 0)
+    assert isinstance(backend.stream_handle, int) and backend.stream_handle != 0
+
+
+def test_allocate_export_import_roundtrip(backend) -> None:
+    buf = backend.allocate("roundtrip", 3 << 20, export=True)
+    assert buf.nbytes == 3 << 20 and buf.mapped_nbytes >= buf.nbytes
+    assert not backend.read(buf.ptr, buf.mapped_nbytes).any(), "a new buffer is zeroed"
+    handle = buf.handle()
+    assert handle.fd is not None and handle.nbytes == buf.mapped_nbytes
+    mapping = backend.import_peer(ExportedHandle("posix", handle.nbytes, fd=os.dup(handle.fd)))
+    assert mapping.ptr != buf.ptr and mapping.nbytes == handle.nbytes
+    pattern = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    backend.write(mapping.ptr + 4096, pattern)
+    assert bytes(backend.read(buf.ptr + 4096, pattern.nbytes)) == pattern.tobytes()
+    mapping.close()
+    buf.close()
+    with pytest.raises(UsageError):
+        backend.write(buf.ptr, np.zeros(8, np.uint8)[::2])
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs a second GPU")
+def test_import_on_a_second_gpu_and_write_through_it(backend) -> None:
+    words = 1 << 16
+    buf = backend.allocate("shared", 4 * words, export=True)
+    other = CudaBackend.open(1)
+    try:
+        mapping = other.import_peer(ExportedHandle("posix", buf.handle().nbytes, fd=os.dup(buf.handle().fd)))
+        table = other.ptr_table([mapping.ptr])
+        fill = other.load_kernel("peer_fill", str(KERNELS / "peer_fill.cu"), "tray_peer_fill", [], peers=True)
+        fill.launch((4, 1, 1), (256, 1, 1), [table, 1, 0, words, 11])
+        other.synchronize()
+    finally:
+        other.close()
+    got = backend.read(buf.ptr, 4 * words).view(np.uint32)
+    assert np.array_equal(got, fill_reference(1, 0, 0, words, 11))
+    buf.close()
+
+
+def test_kernel_arguments_int_float_pointer(backend) -> None:
+    path = Path(os.environ["TRAY_CACHE_DIR"]) / "args.cu"
+    path.write_text(ARGS_KERNEL)
+    kernel = backend.load_kernel("test_args", str(path), "tray_test_args", ["-O3"], peers=False)
+    assert kernel.param_sizes == [8, 4, 4, 8, 4, 8, 8]
+    out = backend.allocate("out", 64, export=False)
+    table = backend.ptr_table([0x1000, 0xDEAD_BEEF_0000])
+    kernel.launch((1, 1, 1), (32, 1, 1), [out, -7, 2**32 - 2, -(2**40), 1.5, -2.25, table])
+    got = backend.read(out.ptr, 48).view(np.uint64)
+    assert int(got[0]) == (-7) & (2**64 - 1)
+    assert int(got[1]) == 2**32 - 2
+    assert int(got[2]) == (-(2**40)) & (2**64 - 1)
+    assert int(got[3]) == int(np.float32(1.5).view(np.uint32))
+    assert int(got[4]) == int(np.float64(-2.25).view(np.uint64))
+    assert int(got[5]) == 0xDEAD_BEEF_0000
+    with pytest.raises(UsageError, match="takes 7 parameters"):
+        kernel.bind((1, 1, 1), (32, 1, 1), [out])
+
+
+def test_peer_fill_two_members_on_one_gpu(backend) -> None:
+    words, seed = 4096, 3
+    bufs = [backend.allocate(f"fill{g}", 2 * 4 * words, export=False) for g in range(2)]
+    table = backend.ptr_table([b.ptr for b in bufs])
+    fill = backend.load_kernel("peer_fill", str(KERNELS / "peer_fill.cu"), "tray_peer_fill", [], peers=True)
+    for me in range(2):
+        fill.launch((8, 1, 1), (128, 1, 1), [table, 2, me, words, seed])
+    for g, buf in enumerate(bufs):
+        got = backend.read(buf.ptr, 2 * 4 * words).view(np.uint32)
+        for me in range(2):
+            assert np.array_equal(got[me * words:(me + 1) * words], fill_reference(2, me, g, words, seed))
+
+
+def test_multimem_kernel_refused_at_load(backend) -> None:
+    path = Path(os.environ["TRAY_CACHE_DIR"]) / "multimem.cu"
+    path.write_text(MULTIMEM_KERNEL)
+    with pytest.raises(UsageError, match=r"'bad_multicast'.*multimem\.st"):
+        backend.load_kernel("bad_multicast", str(path), "tray_test_multimem", [], peers=True)
+
+
+def test_barrier_of_one_eager_and_captured(backend) -> None:
+    group = GroupInfo("solo", (0,), 0)
+    flags = backend.allocate("flags", 8, export=True)
+    table = backend.ptr_table([flags.ptr])
+    barrier = backend.barrier(group, flags, table)
+    for _ in range(1000):
+        barrier.wait(2.0)
+    assert barrier.epoch() == 1000
+    graph = backend.capture(lambda: [barrier.launch(2.0) for _ in range(100)])
+    for _ in range(3):
+        graph.replay()
+    barrier.synchronize()
+    barrier.check()
+    assert barrier.epoch() == 1300, "every replayed barrier takes a fresh epoch"
+    assert int(backend.read(flags.ptr, 8).view(np.uint64)[0]) == 1300
+    graph.close()
+    barrier.close()
+
+
+def test_barrier_names_the_missing_member_then_stays_broken(backend) -> None:
+    group = GroupInfo("pair", (0, 7), 0)
+    flags = backend.allocate("flags2", 16, export=True)
+    ghost = backend.allocate("ghost", 16, export=True)  # member 1's flags: nobody ever writes ours
+    barrier = backend.barrier(group, flags, backend.ptr_table([flags.ptr, ghost.ptr]))
+    start = time.monotonic()
+    with pytest.raises(BarrierTimeout) as info:
+        barrier.wait(0.5)
+    elapsed = time.monotonic() - start
+    assert 0.45 <= elapsed < 1.0
+    err = info.value
+    assert (err.group, err.epoch, err.rank, err.missing, err.waited_s) == ("pair", 1, 0, [7], 0.5)
+    assert int(backend.read(ghost.ptr, 8).view(np.uint64)[0]) == 1, "we announced epoch 1 to member 1"
+    start = time.monotonic()
+    with pytest.raises(BarrierTimeout):
+        barrier.wait(0.5)
+    assert time.monotonic() - start < 0.1, "a broken barrier returns at once"
+    barrier.close()
+
+
+def test_capture_body_that_raises_leaves_the_stream_usable(backend) -> None:
+    def body() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        backend.capture(body)
+    buf = backend.allocate("after", 64, export=False)
+    backend.write(buf.ptr, np.arange(64, dtype=np.uint8))
+    assert bytes(backend.read(buf.ptr, 64)) == bytes(range(64))
+
+
+def test_timer_measures_work(backend) -> None:
+    words = 16 << 20
+    buf = backend.allocate("timed", 4 * words, export=False)
+    table = backend.ptr_table([buf.ptr])
+    fill = backend.load_kernel("peer_fill", str(KERNELS / "peer_fill.cu"), "tray_peer_fill", [], peers=True)
+    timer = backend.timer()
+    timer.start()
+    fill.launch((132, 1, 1), (256, 1, 1), [table, 1, 0, words, 1])
+    timer.stop()
+    assert 0 < timer.elapsed_s() < 1.0
+
+
+def test_doctor_report_has_every_key(backend) -> None:
+    report = doctor_report()
+    assert set(REPORT_KEYS) <= set(report)
+    assert len(report["gpus"]) == GPUS
+    assert len(report["p2p"]) == GPUS * (GPUS - 1)
+    assert all(h["posix"] == "ok" for h in report["handle_types"])
+    assert all(c["h2d"] > 0 and c["d2h"] > 0 for c in report["host_copy_gbps"])
+    assert isinstance(format_doctor(report), str)

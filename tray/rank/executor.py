@@ -1,0 +1,153 @@
+"""The program executor: a manifest program's ops resolved once per (program, vars), then replayed.
+
+Ops (DESIGN section 7): launch, nccl, gemm, barrier, copy. Every rank runs the same program (the
+digest proves it), so the ranks stay in lockstep. `graph: true` captures the whole program into one
+graph and replays it; host programs replay their resolved steps the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Graph
+from tray.errors import UsageError
+from tray.manifest.schema import BufferRef, ResolvedArg, ResolvedOp, ResolvedProgram
+
+Step = Callable[[], None]
+
+
+@dataclass
+class Plan:
+    """A program ready to run: `steps` in order, or one captured `graph` of them."""
+
+    program: str
+    steps: list[Step]
+    graph: Graph | None = None
+    build_s: float = 0.0
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        for step in self.steps:
+            step()
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+            self.graph = None
+
+
+class Executor:
+    """Runs manifest programs for one rank. Plans are cached by (program, vars)."""
+
+    def __init__(self, rank: Any, barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        self.rank = rank
+        self.barrier_timeout_s = barrier_timeout_s
+        self._plans: dict[tuple[str, tuple[tuple[str, int], ...]], Plan] = {}
+
+    def run(self, program: str, vars: dict[str, int]) -> None:
+        self.plan(program, vars).run()
+
+    def plan(self, program: str, vars: dict[str, int]) -> Plan:
+        key = (program, tuple(sorted(vars.items())))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._build(program, vars)
+            self._plans[key] = plan
+        return plan
+
+    def _resolved_program(self, program: str, vars: dict[str, int]) -> ResolvedProgram:
+        rank = self.rank
+        if not vars:
+            return rank.resolved.program(program)
+        merged = dict(rank.env.vars)
+        merged.update(vars)
+        resolved = rank.manifest.resolve(rank.world_size, merged)
+        for b in resolved.buffers:
+            if b.nbytes != rank.resolved.buffer(b.name).nbytes:
+                changed = ", ".join(f"{k}={v}" for k, v in vars.items())
+                raise UsageError(
+                    f"program {program!r} with {changed}: buffer {b.name!r} would need {b.nbytes} B but was "
+                    f"allocated with {rank.resolved.buffer(b.name).nbytes} B; set size-changing vars at launch "
+                    "(tray launch --var NAME=INT)"
+                )
+        return resolved.program(program)
+
+    def _build(self, program: str, vars: dict[str, int]) -> Plan:
+        t0 = time.perf_counter()
+        resolved = self._resolved_program(program, vars)
+        steps = [self._step(op) for op in resolved.ops]
+        plan = Plan(program=program, steps=steps)
+        if resolved.graph:
+            plan.graph = self.rank.backend.capture(lambda: [s() for s in steps])
+        plan.build_s = time.perf_counter() - t0
+        return plan
+
+    # --- one op -> one step -------------------------------------------------------------------------
+    def _ptr(self, ref: BufferRef) -> int:
+        return self.rank.buffer(ref.name).ptr + ref.offset
+
+    def _step(self, op: ResolvedOp) -> Step:
+        build = getattr(self, f"_op_{op.op}", None)
+        if build is None:
+            raise UsageError(f"{op.json_path}: op {op.op!r} has no executor")
+        return build(op.fields)
+
+    def _arg(self, arg: ResolvedArg) -> int | float:
+        if arg.kind == "buffer":
+            assert arg.name is not None
+            return self.rank.buffer(arg.name).ptr + arg.offset
+        if arg.kind == "peers":
+            assert arg.name is not None
+            return self.rank.peers(arg.name).table_ptr
+        if arg.kind == "rank":
+            return int(self.rank.rank)
+        if arg.kind == "index":
+            assert arg.name is not None
+            return self.rank.group(arg.name).index
+        return arg.value
+
+    def _op_launch(self, f: dict[str, Any]) -> Step:
+        kernel = self.rank.kernel(f["kernel"])
+        bound = kernel.bind(tuple(f["grid"]), tuple(f["block"]), [self._arg(a) for a in f["args"]],
+                            int(f.get("shmem", 0)))
+        return bound.launch
+
+    def _op_nccl(self, f: dict[str, Any]) -> Step:
+        coll = self.rank.collectives(f["group"])
+        send, recv, count, dtype = self._ptr(f["send"]), self._ptr(f["recv"]), f["count"], f["dtype"]
+        name = f["collective"]
+        if name == "sendrecv":
+            peer = f["peer"]
+            return lambda: coll.sendrecv(send, recv, count, dtype, peer)
+        fn = getattr(coll, name)
+        return lambda: fn(send, recv, count, dtype)
+
+    def _op_gemm(self, f: dict[str, Any]) -> Step:
+        backend = self.rank.backend
+        a, b, c = self._ptr(f["a"]), self._ptr(f["b"]), self._ptr(f["c"])
+        m, n, k, dtype, acc = f["m"], f["n"], f["k"], f["dtype"], bool(f.get("accumulate", False))
+        return lambda: backend.gemm(a, b, c, m, n, k, dtype, acc)
+
+    def _op_barrier(self, f: dict[str, Any]) -> Step:
+        barrier = self.rank.barrier_of(f["group"])
+        timeout_s = self.barrier_timeout_s
+        return lambda: barrier.launch(timeout_s)
+
+    def _op_copy(self, f: dict[str, Any]) -> Step:
+        backend = self.rank.backend
+        src, dst, nbytes = self._ptr(f["src"]), self._ptr(f["dst"]), f["bytes"]
+        return lambda: backend.copy(dst, src, nbytes)
+
+    def check(self) -> None:
+        """After a synchronisation: raise if any barrier in the programs timed out."""
+        for g in self.rank._groups:
+            self.rank.barrier_of(g).check()
+
+    def close(self) -> None:
+        for plan in self._plans.values():
+            plan.close()
+        self._plans.clear()
