@@ -225,3 +225,47 @@ def test_doctor_report_has_every_key(backend) -> None:
     assert all(h["posix"] == "ok" for h in report["handle_types"])
     assert all(c["h2d"] > 0 and c["d2h"] > 0 for c in report["host_copy_gbps"])
     assert isinstance(format_doctor(report), str)
+
+
+def test_copies_through_pinned_host_and_the_transfer_stream(backend) -> None:
+    nbytes = 3 << 20
+    pattern = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
+    src_host = backend.pinned_host(nbytes)
+    dst_host = backend.pinned_host(nbytes)
+    assert src_host.nbytes == nbytes and src_host.numa_node == backend.info.numa_node
+    src_host.view()[:] = pattern
+    a = backend.allocate("copy_a", nbytes, export=False)
+    b = backend.allocate("copy_b", nbytes, export=True)
+    backend.copy(a.ptr, src_host.ptr, nbytes)  # host -> device
+    backend.copy(b.ptr, a.ptr, nbytes)  # device -> device
+    backend.copy(dst_host.ptr, b.ptr, nbytes, transfer=True)  # waits for the two copies before it
+    backend.sync_transfer()
+    assert np.array_equal(dst_host.view(), pattern)
+    src_host.close()
+    dst_host.close()
+
+
+def test_gemm_row_major_with_accumulate(backend) -> None:
+    pytest.importorskip("nvmath", reason="nvmath-python carries the cuBLAS bindings")
+    import ml_dtypes
+
+    m, n, k = 64, 48, 32
+    rng = np.random.default_rng(3)
+    a = rng.integers(-2, 3, (m, k)).astype(ml_dtypes.bfloat16)
+    b = rng.integers(-2, 3, (n, k)).astype(ml_dtypes.bfloat16)
+    expect = a.astype(np.float64) @ b.astype(np.float64).T  # small ints: exact in bf16
+    bufs = {name: backend.allocate(f"gemm_{name}", size * 2, export=False)
+            for name, size in (("a", m * k), ("b", n * k), ("c", m * n))}
+    backend.write(bufs["a"].ptr, a)
+    backend.write(bufs["b"].ptr, b)
+    backend.gemm(bufs["a"].ptr, bufs["b"].ptr, bufs["c"].ptr, m, n, k, "bf16")
+    got = backend.read(bufs["c"].ptr, m * n * 2).view(ml_dtypes.bfloat16).reshape(m, n)
+    assert np.array_equal(got.astype(np.float64), expect)
+    backend.gemm(bufs["a"].ptr, bufs["b"].ptr, bufs["c"].ptr, m, n, k, "bf16", accumulate=True)
+    got = backend.read(bufs["c"].ptr, m * n * 2).view(ml_dtypes.bfloat16).reshape(m, n)
+    assert np.array_equal(got.astype(np.float64), 2 * expect)
+    ptrs = (bufs["a"].ptr, bufs["b"].ptr, bufs["c"].ptr)
+    graph = backend.capture(lambda: backend.gemm(*ptrs, m, n, k, "bf16"))
+    graph.replay()
+    got = backend.read(bufs["c"].ptr, m * n * 2).view(ml_dtypes.bfloat16).reshape(m, n)
+    assert np.array_equal(got.astype(np.float64), expect)

@@ -320,9 +320,10 @@ def test_format_doctor_on_a_fake_report() -> None:
         "gpus": [{"ordinal": i, "name": "NVIDIA H200", "uuid": driver.format_uuid(bytes(16)),
                   "pci_bus": f"0000:{i:02x}:00.0", "memory_mib": 143771, "compute_capability": "9.0",
                   "numa_node": -1} for i in range(2)],
-        "p2p": [{"src": a, "dst": b, "can_access_peer": True, "access_supported": True, "native_atomics": True}
-                for a in range(2) for b in range(2) if a != b],
-        "handle_types": [{"ordinal": i, "posix": "ok", "fabric": "CUDA_ERROR_NOT_PERMITTED"} for i in range(2)],
+        "p2p": [{"src": a, "dst": b, "can_access_peer": True, "access_supported": True,
+                 "native_atomics": True} for a in range(2) for b in range(2) if a != b],
+        "handle_types": [{"ordinal": i, "posix": "ok", "fabric": "CUDA_ERROR_NOT_PERMITTED"}
+                         for i in range(2)],
         "host_copy_gbps": [{"ordinal": i, "h2d": 55.0, "d2h": 55.3} for i in range(2)],
         "peer_copy_gbps": [{"src": 0, "dst": 1, "gbps": 393.0}, {"src": 1, "dst": 0, "gbps": None}],
     }

@@ -98,7 +98,7 @@ class Head:
             proc = spawn_rank(self.spec, r, env, self.placements[r])
             self.procs.append(proc)
         for proc in self.procs:
-            start_pumps(proc, self.spec.log_dir, self.spec.quiet)
+            proc.pumps = start_pumps(proc, self.spec.log_dir, self.spec.quiet)
 
     def _loop(self, sock: zmq.Socket, job_dir: Path) -> None:
         t_start = time.monotonic()
@@ -313,6 +313,9 @@ class Head:
             except psutil.Error:
                 pass
         psutil.wait_procs(list(descendants.values()), timeout=2.0)
+        for p in self.procs:  # let the last lines reach the terminal before the verdict
+            for t in p.pumps:
+                t.join(timeout=2.0)
         for p in self.procs:
             for stream in (p.popen.stdout, p.popen.stderr):
                 if stream is not None:

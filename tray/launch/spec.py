@@ -49,6 +49,7 @@ class RankProcess:
     last_heartbeat: float | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=20))
     returncode: int | None = None
+    pumps: list = field(default_factory=list)
 
     @property
     def pid(self) -> int:

@@ -121,11 +121,14 @@ class CudaBackend(Backend):
         self.stream_handle = int(stream)
         self.capability = capability
         self._fabric: bool | None = None
+        self._transfer: Any = None  # the transfer stream, made on first use
+        self._transfer_order: Any = None  # an event: transfer copies wait for the rank's stream
+        self._gemm: Any = None  # CublasGemm, made on first use
         self._kernels: dict[tuple[Any, ...], CudaKernel] = {}
         self._modules: list[Any] = []
         self._owned: dict[str, list[Any]] = {
             kind: [] for kind in ("collectives", "graphs", "timers", "barriers", "tables", "mappings",
-                                  "buffers")
+                                  "buffers", "host")
         }
         self._closed = False
 
@@ -215,6 +218,58 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         self._current()
         drv.stream_synchronize(self.stream)
+
+    # --- copies, pinned host memory, GEMM -------------------------------------------------------------
+
+    def copy(self, dst_ptr: int, src_ptr: int, nbytes: int, *, transfer: bool = False) -> None:
+        """Enqueue a copy between device, peer-mapped or pinned-host addresses (UVA: any direction).
+
+        On the rank's stream, or with `transfer` on the transfer stream, which first waits for the work
+        already on the rank's stream (so a park copies what the kernels before it wrote).
+        """
+        if nbytes <= 0:
+            return
+        stream = self.stream
+        if transfer:
+            stream = self._transfer_stream()
+            drv.event_record(self._transfer_order, self.stream)
+            drv.stream_wait_event(stream, self._transfer_order)
+        drv.memcpy_async(dst_ptr, src_ptr, nbytes, stream)
+
+    def _transfer_stream(self) -> Any:
+        if self._transfer is None:
+            self._current()
+            stream = drv.stream_create()
+            try:
+                self._transfer_order = drv.event_create()
+            except BaseException:
+                drv.stream_destroy(stream)
+                raise
+            self._transfer = stream
+        return self._transfer
+
+    def sync_transfer(self) -> None:
+        """Wait until every `copy(..., transfer=True)` has landed."""
+        if self._transfer is not None:
+            drv.stream_synchronize(self._transfer)
+
+    def pinned_host(self, nbytes: int) -> memory.PinnedHost:
+        """`nbytes` of page-locked host memory, on this GPU's NUMA node by the process's binding."""
+        self._current()
+        return self._track("host", memory.PinnedHost(nbytes, self.info.numa_node))
+
+    def gemm(self, a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, dtype: str = "bf16",
+             accumulate: bool = False) -> None:
+        """Row-major C[m, n] (+)= A[m, k] @ B[n, k]^T on the rank's stream (cuBLAS, f32 accumulation).
+
+        The first call creates the cuBLAS handle and its workspace: make it outside a capture.
+        """
+        if self._gemm is None:
+            from tray.backend.cuda.gemm import CublasGemm
+
+            self._current()
+            self._gemm = CublasGemm(self.stream_handle)
+        self._gemm.gemm(a_ptr, b_ptr, c_ptr, m, n, k, dtype, accumulate)
 
     # --- barrier, timing, graphs --------------------------------------------------------------------
 
@@ -317,15 +372,24 @@ class CudaBackend(Backend):
 
         attempt(drv.ctx_set_current, self.context, self.info.ordinal)
         attempt(drv.stream_synchronize, self.stream)  # nothing in flight may use what is freed next
+        if self._transfer is not None:
+            attempt(drv.stream_synchronize, self._transfer)
         for kind in ("collectives", "graphs", "timers", "barriers"):
             while self._owned[kind]:
                 attempt(self._owned[kind].pop().close)
+        if self._gemm is not None:
+            attempt(self._gemm.close)
+            self._gemm = None
         self._kernels.clear()
         while self._modules:
             attempt(drv.module_unload, self._modules.pop())
-        for kind in ("tables", "mappings", "buffers"):
+        for kind in ("tables", "mappings", "buffers", "host"):
             while self._owned[kind]:
                 attempt(self._owned[kind].pop().close)
+        if self._transfer is not None:
+            attempt(drv.event_destroy, self._transfer_order)
+            attempt(drv.stream_destroy, self._transfer)
+            self._transfer = None
         attempt(drv.stream_destroy, self.stream)
         attempt(drv.primary_ctx_release, self.device)
         self._closed = True

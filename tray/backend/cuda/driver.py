@@ -169,7 +169,7 @@ def device_pci_bus_id(dev: Any) -> str:
 
 
 def device_attribute(dev: Any, name: str) -> int:
-    """`name` without its prefix: `COMPUTE_CAPABILITY_MAJOR` for CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR."""
+    """An attribute by its name without the `CU_DEVICE_ATTRIBUTE_` prefix (`COMPUTE_CAPABILITY_MAJOR`)."""
     full = f"CU_DEVICE_ATTRIBUTE_{name}"
     attr = getattr(cu.CUdevice_attribute, full, None) if cu is not None else None
     if attr is None:
@@ -239,6 +239,11 @@ def stream_synchronize(stream: Any) -> None:
     err, = cu.cuStreamSynchronize(stream)
     if err != 0:
         check("cuStreamSynchronize", (err,), f"stream {int(stream):#x}")
+
+
+def stream_wait_event(stream: Any, event: Any) -> None:
+    """Work enqueued on `stream` after this waits for `event` (recorded on another stream)."""
+    _drv("cuStreamWaitEvent", stream, event, 0)
 
 
 def event_create() -> Any:
@@ -325,6 +330,13 @@ def memcpy_htod_async(dst: int, src_host: int, nbytes: int, stream: Any) -> None
 def memcpy_dtoh_async(dst_host: int, src: int, nbytes: int, stream: Any) -> None:
     _drv("cuMemcpyDtoHAsync", dst_host, src, nbytes, stream,
          what=f"dst host {dst_host:#x}, src {src:#x}, {fmt_bytes(nbytes)}")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: Any) -> None:
+    """A copy between any two addresses the driver knows (device, pinned host, peer-mapped): UVA."""
+    err, = cu.cuMemcpyAsync(dst, src, nbytes, stream)
+    if err != 0:
+        check("cuMemcpyAsync", (err,), f"dst {dst:#x}, src {src:#x}, {fmt_bytes(nbytes)}")
 
 
 def memcpy_peer_async(dst: int, dst_ctx: Any, src: int, src_ctx: Any, nbytes: int, stream: Any,

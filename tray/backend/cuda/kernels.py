@@ -31,7 +31,8 @@ def _int_dtype(value: int, size: int, where: str) -> np.dtype:
     return np.dtype(_SIGNED[size] if value < 0 else _UNSIGNED[size])
 
 
-def pack_plan(param_sizes: Sequence[int], args: Sequence[Any], kernel: str = "kernel") -> list[tuple[Any, Any]]:
+def pack_plan(param_sizes: Sequence[int], args: Sequence[Any],
+              kernel: str = "kernel") -> list[tuple[Any, Any]]:
     """How each argument is packed: a list of (numpy dtype, value), or (None, bytes) for raw structs.
 
     Rules, by the parameter's size in bytes: an object with an int `.ptr` (a buffer, mapping or table)
