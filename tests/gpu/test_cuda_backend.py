@@ -119,7 +119,7 @@ def test_import_on_a_second_gpu_and_write_through_it(backend) -> None:
 def test_kernel_arguments_int_float_pointer(backend) -> None:
     path = Path(os.environ["TRAY_CACHE_DIR"]) / "args.cu"
     path.write_text(ARGS_KERNEL)
-    kernel = backend.load_kernel("test_args", str(path), "tray_test_args", ["-O3"], peers=False)
+    kernel = backend.load_kernel("test_args", str(path), "tray_test_args", ["-lineinfo"], peers=False)
     assert kernel.param_sizes == [8, 4, 4, 8, 4, 8, 8]
     out = backend.allocate("out", 64, export=False)
     table = backend.ptr_table([0x1000, 0xDEAD_BEEF_0000])
@@ -146,6 +146,15 @@ def test_peer_fill_two_members_on_one_gpu(backend) -> None:
         got = backend.read(buf.ptr, 2 * 4 * words).view(np.uint32)
         for me in range(2):
             assert np.array_equal(got[me * words:(me + 1) * words], fill_reference(2, me, g, words, seed))
+
+
+def test_compile_errors_carry_nvrtc_log(backend) -> None:
+    path = Path(os.environ["TRAY_CACHE_DIR"]) / "broken.cu"
+    path.write_text('extern "C" __global__ void tray_broken(int* p) { p[0] = undefined_name; }\n')
+    with pytest.raises(UsageError, match="undefined_name"):
+        backend.load_kernel("broken", str(path), "tray_broken", [], peers=False)
+    with pytest.raises(UsageError, match="--no-such-option"):
+        backend.load_kernel("broken", str(path), "tray_broken", ["--no-such-option"], peers=False)
 
 
 def test_multimem_kernel_refused_at_load(backend) -> None:
@@ -269,3 +278,41 @@ def test_gemm_row_major_with_accumulate(backend) -> None:
     graph.replay()
     got = backend.read(bufs["c"].ptr, m * n * 2).view(ml_dtypes.bfloat16).reshape(m, n)
     assert np.array_equal(got.astype(np.float64), expect)
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs a second GPU")
+def test_barrier_across_two_gpus_eager_and_captured(backend) -> None:
+    """Two members on two GPUs of this process, flags peer-mapped over NVLink both ways."""
+    other = CudaBackend.open(1)
+    backends = (backend, other)
+    owned_here: list = []  # device 0's share, closed before device 1 goes away
+    try:
+        flags = [b.allocate(f"duo{i}", 16, export=True) for i, b in enumerate(backends)]
+        peer_of = [backends[i].import_peer(ExportedHandle("posix", flags[1 - i].handle().nbytes,
+                                                          fd=os.dup(flags[1 - i].handle().fd)))
+                   for i in range(2)]
+        tables = [backends[0].ptr_table([flags[0].ptr, peer_of[0].ptr]),
+                  backends[1].ptr_table([peer_of[1].ptr, flags[1].ptr])]
+        barriers = [b.barrier(GroupInfo("duo", (0, 1), i), flags[i], tables[i])
+                    for i, b in enumerate(backends)]
+        owned_here += [barriers[0], tables[0], peer_of[0], flags[0]]
+        for _ in range(200):
+            for b, bar in zip(backends, barriers):
+                b.make_current()
+                bar.launch(2.0)
+        graphs = [b.capture(lambda bar=bar: [bar.launch(2.0) for _ in range(100)])
+                  for b, bar in zip(backends, barriers)]
+        owned_here.insert(0, graphs[0])
+        for b, graph in zip(backends, graphs):
+            b.make_current()
+            graph.replay()
+        for b, bar in zip(backends, barriers):
+            b.synchronize()
+            bar.check()
+            assert bar.epoch() == 300
+        assert [int(v) for v in backend.read(flags[0].ptr, 16).view(np.uint64)] == [300, 300]
+    finally:
+        backend.make_current()
+        for obj in owned_here:
+            obj.close()
+        other.close()

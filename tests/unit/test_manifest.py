@@ -765,3 +765,53 @@ def test_mutated_documents_raise_only_manifest_error(
         except (KeyError, IndexError, TypeError):
             continue  # an earlier edit removed or replaced this path
     _only_manifest_errors(doc, garbage_root)
+
+
+# -- states: the optional host tier (host_pages) --------------------------------------------------
+
+
+def test_state_host_pages_default_int_and_expr(root: Path) -> None:
+    doc = full_doc()
+    r = load_manifest(write(root, doc)).resolve(4)
+    assert (r.states[0].pages, r.states[0].host_pages) == (64, 64)  # not given: the host tier holds all
+    assert r.states[0].host_nbytes == r.states[0].nbytes
+    plain_digest = load_manifest(write(root, doc)).digest
+
+    doc["states"][0]["host_pages"] = 12
+    m = load_manifest(write(root, doc))
+    assert m.states[0].host_pages == 12 and m.digest != plain_digest
+    r = m.resolve(4)
+    assert r.states[0].host_pages == 12 and r.states[0].host_nbytes == 12 * 65536
+    assert "kv           64 pages x 64 KiB = 4 MiB  host tier 12 pages = 768 KiB" in format_inspect(m, 4)
+
+    doc["states"][0]["host_pages"] = "2 * world_size + tokens // 64"
+    r = load_manifest(write(root, doc)).resolve(8)
+    assert r.states[0].host_pages == 2 * 8 + 2
+    doc["states"][0]["host_pages"] = 0  # a state that never parks: no pinned host memory
+    assert load_manifest(write(root, doc)).resolve(4).states[0].host_nbytes == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "world_size", "fragments"),
+    [
+        (-1, 4, ["must be >= 0, got -1"]),
+        (True, 4, ["got true"]),
+        ("hiden", 4, ["unknown name 'hiden'", "did you mean 'hidden'"]),
+        ("world_size - 8", 4, ["must be >= 0, got -4 from"]),
+        ("2**70", 4, ["expected an int or an integer expression"]),
+    ],
+)
+def test_state_host_pages_errors(root: Path, value: Any, world_size: int, fragments: list[str]) -> None:
+    doc = full_doc()
+    doc["states"][0]["host_pages"] = value
+    with pytest.raises(ManifestError) as info:
+        load_manifest(write(root, doc)).resolve(world_size)
+    assert_error(write(root, doc), info.value, "$.states[0].host_pages", *fragments)
+
+
+def test_state_host_pages_unknown_key_lists_it(root: Path) -> None:
+    doc = full_doc()
+    doc["states"][0]["host_page"] = 3
+    path, exc = load_error(root, doc)
+    assert_error(path, exc, "$.states[0].host_page", "allowed: name, page_nbytes, pages, host_pages",
+                 "did you mean 'host_pages'")

@@ -73,6 +73,7 @@ def _states(r: ResolvedManifest) -> list[str]:
     for s in r.states:
         lines.append(
             f"  {s.name:<12} {s.pages} pages x {human_bytes(s.page_nbytes)} = {human_bytes(s.nbytes)}"
+            f"  host tier {s.host_pages} pages = {human_bytes(s.host_nbytes)}"
         )
     return lines
 

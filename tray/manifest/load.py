@@ -57,7 +57,8 @@ JSON_INT_LIMIT = 2**64
 TOP_KEYS = ("format", "name", "description", "vars", "groups", "buffers", "states", "kernels", "programs")
 GROUP_KEYS = ("name", "ranks", "size")
 BUFFER_KEYS = ("name", "dtype", "shape", "export", "group", "bind")
-STATE_KEYS = ("name", "page_nbytes", "pages")
+STATE_KEYS = ("name", "page_nbytes", "pages", "host_pages")
+STATE_REQUIRED = ("name", "page_nbytes", "pages")
 KERNEL_KEYS = ("name", "source", "entry", "options", "peers")
 PROGRAM_KEYS = ("name", "graph", "ops")
 # op type -> (allowed keys, required keys)
@@ -407,11 +408,15 @@ class _Parser:
         out: list[StateSpec] = []
         for i, item in enumerate(self.list_(raw, "$.states", "states")):
             jp = child("$.states", i)
-            spec = self.obj(item, jp, "state", STATE_KEYS, STATE_KEYS)
+            spec = self.obj(item, jp, "state", STATE_KEYS, STATE_REQUIRED)
             name = self.name(spec["name"], child(jp, "name"), "buffer or state")
             page_nbytes = self.expr(spec["page_nbytes"], child(jp, "page_nbytes"), 1)
             pages = self.expr(spec["pages"], child(jp, "pages"), 1)
-            out.append(StateSpec(name, page_nbytes, pages))
+            # host_pages 0 is legal: a state that never parks needs no pinned host memory
+            host_pages = None
+            if "host_pages" in spec:
+                host_pages = self.expr(spec["host_pages"], child(jp, "host_pages"), 0)
+            out.append(StateSpec(name, page_nbytes, pages, host_pages))
         return tuple(out)
 
     def parse_kernels(self, raw: object) -> tuple[KernelSpec, ...]:

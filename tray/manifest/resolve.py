@@ -102,7 +102,9 @@ class _Resolver:
             page_nbytes = self.int_(st.page_nbytes, f"{jp}.page_nbytes", 1)
             pages = self.int_(st.pages, f"{jp}.pages", 1)
             self.product([page_nbytes, pages], jp)
-            states.append(ResolvedState(st.name, page_nbytes, pages))
+            host_pages = pages if st.host_pages is None else self.int_(st.host_pages, f"{jp}.host_pages", 0)
+            self.product([page_nbytes, host_pages], jp)
+            states.append(ResolvedState(st.name, page_nbytes, pages, host_pages))
         programs = {}
         for i, p in enumerate(self.m.programs):
             raw_ops = self.m.doc["programs"][i]["ops"]  # load keeps programs and ops in document order

@@ -55,11 +55,13 @@ class BufferSpec:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """Paged state (e.g. a KV cache): `pages` pages of `page_nbytes` bytes each."""
+    """Paged state (e.g. a KV cache): `pages` pages of `page_nbytes` bytes each on the device, and a
+    host tier of `host_pages` pages (park/wake) in the rank's pinned host pool; None means `pages`."""
 
     name: str
     page_nbytes: IntOrExpr
     pages: IntOrExpr
+    host_pages: IntOrExpr | None = None
 
 
 @dataclass(frozen=True)
@@ -157,15 +159,25 @@ class ResolvedBuffer:
 
 @dataclass(frozen=True)
 class ResolvedState:
-    """A paged state at one world size; `nbytes` = pages * page_nbytes."""
+    """A paged state at one world size; `nbytes` = pages * page_nbytes on the device, `host_nbytes` =
+    host_pages * page_nbytes in the host tier. `host_pages` None (not given) becomes `pages`."""
 
     name: str
     page_nbytes: int
     pages: int
+    host_pages: int = None  # type: ignore[assignment]  # NOTE: None -> pages in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.host_pages is None:
+            object.__setattr__(self, "host_pages", self.pages)
 
     @property
     def nbytes(self) -> int:
         return self.page_nbytes * self.pages
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.page_nbytes * self.host_pages
 
 
 @dataclass(frozen=True)

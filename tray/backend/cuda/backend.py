@@ -156,7 +156,9 @@ class CudaBackend(Backend):
             raise
         return cls(info, dev, ctx, stream, capability)
 
-    def _current(self) -> None:
+    def make_current(self) -> None:
+        """Make this GPU's context current on the calling thread. Only needed with several backends in
+        one process before hot-path calls (launches, graph replays), which do not switch contexts."""
         if self._closed:
             raise UsageError(f"the cuda backend of GPU {self.info.ordinal} is closed")
         drv.ctx_set_current(self.context, self.info.ordinal)
@@ -170,14 +172,14 @@ class CudaBackend(Backend):
     def fabric_supported(self) -> bool:
         """Whether exported buffers also carry a FABRIC handle (probed once; see memory.probe_fabric)."""
         if self._fabric is None:
-            self._current()
+            self.make_current()
             self._fabric = memory.probe_fabric(self.info.ordinal)
         return self._fabric
 
     def allocate(self, name: str, nbytes: int, export: bool) -> memory.VmmBuffer:
         """A zeroed VMM buffer of at least `nbytes`; exported as a POSIX fd (+ FABRIC where it works)."""
         fabric = export and self.fabric_supported()
-        self._current()
+        self.make_current()
         buf = memory.allocate(name, nbytes, self.info.ordinal, self.stream, export, fabric)
         return self._track("buffers", buf)
 
@@ -187,11 +189,11 @@ class CudaBackend(Backend):
             if handle.fd is not None:
                 os.close(handle.fd)
             raise UsageError(f"the cuda backend of GPU {self.info.ordinal} is closed")
-        self._current()
+        self.make_current()
         return self._track("mappings", memory.import_peer(handle, self.info.ordinal))
 
     def ptr_table(self, ptrs: Sequence[int]) -> memory.DevicePtrTable:
-        self._current()
+        self.make_current()
         return self._track("tables", memory.DevicePtrTable(ptrs, self.stream))
 
     def write(self, ptr: int, data: np.ndarray) -> None:
@@ -202,7 +204,7 @@ class CudaBackend(Backend):
                                 "np.ascontiguousarray)"))
         if data.nbytes == 0:
             return
-        self._current()
+        self.make_current()
         drv.memcpy_htod_async(ptr, data.ctypes.data, data.nbytes, self.stream)
         drv.stream_synchronize(self.stream)
 
@@ -210,13 +212,13 @@ class CudaBackend(Backend):
         """`nbytes` from device address `ptr` as a new u8 array, after the stream's earlier work."""
         out = np.empty(nbytes, dtype=np.uint8)
         if nbytes:
-            self._current()
+            self.make_current()
             drv.memcpy_dtoh_async(out.ctypes.data, ptr, nbytes, self.stream)
             drv.stream_synchronize(self.stream)
         return out
 
     def synchronize(self) -> None:
-        self._current()
+        self.make_current()
         drv.stream_synchronize(self.stream)
 
     # --- copies, pinned host memory, GEMM -------------------------------------------------------------
@@ -238,7 +240,7 @@ class CudaBackend(Backend):
 
     def _transfer_stream(self) -> Any:
         if self._transfer is None:
-            self._current()
+            self.make_current()
             stream = drv.stream_create()
             try:
                 self._transfer_order = drv.event_create()
@@ -255,7 +257,7 @@ class CudaBackend(Backend):
 
     def pinned_host(self, nbytes: int) -> memory.PinnedHost:
         """`nbytes` of page-locked host memory, on this GPU's NUMA node by the process's binding."""
-        self._current()
+        self.make_current()
         return self._track("host", memory.PinnedHost(nbytes, self.info.numa_node))
 
     def gemm(self, a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, dtype: str = "bf16",
@@ -267,7 +269,7 @@ class CudaBackend(Backend):
         if self._gemm is None:
             from tray.backend.cuda.gemm import CublasGemm
 
-            self._current()
+            self.make_current()
             self._gemm = CublasGemm(self.stream_handle)
         self._gemm.gemm(a_ptr, b_ptr, c_ptr, m, n, k, dtype, accumulate)
 
@@ -276,11 +278,11 @@ class CudaBackend(Backend):
     def barrier(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable) -> CudaBarrier:
         kernel = self.load_kernel("peer_barrier", str(kernel_dir() / BARRIER_SOURCE), BARRIER_ENTRY, (),
                                   peers=True)
-        self._current()
+        self.make_current()
         return self._track("barriers", CudaBarrier(group, flags, peer_flags, kernel, self.stream))
 
     def timer(self) -> CudaTimer:
-        self._current()
+        self.make_current()
         return self._track("timers", CudaTimer(self.stream))
 
     def capture(self, body: Callable[[], None]) -> CudaGraph:
@@ -288,7 +290,7 @@ class CudaBackend(Backend):
 
         If `body` raises, the capture is ended and discarded and the exception propagates.
         """
-        self._current()
+        self.make_current()
         drv.stream_begin_capture(self.stream)
         try:
             body()
@@ -328,7 +330,7 @@ class CudaBackend(Backend):
         key = (hashlib.sha256(source.encode()).hexdigest(), name, entry, tuple(options), peers)
         kernel = self._kernels.get(key)
         if kernel is None:
-            self._current()
+            self.make_current()
             loaded = nvrtc.load_function(source, name, entry, options, self.capability, peers,
                                          filename=path.name)
             self._modules.append(loaded.module)
@@ -349,7 +351,7 @@ class CudaBackend(Backend):
                                  "group must offer one (was its offer made by a host-backend rank?)")
         from tray.collectives import nccl
 
-        self._current()
+        self.make_current()
         groups = nccl.join_all(groups=[(j.group, j.nccl_id) for j in joins], stream=self.stream_handle,
                                device=self.info.ordinal)
         for group in groups.values():

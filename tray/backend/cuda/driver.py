@@ -497,8 +497,9 @@ def nvrtc_compile(source: str, name: str, options: Sequence[str], output: str) -
     try:
         encoded = [o.encode() for o in options]
         result = nv.nvrtcCompileProgram(prog, len(encoded), encoded)
-        if result[0] == nv.nvrtcResult.NVRTC_ERROR_COMPILATION:
-            raise CompileError(name, options, _program_log(prog))
+        if result[0] in (nv.nvrtcResult.NVRTC_ERROR_COMPILATION, nv.nvrtcResult.NVRTC_ERROR_INVALID_OPTION):
+            # the source's or the options' fault, not the device's: the author must act
+            raise CompileError(name, options, _program_log(prog) or result[0].name)
         check("nvrtcCompileProgram", result, name)
         getter = {"cubin": "CUBIN", "ptx": "PTX"}[output]
         size = int(_call(nv, f"nvrtcGet{getter}Size", prog, what=name))
