@@ -31,9 +31,9 @@ for s in "$@"; do
         env) stage env 60 bash -c 'nvidia-smi -L; nvidia-smi topo -m; python3 -c "import sys, torch, cuda.bindings, nccl.bindings.nccl as n; print(sys.version, torch.__version__, cuda.bindings.__version__, n.get_version())"' ;;
         doctor) stage doctor 120 $PY -m tray doctor --json; cp "$OUT/doctor.log" "$OUT/doctor.json" ;;
         unit) stage unit 300 $PY -m pytest -q -x tests/gpu/test_cuda_backend.py ;;
-        tests) stage tests 400 $PY -m pytest -q -m gpu tests/gpu ;;
-        gate) stage gate 200 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;
-        drop) stage drop 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;
+        tests) stage tests 300 $PY -m pytest -q -m gpu tests/gpu ;;
+        gate) stage gate 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;
+        drop) stage drop 60 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
         *) echo "unknown stage $s"; exit 2 ;;

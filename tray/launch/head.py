@@ -45,6 +45,35 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def _nccl_shm() -> set[str]:
+    """NCCL's shared-memory segments of this uid (a rank killed mid-run cannot unlink its own)."""
+    root = Path("/dev/shm")
+    try:
+        return {str(p) for p in root.glob("nccl-*") if p.stat().st_uid == os.getuid()}
+    except OSError:
+        return set()
+
+
+def _remove_orphaned_shm(candidates: set[str]) -> None:
+    """Unlink segments that appeared during this tray and that no live process of ours still maps."""
+    if not candidates:
+        return
+    in_use: set[str] = set()
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+                continue
+            in_use.update(m.path for m in proc.memory_maps(grouped=True) if m.path in candidates)
+            in_use.update(f.path for f in proc.open_files() if f.path in candidates)
+        except (psutil.Error, OSError):
+            continue
+    for path in candidates - in_use:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 class Head:
     """One tray launch. `run()` returns a TrayResult and leaves no process, socket or job dir."""
 
@@ -66,6 +95,7 @@ class Head:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> TrayResult:
+        shm_before = _nccl_shm()
         job_dir = make_job_dir()
         endpoint = f"ipc://{job_dir}/head.sock"
         ctx = sock = None
@@ -82,6 +112,8 @@ class Head:
             self._loop(sock, job_dir)
         finally:
             self._teardown()
+            if self.failure is not None:
+                _remove_orphaned_shm(_nccl_shm() - shm_before)
             if sock is not None:
                 sock.close()
             if ctx is not None:
