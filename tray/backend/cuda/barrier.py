@@ -8,6 +8,7 @@ BarrierTimeout after a synchronisation.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,14 @@ class CudaBarrier(Barrier):
             raise
         self.counter_ptr = self._state
         self.err_ptr = self._state + 16
+        try:
+            # the kernel raises this word on a timeout: check() reads it without a copy or a sync
+            self._host_flag, self._host_flag_dev = drv.mem_host_alloc_mapped(4)
+        except BaseException:
+            drv.mem_free(self._state)
+            raise
+        self._host_word = ctypes.c_uint32.from_address(self._host_flag)
+        self._host_word.value = 0
 
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
         """Enqueue one barrier; returns before it ends. Safe inside a capture (no sync, no alloc)."""
@@ -81,7 +90,7 @@ class CudaBarrier(Barrier):
             if not timeout_s > 0:
                 raise UsageError(f"barrier {self.group.name}: timeout_s must be > 0, got {timeout_s}")
             args = [self._flags.ptr, self._peer_flags.ptr, self.counter_ptr, self.err_ptr,
-                    self.group.size, self.group.index, int(timeout_s * 1e9)]
+                    self._host_flag_dev, self.group.size, self.group.index, int(timeout_s * 1e9)]
             bound = self._kernel.bind((1, 1, 1), (_THREADS, 1, 1), args)
             self._launches[timeout_s] = bound
         self._last_timeout_s = timeout_s
@@ -89,6 +98,10 @@ class CudaBarrier(Barrier):
 
     def check(self) -> None:
         """Raise BarrierTimeout if any barrier launched so far timed out (call after a sync)."""
+        if self._state is None:
+            raise UsageError(f"barrier {self.group.name} is closed")
+        if not self._host_word.value:
+            return
         err = self._read_err()
         missing = missing_members(self.group.members, int(err[1]))
         if missing:
@@ -118,3 +131,4 @@ class CudaBarrier(Barrier):
         self._launches.clear()
         if state is not None:
             drv.mem_free(state)
+            drv.mem_free_host(self._host_flag)

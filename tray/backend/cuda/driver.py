@@ -314,6 +314,21 @@ def mem_host_alloc(nbytes: int, portable: bool = False) -> int:
     return int(_drv("cuMemHostAlloc", nbytes, flags, what=f"{fmt_bytes(nbytes)}, flags {flags:#x}"))
 
 
+def mem_host_alloc_mapped(nbytes: int) -> tuple[int, int]:
+    """Pinned host memory mapped into the current context's address space (DEVICEMAP | PORTABLE).
+
+    Returns (host address, device address): a kernel stores through the device address and the host
+    reads the host address without a copy or a second synchronisation."""
+    flags = 0x1 | 0x2  # NOTE: CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
+    host = int(_drv("cuMemHostAlloc", nbytes, flags, what=f"{fmt_bytes(nbytes)}, flags {flags:#x}"))
+    try:
+        dev = int(_drv("cuMemHostGetDevicePointer", host, 0, what=f"{host:#x}"))
+    except BaseException:
+        mem_free_host(host)
+        raise
+    return host, dev
+
+
 def mem_free_host(ptr: int) -> None:
     _drv("cuMemFreeHost", ptr, what=f"{ptr:#x}")
 
@@ -478,6 +493,41 @@ def launch_kernel(func: Any, grid: tuple[int, int, int], block: tuple[int, int, 
                              shmem_nbytes, stream, params_addr, 0)
     if err != 0:
         check("cuLaunchKernel", (err,), f"{entry}, grid {grid}, block {block}, shmem {shmem_nbytes} B")
+
+
+_fast_launch: Any = None
+
+
+def _launch_symbol() -> Any:
+    """cuLaunchKernel of the libcuda that cuda-bindings loaded, called through ctypes.
+
+    NOTE: the bindings' Python wrapper costs ~4 us per launch (HARDWARE.md); a ctypes call with
+    prepacked arguments costs ~1 us, which is what an eager barrier loop is made of."""
+    global _fast_launch
+    if _fast_launch is None:
+        import ctypes
+
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        _fast_launch = fn
+    return _fast_launch
+
+
+def launcher(func: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shmem_nbytes: int,
+             stream: Any, params_addr: int, entry: str = "") -> Any:
+    """A no-argument function that launches `func` with everything converted once (hot loops)."""
+    fn = _launch_symbol()
+    args = (int(func), grid[0], grid[1], grid[2], block[0], block[1], block[2], shmem_nbytes, int(stream),
+            params_addr or None, None)
+
+    def launch() -> None:
+        err = fn(*args)
+        if err != 0:
+            check("cuLaunchKernel", (cu.CUresult(err),),
+                  f"{entry}, grid {grid}, block {block}, shmem {shmem_nbytes} B")
+
+    return launch
 
 
 # --- NVRTC ---------------------------------------------------------------------------------------------

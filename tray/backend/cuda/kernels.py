@@ -111,6 +111,8 @@ class CudaLaunch(BoundLaunch):
         self._stream = stream
         self._values, self._pointers = pack(plan, kernel.param_sizes)
         self._params_addr = self._pointers.ctypes.data if len(plan) else 0
+        self.launch = drv.launcher(self._function, grid, block, shmem_nbytes, stream,  # type: ignore[method-assign]
+                                   self._params_addr, self._entry)
 
     def launch(self) -> None:
         drv.launch_kernel(self._function, self._grid, self._block, self._shmem_nbytes, self._stream,

@@ -1,0 +1,182 @@
+// ep_moe: the data-movement kernels of the expert-parallel MoE layer (manifests/ep_moe.json).
+//
+// Rows are `hidden` bf16 values (2 * hidden bytes, a multiple of 16: the host checks hidden % 8 == 0)
+// moved as 16-byte vectors. One warp moves one row; a block holds blockDim.x / 32 warps; every kernel
+// walks its rows with a grid-stride loop, so any grid works and nothing depends on how many SMs the
+// GPU has or which blocks are co-resident. Each lane keeps ROW_UNROLL loads in flight before it
+// stores them, so a warp has ROW_UNROLL * 512 bytes moving and many warps keep the links busy.
+//
+// Slab layout (the owner's receive slab `slab` and the expert outputs `y`): [local expert][cap][hidden]
+// with the rows of one expert in global token order (source rank, then token). Positions are
+// precomputed on the host (tray/moe/plan.py); a production router would compute them on the device
+// with a prefix sum over the per-(source, expert) counts.
+//
+// Kernels that write peer memory end with __threadfence_system(): their stores are performed at system
+// scope before the kernel ends, so the peer barrier that follows publishes them to every member.
+
+typedef unsigned long long u64;
+
+#define ROW_UNROLL 4
+
+// Copy one row of `nvec` 16-byte vectors with the 32 lanes of a warp.
+__device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int nvec, int lane) {
+    for (int base = 0; base < nvec; base += 32 * ROW_UNROLL) {
+        uint4 v[ROW_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < nvec) {
+                v[u] = src[i];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < nvec) {
+                dst[i] = v[u];
+            }
+        }
+    }
+}
+
+// dispatch (peer path): every (token, k) pair of this rank is written straight into the receive slab
+// of the rank that owns expert route_expert[t][k], at row route_pos[t][k] of that expert.
+//
+//   x             [tokens][hidden] bf16                 this rank's tokens
+//   route_expert  [tokens][topk] i32                    global expert id per pair
+//   route_pos     [tokens][topk] i32                    row within the expert's cap rows
+//   slab_peers    u64[G]: member g's slab [experts/G][cap][hidden] bf16 (as mapped here)
+//   count_peers   u64[G]: member g's recv_counts [G][experts/G] i32; this rank writes row `me`
+//   send_counts   [experts] i32                         pairs this rank sends to each expert
+//   err           u32[4] local: err[0] |= 1 on a bad route (expert out of range or pos >= cap: the
+//                 capacity overflowed), err[1] counts the pairs that were not sent
+extern "C" __global__ void ep_dispatch(const uint4* __restrict__ x,
+                                       const int* __restrict__ route_expert,
+                                       const int* __restrict__ route_pos,
+                                       unsigned char* const* slab_peers,
+                                       int* const* count_peers,
+                                       const int* __restrict__ send_counts,
+                                       unsigned int* err,
+                                       int tokens,
+                                       int topk,
+                                       int hidden,
+                                       int experts,
+                                       int G,
+                                       int me,
+                                       int cap) {
+    const int local = experts / G;
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
+    if (blockIdx.x == 0) {
+        for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+            const int g = e / local;
+            count_peers[g][me * local + (e - g * local)] = send_counts[e];
+        }
+    }
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long pairs = (long long)tokens * topk;
+    for (long long p = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); p < pairs; p += warps) {
+        const int e = route_expert[p];
+        const int pos = route_pos[p];
+        if (e < 0 || e >= experts || pos < 0 || pos >= cap) {
+            if (lane == 0) {
+                atomicOr(&err[0], 1u);
+                atomicAdd(&err[1], 1u);
+            }
+            continue;
+        }
+        const int g = e / local;
+        const int el = e - g * local;
+        uint4* dst = (uint4*)(slab_peers[g] + ((size_t)el * cap + pos) * row_bytes);
+        copy_row(dst, x + (size_t)(p / topk) * nvec, nvec, lane);
+    }
+    __threadfence_system();
+}
+
+// combine (peer path): every used row of this rank's expert outputs goes back to the combine slab of
+// the rank its token came from, at that token's (t, k) slot.
+//
+//   y            [rows][hidden] bf16                    rows = (experts/G) * cap expert outputs
+//   combine_src  [rows] i32                             global pair id (src * tokens + t) * topk + k,
+//                                                       or -1 for an unused row
+//   comb_peers   u64[G]: member g's combine slab [tokens][topk][hidden] bf16
+//   err          u32[4] local: err[0] |= 2 on a pair id outside the tray
+extern "C" __global__ void ep_combine(const uint4* __restrict__ y,
+                                      const int* __restrict__ combine_src,
+                                      unsigned char* const* comb_peers,
+                                      unsigned int* err,
+                                      int rows,
+                                      int tokens,
+                                      int topk,
+                                      int hidden,
+                                      int G) {
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
+    const long long pairs = (long long)tokens * topk;
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        const int v = combine_src[r];
+        if (v < 0) {
+            continue;
+        }
+        const long long g = v / pairs;
+        if (g >= G) {
+            if (lane == 0) {
+                atomicOr(&err[0], 2u);
+            }
+            continue;
+        }
+        uint4* dst = (uint4*)(comb_peers[g] + (size_t)(v - g * pairs) * row_bytes);
+        copy_row(dst, y + (size_t)r * nvec, nvec, lane);
+    }
+    __threadfence_system();
+}
+
+// copy_rows (NCCL path pack/unpack, local only): for i < rows,
+//   dst row (dst_index ? dst_index[i] : i)  <-  src row (src_index ? src_index[i] : i / src_div)
+// and a row whose index is negative is skipped. A null index array (0) means "the identity".
+extern "C" __global__ void ep_copy_rows(unsigned char* dst,
+                                        const unsigned char* src,
+                                        const int* __restrict__ dst_index,
+                                        const int* __restrict__ src_index,
+                                        int rows,
+                                        int src_div,
+                                        int hidden) {
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long i = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < rows; i += warps) {
+        const long long d = dst_index ? (long long)dst_index[i] : i;
+        const long long s = src_index ? (long long)src_index[i] : i / src_div;
+        if (d < 0 || s < 0) {
+            continue;
+        }
+        copy_row((uint4*)(dst + (size_t)d * row_bytes), (const uint4*)(src + (size_t)s * row_bytes), nvec, lane);
+    }
+}
+
+// peer_copy (the GPU-to-GPU copy ceiling): the same bytes as a dispatch, but contiguous. Source row
+// i < G * rows_per_peer goes to member g = i / rows_per_peer, at row me * rows_per_peer + i % rows_per_peer
+// of its `dst` buffer ([G][rows_per_peer][hidden] bf16).
+extern "C" __global__ void ep_peer_copy(const uint4* __restrict__ src,
+                                        unsigned char* const* dst_peers,
+                                        int rows_per_peer,
+                                        int hidden,
+                                        int G,
+                                        int me) {
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const long long rows = (long long)G * rows_per_peer;
+    for (long long i = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < rows; i += warps) {
+        const long long g = i / rows_per_peer;
+        const long long j = i - g * rows_per_peer;
+        uint4* dst = (uint4*)(dst_peers[g] + ((size_t)me * rows_per_peer + j) * row_bytes);
+        copy_row(dst, src + (size_t)i * nvec, nvec, lane);
+    }
+    __threadfence_system();
+}
