@@ -28,11 +28,15 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    variants = {"production": REPO / "manifests" / "kernels"}
-    variants.update({d.name: d for d in sorted((REPO / "bench" / "barrier_variants").iterdir()) if d.is_dir()})
+    # (kernel dir, programmatic launches); the variants predate `griddepcontrol.wait`, so no PDL
+    variants = {"production": (REPO / "manifests" / "kernels", "1"),
+                "production-nopdl": (REPO / "manifests" / "kernels", "0")}
+    variants.update({d.name: (d, "0") for d in sorted((REPO / "bench" / "barrier_variants").iterdir())
+                     if d.is_dir()})
     results = {}
-    for name, kdir in variants.items():
+    for name, (kdir, pdl) in variants.items():
         os.environ["TRAY_KERNEL_DIR"] = str(kdir)
+        os.environ["TRAY_BARRIER_PDL"] = pdl
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "gate.json"
             code = run_gate(GateArgs(nprocs=args.n, backend="cuda", iters=args.iters, json_path=str(out),
@@ -41,6 +45,7 @@ def main() -> int:
         results[name] = {k: report.get(k) for k in ("eager_us", "eager_sync_us", "captured_us", "passed")}
         results[name]["exit_code"] = code
     os.environ.pop("TRAY_KERNEL_DIR", None)
+    os.environ.pop("TRAY_BARRIER_PDL", None)
     print(f"{'variant':<12}{'eager':>9}{'sync':>9}{'captured':>10}")
     for name, r in results.items():
         if r["eager_us"] is not None:

@@ -13,7 +13,9 @@
 // the member's release). Past `timeout_ns` (%globaltimer) it records the missing member in `err`:
 // err[0] = the epoch that timed out (atomicMax), err[1] |= 1 << t, and sets *host_flag = 1 (mapped
 // host memory, so the host learns of a timeout without a copy). No __trap: the process must live to
-// report. A broken barrier stays broken: a launch that finds err[1] != 0 returns at once, so a graph of
+// report. On sm_90+ the host launches it with programmatic stream serialization: the next barrier is
+// scheduled while this one runs and waits in `griddepcontrol.wait` (hides the launch latency in graphs
+// and eager loops). A broken barrier stays broken: a launch that finds err[1] != 0 returns at once, so a graph of
 // K barriers after a drop costs one timeout, not K.
 
 __device__ __forceinline__ void st_relaxed_sys(unsigned long long* addr, unsigned long long value) {
@@ -49,6 +51,13 @@ extern "C" __global__ void tray_peer_barrier(unsigned long long* own_flags,
     __shared__ unsigned long long epoch;
     __shared__ int broken;
     const int t = threadIdx.x;
+#if __CUDA_ARCH__ >= 900
+    // Launched with programmatic stream serialization, the next barrier may be scheduled now; it
+    // waits here until this one has ended and its memory operations are visible. Without a
+    // programmatic dependency both instructions do nothing.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     if (t == 0) {
         // counter and err[1] are independent loads: both are in flight at once.
         const unsigned long long c = *counter;

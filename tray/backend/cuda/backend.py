@@ -279,7 +279,8 @@ class CudaBackend(Backend):
         kernel = self.load_kernel("peer_barrier", str(kernel_dir() / BARRIER_SOURCE), BARRIER_ENTRY, (),
                                   peers=True)
         self.make_current()
-        return self._track("barriers", CudaBarrier(group, flags, peer_flags, kernel, self.stream))
+        return self._track("barriers", CudaBarrier(group, flags, peer_flags, kernel, self.stream,
+                                                    programmatic=self.capability >= (9, 0)))
 
     def timer(self) -> CudaTimer:
         self.make_current()

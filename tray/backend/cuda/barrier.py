@@ -46,7 +46,7 @@ class CudaBarrier(Barrier):
     every member's flags as mapped here, in member order (own slot = own address)."""
 
     def __init__(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable, kernel: CudaKernel,
-                 stream: Any) -> None:
+                 stream: Any, programmatic: bool = False) -> None:
         if not 1 <= group.size <= MAX_GROUP_SIZE:
             raise UsageError(f"barrier {group.name}: groups of 1 to {MAX_GROUP_SIZE} members are "
                              f"supported, got {group.size}")
@@ -57,6 +57,9 @@ class CudaBarrier(Barrier):
             raise UsageError(f"barrier {group.name}: peer_flags has {len(peer_flags.ptrs)} entries for "
                              f"{group.size} members")
         self.group = group
+        # programmatic launches let barrier k+1 be scheduled while barrier k still waits (the kernel
+        # does `griddepcontrol.wait` first); TRAY_BARRIER_PDL=0 turns it off
+        self.programmatic = programmatic and os.environ.get("TRAY_BARRIER_PDL", "1") != "0"
         self._flags = flags
         self._peer_flags = peer_flags
         self._kernel = kernel
@@ -91,7 +94,7 @@ class CudaBarrier(Barrier):
                 raise UsageError(f"barrier {self.group.name}: timeout_s must be > 0, got {timeout_s}")
             args = [self._flags.ptr, self._peer_flags.ptr, self.counter_ptr, self.err_ptr,
                     self._host_flag_dev, self.group.size, self.group.index, int(timeout_s * 1e9)]
-            bound = self._kernel.bind((1, 1, 1), (_THREADS, 1, 1), args)
+            bound = self._kernel.bind((1, 1, 1), (_THREADS, 1, 1), args, programmatic=self.programmatic)
             self._launches[timeout_s] = bound
         self._last_timeout_s = timeout_s
         bound.launch()

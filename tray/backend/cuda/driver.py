@@ -496,38 +496,76 @@ def launch_kernel(func: Any, grid: tuple[int, int, int], block: tuple[int, int, 
 
 
 _fast_launch: Any = None
+_fast_launch_ex: Any = None
+
+# NOTE: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h): the next kernel on the stream may
+# be scheduled before this one ends and waits in `griddepcontrol.wait` instead (hides launch latency).
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 5
 
 
-def _launch_symbol() -> Any:
-    """cuLaunchKernel of the libcuda that cuda-bindings loaded, called through ctypes.
+def _libcuda() -> Any:
+    import ctypes
 
-    NOTE: the bindings' Python wrapper costs ~4 us per launch (HARDWARE.md); a ctypes call with
-    prepacked arguments costs ~1 us, which is what an eager barrier loop is made of."""
-    global _fast_launch
-    if _fast_launch is None:
-        import ctypes
-
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        _fast_launch = fn
-    return _fast_launch
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def launcher(func: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shmem_nbytes: int,
-             stream: Any, params_addr: int, entry: str = "") -> Any:
-    """A no-argument function that launches `func` with everything converted once (hot loops)."""
-    fn = _launch_symbol()
-    args = (int(func), grid[0], grid[1], grid[2], block[0], block[1], block[2], shmem_nbytes, int(stream),
-            params_addr or None, None)
+             stream: Any, params_addr: int, entry: str = "", programmatic: bool = False) -> Any:
+    """A no-argument function that launches `func` with every argument converted to C once.
+
+    NOTE: the bindings' Python wrapper costs ~4 us per launch (HARDWARE.md); a ctypes call with
+    prebuilt C arguments skips the per-call conversion. `programmatic`: launch with programmatic
+    stream serialization (cuLaunchKernelEx); the kernel must `griddepcontrol.wait` before it touches
+    memory the previous kernel wrote."""
+    import ctypes
+
+    global _fast_launch, _fast_launch_ex
+    where = f"{entry}, grid {grid}, block {block}, shmem {shmem_nbytes} B"
+    f = ctypes.c_void_p(int(func))
+    params = ctypes.c_void_p(params_addr or None)
+    config = attr = None
+    if not programmatic:
+        if _fast_launch is None:
+            _fast_launch = _libcuda().cuLaunchKernel
+            _fast_launch.restype = ctypes.c_int
+        fn = _fast_launch
+        c_args = (f, *(ctypes.c_uint(v) for v in (*grid, *block, shmem_nbytes)),
+                  ctypes.c_void_p(int(stream)), params, ctypes.c_void_p(None))
+    else:
+        if _fast_launch_ex is None:
+            _fast_launch_ex = _libcuda().cuLaunchKernelEx
+            _fast_launch_ex.restype = ctypes.c_int
+        fn = _fast_launch_ex
+        attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        config = _LaunchConfig(*grid, *block, shmem_nbytes, int(stream), ctypes.pointer(attr), 1)
+        c_args = (ctypes.byref(config), f, params, ctypes.c_void_p(None))
 
     def launch() -> None:
-        err = fn(*args)
+        err = fn(*c_args)
         if err != 0:
-            check("cuLaunchKernel", (cu.CUresult(err),),
-                  f"{entry}, grid {grid}, block {block}, shmem {shmem_nbytes} B")
+            check("cuLaunchKernel" + ("Ex" if programmatic else ""), (cu.CUresult(err),), where)
 
+    launch.keep = (c_args, config, attr)  # type: ignore[attr-defined]  # the C side points into these
     return launch
+
+
+def _launch_structs() -> tuple[Any, Any]:
+    import ctypes
+
+    class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad, 64-byte value union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                    ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                    ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                    ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+    return LaunchAttribute, LaunchConfig
+
+
+_LaunchAttribute, _LaunchConfig = _launch_structs()
 
 
 # --- NVRTC ---------------------------------------------------------------------------------------------

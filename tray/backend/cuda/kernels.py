@@ -102,7 +102,8 @@ class CudaLaunch(BoundLaunch):
     """One kernel with its arguments packed; `launch()` enqueues it on the backend's stream."""
 
     def __init__(self, kernel: CudaKernel, grid: tuple[int, int, int], block: tuple[int, int, int],
-                 shmem_nbytes: int, stream: Any, plan: Sequence[tuple[Any, Any]]) -> None:
+                 shmem_nbytes: int, stream: Any, plan: Sequence[tuple[Any, Any]],
+                 programmatic: bool = False) -> None:
         self._function = kernel.function
         self._entry = kernel.entry
         self._grid = grid
@@ -111,12 +112,12 @@ class CudaLaunch(BoundLaunch):
         self._stream = stream
         self._values, self._pointers = pack(plan, kernel.param_sizes)
         self._params_addr = self._pointers.ctypes.data if len(plan) else 0
-        self.launch = drv.launcher(self._function, grid, block, shmem_nbytes, stream,  # type: ignore[method-assign]
-                                   self._params_addr, self._entry)
+        # the hot path: a closure over C arguments converted once (see drv.launcher)
+        self._launch = drv.launcher(self._function, grid, block, shmem_nbytes, stream, self._params_addr,
+                                    self._entry, programmatic)
 
     def launch(self) -> None:
-        drv.launch_kernel(self._function, self._grid, self._block, self._shmem_nbytes, self._stream,
-                          self._params_addr, self._entry)
+        self._launch()
 
 
 class CudaKernel(Kernel):
@@ -130,8 +131,8 @@ class CudaKernel(Kernel):
         self.param_sizes = drv.func_param_sizes(function, entry)
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
-             shmem_nbytes: int = 0) -> CudaLaunch:
+             shmem_nbytes: int = 0, programmatic: bool = False) -> CudaLaunch:
         """Pack `args` once; raises UsageError if they do not match the kernel's parameters."""
         plan = pack_plan(self.param_sizes, args, self.name)
         return CudaLaunch(self, _dims(grid, "grid", self.name), _dims(block, "block", self.name),
-                          int(shmem_nbytes), self._stream, plan)
+                          int(shmem_nbytes), self._stream, plan, programmatic)
