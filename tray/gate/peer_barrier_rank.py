@@ -21,16 +21,19 @@ WARMUP = 20
 REPEATS = 7
 
 
-def _eager(barrier, backend, iters: int, timeout_s: float) -> float:
+def _eager(barrier, backend, iters: int, timeout_s: float) -> tuple[float, float]:
+    """(device µs per barrier, host µs per launch): when the two are equal the loop is host-bound."""
     timer = backend.timer()
     timer.start()
+    t0 = time.perf_counter()
     for _ in range(iters):
         barrier.launch(timeout_s)
+    host_s = time.perf_counter() - t0
     timer.stop()
     elapsed = timer.elapsed_s()
     barrier.synchronize()
     barrier.check()
-    return elapsed / iters * 1e6
+    return elapsed / iters * 1e6, host_s / iters * 1e6
 
 
 def _eager_sync(barrier, iters: int, timeout_s: float) -> float:
@@ -57,7 +60,8 @@ def measure(rank, iters: int, timeout_s: float) -> dict:
     barrier, backend = rank.barrier_of("world"), rank.backend
     for _ in range(WARMUP):
         barrier.wait(timeout_s)
-    eager = [_eager(barrier, backend, iters, timeout_s) for _ in range(REPEATS)]
+    eager_pairs = [_eager(barrier, backend, iters, timeout_s) for _ in range(REPEATS)]
+    eager = [p[0] for p in eager_pairs]
     eager_sync = [_eager_sync(barrier, max(iters // 4, 10), timeout_s) for _ in range(REPEATS)]
     graph = backend.capture(lambda: [barrier.launch(timeout_s) for _ in range(iters)])
     try:
@@ -68,7 +72,8 @@ def measure(rank, iters: int, timeout_s: float) -> dict:
     finally:
         graph.close()
     return {"eager_us": statistics.median(eager), "eager_sync_us": statistics.median(eager_sync),
-            "captured_us": statistics.median(captured), "eager_us_all": eager, "eager_sync_us_all": eager_sync,
+            "captured_us": statistics.median(captured),
+            "eager_host_us": statistics.median(p[1] for p in eager_pairs), "eager_us_all": eager, "eager_sync_us_all": eager_sync,
             "captured_us_all": captured}
 
 
