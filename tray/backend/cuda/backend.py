@@ -17,6 +17,7 @@ from typing import Any, Self
 import numpy as np
 
 from tray.backend.base import (
+    HostMemory,
     Backend,
     Collectives,
     DeviceBuffer,
@@ -255,10 +256,13 @@ class CudaBackend(Backend):
         if self._transfer is not None:
             drv.stream_synchronize(self._transfer)
 
-    def pinned_host(self, nbytes: int) -> memory.PinnedHost:
-        """`nbytes` of page-locked host memory, on this GPU's NUMA node by the process's binding."""
+    def pinned_host(self, nbytes: int) -> HostMemory:
+        """`nbytes` of page-locked host memory on this GPU's NUMA node: allocated under the rank's
+        binding, its pages checked (move_pages), and re-placed with mbind if they landed elsewhere."""
+        from tray.backend.cuda import hostmem
+
         self.make_current()
-        return self._track("host", memory.PinnedHost(nbytes, self.info.numa_node))
+        return self._track("host", hostmem.pinned_host(self.info.ordinal, nbytes, self.info.numa_node))
 
     def gemm(self, a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, dtype: str = "bf16",
              accumulate: bool = False) -> None:

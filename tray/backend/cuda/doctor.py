@@ -19,7 +19,7 @@ from tray.backend.cuda import driver as drv
 COPY_NBYTES = 256 << 20  # NOTE: 256 MiB: well past launch costs, a few ms per copy at PCIe speed
 COPY_REPEATS = 5
 REPORT_KEYS = ("driver_version", "nccl_version", "gpus", "p2p", "handle_types", "host_copy_gbps",
-               "peer_copy_gbps")
+               "peer_copy_gbps", "host_pool_numa")
 
 
 @dataclass
@@ -149,6 +149,20 @@ def _peer_copies(gpus: list[_Gpu], p2p: list[dict[str, Any]], device_bufs: dict[
     return rows
 
 
+def _pool_placement(g: Any) -> dict[str, Any]:
+    """Where a pinned host pool for this GPU really lands (the rank's pool is made the same way)."""
+    from tray.backend.cuda import hostmem
+
+    drv.ctx_set_current(g.context, g.ordinal)
+    mem = hostmem.pinned_host(g.ordinal, 64 << 20)
+    try:
+        p = mem.placement
+        return {"ordinal": g.ordinal, "expected_node": p.expected, "pages_by_node": p.pages, "ok": p.ok,
+                "how": mem.how}
+    finally:
+        mem.close()
+
+
 def doctor_report() -> dict[str, Any]:
     """A dict with REPORT_KEYS: versions, `gpus` (one dict per GPU), `p2p` (one dict per ordered pair),
     `handle_types` ({ordinal, posix, fabric}: "ok" or the error code), `host_copy_gbps` ({ordinal, h2d,
@@ -189,6 +203,7 @@ def doctor_report() -> dict[str, Any]:
             host = drv.mem_host_alloc(COPY_NBYTES, portable=True)
             stack.callback(_in_context, gpus[0], drv.mem_free_host, host)
         report["host_copy_gbps"] = _host_copies(gpus, device_bufs, streams, host)
+        report["host_pool_numa"] = [_pool_placement(g) for g in gpus]
         report["peer_copy_gbps"] = _peer_copies(gpus, report["p2p"], device_bufs, streams)
     return report
 
@@ -226,5 +241,11 @@ def format_doctor(report: dict[str, Any]) -> str:
         c = copies.get(h["ordinal"], {})
         lines.append(f"{h['ordinal']:>3}  {h['posix']:<24} {h['fabric']:<28} {c.get('h2d', '-'):>9} "
                      f"{c.get('d2h', '-'):>9}")
+    if report.get("host_pool_numa"):
+        lines += ["", "pinned host pool placement (pages by NUMA node, sampled):"]
+        for p in report["host_pool_numa"]:
+            verdict = "ok" if p["ok"] else "OFF NODE"
+            lines.append(f"  gpu {p['ordinal']}: expected node {p['expected_node']}, pages {p['pages_by_node']} "
+                         f"({p['how']}): {verdict}")
     return "\n".join(lines)
 
