@@ -332,8 +332,11 @@ def test_format_doctor_on_a_fake_report() -> None:
                          for i in range(2)],
         "host_copy_gbps": [{"ordinal": i, "h2d": 55.0, "d2h": 55.3} for i in range(2)],
         "peer_copy_gbps": [{"src": 0, "dst": 1, "gbps": 393.0}, {"src": 1, "dst": 0, "gbps": None}],
+        "host_pool_numa": [{"ordinal": i, "expected_node": 0, "pages_by_node": {0: 16}, "ok": i == 0,
+                            "how": "alloc"} for i in range(2)],
     }
     assert set(report) == set(doctor.REPORT_KEYS)
     text = doctor.format_doctor(report)
     assert "NVIDIA H200" in text and "CUDA_ERROR_NOT_PERMITTED" in text and "PA 393" in text
     assert "NCCL: not found" in text
+    assert "gpu 0: expected node 0" in text and "gpu 1: expected node 0, pages {0: 16} (alloc): OFF NODE" in text
