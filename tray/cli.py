@@ -104,6 +104,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_park(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    if not (repo / "bench" / "park.py").is_file():
+        raise UsageError(f"tray bench runs the scripts in bench/ of a source checkout; {repo / 'bench'} has none")
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from bench import park
+
+    backend, nprocs = _backend_and_n(args.backend, args.nprocs)
+    return park.run(nprocs, backend, args.gib, args.page_mib, args.repeats, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tray", description="Run one SPMD program across the GPUs of a host.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -135,6 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--nprocs", type=int, default=4, help="world size to resolve shapes for")
     p.add_argument("--var", action="append", default=[], metavar="NAME=INT")
     p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("bench", help="benchmarks, each against its baseline measured in the same run")
+    benches = p.add_subparsers(dest="bench", required=True)
+    b = benches.add_parser("park", help="park/wake GB/s per rank and tray-wide vs the pinned-copy ceiling")
+    b.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: visible GPUs, or 4)")
+    b.add_argument("--backend", choices=("host", "cuda"), default=None)
+    b.add_argument("--gib", type=float, default=None, help="GiB per rank (default 4 on cuda, 0.25 on host)")
+    b.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (default 2)")
+    b.add_argument("--repeats", type=int, default=5, help="park/wake repeats (median)")
+    b.add_argument("--json", default=None, help="write the report here")
+    b.set_defaults(fn=cmd_bench_park)
+    from tray.moe.cli import add_bench_parsers
+
+    add_bench_parsers(benches)  # ep-moe, tp
 
     p = sub.add_parser("doctor", help="what this machine's GPUs can do")
     p.add_argument("--json", action="store_true")

@@ -92,10 +92,13 @@ extern "C" __global__ void ep_silu_mul(const uint4* __restrict__ h13, uint4* __r
 }
 
 // reduce: out[t][h] = bf16(sum over k = 0..topk-1, in that order, of w[t][k] * comb[t][k][h]) with a
-// float32 accumulator starting at 0 (each product of two bf16 is exact in float32).
+// float32 accumulator starting at 0 (each product of two bf16 is exact in float32). A thread owns 8
+// consecutive h of one token and loads up to REDUCE_LOADS of its k rows before it adds them.
 //   comb     [tokens][topk][hidden] bf16     the combine slab
 //   weights  [tokens][topk] bf16             routing weights
 //   out      [tokens][hidden] bf16
+#define REDUCE_LOADS 8
+
 extern "C" __global__ void ep_reduce(const uint4* __restrict__ comb, const unsigned short* __restrict__ weights,
                                      uint4* __restrict__ out, int tokens, int topk, int hidden) {
     const long long nvec = hidden / 8;
@@ -105,13 +108,25 @@ extern "C" __global__ void ep_reduce(const uint4* __restrict__ comb, const unsig
         const long long t = i / nvec;
         const long long c = i - t * nvec;
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int k = 0; k < topk; ++k) {
-            const float w = bf16_to_f32(weights[t * topk + k]);
-            float v[8];
-            unpack8(comb[(t * topk + k) * nvec + c], v);
+        for (int k0 = 0; k0 < topk; k0 += REDUCE_LOADS) {
+            uint4 rows[REDUCE_LOADS];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                acc[j] = __fadd_rn(acc[j], __fmul_rn(w, v[j]));
+            for (int u = 0; u < REDUCE_LOADS; ++u) {
+                if (k0 + u < topk) {
+                    rows[u] = comb[(t * topk + k0 + u) * nvec + c];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < REDUCE_LOADS; ++u) {
+                if (k0 + u < topk) {
+                    const float w = bf16_to_f32(weights[t * topk + k0 + u]);
+                    float v[8];
+                    unpack8(rows[u], v);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        acc[j] = __fadd_rn(acc[j], __fmul_rn(w, v[j]));
+                    }
+                }
             }
         }
         out[i] = pack8(acc);

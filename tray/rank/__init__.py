@@ -395,6 +395,14 @@ class Rank:
         for barrier in self._barriers.values():
             barrier.check()
 
+    def load_weights(self, **kwargs: Any) -> Any:
+        """Fill every buffer whose manifest entry has a `bind` from its safetensors file (pread into
+        pinned double buffers, copied while the next read runs). Returns a tray.weights.WeightsReport."""
+        self._require_go("load_weights()")
+        from tray.weights import load_weights
+
+        return load_weights(self, **kwargs)
+
     def _parking(self) -> Any:
         self._require_go("park/wake")
         if self._park is None:

@@ -45,3 +45,6 @@ def peer_fill(backend: Any, grid: Any, block: Any, peers_ptr: int, group_size: i
     for g in range(group_size):
         dst = u32_at(int(peers[g]) + 4 * me * words_per_slot, words_per_slot)
         dst[:] = peer_fill_words(seed, me, g, words_per_slot)
+
+# The EP MoE / TP twins register themselves into TWINS on import.
+from tray.backend.host import twins_moe  # noqa: E402, F401

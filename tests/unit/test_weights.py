@@ -1,0 +1,258 @@
+"""Weights from safetensors into bound buffers (host backend): bytes land exactly, errors name things."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from tray.backend.base import itemsize
+from tray.backend.host import HostBackend
+from tray.errors import ManifestError
+from tray.weights import BindTarget, CheckpointError, load_targets, read_header, resolve_bind
+from tray.weights.loader import Piece, copy_pieces
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def save_bf16(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """bf16 through safetensors' numpy API (ml_dtypes' bfloat16 is written as BF16)."""
+    save_file({k: v.astype(BF16) for k, v in tensors.items()}, str(path))
+
+
+@pytest.fixture
+def backend():
+    b = HostBackend.open(0)
+    yield b
+    b.close()
+
+
+def target(backend, name, dtype, shape, bind, env=None):
+    size = int(np.prod(shape)) * itemsize(dtype)
+    buf = backend.allocate(name, size, False)
+    return BindTarget(
+        name,
+        dtype,
+        tuple(shape),
+        size,
+        buf.ptr,
+        bind,
+        dict(env or {"world_size": 1, "rank": 0}),
+        "$.buffers[0].bind",
+    )
+
+
+def read(backend, t, dtype):
+    return backend.read(t.ptr, t.nbytes).view(dtype).reshape(t.shape)
+
+
+def test_header_matches_what_safetensors_wrote(tmp_path):
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.arange(5, dtype=np.int32)
+    save_file({"a": a, "b": b}, str(tmp_path / "m.safetensors"), metadata={"k": "v"})
+    h = read_header(str(tmp_path / "m.safetensors"))
+    assert set(h.tensors) == {"a", "b"} and h.metadata == {"k": "v"}
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    ta = h.tensors["a"]
+    assert (ta.dtype, ta.shape, ta.nbytes) == ("F32", (3, 4), 48)
+    assert raw[ta.offset : ta.offset + ta.nbytes] == a.tobytes()
+
+
+def test_experts_of_each_rank_concatenate_along_dim0(tmp_path, backend):
+    rng = np.random.default_rng(0)
+    E, F, H, G = 8, 4, 16, 4
+    w = {
+        f"experts.{e}.{n}": rng.standard_normal((F, H)).astype(np.float32)
+        for e in range(E)
+        for n in ("w1", "w3")
+    }
+    save_bf16(tmp_path / "ckpt.safetensors", w)
+    manifest = str(tmp_path / "m.json")
+    bind = {
+        "file": "ckpt.safetensors",
+        "tensors": ["experts.{e}.w1", "experts.{e}.w3"],
+        "range": {"e": ["experts // world_size * rank", "experts // world_size"]},
+    }
+    for r in range(G):
+        env = {"experts": E, "world_size": G, "rank": r, "index": r}
+        t = target(backend, f"w13_{r}", "bf16", (E // G, 2 * F, H), bind, env)
+        report = load_targets(backend, [t], manifest)
+        want = np.stack(
+            [
+                np.concatenate([w[f"experts.{e}.w1"], w[f"experts.{e}.w3"]])
+                for e in range(r * E // G, (r + 1) * E // G)
+            ]
+        ).astype(BF16)
+        assert read(backend, t, BF16).tobytes() == want.tobytes()
+        assert report.nbytes == t.nbytes and report.tensors == 2 * E // G
+
+
+@pytest.mark.parametrize("staging", [7, 64, 1000, 1 << 20])
+def test_double_buffering_lands_every_byte(tmp_path, staging):
+    """Copies complete only at sync_transfer here: refilling a stage before its copy landed would corrupt."""
+    rng = np.random.default_rng(1)
+    tensors = {
+        f"t{i}": rng.integers(0, 255, size=n, dtype=np.uint8) for i, n in enumerate([1, 100, 3, 777, 64, 0])
+    }
+    save_file(tensors, str(tmp_path / "c.safetensors"))
+    h = read_header(str(tmp_path / "c.safetensors"))
+
+    class DeferredCopies(HostBackend):
+        def __init__(self):
+            super().__init__(0)
+            self.pending = []
+
+        def copy(self, dst_ptr, src_ptr, nbytes, *, transfer=False):
+            self.pending.append((dst_ptr, src_ptr, nbytes))
+
+        def sync_transfer(self):
+            for dst, src, n in self.pending:
+                super().copy(dst, src, n)
+            self.pending.clear()
+
+    backend = DeferredCopies()
+    try:
+        total = sum(t.nbytes for t in h.tensors.values())
+        dst = backend.allocate("dst", total, False)
+        pieces, off = [], 0
+        for name in reversed(list(tensors)):  # not file order: pieces are arbitrary
+            t = h.tensors[name]
+            pieces.append(Piece(h.path, t.offset, t.nbytes, dst.ptr + off))
+            off += t.nbytes
+        copy_pieces(backend, [p for p in pieces if p.nbytes], staging_nbytes=staging)
+        want = b"".join(tensors[n].tobytes() for n in reversed(list(tensors)))
+        assert backend.read(dst.ptr, total).tobytes() == want
+    finally:
+        backend.close()
+
+
+def test_missing_tensor_names_file_tensor_and_buffer(tmp_path, backend):
+    save_file({"layer.w1": np.zeros((2, 2), np.float32)}, str(tmp_path / "c.safetensors"))
+    t = target(backend, "w", "f32", (2, 2), {"file": "c.safetensors", "tensors": ["layer.w2"]})
+    with pytest.raises(CheckpointError) as err:
+        load_targets(backend, [t], str(tmp_path / "m.json"))
+    msg = str(err.value)
+    assert (
+        "c.safetensors" in msg
+        and "'layer.w2'" in msg
+        and "buffer 'w'" in msg
+        and "did you mean 'layer.w1'" in msg
+    )
+
+
+def test_wrong_dtype_names_both(tmp_path, backend):
+    save_file({"a": np.zeros((2, 2), np.float16)}, str(tmp_path / "c.safetensors"))
+    t = target(backend, "w", "bf16", (2, 2), {"file": "c.safetensors", "tensors": ["a"]})
+    with pytest.raises(
+        CheckpointError, match=r"c\.safetensors: tensor 'a' is F16 \(f16\); buffer 'w' .* is bf16"
+    ):
+        load_targets(backend, [t], str(tmp_path / "m.json"))
+
+
+def test_wrong_shape_and_wrong_total(tmp_path, backend):
+    save_file(
+        {"a": np.zeros((2, 3), np.float32), "b": np.zeros((2, 4), np.float32)},
+        str(tmp_path / "c.safetensors"),
+    )
+    bad_trailing = target(backend, "w", "f32", (3, 4), {"file": "c.safetensors", "tensors": ["a"]})
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'a' has shape \[2, 3\]; buffer 'w' .* trailing dims \[4\]"
+    ):
+        load_targets(backend, [bad_trailing], str(tmp_path / "m.json"))
+    short = target(backend, "v", "f32", (3, 4), {"file": "c.safetensors", "tensors": ["b"]})
+    with pytest.raises(CheckpointError, match=r"hold 32 B; the buffer holds 48 B"):
+        load_targets(backend, [short], str(tmp_path / "m.json"))
+    over = target(backend, "u", "f32", (1, 4), {"file": "c.safetensors", "tensors": ["b"]})
+    with pytest.raises(CheckpointError, match="overflows buffer 'u'"):
+        load_targets(backend, [over], str(tmp_path / "m.json"))
+
+
+def test_nothing_moves_when_any_buffer_is_bad(tmp_path, backend):
+    save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "c.safetensors"))
+    good = target(backend, "good", "f32", (4,), {"file": "c.safetensors", "tensors": ["a"]})
+    bad = target(backend, "bad", "f32", (4,), {"file": "c.safetensors", "tensors": ["nope"]})
+    with pytest.raises(CheckpointError):
+        load_targets(backend, [good, bad], str(tmp_path / "m.json"))
+    assert not read(backend, good, np.float32).any()
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda raw: raw[:4], "shorter than the 8-byte header length"),
+        (lambda raw: (10**9).to_bytes(8, "little") + raw[8:], "header length 1000000000 B does not fit"),
+        (lambda raw: raw[:-3], "truncated or corrupt"),
+        (lambda raw: raw[:8] + b"[" + raw[9:], "header is not JSON"),
+    ],
+)
+def test_corrupt_files_are_named(tmp_path, damage, match):
+    save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "c.safetensors"))
+    path = tmp_path / "c.safetensors"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(CheckpointError, match=match) as err:
+        read_header(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_missing_file(tmp_path, backend):
+    t = target(backend, "w", "f32", (4,), {"file": "absent.safetensors", "tensors": ["a"]})
+    with pytest.raises(CheckpointError, match=r"absent\.safetensors: cannot read"):
+        load_targets(backend, [t], str(tmp_path / "m.json"))
+
+
+@pytest.mark.parametrize(
+    "bind, where, match",
+    [
+        ({"tensors": ["a"]}, "$.buffers[0].bind.file", "expected a path"),
+        ({"file": "c", "tensors": []}, "$.buffers[0].bind.tensors", "non-empty list"),
+        ({"file": "c", "tensors": ["a"], "extra": 1}, "$.buffers[0].bind", "unknown key"),
+        ({"file": "c", "tensors": ["x.{q}"]}, "$.buffers[0].bind.tensors[0]", "{q}"),
+        (
+            {"file": "c", "tensors": ["a"], "range": {"e": ["nope", 2]}},
+            "$.buffers[0].bind.range.e",
+            "unknown name",
+        ),
+        (
+            {"file": "c", "tensors": ["a"], "range": {"rank": [0, 2]}},
+            "$.buffers[0].bind.range.rank",
+            "shadows",
+        ),
+    ],
+)
+def test_bad_bind_is_a_manifest_error_with_its_path(tmp_path, bind, where, match):
+    with pytest.raises(ManifestError, match=match) as err:
+        resolve_bind(bind, {"world_size": 2, "rank": 0}, str(tmp_path / "m.json"), "$.buffers[0].bind")
+    assert err.value.json_path == where
+
+
+def test_bind_paths_and_ranges(tmp_path):
+    r = resolve_bind(
+        {"file": "sub/c.safetensors", "tensors": ["l{i}.{j}"], "range": {"i": [1, 2], "j": ["rank", 2]}},
+        {"world_size": 2, "rank": 1},
+        str(tmp_path / "m.json"),
+        "$",
+    )
+    assert r.file == str(tmp_path / "sub" / "c.safetensors")
+    assert r.tensors == ("l1.1", "l1.2", "l2.1", "l2.2")
+    absolute = resolve_bind({"file": "/abs/c", "tensors": ["a"]}, {}, str(tmp_path / "m.json"), "$")
+    assert absolute.file == "/abs/c"
+
+
+def test_manifest_keeps_bind(tmp_path):
+    from tray.manifest import load_manifest
+
+    doc = {
+        "format": 1,
+        "name": "b",
+        "vars": {"n": 4},
+        "buffers": [
+            {"name": "w", "dtype": "f32", "shape": ["n"], "bind": {"file": "c.safetensors", "tensors": ["a"]}}
+        ],
+    }
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    resolved = load_manifest(tmp_path / "m.json").resolve(2)
+    assert resolved.buffer("w").bind == {"file": "c.safetensors", "tensors": ["a"]}

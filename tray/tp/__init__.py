@@ -1,0 +1,1 @@
+"""Tensor parallelism on a tray: the TP MLP bench and its rank program."""
