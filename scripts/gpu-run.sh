@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #
-# Stages: env doctor unit tests gate drop variants bench-barrier bench-startup
+# Stages: env doctor unit tests gate drop variants ep-moe tp park bench-barrier bench-startup
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -35,6 +35,9 @@ for s in "$@"; do
         gate) stage gate 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;
         drop) stage drop 60 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;
         variants) stage variants 200 $PY bench/barrier_variants.py -n "$N" --json "$OUT/barrier_variants.json" ;;
+        ep-moe) stage ep_moe 300 $PY -m tray bench ep-moe -n "$N" --backend cuda --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
+        tp) stage tp 150 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
+        park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
         *) echo "unknown stage $s"; exit 2 ;;
