@@ -194,8 +194,7 @@ extern "C" __global__ void ep_copy_rows(unsigned char* dst,
 
 // peer_copy (the GPU-to-GPU copy ceiling): the bytes of a dispatch (tokens * topk rows), but
 // contiguous. With rows_per_peer = tokens * topk / G, source row i < G * rows_per_peer goes to member
-// g = i / rows_per_peer, at row me * rows_per_peer + i % rows_per_peer of its `dst` buffer
-// ([G][rows_per_peer][hidden] bf16).
+// g = i % G, at row me * rows_per_peer + i / G of its `dst` buffer ([G][rows_per_peer][hidden] bf16).
 extern "C" __global__ void ep_peer_copy(const uint4* __restrict__ src,
                                         unsigned char* const* dst_peers,
                                         int tokens,
@@ -211,8 +210,10 @@ extern "C" __global__ void ep_peer_copy(const uint4* __restrict__ src,
     for (long long item = it.first; item < it.count; item += it.stride) {
         const long long i = item / it.chunks;
         const int chunk = (int)(item - i * it.chunks);
-        const long long g = i / rows_per_peer;
-        const long long j = i - g * rows_per_peer;
+        // rows interleave over the members, so every NVLink carries traffic at every moment (as in a
+        // dispatch); blocks of rows per member would drive one link at a time
+        const long long g = i % G;
+        const long long j = i / G;
         uint4* dst = (uint4*)(dst_peers[g] + ((size_t)me * rows_per_peer + j) * row_bytes);
         copy_chunk(dst, src + (size_t)i * nvec, nvec, chunk, lane);
     }

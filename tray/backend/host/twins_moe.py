@@ -265,7 +265,7 @@ def ep_peer_copy(
     rows = _rows(src, G * rows_per_peer, hidden)
     for g, p in enumerate(u64_at(dst_peers, G)):
         dst = _rows(int(p), G * rows_per_peer, hidden)
-        dst[me * rows_per_peer : (me + 1) * rows_per_peer] = rows[g * rows_per_peer : (g + 1) * rows_per_peer]
+        dst[me * rows_per_peer : (me + 1) * rows_per_peer] = rows[g::G]  # rows interleave over members
 
 
 @twin("ep_silu_mul")
