@@ -24,8 +24,40 @@ def git_commit() -> str:
         return "unknown"
 
 
+def gpu_facts() -> dict[str, Any]:
+    """GPU names, driver and NCCL versions where they can be read (nvidia-smi, libnccl); {} without."""
+    facts: dict[str, Any] = {}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        rows = [[c.strip() for c in line.split(",")] for line in out.stdout.strip().splitlines() if line]
+        if out.returncode == 0 and rows:
+            facts["gpus"] = [r[0] for r in rows]
+            facts["gpu"] = rows[0][0]
+            facts["driver"] = rows[0][1]
+            facts["gpu_memory"] = rows[0][2]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if facts:
+        try:
+            from tray.backend.cuda import driver as drv
+
+            drv.init()
+            v = drv.driver_version()
+            facts["cuda_driver_api"] = f"{v // 1000}.{v % 1000 // 10}"
+        except Exception:  # noqa: BLE001 - a fact we can do without
+            pass
+        try:
+            from tray.collectives.nccl import version
+
+            facts["nccl"] = version()
+        except Exception:  # noqa: BLE001 - NCCL absent: the result says so by omission
+            pass
+    return facts
+
+
 def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Facts to store beside every result."""
+    """Facts to store beside every result: commit, host, Python, GPU, driver, NCCL."""
     env = {
         "commit": os.environ.get("TRAY_COMMIT") or git_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -34,5 +66,6 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+    env.update(gpu_facts())
     env.update(extra or {})
     return env

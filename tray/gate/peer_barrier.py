@@ -76,8 +76,7 @@ def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
         "startup_s": result.startup_s,
         "timeline": {k: {"s": v[0], "slowest_rank": v[1]} for k, v in result.timeline.items()},
         "per_rank": per_rank,
-        "environment": environment({"device": per_rank[0].get("device") if per_rank else None,
-                                    "driver": per_rank[0].get("driver") if per_rank else None}),
+        "environment": environment({"device": per_rank[0].get("device") if per_rank else None}),
     }
     complete = result.exit_code == 0 and len(per_rank) == args.nprocs
     if args.drop is None:

@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tray.init() as rank:
         info = rank.backend.info
-        result = {"rank": rank.rank, "device": info.name, "uuid": info.uuid,
-                  "driver": getattr(rank.backend, "driver_version", None)}
+        result = {"rank": rank.rank, "device": info.name, "uuid": info.uuid}
         if args.drop is None:
             result.update(measure(rank, args.iters, args.timeout_s))
         else:
