@@ -24,6 +24,8 @@ class TraySpec:
     grace_s: float = 3.0
     extra_env: tuple[tuple[str, str], ...] = ()
     quiet: bool = False
+    # start Python ranks through tray.rank.prewarm (cuda: GPU context made while the program imports)
+    prewarm: bool = True
 
 
 class RankState(enum.Enum):

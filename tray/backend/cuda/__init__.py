@@ -7,9 +7,23 @@ cheap and works without a GPU or without cuda-bindings: `CudaBackend` loads on f
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __all__ = ["CudaBackend", "pci_bus_ids", "visible_gpu_count"]
+
+
+def _identical_gpus() -> bool:
+    """All GPUs the driver lists share one model (then FASTEST_FIRST is PCI order)."""
+    root = "/proc/driver/nvidia/gpus"
+    models = set()
+    try:
+        for bus in os.listdir(root):
+            with open(os.path.join(root, bus, "information")) as f:
+                models.update(line.split(":", 1)[1].strip() for line in f if line.startswith("Model:"))
+    except OSError:
+        return False
+    return len(models) == 1
 
 
 def visible_gpu_count() -> int:
@@ -23,8 +37,37 @@ def visible_gpu_count() -> int:
         return 0
 
 
+def _proc_bus_ids() -> list[str] | None:
+    """Bus ids from /proc/driver/nvidia/gpus in CUDA's order, without initialising CUDA in the head;
+    None when that order cannot be known (no /proc entry, UUIDs in CUDA_VISIBLE_DEVICES, MIG)."""
+    root = "/proc/driver/nvidia/gpus"
+    try:
+        buses = sorted(d.lower() for d in os.listdir(root))
+    except OSError:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return buses
+    picked = []
+    for item in visible.split(","):
+        item = item.strip()
+        if not item.isdigit():
+            return None if item else picked
+        if int(item) >= len(buses):
+            break  # CUDA stops at the first invalid ordinal
+        picked.append(buses[int(item)])
+    return picked
+
+
 def pci_bus_ids() -> list[str]:
-    """PCI bus ids (`0000:1b:00.0`, lowercase) of ordinals 0..n-1; [] when no GPU is visible."""
+    """PCI bus ids (`0000:1b:00.0`, lowercase) of ordinals 0..n-1; [] when no GPU is visible.
+
+    NOTE: read from /proc when it gives CUDA's order for identical GPUs (PCI order), so the head does
+    not pay a CUDA initialisation just to bind its ranks."""
+    if os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") == "PCI_BUS_ID" or _identical_gpus():
+        buses = _proc_bus_ids()
+        if buses is not None:
+            return buses
     count = visible_gpu_count()
     if count == 0:
         return []
