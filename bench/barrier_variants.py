@@ -19,8 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tray.envinfo import environment  # noqa: E402
-from tray.gate.peer_barrier import GateArgs, run_gate  # noqa: E402
+from tray.envinfo import environment
+from tray.gate.peer_barrier import GateArgs, run_gate
 
 
 def main() -> int:

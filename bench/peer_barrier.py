@@ -18,9 +18,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.torch_baselines import run_baseline  # noqa: E402
-from tray.backend import detect_backend  # noqa: E402
-from tray.gate.peer_barrier import GateArgs, run_gate  # noqa: E402
+from bench.torch_baselines import run_baseline
+from tray.backend import detect_backend
+from tray.gate.peer_barrier import GateArgs, run_gate
 
 
 def main() -> int:

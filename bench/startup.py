@@ -20,9 +20,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tray.backend import detect_backend  # noqa: E402
-from tray.envinfo import environment  # noqa: E402
-from tray.launch import TraySpec, run_tray  # noqa: E402
+from tray.backend import detect_backend
+from tray.envinfo import environment
+from tray.launch import TraySpec, run_tray
 
 RANK_PROGRAM = """
 import json, sys, time

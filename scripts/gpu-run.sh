@@ -37,7 +37,7 @@ for s in "$@"; do
         variants) stage variants 200 $PY bench/barrier_variants.py -n "$N" --json "$OUT/barrier_variants.json" ;;
         ep-moe) stage ep_moe 300 $PY -m tray bench ep-moe -n "$N" --backend cuda --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
         tp) stage tp 150 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
-        park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --json "$OUT/park.json" ;;
+        park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
         *) echo "unknown stage $s"; exit 2 ;;

@@ -32,7 +32,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def init(**kwargs):  # noqa: ANN201 - re-exported
+def init(**kwargs):
     """Join the tray this process was launched into; see `tray.rank.init`."""
     from tray.rank import init as _init
 

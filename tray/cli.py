@@ -7,7 +7,7 @@ import difflib
 import json
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from tray.errors import TrayError, UsageError
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
-import os
-
 from conftest import MANIFESTS, visible_gpus
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))

@@ -7,8 +7,9 @@ Every resource returned here has `close()`; the backend closes what it still own
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 

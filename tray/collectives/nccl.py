@@ -416,14 +416,14 @@ class NcclGroup(Collectives):
         self._state = "aborted"
         try:
             self._mod.comm_abort(self.comm)
-        except Exception as exc:  # noqa: BLE001 - reported in the message
+        except Exception as exc:
             return f" (the communicator was aborted; ncclCommAbort itself failed: {exc})"
         return " (the communicator was aborted: every member must rejoin)"
 
     def _last_error(self) -> str:
         try:
             return str(self._mod.get_last_error(self.comm) or "")
-        except Exception:  # noqa: BLE001 - best effort detail for a message
+        except Exception:
             return ""
 
 
@@ -473,11 +473,11 @@ def join_all(groups: Sequence[tuple[GroupInfo, bytes]], stream: int, device: int
             call = format_call("ncclCommInitRank", ("nranks", "rank"), (group.size, group.index))
             call += f" for {describe(group)}"
             comms.append((group, _as_comm(mod, mod.comm_init_rank(group.size, uid, group.index))))
-    except Exception as exc:  # noqa: BLE001 - reported below, after group_end and aborts
+    except Exception as exc:
         failure = (call, exc)
     try:
         mod.group_end()
-    except Exception as exc:  # noqa: BLE001 - reported below, after the aborts
+    except Exception as exc:
         if failure is None:
             failure = ("ncclGroupEnd()", exc)
 
@@ -486,7 +486,7 @@ def join_all(groups: Sequence[tuple[GroupInfo, bytes]], stream: int, device: int
         for group, comm in comms:
             try:
                 on = int(mod.comm_cu_device(comm))
-            except Exception as exc:  # noqa: BLE001 - reported below, after the aborts
+            except Exception as exc:
                 failure = (f"ncclCommCuDevice for {describe(group)}", exc)
                 break
             if on != device:
@@ -505,7 +505,7 @@ def join_all(groups: Sequence[tuple[GroupInfo, bytes]], stream: int, device: int
         try:
             mod.comm_abort(comm)
             aborted.append(group.name)
-        except Exception as exc:  # noqa: BLE001 - reported in the message
+        except Exception as exc:
             detail += f"; ncclCommAbort for {describe(group)} failed too: {exc}"
     tail = f"; aborted the communicators of {', '.join(aborted)}" if aborted else ""
     raise DeviceError(f"{context}: {detail}{tail}") from (failure[1] if failure else None)

@@ -73,7 +73,8 @@ def measure(rank, iters: int, timeout_s: float) -> dict:
         graph.close()
     return {"eager_us": statistics.median(eager), "eager_sync_us": statistics.median(eager_sync),
             "captured_us": statistics.median(captured),
-            "eager_host_us": statistics.median(p[1] for p in eager_pairs), "eager_us_all": eager, "eager_sync_us_all": eager_sync,
+            "eager_host_us": statistics.median(p[1] for p in eager_pairs),
+            "eager_us_all": eager, "eager_sync_us_all": eager_sync,
             "captured_us_all": captured}
 
 

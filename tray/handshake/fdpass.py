@@ -13,7 +13,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import msgpack
 

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 from tray.launch.spec import RankProcess, TraySpec
 from tray.numa import NumaPlacement, prepare_binding

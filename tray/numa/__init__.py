@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 SYSFS = Path(os.environ.get("TRAY_SYSFS", "/sys"))
 

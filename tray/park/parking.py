@@ -311,7 +311,7 @@ class Parking:
                 try:
                     copied = self._copy(record, to_host=True)
                     self.stats.bytes_parked += copied
-                except Exception as exc:  # noqa: BLE001 - voted, then raised on every rank below
+                except Exception as exc:
                     local, copied = exc, 0
                 errors = self._landed_vote(
                     "park", f"{type(local).__name__}: {local}" if local else None, votes
@@ -365,7 +365,7 @@ class Parking:
                 try:
                     copied = self._copy(record, to_host=False)
                     self.stats.bytes_woken += copied
-                except Exception as exc:  # noqa: BLE001 - voted, then raised on every rank below
+                except Exception as exc:
                     local, copied = exc, 0
                 errors = self._landed_vote(
                     "wake", f"{type(local).__name__}: {local}" if local else None, votes

@@ -8,8 +8,9 @@ graph and replays it; host programs replay their resolved steps the same way.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Graph
 from tray.errors import UsageError

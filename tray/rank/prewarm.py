@@ -22,7 +22,7 @@ def main() -> None:
     elif args[0] == "-c" and len(args) > 1:
         sys.argv = ["-c", *args[2:]]
         sys.path[0] = ""
-        exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 - python -c
+        exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
     else:
         sys.argv = list(args)
         sys.path[0] = os.path.dirname(os.path.abspath(args[0]))

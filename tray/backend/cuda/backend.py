@@ -17,7 +17,6 @@ from typing import Any, Self
 import numpy as np
 
 from tray.backend.base import (
-    HostMemory,
     Backend,
     Collectives,
     DeviceBuffer,
@@ -26,6 +25,7 @@ from tray.backend.base import (
     Graph,
     GroupInfo,
     GroupJoin,
+    HostMemory,
     PtrTable,
     Timer,
 )
@@ -377,7 +377,7 @@ class CudaBackend(Backend):
         def attempt(fn: Callable[..., Any], *args: Any) -> None:
             try:
                 fn(*args)
-            except Exception as exc:  # noqa: BLE001 - keep releasing; the first failure is raised below
+            except Exception as exc:
                 errors.append(exc)
 
         attempt(drv.ctx_set_current, self.context, self.info.ordinal)

@@ -34,7 +34,7 @@ def _numa_node(pci_bus: str) -> int:
         from tray.numa import gpu_numa_node
 
         return int(gpu_numa_node(pci_bus))
-    except Exception:  # noqa: BLE001 - NUMA is informative here; -1 means "unknown"
+    except Exception:
         return -1
 
 
@@ -43,7 +43,7 @@ def _nccl_version() -> str | None:
         from tray.collectives import nccl
 
         return str(nccl.version())
-    except Exception:  # noqa: BLE001 - no NCCL (or no nccl4py) is a finding, not a failure
+    except Exception:
         return None
 
 

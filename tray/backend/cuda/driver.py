@@ -97,7 +97,7 @@ def _describe(err: Any) -> str:
         if nv is not None and isinstance(err, nv.nvrtcResult):
             got, text = nv.nvrtcGetErrorString(err)
             return text.decode() if got == 0 and text else ""
-    except Exception:  # noqa: BLE001 - a description is a courtesy; the code name is the error
+    except Exception:
         return ""
     return ""
 

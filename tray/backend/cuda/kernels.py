@@ -8,7 +8,6 @@ pointers into it, both kept alive by the returned launch, so a hot loop or a cap
 from __future__ import annotations
 
 import os
-
 from collections.abc import Sequence
 from typing import Any
 

@@ -10,7 +10,8 @@ import ctypes
 import mmap
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -20,9 +21,9 @@ from tray.backend.base import (
     DeviceBuffer,
     DeviceInfo,
     ExportedHandle,
+    Graph,
     GroupInfo,
     GroupJoin,
-    Graph,
     HostMemory,
     Kernel,
     PeerMapping,

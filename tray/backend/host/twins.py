@@ -7,7 +7,8 @@ gets: addresses as ints, scalars as ints or floats.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
