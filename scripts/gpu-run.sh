@@ -8,7 +8,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
-mkdir -p "$OUT"
+LOGS="${LOGS:-$OUT}"  # NOTE: only 8 files come back from the device machine: logs may go elsewhere
+mkdir -p "$OUT" "$LOGS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TRAY_CACHE_DIR="${TRAY_CACHE_DIR:-/tmp/tray-cache}"
 scripts/gpu-wheels.sh install >/dev/null || { echo "wheel install failed"; exit 1; }
@@ -20,16 +21,16 @@ stage() {  # stage NAME TIMEOUT_S CMD...
     local name=$1 t=$2; shift 2
     echo "=== $name ($(date +%T))"
     local t0=$SECONDS
-    timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 10 "$t" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
-    tail -n 25 "$OUT/$name.log"
+    tail -n 25 "$LOGS/$name.log"
     echo "=== $name rc=$rc in $((SECONDS - t0)) s"
 }
 
 for s in "$@"; do
     case "$s" in
         env) stage env 60 bash -c 'nvidia-smi -L; nvidia-smi topo -m; python3 -c "import sys, torch, cuda.bindings, nccl.bindings.nccl as n; print(sys.version, torch.__version__, cuda.bindings.__version__, n.get_version())"' ;;
-        doctor) stage doctor 120 $PY -m tray doctor --json; cp "$OUT/doctor.log" "$OUT/doctor.json" ;;
+        doctor) stage doctor 120 $PY -m tray doctor --json; cp "$LOGS/doctor.log" "$OUT/doctor.json" ;;
         unit) stage unit 300 $PY -m pytest -q -x tests/gpu/test_cuda_backend.py ;;
         tests) stage tests 300 $PY -m pytest -q -m gpu tests/gpu ;;
         gate) stage gate 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;

@@ -25,7 +25,7 @@ class TraySpec:
     extra_env: tuple[tuple[str, str], ...] = ()
     quiet: bool = False
     # start Python ranks through tray.rank.prewarm (cuda: GPU context made while the program imports)
-    prewarm: bool = True
+    prewarm: bool = False
 
 
 class RankState(enum.Enum):
