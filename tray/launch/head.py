@@ -12,6 +12,7 @@ import secrets
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +44,12 @@ def _signal_name(code: int) -> str:
         return signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
+
+
+def _init_driver() -> None:
+    from tray.backend.cuda import visible_gpu_count
+
+    visible_gpu_count()
 
 
 def _nccl_shm() -> set[str]:
@@ -103,6 +110,11 @@ class Head:
             t0 = time.time()
             self._spawn_all(job_dir, endpoint)
             self.t_spawned = time.time() - t0
+            if self.spec.backend == "cuda":
+                # NOTE: with the driver initialised in a live process (here, the head), each rank's
+                # cuInit + context costs ~0.7 s instead of ~1.5 s (measured on 4x H200, no persistence
+                # daemon). Started after the spawn: no thread may exist while ranks are forked.
+                threading.Thread(target=_init_driver, name="tray-driver", daemon=True).start()
             ctx = zmq.Context()
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
