@@ -60,7 +60,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     backend, nprocs = _backend_and_n(args.backend, args.nprocs)
     spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=args.manifest,
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
-                    heartbeat_timeout_s=args.heartbeat_timeout_s, prewarm=not args.no_prewarm)
+                    heartbeat_timeout_s=args.heartbeat_timeout_s)
     return run_tray(spec).exit_code
 
 
@@ -130,8 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="keep one log file per rank here")
     p.add_argument("--timeout-s", type=float, default=30.0, help="handshake timeout (default 30)")
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0, help="missed-heartbeat timeout")
-    p.add_argument("--no-prewarm", action="store_true",
-                   help="run CMD as given (default: python ranks make their GPU context while importing)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p.set_defaults(fn=cmd_launch)
 

@@ -51,17 +51,6 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
     return env
 
 
-def prewarmed(cmd: tuple[str, ...]) -> tuple[str, ...]:
-    """`python PROGRAM...` -> `python -m tray.rank.prewarm PROGRAM...`: the rank's GPU context is then
-    made while its program imports. Other commands (or python with interpreter flags) run as given."""
-    if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
-        return cmd
-    first = cmd[1]
-    if first in ("-m", "-c") or not first.startswith("-"):
-        return (cmd[0], "-m", "tray.rank.prewarm", *cmd[1:])
-    return cmd
-
-
 def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:
     def run_in_child() -> None:
         # The head dies -> its ranks die, even on SIGKILL of the head.
@@ -75,9 +64,8 @@ def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:
 def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPlacement) -> RankProcess:
     """Start one rank in the head's process group, with pipes for its output."""
     t_spawn = float(env["TRAY_T_SPAWN"])
-    cmd = prewarmed(spec.cmd) if spec.prewarm and spec.backend == "cuda" else spec.cmd
     popen = subprocess.Popen(
-        list(cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        list(spec.cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         preexec_fn=_preexec(prepare_binding(placement)), close_fds=True,
     )
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)

@@ -24,8 +24,6 @@ class TraySpec:
     grace_s: float = 3.0
     extra_env: tuple[tuple[str, str], ...] = ()
     quiet: bool = False
-    # start Python ranks through tray.rank.prewarm (cuda: GPU context made while the program imports)
-    prewarm: bool = False
 
 
 class RankState(enum.Enum):

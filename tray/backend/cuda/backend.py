@@ -139,9 +139,6 @@ class CudaBackend(Backend):
 
         Raises UsageError if no such device is visible, CudaError (a DeviceError) on driver failures.
         """
-        from tray.backend.cuda import prewarm
-
-        prewarm.wait()  # a context being made in the background (tray.rank.prewarm) is reused
         drv.init()
         count = drv.device_count()
         if not 0 <= ordinal < count:
@@ -402,9 +399,6 @@ class CudaBackend(Backend):
             self._transfer = None
         attempt(drv.stream_destroy, self.stream)
         attempt(drv.primary_ctx_release, self.device)
-        from tray.backend.cuda import prewarm
-
-        attempt(prewarm.release)
         self._closed = True
         if errors:
             raise errors[0]
