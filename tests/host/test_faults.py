@@ -223,3 +223,11 @@ def test_head_exit_code_is_usage_error_for_bad_manifest(tray_env, tmp_path):
     assert run.returncode == 2
     assert "bad.json: $.buffers[0].dtype" in run.stderr
     assert os.path.isdir(tray_env.jobs_root)
+
+
+def test_missing_command_is_a_usage_error(tray_env):
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", "2", "--backend", "host", "--",
+                        "/nonexistent/program"])
+    assert run.returncode == 2, run.output
+    assert "cannot start rank 0: '/nonexistent/program': No such file or directory" in run.stderr
+    assert "Traceback" not in run.stderr

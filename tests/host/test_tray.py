@@ -106,3 +106,12 @@ def test_usage_error_outside_a_tray(tray_env):
                           timeout=30, env=tray_env.env())
     assert proc.returncode != 0
     assert "tray launch -n N" in proc.stderr
+
+
+def test_log_dir_keeps_one_file_per_rank(tray_env, tmp_path):
+    logs = tmp_path / "logs"
+    run = tray_env.launch(2, "print('to the log', os.environ['TRAY_RANK'])", "--log-dir", str(logs))
+    assert run.returncode == 0, run.output
+    for r in range(2):
+        text = (logs / f"rank-{r}.log").read_text()
+        assert f"to the log {r}" in text

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from tray.errors import UsageError
 from tray.launch.spec import RankProcess, TraySpec
 from tray.numa import NumaPlacement, prepare_binding
 
@@ -64,10 +65,14 @@ def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:
 def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPlacement) -> RankProcess:
     """Start one rank in the head's process group, with pipes for its output."""
     t_spawn = float(env["TRAY_T_SPAWN"])
-    popen = subprocess.Popen(
-        list(spec.cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        preexec_fn=_preexec(prepare_binding(placement)), close_fds=True,
-    )
+    try:
+        popen = subprocess.Popen(
+            list(spec.cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=_preexec(prepare_binding(placement)), close_fds=True,
+        )
+    except OSError as exc:
+        raise UsageError(f"cannot start rank {rank}: {spec.cmd[0]!r}: {exc.strerror}; "
+                         "check the command after `--` (a path, or a program on PATH)") from None
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)
 
 
