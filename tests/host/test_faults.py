@@ -231,3 +231,16 @@ def test_missing_command_is_a_usage_error(tray_env):
     assert run.returncode == 2, run.output
     assert "cannot start rank 0: '/nonexistent/program': No such file or directory" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_exchange_timeout_names_who_never_joined_the_step(tray_env):
+    run = tray_env.launch(3, """
+    with tray.init() as rank:
+        if rank.rank == 2:
+            time.sleep(600)
+        rank.exchange("step", rank.rank, timeout_s=1.0)
+    """)
+    assert run.returncode == 1, run.output
+    assert "no decision on 'step' from the head within 1.0 s" in run.stderr
+    assert "tray-wide step 'step' (round 1) was still waiting for rank 2" in run.stderr
+    assert run.seconds < 15

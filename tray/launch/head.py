@@ -404,6 +404,9 @@ class Head:
             _say("error report:")
             for line in f.report.rstrip().splitlines():
                 _say(f"  {line}")
+        for (topic, rnd), box in self.votes.items():
+            missing = ",".join(str(r) for r in range(self.spec.nprocs) if r not in box)
+            _say(f"tray-wide step {topic!r} (round {rnd}) was still waiting for rank {missing}")
         if f.tail:
             _say(f"last lines of rank {f.rank}:")
             for line in f.tail[-10:]:
