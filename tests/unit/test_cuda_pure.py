@@ -340,3 +340,19 @@ def test_format_doctor_on_a_fake_report() -> None:
     assert "NVIDIA H200" in text and "CUDA_ERROR_NOT_PERMITTED" in text and "PA 393" in text
     assert "NCCL: not found" in text
     assert "gpu 0: expected node 0" in text and "gpu 1: expected node 0, pages {0: 16} (alloc): OFF NODE" in text
+
+
+def test_bus_ids_from_proc_follow_cuda_visible_devices(tmp_path, monkeypatch) -> None:
+    import tray.backend.cuda as cuda_pkg
+
+    for bus in ("0000:1b:00.0", "0000:07:00.0", "0000:9a:00.0"):
+        (tmp_path / bus).mkdir()
+        (tmp_path / bus / "information").write_text("Model: \t NVIDIA H200\nIRQ: 1\n")
+    monkeypatch.setattr(cuda_pkg, "_PROC_GPUS", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert cuda_pkg._identical_gpus()
+    assert cuda_pkg.pci_bus_ids() == ["0000:07:00.0", "0000:1b:00.0", "0000:9a:00.0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0,7,1")  # CUDA stops at the first invalid ordinal
+    assert cuda_pkg.pci_bus_ids() == ["0000:9a:00.0", "0000:07:00.0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234")  # UUIDs: only CUDA knows the order
+    assert cuda_pkg._proc_bus_ids() is None

@@ -12,10 +12,12 @@ from typing import Any
 
 __all__ = ["CudaBackend", "pci_bus_ids", "visible_gpu_count"]
 
+_PROC_GPUS = "/proc/driver/nvidia/gpus"  # one directory per GPU, named by its PCI bus id
+
 
 def _identical_gpus() -> bool:
     """All GPUs the driver lists share one model (then FASTEST_FIRST is PCI order)."""
-    root = "/proc/driver/nvidia/gpus"
+    root = _PROC_GPUS
     models = set()
     try:
         for bus in os.listdir(root):
@@ -40,7 +42,7 @@ def visible_gpu_count() -> int:
 def _proc_bus_ids() -> list[str] | None:
     """Bus ids from /proc/driver/nvidia/gpus in CUDA's order, without initialising CUDA in the head;
     None when that order cannot be known (no /proc entry, UUIDs in CUDA_VISIBLE_DEVICES, MIG)."""
-    root = "/proc/driver/nvidia/gpus"
+    root = _PROC_GPUS
     try:
         buses = sorted(d.lower() for d in os.listdir(root))
     except OSError:
