@@ -516,7 +516,7 @@ def launcher(func: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
     NOTE: measured on 4x H200 (bench/barrier_variants.py), a launch costs the same through this path
     and through the bindings' wrapper (5.7 vs 5.6 us of Python per barrier launch); this path is kept
     because it also launches with attributes (cuLaunchKernelEx) at no extra cost. `programmatic`: with
-    stream serialization (cuLaunchKernelEx); the kernel must `griddepcontrol.wait` before it touches
+    programmatic stream serialization (cuLaunchKernelEx); the kernel must `griddepcontrol.wait` before it touches
     memory the previous kernel wrote."""
     import ctypes
 
