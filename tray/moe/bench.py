@@ -26,6 +26,7 @@ import numpy as np
 
 from tray.envinfo import environment
 from tray.errors import UsageError
+from tray.launch import TrayFailed, run_rank_program
 
 REPO = Path(__file__).resolve().parent.parent.parent
 MANIFEST = REPO / "manifests" / "ep_moe.json"
@@ -130,10 +131,6 @@ def launch(
     name: str,
 ) -> list[dict[str, Any]]:
     """One tray of the rank program; returns every rank's result. Raises TrayFailed with the root cause."""
-    from tray.launch import TraySpec, run_tray
-
-    out = work / name
-    out.mkdir()
     cfg = {
         "hidden": a.hidden,
         "experts": a.experts,
@@ -143,31 +140,10 @@ def launch(
         "repeats": a.repeats,
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
-        "out_dir": str(out),
         "runs": runs,
     }
-    cfg_path = work / f"{name}.json"
-    cfg_path.write_text(json.dumps(cfg))
-    spec = TraySpec(
-        nprocs=nprocs,
-        cmd=(sys.executable, "-m", "tray.moe.rank_program", str(cfg_path)),
-        backend=a.backend,
-        manifest=str(MANIFEST),
-        vars=tuple(sorted(launch_vars.items())),
-        log_dir=a.log_dir,
-        quiet=True,
-    )
-    result = run_tray(spec)
-    if result.exit_code != 0:
-        cause = result.root_cause
-        detail = f"{cause.summary}\n{cause.report}" if cause else "no root cause reported"
-        raise TrayFailed(f"the {name} tray failed (exit {result.exit_code}): {detail}")
-    files = sorted(out.glob("result_*.json"))
-    return [json.loads(f.read_text()) for f in files]
-
-
-class TrayFailed(RuntimeError):
-    """A tray of the bench exited non-zero; the message carries its root cause."""
+    return run_rank_program(name, "tray.moe.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
+                            manifest=str(MANIFEST), vars=launch_vars, log_dir=a.log_dir)
 
 
 def _slowest(per_rank: list[dict[str, Any]], index: int, key: str) -> float:

@@ -307,18 +307,8 @@ class Parking:
                 assert record is not None  # a rank with an error makes every rank raise above
                 if reserved is not None:
                     record.host_pages = reserved
-                local: Exception | None = None
-                try:
-                    copied = self._copy(record, to_host=True)
-                    self.stats.bytes_parked += copied
-                except Exception as exc:
-                    local, copied = exc, 0
-                errors = self._landed_vote(
-                    "park", f"{type(local).__name__}: {local}" if local else None, votes
-                )
-                failed = self._failed("park", errors, "the session stays live on the device on every rank")
-                if failed:
-                    raise failed from local
+                copied = self._copy_and_land("park", record, votes,
+                                             "the session stays live on the device on every rank")
             except BaseException:
                 # nothing changes hands: the new host reservation goes back, the session stays live
                 if record is not None and reserved is not None:
@@ -335,6 +325,24 @@ class Parking:
             self.stats.parks += 1
             self.stats.history.append(("park", record.id, copied))
             return ParkedSession(self, record)
+
+    def _copy_and_land(self, op: str, record: SessionRecord, votes: Any, outcome: str) -> int:
+        """Phase 2 of park/wake: copy this rank's pages, then vote landed. Returns the bytes copied;
+        raises (on every rank) if any rank's copy failed, saying `outcome`."""
+        local: Exception | None = None
+        try:
+            copied = self._copy(record, to_host=op == "park")
+            if op == "park":
+                self.stats.bytes_parked += copied
+            else:
+                self.stats.bytes_woken += copied
+        except Exception as exc:
+            local, copied = exc, 0
+        errors = self._landed_vote(op, f"{type(local).__name__}: {local}" if local else None, votes)
+        failed = self._failed(op, errors, outcome)
+        if failed:
+            raise failed from local
+        return copied
 
     def wake(self, parked: ParkedSession) -> Session:
         """Tray-wide: lease device pages on every rank and copy the parked pages back, all or nothing.
@@ -361,18 +369,7 @@ class Parking:
                 self._raise_if_refused("wake", votes)
                 assert record is not None and leased is not None
                 record.device_pages = leased
-                local: Exception | None = None
-                try:
-                    copied = self._copy(record, to_host=False)
-                    self.stats.bytes_woken += copied
-                except Exception as exc:
-                    local, copied = exc, 0
-                errors = self._landed_vote(
-                    "wake", f"{type(local).__name__}: {local}" if local else None, votes
-                )
-                failed = self._failed("wake", errors, "the session stays parked on every rank")
-                if failed:
-                    raise failed from local
+                copied = self._copy_and_land("wake", record, votes, "the session stays parked on every rank")
             except BaseException:
                 # nothing changes hands: the new device lease goes back, the session stays parked
                 if record is not None and leased is not None:

@@ -102,32 +102,28 @@ def _stale(kind: str, record: SessionRecord, what: str) -> UsageError:
     )
 
 
-class Session:
-    """One rank's part of a tray-wide session: `npages` device pages of state `state`.
+class _Handle:
+    """What a live Session and a ParkedSession share: the record they point at, valid only while the
+    record is still in the generation and place (`_WHERE`) the handle was given out for."""
 
-    `pages` are device page ids, `ptr(i)` the device address of the i-th page (`page_nbytes` bytes).
-    The session id is the same on every rank: ranks number their leases in the order they make them,
-    so every rank leases once per session (0 pages is fine) and parks/wakes sessions together.
-
-    Dirty pages (what park copies): a page is dirty when its device bytes may differ from its host
-    copy. Freshly leased pages are dirty. Park copies only dirty pages and then all pages are clean.
-    Wake brings every page back and keeps the host copy reserved, so the pages are clean after wake:
-    parking the same session again copies nothing unless you call `touch(indices)` (or `touch()` for
-    all pages) for the pages you wrote since the wake. A page written but not touched is parked as
-    its older host copy. `release()` frees the device pages and the host copy.
-    """
+    _WHERE: Where
+    _KIND: str
 
     def __init__(self, parking: Parking, record: SessionRecord) -> None:
         self._parking = parking
         self._record = record
         self._generation = record.generation
 
-    def _live(self, what: str) -> SessionRecord:
+    def _current(self, what: str) -> SessionRecord:
         self._parking._check_open(what)
         r = self._record
-        if r.generation != self._generation or r.where is not Where.DEVICE:
-            raise _stale("session", r, what)
+        if r.generation != self._generation or r.where is not self._WHERE:
+            raise _stale(self._KIND, r, what)
         return r
+
+    def _valid(self) -> bool:
+        r = self._record
+        return r.generation == self._generation and r.where is self._WHERE and not self._parking.closed
 
     @property
     def id(self) -> int:
@@ -146,18 +142,39 @@ class Session:
         return self._record.npages
 
     @property
+    def nbytes(self) -> int:
+        return self._record.npages * self._record.pool.page_nbytes
+
+
+class Session(_Handle):
+    """One rank's part of a tray-wide session: `npages` device pages of state `state`.
+
+    `pages` are device page ids, `ptr(i)` the device address of the i-th page (`page_nbytes` bytes).
+    The session id is the same on every rank: ranks number their leases in the order they make them,
+    so every rank leases once per session (0 pages is fine) and parks/wakes sessions together.
+
+    Dirty pages (what park copies): a page is dirty when its device bytes may differ from its host
+    copy. Freshly leased pages are dirty. Park copies only dirty pages and then all pages are clean.
+    Wake brings every page back and keeps the host copy reserved, so the pages are clean after wake:
+    parking the same session again copies nothing unless you call `touch(indices)` (or `touch()` for
+    all pages) for the pages you wrote since the wake. A page written but not touched is parked as
+    its older host copy. `release()` frees the device pages and the host copy.
+    """
+
+    _WHERE = Where.DEVICE
+    _KIND = "session"
+
+    def _live(self, what: str) -> SessionRecord:
+        return self._current(what)
+
+    @property
     def page_nbytes(self) -> int:
         return self._record.pool.page_nbytes
 
     @property
-    def nbytes(self) -> int:
-        return self._record.npages * self._record.pool.page_nbytes
-
-    @property
     def live(self) -> bool:
         """Whether this handle may be used (not parked, woken or released since it was handed out)."""
-        r = self._record
-        return r.generation == self._generation and r.where is Where.DEVICE and not self._parking.closed
+        return self._valid()
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -208,49 +225,22 @@ class Session:
         return f"Session(id={r.id}, state={r.pool.name!r}, npages={r.npages}, {state})"
 
 
-class ParkedSession:
+class ParkedSession(_Handle):
     """One rank's part of a parked session: its pages sit in the host tier; no device page is held.
 
     `rank.wake(parked)` (on every rank) brings it back; `release()` frees the host pages instead.
     """
 
-    def __init__(self, parking: Parking, record: SessionRecord) -> None:
-        self._parking = parking
-        self._record = record
-        self._generation = record.generation
+    _WHERE = Where.HOST
+    _KIND = "parked"
 
     def _parked(self, what: str) -> SessionRecord:
-        self._parking._check_open(what)
-        r = self._record
-        if r.generation != self._generation or r.where is not Where.HOST:
-            raise _stale("parked", r, what)
-        return r
-
-    @property
-    def id(self) -> int:
-        return self._record.id
-
-    @property
-    def state(self) -> str:
-        return self._record.pool.name
-
-    @property
-    def parking(self) -> Parking:
-        return self._parking
-
-    @property
-    def npages(self) -> int:
-        return self._record.npages
-
-    @property
-    def nbytes(self) -> int:
-        return self._record.npages * self._record.pool.page_nbytes
+        return self._current(what)
 
     @property
     def parked(self) -> bool:
         """Whether this handle may still be woken or released."""
-        r = self._record
-        return r.generation == self._generation and r.where is Where.HOST and not self._parking.closed
+        return self._valid()
 
     @property
     def host_pages(self) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from tray.envinfo import environment
 from tray.errors import UsageError
+from tray.launch import TrayFailed, run_rank_program
 
 REPO = Path(__file__).resolve().parent.parent.parent
 MANIFEST = REPO / "manifests" / "tp_mlp.json"
@@ -60,10 +61,7 @@ def validate(a: TpBenchArgs) -> None:
 
 
 def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str, Any]]:
-    from tray.launch import TraySpec, run_tray
-
-    out = work / name
-    out.mkdir()
+    """One tray of the rank program; returns every rank's result. Raises TrayFailed with the root cause."""
     max_count = max(s // 2 for s in a.sizes)
     max_tokens = max(1, max_count // a.hidden)
     cfg = {
@@ -74,10 +72,7 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "repeats": a.repeats,
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
-        "out_dir": str(out),
     }
-    cfg_path = work / f"{name}.json"
-    cfg_path.write_text(json.dumps(cfg))
     launch_vars = {
         "hidden": a.hidden,
         "ffn_local": a.ffn // nprocs,
@@ -85,21 +80,8 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "tokens": max_tokens,
         "count": max_tokens * a.hidden,
     }
-    spec = TraySpec(
-        nprocs=nprocs,
-        cmd=(sys.executable, "-m", "tray.tp.rank_program", str(cfg_path)),
-        backend=a.backend,
-        manifest=str(MANIFEST),
-        vars=tuple(sorted(launch_vars.items())),
-        log_dir=a.log_dir,
-        quiet=True,
-    )
-    result = run_tray(spec)
-    if result.exit_code != 0:
-        cause = result.root_cause
-        detail = f"{cause.summary}\n{cause.report}" if cause else "no root cause reported"
-        raise RuntimeError(f"the {name} tray failed (exit {result.exit_code}): {detail}")
-    return [json.loads(f.read_text()) for f in sorted(out.glob("result_*.json"))]
+    return run_rank_program(name, "tray.tp.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
+                            manifest=str(MANIFEST), vars=launch_vars, log_dir=a.log_dir)
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
@@ -194,7 +176,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
         try:
             per_rank = _launch(a, a.nprocs, work, "tp")
             one = _launch(a, 1, work, "one")[0]
-        except RuntimeError as exc:
+        except TrayFailed as exc:
             print(f"tp: {exc}", file=sys.stderr)
             return 1
         sizes = summarize(a, per_rank, one, work)

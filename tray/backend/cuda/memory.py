@@ -8,7 +8,6 @@ keeps its teardown steps in an ExitStack: a step that fails halfway unwinds what
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from tray.backend.base import DeviceBuffer, ExportedHandle, HostMemory, PeerMapping, PtrTable
+from tray.backend.base import DeviceBuffer, ExportedHandle, PeerMapping, PtrTable
 from tray.backend.cuda import driver as drv
 from tray.errors import DeviceError, UsageError
 
@@ -190,37 +189,6 @@ class DevicePtrTable(PtrTable):
         if self._open:
             self._open = False
             drv.mem_free(self.ptr)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class PinnedHost(HostMemory):
-    """Page-locked host memory (cuMemHostAlloc, portable): copies to and from the GPU at full speed.
-
-    Its pages follow the process's memory policy, which the launcher binds to the GPU's NUMA node;
-    `numa_node` is that node (-1 when the platform gives none).
-    """
-
-    def __init__(self, nbytes: int, numa_node: int) -> None:
-        self.nbytes = nbytes
-        self.numa_node = numa_node
-        self.ptr = drv.mem_host_alloc(max(nbytes, 1), portable=True)
-
-    def view(self) -> np.ndarray:
-        """A u8 numpy view of the memory (no copy; valid until close)."""
-        if self.ptr == 0:
-            raise UsageError("this pinned host memory is closed")
-        raw = (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr)
-        return np.ctypeslib.as_array(raw)[: self.nbytes]
-
-    def close(self) -> None:
-        ptr, self.ptr = self.ptr, 0
-        if ptr:
-            drv.mem_free_host(ptr)
 
     def __enter__(self) -> Self:
         return self
