@@ -578,7 +578,7 @@ def test_digest_covers_kernel_sources(root: Path) -> None:
     assert load_manifest(path).digest == before
 
 
-def test_digest_golden() -> None:
+def test_digest_golden(tmp_path: Path) -> None:
     # NOTE: the digest is a wire contract between ranks (and tray versions): this pins its definition.
     import hashlib
 
@@ -586,17 +586,14 @@ def test_digest_golden() -> None:
     canonical = json.dumps(m.doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     assert m.digest == hashlib.sha256(canonical).hexdigest()
     kernels = [{"name": "b", "source": "b.cu"}, {"name": "a", "source": "a.cu"}]
-    m2 = parse_manifest({"format": 1, "name": "k", "kernels": kernels}, "<memory>", str(_kernel_pair_dir()))
+    m2 = parse_manifest({"format": 1, "name": "k", "kernels": kernels}, "<memory>", str(_kernel_pair_dir(tmp_path)))
     h = hashlib.sha256(json.dumps(m2.doc, sort_keys=True, separators=(",", ":")).encode())
     h.update(b"\0kernel\0a\0A")
     h.update(b"\0kernel\0b\0B")
     assert m2.digest == h.hexdigest()
 
 
-def _kernel_pair_dir() -> Path:
-    import tempfile
-
-    d = Path(tempfile.mkdtemp(prefix="tray-manifest-"))
+def _kernel_pair_dir(d: Path) -> Path:
     (d / "a.cu").write_bytes(b"A")
     (d / "b.cu").write_bytes(b"B")
     return d
