@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tray.envinfo import environment
-from tray.gate.peer_barrier import GateArgs, run_gate
+from tray.programs.peer_barrier.gate import GateArgs, run_gate
 
 
 def main() -> int:

@@ -3,21 +3,14 @@
     python bench/ep_moe.py -n 4 [--tokens 128,4096] [--backend cuda] [--json bench/results/ep_moe.json]
                            [--plot bench/results/ep_moe.png]
 
-The work is in tray/moe/bench.py; this script is the figure's entry point beside the others in bench/.
+The work is in tray.programs.ep_moe.bench; this script is the figure's entry point beside the others.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-
-def run() -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tray.cli import main
-
-    return main(["bench", "ep-moe", *sys.argv[1:]])
-
+from tray.cli import main
 
 if __name__ == "__main__":
-    raise SystemExit(run())
+    raise SystemExit(main(["bench", "ep-moe", *sys.argv[1:]]))

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from torch_baselines import run_baseline  # beside this script
 
-from bench.torch_baselines import run_baseline
 from tray.backend import detect_backend
-from tray.gate.peer_barrier import GateArgs, run_gate
+from tray.bench import Row, format_table, ratio, write_report
+from tray.programs.peer_barrier.gate import GateArgs, run_gate
 
 
 def main() -> int:
@@ -42,17 +40,17 @@ def main() -> int:
         if base is not None:
             report["torch"] = base
             report["ratios"] = {
-                "eager_vs_symm_eager": report["eager_us"] / base["symm_eager_us"],
-                "captured_vs_symm_captured": report["captured_us"] / base["symm_captured_us"],
-                "eager_sync_vs_dist_barrier": report["eager_sync_us"] / base["dist_barrier_us"],
+                "eager_vs_symm_eager": ratio(report["eager_us"], base["symm_eager_us"]),
+                "captured_vs_symm_captured": ratio(report["captured_us"], base["symm_captured_us"]),
+                "eager_sync_vs_dist_barrier": ratio(report["eager_sync_us"], base["dist_barrier_us"]),
             }
-            print(f"baseline SymmetricMemory barrier: eager {base['symm_eager_us']:.2f} µs, "
-                  f"captured {base['symm_captured_us']:.2f} µs; dist.barrier {base['dist_barrier_us']:.1f} µs")
+            print("baselines, same run:")
+            print(format_table([Row("symm_mem eager", 0, 0, "none", base["symm_eager_us"], -1),
+                                Row("symm_mem captured", 0, 0, "none", base["symm_captured_us"], -1),
+                                Row("dist.barrier", 0, 0, "none", base["dist_barrier_us"], -1)]))
             for k, v in report["ratios"].items():
                 print(f"  ratio {k}: {v:.2f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.json)
     return code
 
 

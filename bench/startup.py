@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 from tray.backend import detect_backend
-from tray.envinfo import environment
+from tray.bench import median, ratio, write_report
 from tray.launch import TraySpec, run_tray
+from tray.manifest.builtin import builtin_path
 
 RANK_PROGRAM = """
 import json, sys, time
@@ -50,7 +47,7 @@ def tray_once(n: int, backend: str, workdir: Path) -> dict:
     out.mkdir()
     t0 = time.time()
     result = run_tray(TraySpec(nprocs=n, cmd=(sys.executable, str(prog), str(out)), backend=backend,
-                               manifest=str(REPO / "manifests" / "peer_fill.json"), quiet=True))
+                               manifest=str(builtin_path("peer_fill")), quiet=True))
     if result.exit_code != 0:
         raise SystemExit(f"tray failed: {result.root_cause}")
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
@@ -76,19 +73,19 @@ def main() -> int:
         runs = [tray_once(args.n, backend, Path(tmp)) for _ in range(args.repeats)]
     phases = sorted({p for r in runs for p in r["phases"]})
     summary = {
-        "ready_s": statistics.median(r["ready_s"] for r in runs),
-        "first_allreduce_s": statistics.median(r["first_allreduce_s"] for r in runs),
-        "phases_s": {p: statistics.median(r["phases"].get(p, 0.0) for r in runs) for p in phases},
+        "ready_s": median([r["ready_s"] for r in runs]),
+        "first_allreduce_s": median([r["first_allreduce_s"] for r in runs]),
+        "phases_s": {p: median([r["phases"].get(p, 0.0) for r in runs]) for p in phases},
     }
     report = {"bench": "startup", "nprocs": args.n, "backend": backend, "repeats": args.repeats, "tray": summary,
-              "runs": runs, "environment": environment()}
+              "runs": runs}
     if backend == "cuda" and not args.no_baseline:
-        from bench.torch_baselines import torch_startup
+        from torch_baselines import torch_startup  # beside this script
 
         base = torch_startup(args.n, args.repeats)
         if base is not None:
             report["torch"] = base
-            report["ratio_first_allreduce_vs_torch"] = summary["first_allreduce_s"] / base["first_allreduce_s"]
+            report["ratio_first_allreduce_vs_torch"] = ratio(summary["first_allreduce_s"], base["first_allreduce_s"])
     print(f"startup, {args.n} ranks, {backend} backend, median of {args.repeats}:")
     print(f"  launch -> all ready          {summary['ready_s']:.3f} s")
     print(f"  launch -> first allreduce    {summary['first_allreduce_s']:.3f} s")
@@ -99,9 +96,7 @@ def main() -> int:
     if "torch" in report:
         print(f"  torch spawn -> first allreduce {report['torch']['first_allreduce_s']:.3f} s; "
               f"ratio tray/torch {report['ratio_first_allreduce_vs_torch']:.2f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.json)
     return 0
 
 

@@ -1,6 +1,7 @@
 """tray: one SPMD program across the GPUs of one host.
 
-Public API: `init()` (inside a rank started by `tray launch`), `Rank`, and the error classes.
+Public API: `init()` (inside a rank started by `tray launch`), `Rank`, `twin` (register a host twin of a
+kernel, see `tray.twins`), and the error classes.
 Nothing heavy happens at import time.
 """
 
@@ -20,6 +21,7 @@ from tray.errors import (
 __all__ = [
     "init",
     "Rank",
+    "twin",
     "BarrierTimeout",
     "DeviceError",
     "HandshakeError",
@@ -37,6 +39,13 @@ def init(**kwargs):
     from tray.rank import init as _init
 
     return _init(**kwargs)
+
+
+def twin(name: str):
+    """Decorator registering a host twin of the manifest kernel `name`; see `tray.twins.twin`."""
+    from tray.twins import twin as _twin
+
+    return _twin(name)
 
 
 def __getattr__(name: str):  # lazy: keeps `import tray` free of numpy/zmq

@@ -1,4 +1,4 @@
-"""`tray` / `python -m tray`: launch, gate, inspect, doctor."""
+"""`tray` / `python -m tray`: launch, gate, bench, inspect, doctor."""
 
 from __future__ import annotations
 
@@ -12,28 +12,12 @@ from collections.abc import Sequence
 from tray.errors import TrayError, UsageError
 
 EXIT_USAGE = 2
-# NOTE: with no GPU visible, a 4-rank tray is what CI and the demo run.
-HOST_DEFAULT_NPROCS = 4
 
 
 def _backend_and_n(backend: str | None, nprocs: int | None) -> tuple[str, int]:
-    from tray.backend import BACKENDS, detect_backend
+    from tray.launch.pick import backend_and_nprocs
 
-    chosen = backend or detect_backend()
-    if chosen not in BACKENDS:
-        raise UsageError(f"unknown backend {chosen!r}; expected one of {', '.join(BACKENDS)}")
-    if nprocs is None:
-        if chosen == "cuda":
-            from tray.backend.cuda import visible_gpu_count
-
-            nprocs = visible_gpu_count()
-            if nprocs == 0:
-                raise UsageError("--backend cuda but no GPU is visible; use --backend host")
-        else:
-            nprocs = HOST_DEFAULT_NPROCS
-    if nprocs < 1:
-        raise UsageError(f"-n must be at least 1, got {nprocs}")
-    return chosen, nprocs
+    return backend_and_nprocs(backend, nprocs)
 
 
 def _parse_vars(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
@@ -65,13 +49,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from tray.gate import GATES
+    from tray.programs import GATES
 
     if args.gate not in GATES:
         close = difflib.get_close_matches(args.gate, GATES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; known gates: {', '.join(GATES)}"
         raise UsageError(f"unknown gate {args.gate!r}{hint}")
-    from tray.gate.peer_barrier import GateArgs, run_gate
+    from tray.programs.peer_barrier.gate import GateArgs, run_gate
 
     backend, nprocs = _backend_and_n(args.backend, args.nprocs)
     return run_gate(GateArgs(nprocs=nprocs, backend=backend, iters=args.iters, drop=args.drop,
@@ -102,20 +86,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(format_doctor(report))
     return 0
-
-
-def cmd_bench_park(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parent.parent
-    if not (repo / "bench" / "park.py").is_file():
-        raise UsageError(f"tray bench runs the scripts in bench/ of a source checkout; {repo / 'bench'} has none")
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
-    from bench import park
-
-    backend, nprocs = _backend_and_n(args.backend, args.nprocs)
-    return park.run(nprocs, backend, args.gib, args.page_mib, args.repeats, args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,17 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks, each against its baseline measured in the same run")
     benches = p.add_subparsers(dest="bench", required=True)
-    b = benches.add_parser("park", help="park/wake GB/s per rank and tray-wide vs the pinned-copy ceiling")
-    b.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: visible GPUs, or 4)")
-    b.add_argument("--backend", choices=("host", "cuda"), default=None)
-    b.add_argument("--gib", type=float, default=None, help="GiB per rank (default 4 on cuda, 0.25 on host)")
-    b.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (default 2)")
-    b.add_argument("--repeats", type=int, default=5, help="park/wake repeats (median)")
-    b.add_argument("--json", default=None, help="write the report here")
-    b.set_defaults(fn=cmd_bench_park)
-    from tray.moe.cli import add_bench_parsers
+    from tray.programs import bench_parsers
 
-    add_bench_parsers(benches)  # ep-moe, tp
+    for add_bench_parser in bench_parsers():
+        add_bench_parser(benches)
 
     p = sub.add_parser("doctor", help="what this machine's GPUs can do")
     p.add_argument("--json", action="store_true")

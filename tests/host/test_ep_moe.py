@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -10,6 +11,17 @@ from conftest import MANIFESTS
 
 EP_MOE = str(MANIFESTS / "ep_moe.json")
 TINY = ["--hidden", "64", "--experts", "8", "--topk", "2", "--expert-dim", "32", "--repeats", "2"]
+
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.mark.skipif(HAVE_MATPLOTLIB, reason="matplotlib is installed: --plot works")
+def test_plot_without_the_extra_is_a_usage_error(tray_env, tmp_path):
+    run = tray_env.run([sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "host",
+                        "--plot", str(tmp_path / "ep.png")])
+    assert run.returncode == 2 and "tray[plot]" in run.stderr, run.output
+    assert not (tmp_path / "ep.png").exists()
 
 
 @pytest.mark.parametrize("n, tokens", [(2, "4,8"), (4, "4")])
@@ -31,12 +43,12 @@ def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens):
             *TINY,
             "--json",
             str(out),
-            "--plot",
-            str(tmp_path / "ep.png"),
+            *(["--plot", str(tmp_path / "ep.png")] if HAVE_MATPLOTLIB else []),
         ]
     )
     assert run.returncode == 0, run.output
     assert "PASSED" in run.stdout
+    assert (tmp_path / "ep.png").is_file() == HAVE_MATPLOTLIB
     report = json.loads(out.read_text())
     assert report["passed"] and report["environment"]["commit"]
     for r in report["runs"]:
@@ -74,6 +86,7 @@ def test_too_small_cap_is_refused_before_launch(tray_env):
 
 
 DISPATCH_OVERFLOW = """
+import tray.programs.ep_moe.twins  # the host twins of the manifest's kernels, registered before init
 with tray.init() as rank:
     T, K = 4, 2
     rank.write("route_expert", np.array([0, 1] * T, np.int32))
@@ -87,6 +100,16 @@ with tray.init() as rank:
     assert err[0] & 1 and err[1] == 1, err
     print("overflow caught")
 """
+
+
+def test_a_kernel_without_a_twin_is_named_with_how_to_register_one(tray_env):
+    vars_ = ["max_tokens=4", "tokens=4", "max_cap=8", "cap=8", "max_capp=8", "capp=8"]
+    args = [a for v in vars_ for a in ("--var", v)]
+    body = 'with tray.init() as rank:\n    rank.run("dispatch", {"tokens": 4, "cap": 8, "capp": 8})\n'
+    run = tray_env.launch(2, body, "--manifest", EP_MOE, *args)
+    assert run.returncode != 0
+    assert "kernel 'ep_dispatch' has no host twin" in run.output
+    assert '@tray.twin("ep_dispatch")' in run.output
 
 
 def test_dispatch_flags_a_pair_beyond_capacity(tray_env):

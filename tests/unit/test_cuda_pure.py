@@ -125,7 +125,7 @@ def test_compile_error_carries_the_log() -> None:
 
 def test_kernel_dir_override(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.delenv("TRAY_KERNEL_DIR", raising=False)
-    assert barrier.kernel_dir() == REPO / "manifests" / "kernels"
+    assert barrier.kernel_dir().resolve() == REPO / "manifests" / "kernels"
     monkeypatch.setenv("TRAY_KERNEL_DIR", str(tmp_path))
     assert barrier.kernel_dir() == tmp_path
 

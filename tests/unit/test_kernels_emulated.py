@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 from conftest import MANIFESTS
 
+import tray.programs.ep_moe.twins
+import tray.programs.tp_mlp.twins  # noqa: F401
 from tray.backend.host import HostBackend
-from tray.backend.host.twins import TWINS
-from tray.backend.host.twins_moe import f32_to_bf16_bits
+from tray.dtypes import f32_to_bf16_bits
+from tray.twins import lookup
 
 CXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the CUDA sources for the CPU")
@@ -136,7 +138,7 @@ def both(emulated, name, grid, block, make_args, arrays):
         )
     fn.argtypes = [ctypes.c_uint, ctypes.c_uint, *types]
     fn(grid, block, *make_args(cuda_arrays))
-    TWINS[name](
+    lookup(name)(
         HostBackend.open(0),
         (grid, 1, 1),
         (block, 1, 1),

@@ -6,16 +6,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tray.backend.host.twins_moe import (
-    bf16_bits_to_f32,
-    ep_exp_f32,
-    f32_to_bf16_bits,
-    fill_bits,
-    reduce_bits,
-    silu_mul_f32,
-    sum_members_bits,
-)
-from tray.moe.plan import CapacityError, plan_ep, random_routing
+from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from tray.programs.ep_moe.plan import CapacityError, plan_ep, random_routing
+from tray.programs.ep_moe.twins import ep_exp_f32, fill_bits, reduce_bits, silu_mul_f32
+from tray.programs.tp_mlp.twins import sum_members_bits
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

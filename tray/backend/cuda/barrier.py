@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-import tray
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Barrier, DeviceBuffer, GroupInfo, PtrTable
 from tray.backend.cuda import driver as drv
 from tray.backend.cuda.kernels import CudaKernel, CudaLaunch
@@ -29,11 +28,13 @@ _STATE_NBYTES = 32  # counter at +0, err[0] (epoch) at +16, err[1] (missing mask
 
 
 def kernel_dir() -> Path:
-    """`$TRAY_KERNEL_DIR`, else `<repo>/manifests/kernels` next to the `tray` package."""
+    """`$TRAY_KERNEL_DIR` (a variant under study), else the built-in kernels shipped as package data."""
     override = os.environ.get("TRAY_KERNEL_DIR")
     if override:
         return Path(override)
-    return Path(tray.__file__).resolve().parent.parent / "manifests" / "kernels"
+    from tray.manifest.builtin import kernel_dir as builtin_kernel_dir
+
+    return builtin_kernel_dir()
 
 
 def missing_members(members: tuple[int, ...], mask: int) -> list[int]:

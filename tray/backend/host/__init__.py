@@ -268,15 +268,10 @@ class HostBackend(Backend):
 
     def load_kernel(self, name: str, source_path: str | None, entry: str, options: Sequence[str],
                     peers: bool) -> HostKernel:
-        from tray.backend.host.twins import TWINS
+        import tray.backend.host.twins  # noqa: F401  (registers the generic twins)
+        from tray.twins import lookup
 
-        twin = TWINS.get(name)
-        if twin is None:
-            known = ", ".join(sorted(TWINS)) or "none"
-            raise UsageError(
-                f"kernel {name!r} has no numpy twin for the host backend (known: {known}); "
-                "register one in tray/backend/host/twins.py or run with --backend cuda"
-            )
+        twin = lookup(name)
         return HostKernel(self, name, twin)
 
     def scratch_nbytes(self, group_size: int, largest_nbytes: int) -> int:

@@ -1,35 +1,16 @@
-"""numpy twins of the CUDA kernels in manifests/kernels/, registered under the kernels' names.
+"""Host twins of the generic kernels any tray may launch (manifests/kernels/peer_fill.cu).
 
-A twin is called as twin(backend, grid, block, *args) with the same arguments the CUDA kernel
-gets: addresses as ints, scalars as ints or floats.
+Imported by the host backend, so these are registered in every host rank; a program's own kernels
+register their twins from the program (see `tray.twins`).
 """
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-TWINS: dict[str, Callable[..., None]] = {}
-
-
-def twin(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    def register(fn: Callable[..., None]) -> Callable[..., None]:
-        TWINS[name] = fn
-        return fn
-
-    return register
-
-
-def u32_at(ptr: int, count: int) -> np.ndarray:
-    """A u32 view of `count` words at `ptr` (no copy)."""
-    return np.ctypeslib.as_array((ctypes.c_uint32 * count).from_address(ptr))
-
-
-def u64_at(ptr: int, count: int) -> np.ndarray:
-    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(ptr))
+from tray.twins import twin, u32_at, u64_at
 
 
 def peer_fill_words(seed: int, me: int, g: int, words: int) -> np.ndarray:
@@ -47,5 +28,3 @@ def peer_fill(backend: Any, grid: Any, block: Any, peers_ptr: int, group_size: i
         dst = u32_at(int(peers[g]) + 4 * me * words_per_slot, words_per_slot)
         dst[:] = peer_fill_words(seed, me, g, words_per_slot)
 
-# The EP MoE / TP twins register themselves into TWINS on import.
-from tray.backend.host import twins_moe  # noqa: E402, F401

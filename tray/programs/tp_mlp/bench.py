@@ -2,7 +2,7 @@
 
     tray bench tp -n 4 [--sizes 512,1024,...,4194304] [--hidden 256] [--ffn 1024] [--backend] [--json PATH]
 
-Two trays of manifests/tp_mlp.json running tray/tp/rank_program.py: N ranks (per message size: the peer
+Two trays of manifests/tp_mlp.json running tray/programs/tp_mlp/rank_program.py: N ranks (per message size: the peer
 allreduce checked to the bit and identical on every rank, NCCL's within tolerance, both captured and
 timed; the TP MLP through each where the size is whole rows), then 1 rank (the full MLP on one GPU,
 the reference for the TP outputs). Exit 1 if a check fails.
@@ -10,7 +10,6 @@ the reference for the TP outputs). Exit 1 if a check fails.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import sys
@@ -21,12 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from tray.envinfo import environment
+from tray.bench import Row, TrayFailed, format_table, run_rank_program, write_report
 from tray.errors import UsageError
-from tray.launch import TrayFailed, run_rank_program
+from tray.manifest.builtin import builtin_path
 
-REPO = Path(__file__).resolve().parent.parent.parent
-MANIFEST = REPO / "manifests" / "tp_mlp.json"
+MANIFEST = "tp_mlp"  # built-in (package data), see tray.manifest.builtin
 DEFAULT_SIZES = tuple(512 << i for i in range(14))  # 512 B .. 4 MiB
 # NOTE: the TP partials are rounded to bf16 before the sum; one GPU rounds once: a few bf16 ulps apart.
 MLP_TOLERANCE = 2e-2
@@ -80,12 +78,12 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "tokens": max_tokens,
         "count": max_tokens * a.hidden,
     }
-    return run_rank_program(name, "tray.tp.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
-                            manifest=str(MANIFEST), vars=launch_vars, log_dir=a.log_dir)
+    return run_rank_program(name, "tray.programs.tp_mlp.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
+                            manifest=str(builtin_path(MANIFEST)), vars=launch_vars, log_dir=a.log_dir)
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    from tray.backend.host.twins_moe import bf16_bits_to_f32
+    from tray.dtypes import bf16_bits_to_f32
 
     g = bf16_bits_to_f32(got).astype(np.float64)
     w = bf16_bits_to_f32(want).astype(np.float64)
@@ -165,7 +163,20 @@ def print_report(report: dict[str, Any]) -> None:
             f"  {r['bytes']:>9} {u['ar_peer']:>9.2f} {u['ar_nccl']:>9.2f} "
             f"{r['ratios']['ar_peer_vs_nccl']:>6.2f} {mlp}  {'ok' if r['checks']['passed'] else 'FAILED'}"
         )
+    print(format_table(allreduce_rows(report)))
     print("PASSED" if report["passed"] else "FAILED")
+
+
+def allreduce_rows(report: dict[str, Any]) -> list[Row]:
+    """Both allreduces per size as nccl-tests rows (bf16, busbw factor 2(n-1)/n; #wrong: 0 or the count
+    when the size's check failed)."""
+    rows = []
+    for r in report["sizes"]:
+        wrong = 0 if r["checks"]["passed"] else r["count"]
+        for path in ("ar_peer", "ar_nccl"):
+            rows.append(Row(path, r["bytes"], r["count"], "bf16", r["us"][path], wrong, "allreduce",
+                            report["nprocs"]))
+    return rows
 
 
 def run_tp_bench(a: TpBenchArgs) -> int:
@@ -196,10 +207,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
         "sizes": sizes,
         "passed": all(s["checks"]["passed"] for s in sizes),
         "setup_s": max(r["setup_s"] for r in per_rank),
-        "environment": environment({"device": per_rank[0].get("device")}),
     }
     print_report(report)
-    if a.json_path:
-        Path(a.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, a.json_path, {"device": per_rank[0].get("device")})
     return 0 if report["passed"] else 1

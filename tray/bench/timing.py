@@ -49,7 +49,7 @@ class Sampler:
         try:
             self._one(single)  # warm: first replay uploads the graph
             t_one = self._one(single)
-            slowest = max(self.rank.exchange("tray.moe.timing", t_one))
+            slowest = max(self.rank.exchange("tray.bench.timing", t_one))
             reps = 1
             if self.target_s > 0 and slowest > 0:
                 reps = max(1, min(MAX_REPS_PER_GRAPH, round(self.target_s / slowest)))

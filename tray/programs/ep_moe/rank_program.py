@@ -1,5 +1,5 @@
-"""The rank side of `tray bench ep-moe`: run as `python -m tray.moe.rank_program CONFIG` inside a tray
-launched with manifests/ep_moe.json (the bench, tray/moe/bench.py, writes CONFIG and the index arrays).
+"""The rank side of `tray bench ep-moe`: run as `python -m tray.programs.ep_moe.rank_program CONFIG` inside a tray
+launched with manifests/ep_moe.json (the bench, tray/programs/ep_moe/bench.py, writes CONFIG and the index arrays).
 
 Per token count: upload the plan's index arrays, run the peer path, then the NCCL path, eagerly, and save
 the outputs (the head compares them with EP1 byte for byte); then time each phase captured. A 1-rank
@@ -254,6 +254,9 @@ class MoeRank:
 def main(argv: list[str]) -> int:
     import tray
 
+    # the host twins register on import: before init, which looks every manifest kernel up
+    import tray.programs.ep_moe.twins
+
     cfg = json.loads(Path(argv[1]).read_text())
     out_dir = Path(cfg["out_dir"])
     with tray.init() as rank:
@@ -264,7 +267,7 @@ def main(argv: list[str]) -> int:
         rank.synchronize()
         setup_s = time.perf_counter() - t0
         rank.exchange("ep.ready", setup_s)
-        from tray.moe.timing import Sampler
+        from tray.bench.timing import Sampler
 
         sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"])
         results: dict[str, Any] = {

@@ -1,31 +1,23 @@
-"""numpy twins of the EP MoE and TP kernels (manifests/kernels/ep_moe.cu, ep_math.cu, tp_allreduce.cu).
+"""Host twins of the EP MoE kernels (manifests/kernels/ep_moe.cu, ep_math.cu), registered on import.
 
 Each twin computes the bytes its CUDA kernel writes: copies for the data movement, and for the math the
 same float32 operations in the same order (numpy float32 ufuncs round to nearest even per operation and
 never fuse a multiply with an add, like the kernels' __fmul_rn/__fadd_rn). The pure functions here
-(`f32_to_bf16_bits`, `silu_mul_f32`, `fill_bits`, `reduce_bits`, `sum_members_bits`) are the
+(`silu_mul_f32`, `fill_bits`, `reduce_bits`) are the
 specification the tests and benches check against.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import numpy as np
 
-from tray.backend.host.twins import twin, u64_at
+from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from tray.twins import at as _at
+from tray.twins import twin, u64_at
 
 _F32 = np.float32
-
-
-def _at(ptr: int, count: int, dtype: Any) -> np.ndarray:
-    """A typed view of `count` elements at `ptr` (no copy)."""
-    dt = np.dtype(dtype)
-    if count <= 0:
-        return np.zeros(0, dt)
-    raw = np.ctypeslib.as_array((ctypes.c_uint8 * (count * dt.itemsize)).from_address(ptr))
-    return raw.view(dt)
 
 
 def _rows(ptr: int, rows: int, hidden: int) -> np.ndarray:
@@ -34,20 +26,6 @@ def _rows(ptr: int, rows: int, hidden: int) -> np.ndarray:
 
 
 # --- bf16 and float32 arithmetic, exactly as the kernels do it --------------------------------------------
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (u16) -> float32 (exact)."""
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(_F32)
-
-
-def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns (u16): round to nearest even, every NaN -> 0x7FC0 (the kernels' recipe;
-    equal to ml_dtypes' rounding on every non-NaN value)."""
-    f = np.ascontiguousarray(values, dtype=_F32)
-    u = f.view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    return np.where(np.isnan(f), np.uint16(0x7FC0), rounded)
 
 
 def _c(bits: int) -> np.float32:
@@ -105,15 +83,6 @@ def reduce_bits(comb_bits: np.ndarray, weight_bits: np.ndarray) -> np.ndarray:
     with np.errstate(all="ignore"):
         for k in range(comb.shape[1]):
             acc = acc + w[:, k, None] * comb[:, k, :]
-    return f32_to_bf16_bits(acc)
-
-
-def sum_members_bits(parts: list[np.ndarray]) -> np.ndarray:
-    """`tp_sum_peers`: the member-order float32 sum of bf16 arrays (u16), rounded to bf16."""
-    acc = np.zeros(np.shape(parts[0]), _F32)
-    with np.errstate(all="ignore"):
-        for p in parts:
-            acc = acc + bf16_bits_to_f32(p)
     return f32_to_bf16_bits(acc)
 
 
@@ -318,9 +287,3 @@ def ep_fill(
 @twin("ep_zero32")
 def ep_zero32(backend: Any, grid: Any, block: Any, dst: int, words: int, value: int) -> None:
     _at(dst, words, np.uint32)[:] = np.uint32(value & 0xFFFFFFFF)
-
-
-@twin("tp_sum_peers")
-def tp_sum_peers(backend: Any, grid: Any, block: Any, peers: int, out: int, count: int, G: int) -> None:
-    parts = [_at(int(p), count, np.uint16) for p in u64_at(peers, G)]
-    _at(out, count, np.uint16)[:] = sum_members_bits(parts)

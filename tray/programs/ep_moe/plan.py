@@ -50,7 +50,7 @@ class Routing:
 
 def random_routing(num_tokens: int, num_experts: int, topk: int, seed: int) -> Routing:
     """Uniformly random distinct experts per token, softmax weights over the k picks rounded to bf16."""
-    from tray.backend.host.twins_moe import f32_to_bf16_bits
+    from tray.dtypes import f32_to_bf16_bits
 
     if not 1 <= topk <= num_experts:
         raise UsageError(f"topk must be in 1..experts ({num_experts}), got {topk}")

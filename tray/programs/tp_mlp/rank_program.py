@@ -1,5 +1,5 @@
-"""The rank side of `tray bench tp`: run as `python -m tray.tp.rank_program CONFIG` inside a tray launched
-with manifests/tp_mlp.json (tray/tp/bench.py writes CONFIG).
+"""The rank side of `tray bench tp`: run as `python -m tray.programs.tp_mlp.rank_program CONFIG` inside a tray launched
+with manifests/tp_mlp.json (tray/programs/tp_mlp/bench.py writes CONFIG).
 
 Per message size S (bytes of bf16): the one-shot peer allreduce (`ar_peer`) is checked to the bit against
 the member-order float32 sum every rank computes on the host, and to give every rank identical bytes;
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tray.moe.rank_program import FILL_BLOCK, MAX_FILL_GRID, POISON_WORD, fill_scale, nan_rows
+from tray.programs.ep_moe.rank_program import FILL_BLOCK, MAX_FILL_GRID, POISON_WORD, fill_scale, nan_rows
 
 SEED_X, SEED_W13, SEED_W2, SEED_P0, SEED_P1 = 11, 12, 13, 14, 15
 # NOTE: NCCL sums bf16 in its own order with bf16 intermediates: a few bf16 ulps of the exact sum.
@@ -90,7 +90,8 @@ class TpRank:
 
     # --- allreduce alone -------------------------------------------------------------------------------
     def expected_sum(self, count: int, seed: int) -> np.ndarray:
-        from tray.backend.host.twins_moe import fill_bits, sum_members_bits
+        from tray.programs.ep_moe.twins import fill_bits
+        from tray.programs.tp_mlp.twins import sum_members_bits
 
         s = self.cfg["seed"] * 16 + seed
         parts = [fill_bits(1, count, count, 0, g, count, s, fill_scale(1.0))[0] for g in range(self.G)]
@@ -148,14 +149,17 @@ class TpRank:
 
 
 def _f64(bits: np.ndarray) -> np.ndarray:
-    from tray.backend.host.twins_moe import bf16_bits_to_f32
+    from tray.dtypes import bf16_bits_to_f32
 
     return bf16_bits_to_f32(bits).astype(np.float64)
 
 
 def main(argv: list[str]) -> int:
     import tray
-    from tray.moe.timing import Sampler
+
+    # the host twins register on import: before init, which looks every manifest kernel up
+    import tray.programs.tp_mlp.twins
+    from tray.bench.timing import Sampler
 
     cfg = json.loads(Path(argv[1]).read_text())
     out_dir = Path(cfg["out_dir"])

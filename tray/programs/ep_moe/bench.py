@@ -4,8 +4,8 @@
                       [--expert-dim 2048] [--backend cuda|host] [--json PATH] [--plot PATH]
 
 The head (this module) draws the routing for every token count from a seed, places it on N ranks and on
-one (tray/moe/plan.py), writes each rank's index arrays, then launches two trays of
-manifests/ep_moe.json running tray/moe/rank_program.py: N ranks (peer path, NCCL path, copy ceiling)
+one (tray/programs/ep_moe/plan.py), writes each rank's index arrays, then launches two trays of
+manifests/ep_moe.json running tray/programs/ep_moe/rank_program.py: N ranks (peer path, NCCL path, copy ceiling)
 and 1 rank (EP1, same global tokens). Checks: EP-N rows equal EP1 rows byte for byte (both paths), EP1
 within bf16 tolerance of a float64 reference on a few tokens, no NaN, no overflowed route, the counts
 every rank received. Exit 1 if a check fails.
@@ -13,7 +13,6 @@ every rank received. Exit 1 if a check fails.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import sys
@@ -24,12 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from tray.envinfo import environment
+from tray.bench import TrayFailed, plot_lines, require_plot, run_rank_program, write_report
 from tray.errors import UsageError
-from tray.launch import TrayFailed, run_rank_program
+from tray.manifest.builtin import builtin_path
 
-REPO = Path(__file__).resolve().parent.parent.parent
-MANIFEST = REPO / "manifests" / "ep_moe.json"
+MANIFEST = "ep_moe"  # built-in (package data), see tray.manifest.builtin
 # NOTE: bf16 operands and three bf16 roundings on the way (h13, act, expert output): a few 1e-3 expected.
 REF_TOLERANCE = 2e-2
 PHASES = ("dispatch", "experts", "combine", "reduce", "layer")
@@ -80,7 +78,7 @@ def validate(a: EpBenchArgs) -> None:
 
 def prepare(a: EpBenchArgs, work: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
     """Plans and index arrays for every token count: (EP-N runs, EP1 runs, launch vars of EP-N)."""
-    from tray.moe.plan import plan_ep, random_routing
+    from tray.programs.ep_moe.plan import plan_ep, random_routing
 
     G = a.nprocs
     runs_n, runs_1 = [], []
@@ -142,8 +140,8 @@ def launch(
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
         "runs": runs,
     }
-    return run_rank_program(name, "tray.moe.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
-                            manifest=str(MANIFEST), vars=launch_vars, log_dir=a.log_dir)
+    return run_rank_program(name, "tray.programs.ep_moe.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
+                            manifest=str(builtin_path(MANIFEST)), vars=launch_vars, log_dir=a.log_dir)
 
 
 def _slowest(per_rank: list[dict[str, Any]], index: int, key: str) -> float:
@@ -265,42 +263,31 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"ep-moe: matplotlib is not importable; no plot written to {path}")
-        return
+    """Latency vs tokens per rank: the layer on each path, and dispatch+combine of peer and NCCL."""
     G = report["nprocs"]
-    xs = [r["tokens_per_rank"] for r in report["runs"]]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, get in (
-        (f"EP{G} peer layer", lambda r: r["us"]["peer"]["layer"]),
-        (f"EP{G} NCCL layer", lambda r: r["us"]["nccl"]["layer"]),
-        ("EP1 layer", lambda r: r["us"]["ep1"]["layer"]),
-        ("peer dispatch+combine", lambda r: r["us"]["peer"]["dispatch"] + r["us"]["peer"]["combine"]),
-        ("NCCL dispatch+combine", lambda r: r["us"]["nccl"]["dispatch"] + r["us"]["nccl"]["combine"]),
-    ):
-        ax.plot(xs, [get(r) for r in report["runs"]], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("µs (captured, median)")
+    runs = report["runs"]
+    xs = [r["tokens_per_rank"] for r in runs]
     s = report["shape"]
-    ax.set_title(f"EP MoE, {G} ranks: H {s['hidden']}, {s['experts']} experts, top-{s['topk']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_lines(
+        path,
+        {
+            f"EP{G} peer layer": (xs, [r["us"]["peer"]["layer"] for r in runs]),
+            f"EP{G} NCCL layer": (xs, [r["us"]["nccl"]["layer"] for r in runs]),
+            "EP1 layer": (xs, [r["us"]["ep1"]["layer"] for r in runs]),
+            "peer dispatch+combine": (xs, [r["us"]["peer"]["dispatch"] + r["us"]["peer"]["combine"] for r in runs]),
+            "NCCL dispatch+combine": (xs, [r["us"]["nccl"]["dispatch"] + r["us"]["nccl"]["combine"] for r in runs]),
+        },
+        title=f"EP MoE, {G} ranks: H {s['hidden']}, {s['experts']} experts, top-{s['topk']}",
+        xlabel="tokens per rank",
+        ylabel="µs (captured, median)",
+    )
     print(f"ep-moe: plot written to {path}")
 
 
 def run_ep_bench(a: EpBenchArgs) -> int:
     """Check, time, print, write JSON (and a plot). Returns the exit code: 0 passed, 1 failed."""
     validate(a)
+    require_plot(a.plot_path)
     work = Path(tempfile.mkdtemp(prefix="tray-ep-moe-"))
     try:
         runs_n, runs_1, launch_n = prepare(a, work)
@@ -328,12 +315,9 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "runs": runs,
         "passed": all(r["checks"]["passed"] for r in runs),
         "setup_s": {"epn": max(r["setup_s"] for r in per_rank), "ep1": ep1["setup_s"]},
-        "environment": environment({"device": per_rank[0].get("device")}),
     }
     print_report(report)
-    if a.json_path:
-        Path(a.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, a.json_path, {"device": per_rank[0].get("device")})
     if a.plot_path:
         plot(report, a.plot_path)
     return 0 if report["passed"] else 1

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tray.bench import Row, format_table, median, write_report
 from tray.envinfo import environment
 from tray.launch import TraySpec, run_tray
+from tray.manifest.builtin import builtin_path
 
 # NOTE: DESIGN section 6: every surviving rank must name the dropped one within timeout + 0.5 s.
 DROP_SLACK_S = 0.5
-MANIFEST = Path(__file__).resolve().parent.parent.parent / "manifests" / "peer_barrier.json"
+MANIFEST = "peer_barrier"  # built-in (package data), see tray.manifest.builtin
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,12 @@ def run_gate(args: GateArgs) -> int:
         return 2
     out_dir = Path(tempfile.mkdtemp(prefix="tray-gate-"))
     try:
-        cmd = [sys.executable, "-m", "tray.gate.peer_barrier_rank", "--iters", str(args.iters),
+        cmd = [sys.executable, "-m", "tray.programs.peer_barrier.rank_program", "--iters", str(args.iters),
                "--timeout-s", str(args.timeout_s), "--out", str(out_dir)]
         if args.drop is not None:
             cmd += ["--drop", str(args.drop)]
         spec = TraySpec(nprocs=args.nprocs, cmd=tuple(cmd), backend=args.backend,
-                        manifest=str(MANIFEST) if MANIFEST.exists() else None, log_dir=args.log_dir,
+                        manifest=str(builtin_path(MANIFEST)), log_dir=args.log_dir,
                         quiet=args.quiet)
         result = run_tray(spec)
         per_rank = []
@@ -56,9 +57,7 @@ def run_gate(args: GateArgs) -> int:
         shutil.rmtree(out_dir, ignore_errors=True)
     report = _report(args, result, per_rank)
     _print(report)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.json_path)
     if result.exit_code != 0:
         return result.exit_code
     return 0 if report["passed"] else 1
@@ -66,7 +65,15 @@ def run_gate(args: GateArgs) -> int:
 
 def _median(per_rank: list[dict], key: str) -> float | None:
     vals = [r[key] for r in per_rank if r.get(key) is not None]
-    return statistics.median(vals) if vals else None
+    return median(vals) if vals else None
+
+
+def barrier_rows(report: dict[str, Any]) -> list[Row]:
+    """The medians as table rows: a barrier moves no payload, so size and count are 0 (#wrong: ranks that
+    did not report)."""
+    wrong = report["nprocs"] - len(report["per_rank"])
+    return [Row(f"barrier {key[:-3]}", 0, 0, "none", report[key], wrong)
+            for key in ("eager_us", "eager_sync_us", "captured_us") if report.get(key) is not None]
 
 
 def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
@@ -108,6 +115,7 @@ def _print(report: dict) -> None:
         if report.get("eager_us") is not None:
             print(f"  {'all':>4} {report['eager_us']:>10.2f} {report['eager_sync_us']:>11.2f} "
                   f"{report['captured_us']:>10.2f}")
+            print(format_table(barrier_rows(report)))
     else:
         print(f"{head}, rank {report['drop']} dropped, timeout {report['timeout_s']:.2f} s "
               f"(bound {report['drop_bound_s']:.2f} s)")

@@ -93,7 +93,7 @@ def drop_test(rank, drop: int, timeout_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tray.gate.peer_barrier_rank")
+    ap = argparse.ArgumentParser(prog="python -m tray.programs.peer_barrier.rank_program")
     ap.add_argument("--iters", type=int, required=True)
     ap.add_argument("--timeout-s", type=float, required=True)
     ap.add_argument("--drop", type=int, default=None)

@@ -1,0 +1,184 @@
+"""The bench harness every figure uses: launch a rank program, environment, medians, same-run ratios, an
+nccl-tests-shaped table, JSON, an optional plot.
+
+A bench (`tray.programs.<name>.bench`) checks correctness first, warms up, times (on ranks: with
+`tray.bench.timing.Sampler`, device events on cuda), then builds a report dict whose figures sit next to
+their baseline measured in the same run (`ratio`), prints `format_table` rows, and hands the report to
+`write_report` (JSON with `environment()`) and, when asked, `plot_lines` (matplotlib, the `plot` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tray.envinfo import environment
+from tray.errors import UsageError
+
+__all__ = ["Row", "TrayFailed", "busbw_factor", "environment", "format_table", "median", "plot_lines",
+           "ratio", "require_plot", "run_rank_program", "time_calls", "write_report"]
+
+PLOT_EXTRA = "plot"
+
+
+class TrayFailed(RuntimeError):
+    """A tray run by `run_rank_program` exited non-zero; the message carries its root cause."""
+
+
+def run_rank_program(name: str, module: str, cfg: dict[str, Any], work: Path, *, nprocs: int, backend: str,
+                     manifest: str, vars: dict[str, int], log_dir: str | None = None) -> list[dict[str, Any]]:
+    """Launch `python -m module CFG.json` on `nprocs` ranks; each rank writes `result_*.json` into
+    `cfg["out_dir"]` (set here to work/name). Returns those results in file-name order.
+
+    Raises TrayFailed naming the root cause when the tray fails."""
+    from tray.launch import TraySpec, run_tray
+
+    out = work / name
+    out.mkdir()
+    cfg_path = work / f"{name}.json"
+    cfg_path.write_text(json.dumps({**cfg, "out_dir": str(out)}))
+    spec = TraySpec(nprocs=nprocs, cmd=(sys.executable, "-m", module, str(cfg_path)), backend=backend,
+                    manifest=manifest, vars=tuple(sorted(vars.items())), log_dir=log_dir, quiet=True)
+    result = run_tray(spec)
+    if result.exit_code != 0:
+        cause = result.root_cause
+        detail = f"{cause.summary}\n{cause.report}" if cause else "no root cause reported"
+        raise TrayFailed(f"the {name} tray failed (exit {result.exit_code}): {detail}")
+    return [json.loads(f.read_text()) for f in sorted(out.glob("result_*.json"))]
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of `values`, ignoring NaN (a figure a rank could not take); NaN when none is left."""
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else float("nan")
+
+
+def ratio(value: float, baseline: float) -> float:
+    """value / baseline of the same run; NaN when the baseline is zero or missing."""
+    if not baseline or math.isnan(baseline) or math.isnan(value):
+        return float("nan")
+    return value / baseline
+
+
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of `repeats` calls of `fn` after `warmup` untimed ones (host-side work; device work is
+    timed on the ranks with `tray.bench.timing.Sampler`)."""
+    if repeats < 1:
+        raise UsageError(f"repeats must be at least 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def busbw_factor(op: str, nranks: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor (allreduce 2(n-1)/n, alltoall and
+    allgather (n-1)/n, anything else 1)."""
+    if nranks < 1:
+        raise UsageError(f"nranks must be at least 1, got {nranks}")
+    if op == "allreduce":
+        return 2 * (nranks - 1) / nranks
+    if op in ("alltoall", "allgather", "reducescatter"):
+        return (nranks - 1) / nranks
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of an nccl-tests-shaped table: `nbytes` per rank moved by `name` in `time_us`.
+
+    count: elements of `dtype`; wrong: elements (or rows) that failed the check, -1 when not checked."""
+
+    name: str
+    nbytes: int
+    count: int
+    dtype: str
+    time_us: float
+    wrong: int = 0
+    op: str = ""
+    nranks: int = 1
+
+    @property
+    def algbw_gbps(self) -> float:
+        return self.nbytes / (self.time_us * 1e3) if self.time_us > 0 else float("nan")
+
+    @property
+    def busbw_gbps(self) -> float:
+        return self.algbw_gbps * busbw_factor(self.op, self.nranks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.nbytes, "count": self.count, "type": self.dtype,
+                "time_us": self.time_us, "algbw_gbps": self.algbw_gbps, "busbw_gbps": self.busbw_gbps,
+                "wrong": self.wrong}
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The rows as nccl-tests prints them: size (B), count, type, time (us), algbw, busbw (GB/s), #wrong."""
+    width = max([len("name"), *(len(r.name) for r in rows)])
+    lines = [f"  {'name':<{width}} {'size':>10} {'count':>10} {'type':>6} {'time':>9} {'algbw':>8} "
+             f"{'busbw':>8} {'#wrong':>7}",
+             f"  {'':<{width}} {'(B)':>10} {'(elements)':>10} {'':>6} {'(us)':>9} {'(GB/s)':>8} "
+             f"{'(GB/s)':>8} {'':>7}"]
+    for r in rows:
+        wrong = "N/A" if r.wrong < 0 else str(r.wrong)
+        lines.append(f"  {r.name:<{width}} {r.nbytes:>10} {r.count:>10} {r.dtype:>6} {r.time_us:>9.2f} "
+                     f"{r.algbw_gbps:>8.2f} {r.busbw_gbps:>8.2f} {wrong:>7}")
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], path: str | None, extra_env: dict[str, Any] | None = None) -> None:
+    """Add `environment` (GPU, driver, NCCL, commit, ...) to `report` unless present; write it as JSON to
+    `path` (parents created) when one is given."""
+    report.setdefault("environment", environment(extra_env))
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def require_plot(path: str | None) -> None:
+    """Raise UsageError naming the `plot` extra when `path` asks for a plot and matplotlib is missing.
+    Call before the bench runs, so a missing extra costs nothing."""
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(f"--plot {path} needs matplotlib: pip install 'tray[{PLOT_EXTRA}]'") from None
+
+
+def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
+               xlabel: str, ylabel: str, log_x: bool = True, log_y: bool = True) -> None:
+    """A PNG at `path`: one line per series name -> (xs, ys). Needs matplotlib (see `require_plot`)."""
+    require_plot(path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, (xs, ys) in series.items():
+        ax.plot(list(xs), list(ys), marker="o", label=label)
+    if log_x:
+        ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

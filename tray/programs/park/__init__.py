@@ -1,0 +1,1 @@
+"""Park/wake throughput as a program: its rank program and `tray bench park`."""

@@ -1,0 +1,319 @@
+"""Park/wake: GB/s per rank and for the whole tray, next to the pinned-copy ceiling of the same run.
+
+    tray bench park -n 4 [--backend host|cuda] [--gib G] [--page-mib 2] [--repeats 5] [--json PATH]
+    python bench/park.py -n 4 ...                  (the same, the figure's entry script)
+
+Every rank leases G GiB of pages of manifests/park.json's state and fills them with random bytes. Then:
+  ceiling  one plain `backend.copy` of the same bytes, device -> the same pinned host tier and back, on
+           the rank's stream, timed by `backend.timer()` (device events on cuda); median of 5.
+  park     wall clock around `rank.park` (both votes included); `wake` likewise; median of --repeats.
+           Every page is touched before each park, so each park copies all G GiB; after every wake
+           every byte is checked against what was written.
+First each rank alone (the others lease an empty session and wait at the votes), then all ranks at
+once. Targets on 4x H200: park and wake >= 0.9x the ceiling per GPU and all four at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tray.bench import write_report
+from tray.manifest.builtin import builtin_path
+from tray.park.pages import fold_runs
+from tray.programs.park.cli import CEILING_REPEATS, CUDA_DEFAULT_GIB, HOST_DEFAULT_GIB, add_park_args
+
+MANIFEST = "park"  # built-in (package data), see tray.manifest.builtin
+
+# NOTE: 0.25 GiB per rank (HOST_DEFAULT_GIB) keeps a 4-rank host-backend run (CI, laptops) to a few
+# seconds; on GPUs the ceiling needs copies of GiBs (CUDA_DEFAULT_GIB) to reach the link's steady rate.
+TARGET_RATIO = 0.9
+# NOTE: fill, scribble and check in pieces of at most 64 MiB, so host memory stays small at any G.
+CHUNK_NBYTES = 64 << 20
+
+
+# --- on every rank --------------------------------------------------------------------------------------
+
+
+class Pattern:
+    """The bytes a rank writes: page i of a session is a window of one random block, stamped with i."""
+
+    def __init__(self, seed: int, page_nbytes: int, nbytes: int) -> None:
+        self.seed = seed
+        self.page = page_nbytes
+        windows = max(1, min(CHUNK_NBYTES, nbytes) // page_nbytes)
+        rng = np.random.default_rng(seed)
+        self.base = np.frombuffer(rng.bytes(windows * page_nbytes), np.uint8)
+        self.windows = windows
+
+    def pages(self, first: int, count: int) -> np.ndarray:
+        """The expected bytes of session pages first..first+count-1, contiguous (u8[count * page])."""
+        out = np.empty(count * self.page, np.uint8)
+        for j in range(count):
+            i, w = first + j, (first + j) % self.windows
+            dst = out[j * self.page : (j + 1) * self.page]
+            dst[:] = self.base[w * self.page : (w + 1) * self.page]
+            if self.page >= 8:
+                dst[:8] = np.array([(i << 20) ^ self.seed], np.uint64).view(np.uint8)
+        return out
+
+
+def _chunks(session: Any) -> list[tuple[int, int]]:
+    """(first session page, page count) of pieces that are contiguous on the device and <= CHUNK_NBYTES."""
+    per = max(1, CHUNK_NBYTES // session.page_nbytes)
+    out = []
+    for run in fold_runs(session.pages, range(session.npages)):
+        for off in range(0, run.npages, per):
+            out.append((run.dst + off, min(per, run.npages - off)))
+    return out
+
+
+def _fill(backend: Any, session: Any, pattern: Pattern) -> None:
+    for first, count in _chunks(session):
+        backend.write(session.ptr(first), pattern.pages(first, count))
+
+
+def _check(backend: Any, session: Any, pattern: Pattern, rank: int) -> int:
+    checked = 0
+    for first, count in _chunks(session):
+        got = backend.read(session.ptr(first), count * session.page_nbytes)
+        want = pattern.pages(first, count)
+        if not np.array_equal(got, want):
+            bad = int(np.flatnonzero(got != want)[0])
+            raise AssertionError(
+                f"rank {rank}: after wake, byte {bad} of page {first + bad // session.page_nbytes}"
+                f" differs: got {got[bad]}, want {want[bad]}"
+            )
+        checked += got.nbytes
+    return checked
+
+
+def _scribble(backend: Any, pool: Any) -> None:
+    """Garbage over the whole device pool, so a wake that copied nothing could not pass the check."""
+    garbage = np.full(min(CHUNK_NBYTES, pool.device_nbytes), 0xA5, np.uint8)
+    for off in range(0, pool.device_nbytes, garbage.nbytes):
+        n = min(garbage.nbytes, pool.device_nbytes - off)
+        backend.write(pool.device.ptr + off, garbage[:n])
+
+
+def _timed_copy(backend: Any, dst: int, src: int, nbytes: int) -> float:
+    timer = backend.timer()
+    timer.start()
+    backend.copy(dst, src, nbytes)
+    timer.stop()
+    return timer.elapsed_s()
+
+
+def _round(rank: Any, npages: int, pattern: Pattern, repeats: int, ceiling_repeats: int) -> dict[str, Any]:
+    """One measurement round: every rank takes part in every vote; ranks with npages 0 only wait."""
+    backend = rank.backend
+    session = rank.lease(npages)
+    pool = session.parking.pool(session.state)
+    nbytes = session.nbytes
+    _fill(backend, session, pattern)
+    # NOTE: the ceiling copies the session's own pages into the (still unreserved) host tier: same
+    # source, same pinned destination, one copy. A fresh pool leases pages 0..n-1, so they are contiguous.
+    assert len(fold_runs(session.pages, range(npages))) <= 1, "ceiling needs contiguous pages"
+    d2h: list[float] = []
+    h2d: list[float] = []
+    for k in range(ceiling_repeats):
+        rank.exchange("bench.ceiling", k)
+        if npages:
+            dev, host = session.ptr(0), pool.host_ptr(0)
+            d2h.append(_timed_copy(backend, host, dev, nbytes))
+            h2d.append(_timed_copy(backend, dev, host, nbytes))
+    park_s: list[float] = []
+    wake_s: list[float] = []
+    checked = 0
+    for k in range(repeats):
+        session.touch()  # every park moves the whole lease
+        rank.exchange("bench.park", k)
+        t0 = time.perf_counter()
+        parked = rank.park(session)
+        park_s.append(time.perf_counter() - t0)
+        _scribble(backend, pool)
+        rank.exchange("bench.wake", k)
+        t0 = time.perf_counter()
+        session = rank.wake(parked)
+        wake_s.append(time.perf_counter() - t0)
+        checked += _check(backend, session, pattern, rank.rank)
+    session.release()
+    if not npages:
+        return {}
+    row = {
+        "rank": rank.rank,
+        "nbytes": nbytes,
+        "checked_bytes": checked,
+        "park_s": statistics.median(park_s),
+        "wake_s": statistics.median(wake_s),
+        "d2h_ceiling_s": statistics.median(d2h),
+        "h2d_ceiling_s": statistics.median(h2d),
+        "park_runs_s": park_s,
+        "wake_runs_s": wake_s,
+        "d2h_runs_s": d2h,
+        "h2d_runs_s": h2d,
+    }
+    return _rates(row)
+
+
+def _rates(row: dict[str, Any]) -> dict[str, Any]:
+    gb = row["nbytes"] / 1e9
+    for key in ("park", "wake", "d2h_ceiling", "h2d_ceiling"):
+        row[f"{key}_gbps"] = gb / row[f"{key}_s"] if row[f"{key}_s"] > 0 else float("inf")
+    row["park_ratio"] = row["park_gbps"] / row["d2h_ceiling_gbps"]
+    row["wake_ratio"] = row["wake_gbps"] / row["h2d_ceiling_gbps"]
+    return row
+
+
+def rank_program(out_dir: str, repeats: int, ceiling_repeats: int) -> None:
+    import tray
+
+    with tray.init() as rank:
+        state = rank.resolved.states[0]
+        probe = rank.lease(0)  # every rank leases it: session ids stay aligned
+        parking = probe.parking
+        probe.release()
+        pattern = Pattern(1000 + rank.rank, state.page_nbytes, state.nbytes)
+        out: dict[str, Any] = {"rank": rank.rank, "device": rank.backend.info.name}
+        for turn in range(rank.world_size):
+            row = _round(rank, state.pages if turn == rank.rank else 0, pattern, repeats, ceiling_repeats)
+            if turn == rank.rank:
+                out["alone"] = row
+        out["together"] = _round(rank, state.pages, pattern, repeats, ceiling_repeats)
+        out["host_pool_placement"] = parking.placement.describe()
+        out["copies"] = parking.stats.copies
+        Path(out_dir, f"rank-{rank.rank}.json").write_text(json.dumps(out))
+
+
+# --- the head side ----------------------------------------------------------------------------------------
+
+
+def _together(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tray figures: all bytes over the slowest rank's time, for park, wake and both ceilings."""
+    total = sum(r["nbytes"] for r in rows)
+    out: dict[str, Any] = {"per_rank": rows, "nbytes": total}
+    for key in ("park", "wake", "d2h_ceiling", "h2d_ceiling"):
+        slowest = max(r[f"{key}_s"] for r in rows)
+        out[f"{key}_s"] = slowest
+        out[f"{key}_gbps"] = total / 1e9 / slowest if slowest > 0 else float("inf")
+    out["park_ratio"] = out["park_gbps"] / out["d2h_ceiling_gbps"]
+    out["wake_ratio"] = out["wake_gbps"] / out["h2d_ceiling_gbps"]
+    return out
+
+
+def run(
+    nprocs: int,
+    backend: str,
+    gib: float | None = None,
+    page_mib: float = 2.0,
+    repeats: int = 5,
+    json_path: str | None = None,
+    ceiling_repeats: int = CEILING_REPEATS,
+) -> int:
+    """Run the bench on `nprocs` ranks; print the table, write the JSON report. Returns an exit code."""
+    from tray.launch import TraySpec, run_tray
+
+    if gib is None:
+        gib = CUDA_DEFAULT_GIB if backend == "cuda" else HOST_DEFAULT_GIB
+    page_nbytes = int(page_mib * (1 << 20))
+    pages = max(1, round(gib * (1 << 30) / page_nbytes))
+    with tempfile.TemporaryDirectory(prefix="tray-park-bench-") as tmp:
+        cmd = (
+            sys.executable,
+            "-m",
+            "tray.programs.park.bench",
+            "--rank-program",
+            tmp,
+            "--repeats",
+            str(repeats),
+            "--ceiling-repeats",
+            str(ceiling_repeats),
+        )
+        spec = TraySpec(
+            nprocs=nprocs,
+            cmd=cmd,
+            backend=backend,
+            manifest=str(builtin_path(MANIFEST)),
+            quiet=True,
+            vars=(("page_nbytes", page_nbytes), ("pages", pages), ("host_pages", pages)),
+        )
+        t0 = time.perf_counter()
+        result = run_tray(spec)
+        wall_s = time.perf_counter() - t0
+        if result.exit_code != 0:
+            cause = result.root_cause.summary if result.root_cause else "unknown"
+            print(f"park bench: the tray failed: {cause}", file=sys.stderr)
+            return result.exit_code
+        ranks = [json.loads(Path(tmp, f"rank-{r}.json").read_text()) for r in range(nprocs)]
+    alone = [r["alone"] for r in ranks]
+    together = _together([r["together"] for r in ranks])
+    report = {
+        "bench": "park",
+        "nprocs": nprocs,
+        "backend": backend,
+        "gib_per_rank": pages * page_nbytes / (1 << 30),
+        "page_nbytes": page_nbytes,
+        "pages_per_rank": pages,
+        "repeats": repeats,
+        "ceiling_repeats": ceiling_repeats,
+        "target_ratio": TARGET_RATIO,
+        "alone": alone,
+        "together": together,
+        "checked_bytes": sum(r["checked_bytes"] for r in alone + together["per_rank"]),
+        "host_pool_placement": [r["host_pool_placement"] for r in ranks],
+        "wall_s": wall_s,
+    }
+    _print(report)
+    write_report(report, json_path)
+    return 0
+
+
+def _line(name: str, r: dict[str, Any]) -> str:
+    return (
+        f"  {name:<10} park {r['park_gbps']:7.2f} GB/s ({r['park_ratio']:.2f}x of d2h ceiling "
+        f"{r['d2h_ceiling_gbps']:7.2f})   wake {r['wake_gbps']:7.2f} GB/s ({r['wake_ratio']:.2f}x of h2d "
+        f"ceiling {r['h2d_ceiling_gbps']:7.2f})"
+    )
+
+
+def _print(report: dict[str, Any]) -> None:
+    gib = report["gib_per_rank"]
+    print(
+        f"park/wake, {report['nprocs']} ranks, {report['backend']} backend, {gib:.3g} GiB per rank in "
+        f"{report['pages_per_rank']} pages of {report['page_nbytes'] >> 10} KiB; median of {report['repeats']} "
+        f"(ceiling: median of {report['ceiling_repeats']}); target >= {report['target_ratio']}x"
+    )
+    print(" each rank alone:")
+    for r in report["alone"]:
+        print(_line(f"rank {r['rank']}", r))
+    print(" all ranks at once:")
+    for r in report["together"]["per_rank"]:
+        print(_line(f"rank {r['rank']}", r))
+    print(_line("tray", report["together"]))
+    print(f" checked {report['checked_bytes'] / 1e9:.3f} GB after wakes, byte for byte")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tray.programs.park.bench",
+                                 description="park/wake GB/s against the pinned-copy ceiling")
+    add_park_args(ap)
+    ap.add_argument("--rank-program", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rank_program:
+        rank_program(args.rank_program, args.repeats, args.ceiling_repeats)
+        return 0
+    from tray.programs.park.cli import cmd_bench_park
+
+    return cmd_bench_park(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,1 +1,0 @@
-"""Tensor parallelism on a tray: the TP MLP bench and its rank program."""

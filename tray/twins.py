@@ -1,0 +1,95 @@
+"""Host twins: numpy stand-ins for CUDA kernels, so a manifest's programs run on the host backend.
+
+A twin is registered under its kernel's manifest name and is called as
+`twin(backend, grid, block, *args)` with the arguments the CUDA kernel gets (addresses as ints, scalars
+as ints or floats); it must write exactly the bytes the kernel writes.
+
+    import tray
+
+    @tray.twin("my_scale")
+    def my_scale(backend, grid, block, dst: int, count: int, factor: float) -> None:
+        tray.twins.f32_at(dst, count)[:] *= factor
+
+Registration happens when the module holding the twin is imported, so a rank imports its twins before
+`tray.init()` (the host backend looks a kernel up when a program first loads it; importing first keeps
+that independent of when). The built-in programs do this in
+their rank programs: `tray.programs.ep_moe.rank_program` imports `tray.programs.ep_moe.twins`, and so on.
+The generic kernels every tray may use (`peer_fill`) are registered by the host backend itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+Twin = Callable[..., None]
+
+_TWINS: dict[str, Twin] = {}
+
+
+def twin(name: str) -> Callable[[Twin], Twin]:
+    """Decorator: register `fn` as the host twin of the manifest kernel `name` (the kernel entry's "name").
+
+    Raises UsageError when a different function is already registered under `name`."""
+
+    def register(fn: Twin) -> Twin:
+        have = _TWINS.get(name)
+        if have is not None and have is not fn and _qualname(have) != _qualname(fn):
+            from tray.errors import UsageError
+
+            raise UsageError(f"kernel {name!r} already has a host twin ({_qualname(have)}); "
+                             f"{_qualname(fn)} would replace it: give one of the kernels another name")
+        _TWINS[name] = fn
+        return fn
+
+    return register
+
+
+def _qualname(fn: Twin) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def lookup(name: str) -> Twin:
+    """The twin registered for kernel `name`. Raises UsageError naming the kernel and how to register one."""
+    fn = _TWINS.get(name)
+    if fn is None:
+        from tray.errors import UsageError
+
+        known = ", ".join(sorted(_TWINS)) or "none"
+        raise UsageError(
+            f"kernel {name!r} has no host twin (registered: {known}); define one with "
+            f'@tray.twin("{name}") in a module the rank imports before tray.init(), or run with --backend cuda'
+        )
+    return fn
+
+
+def registered() -> tuple[str, ...]:
+    """The kernel names that have a twin, sorted."""
+    return tuple(sorted(_TWINS))
+
+
+def at(ptr: int, count: int, dtype: Any) -> np.ndarray:
+    """A typed view of `count` elements of `dtype` at address `ptr` (no copy; empty when count <= 0)."""
+    dt = np.dtype(dtype)
+    if count <= 0:
+        return np.zeros(0, dt)
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * (count * dt.itemsize)).from_address(ptr))
+    return raw.view(dt)
+
+
+def u32_at(ptr: int, count: int) -> np.ndarray:
+    """A u32 view of `count` words at `ptr` (no copy)."""
+    return np.ctypeslib.as_array((ctypes.c_uint32 * count).from_address(ptr))
+
+
+def u64_at(ptr: int, count: int) -> np.ndarray:
+    """A u64 view of `count` words at `ptr` (no copy)."""
+    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(ptr))
+
+
+def f32_at(ptr: int, count: int) -> np.ndarray:
+    """A float32 view of `count` elements at `ptr` (no copy)."""
+    return at(ptr, count, np.float32)
