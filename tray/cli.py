@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from tray.errors import TrayError, UsageError
 
@@ -64,9 +65,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from tray.manifest import load_manifest
+    from tray.manifest.builtin import builtin_names, builtin_path
     from tray.manifest.inspect import format_inspect
 
-    print(format_inspect(load_manifest(args.manifest), args.nprocs, dict(_parse_vars(args.var))))
+    path = args.manifest
+    # NOTE: a file of that name wins; a bare built-in name (e.g. `tp_mlp`) reads the package's copy.
+    if not Path(path).exists() and Path(path).stem in builtin_names() and "/" not in path:
+        path = str(builtin_path(path))
+    print(format_inspect(load_manifest(path), args.nprocs, dict(_parse_vars(args.var))))
     return 0
 
 
@@ -115,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_gate)
 
     p = sub.add_parser("inspect", help="print a manifest's groups, buffers, kernels, programs, digest")
-    p.add_argument("manifest")
+    p.add_argument("manifest", help="a manifest JSON file, or the name of a built-in one (e.g. ep_moe)")
     p.add_argument("-n", "--nprocs", type=int, default=4, help="world size to resolve shapes for")
     p.add_argument("--var", action="append", default=[], metavar="NAME=INT")
     p.set_defaults(fn=cmd_inspect)
