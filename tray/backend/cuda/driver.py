@@ -333,6 +333,18 @@ def mem_free_host(ptr: int) -> None:
     _drv("cuMemFreeHost", ptr, what=f"{ptr:#x}")
 
 
+def mem_host_register(ptr: int, nbytes: int, portable: bool = False) -> None:
+    """Pin `nbytes` of existing host memory at `ptr` (cuMemHostRegister; `portable`: for every context)."""
+    flags = 0x1 if portable else 0  # NOTE: CU_MEMHOSTREGISTER_PORTABLE
+    _drv("cuMemHostRegister", ptr, nbytes, flags,
+         what=f"{ptr:#x}, {fmt_bytes(nbytes)}{', PORTABLE' if portable else ''}")
+
+
+def mem_host_unregister(ptr: int) -> None:
+    """Unpin memory pinned by mem_host_register."""
+    _drv("cuMemHostUnregister", ptr, what=f"{ptr:#x}")
+
+
 def memset_d8_async(ptr: int, value: int, nbytes: int, stream: Any) -> None:
     _drv("cuMemsetD8Async", ptr, value, nbytes, stream, what=f"{ptr:#x}, {value}, {fmt_bytes(nbytes)}")
 
@@ -486,15 +498,6 @@ def func_param_sizes(func: Any, entry: str) -> list[int]:
         sizes.append(int(size))
 
 
-def launch_kernel(func: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shmem_nbytes: int,
-                  stream: Any, params_addr: int, entry: str = "") -> None:
-    """cuLaunchKernel with `params_addr` the address of a prepacked `void*[]` (0: no parameters)."""
-    err, = cu.cuLaunchKernel(func, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                             shmem_nbytes, stream, params_addr, 0)
-    if err != 0:
-        check("cuLaunchKernel", (err,), f"{entry}, grid {grid}, block {block}, shmem {shmem_nbytes} B")
-
-
 _fast_launch: Any = None
 _fast_launch_ex: Any = None
 
@@ -513,9 +516,9 @@ def launcher(func: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
              stream: Any, params_addr: int, entry: str = "", programmatic: bool = False) -> Any:
     """A no-argument function that launches `func` with every argument converted to C once.
 
-    NOTE: measured on 4x H200 (bench/barrier_variants.py), a launch costs the same through this path
-    and through the bindings' wrapper (5.7 vs 5.6 us of Python per barrier launch); this path is kept
-    because it also launches with attributes (cuLaunchKernelEx) at no extra cost. `programmatic`: with
+    The one launch path: every kernel launch goes through here. NOTE: measured on 4x H200, a launch
+    costs the same through this path and through the bindings' wrapper (5.7 vs 5.6 us of Python per
+    barrier launch); this one also launches with attributes (cuLaunchKernelEx) at no extra cost. `programmatic`: with
     programmatic stream serialization (cuLaunchKernelEx); the kernel must `griddepcontrol.wait` before it touches
     memory the previous kernel wrote."""
     import ctypes
@@ -570,11 +573,6 @@ _LaunchAttribute, _LaunchConfig = _launch_structs()
 
 
 # --- NVRTC ---------------------------------------------------------------------------------------------
-
-
-def nvrtc_version() -> tuple[int, int]:
-    major, minor = _call(nv, "nvrtcVersion")
-    return int(major), int(minor)
 
 
 def nvrtc_compile(source: str, name: str, options: Sequence[str], output: str) -> bytes:

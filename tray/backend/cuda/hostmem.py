@@ -35,7 +35,6 @@ from tray.backend.cuda import driver as drv
 from tray.errors import DeviceError, UsageError
 from tray.numa.pool import Placement, check_placement
 
-CU_MEMHOSTREGISTER_PORTABLE = 0x1
 # NOTE: mbind(2) syscall numbers and MPOL_BIND; libnuma (the usual wrapper) is not always installed.
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}
 MPOL_BIND = 2
@@ -87,7 +86,7 @@ class PinnedHostMemory(HostMemory):
             drv.mem_free_host(ptr)
             return
         try:
-            _register_call("cuMemHostUnregister", ptr, what=f"{ptr:#x}")
+            drv.mem_host_unregister(ptr)
         finally:
             _libc.munmap(ptr, self.mapped_nbytes)
 
@@ -99,13 +98,6 @@ class PinnedHostMemory(HostMemory):
 
     def __repr__(self) -> str:
         return f"PinnedHostMemory({drv.fmt_bytes(self.nbytes)}, {self.how}, {self.placement.describe()})"
-
-
-def _register_call(call: str, *args: Any, what: str) -> Any:
-    """cuMemHostRegister/Unregister through the facade's bindings module, checked like driver.py does."""
-    if drv.cu is None:
-        raise drv.CudaError(call, what, "NO_BINDINGS", "cuda-bindings is not installed")
-    return drv.check(call, getattr(drv.cu, call)(*args), what)
 
 
 def host_numa_node(ordinal: int) -> int:
@@ -122,18 +114,6 @@ def verify_numa(mem: HostMemory, expected_node: int | None = None) -> Placement:
     """Where `mem`'s pages sit, judged against `expected_node` (default: `mem.numa_node`)."""
     node = mem.numa_node if expected_node is None else expected_node
     return check_placement(mem.ptr, mem.nbytes, node)
-
-
-def require_numa(mem: HostMemory, expected_node: int | None = None) -> Placement:
-    """verify_numa, but a DeviceError when some pages sit on another node (for doctor and tests)."""
-    placement = verify_numa(mem, expected_node)
-    if not placement.ok:
-        raise DeviceError(
-            f"pinned host memory at {mem.ptr:#x} ({drv.fmt_bytes(mem.nbytes)}) is not on its "
-            f"GPU's NUMA node: {placement.describe()}; check the rank's NUMA binding "
-            "(tray launch binds it) and free memory on that node (numastat -m)"
-        )
-    return placement
 
 
 def _alloc(nbytes: int, node: int) -> PinnedHostMemory:
@@ -169,13 +149,7 @@ def _bind(nbytes: int, node: int) -> PinnedHostMemory:
         ):
             err = ctypes.get_errno()
             raise DeviceError(f"mbind({drv.fmt_bytes(size)}, MPOL_BIND, node {node}): {os.strerror(err)}")
-        _register_call(
-            "cuMemHostRegister",
-            addr,
-            size,
-            CU_MEMHOSTREGISTER_PORTABLE,
-            what=f"{addr:#x}, {drv.fmt_bytes(size)}, PORTABLE",
-        )
+        drv.mem_host_register(int(addr), size, portable=True)
     except BaseException:
         _libc.munmap(addr, size)
         raise

@@ -7,7 +7,6 @@ pointers into it, both kept alive by the returned launch, so a hot loop or a cap
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,17 +112,9 @@ class CudaLaunch(BoundLaunch):
         self._stream = stream
         self._values, self._pointers = pack(plan, kernel.param_sizes)
         self._params_addr = self._pointers.ctypes.data if len(plan) else 0
-        # the hot path: a closure over C arguments converted once (see drv.launcher);
-        # TRAY_LAUNCH=bindings keeps the bindings' own wrapper (for comparison in bench/barrier_variants.py)
-        if os.environ.get("TRAY_LAUNCH") == "bindings" and not programmatic:
-            self._launch = self._launch_bindings
-        else:
-            self._launch = drv.launcher(self._function, grid, block, shmem_nbytes, stream, self._params_addr,
-                                        self._entry, programmatic)
-
-    def _launch_bindings(self) -> None:
-        drv.launch_kernel(self._function, self._grid, self._block, self._shmem_nbytes, self._stream,
-                          self._params_addr, self._entry)
+        # the hot path: a closure over C arguments converted once (see drv.launcher)
+        self._launch = drv.launcher(self._function, grid, block, shmem_nbytes, stream, self._params_addr,
+                                    self._entry, programmatic)
 
     def launch(self) -> None:
         self._launch()
