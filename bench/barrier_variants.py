@@ -1,7 +1,9 @@
 """Kernel variants of the peer barrier, timed by the gate in one run (keeps the faster correct one).
 
-Each variant is a directory holding a `peer_barrier.cu` with the production kernel's signature; the
-gate runs with TRAY_KERNEL_DIR pointing at it. "production" is manifests/kernels.
+Each variant is the production kernel (manifests/kernels/peer_barrier.cu, read from the installed package)
+with a unified diff from barrier_variants/<name>.diff applied at run time: every hunk must match the
+production source exactly once, so a variant that no longer fits the kernel is an error, never a stale
+copy. The gate runs with TRAY_KERNEL_DIR pointing at the generated source.
 
     python bench/barrier_variants.py -n 4 [--json PATH]
 """
@@ -11,16 +13,84 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tray.envinfo import environment
+from tray.backend.cuda.barrier import BARRIER_SOURCE
+from tray.bench import median, write_report
+from tray.manifest.builtin import kernel_dir
 from tray.programs.peer_barrier.gate import GateArgs, run_gate
+
+PATCHES = Path(__file__).resolve().parent / "barrier_variants"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    diff: str | None  # file under barrier_variants/; None: the production kernel itself
+    pdl: bool  # launch with programmatic stream serialization (needs `griddepcontrol.wait` in the kernel)
+
+
+# v0/v2 predate `griddepcontrol.wait`, so they run without PDL
+VARIANTS = (
+    Variant("production", None, True),
+    Variant("prod-nopdl", None, False),
+    Variant("v0", "v0.diff", False),
+    Variant("v2", "v2.diff", False),
+    Variant("v4_nofence", "v4_nofence.diff", True),
+)
+
+
+class PatchError(ValueError):
+    """A variant's diff does not apply to the production kernel."""
+
+
+def hunks(diff: str) -> list[tuple[str, str]]:
+    """The (old, new) text of each hunk of a unified diff (context lines in both)."""
+    out: list[tuple[str, str]] = []
+    old: list[str] | None = None
+    new: list[str] = []
+    for line in diff.splitlines(keepends=True):
+        if line.startswith(("---", "+++")) and old is None:
+            continue
+        if line.startswith("@@"):
+            if old is not None:
+                out.append(("".join(old), "".join(new)))
+            old, new = [], []
+        elif old is not None:
+            tag, text = line[:1], line[1:]
+            if tag in (" ", "-"):
+                old.append(text)
+            if tag in (" ", "+"):
+                new.append(text)
+    if old is not None:
+        out.append(("".join(old), "".join(new)))
+    return out
+
+
+def apply_diff(source: str, diff: str, what: str) -> str:
+    """`source` with every hunk of `diff` applied. Raises PatchError naming the hunk that does not match
+    exactly once (the production kernel changed: regenerate the diff from a fresh copy of it)."""
+    parts = hunks(diff)
+    if not parts:
+        raise PatchError(f"{what}: no hunks")
+    for i, (old, new) in enumerate(parts):
+        count = source.count(old)
+        if count != 1:
+            first = old.strip().splitlines()[0] if old.strip() else "(empty)"
+            raise PatchError(f"{what}: hunk {i + 1} matches the production kernel {count} times (expected once); "
+                             f"it starts {first!r}: update the diff to the current {BARRIER_SOURCE}")
+        source = source.replace(old, new, 1)
+    return source
+
+
+def variant_source(v: Variant) -> str:
+    """The CUDA source of variant `v` (the production kernel patched by its diff)."""
+    production = (kernel_dir() / BARRIER_SOURCE).read_text()
+    if v.diff is None:
+        return production
+    return apply_diff(production, (PATCHES / v.diff).read_text(), v.diff)
 
 
 def main() -> int:
@@ -29,33 +99,24 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    # (kernel dir, environment); v0/v2 predate `griddepcontrol.wait`, so they run without PDL
-    kernels = REPO / "manifests" / "kernels"
-    variants: dict[str, tuple[Path, dict[str, str]]] = {
-        "production": (kernels, {}),
-        "prod-nopdl": (kernels, {"TRAY_BARRIER_PDL": "0"}),
-        "prod-bindings": (kernels, {"TRAY_BARRIER_PDL": "0", "TRAY_LAUNCH": "bindings"}),
-    }
-    for d in sorted((REPO / "bench" / "barrier_variants").iterdir()):
-        if d.is_dir():
-            pdl = "1" if (d / "PDL").exists() else "0"
-            variants[d.name] = (d, {"TRAY_BARRIER_PDL": pdl})
     results = {}
-    for name, (kdir, env) in variants.items():
-        for key in ("TRAY_BARRIER_PDL", "TRAY_LAUNCH"):
-            os.environ.pop(key, None)
-        os.environ.update(env)
-        os.environ["TRAY_KERNEL_DIR"] = str(kdir)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "gate.json"
+    with tempfile.TemporaryDirectory(prefix="tray-barrier-variants-") as tmp:
+        for v in VARIANTS:
+            kdir = Path(tmp) / v.name
+            kdir.mkdir()
+            (kdir / BARRIER_SOURCE).write_text(variant_source(v))
+            os.environ["TRAY_BARRIER_PDL"] = "1" if v.pdl else "0"
+            os.environ["TRAY_KERNEL_DIR"] = str(kdir)
+            out = kdir / "gate.json"
             code = run_gate(GateArgs(nprocs=args.n, backend="cuda", iters=args.iters, json_path=str(out),
                                      quiet=True))
             report = json.loads(out.read_text()) if out.exists() else {}
-        results[name] = {k: report.get(k) for k in ("eager_us", "eager_sync_us", "captured_us", "passed")}
-        results[name]["eager_host_us"] = statistics.median(r["eager_host_us"] for r in report["per_rank"]) \
-            if report.get("per_rank") else None
-        results[name]["exit_code"] = code
-    for key in ("TRAY_KERNEL_DIR", "TRAY_BARRIER_PDL", "TRAY_LAUNCH"):
+            r = {k: report.get(k) for k in ("eager_us", "eager_sync_us", "captured_us", "passed")}
+            per_rank = report.get("per_rank") or []
+            r["eager_host_us"] = median([p["eager_host_us"] for p in per_rank]) if per_rank else None
+            r["exit_code"] = code
+            results[v.name] = r
+    for key in ("TRAY_KERNEL_DIR", "TRAY_BARRIER_PDL"):
         os.environ.pop(key, None)
     print(f"{'variant':<14}{'eager':>9}{'host':>9}{'sync':>9}{'captured':>10}")
     for name, r in results.items():
@@ -63,9 +124,8 @@ def main() -> int:
             print(f"{name:<14}{r['eager_us']:>9.2f}{r['eager_host_us']:>9.2f}{r['eager_sync_us']:>9.2f}"
                   f"{r['captured_us']:>10.2f}")
         else:
-            print(f"{name:<12} failed (exit {r['exit_code']})")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"variants": results, "environment": environment()}, indent=2))
+            print(f"{name:<14} failed (exit {r['exit_code']})")
+    write_report({"variants": results}, args.json)
     return 0
 
 
