@@ -29,13 +29,15 @@ import numpy as np
 from tray.bench import write_report
 from tray.manifest.builtin import builtin_path
 from tray.park.pages import fold_runs
-from tray.programs.park.cli import CEILING_REPEATS, CUDA_DEFAULT_GIB, HOST_DEFAULT_GIB, add_park_args
 
 MANIFEST = "park"  # built-in (package data), see tray.manifest.builtin
 
-# NOTE: 0.25 GiB per rank (HOST_DEFAULT_GIB) keeps a 4-rank host-backend run (CI, laptops) to a few
-# seconds; on GPUs the ceiling needs copies of GiBs (CUDA_DEFAULT_GIB) to reach the link's steady rate.
+# NOTE: 0.25 GiB per rank keeps a 4-rank host-backend run (CI, laptops) to a few seconds; on GPUs the
+# ceiling needs copies of GiBs to reach the link's steady rate. (`tray bench park --help` quotes both.)
+HOST_DEFAULT_GIB = 0.25
+CUDA_DEFAULT_GIB = 4.0
 TARGET_RATIO = 0.9
+CEILING_REPEATS = 5
 # NOTE: fill, scribble and check in pieces of at most 64 MiB, so host memory stays small at any G.
 CHUNK_NBYTES = 64 << 20
 
@@ -302,17 +304,15 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tray.programs.park.bench",
-                                 description="park/wake GB/s against the pinned-copy ceiling")
-    add_park_args(ap)
-    ap.add_argument("--rank-program", default=None, help=argparse.SUPPRESS)
+    """The rank side: `python -m tray.programs.park.bench --rank-program OUT_DIR ...` inside the tray that
+    `run` launches (the bench itself runs as `tray bench park`)."""
+    ap = argparse.ArgumentParser(prog="python -m tray.programs.park.bench")
+    ap.add_argument("--rank-program", required=True, help="directory for this rank's result")
+    ap.add_argument("--repeats", type=int, required=True)
+    ap.add_argument("--ceiling-repeats", type=int, required=True)
     args = ap.parse_args(argv)
-    if args.rank_program:
-        rank_program(args.rank_program, args.repeats, args.ceiling_repeats)
-        return 0
-    from tray.programs.park.cli import cmd_bench_park
-
-    return cmd_bench_park(args)
+    rank_program(args.rank_program, args.repeats, args.ceiling_repeats)
+    return 0
 
 
 if __name__ == "__main__":

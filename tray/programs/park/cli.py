@@ -6,31 +6,21 @@ import argparse
 
 from tray.bench.cli import add_tray_args, backend_and_nprocs
 
-# NOTE: mirrored in tray.programs.park.bench (the defaults the bench applies when an argument is None).
-HOST_DEFAULT_GIB = 0.25
-CUDA_DEFAULT_GIB = 4.0
-CEILING_REPEATS = 5
-
-
-def add_park_args(b: argparse.ArgumentParser) -> None:
-    """The park bench's arguments (the CLI and `python -m tray.programs.park.bench` share them)."""
-    add_tray_args(b)
-    b.add_argument("--gib", type=float, default=None,
-                   help=f"GiB leased per rank (default {CUDA_DEFAULT_GIB} on cuda, {HOST_DEFAULT_GIB} on host)")
-    b.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (default 2)")
-    b.add_argument("--repeats", type=int, default=5, help="park/wake repeats per round (median)")
-    b.add_argument("--ceiling-repeats", type=int, default=CEILING_REPEATS, help=argparse.SUPPRESS)
-
 
 def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     """Add `park` to the `tray bench` subcommands."""
     b = benches.add_parser("park", help="park/wake GB/s per rank and tray-wide vs the pinned-copy ceiling")
-    add_park_args(b)
+    add_tray_args(b)
+    b.add_argument("--gib", type=float, default=None, help="GiB leased per rank (default 4 on cuda, 0.25 on host)")
+    b.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (default 2)")
+    b.add_argument("--repeats", type=int, default=5, help="park/wake repeats per round (median)")
+    b.add_argument("--ceiling-repeats", type=int, default=None, help=argparse.SUPPRESS)
     b.set_defaults(fn=cmd_bench_park)
 
 
 def cmd_bench_park(args: argparse.Namespace) -> int:
-    from tray.programs.park.bench import run
+    from tray.programs.park.bench import CEILING_REPEATS, run
 
     backend, nprocs = backend_and_nprocs(args)
-    return run(nprocs, backend, args.gib, args.page_mib, args.repeats, args.json, args.ceiling_repeats)
+    return run(nprocs, backend, args.gib, args.page_mib, args.repeats, args.json,
+               args.ceiling_repeats or CEILING_REPEATS)
