@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One tray on one host: every visible GPU (or -n N) runs one rank of PROGRAM.
+#
+#   launch/single-host.sh [-n N] [--manifest NAME_OR_PATH] -- python my_program.py ARGS...
+#   launch/single-host.sh --gate            # qualify the box first: the peer-barrier gate on every GPU
+#
+# Sets the environment every tray on these machines runs with (multicast/NVLS off: tray never uses
+# NVLink multicast, and NCCL, torch symmetric memory and NVSHMEM must not either), then execs
+# `tray launch`. Extra `tray launch` options (--log-dir, --var, --timeout-s ...) pass through.
+set -euo pipefail
+
+export NCCL_NVLS_ENABLE=0
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import tray" 2>/dev/null; then
+    echo "launch/single-host.sh: 'import tray' fails for $PY; pip install 'tray[gpu]' (or set PYTHON)" >&2
+    exit 2
+fi
+
+if [ "${1:-}" = "--gate" ]; then
+    shift
+    exec "$PY" -m tray gate peer-barrier "$@"
+fi
+exec "$PY" -m tray launch "$@"
