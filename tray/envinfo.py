@@ -9,14 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def git_commit() -> str:
+    """The commit of the git work tree this tray package was imported from (a checkout or an editable
+    install), "-dirty" when it has changes; "unknown" for an installed wheel (set TRAY_COMMIT there)."""
+    here = str(Path(__file__).resolve().parent)
     try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=5)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=5)
         commit = out.stdout.strip() or "unknown"
         return commit + ("-dirty" if dirty.stdout.strip() else "")

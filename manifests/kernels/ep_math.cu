@@ -1,6 +1,6 @@
 // ep_math: the elementwise kernels of the MoE and TP layers (manifests/ep_moe.json, tp_mlp.json).
 //
-// Every result is reproducible bit for bit: the numpy twins in tray/backend/host/twins_moe.py do the
+// Every result is reproducible bit for bit: the numpy twins in tray/programs/ep_moe/twins.py do the
 // same float32 operations in the same order. So every float operation here is an explicit IEEE
 // round-to-nearest intrinsic (__fmul_rn, __fadd_rn, __fdiv_rn: no FMA contraction), exp is a fixed
 // polynomial built from them (the library expf is not correctly rounded, and numpy's differs), every

@@ -10,7 +10,7 @@
 //
 // Slab layout (the owner's receive slab `slab` and the expert outputs `y`): [local expert][cap][hidden]
 // with the rows of one expert in global token order (source rank, then token). Positions are
-// precomputed on the host (tray/moe/plan.py); a production router would compute them on the device
+// precomputed on the host (tray/programs/ep_moe/plan.py); a production router would compute them on the device
 // with a prefix sum over the per-(source, expert) counts.
 //
 // Kernels that write peer memory end with publish(): the warp's stores are performed at system scope

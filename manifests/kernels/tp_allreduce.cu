@@ -4,7 +4,7 @@
 // a peer barrier, then this kernel: every member reads every member's buffer through the peer table
 // and sums in member order 0..G-1 with a float32 accumulator starting at 0, rounded once to bf16
 // (round to nearest even, NaN -> 0x7FC0). Same inputs, same order, same operations: every member gets
-// identical bytes. The numpy twin (tray/backend/host/twins_moe.py) does the same float32 adds.
+// identical bytes. The numpy twin (tray/programs/tp_mlp/twins.py) does the same float32 adds.
 //
 // Each thread owns 8 consecutive bf16 (one 16-byte vector) and first issues the loads from up to 8
 // members, then adds them in order, so a warp has 8 remote loads in flight. Grid-stride loop: any

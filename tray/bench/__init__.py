@@ -13,8 +13,7 @@ import json
 import math
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from tray.envinfo import environment
 from tray.errors import UsageError
 
 __all__ = ["Row", "TrayFailed", "busbw_factor", "environment", "format_table", "median", "plot_lines",
-           "ratio", "require_plot", "run_rank_program", "time_calls", "write_report"]
+           "ratio", "require_plot", "run_rank_program", "write_report"]
 
 PLOT_EXTRA = "plot"
 
@@ -65,21 +64,6 @@ def ratio(value: float, baseline: float) -> float:
     if not baseline or math.isnan(baseline) or math.isnan(value):
         return float("nan")
     return value / baseline
-
-
-def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    """Wall seconds of `repeats` calls of `fn` after `warmup` untimed ones (host-side work; device work is
-    timed on the ranks with `tray.bench.timing.Sampler`)."""
-    if repeats < 1:
-        raise UsageError(f"repeats must be at least 1, got {repeats}")
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return samples
 
 
 def busbw_factor(op: str, nranks: int) -> float:

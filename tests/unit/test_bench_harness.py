@@ -1,0 +1,51 @@
+"""The bench harness's arithmetic and table, without a tray."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from tray.bench import Row, busbw_factor, format_table, median, ratio, require_plot, write_report
+from tray.errors import UsageError
+
+
+def test_rows_have_nccl_tests_bandwidths():
+    row = Row("ar_peer", 1 << 20, 1 << 19, "bf16", 10.0, 0, "allreduce", 4)
+    assert row.algbw_gbps == pytest.approx((1 << 20) / 10e3)
+    assert row.busbw_gbps == pytest.approx(row.algbw_gbps * 1.5)
+    assert busbw_factor("alltoall", 4) == 0.75 and busbw_factor("barrier", 4) == 1.0
+    with pytest.raises(UsageError):
+        busbw_factor("allreduce", 0)
+
+
+def test_table_has_the_nccl_tests_columns_and_one_line_per_row():
+    rows = [Row("ar_peer", 512, 256, "bf16", 4.77, 0, "allreduce", 4), Row("ar_nccl", 512, 256, "bf16", 8.77, -1)]
+    lines = format_table(rows).splitlines()
+    assert lines[0].split() == ["name", "size", "count", "type", "time", "algbw", "busbw", "#wrong"]
+    assert len(lines) == 4
+    assert lines[2].split()[:5] == ["ar_peer", "512", "256", "bf16", "4.77"] and lines[3].split()[-1] == "N/A"
+
+
+def test_median_and_ratio_skip_what_was_not_measured():
+    assert median([3.0, float("nan"), 1.0, 2.0]) == 2.0
+    assert math.isnan(median([float("nan")]))
+    assert ratio(1.0, 4.0) == 0.25
+    assert math.isnan(ratio(1.0, 0.0)) and math.isnan(ratio(float("nan"), 1.0))
+
+
+def test_report_gets_the_environment_and_is_written(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    report = {"bench": "x"}
+    write_report(report, str(path), {"device": "cpu"})
+    saved = json.loads(path.read_text())
+    assert saved["bench"] == "x" and saved["environment"]["device"] == "cpu" and "commit" in saved["environment"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_a_plot_without_matplotlib_names_the_extra():
+    require_plot(None)
+    with pytest.raises(UsageError, match=r"tray\[plot\]"):
+        require_plot("x.png")
