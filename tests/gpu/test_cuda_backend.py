@@ -106,7 +106,8 @@ def test_import_on_a_second_gpu_and_write_through_it(backend) -> None:
     try:
         mapping = other.import_peer(ExportedHandle("posix", buf.handle().nbytes, fd=os.dup(buf.handle().fd)))
         table = other.ptr_table([mapping.ptr])
-        fill = other.load_kernel("peer_fill", str(KERNELS / "peer_fill.cu"), "tray_peer_fill", [], peers=True)
+        fill = other.load_kernel("peer_fill", (KERNELS / "peer_fill.cu").read_bytes(), "tray_peer_fill",
+                                 [], peers=True)
         fill.launch((4, 1, 1), (256, 1, 1), [table, 1, 0, words, 11])
         other.synchronize()
     finally:
@@ -119,7 +120,7 @@ def test_import_on_a_second_gpu_and_write_through_it(backend) -> None:
 def test_kernel_arguments_int_float_pointer(backend) -> None:
     path = Path(os.environ["TRAY_CACHE_DIR"]) / "args.cu"
     path.write_text(ARGS_KERNEL)
-    kernel = backend.load_kernel("test_args", str(path), "tray_test_args", ["-lineinfo"], peers=False)
+    kernel = backend.load_kernel("test_args", path.read_bytes(), "tray_test_args", ["-lineinfo"], peers=False)
     assert kernel.param_sizes == [8, 4, 4, 8, 4, 8, 8]
     out = backend.allocate("out", 64, export=False)
     table = backend.ptr_table([0x1000, 0xDEAD_BEEF_0000])
@@ -139,7 +140,8 @@ def test_peer_fill_two_members_on_one_gpu(backend) -> None:
     words, seed = 4096, 3
     bufs = [backend.allocate(f"fill{g}", 2 * 4 * words, export=False) for g in range(2)]
     table = backend.ptr_table([b.ptr for b in bufs])
-    fill = backend.load_kernel("peer_fill", str(KERNELS / "peer_fill.cu"), "tray_peer_fill", [], peers=True)
+    fill = backend.load_kernel("peer_fill", (KERNELS / "peer_fill.cu").read_bytes(), "tray_peer_fill",
+                               [], peers=True)
     for me in range(2):
         fill.launch((8, 1, 1), (128, 1, 1), [table, 2, me, words, seed])
     for g, buf in enumerate(bufs):
@@ -152,16 +154,16 @@ def test_compile_errors_carry_nvrtc_log(backend) -> None:
     path = Path(os.environ["TRAY_CACHE_DIR"]) / "broken.cu"
     path.write_text('extern "C" __global__ void tray_broken(int* p) { p[0] = undefined_name; }\n')
     with pytest.raises(UsageError, match="undefined_name"):
-        backend.load_kernel("broken", str(path), "tray_broken", [], peers=False)
+        backend.load_kernel("broken", path.read_bytes(), "tray_broken", [], peers=False)
     with pytest.raises(UsageError, match="--no-such-option"):
-        backend.load_kernel("broken", str(path), "tray_broken", ["--no-such-option"], peers=False)
+        backend.load_kernel("broken", path.read_bytes(), "tray_broken", ["--no-such-option"], peers=False)
 
 
 def test_multimem_kernel_refused_at_load(backend) -> None:
     path = Path(os.environ["TRAY_CACHE_DIR"]) / "multimem.cu"
     path.write_text(MULTIMEM_KERNEL)
     with pytest.raises(UsageError, match=r"'bad_multicast'.*multimem\.st"):
-        backend.load_kernel("bad_multicast", str(path), "tray_test_multimem", [], peers=True)
+        backend.load_kernel("bad_multicast", path.read_bytes(), "tray_test_multimem", [], peers=True)
 
 
 def test_barrier_of_one_eager_and_captured(backend) -> None:
@@ -218,7 +220,8 @@ def test_timer_measures_work(backend) -> None:
     words = 16 << 20
     buf = backend.allocate("timed", 4 * words, export=False)
     table = backend.ptr_table([buf.ptr])
-    fill = backend.load_kernel("peer_fill", str(KERNELS / "peer_fill.cu"), "tray_peer_fill", [], peers=True)
+    fill = backend.load_kernel("peer_fill", (KERNELS / "peer_fill.cu").read_bytes(), "tray_peer_fill",
+                               [], peers=True)
     timer = backend.timer()
     timer.start()
     fill.launch((132, 1, 1), (256, 1, 1), [table, 1, 0, words, 1])

@@ -18,8 +18,15 @@ from hypothesis import strategies as st
 from tray.errors import ManifestError, UsageError
 from tray.manifest import (
     DTYPE_ITEMSIZE,
+    BarrierSpec,
     BufferRef,
+    CollectiveSpec,
+    GemmSpec,
+    LaunchSpec,
     ResolvedArg,
+    ResolvedCollective,
+    ResolvedCopy,
+    ResolvedLaunch,
     builtin_manifest,
     format_inspect,
     human_bytes,
@@ -159,10 +166,13 @@ def test_full_manifest_loads(root: Path) -> None:
     step = m.program("step")
     assert step.graph and len(step.ops) == 6 and not m.program("sync").graph
     launch = step.ops[0]
-    assert launch.op == "launch" and launch.json_path == "$.programs[0].ops[0]"
-    assert launch.fields["grid"] == ("tokens", 1, 1) and launch.fields["block"] == (128, 2, 1)
-    assert step.ops[1].fields["peer"] is None
-    assert step.ops[2].fields["accumulate"] is False
+    assert isinstance(launch, LaunchSpec) and launch.json_path == "$.programs[0].ops[0]"
+    assert launch.grid == ("tokens", 1, 1) and launch.block == (128, 2, 1)
+    assert launch.dim_paths[:2] == ("$.programs[0].ops[0].grid", "$.programs[0].ops[0].grid")
+    assert launch.dim_paths[3:] == tuple(f"$.programs[0].ops[0].block[{k}]" for k in range(3))
+    assert isinstance(step.ops[1], CollectiveSpec) and step.ops[1].peer is None
+    assert isinstance(step.ops[2], GemmSpec) and step.ops[2].accumulate is False
+    assert combine.code == (root / "kernels" / "combine.cu").read_bytes()
     assert len(m.digest) == 64 and int(m.digest, 16) >= 0
     assert m.doc == full_doc()
 
@@ -182,8 +192,8 @@ def test_full_manifest_resolves(root: Path, world_size: int) -> None:
     assert r.buffer("flag").shape == () and r.buffer("flag").nbytes == 8
     assert r.states[0].pages == 16 * world_size and r.states[0].nbytes == 65536 * 16 * world_size
     ops = r.program("step").ops
-    assert ops[0].fields["grid"] == (128, 1, 1)
-    assert ops[0].fields["args"] == (
+    assert isinstance(ops[0], ResolvedLaunch) and ops[0].grid == (128, 1, 1)
+    assert ops[0].args == (
         ResolvedArg("buffer", name="x"),
         ResolvedArg("buffer", name="x", offset=7168 * 2),
         ResolvedArg("peers", name="x"),
@@ -192,9 +202,9 @@ def test_full_manifest_resolves(root: Path, world_size: int) -> None:
         ResolvedArg("int", value=3),
         ResolvedArg("float", value=0.5),
     )
-    assert ops[1].fields["count"] == 128 * 7168 and ops[1].fields["recv"] == BufferRef("y")
-    assert ops[4].fields["src"] == BufferRef("x", 16) and ops[4].fields["bytes"] == 1024
-    assert ops[5].fields["peer"] == 1
+    assert isinstance(ops[1], ResolvedCollective) and ops[1].count == 128 * 7168 and ops[1].recv == BufferRef("y")
+    assert isinstance(ops[4], ResolvedCopy) and ops[4].src == BufferRef("x", 16) and ops[4].nbytes == 1024
+    assert isinstance(ops[5], ResolvedCollective) and ops[5].peer == 1
     assert r.eval("hidden // 2", "$.x") == 3584
 
 
@@ -619,7 +629,7 @@ def test_peer_barrier_manifest_loads() -> None:
     assert (kernel.name, kernel.entry, kernel.peers) == ("peer_barrier", "tray_peer_barrier", True)
     assert kernel.source == str(REPO / "manifests" / "kernels" / "peer_barrier.cu")
     (op,) = m.program("barrier").ops
-    assert op.op == "barrier" and op.fields == {"group": "world"}
+    assert op == BarrierSpec("world", "$.programs[0].ops[0]")
     for n in (1, 2, 4, 8):
         assert m.resolve(n).groups == {"world": (tuple(range(n)),)}
 

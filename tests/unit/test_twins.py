@@ -25,7 +25,7 @@ def test_a_user_twin_runs_on_the_host_backend(registry):
     assert "test_scale" in registry.registered()
     data = np.arange(4, dtype=np.float32)
     backend = HostBackend.open(0)
-    kernel = backend.load_kernel("test_scale", None, "test_scale", (), False)
+    kernel = backend.load_kernel("test_scale", b"", "test_scale", (), False)
     assert kernel is not None
     registry.lookup("test_scale")(backend, (1, 1, 1), (1, 1, 1), data.ctypes.data, 4, 2.0)
     assert data.tolist() == [0.0, 2.0, 4.0, 6.0]
@@ -33,7 +33,7 @@ def test_a_user_twin_runs_on_the_host_backend(registry):
 
 def test_an_unknown_kernel_names_itself_and_how_to_register_a_twin(registry):
     with pytest.raises(UsageError, match=r'kernel \'nope\' has no host twin .*@tray\.twin\("nope"\)'):
-        HostBackend.open(0).load_kernel("nope", None, "nope", (), False)
+        HostBackend.open(0).load_kernel("nope", b"", "nope", (), False)
 
 
 def test_a_second_twin_under_a_taken_name_is_refused(registry):

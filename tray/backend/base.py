@@ -285,8 +285,10 @@ class Backend(abc.ABC):
 
     # --- kernels and collectives ----------------------------------------------------------------
     @abc.abstractmethod
-    def load_kernel(self, name: str, source_path: str | None, entry: str, options: Sequence[str],
-                    peers: bool) -> Kernel: ...
+    def load_kernel(self, name: str, code: bytes, entry: str, options: Sequence[str], peers: bool,
+                    filename: str = "") -> Kernel:
+        """The kernel `entry` of CUDA C source `code` (the bytes the manifest digested; the host backend
+        runs the numpy twin registered under `name` instead). `filename` names the source in errors."""
 
     def nccl_unique_id(self) -> bytes | None:
         """A fresh NCCL unique id (128 bytes) for a group this rank leads; None if not used."""

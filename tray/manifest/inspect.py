@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from tray.manifest.schema import BufferRef, Manifest, ResolvedArg, ResolvedManifest, ResolvedOp
+from tray.manifest.schema import (
+    BufferRef,
+    Manifest,
+    ResolvedArg,
+    ResolvedBarrier,
+    ResolvedCollective,
+    ResolvedCopy,
+    ResolvedGemm,
+    ResolvedLaunch,
+    ResolvedManifest,
+    ResolvedOp,
+)
 
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -98,30 +109,29 @@ def _programs(r: ResolvedManifest) -> list[str]:
 
 def summarize_op(op: ResolvedOp) -> str:
     """One line for a resolved op, e.g. `nccl allreduce group=tp send=x recv=y count=1024 bf16`."""
-    f = op.fields
-    if op.op == "launch":
-        args = ", ".join(_arg(a) for a in f["args"])
-        return (
-            f"launch {f['kernel']} grid={_dim3(f['grid'])} block={_dim3(f['block'])}"
-            f" shmem={f['shmem']} args=[{args}]"
-        )
-    if op.op == "nccl":
-        peer = f" peer={f['peer']}" if f.get("peer") is not None else ""
-        return (
-            f"nccl {f['collective']} group={f['group']} send={_ref(f['send'])} recv={_ref(f['recv'])}"
-            f" count={f['count']} {f['dtype']}{peer}"
-        )
-    if op.op == "gemm":
-        acc = " +=" if f["accumulate"] else " ="
-        return (
-            f"gemm {_ref(f['c'])}{acc} {_ref(f['a'])} @ {_ref(f['b'])}"
-            f"  m={f['m']} n={f['n']} k={f['k']} {f['dtype']}"
-        )
-    if op.op == "barrier":
-        return f"barrier {f['group']}"
-    if op.op == "copy":
-        return f"copy {_ref(f['src'])} -> {_ref(f['dst'])}  {human_bytes(f['bytes'])}"
-    return f"{op.op} {f}"
+    match op:
+        case ResolvedLaunch():
+            args = ", ".join(_arg(a) for a in op.args)
+            return (
+                f"launch {op.kernel} grid={_dim3(op.grid)} block={_dim3(op.block)}"
+                f" shmem={op.shmem} args=[{args}]"
+            )
+        case ResolvedCollective():
+            peer = f" peer={op.peer}" if op.peer is not None else ""
+            return (
+                f"nccl {op.collective} group={op.group} send={_ref(op.send)} recv={_ref(op.recv)}"
+                f" count={op.count} {op.dtype}{peer}"
+            )
+        case ResolvedGemm():
+            acc = " +=" if op.accumulate else " ="
+            return (
+                f"gemm {_ref(op.c)}{acc} {_ref(op.a)} @ {_ref(op.b)}"
+                f"  m={op.m} n={op.n} k={op.k} {op.dtype}"
+            )
+        case ResolvedBarrier():
+            return f"barrier {op.group}"
+        case ResolvedCopy():
+            return f"copy {_ref(op.src)} -> {_ref(op.dst)}  {human_bytes(op.nbytes)}"
 
 
 def _dim3(dims: Any) -> str:

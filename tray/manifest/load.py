@@ -33,10 +33,16 @@ from tray.manifest.schema import (
     RANK_ARG,
     WORLD,
     WORLD_SIZE_VAR,
+    BarrierSpec,
     BufferSpec,
+    CollectiveSpec,
+    CopySpec,
+    Dim3,
+    GemmSpec,
     GroupSpec,
     IntOrExpr,
     KernelSpec,
+    LaunchSpec,
     Manifest,
     OpSpec,
     ProgramSpec,
@@ -349,7 +355,7 @@ class _Parser:
                 self.fail(
                     jp, 'the world group is always every rank: declare it with "ranks": "all" or omit it'
                 )
-            out.append(GroupSpec(name, ranks, size))
+            out.append(GroupSpec(name, ranks, size, jp))
         if WORLD not in self.declared.get("group", {}):
             out.insert(0, GroupSpec(WORLD, "all", None))
         self.groups = {g.name: g for g in out}
@@ -449,7 +455,7 @@ class _Parser:
                 for k, o in enumerate(self.list_(spec.get("options", []), ojp, "compiler options"))
             )
             peers = self.bool_(spec.get("peers", False), child(jp, "peers"))
-            out.append(KernelSpec(name, full, entry, options, peers))
+            out.append(KernelSpec(name, full, entry, options, peers, self.sources[name]))
         self.kernels = {k.name: k for k in out}
         return tuple(out)
 
@@ -477,43 +483,53 @@ class _Parser:
         kind = self.ref(raw["op"], child(jp, "op"), "op", OP_TYPES)
         allowed, required = OP_KEYS[kind]
         spec = self.obj(raw, jp, f"{kind} op", allowed, required)
-        fields: dict[str, Any] = {}
+        ints: dict[str, IntOrExpr] = {}
         for key, minimum in OP_INT_FIELDS[kind].items():
             if key in spec:
-                fields[key] = self.expr(spec[key], child(jp, key), minimum)
-        for key in OP_BUFFER_FIELDS[kind]:
-            fields[key] = self.buffer_ref(spec[key], child(jp, key))
-        if "group" in spec:
-            fields["group"] = self.ref(spec["group"], child(jp, "group"), "group", list(self.groups))
-        if "dtype" in spec:
-            fields["dtype"] = self.dtype(spec["dtype"], child(jp, "dtype"))
-        if kind == "launch":
-            fields["kernel"] = self.ref(spec["kernel"], child(jp, "kernel"), "kernel", list(self.kernels))
-            fields["grid"] = self.dim3(spec["grid"], child(jp, "grid"))
-            fields["block"] = self.dim3(spec["block"], child(jp, "block"))
-            fields.setdefault("shmem", 0)
-            ajp = child(jp, "args")
-            args = self.list_(spec.get("args", []), ajp, "kernel arguments")
-            fields["args"] = tuple(self.launch_arg(a, child(ajp, k)) for k, a in enumerate(args))
-        elif kind == "nccl":
-            fields["collective"] = self.ref(
-                spec["collective"], child(jp, "collective"), "collective", COLLECTIVES
-            )
-            if (fields["collective"] == "sendrecv") != ("peer" in spec):
-                self.fail(jp, "'peer' is required for collective sendrecv and allowed only there")
-            fields.setdefault("peer", None)
-        elif kind == "gemm":
-            fields["accumulate"] = self.bool_(spec.get("accumulate", False), child(jp, "accumulate"))
-        return OpSpec(kind, fields, jp)
+                ints[key] = self.expr(spec[key], child(jp, key), minimum)
+        refs = {key: self.buffer_ref(spec[key], child(jp, key)) for key in OP_BUFFER_FIELDS[kind]}
+        group = self.ref(spec["group"], child(jp, "group"), "group", list(self.groups)) if "group" in spec else ""
+        dtype = self.dtype(spec["dtype"], child(jp, "dtype")) if "dtype" in spec else ""
+        match kind:
+            case "launch":
+                kernel = self.ref(spec["kernel"], child(jp, "kernel"), "kernel", list(self.kernels))
+                grid, grid_paths = self.dim3(spec["grid"], child(jp, "grid"))
+                block, block_paths = self.dim3(spec["block"], child(jp, "block"))
+                ajp = child(jp, "args")
+                args = self.list_(spec.get("args", []), ajp, "kernel arguments")
+                return LaunchSpec(
+                    kernel, grid, block, ints.get("shmem", 0),
+                    tuple(self.launch_arg(a, child(ajp, k)) for k, a in enumerate(args)), jp,
+                    grid_paths + block_paths,
+                )  # fmt: skip
+            case "nccl":
+                collective = self.ref(spec["collective"], child(jp, "collective"), "collective", COLLECTIVES)
+                if (collective == "sendrecv") != ("peer" in spec):
+                    self.fail(jp, "'peer' is required for collective sendrecv and allowed only there")
+                return CollectiveSpec(
+                    collective, group, refs["send"], refs["recv"], ints["count"], dtype, ints.get("peer"), jp
+                )
+            case "gemm":
+                accumulate = self.bool_(spec.get("accumulate", False), child(jp, "accumulate"))
+                return GemmSpec(
+                    refs["a"], refs["b"], refs["c"], ints["m"], ints["n"], ints["k"], dtype, accumulate, jp
+                )
+            case "barrier":
+                return BarrierSpec(group, jp)
+            case _:
+                return CopySpec(refs["src"], refs["dst"], ints["bytes"], jp)
 
-    def dim3(self, raw: object, jp: str) -> tuple[IntOrExpr, ...]:
-        """grid/block: one int|expr, or a list of 1 to 3 of them; missing trailing dims are 1."""
+    def dim3(self, raw: object, jp: str) -> tuple[Dim3, tuple[str, str, str]]:
+        """grid/block: one int|expr, or a list of 1 to 3 of them; missing trailing dims are 1.
+
+        Returns the dims and the JSON path of each (resolve reports a bad expression there).
+        """
         if isinstance(raw, list):
             if not 1 <= len(raw) <= 3:
                 self.fail(jp, f"expected 1 to 3 dimensions, got {len(raw)}")
-            dims = [self.expr(d, child(jp, k), 1) for k, d in enumerate(raw)]
-            return tuple(dims + [1] * (3 - len(dims)))
-        return (self.expr(raw, jp, 1), 1, 1)
+            dims = [self.expr(d, child(jp, k), 1) for k, d in enumerate(raw)] + [1] * (3 - len(raw))
+            return (dims[0], dims[1], dims[2]), (child(jp, 0), child(jp, 1), child(jp, 2))
+        return (self.expr(raw, jp, 1), 1, 1), (jp, jp, jp)
 
     def buffer_ref(self, raw: object, jp: str) -> str:
         """`"buf"` or `"buf@offset_expr"` (bytes); the buffer must be declared."""

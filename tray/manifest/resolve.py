@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from tray.errors import ManifestError, UsageError
 from tray.manifest.expr import (
@@ -21,13 +21,23 @@ from tray.manifest.schema import (
     INDEX_PREFIX,
     RANK_ARG,
     WORLD_SIZE_VAR,
+    BarrierSpec,
     BufferRef,
+    CollectiveSpec,
+    CopySpec,
+    GemmSpec,
     GroupSpec,
     IntOrExpr,
+    LaunchSpec,
     Manifest,
     OpSpec,
     ResolvedArg,
+    ResolvedBarrier,
     ResolvedBuffer,
+    ResolvedCollective,
+    ResolvedCopy,
+    ResolvedGemm,
+    ResolvedLaunch,
     ResolvedManifest,
     ResolvedOp,
     ResolvedProgram,
@@ -106,10 +116,8 @@ class _Resolver:
             self.product([page_nbytes, host_pages], jp)
             states.append(ResolvedState(st.name, page_nbytes, pages, host_pages))
         programs = {}
-        for i, p in enumerate(self.m.programs):
-            raw_ops = self.m.doc["programs"][i]["ops"]  # load keeps programs and ops in document order
-            ops = tuple(self.op(op, raw_ops[k]) for k, op in enumerate(p.ops))
-            programs[p.name] = ResolvedProgram(p.name, p.graph, ops)
+        for p in self.m.programs:
+            programs[p.name] = ResolvedProgram(p.name, p.graph, tuple(self.op(op) for op in p.ops))
         return ResolvedManifest(
             manifest=self.m,
             world_size=self.world_size,
@@ -128,7 +136,7 @@ class _Resolver:
 
     def group(self, spec: GroupSpec) -> Instances:
         n = self.world_size
-        jp = self._group_path(spec.name)
+        jp = spec.json_path
         if spec.ranks == "all":
             return (tuple(range(n)),)
         if spec.ranks is not None:
@@ -151,59 +159,59 @@ class _Resolver:
             )
         return tuple(tuple(range(start, start + size)) for start in range(0, n, size))
 
-    def _group_path(self, name: str) -> str:
-        declared = self.m.doc.get("groups", [])
-        index = next((i for i, g in enumerate(declared) if g.get("name") == name), None)
-        return "$.groups" if index is None else f"$.groups[{index}]"
-
     # -- ops -----------------------------------------------------------------------------------
 
-    def op(self, spec: OpSpec, raw: dict[str, Any]) -> ResolvedOp:
-        """`raw` is the op as written, for the exact JSON path of a grid or block dimension."""
-        f = spec.fields
+    def op(self, spec: OpSpec) -> ResolvedOp:
         jp = spec.json_path
-        out: dict[str, Any] = dict(f)
-        if spec.op == "launch":
-            for key in ("grid", "block"):
-                paths = [
-                    f"{jp}.{key}[{k}]" if isinstance(raw[key], list) else f"{jp}.{key}" for k in range(3)
-                ]
-                out[key] = tuple(self.int_(d, paths[k], 1) for k, d in enumerate(f[key]))
-            out["shmem"] = self.int_(f["shmem"], f"{jp}.shmem", 0)
-            out["args"] = tuple(self.arg(a, f"{jp}.args[{k}]") for k, a in enumerate(f["args"]))
-        elif spec.op == "nccl":
-            self.nccl(f, jp, out)
-        elif spec.op == "gemm":
-            m, n, k = (self.int_(f[key], f"{jp}.{key}", 1) for key in ("m", "n", "k"))
-            out.update(m=m, n=n, k=k)
-            item = DTYPE_ITEMSIZE[f["dtype"]]
-            for key, rows, cols in (("a", m, k), ("b", k, n), ("c", m, n)):
-                what = f"gemm {key} ({rows} x {cols} {f['dtype']})"
-                out[key] = self.room(f[key], f"{jp}.{key}", rows * cols * item, what)
-        elif spec.op == "copy":
-            nbytes = self.int_(f["bytes"], f"{jp}.bytes", 0)
-            out["bytes"] = nbytes
-            out["src"] = self.room(f["src"], f"{jp}.src", nbytes, f"copy of {nbytes} B")
-            out["dst"] = self.room(f["dst"], f"{jp}.dst", nbytes, f"copy of {nbytes} B")
-        return ResolvedOp(spec.op, out, jp)
+        match spec:
+            case LaunchSpec():
+                dims = tuple(
+                    self.int_(d, spec.dim_paths[k], 1) for k, d in enumerate((*spec.grid, *spec.block))
+                )
+                return ResolvedLaunch(
+                    spec.kernel,
+                    (dims[0], dims[1], dims[2]),
+                    (dims[3], dims[4], dims[5]),
+                    self.int_(spec.shmem, f"{jp}.shmem", 0),
+                    tuple(self.arg(a, f"{jp}.args[{k}]") for k, a in enumerate(spec.args)),
+                    jp,
+                )
+            case CollectiveSpec():
+                return self.collective(spec)
+            case GemmSpec():
+                m, n, k = (self.int_(v, f"{jp}.{key}", 1) for key, v in (("m", spec.m), ("n", spec.n), ("k", spec.k)))
+                item = DTYPE_ITEMSIZE[spec.dtype]
+                a, b, c = (
+                    self.room(text, f"{jp}.{key}", rows * cols * item, f"gemm {key} ({rows} x {cols} {spec.dtype})")
+                    for key, text, rows, cols in (("a", spec.a, m, k), ("b", spec.b, k, n), ("c", spec.c, m, n))
+                )
+                return ResolvedGemm(a, b, c, m, n, k, spec.dtype, spec.accumulate, jp)
+            case BarrierSpec():
+                return ResolvedBarrier(spec.group, jp)
+            case CopySpec():
+                nbytes = self.int_(spec.nbytes, f"{jp}.bytes", 0)
+                what = f"copy of {nbytes} B"
+                src = self.room(spec.src, f"{jp}.src", nbytes, what)
+                return ResolvedCopy(src, self.room(spec.dst, f"{jp}.dst", nbytes, what), nbytes, jp)
 
-    def nccl(self, f: dict[str, Any], jp: str, out: dict[str, Any]) -> None:
+    def collective(self, spec: CollectiveSpec) -> ResolvedCollective:
         """count is per rank (NCCL's convention): allgather/reducescatter/alltoall move count x G."""
-        group_size = max(len(inst) for inst in self.groups[f["group"]])
-        count = self.int_(f["count"], f"{jp}.count", 0)
-        out["count"] = count
-        coll = f["collective"]
-        if coll == "sendrecv":
-            peer = self.int_(f["peer"], f"{jp}.peer", 0)
+        jp = spec.json_path
+        group_size = max(len(inst) for inst in self.groups[spec.group])
+        count = self.int_(spec.count, f"{jp}.count", 0)
+        coll = spec.collective
+        peer = None
+        if spec.peer is not None:
+            peer = self.int_(spec.peer, f"{jp}.peer", 0)
             if peer >= group_size:
-                self.fail(f"{jp}.peer", f"peer {peer} is outside group '{f['group']}' of {group_size} ranks")
-            out["peer"] = peer
-        item = DTYPE_ITEMSIZE[f["dtype"]]
+                self.fail(f"{jp}.peer", f"peer {peer} is outside group '{spec.group}' of {group_size} ranks")
+        item = DTYPE_ITEMSIZE[spec.dtype]
         send_elems = count * group_size if coll in ("reducescatter", "alltoall") else count
         recv_elems = count * group_size if coll in ("allgather", "alltoall") else count
-        what = f"{coll} of count {count} {f['dtype']} over group '{f['group']}' ({group_size} ranks)"
-        out["send"] = self.room(f["send"], f"{jp}.send", send_elems * item, what)
-        out["recv"] = self.room(f["recv"], f"{jp}.recv", recv_elems * item, what)
+        what = f"{coll} of count {count} {spec.dtype} over group '{spec.group}' ({group_size} ranks)"
+        send = self.room(spec.send, f"{jp}.send", send_elems * item, what)
+        recv = self.room(spec.recv, f"{jp}.recv", recv_elems * item, what)
+        return ResolvedCollective(coll, spec.group, send, recv, count, spec.dtype, peer, jp)
 
     def ref(self, text: str, jp: str) -> BufferRef:
         name, offset_expr = split_ref(text)

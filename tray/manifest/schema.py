@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from tray.errors import ManifestError, UsageError
 from tray.manifest.expr import ExprError, did_you_mean, eval_expr, known_list
@@ -39,6 +39,7 @@ class GroupSpec:
     name: str
     ranks: Ranks | None
     size: IntOrExpr | None
+    json_path: str = "$.groups"  # where it was declared; the implicit world group has none of its own
 
 
 @dataclass(frozen=True)
@@ -66,28 +67,98 @@ class StateSpec:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """A CUDA C kernel: `source` is an absolute path, `entry` the extern "C" function name."""
+    """A CUDA C kernel: `source` is the file's absolute path, `code` its bytes as read once by the
+    loader (the bytes the digest covers are the bytes the backend compiles), `entry` the extern "C"
+    function name."""
 
     name: str
     source: str
     entry: str
     options: tuple[str, ...]
     peers: bool
+    code: bytes = field(default=b"", repr=False, compare=False)
+
+
+# -- ops as written: one frozen type per op kind, each with its JSON path for errors ----------------
+# Buffer references are strings `"name"` or `"name@offset_expr"` (offset in bytes).
+
+Dim3 = tuple[IntOrExpr, IntOrExpr, IntOrExpr]
+LaunchArg = str | int | float
 
 
 @dataclass(frozen=True)
-class OpSpec:
-    """One validated program op. `fields` holds its keys (less "op") with defaults filled in.
+class LaunchSpec:
+    """`launch`: kernel `kernel` on `grid` x `block` (missing trailing dims are 1) with `shmem` bytes of
+    dynamic shared memory. `dim_paths` holds the JSON path of each grid then block dimension."""
 
-    launch: kernel, grid and block (3-tuples of int|expr), shmem, args (tuple of raw args);
-    nccl: collective, group, send, recv, count, dtype, peer (None unless sendrecv);
-    gemm: a, b, c, m, n, k, dtype, accumulate; barrier: group; copy: src, dst, bytes.
-    Buffer references are strings `"name"` or `"name@offset_expr"` (offset in bytes).
-    """
+    op: ClassVar[str] = "launch"  # the JSON name of the op kind
 
-    op: str
-    fields: dict[str, Any] = field(hash=False)
+    kernel: str
+    grid: Dim3
+    block: Dim3
+    shmem: IntOrExpr
+    args: tuple[LaunchArg, ...]
     json_path: str
+    dim_paths: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """`nccl` (the collectives of a group): `count` elements of `dtype` per rank; `peer` (a member
+    index) only for sendrecv."""
+
+    op: ClassVar[str] = "nccl"  # the JSON name of the op kind
+
+    collective: str
+    group: str
+    send: str
+    recv: str
+    count: IntOrExpr
+    dtype: str
+    peer: IntOrExpr | None
+    json_path: str
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """`gemm`: C[m, n] (+)= A[m, k] @ B[n, k]^T in `dtype`."""
+
+    op: ClassVar[str] = "gemm"  # the JSON name of the op kind
+
+    a: str
+    b: str
+    c: str
+    m: IntOrExpr
+    n: IntOrExpr
+    k: IntOrExpr
+    dtype: str
+    accumulate: bool
+    json_path: str
+
+
+@dataclass(frozen=True)
+class BarrierSpec:
+    """`barrier`: the peer barrier of `group`."""
+
+    op: ClassVar[str] = "barrier"  # the JSON name of the op kind
+
+    group: str
+    json_path: str
+
+
+@dataclass(frozen=True)
+class CopySpec:
+    """`copy`: `nbytes` bytes (the JSON key "bytes") from `src` to `dst`."""
+
+    op: ClassVar[str] = "copy"  # the JSON name of the op kind
+
+    src: str
+    dst: str
+    nbytes: IntOrExpr
+    json_path: str
+
+
+OpSpec = LaunchSpec | CollectiveSpec | GemmSpec | BarrierSpec | CopySpec
 
 
 @dataclass(frozen=True)
@@ -204,17 +275,71 @@ class ResolvedArg:
     value: int | float = 0
 
 
+# -- ops as resolved: every expression evaluated, buffer references checked to fit ------------------
+
+
 @dataclass(frozen=True)
-class ResolvedOp:
-    """An op with every expression evaluated.
+class ResolvedLaunch:
+    op: ClassVar[str] = "launch"  # the JSON name of the op kind
 
-    Same keys as OpSpec.fields, with ints for expressions, BufferRef for buffer references, 3-tuples
-    of ints for grid/block and a tuple of ResolvedArg for launch args.
-    """
-
-    op: str
-    fields: dict[str, Any] = field(hash=False)
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shmem: int
+    args: tuple[ResolvedArg, ...]
     json_path: str
+
+
+@dataclass(frozen=True)
+class ResolvedCollective:
+    """`count` is per rank (NCCL's convention); `peer` is a member index, None unless sendrecv."""
+
+    op: ClassVar[str] = "nccl"  # the JSON name of the op kind
+
+    collective: str
+    group: str
+    send: BufferRef
+    recv: BufferRef
+    count: int
+    dtype: str
+    peer: int | None
+    json_path: str
+
+
+@dataclass(frozen=True)
+class ResolvedGemm:
+    op: ClassVar[str] = "gemm"  # the JSON name of the op kind
+
+    a: BufferRef
+    b: BufferRef
+    c: BufferRef
+    m: int
+    n: int
+    k: int
+    dtype: str
+    accumulate: bool
+    json_path: str
+
+
+@dataclass(frozen=True)
+class ResolvedBarrier:
+    op: ClassVar[str] = "barrier"  # the JSON name of the op kind
+
+    group: str
+    json_path: str
+
+
+@dataclass(frozen=True)
+class ResolvedCopy:
+    op: ClassVar[str] = "copy"  # the JSON name of the op kind
+
+    src: BufferRef
+    dst: BufferRef
+    nbytes: int
+    json_path: str
+
+
+ResolvedOp = ResolvedLaunch | ResolvedCollective | ResolvedGemm | ResolvedBarrier | ResolvedCopy
 
 
 @dataclass(frozen=True)

@@ -339,8 +339,8 @@ class Rank:
                 known = sorted(k.name for k in self.manifest.kernels)
                 raise UsageError(f"no kernel {name!r}; the manifest declares {known or 'none'}")
             assert self.backend is not None
-            self._kernels[name] = self.backend.load_kernel(spec.name, spec.source, spec.entry, spec.options,
-                                                           spec.peers)
+            self._kernels[name] = self.backend.load_kernel(spec.name, spec.code, spec.entry, spec.options,
+                                                           spec.peers, filename=os.path.basename(spec.source))
         return self._kernels[name]
 
     def collectives(self, group: str = "world") -> Collectives:

@@ -14,7 +14,17 @@ from typing import Any
 
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Graph
 from tray.errors import UsageError
-from tray.manifest.schema import BufferRef, ResolvedArg, ResolvedOp, ResolvedProgram
+from tray.manifest.schema import (
+    BufferRef,
+    ResolvedArg,
+    ResolvedBarrier,
+    ResolvedCollective,
+    ResolvedCopy,
+    ResolvedGemm,
+    ResolvedLaunch,
+    ResolvedOp,
+    ResolvedProgram,
+)
 
 Step = Callable[[], None]
 
@@ -92,10 +102,25 @@ class Executor:
         return self.rank.buffer(ref.name).ptr + ref.offset
 
     def _step(self, op: ResolvedOp) -> Step:
-        build = getattr(self, f"_op_{op.op}", None)
-        if build is None:
-            raise UsageError(f"{op.json_path}: op {op.op!r} has no executor")
-        return build(op.fields)
+        match op:
+            case ResolvedLaunch():
+                kernel = self.rank.kernel(op.kernel)
+                return kernel.bind(op.grid, op.block, [self._arg(a) for a in op.args], op.shmem).launch
+            case ResolvedCollective():
+                return self._collective(op)
+            case ResolvedGemm():
+                backend = self.rank.backend
+                a, b, c = self._ptr(op.a), self._ptr(op.b), self._ptr(op.c)
+                m, n, k, dtype, accumulate = op.m, op.n, op.k, op.dtype, op.accumulate
+                return lambda: backend.gemm(a, b, c, m, n, k, dtype, accumulate)
+            case ResolvedBarrier():
+                barrier = self.rank.barrier_of(op.group)
+                timeout_s = self.barrier_timeout_s
+                return lambda: barrier.launch(timeout_s)
+            case ResolvedCopy():
+                backend = self.rank.backend
+                src, dst, nbytes = self._ptr(op.src), self._ptr(op.dst), op.nbytes
+                return lambda: backend.copy(dst, src, nbytes)
 
     def _arg(self, arg: ResolvedArg) -> int | float:
         if arg.kind == "buffer":
@@ -111,42 +136,14 @@ class Executor:
             return self.rank.group(arg.name).index
         return arg.value
 
-    def _op_launch(self, f: dict[str, Any]) -> Step:
-        kernel = self.rank.kernel(f["kernel"])
-        bound = kernel.bind(tuple(f["grid"]), tuple(f["block"]), [self._arg(a) for a in f["args"]],
-                            int(f.get("shmem", 0)))
-        return bound.launch
-
-    def _op_nccl(self, f: dict[str, Any]) -> Step:
-        coll = self.rank.collectives(f["group"])
-        send, recv, count, dtype = self._ptr(f["send"]), self._ptr(f["recv"]), f["count"], f["dtype"]
-        name = f["collective"]
-        if name == "sendrecv":
-            peer = f["peer"]
+    def _collective(self, op: ResolvedCollective) -> Step:
+        coll = self.rank.collectives(op.group)
+        send, recv, count, dtype = self._ptr(op.send), self._ptr(op.recv), op.count, op.dtype
+        if op.peer is not None:
+            peer = op.peer
             return lambda: coll.sendrecv(send, recv, count, dtype, peer)
-        fn = getattr(coll, name)
+        fn = getattr(coll, op.collective)
         return lambda: fn(send, recv, count, dtype)
-
-    def _op_gemm(self, f: dict[str, Any]) -> Step:
-        backend = self.rank.backend
-        a, b, c = self._ptr(f["a"]), self._ptr(f["b"]), self._ptr(f["c"])
-        m, n, k, dtype, acc = f["m"], f["n"], f["k"], f["dtype"], bool(f.get("accumulate", False))
-        return lambda: backend.gemm(a, b, c, m, n, k, dtype, acc)
-
-    def _op_barrier(self, f: dict[str, Any]) -> Step:
-        barrier = self.rank.barrier_of(f["group"])
-        timeout_s = self.barrier_timeout_s
-        return lambda: barrier.launch(timeout_s)
-
-    def _op_copy(self, f: dict[str, Any]) -> Step:
-        backend = self.rank.backend
-        src, dst, nbytes = self._ptr(f["src"]), self._ptr(f["dst"]), f["bytes"]
-        return lambda: backend.copy(dst, src, nbytes)
-
-    def check(self) -> None:
-        """After a synchronisation: raise if any barrier in the programs timed out."""
-        for g in self.rank._groups:
-            self.rank.barrier_of(g).check()
 
     def close(self) -> None:
         for plan in self._plans.values():

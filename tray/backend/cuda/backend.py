@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
@@ -280,8 +279,8 @@ class CudaBackend(Backend):
     # --- barrier, timing, graphs --------------------------------------------------------------------
 
     def barrier(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable) -> CudaBarrier:
-        kernel = self.load_kernel("peer_barrier", str(kernel_dir() / BARRIER_SOURCE), BARRIER_ENTRY, (),
-                                  peers=True)
+        kernel = self.load_kernel("peer_barrier", _barrier_code(), BARRIER_ENTRY, (), peers=True,
+                                  filename=BARRIER_SOURCE)
         self.make_current()
         return self._track("barriers", CudaBarrier(group, flags, peer_flags, kernel, self.stream,
                                                     programmatic=self.capability >= (9, 0)))
@@ -322,22 +321,26 @@ class CudaBackend(Backend):
 
     # --- kernels and collectives --------------------------------------------------------------------
 
-    def load_kernel(self, name: str, source_path: str | None, entry: str, options: Sequence[str],
-                    peers: bool) -> CudaKernel:
-        """Compile (NVRTC, cached on disk) and load `entry` of the kernel's CUDA C source.
+    def load_kernel(self, name: str, code: bytes, entry: str, options: Sequence[str], peers: bool,
+                    filename: str = "") -> CudaKernel:
+        """Compile (NVRTC, cached on disk) and load `entry` of the kernel's CUDA C source `code`.
 
-        `source_path` may be absolute, relative to the working directory or to the manifests folder;
-        None means `<kernel dir>/<name>.cu`. Raises UsageError (source missing, compile error with
-        NVRTC's log, multicast in a peer kernel), CudaError when the driver refuses the image.
+        `code` is the source's bytes (UTF-8) exactly as the manifest loader read and digested them;
+        `filename` names it in NVRTC's log (default `<name>.cu`). Raises UsageError (source not UTF-8,
+        compile error with NVRTC's log, multicast in a peer kernel), CudaError when the driver refuses
+        the image.
         """
-        path = _resolve_source(name, source_path)
-        source = path.read_text()
-        key = (hashlib.sha256(source.encode()).hexdigest(), name, entry, tuple(options), peers)
+        try:
+            source = code.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"kernel {name!r}: the CUDA source is not UTF-8 text (byte {exc.start}); "
+                             "save the .cu file as UTF-8") from None
+        key = (hashlib.sha256(code).hexdigest(), name, entry, tuple(options), peers)
         kernel = self._kernels.get(key)
         if kernel is None:
             self.make_current()
             loaded = nvrtc.load_function(source, name, entry, options, self.capability, peers,
-                                         filename=path.name)
+                                         filename=filename)
             self._modules.append(loaded.module)
             kernel = CudaKernel(name, entry, loaded.function, self.stream)
             self._kernels[key] = kernel
@@ -410,18 +413,11 @@ class CudaBackend(Backend):
         self.close()
 
 
-def _resolve_source(name: str, source_path: str | None) -> Path:
-    """The kernel's .cu file; UsageError listing where it looked if there is none."""
-    kdir = kernel_dir()
-    if source_path is None:
-        candidates = [kdir / f"{name}.cu"]
-    else:
-        given = Path(source_path)
-        candidates = [given] if given.is_absolute() else [given, kdir.parent / given, kdir / given,
-                                                          kdir / given.name]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    looked = ", ".join(str(c) for c in candidates)
-    raise UsageError(f"kernel {name!r}: CUDA source not found (looked at {looked}); "
-                     "set TRAY_KERNEL_DIR or give the manifest's kernel a source path")
+def _barrier_code() -> bytes:
+    """The production barrier kernel's source bytes; UsageError naming where it looked if missing."""
+    path = kernel_dir() / BARRIER_SOURCE
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"kernel 'peer_barrier': cannot read its CUDA source {path}: {exc.strerror or exc}; "
+                         "set TRAY_KERNEL_DIR to the folder holding peer_barrier.cu") from None

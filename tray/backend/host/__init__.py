@@ -266,8 +266,8 @@ class HostBackend(Backend):
     def capture(self, body: Callable[[], None]) -> HostGraph:
         return HostGraph(body)
 
-    def load_kernel(self, name: str, source_path: str | None, entry: str, options: Sequence[str],
-                    peers: bool) -> HostKernel:
+    def load_kernel(self, name: str, code: bytes, entry: str, options: Sequence[str], peers: bool,
+                    filename: str = "") -> HostKernel:
         import tray.backend.host.twins  # noqa: F401  (registers the generic twins)
         from tray.twins import lookup
 
