@@ -153,6 +153,7 @@ def test_non_member_cannot_fetch_fds(tray_env):
 def test_garbage_and_wrong_token_are_rejected_naming_the_sender(tray_env):
     run = tray_env.launch(2, """
     import zmq, msgpack
+    from tray.handshake.wire import PROTOCOL_VERSION
     with tray.init() as rank:
         if rank.rank == 0:
             ctx = zmq.Context()
@@ -161,7 +162,7 @@ def test_garbage_and_wrong_token_are_rejected_naming_the_sender(tray_env):
             s.setsockopt(zmq.LINGER, 1000)
             s.connect(os.environ["TRAY_RDZV"])
             s.send(b"\\xc1garbage")
-            s.send(msgpack.packb({"kind": "bye", "v": 1, "token": "not-the-token", "rank": 0}))
+            s.send(msgpack.packb({"kind": "bye", "v": PROTOCOL_VERSION, "token": "not-the-token", "rank": 0}))
             print("reply:", msgpack.unpackb(s.recv())["kind"])
             s.close(); ctx.term()
         rank.barrier(timeout_s=30)

@@ -17,6 +17,7 @@ from tray.errors import NoRoom, UsageError
 from tray.manifest import parse_manifest
 from tray.numa.pool import check_placement, pages_on_node
 from tray.park import Parking
+from tray.rank.phases import PhaseClock
 
 PARK = str(MANIFESTS / "park.json")
 
@@ -226,9 +227,9 @@ def test_bench_park_runs_tiny_on_host(tray_env, tmp_path):
 
 
 class OneRank:
-    """What Parking needs of a Rank, for one rank alone: an exchange of one is the value itself."""
+    """What Parking needs of a RankContext, for one rank alone: an exchange of one is the value itself."""
 
-    rank, world_size, phase = 0, 1, "run"
+    rank, world_size = 0, 1
 
     def __init__(
         self, pages: int = 16, host_pages: int = 8, page_nbytes: int = 4096, states: int = 1
@@ -243,6 +244,7 @@ class OneRank:
             ],
         }
         self.resolved = parse_manifest(doc, "<test>", ".").resolve(1)
+        self.phases = PhaseClock()
         self.exchanges = 0
 
     def exchange(self, topic: str, value: object, timeout_s: float = 60.0) -> list[object]:

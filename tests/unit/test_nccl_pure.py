@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -457,3 +458,74 @@ def test_join_all_refuses(fake: FakeNccl, joins: Any, match: str) -> None:
     with pytest.raises(UsageError, match=match):
         m.join_all(joins, STREAM, 1)
     assert fake.calls == []
+
+
+# --- the collectives layer's joiner ----------------------------------------------------------------
+
+
+class FakeCudaBackend:
+    """What NcclJoiner uses of a CudaBackend: its name, stream, device ordinal and context."""
+
+    name = "cuda"
+
+    def __init__(self, ordinal: int = 1) -> None:
+        self.stream_handle = STREAM
+        self.info = types.SimpleNamespace(ordinal=ordinal)
+        self.made_current = 0
+
+    def make_current(self) -> None:
+        self.made_current += 1
+
+
+def test_joiner_offers_a_unique_id_and_joins_with_member_0s(fake: FakeNccl) -> None:
+    from tray.collectives import GroupJoin, for_backend
+
+    fake.device = 1
+    backend = FakeCudaBackend()
+    joiner = for_backend(backend)  # type: ignore[arg-type]
+    assert isinstance(joiner, m.NcclJoiner)
+    assert joiner.buffer_nbytes(WORLD, 1 << 30) == 0  # NCCL needs no exported working buffer
+    info = joiner.join_info(GroupInfo("world", (0, 1, 2, 3), 0))
+    assert info == UID and fake.names() == ["get_unique_id"]
+    other = bytes([9]) + bytes(127)
+    groups = joiner.join([GroupJoin(WORLD, info, barrier=None), GroupJoin(TP, other, barrier=None)])  # type: ignore[arg-type]
+    assert list(groups) == ["world", "tp0"] and backend.made_current == 1
+    assert fake.calls[2] == ("comm_init_rank", (4, b"\x00", 1))
+    assert fake.calls[3] == ("comm_init_rank", (2, b"\x09", 1))
+    assert all(isinstance(g, m.NcclGroup) and g.stream == STREAM and g.device == 1 for g in groups.values())
+
+
+@pytest.mark.parametrize("info", [b"", bytes(64)])
+def test_joiner_refuses_join_info_that_is_no_unique_id(fake: FakeNccl, info: bytes) -> None:
+    from tray.collectives import GroupJoin
+    from tray.errors import HandshakeError
+
+    joiner = m.NcclJoiner(FakeCudaBackend())
+    with pytest.raises(HandshakeError, match=r"no NCCL unique id for group\(s\) tp0: member 0 of each group "
+                                             r"must offer 128 bytes of join info"):
+        joiner.join([GroupJoin(WORLD, UID, barrier=None), GroupJoin(TP, info, barrier=None)])  # type: ignore[arg-type]
+    assert fake.calls == []
+
+
+def test_host_joiner_needs_no_join_info_and_a_page_rounded_buffer() -> None:
+    from tray.backend.host import PAGE_NBYTES, HostBackend
+    from tray.collectives import GroupJoin, for_backend
+    from tray.collectives.host import HostJoiner
+
+    backend = HostBackend.open(0)
+    try:
+        joiner = for_backend(backend)
+        assert isinstance(joiner, HostJoiner) and joiner.join_info(WORLD) == b""
+        assert joiner.buffer_nbytes(WORLD, 1) == PAGE_NBYTES
+        assert joiner.buffer_nbytes(WORLD, PAGE_NBYTES + 1) == 2 * PAGE_NBYTES
+        with pytest.raises(UsageError, match="host collectives need a scratch buffer"):
+            joiner.join([GroupJoin(WORLD, b"", barrier=None)])  # type: ignore[arg-type]
+    finally:
+        backend.close()
+
+
+def test_unknown_backend_has_no_collectives() -> None:
+    from tray.collectives import for_backend
+
+    with pytest.raises(UsageError, match="backend 'rocm' has no collectives"):
+        for_backend(types.SimpleNamespace(name="rocm"))  # type: ignore[arg-type]

@@ -10,19 +10,19 @@ OTHER = "b" * 64
 
 
 def offer(rank: int, *, manifest: str = DIGEST, uuid: str | None = None, nbytes: int = 4096, host: str = "boot",
-          backend: str = "host", nccl: dict | None = None, uid: int = 1000, pid: int | None = None) -> Offer:
+          backend: str = "host", groups: dict | None = None, uid: int = 1000, pid: int | None = None) -> Offer:
     return Offer(
         token="t", rank=rank, world_size=4, host=host, pid=pid or 100 + rank, uid=uid,
         device=DeviceIdentity(ordinal=rank, uuid=uuid or f"dev-{rank}", pci_bus="", numa_node=-1),
         backend=backend, manifest=manifest, fd_socket=f"/tmp/rank-{rank}.fds",
-        buffers=(BufferOffer(name="x", nbytes=nbytes, handle="memfd", fabric=None),), nccl=nccl or {},
+        buffers=(BufferOffer(name="x", nbytes=nbytes, handle="memfd", fabric=None),), groups=groups or {},
         timings={},
     )
 
 
 def check(offers, leaders=None):
     return validate_offers(offers, world_size=4, digest=DIGEST, uid=1000, pids={r: 100 + r for r in range(4)},
-                           nccl_leaders=leaders or {})
+                           group_leaders=leaders or {})
 
 
 def test_agreeing_offers_pass():
@@ -47,8 +47,16 @@ def test_buffer_size_mismatch_and_uid_and_pid():
     assert "rank 3 offered from pid 999, but the head started pid 103" in text
 
 
-def test_local_handles_across_hosts_and_missing_nccl_id():
+def test_local_handles_across_hosts_and_missing_join_info():
     problems = check([offer(0), offer(1), offer(2, host="other"), offer(3)], leaders={"world": [0]})
     text = "\n".join(problems)
     assert "host-local handles" in text
-    assert "rank 0 leads group 'world' but offered no NCCL id" in text
+    assert "rank 0 leads group 'world' but offered no join info" in text
+
+
+def test_join_info_of_every_leader_checked_empty_is_fine():
+    leaders = {"world": [0], "pairs": [0, 2]}
+    offers = [offer(0, groups={"world": b"", "pairs": b"id"}), offer(1), offer(2), offer(3)]
+    assert check(offers, leaders) == ["rank 2 leads group 'pairs' but offered no join info for it"]
+    offers[2] = offer(2, groups={"pairs": b""})
+    assert check(offers, leaders) == []

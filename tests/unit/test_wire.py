@@ -15,7 +15,6 @@ from tray.handshake.wire import (
     KINDS,
     MAX_MESSAGE_NBYTES,
     PROTOCOL_VERSION,
-    Abort,
     BufferOffer,
     Bye,
     Decision,
@@ -55,7 +54,7 @@ def _offer(rank: int = 0, world_size: int = 4, token: str = TOKEN) -> Offer:
             BufferOffer(name="kv", nbytes=1 << 20, handle="fabric", fabric=bytes([rank]) * 64),
             BufferOffer(name="flags", nbytes=4096, handle="memfd", fabric=None),
         ),
-        nccl={"tp": bytes([rank + 1]) * 128, "dp": bytes(128)} if rank == 0 else {},
+        groups={"tp": bytes([rank + 1]) * 128, "dp": b""} if rank == 0 else {},
         timings={"import": 0.25, "allocate": 1.5},
     )
 
@@ -80,7 +79,6 @@ SAMPLES: list[Message] = [
     Vote(token=TOKEN, rank=1, topic="batch", round=2, value={"n": 3, "names": ["a", "b"], "raw": b"\x00"}),
     Vote(token=TOKEN, rank=0, topic="x", round=0, value=None),
     Decision(token=TOKEN, topic="batch", round=2, values=(1, 2.5, "three", None, [True], {"k": b"v"})),
-    Abort(token=TOKEN, reason="rank 2 died (exit code -9)"),
     Reject(token=TOKEN, reason="offer: field 'rank': expected int, got str"),
 ]
 
@@ -126,7 +124,7 @@ def test_table_nests_offers_without_envelope() -> None:
     assert list(body) == ["kind", "v", "token", "offers"]
     assert all(not {"kind", "v", "token"} & set(o) for o in body["offers"])
     back = decode(encode(table), token=TOKEN)
-    assert isinstance(back, Table) and back.offers[0].nccl["tp"] == b"\x01" * 128
+    assert isinstance(back, Table) and back.offers[0].groups["tp"] == b"\x01" * 128
     assert back.offers[3].buffers[0].fabric == b"\x03" * 64
 
 
@@ -165,11 +163,11 @@ GOLDEN_OFFER = Offer(
         BufferOffer(name="kv", nbytes=4096, handle="fabric", fabric=bytes(range(64))),
         BufferOffer(name="flags", nbytes=64, handle="posix", fabric=None),
     ),
-    nccl={"tp": bytes(range(128))},
+    groups={"tp": bytes(range(128))},
     timings={"import": 0.5, "alloc": 2.0},
 )
 GOLDEN_OFFER_HEX = (
-    "8fa46b696e64a56f66666572a17601a5746f6b656eaa746f6b2d676f6c64656ea472616e6b01aa776f726c645f73697a"
+    "8fa46b696e64a56f66666572a17602a5746f6b656eaa746f6b2d676f6c64656ea472616e6b01aa776f726c645f73697a"
     "6502a4686f7374a9626f6f742d31323334a3706964cd1092a3756964cd03e8a664657669636584a76f7264696e616c01"
     "a475756964a84750552d30303131a77063695f627573ac303030303a31623a30302e30a96e756d615f6e6f646500a762"
     "61636b656e64a463756461a86d616e6966657374d9406162616261626162616261626162616261626162616261626162"
@@ -177,15 +175,15 @@ GOLDEN_OFFER_HEX = (
     "b42f746d702f747261792f72616e6b2d312e666473a7627566666572739284a46e616d65a26b76a66e6279746573cd10"
     "00a668616e646c65a6666162726963a6666162726963c440000102030405060708090a0b0c0d0e0f1011121314151617"
     "18191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f84a46e616d65a566"
-    "6c616773a66e627974657340a668616e646c65a5706f736978a6666162726963c0a46e63636c81a27470c48000010203"
-    "0405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f30313233"
-    "3435363738393a3b3c3d3e3f404142434445464748494a4b4c4d4e4f505152535455565758595a5b5c5d5e5f60616263"
-    "6465666768696a6b6c6d6e6f707172737475767778797a7b7c7d7e7fa774696d696e677382a5616c6c6f63cb40000000"
-    "00000000a6696d706f7274cb3fe0000000000000"
+    "6c616773a66e627974657340a668616e646c65a5706f736978a6666162726963c0a667726f75707381a27470c4800001"
+    "02030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f3031"
+    "32333435363738393a3b3c3d3e3f404142434445464748494a4b4c4d4e4f505152535455565758595a5b5c5d5e5f6061"
+    "62636465666768696a6b6c6d6e6f707172737475767778797a7b7c7d7e7fa774696d696e677382a5616c6c6f63cb4000"
+    "000000000000a6696d706f7274cb3fe0000000000000"
 )
 GOLDEN_HEARTBEAT = Heartbeat(token="tok-golden", rank=3, phase="connect", seq=7)
 GOLDEN_HEARTBEAT_HEX = (
-    "86a46b696e64a9686561727462656174a17601a5746f6b656eaa746f6b2d676f6c64656ea472616e6b03a57068617365"
+    "86a46b696e64a9686561727462656174a17602a5746f6b656eaa746f6b2d676f6c64656ea472616e6b03a57068617365"
     "a7636f6e6e656374a373657107"
 )
 
@@ -221,6 +219,14 @@ def test_wrong_version_says_who_must_upgrade() -> None:
     body = _body(SAMPLES[8])
     del body["v"]
     _refused(_raw(body), "missing field 'v'")
+
+
+def test_version_1_offer_with_nccl_ids_is_refused() -> None:
+    """Version 2 replaced the offer's `nccl` ids with opaque `groups` join info."""
+    body = _body(SAMPLES[0])
+    body["nccl"] = body.pop("groups")
+    _refused(_raw({**body, "v": 1}), "protocol version 1, expected 2; upgrade tray")
+    _refused(_raw(body), "unknown field 'nccl'")
 
 
 def test_unknown_or_missing_kind() -> None:
@@ -263,9 +269,10 @@ def test_missing_field() -> None:
         ("device", [], "field 'device': expected map, got list"),
         ("timings", {"import": "fast"}, "field 'timings['import']': expected float, got str"),
         ("timings", {"import": float("inf")}, "expected a finite float"),
-        ("nccl", {b"tp": bytes(128)}, "field 'nccl': expected str keys, got bytes"),
-        ("nccl", {"tp": bytes(127)}, "field 'nccl['tp']': expected 128 bytes, got 127 bytes"),
-        ("nccl", {"tp": "x" * 128}, "field 'nccl['tp']': expected 128 bytes, got str"),
+        ("groups", {b"tp": bytes(128)}, "field 'groups': expected str keys, got bytes"),
+        ("groups", {"tp": bytes(4097)}, "field 'groups['tp']': expected at most 4096 bytes, got 4097 bytes"),
+        ("groups", {"tp": "x" * 128}, "field 'groups['tp']': expected at most 4096 bytes, got str"),
+        ("groups", [], "field 'groups': expected map, got list"),
         ("manifest", MANIFEST.upper(), "field 'manifest': expected 64 lowercase hex chars"),
         ("manifest", MANIFEST[:-1], "field 'manifest': expected 64 lowercase hex chars"),
     ],
@@ -417,7 +424,7 @@ def test_fuzz_mutated_encodings(data: st.DataObject) -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     kind=st.sampled_from(sorted(KINDS)) | st.text(max_size=10),
-    version=st.sampled_from([PROTOCOL_VERSION] * 4 + [0, 2, "1", None]),
+    version=st.sampled_from([PROTOCOL_VERSION] * 4 + [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, "2", None]),
     token=st.sampled_from([TOKEN, TOKEN, "other", 5]),
     fields=st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=8), msgpack_values, max_size=8),
 )

@@ -52,18 +52,6 @@ class GroupInfo:
         return len(self.members)
 
 
-@dataclass(frozen=True)
-class GroupJoin:
-    """What joining one group needs: its NCCL id (from member 0's offer; None on host), the
-    group's barrier, and the scratch buffer with every member's scratch mapped (host only)."""
-
-    group: GroupInfo
-    nccl_id: bytes | None
-    barrier: "Barrier"
-    scratch: "DeviceBuffer | None" = None
-    peer_scratch: "PtrTable | None" = None
-
-
 class DeviceBuffer(abc.ABC):
     """A buffer owned by this rank. `ptr` is its address in this process (device VA on cuda)."""
 
@@ -162,7 +150,8 @@ class Graph(abc.ABC):
 
 
 class Collectives(abc.ABC):
-    """Collectives of one group on raw addresses (NCCL on cuda; shared memory on host).
+    """Collectives of one group on raw addresses (made by tray.collectives: NCCL on cuda, shared memory
+    on host).
 
     `count` is in elements of `dtype` (a numpy dtype name or "bf16"); for allgather and alltoall
     `count` is the per-member chunk. All calls are enqueued on the rank's stream.
@@ -283,24 +272,12 @@ class Backend(abc.ABC):
     def capture(self, body: Callable[[], None]) -> Graph:
         """Record the stream work `body` enqueues; replay it later as one graph."""
 
-    # --- kernels and collectives ----------------------------------------------------------------
+    # --- kernels ------------------------------------------------------------------------------------
     @abc.abstractmethod
     def load_kernel(self, name: str, code: bytes, entry: str, options: Sequence[str], peers: bool,
                     filename: str = "") -> Kernel:
         """The kernel `entry` of CUDA C source `code` (the bytes the manifest digested; the host backend
         runs the numpy twin registered under `name` instead). `filename` names the source in errors."""
-
-    def nccl_unique_id(self) -> bytes | None:
-        """A fresh NCCL unique id (128 bytes) for a group this rank leads; None if not used."""
-        return None
-
-    def scratch_nbytes(self, group_size: int, largest_nbytes: int) -> int:
-        """Bytes of exported per-group scratch the collectives need (host stages through it)."""
-        return 0
-
-    @abc.abstractmethod
-    def join_groups(self, joins: Sequence[GroupJoin]) -> dict[str, Collectives]:
-        """Join every group at once (one NCCL group call on cuda); keyed by group name."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

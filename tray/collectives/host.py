@@ -6,18 +6,38 @@ depend on who reduces).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 from tray.backend.base import Barrier, Collectives, DeviceBuffer, GroupInfo, PtrTable, numpy_dtype
-from tray.backend.host import view
+from tray.backend.host import PAGE_NBYTES, view
+from tray.collectives import GroupJoin, Joiner
 from tray.errors import UsageError
 
 
+class HostJoiner(Joiner):
+    """Host groups need no join info; each stages through an exported scratch buffer per group."""
+
+    def buffer_nbytes(self, group: GroupInfo, largest_nbytes: int) -> int:
+        # NOTE: collectives stage a whole send buffer (alltoall sends G chunks) through scratch.
+        nbytes = max(largest_nbytes, 8 * group.size)
+        return -(-nbytes // PAGE_NBYTES) * PAGE_NBYTES
+
+    def join_info(self, group: GroupInfo) -> bytes:
+        return b""
+
+    def join(self, joins: Sequence[GroupJoin]) -> dict[str, Collectives]:
+        out: dict[str, Collectives] = {}
+        for j in joins:
+            if j.buffer is None or j.peer_buffers is None:
+                raise UsageError(f"group {j.group.name!r}: host collectives need a scratch buffer")
+            out[j.group.name] = HostCollectives(j.group, j.barrier, j.buffer, j.peer_buffers)
+        return out
+
+
 class HostCollectives(Collectives):
-    def __init__(self, backend: Any, group: GroupInfo, barrier: Barrier, scratch: DeviceBuffer,
-                 peer_scratch: PtrTable) -> None:
+    def __init__(self, group: GroupInfo, barrier: Barrier, scratch: DeviceBuffer, peer_scratch: PtrTable) -> None:
         self.group = group
         self._barrier = barrier
         self._scratch = scratch

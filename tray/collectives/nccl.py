@@ -30,7 +30,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tray.backend.base import Collectives, GroupInfo, itemsize
-from tray.errors import DeviceError, UsageError
+from tray.collectives import GroupJoin, Joiner
+from tray.errors import DeviceError, HandshakeError, UsageError
 
 UNIQUE_ID_NBYTES = 128
 
@@ -511,9 +512,39 @@ def join_all(groups: Sequence[tuple[GroupInfo, bytes]], stream: int, device: int
     raise DeviceError(f"{context}: {detail}{tail}") from (failure[1] if failure else None)
 
 
+# --- the collectives layer's joiner -----------------------------------------------------------------
+
+
+class NcclJoiner(Joiner):
+    """Joins NCCL groups for one cuda backend: member 0 offers a fresh unique id as the join info.
+
+    `backend` needs `make_current()`, `stream_handle` (the rank's stream as an int) and `info.ordinal`.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def join_info(self, group: GroupInfo) -> bytes:
+        return get_unique_id()
+
+    def join(self, joins: Sequence[GroupJoin]) -> dict[str, Collectives]:
+        """One NCCL group call for every group. HandshakeError when member 0 offered no unique id
+        (e.g. its offer came from a host-backend rank); DeviceError when NCCL fails."""
+        missing = [j.group.name for j in joins if len(j.join_info) != UNIQUE_ID_NBYTES]
+        if missing:
+            raise HandshakeError(
+                f"no NCCL unique id for group(s) {', '.join(missing)}: member 0 of each group must offer "
+                f"{UNIQUE_ID_NBYTES} bytes of join info (was its offer made by a host-backend rank?)"
+            )
+        self.backend.make_current()
+        return dict(join_all([(j.group, j.join_info) for j in joins], self.backend.stream_handle,
+                             self.backend.info.ordinal))
+
+
 __all__ = [
     "NCCL_DTYPES",
     "NcclGroup",
+    "NcclJoiner",
     "decode_version",
     "format_call",
     "format_error",

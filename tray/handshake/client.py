@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from tray.errors import HandshakeError, PeerFailure
+from tray.errors import HandshakeError
 from tray.handshake import wire
 
 # NOTE: a heartbeat every 0.5 s lets the head declare a rank dead after a few seconds without
@@ -62,7 +62,7 @@ class RendezvousClient:
         self._sock.send(wire.encode(msg))
 
     def receive(self, expected: type, timeout_s: float, waiting_for: str) -> Any:
-        """The next message of type `expected`; raises on Abort/Reject or after `timeout_s`."""
+        """The next message of type `expected`; raises on Reject or after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
             left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
@@ -74,8 +74,6 @@ class RendezvousClient:
             msg = wire.decode(self._sock.recv(), token=self.token, sender="the head")
             if isinstance(msg, expected):
                 return msg
-            if isinstance(msg, wire.Abort):
-                raise PeerFailure(f"the head stopped the tray: {msg.reason}")
             if isinstance(msg, wire.Reject):
                 raise HandshakeError(f"the head refused a message of rank {self.rank}: {msg.reason}")
             # anything else is stale (e.g. a decision for an old round): skip it

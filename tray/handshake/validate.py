@@ -20,12 +20,12 @@ def validate_offers(
     digest: str,
     uid: int,
     pids: Mapping[int, int],
-    nccl_leaders: Mapping[str, Sequence[int]],
+    group_leaders: Mapping[str, Sequence[int]],
 ) -> list[str]:
     """Problems with a complete set of offers (empty when the tray may proceed).
 
-    `pids`: rank -> pid of the process the head started. `nccl_leaders`: group name -> the ranks
-    that lead an instance of it and must carry its NCCL id (empty on the host backend).
+    `pids`: rank -> pid of the process the head started. `group_leaders`: group name -> the ranks
+    that lead (are member 0 of) an instance of it and must offer its join info.
     Each problem names the ranks at fault and what to do.
     """
     problems: list[str] = []
@@ -84,9 +84,9 @@ def validate_offers(
                     problems.append(f"rank {o.rank} offered buffer {name!r} of {nbytes} B, rank "
                                     f"{reference.rank} of {ref[name]} B; check the vars of each rank")
 
-    for group, leaders in nccl_leaders.items():
+    for group, leaders in group_leaders.items():
         for r in leaders:
             o = by_rank.get(r)
-            if o is not None and group not in o.nccl:
-                problems.append(f"rank {r} leads group {group!r} but offered no NCCL id for it")
+            if o is not None and group not in o.groups:
+                problems.append(f"rank {r} leads group {group!r} but offered no join info for it")
     return problems

@@ -12,13 +12,14 @@ import msgpack  # type: ignore[import-untyped]
 
 from tray.errors import WireError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
-# NOTE: a CUDA fabric handle (CUmemFabricHandle) is 64 opaque bytes; an ncclUniqueId is 128.
+# NOTE: a CUDA fabric handle (CUmemFabricHandle) is 64 opaque bytes. A group's join info is whatever
+# its collectives need (an ncclUniqueId is 128 bytes); 4 KiB bounds it far above that.
 FABRIC_HANDLE_NBYTES = 64
-NCCL_UNIQUE_ID_NBYTES = 128
+MAX_JOIN_INFO_NBYTES = 4096
 # NOTE: votes carry small config-like values; a deeper value is a bug or an attempt to blow the stack.
 MAX_VALUE_DEPTH = 8
 
@@ -92,6 +93,19 @@ def _as_bytes(value: object, path: str, nbytes: int) -> bytes:
     return value
 
 
+def _as_blob_map(value: object, path: str, max_nbytes: int) -> dict[str, bytes]:
+    """{str: bytes} with every value at most `max_nbytes` long (empty is fine)."""
+    out = {}
+    for k, v in _as_map(value, path).items():
+        where = f"{path}[{_show(k)}]"
+        if type(v) is not bytes:
+            raise _bad(where, f"at most {max_nbytes} bytes", v)
+        if len(v) > max_nbytes:
+            raise WireError(f"field '{where}': expected at most {max_nbytes} bytes, got {len(v)} bytes")
+        out[k] = v
+    return out
+
+
 def _as_list(value: object, path: str) -> list[Any]:
     if type(value) is not list:
         raise _bad(path, "list", value)
@@ -110,10 +124,6 @@ def _as_map(value: object, path: str) -> dict[str, Any]:
 
 def _as_float_map(value: object, path: str) -> dict[str, float]:
     return {k: _as_float(v, f"{path}[{_show(k)}]") for k, v in _as_map(value, path).items()}
-
-
-def _as_bytes_map(value: object, path: str, nbytes: int) -> dict[str, bytes]:
-    return {k: _as_bytes(v, f"{path}[{_show(k)}]", nbytes) for k, v in _as_map(value, path).items()}
 
 
 def _as_plain(value: object, path: str, depth: int = 0) -> Any:
@@ -266,8 +276,9 @@ class _Message:
 @dataclass(frozen=True, slots=True)
 class Offer(_Message):
     """rank -> head: who this rank is, what it exports (DESIGN 5). `host` is the boot id, `manifest`
-    the manifest's sha256 hex, `nccl` {group name: 128-byte unique id} for groups whose member 0 is
-    this rank, `timings` {phase: seconds}."""
+    the manifest's sha256 hex, `groups` {group name: join info} for the groups whose member 0 is this
+    rank (opaque bytes the collectives of the group need to join it, at most MAX_JOIN_INFO_NBYTES;
+    empty when they need none), `timings` {phase: seconds}."""
 
     KIND: ClassVar[str] = "offer"
     rank: int
@@ -280,7 +291,7 @@ class Offer(_Message):
     manifest: str
     fd_socket: str
     buffers: tuple[BufferOffer, ...]
-    nccl: dict[str, bytes]
+    groups: dict[str, bytes]
     timings: dict[str, float]
 
     def _payload(self) -> dict[str, Any]:
@@ -295,7 +306,7 @@ class Offer(_Message):
             "manifest": self.manifest,
             "fd_socket": self.fd_socket,
             "buffers": [b.to_body() for b in self.buffers],
-            "nccl": dict(sorted(self.nccl.items())),
+            "groups": dict(sorted(self.groups.items())),
             "timings": _timings_body(self.timings),
         }
 
@@ -326,7 +337,7 @@ class Offer(_Message):
                 BufferOffer.from_body(_as_map(x, f"{p}buffers[{i}]"), prefix=f"{p}buffers[{i}].")
                 for i, x in enumerate(buffers)
             ),
-            nccl=_as_bytes_map(b["nccl"], p + "nccl", NCCL_UNIQUE_ID_NBYTES),
+            groups=_as_blob_map(b["groups"], p + "groups", MAX_JOIN_INFO_NBYTES),
             timings=_as_float_map(b["timings"], p + "timings"),
         )
 
@@ -361,7 +372,7 @@ class Table(_Message):
 
 @dataclass(frozen=True, slots=True)
 class Ready(_Message):
-    """rank -> head: peer tables filled, NCCL groups joined; `timings` {phase: seconds}."""
+    """rank -> head: peer tables filled, collectives of every group joined; `timings` {phase: seconds}."""
 
     KIND: ClassVar[str] = "ready"
     rank: int
@@ -532,24 +543,6 @@ class Decision(_Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Abort(_Message):
-    """head -> every rank: the tray is going down, for `reason`."""
-
-    KIND: ClassVar[str] = "abort"
-    reason: str
-
-    def _payload(self) -> dict[str, Any]:
-        return {"reason": self.reason}
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
-        b = _fields(body, _names(cls), prefix)
-        return cls(
-            token=_as_str(b["token"], prefix + "token"), reason=_as_str(b["reason"], prefix + "reason")
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class Reject(_Message):
     """head -> one rank: the head refused that rank's last message, for `reason`."""
 
@@ -572,12 +565,12 @@ def _timings_body(timings: dict[str, float]) -> dict[str, Any]:
 
 
 Message: TypeAlias = (
-    Offer | Table | Ready | Go | ErrorReport | Heartbeat | Bye | Vote | Decision | Abort | Reject
+    Offer | Table | Ready | Go | ErrorReport | Heartbeat | Bye | Vote | Decision | Reject
 )
 
 KINDS: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (Offer, Table, Ready, Go, ErrorReport, Heartbeat, Bye, Vote, Decision, Abort, Reject)
+    for cls in (Offer, Table, Ready, Go, ErrorReport, Heartbeat, Bye, Vote, Decision, Reject)
 }
 
 

@@ -31,7 +31,7 @@ from tray.numa import NumaPlacement, placement_for
 EXIT_RANK_FAILED = 1
 EXIT_HANDSHAKE = 3
 _POLL_MS = 20
-PHASES = ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "nccl",
+PHASES = ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
           "ready")
 
 
@@ -227,14 +227,11 @@ class Head:
         proc.state = RankState.OFFERED
         if len(self.offers) < self.spec.nprocs:
             return
-        leaders: dict[str, list[int]] = {}
-        if self.spec.backend == "cuda":
-            for name, instances in self.resolved.groups.items():
-                leaders[name] = [members[0] for members in instances]
+        leaders = {name: [members[0] for members in instances] for name, instances in self.resolved.groups.items()}
         problems = validate_offers(
             [self.offers[r] for r in range(self.spec.nprocs)], world_size=self.spec.nprocs,
             digest=self.manifest.digest, uid=os.getuid(), pids={p.rank: p.pid for p in self.procs},
-            nccl_leaders=leaders,
+            group_leaders=leaders,
         )
         if problems:
             self._fail(Failure(None, "the offers disagree; nobody proceeds:\n  " + "\n  ".join(problems),

@@ -16,9 +16,8 @@ ranks' exchange sequences never drift apart.
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tray.errors import DeviceError, NoRoom, UsageError
@@ -28,6 +27,7 @@ from tray.numa.pool import Placement
 from tray.park.pages import fold_runs
 from tray.park.pools import RankPools, StatePool
 from tray.park.session import ParkedSession, ParkStats, Session, SessionRecord, Where
+from tray.rank.wiring import RankContext
 
 TOPIC = "tray.park"
 # NOTE: the room vote waits only for every rank to reach the call; a minute covers a rank that is
@@ -92,18 +92,19 @@ def shortage(op: str, votes: Sequence[dict[str, Any]]) -> str | None:
 class Parking:
     """Park/wake of one rank. `Rank` builds it on first use (`rank.lease/park/wake`).
 
-    `rank` needs `rank`, `world_size`, `backend`, `resolved` (the ResolvedManifest) and
-    `exchange(topic, value, timeout_s)`. The pools (device buffers, one pinned host pool) are made at
-    the first lease. `stats` counts what this rank copied.
+    It uses of the rank (`ctx`, a RankContext): `rank`, `world_size`, `backend`, `resolved` (the
+    ResolvedManifest), `exchange(topic, value, timeout_s)` and `phases` (the head sees park/wake as the
+    rank's phase). The pools (device buffers, one pinned host pool) are made at the first lease.
+    `stats` counts what this rank copied.
     """
 
-    def __init__(self, rank: Any, timeout_s: float = VOTE_TIMEOUT_S) -> None:
-        self._rank = rank
-        self.rank: int = rank.rank
-        self.world_size: int = rank.world_size
-        self.backend = rank.backend
+    def __init__(self, ctx: RankContext, timeout_s: float = VOTE_TIMEOUT_S) -> None:
+        self._ctx = ctx
+        self.rank: int = ctx.rank
+        self.world_size: int = ctx.world_size
+        self.backend = ctx.backend
         self.timeout_s = timeout_s
-        self._specs: dict[str, ResolvedState] = {s.name: s for s in rank.resolved.states}
+        self._specs: dict[str, ResolvedState] = {s.name: s for s in ctx.resolved.states}
         self._pools: RankPools | None = None
         self._records: dict[int, SessionRecord] = {}  # sessions not released
         self._next_id = 0
@@ -200,21 +201,8 @@ class Parking:
         self._records.pop(record.id, None)
 
     # --- the tray-wide steps -------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        """Show `name` as this rank's phase (the head names it if the rank dies or hangs here)."""
-        enter = getattr(self._rank, "_enter", None)
-        before = getattr(self._rank, "phase", "run")
-        if enter is not None:
-            enter(name)
-        try:
-            yield
-        finally:
-            if enter is not None:
-                enter(before)
-
     def _exchange(self, value: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
-        return list(self._rank.exchange(TOPIC, value, timeout_s))
+        return list(self._ctx.exchange(TOPIC, value, timeout_s))
 
     def _room_vote(
         self,
@@ -288,7 +276,7 @@ class Parking:
         session, or another session than the others); DeviceError on every rank when a copy failed
         (the session stays live everywhere). Returns the ParkedSession; `session` is then stale.
         """
-        with self._phase("park"):
+        with self._ctx.phases.showing("park"):
             record, error = self._current(session, Session, "park", Where.DEVICE)
             reserved: tuple[int, ...] | None = None
             free = total = need = nbytes = 0
@@ -353,7 +341,7 @@ class Parking:
         UsageError on misuse (waking twice, a released session, different sessions); DeviceError when
         a copy failed (`parked` stays parked everywhere). Returns the live Session.
         """
-        with self._phase("wake"):
+        with self._ctx.phases.showing("wake"):
             record, error = self._current(parked, ParkedSession, "wake", Where.HOST)
             leased: tuple[int, ...] | None = None
             free = total = need = nbytes = 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Graph
 from tray.errors import UsageError
@@ -25,6 +24,7 @@ from tray.manifest.schema import (
     ResolvedOp,
     ResolvedProgram,
 )
+from tray.rank.wiring import RankContext
 
 Step = Callable[[], None]
 
@@ -52,10 +52,11 @@ class Plan:
 
 
 class Executor:
-    """Runs manifest programs for one rank. Plans are cached by (program, vars)."""
+    """Runs manifest programs for one rank (`ctx`). Plans are cached by (program, vars)."""
 
-    def __init__(self, rank: Any, barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
-        self.rank = rank
+    def __init__(self, ctx: RankContext, barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        self.ctx = ctx
+        self.wiring = ctx.wiring
         self.barrier_timeout_s = barrier_timeout_s
         self._plans: dict[tuple[str, tuple[tuple[str, int], ...]], Plan] = {}
 
@@ -71,18 +72,18 @@ class Executor:
         return plan
 
     def _resolved_program(self, program: str, vars: dict[str, int]) -> ResolvedProgram:
-        rank = self.rank
+        ctx = self.ctx
         if not vars:
-            return rank.resolved.program(program)
-        merged = dict(rank.env.vars)
+            return ctx.resolved.program(program)
+        merged = dict(ctx.wiring.env.vars)
         merged.update(vars)
-        resolved = rank.manifest.resolve(rank.world_size, merged)
+        resolved = ctx.manifest.resolve(ctx.world_size, merged)
         for b in resolved.buffers:
-            if b.nbytes != rank.resolved.buffer(b.name).nbytes:
+            if b.nbytes != ctx.resolved.buffer(b.name).nbytes:
                 changed = ", ".join(f"{k}={v}" for k, v in vars.items())
                 raise UsageError(
                     f"program {program!r} with {changed}: buffer {b.name!r} would need {b.nbytes} B but was "
-                    f"allocated with {rank.resolved.buffer(b.name).nbytes} B; set size-changing vars at launch "
+                    f"allocated with {ctx.resolved.buffer(b.name).nbytes} B; set size-changing vars at launch "
                     "(tray launch --var NAME=INT)"
                 )
         return resolved.program(program)
@@ -93,51 +94,51 @@ class Executor:
         steps = [self._step(op) for op in resolved.ops]
         plan = Plan(program=program, steps=steps)
         if resolved.graph:
-            plan.graph = self.rank.backend.capture(lambda: [s() for s in steps])
+            plan.graph = self.ctx.backend.capture(lambda: [s() for s in steps])
         plan.build_s = time.perf_counter() - t0
         return plan
 
     # --- one op -> one step -------------------------------------------------------------------------
     def _ptr(self, ref: BufferRef) -> int:
-        return self.rank.buffer(ref.name).ptr + ref.offset
+        return self.wiring.buffers[ref.name].ptr + ref.offset
 
     def _step(self, op: ResolvedOp) -> Step:
         match op:
             case ResolvedLaunch():
-                kernel = self.rank.kernel(op.kernel)
+                kernel = self.ctx.kernel(op.kernel)
                 return kernel.bind(op.grid, op.block, [self._arg(a) for a in op.args], op.shmem).launch
             case ResolvedCollective():
                 return self._collective(op)
             case ResolvedGemm():
-                backend = self.rank.backend
+                backend = self.ctx.backend
                 a, b, c = self._ptr(op.a), self._ptr(op.b), self._ptr(op.c)
                 m, n, k, dtype, accumulate = op.m, op.n, op.k, op.dtype, op.accumulate
                 return lambda: backend.gemm(a, b, c, m, n, k, dtype, accumulate)
             case ResolvedBarrier():
-                barrier = self.rank.barrier_of(op.group)
+                barrier = self.wiring.barrier(op.group)
                 timeout_s = self.barrier_timeout_s
                 return lambda: barrier.launch(timeout_s)
             case ResolvedCopy():
-                backend = self.rank.backend
+                backend = self.ctx.backend
                 src, dst, nbytes = self._ptr(op.src), self._ptr(op.dst), op.nbytes
                 return lambda: backend.copy(dst, src, nbytes)
 
     def _arg(self, arg: ResolvedArg) -> int | float:
         if arg.kind == "buffer":
             assert arg.name is not None
-            return self.rank.buffer(arg.name).ptr + arg.offset
+            return self.wiring.buffers[arg.name].ptr + arg.offset
         if arg.kind == "peers":
             assert arg.name is not None
-            return self.rank.peers(arg.name).table_ptr
+            return self.wiring.peers(arg.name).table_ptr
         if arg.kind == "rank":
-            return int(self.rank.rank)
+            return self.ctx.rank
         if arg.kind == "index":
             assert arg.name is not None
-            return self.rank.group(arg.name).index
+            return self.wiring.group(arg.name).index
         return arg.value
 
     def _collective(self, op: ResolvedCollective) -> Step:
-        coll = self.rank.collectives(op.group)
+        coll = self.wiring.collectives_of(op.group)
         send, recv, count, dtype = self._ptr(op.send), self._ptr(op.recv), op.count, op.dtype
         if op.peer is not None:
             peer = op.peer

@@ -15,10 +15,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tray.weights.bind import ResolvedBind, resolve_bind
 from tray.weights.safetensors import CheckpointError, SafetensorsHeader, read_header
+
+if TYPE_CHECKING:
+    from tray.rank import Rank, RankContext
 
 # NOTE: 64 MiB per staging buffer keeps a PCIe Gen5 link busy (one copy ~1.2 ms) while the next read
 # runs, at a pinned footprint (2 x 64 MiB) that any host can spare.
@@ -259,17 +262,17 @@ def load_targets(
     return report
 
 
-def rank_targets(rank: Any) -> list[BindTarget]:
-    """The bound buffers of a tray.Rank, with the names their bind expressions see."""
+def rank_targets(ctx: RankContext) -> list[BindTarget]:
+    """The bound buffers of a rank, with the names their bind expressions see."""
     targets = []
-    names = [b.name for b in rank.manifest.buffers]
-    for b in rank.resolved.buffers:
+    names = [b.name for b in ctx.manifest.buffers]
+    for b in ctx.resolved.buffers:
         if not b.bind:
             continue
-        env = dict(rank.resolved.vars)
-        env["rank"] = rank.rank
-        env["index"] = rank.group(b.group).index
-        buf = rank.buffer(b.name)
+        env = dict(ctx.resolved.vars)
+        env["rank"] = ctx.rank
+        env["index"] = ctx.wiring.group(b.group).index
+        buf = ctx.wiring.buffer(b.name)
         targets.append(
             BindTarget(
                 b.name,
@@ -286,18 +289,22 @@ def rank_targets(rank: Any) -> list[BindTarget]:
 
 
 def load_weights(
-    rank: Any, *, staging_nbytes: int = DEFAULT_STAGING_NBYTES, progress: bool = True
+    rank: Rank | RankContext, *, staging_nbytes: int = DEFAULT_STAGING_NBYTES, progress: bool = True
 ) -> WeightsReport:
-    """Fill every buffer of `rank` whose manifest entry has a `bind` (see tray/weights/bind.py).
+    """Fill every buffer of `rank` (a tray.Rank, or its context) whose manifest entry has a `bind`
+    (see tray/weights/bind.py).
 
     Synchronous: returns when every byte landed on the device. Raises ManifestError for a bad bind,
     CheckpointError for a missing file or tensor, a wrong dtype or shape, or a truncated file.
     """
+    from tray.rank import RankContext
+
+    ctx = rank if isinstance(rank, RankContext) else rank.context()
     return load_targets(
-        rank.backend,
-        rank_targets(rank),
-        rank.manifest.path,
-        who=f" rank {rank.rank}",
+        ctx.backend,
+        rank_targets(ctx),
+        ctx.manifest.path,
+        who=f" rank {ctx.rank}",
         staging_nbytes=staging_nbytes,
         progress=progress,
     )

@@ -1,7 +1,7 @@
 """The cuda backend: one rank's GPU (primary context, one non-blocking stream) through the facade.
 
-Everything a `CudaBackend` makes (buffers, mappings, tables, barriers, kernels, timers, graphs, NCCL
-groups) is tracked and released by `close()`, in reverse order of dependence. Calls that create or
+Everything a `CudaBackend` makes (buffers, mappings, tables, barriers, kernels, timers, graphs) is
+tracked and released by `close()`, in reverse order of dependence. Calls that create or
 move things make the backend's context current first, so two backends in one process (tests, doctor)
 stay apart; the hot paths (kernel and barrier launches, graph replays) do not.
 """
@@ -17,13 +17,11 @@ import numpy as np
 
 from tray.backend.base import (
     Backend,
-    Collectives,
     DeviceBuffer,
     DeviceInfo,
     ExportedHandle,
     Graph,
     GroupInfo,
-    GroupJoin,
     HostMemory,
     PtrTable,
     Timer,
@@ -32,7 +30,7 @@ from tray.backend.cuda import driver as drv
 from tray.backend.cuda import memory, nvrtc
 from tray.backend.cuda.barrier import BARRIER_ENTRY, BARRIER_SOURCE, CudaBarrier, kernel_dir
 from tray.backend.cuda.kernels import CudaKernel
-from tray.errors import DeviceError, HandshakeError, UsageError
+from tray.errors import DeviceError, UsageError
 
 
 class CudaTimer(Timer):
@@ -127,8 +125,7 @@ class CudaBackend(Backend):
         self._kernels: dict[tuple[Any, ...], CudaKernel] = {}
         self._modules: list[Any] = []
         self._owned: dict[str, list[Any]] = {
-            kind: [] for kind in ("collectives", "graphs", "timers", "barriers", "tables", "mappings",
-                                  "buffers", "host")
+            kind: [] for kind in ("graphs", "timers", "barriers", "tables", "mappings", "buffers", "host")
         }
         self._closed = False
 
@@ -319,7 +316,7 @@ class CudaBackend(Backend):
         if graph is not None:
             drv.graph_destroy(graph)
 
-    # --- kernels and collectives --------------------------------------------------------------------
+    # --- kernels ------------------------------------------------------------------------------------
 
     def load_kernel(self, name: str, code: bytes, entry: str, options: Sequence[str], peers: bool,
                     filename: str = "") -> CudaKernel:
@@ -346,26 +343,6 @@ class CudaBackend(Backend):
             self._kernels[key] = kernel
         return kernel
 
-    def nccl_unique_id(self) -> bytes | None:
-        from tray.collectives import nccl
-
-        return nccl.get_unique_id()
-
-    def join_groups(self, joins: Sequence[GroupJoin]) -> dict[str, Collectives]:
-        """Join every group's NCCL communicator in one NCCL group call; keyed by group name."""
-        missing = [j.group.name for j in joins if j.nccl_id is None]
-        if missing:
-            raise HandshakeError(f"no NCCL unique id for group(s) {', '.join(missing)}: member 0 of each "
-                                 "group must offer one (was its offer made by a host-backend rank?)")
-        from tray.collectives import nccl
-
-        self.make_current()
-        groups = nccl.join_all(groups=[(j.group, j.nccl_id) for j in joins], stream=self.stream_handle,
-                               device=self.info.ordinal)
-        for group in groups.values():
-            self._track("collectives", group)
-        return dict(groups)
-
     # --- teardown ----------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -384,7 +361,7 @@ class CudaBackend(Backend):
         attempt(drv.stream_synchronize, self.stream)  # nothing in flight may use what is freed next
         if self._transfer is not None:
             attempt(drv.stream_synchronize, self._transfer)
-        for kind in ("collectives", "graphs", "timers", "barriers"):
+        for kind in ("graphs", "timers", "barriers"):
             while self._owned[kind]:
                 attempt(self._owned[kind].pop().close)
         if self._gemm is not None:

@@ -1,4 +1,4 @@
-"""The host backend: memfd buffers shared by fd, numpy kernels, shared-memory collectives.
+"""The host backend: memfd buffers shared by fd, numpy kernels (its collectives: tray/collectives/host.py).
 
 A real implementation, not a mock: real processes map each other's memfds, and the barrier runs
 the same epoch protocol as the GPU kernel, polled from Python.
@@ -23,7 +23,6 @@ from tray.backend.base import (
     ExportedHandle,
     Graph,
     GroupInfo,
-    GroupJoin,
     HostMemory,
     Kernel,
     PeerMapping,
@@ -273,20 +272,6 @@ class HostBackend(Backend):
 
         twin = lookup(name)
         return HostKernel(self, name, twin)
-
-    def scratch_nbytes(self, group_size: int, largest_nbytes: int) -> int:
-        # NOTE: collectives stage a whole send buffer (alltoall sends G chunks) through scratch.
-        return _round_up(max(largest_nbytes, 8 * group_size), PAGE_NBYTES)
-
-    def join_groups(self, joins: Sequence[GroupJoin]) -> dict[str, Any]:
-        from tray.collectives.host import HostCollectives
-
-        out = {}
-        for j in joins:
-            if j.scratch is None or j.peer_scratch is None:
-                raise UsageError(f"group {j.group.name!r}: host collectives need a scratch buffer")
-            out[j.group.name] = HostCollectives(self, j.group, j.barrier, j.scratch, j.peer_scratch)
-        return out
 
     def close(self) -> None:
         while self._owned:

@@ -1,0 +1,187 @@
+"""What a rank's start-up built (`Wiring`, frozen), and the values its public face hands out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PtrTable
+from tray.errors import UsageError
+from tray.handshake.client import RendezvousClient
+from tray.handshake.fdpass import FdServer
+from tray.manifest import Manifest, ResolvedBuffer, ResolvedManifest
+from tray.rank.env import RankEnv
+from tray.rank.phases import PhaseClock
+
+# Buffers the tray itself allocates and exports per group (named "tray:<role>:<group>"); users never
+# see them through `buffer()` or `peers()`.
+INTERNAL_PREFIX = "tray:"
+FLAGS_PREFIX = "tray:barrier:"
+GROUP_BUFFER_PREFIX = "tray:collectives:"
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A manifest buffer on this rank: `ptr` is its device address (host: process address)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    ptr: int
+    export: bool
+
+
+@dataclass(frozen=True)
+class PeerTable:
+    """Every member's address of one buffer, in member order; `table_ptr` is the device `u64[G]`."""
+
+    buffer: str
+    group: GroupInfo
+    ptrs: tuple[int, ...]
+    table_ptr: int
+
+
+def _release(collectives: Mapping[str, Collectives], barriers: Mapping[str, Barrier],
+             ptr_tables: Mapping[str, PtrTable], fd_server: FdServer | None, backend: Backend | None,
+             client: RendezvousClient | None) -> None:
+    """Dependents first: collectives and barriers use the tables, which use the backend's memory."""
+    for c in collectives.values():
+        c.close()
+    for b in barriers.values():
+        b.close()
+    for t in ptr_tables.values():
+        t.close()
+    if fd_server is not None:
+        fd_server.close()
+    if backend is not None:
+        backend.close()
+    if client is not None:
+        client.close()
+
+
+@dataclass
+class Parts:
+    """The resources of a rank's start-up as they are made; `close()` releases whatever exists, in
+    reverse order, so a start-up that fails part way leaves nothing behind."""
+
+    env: RankEnv
+    phases: PhaseClock
+    client: RendezvousClient | None = None
+    manifest: Manifest | None = None
+    resolved: ResolvedManifest | None = None
+    backend: Backend | None = None
+    fd_server: FdServer | None = None
+    groups: dict[str, GroupInfo] | None = None
+    buffers: dict[str, DeviceBuffer] | None = None
+    ptr_tables: dict[str, PtrTable] | None = None
+    peer_tables: dict[str, PeerTable] | None = None
+    barriers: dict[str, Barrier] | None = None
+    collectives: dict[str, Collectives] | None = None
+
+    def close(self) -> None:
+        _release(self.collectives or {}, self.barriers or {}, self.ptr_tables or {}, self.fd_server,
+                 self.backend, self.client)
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """A rank after the eight steps of DESIGN section 2: its manifest, device, buffers (manifest
+    buffers and the tray's own per-group buffers), peer tables, barriers and joined collectives.
+
+    The lookups raise UsageError naming what exists. `close()` releases everything, in reverse order.
+    """
+
+    env: RankEnv
+    phases: PhaseClock
+    client: RendezvousClient
+    manifest: Manifest
+    resolved: ResolvedManifest
+    backend: Backend
+    fd_server: FdServer
+    groups: Mapping[str, GroupInfo]
+    buffers: Mapping[str, DeviceBuffer]
+    ptr_tables: Mapping[str, PtrTable]
+    peer_tables: Mapping[str, PeerTable]
+    barriers: Mapping[str, Barrier]
+    collectives: Mapping[str, Collectives]
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    def spec(self, name: str) -> ResolvedBuffer:
+        """The resolved manifest buffer `name`."""
+        specs = {b.name: b for b in self.resolved.buffers}
+        if name not in specs:
+            raise UsageError(f"no buffer {name!r}; the manifest declares {sorted(specs) or 'none'}")
+        return specs[name]
+
+    def buffer(self, name: str) -> Buffer:
+        """The manifest buffer `name` on this rank."""
+        spec = self.spec(name)
+        return Buffer(name, spec.dtype, tuple(spec.shape), spec.nbytes, self.buffers[name].ptr, spec.export)
+
+    def peers(self, name: str) -> PeerTable:
+        """Every member's address of exported buffer `name` (over the buffer's group)."""
+        if name not in self.peer_tables or name.startswith(INTERNAL_PREFIX):
+            exported = sorted(n for n in self.peer_tables if not n.startswith(INTERNAL_PREFIX))
+            raise UsageError(f"no peer table for {name!r}; exported buffers with a group containing rank "
+                             f"{self.rank}: {exported or 'none'} (set \"export\": true in the manifest)")
+        return self.peer_tables[name]
+
+    def group(self, name: str) -> GroupInfo:
+        if name not in self.groups:
+            raise UsageError(f"rank {self.rank} is in no group {name!r}; its groups: {sorted(self.groups)}")
+        return self.groups[name]
+
+    def barrier(self, group: str) -> Barrier:
+        self.group(group)
+        return self.barriers[group]
+
+    def collectives_of(self, group: str) -> Collectives:
+        self.group(group)
+        return self.collectives[group]
+
+    def close(self) -> None:
+        _release(self.collectives, self.barriers, self.ptr_tables, self.fd_server, self.backend, self.client)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What the executor, parking and weight loading use of a rank that is up: its wiring, its
+    kernels (`kernel(name)`, compiled once), the tray-wide `exchange(topic, value, timeout_s)` and
+    its phase clock. They never reach into `Rank`."""
+
+    wiring: Wiring
+    kernel: Callable[[str], Any]
+    exchange: Callable[[str, Any, float], list[Any]]
+
+    @property
+    def rank(self) -> int:
+        return self.wiring.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.wiring.world_size
+
+    @property
+    def backend(self) -> Backend:
+        return self.wiring.backend
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.wiring.manifest
+
+    @property
+    def resolved(self) -> ResolvedManifest:
+        return self.wiring.resolved
+
+    @property
+    def phases(self) -> PhaseClock:
+        return self.wiring.phases
