@@ -89,7 +89,7 @@ def main() -> int:
     print(f"startup, {args.n} ranks, {backend} backend, median of {args.repeats}:")
     print(f"  launch -> all ready          {summary['ready_s']:.3f} s")
     print(f"  launch -> first allreduce    {summary['first_allreduce_s']:.3f} s")
-    for p in ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "nccl",
+    for p in ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
               "ready"):
         if p in summary["phases_s"]:
             print(f"    {p:<14}{summary['phases_s'][p] * 1e3:8.1f} ms (slowest rank)")

@@ -43,7 +43,7 @@ def test_four_ranks_share_memory_barrier_and_exchange(tray_env):
     for r in range(4):
         assert f"[rank {r}] checked {4 * 4096 * 4} bytes" in run.stdout
     assert "tray up in" in run.stderr  # the startup timeline
-    for phase in ("import", "manifest", "allocate", "table", "import_peers", "ready"):
+    for phase in ("import", "manifest", "allocate", "table", "import_peers", "join", "ready"):
         assert phase in run.stderr
 
 

@@ -7,8 +7,8 @@ The rank asks `for_backend(backend)` for a `Joiner` and, per group of this rank:
      `join_info(group)`: opaque bytes it offers to the group (e.g. an NCCL unique id);
   2. after the peer tables: `join(joins)` with member 0's join info, turning every group into its
      `Collectives` at once.
-The rank and the head carry join info as bytes and never look inside. Imports only the backend's
-interface; nccl.py is imported only for a cuda backend.
+The rank and the head carry join info as bytes and never look inside. Pure at import (the head
+imports it); host.py and nccl.py are imported only for their backend.
 """
 
 from __future__ import annotations
@@ -16,9 +16,16 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PtrTable
 from tray.errors import UsageError
+
+if TYPE_CHECKING:
+    from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PtrTable
+
+# Shared-memory segments (under /dev/shm) the collectives may leave behind when a rank is killed:
+# NCCL names its own "nccl-*". The head removes those that appeared during a failed tray.
+SHM_PATTERNS = ("nccl-*",)
 
 
 @dataclass(frozen=True)
@@ -64,4 +71,4 @@ def for_backend(backend: Backend) -> Joiner:
     raise UsageError(f"backend {backend.name!r} has no collectives; expected host or cuda")
 
 
-__all__ = ["GroupJoin", "Joiner", "for_backend"]
+__all__ = ["SHM_PATTERNS", "GroupJoin", "Joiner", "for_backend"]

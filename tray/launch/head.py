@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import zmq
 
+from tray.collectives import SHM_PATTERNS
 from tray.errors import WireError
 from tray.handshake import wire
 from tray.handshake.validate import validate_offers
@@ -52,11 +53,11 @@ def _init_driver() -> None:
     visible_gpu_count()
 
 
-def _nccl_shm() -> set[str]:
-    """NCCL's shared-memory segments of this uid (a rank killed mid-run cannot unlink its own)."""
+def _collectives_shm() -> set[str]:
+    """The collectives' shared-memory segments of this uid (a rank killed mid-run cannot unlink its own)."""
     root = Path("/dev/shm")
     try:
-        return {str(p) for p in root.glob("nccl-*") if p.stat().st_uid == os.getuid()}
+        return {str(p) for pattern in SHM_PATTERNS for p in root.glob(pattern) if p.stat().st_uid == os.getuid()}
     except OSError:
         return set()
 
@@ -102,7 +103,7 @@ class Head:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> TrayResult:
-        shm_before = _nccl_shm()
+        shm_before = _collectives_shm()
         job_dir = make_job_dir()
         endpoint = f"ipc://{job_dir}/head.sock"
         ctx = sock = None
@@ -125,7 +126,7 @@ class Head:
         finally:
             self._teardown()
             if self.failure is not None:
-                _remove_orphaned_shm(_nccl_shm() - shm_before)
+                _remove_orphaned_shm(_collectives_shm() - shm_before)
             if sock is not None:
                 sock.close()
             if ctx is not None:

@@ -20,7 +20,6 @@ from tray.handshake import wire
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer, fetch_fds
 from tray.manifest import builtin_manifest, load_manifest
-from tray.rank.env import RankEnv
 from tray.rank.wiring import (
     FLAGS_PREFIX,
     GROUP_BUFFER_PREFIX,
@@ -204,4 +203,4 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
     parts.collectives = joiner.join(joins)
 
 
-__all__ = ["READY_TIMINGS", "Parts", "RankEnv", "boot_id", "start"]
+__all__ = ["READY_TIMINGS", "boot_id", "start"]
