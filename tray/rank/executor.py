@@ -7,7 +7,6 @@ graph and replays it; host programs replay their resolved steps the same way.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +35,6 @@ class Plan:
     program: str
     steps: list[Step]
     graph: Graph | None = None
-    build_s: float = 0.0
 
     def run(self) -> None:
         if self.graph is not None:
@@ -89,13 +87,11 @@ class Executor:
         return resolved.program(program)
 
     def _build(self, program: str, vars: dict[str, int]) -> Plan:
-        t0 = time.perf_counter()
         resolved = self._resolved_program(program, vars)
         steps = [self._step(op) for op in resolved.ops]
         plan = Plan(program=program, steps=steps)
         if resolved.graph:
             plan.graph = self.ctx.backend.capture(lambda: [s() for s in steps])
-        plan.build_s = time.perf_counter() - t0
         return plan
 
     # --- one op -> one step -------------------------------------------------------------------------
