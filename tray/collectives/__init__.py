@@ -13,49 +13,17 @@ imports it); host.py and nccl.py are imported only for their backend.
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import UsageError
 
 if TYPE_CHECKING:
-    from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PtrTable
+    from tray.backend.base import Backend
 
 # Shared-memory segments (under /dev/shm) the collectives may leave behind when a rank is killed:
 # NCCL names its own "nccl-*". The head removes those that appeared during a failed tray.
 SHM_PATTERNS = ("nccl-*",)
-
-
-@dataclass(frozen=True)
-class GroupJoin:
-    """What joining one group takes: member 0's `join_info`, the group's barrier, and this rank's
-    working buffer with every member's mapped (`peer_buffers`, member order); both None when
-    `buffer_nbytes` asked for none."""
-
-    group: GroupInfo
-    join_info: bytes
-    barrier: Barrier
-    buffer: DeviceBuffer | None = None
-    peer_buffers: PtrTable | None = None
-
-
-class Joiner(abc.ABC):
-    """Joins the groups of one rank on one backend."""
-
-    def buffer_nbytes(self, group: GroupInfo, largest_nbytes: int) -> int:
-        """Bytes of the exported per-group working buffer the collectives need; 0 for none.
-        `largest_nbytes` is the manifest's largest buffer on this rank."""
-        return 0
-
-    @abc.abstractmethod
-    def join_info(self, group: GroupInfo) -> bytes:
-        """What member 0 of `group` offers for the others to join with (empty when nothing)."""
-
-    @abc.abstractmethod
-    def join(self, joins: Sequence[GroupJoin]) -> dict[str, Collectives]:
-        """Join every group at once; keyed by group name. The caller owns (closes) the results."""
 
 
 def for_backend(backend: Backend) -> Joiner:

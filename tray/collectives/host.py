@@ -12,7 +12,7 @@ import numpy as np
 
 from tray.backend.base import Barrier, Collectives, DeviceBuffer, GroupInfo, PtrTable, numpy_dtype
 from tray.backend.host import PAGE_NBYTES, view
-from tray.collectives import GroupJoin, Joiner
+from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import UsageError
 
 

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tray.backend.base import Collectives, GroupInfo, itemsize
-from tray.collectives import GroupJoin, Joiner
+from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import DeviceError, HandshakeError, UsageError
 
 UNIQUE_ID_NBYTES = 128

@@ -15,13 +15,17 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from tray.rank.wiring import RankContext
 from tray.weights.bind import ResolvedBind, resolve_bind
 from tray.weights.safetensors import CheckpointError, SafetensorsHeader, read_header
 
-if TYPE_CHECKING:
-    from tray.rank import Rank, RankContext
+
+class _HasContext(Protocol):
+    """A tray.Rank, as far as loading weights goes."""
+
+    def context(self) -> RankContext: ...
 
 # NOTE: 64 MiB per staging buffer keeps a PCIe Gen5 link busy (one copy ~1.2 ms) while the next read
 # runs, at a pinned footprint (2 x 64 MiB) that any host can spare.
@@ -289,7 +293,7 @@ def rank_targets(ctx: RankContext) -> list[BindTarget]:
 
 
 def load_weights(
-    rank: Rank | RankContext, *, staging_nbytes: int = DEFAULT_STAGING_NBYTES, progress: bool = True
+    rank: _HasContext | RankContext, *, staging_nbytes: int = DEFAULT_STAGING_NBYTES, progress: bool = True
 ) -> WeightsReport:
     """Fill every buffer of `rank` (a tray.Rank, or its context) whose manifest entry has a `bind`
     (see tray/weights/bind.py).
@@ -297,8 +301,6 @@ def load_weights(
     Synchronous: returns when every byte landed on the device. Raises ManifestError for a bad bind,
     CheckpointError for a missing file or tensor, a wrong dtype or shape, or a truncated file.
     """
-    from tray.rank import RankContext
-
     ctx = rank if isinstance(rank, RankContext) else rank.context()
     return load_targets(
         ctx.backend,
