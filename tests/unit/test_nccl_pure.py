@@ -482,13 +482,13 @@ def test_joiner_offers_a_unique_id_and_joins_with_member_0s(fake: FakeNccl) -> N
 
     fake.device = 1
     backend = FakeCudaBackend()
-    joiner = for_backend(backend)  # type: ignore[arg-type]
+    joiner = for_backend(backend)
     assert isinstance(joiner, m.NcclJoiner)
     assert joiner.buffer_nbytes(WORLD, 1 << 30) == 0  # NCCL needs no exported working buffer
     info = joiner.join_info(GroupInfo("world", (0, 1, 2, 3), 0))
     assert info == UID and fake.names() == ["get_unique_id"]
     other = bytes([9]) + bytes(127)
-    groups = joiner.join([GroupJoin(WORLD, info, barrier=None), GroupJoin(TP, other, barrier=None)])  # type: ignore[arg-type]
+    groups = joiner.join([GroupJoin(WORLD, info, barrier=None), GroupJoin(TP, other, barrier=None)])
     assert list(groups) == ["world", "tp0"] and backend.made_current == 1
     assert fake.calls[2] == ("comm_init_rank", (4, b"\x00", 1))
     assert fake.calls[3] == ("comm_init_rank", (2, b"\x09", 1))
@@ -503,7 +503,7 @@ def test_joiner_refuses_join_info_that_is_no_unique_id(fake: FakeNccl, info: byt
     joiner = m.NcclJoiner(FakeCudaBackend())
     with pytest.raises(HandshakeError, match=r"no NCCL unique id for group\(s\) tp0: member 0 of each group "
                                              r"must offer 128 bytes of join info"):
-        joiner.join([GroupJoin(WORLD, UID, barrier=None), GroupJoin(TP, info, barrier=None)])  # type: ignore[arg-type]
+        joiner.join([GroupJoin(WORLD, UID, barrier=None), GroupJoin(TP, info, barrier=None)])
     assert fake.calls == []
 
 
@@ -519,7 +519,7 @@ def test_host_joiner_needs_no_join_info_and_a_page_rounded_buffer() -> None:
         assert joiner.buffer_nbytes(WORLD, 1) == PAGE_NBYTES
         assert joiner.buffer_nbytes(WORLD, PAGE_NBYTES + 1) == 2 * PAGE_NBYTES
         with pytest.raises(UsageError, match="host collectives need a scratch buffer"):
-            joiner.join([GroupJoin(WORLD, b"", barrier=None)])  # type: ignore[arg-type]
+            joiner.join([GroupJoin(WORLD, b"", barrier=None)])
     finally:
         backend.close()
 
@@ -528,4 +528,4 @@ def test_unknown_backend_has_no_collectives() -> None:
     from tray.collectives import for_backend
 
     with pytest.raises(UsageError, match="backend 'rocm' has no collectives"):
-        for_backend(types.SimpleNamespace(name="rocm"))  # type: ignore[arg-type]
+        for_backend(types.SimpleNamespace(name="rocm"))

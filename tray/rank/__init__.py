@@ -237,17 +237,18 @@ def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
     tb = "".join(traceback.format_exception(exc))
     # NOTE: control messages are capped at 1 MiB; keep the traceback's end, where the cause is.
     tb = tb if len(tb) <= 64_000 else "...\n" + tb[-64_000:]
-    report = {"rank": env.rank, "phase": phase, "error_type": type(exc).__name__,
-              "message": str(exc)[:16_000], "traceback": tb}
+    report = wire.ErrorReport(token=env.token, rank=env.rank, phase=phase, error_type=type(exc).__name__,
+                              message=str(exc)[:16_000], traceback=tb)
     try:
         path = Path(env.job_dir) / f"rank-{env.rank}.error.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report))
+        tmp.write_text(json.dumps({"rank": report.rank, "phase": report.phase, "error_type": report.error_type,
+                                   "message": report.message, "traceback": report.traceback}))
         tmp.replace(path)
     except OSError:
         pass
     if client is not None:
         try:
-            client.send(wire.ErrorReport(token=env.token, **report))
+            client.send(report)
         except Exception:  # the head may be gone; the error file stays
             pass

@@ -91,7 +91,12 @@ class Executor:
         steps = [self._step(op) for op in resolved.ops]
         plan = Plan(program=program, steps=steps)
         if resolved.graph:
-            plan.graph = self.ctx.backend.capture(lambda: [s() for s in steps])
+
+            def body() -> None:
+                for step in steps:
+                    step()
+
+            plan.graph = self.ctx.backend.capture(body)
         return plan
 
     # --- one op -> one step -------------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""The rank's pure pieces: the phase clock (phase on the heartbeat, durations) and the wiring's lookups."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+
+from tray.backend.base import GroupInfo
+from tray.errors import UsageError
+from tray.manifest import parse_manifest
+from tray.rank.env import RankEnv
+from tray.rank.phases import PhaseClock
+from tray.rank.wiring import Buffer, PeerTable, Wiring
+
+
+def test_timed_phase_reaches_the_heartbeat_and_records_its_duration() -> None:
+    sink = types.SimpleNamespace(phase="start")
+    clock = PhaseClock(sink)
+    with clock.timed("allocate"):
+        assert sink.phase == "allocate" and clock.current == "allocate"
+        time.sleep(0.01)
+    assert 0.01 <= clock.timings["allocate"] < 1.0
+    with pytest.raises(RuntimeError), clock.timed("offer"):
+        raise RuntimeError("boom")
+    assert sink.phase == "offer" and "offer" in clock.timings  # the head names the phase that failed
+
+
+def test_showing_restores_the_phase_before_and_times_nothing() -> None:
+    sink = types.SimpleNamespace(phase="start")
+    clock = PhaseClock()
+    clock.enter("run")  # no sink yet: only the clock knows
+    clock.sink = sink
+    with pytest.raises(ValueError), clock.showing("park"):
+        assert sink.phase == "park"
+        raise ValueError
+    assert clock.current == "run" and sink.phase == "run" and clock.timings == {}
+
+
+def _wiring() -> Wiring:
+    doc = {
+        "format": 1,
+        "name": "w",
+        "groups": [{"name": "pairs", "size": 2}],
+        "buffers": [
+            {"name": "x", "dtype": "f32", "shape": [4], "export": True},
+            {"name": "y", "dtype": "u8", "shape": [3]},
+        ],
+    }
+    resolved = parse_manifest(doc, "<test>", ".").resolve(4)
+    env = RankEnv(rank=1, world_size=4, local_rank=1, device=1, endpoint="", job_dir="", token="t",
+                  manifest="", backend="host", vars=(), t_spawn=None)
+    world = GroupInfo("world", (0, 1, 2, 3), 1)
+    table = PeerTable("x", world, (16, 32, 48, 64), 4096)
+    ptr = types.SimpleNamespace
+    return Wiring(env=env, phases=PhaseClock(), client=None, manifest=resolved.manifest, resolved=resolved,
+                  backend=None, fd_server=None, groups={"world": world, "pairs": GroupInfo("pairs", (0, 1), 1)},
+                  buffers={"x": ptr(ptr=32), "y": ptr(ptr=96), "tray:barrier:world": ptr(ptr=128)},
+                  ptr_tables={}, peer_tables={"x": table, "tray:barrier:world": table}, barriers={},
+                  collectives={})
+
+
+def test_wiring_lookups_name_what_exists() -> None:
+    w = _wiring()
+    assert w.rank == 1 and w.world_size == 4
+    assert w.buffer("x") == Buffer("x", "f32", (4,), 16, 32, True)
+    assert w.peers("x").ptrs == (16, 32, 48, 64) and w.group("pairs").members == (0, 1)
+    with pytest.raises(UsageError, match=r"no buffer 'z'; the manifest declares \['x', 'y'\]"):
+        w.buffer("z")
+    with pytest.raises(UsageError, match=r"no peer table for 'y'; .* rank 1: \['x'\]"):
+        w.peers("y")
+    with pytest.raises(UsageError, match="no peer table for 'tray:barrier:world'"):
+        w.peers("tray:barrier:world")  # the tray's own buffers stay private
+    with pytest.raises(UsageError, match=r"rank 1 is in no group 'tp'; its groups: \['pairs', 'world'\]"):
+        w.barrier("tp")
