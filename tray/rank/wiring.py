@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -115,12 +116,15 @@ class Wiring:
     def world_size(self) -> int:
         return self.env.world_size
 
+    @functools.cached_property
+    def _specs(self) -> dict[str, ResolvedBuffer]:
+        return {b.name: b for b in self.resolved.buffers}
+
     def spec(self, name: str) -> ResolvedBuffer:
         """The resolved manifest buffer `name`."""
-        specs = {b.name: b for b in self.resolved.buffers}
-        if name not in specs:
-            raise UsageError(f"no buffer {name!r}; the manifest declares {sorted(specs) or 'none'}")
-        return specs[name]
+        if name not in self._specs:
+            raise UsageError(f"no buffer {name!r}; the manifest declares {sorted(self._specs) or 'none'}")
+        return self._specs[name]
 
     def buffer(self, name: str) -> Buffer:
         """The manifest buffer `name` on this rank."""
