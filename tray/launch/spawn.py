@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import IO, TextIO
 
 from tray.errors import UsageError
 from tray.launch.spec import RankProcess, TraySpec
@@ -85,7 +85,7 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
 class _Stream:
     """One rank stream being pumped: its fd, where its lines go, and the partial last line."""
 
-    def __init__(self, proc: RankProcess, src: BinaryIO, dst: TextIO, log: TextIO | None) -> None:
+    def __init__(self, proc: RankProcess, src: IO[bytes], dst: TextIO, log: TextIO | None) -> None:
         self.proc = proc
         self.src = src
         self.fd = src.fileno()
