@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tray.errors import UsageError
+from tray.launch.shm import remove_recorded_shm
 
 LOCK_NAME = "head.lock"
 # NOTE: sun_path holds 108 bytes with its NUL; ZeroMQ's ipc:// and the fd sockets bind there.
@@ -176,8 +177,6 @@ def try_lock(root_fd: int, name: str) -> int | None:
 def sweep_stale(root_fd: int) -> list[str]:
     """Remove job dirs no live head holds (a head killed with SIGKILL, and its watchdog, gone), and
     the NCCL segments their ranks left in /dev/shm. Returns the names removed."""
-    from tray.launch.shm import remove_recorded_shm
-
     removed = []
     now = time.time()
     for entry in os.scandir(root_fd):

@@ -12,11 +12,15 @@ be reused by another, so the kill never reaches a stranger.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tray.launch.jobdir import SetupError, open_root
+from tray.launch.shm import remove_recorded_shm
 
 DONE = b"done\n"
 # NOTE: SIGKILLed processes vanish within milliseconds; the bound only guards against a process in
@@ -125,17 +129,12 @@ def _watch(root: str, job_name: str, pipe_fd: int, lock_fd: int) -> int:
     # the head died without cleaning up
     me = os.getpid()
     kill_group(os.getpgid(0), frozenset({me}))
-    from tray.launch.jobdir import SetupError, open_root
-    from tray.launch.shm import remove_recorded_shm
-
     try:
         _, root_fd = open_root(Path(root))
     except SetupError:
         return 1
     try:
         remove_recorded_shm(root_fd, job_name)
-        import shutil
-
         shutil.rmtree(job_name, dir_fd=root_fd, ignore_errors=True)
     finally:
         os.close(root_fd)
