@@ -42,10 +42,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("tray launch needs a command: tray launch -n 4 -- python program.py")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     backend, nprocs = _backend_and_n(args.backend, args.nprocs)
     spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=args.manifest,
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
-                    heartbeat_timeout_s=args.heartbeat_timeout_s)
+                    heartbeat_timeout_s=args.heartbeat_timeout_s, max_restarts=args.max_restarts)
     return run_tray(spec).exit_code
 
 
@@ -106,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="keep one log file per rank here")
     p.add_argument("--timeout-s", type=float, default=30.0, help="handshake timeout (default 30)")
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0, help="missed-heartbeat timeout")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="after a failure, tear down and start the tray again up to K times (default 0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p.set_defaults(fn=cmd_launch)
 

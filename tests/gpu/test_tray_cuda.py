@@ -116,3 +116,52 @@ def test_programs_on_gpu(tray_env):
                           timeout_s=180)
     assert run.returncode == 0, run.output
     assert run.stdout.count("programs ok") == n
+
+
+NCCL_THEN_WAIT = """
+with tray.init() as rank:
+    n = rank.world_size
+    c = rank.collectives("world")
+    send, recv = rank.buffer("send"), rank.buffer("recv")
+    c.allreduce(send.ptr, recv.ptr, n, "f32"); rank.backend.synchronize()
+    print("up", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("watchdog_dies_too", [False, True])
+def test_head_sigkilled_after_nccl_leaves_no_segment(tray_env, watchdog_dies_too):
+    """NCCL's /dev/shm segments of SIGKILLed ranks: removed by the watchdog, or by the next launch when
+    the watchdog died with the head (the fixture checks /dev/shm and the jobs root afterwards)."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    n = ngpus()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    head = subprocess.Popen(tray_env.command(n, NCCL_THEN_WAIT, "--manifest", FILL, backend="cuda"),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=tray_env.env(),
+                            cwd=str(tray_env.tmp))
+    try:
+        seen, deadline = 0, time.monotonic() + 120
+        while seen < n and time.monotonic() < deadline:
+            seen += head.stdout.readline().strip().endswith("up")
+        assert seen == n
+        time.sleep(1.5)  # the head samples its ranks' mappings once a second
+        if watchdog_dies_too:
+            for c in psutil.Process(head.pid).children():
+                if "tray.launch.watchdog" in " ".join(c.cmdline()):
+                    c.kill()
+        head.send_signal(signal.SIGKILL)
+        head.wait(timeout=10)
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+    if watchdog_dies_too:
+        time.sleep(2)
+        run = tray_env.launch(1, "pass")
+        assert run.returncode == 0, run.output

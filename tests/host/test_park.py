@@ -73,15 +73,23 @@ def test_random_sessions_round_trip_byte_exact(tray_env):
         assert moved == 2 * (sb.nbytes + sc.nbytes), (moved, sb.nbytes, sc.nbytes)
         assert parking.stats.copies >= 4
 
-        # parking the same session twice copies nothing; touched pages are copied, and only those
+        # after a wake every page is dirty: parking again copies it all, and writes without touch() survive
+        assert sc2.dirty == tuple(range(sc2.npages))
+        page = sc2.page_nbytes
+        new0 = rng.integers(0, 256, page, dtype=np.uint8)
+        b.write(sc2.ptr(0), new0)
+        want_c[:page] = new0
         again = rank.park(sc2)
-        assert parking.stats.bytes_copied == moved and parking.stats.history[-1] == ("park", 3, 0)
+        assert parking.stats.history[-1] == ("park", 3, sc.nbytes)
+        moved = parking.stats.bytes_copied
         sc3 = rank.wake(again)
         assert parking.stats.bytes_copied == moved + sc.nbytes
-        page = sc3.page_nbytes
+        assert np.array_equal(read(b, sc3), want_c)
+        # pages declared clean keep their host copy; only the others are copied
         new = rng.integers(0, 256, 2 * page, dtype=np.uint8)
         b.write(sc3.ptr(1), new[:page]); b.write(sc3.ptr(4), new[page:])
         want_c[page:2 * page], want_c[4 * page:5 * page] = new[:page], new[page:]
+        sc3.mark_clean()
         sc3.touch([1, 4])
         assert sc3.dirty == (1, 4)
         last = rank.park(sc3)

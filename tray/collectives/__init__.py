@@ -13,6 +13,7 @@ imports it); host.py and nccl.py are imported only for their backend.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from tray.collectives.base import GroupJoin, Joiner
@@ -21,9 +22,11 @@ from tray.errors import UsageError
 if TYPE_CHECKING:
     from tray.backend.base import Backend
 
-# Shared-memory segments (under /dev/shm) the collectives may leave behind when a rank is killed:
-# NCCL names its own "nccl-*". The head removes those that appeared during a failed tray.
+# Shared-memory segments (under /dev/shm) the collectives may leave behind when a rank is killed.
+# NOTE: NCCL makes its segments with mkstemp("/dev/shm/nccl-XXXXXX"). The launcher records the ones its
+# ranks map and removes them once no process uses them (tray/launch/shm.py).
 SHM_PATTERNS = ("nccl-*",)
+SHM_NAME_RE = re.compile(r"nccl-[A-Za-z0-9]{6}\Z")
 
 
 def for_backend(backend: Backend) -> Joiner:
@@ -39,4 +42,4 @@ def for_backend(backend: Backend) -> Joiner:
     raise UsageError(f"backend {backend.name!r} has no collectives; expected host or cuda")
 
 
-__all__ = ["SHM_PATTERNS", "GroupJoin", "Joiner", "for_backend"]
+__all__ = ["SHM_NAME_RE", "SHM_PATTERNS", "GroupJoin", "Joiner", "for_backend"]

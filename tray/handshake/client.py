@@ -61,6 +61,10 @@ class RendezvousClient:
     def send(self, msg: Any) -> None:
         self._sock.send(wire.encode(msg))
 
+    def send_bytes(self, data: bytes) -> None:
+        """Send a message already encoded with wire.encode (to check its size first)."""
+        self._sock.send(data)
+
     def receive(self, expected: type, timeout_s: float, waiting_for: str) -> Any:
         """The next message of type `expected`; raises on Reject or after `timeout_s`."""
         deadline = time.monotonic() + timeout_s

@@ -574,6 +574,15 @@ KINDS: dict[str, type[Message]] = {
 }
 
 
+def vote_limit_nbytes(world_size: int) -> int:
+    """The most wire bytes one Vote may take in a tray of `world_size` ranks. The head's Decision
+    carries every rank's value in one message of at most MAX_MESSAGE_NBYTES; each Vote carries at
+    least the envelope and topic that the Decision carries once, so N votes within this limit always
+    make a Decision within it."""
+    # NOTE: 64 B covers the Decision's array header and its kind name, longer than a Vote's.
+    return (MAX_MESSAGE_NBYTES - 64) // max(world_size, 1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # encode / decode
 

@@ -25,8 +25,25 @@ def placements_for(backend: str, nprocs: int) -> list[NumaPlacement]:
     return placements
 
 
+# exit codes after which `--max-restarts` starts the tray again: a rank failed, the handshake failed
+RESTARTABLE_EXIT_CODES = (1, 3)
+
+
 def run_tray(spec: TraySpec, placements: list[NumaPlacement] | None = None) -> TrayResult:
-    """Launch `spec`, supervise it to the end, and return the outcome."""
+    """Launch `spec`, supervise it to the end, and return the outcome. After a failure (a rank
+    failed, the handshake failed), tear down and start again, up to `spec.max_restarts` times; each
+    attempt's ranks see TRAY_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT) = attempts before it.
+    The result is the last attempt's. Raises SetupError/ManifestError/UsageError before any rank runs."""
     from tray.launch.head import Head
 
-    return Head(spec, placements or placements_for(spec.backend, spec.nprocs)).run()
+    where = placements or placements_for(spec.backend, spec.nprocs)
+    attempt = 0
+    while True:
+        result = Head(spec, where, restart_count=attempt).run()
+        result.attempts = attempt + 1
+        if result.exit_code not in RESTARTABLE_EXIT_CODES or attempt >= spec.max_restarts:
+            return result
+        attempt += 1
+        cause = result.root_cause.summary if result.root_cause else f"exit {result.exit_code}"
+        print(f"tray: attempt {attempt} of {spec.max_restarts + 1} failed (exit {result.exit_code}): {cause}; "
+              f"restarting ({attempt} of {spec.max_restarts} restarts)", file=sys.stderr, flush=True)

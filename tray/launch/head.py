@@ -6,26 +6,29 @@ cause; the head stops every other rank, prints the root cause first and exits no
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import secrets
-import shutil
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import zmq
 
-from tray.collectives import SHM_PATTERNS
 from tray.errors import WireError
 from tray.handshake import wire
 from tray.handshake.validate import validate_offers
-from tray.launch.jobdir import make_job_dir
-from tray.launch.spawn import rank_env, spawn_rank, start_pumps
+from tray.launch.jobdir import JobDir, SetupError, make_job_dir
+from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
+from tray.launch.spawn import OutputPump, rank_env, spawn_rank
 from tray.launch.spec import Failure, RankProcess, RankState, TrayResult, TraySpec
+from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.numa import NumaPlacement, placement_for
 
@@ -34,6 +37,17 @@ EXIT_HANDSHAKE = 3
 _POLL_MS = 20
 PHASES = ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
           "ready")
+# A rank's phases up to `run`, in the order it passes them. Heartbeats travel on their own socket and
+# may arrive after a later step's message: a heartbeat never moves a rank back along this order.
+_HANDSHAKE_ORDER = {name: i for i, name in enumerate(
+    ("spawn", "start", "manifest", "device", "allocate", "offer", "table", "import_peers", "join", "ready", "run"))}
+# NOTE: how often the head reads its ranks' /proc/<pid>/maps for the collectives' segments (a few small reads).
+SHM_SAMPLE_S = 1.0
+# NOTE: after every rank and leftover is gone, the output still in the pipes is read for this long
+# at most; a pipe that some escaped process holds open cannot delay the verdict longer.
+DRAIN_S = 1.0
+PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _say(msg: str) -> None:
@@ -53,40 +67,36 @@ def _init_driver() -> None:
     visible_gpu_count()
 
 
-def _collectives_shm() -> set[str]:
-    """The collectives' shared-memory segments of this uid (a rank killed mid-run cannot unlink its own)."""
-    root = Path("/dev/shm")
-    try:
-        return {str(p) for pattern in SHM_PATTERNS for p in root.glob(pattern) if p.stat().st_uid == os.getuid()}
-    except OSError:
-        return set()
+def _set_child_subreaper(on: bool) -> None:
+    """Orphans of the ranks' descendants reparent to the head while it lives (found at teardown)."""
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
 
 
-def _remove_orphaned_shm(candidates: set[str]) -> None:
-    """Unlink segments that appeared during this tray and that no live process of ours still maps."""
-    if not candidates:
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Teardown runs to its end: a second Ctrl-C or SIGTERM meanwhile is held and raised after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    in_use: set[str] = set()
-    for proc in psutil.process_iter(["uids"]):
-        try:
-            if proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
-                continue
-            in_use.update(m.path for m in proc.memory_maps(grouped=True) if m.path in candidates)
-            in_use.update(f.path for f in proc.open_files() if f.path in candidates)
-        except (psutil.Error, OSError):
-            continue
-    for path in candidates - in_use:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    got: list[int] = []
+    saved = {sig: signal.signal(sig, lambda signum, frame: got.append(signum))
+             for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    if got:
+        raise KeyboardInterrupt(f"signal {got[0]}")
 
 
 class Head:
     """One tray launch. `run()` returns a TrayResult and leaves no process, socket or job dir."""
 
-    def __init__(self, spec: TraySpec, placements: list[NumaPlacement] | None = None) -> None:
+    def __init__(self, spec: TraySpec, placements: list[NumaPlacement] | None = None,
+                 restart_count: int = 0) -> None:
         self.spec = spec
+        self.restart_count = restart_count
         self.manifest: Manifest = load_manifest(spec.manifest) if spec.manifest else builtin_manifest()
         self.resolved = self.manifest.resolve(spec.nprocs, dict(spec.vars))
         self.placements = placements or [placement_for(None)] * spec.nprocs
@@ -99,69 +109,77 @@ class Head:
         self.rejected: list[str] = []
         self.t_go: float | None = None
         self.t_table: float | None = None
-        self.handshake_done = False
+        self.t_spawned = 0.0
+        self.t_start = time.monotonic()
+        self.shm: set[str] = set()
+        self._t_shm = 0.0
 
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> TrayResult:
-        shm_before = _collectives_shm()
-        job_dir = make_job_dir()
-        endpoint = f"ipc://{job_dir}/head.sock"
-        ctx = sock = None
+        """Spawn, supervise, tear down. Raises SetupError (the jobs root, the job dir, the head's
+        socket or its watchdog cannot be made) after stopping whatever was started."""
+        job = make_job_dir(self.spec.nprocs)
+        endpoint = f"ipc://{job.path}/head.sock"
+        ctx = sock = watchdog = pump = None
+        _set_child_subreaper(True)
         try:
+            try:
+                watchdog = Watchdog(job.root, job.path.name, job.lock_fd)
+            except OSError as exc:
+                raise SetupError(f"cannot start the tray's watchdog ({sys.executable}): {exc.strerror}") from None
+            self.t_start = time.monotonic()
             t0 = time.time()
-            self._spawn_all(job_dir, endpoint)
+            self._spawn_all(job.path, endpoint, watchdog.pgid)
             self.t_spawned = time.time() - t0
+            pump = OutputPump(self.procs, self.spec.log_dir, self.spec.quiet)
             if self.spec.backend == "cuda":
                 # NOTE: with the driver initialised in a live process (here, the head), each rank's
                 # cuInit + context costs ~0.7 s instead of ~1.5 s (measured on 4x H200, no persistence
                 # daemon). Started after the spawn: no thread may exist while ranks are forked.
                 threading.Thread(target=_init_driver, name="tray-driver", daemon=True).start()
             ctx = zmq.Context()
-            sock = ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.bind(endpoint)
-            os.chmod(job_dir / "head.sock", 0o600)
-            self._loop(sock, job_dir)
+            sock = _bind_router(ctx, endpoint, job)
+            self._loop(sock, job)
         finally:
-            self._teardown()
-            if self.failure is not None:
-                _remove_orphaned_shm(_collectives_shm() - shm_before)
-            if sock is not None:
-                sock.close()
-            if ctx is not None:
-                ctx.term()
-            shutil.rmtree(job_dir, ignore_errors=True)
-        return self._result(job_dir)
+            with _signals_deferred():
+                self._teardown(job, watchdog, pump)
+                if sock is not None:
+                    sock.close()
+                if ctx is not None:
+                    ctx.term()
+                if watchdog is not None:
+                    watchdog.done()
+                job.close()
+                _set_child_subreaper(False)
+        return self._result(job.path)
 
-    def _spawn_all(self, job_dir: Path, endpoint: str) -> None:
+    def _spawn_all(self, job_dir: Path, endpoint: str, process_group: int) -> None:
         manifest = str(Path(self.spec.manifest).resolve()) if self.spec.manifest else ""
         for r in range(self.spec.nprocs):
             t_spawn = time.time()
             env = rank_env(self.spec, r, job_dir=job_dir, endpoint=endpoint, token=self.token,
-                           manifest=manifest, t_spawn=t_spawn)
-            proc = spawn_rank(self.spec, r, env, self.placements[r])
-            self.procs.append(proc)
-        for proc in self.procs:
-            proc.pumps = start_pumps(proc, self.spec.log_dir, self.spec.quiet)
+                           manifest=manifest, t_spawn=t_spawn, restart_count=self.restart_count)
+            self.procs.append(spawn_rank(self.spec, r, env, self.placements[r], process_group))
 
-    def _loop(self, sock: zmq.Socket, job_dir: Path) -> None:
-        t_start = time.monotonic()
-        while True:
-            while sock.poll(_POLL_MS if not self.failure else 0, zmq.POLLIN):
-                ident, payload = self._recv(sock)
-                if ident is not None:
-                    self._on_message(sock, ident, payload)
-                if self.failure:
-                    return
-            self._check_children(sock, job_dir)
-            if self.failure:
-                return
-            self._check_deadlines(time.monotonic() - t_start)
-            if self.failure:
-                return
+    def _loop(self, sock: zmq.Socket, job: JobDir) -> None:
+        """Supervise until every rank exited or one failure is known (the root cause)."""
+        while not self.failure:
+            self._drain(sock, _POLL_MS)
+            if not self.failure:
+                self._check_children(sock, job.path)
+            if not self.failure:
+                self._check_deadlines()
+            self._sample_shm(job)
             if all(p.returncode is not None for p in self.procs):
                 return
+
+    def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:
+        """Handle the messages waiting (the first after up to `timeout_ms`) until a failure is known."""
+        while not self.failure and sock.poll(timeout_ms, zmq.POLLIN):
+            timeout_ms = 0
+            ident, payload = self._recv(sock)
+            if ident is not None:
+                self._on_message(sock, ident, payload)
 
     def _recv(self, sock: zmq.Socket) -> tuple[str | None, bytes]:
         frames = sock.recv_multipart()
@@ -198,27 +216,34 @@ class Head:
         proc = self.procs[rank]
         if isinstance(msg, wire.Heartbeat):
             proc.last_heartbeat = time.monotonic()
-            proc.phase = msg.phase
+            self._note_phase(proc, msg.phase)
         elif isinstance(msg, wire.Offer):
             self._on_offer(sock, proc, msg)
         elif isinstance(msg, wire.Ready):
-            self.ready[rank] = msg
-            proc.state = RankState.READY
-            if len(self.ready) == self.spec.nprocs:
-                self.t_go = time.time()
-                for p in self.procs:
-                    p.state = RankState.RUNNING
-                    self._send(sock, f"rank-{p.rank}", wire.Go(token=self.token, t_go=self.t_go))
-                self._print_timeline()
+            self._on_ready(sock, proc, msg)
         elif isinstance(msg, wire.ErrorReport):
+            self._note_phase(proc, msg.phase, force=True)
             self._fail(Failure(rank, f"rank {rank} reported {msg.error_type}: {msg.message}",
                                report=f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail)))
         elif isinstance(msg, wire.Vote):
             self._on_vote(sock, msg)
         elif isinstance(msg, wire.Bye):
-            proc.phase = "bye"
+            self._note_phase(proc, "bye", force=True)
         else:
             self._reject_log(ident, f"a rank may not send {msg.KIND!r}")
+
+    @staticmethod
+    def _note_phase(proc: RankProcess, phase: str, force: bool = False) -> None:
+        """Record the rank's phase, unless it is older than what the head already knows (a late
+        heartbeat) or the rank said bye."""
+        if not force:
+            if proc.phase == "bye":
+                return
+            old, new = _HANDSHAKE_ORDER.get(proc.phase), _HANDSHAKE_ORDER.get(phase)
+            if old is not None and new is not None and new < old:
+                return
+        proc.phase = phase
+        proc.phase_at = time.monotonic()
 
     def _on_offer(self, sock: zmq.Socket, proc: RankProcess, offer: wire.Offer) -> None:
         if proc.rank in self.offers:
@@ -226,6 +251,7 @@ class Head:
             return
         self.offers[proc.rank] = offer
         proc.state = RankState.OFFERED
+        self._note_phase(proc, "table")
         if len(self.offers) < self.spec.nprocs:
             return
         leaders = {name: [members[0] for members in instances] for name, instances in self.resolved.groups.items()}
@@ -243,24 +269,64 @@ class Head:
         for p in self.procs:
             self._send(sock, f"rank-{p.rank}", table)
 
+    def _on_ready(self, sock: zmq.Socket, proc: RankProcess, ready: wire.Ready) -> None:
+        if proc.rank in self.ready:
+            self._reject_log(f"rank-{proc.rank}", "a second ready (go is sent once)")
+            return
+        if self.t_table is None:
+            self._reject_log(f"rank-{proc.rank}", "ready before the table was sent")
+            return
+        self.ready[proc.rank] = ready
+        proc.state = RankState.READY
+        self._note_phase(proc, "ready")
+        if len(self.ready) < self.spec.nprocs:
+            return
+        self.t_go = time.time()
+        go = wire.encode(wire.Go(token=self.token, t_go=self.t_go))
+        for p in self.procs:
+            p.state = RankState.RUNNING
+            self._note_phase(p, "run")
+            self._send_bytes(sock, f"rank-{p.rank}", go, wire.Go.KIND)
+        self._print_timeline()
+
     def _on_vote(self, sock: zmq.Socket, vote: wire.Vote) -> None:
         key = (vote.topic, vote.round)
         box = self.votes.setdefault(key, {})
         box[vote.rank] = vote.value
-        if len(box) == self.spec.nprocs:
-            del self.votes[key]
-            decision = wire.Decision(token=self.token, topic=vote.topic, round=vote.round,
-                                     values=tuple(box[r] for r in range(self.spec.nprocs)))
-            for p in self.procs:
-                self._send(sock, f"rank-{p.rank}", decision)
-
-    def _send(self, sock: zmq.Socket, ident: str, msg: object) -> None:
+        if len(box) < self.spec.nprocs:
+            return
+        del self.votes[key]
+        decision = wire.Decision(token=self.token, topic=vote.topic, round=vote.round,
+                                 values=tuple(box[r] for r in range(self.spec.nprocs)))
         try:
-            sock.send_multipart([ident.encode(), wire.encode(msg)])
+            data = wire.encode(decision)
+        except WireError as exc:
+            # Ranks check their own value's size before voting (wire.vote_limit_nbytes); a rank that
+            # skipped the check is named here, and the tray fails like any rank failure.
+            sizes = {r: len(wire.encode(wire.Vote(token=self.token, rank=r, topic=vote.topic, round=vote.round,
+                                                  value=v))) for r, v in box.items()}
+            worst = max(sizes, key=lambda r: sizes[r])
+            said = ", ".join(f"rank {r}: {n} B" for r, n in sorted(sizes.items()))
+            self._fail(Failure(worst, f"exchange {vote.topic!r} (round {vote.round}): the decision cannot be "
+                               f"sent ({exc.reason}); votes: {said}; rank {worst} sent the largest"))
+            return
+        for p in self.procs:
+            self._send_bytes(sock, f"rank-{p.rank}", data, decision.KIND)
+
+    def _send(self, sock: zmq.Socket, ident: str, msg: wire.Message) -> None:
+        self._send_bytes(sock, ident, wire.encode(msg), msg.KIND)
+
+    def _send_bytes(self, sock: zmq.Socket, ident: str, data: bytes, kind: str) -> None:
+        try:
+            sock.send_multipart([ident.encode(), data])
         except zmq.ZMQError as exc:  # the rank is gone; its exit is the failure we report
-            _say(f"could not send {getattr(msg, 'KIND', '?')} to {ident}: {exc}")
+            _say(f"could not send {kind} to {ident}: {exc}")
 
     # --- supervision ----------------------------------------------------------------------------
+    def _forming(self) -> bool:
+        """Whether the ranks are forming a tray: one of them called tray.init() (the head heard it)."""
+        return bool(self.offers) or any(p.last_heartbeat is not None for p in self.procs)
+
     def _check_children(self, sock: zmq.Socket, job_dir: Path) -> None:
         for p in self.procs:
             if p.returncode is not None:
@@ -271,22 +337,38 @@ class Head:
             p.returncode = code
             p.state = RankState.EXITED if code == 0 else RankState.FAILED
             if code == 0:
-                if self.offers and not self.t_go:
-                    self._fail(Failure(p.rank, f"rank {p.rank} exited with code 0 before the handshake "
-                                       f"completed (last phase: {p.phase})", tail=tuple(p.tail)))
                 continue
             # drain messages first: the rank's error report may still be in flight
-            while sock.poll(0, zmq.POLLIN) and not self.failure:
-                ident, payload = self._recv(sock)
-                if ident is not None:
-                    self._on_message(sock, ident, payload)
+            self._drain(sock, 0)
             if self.failure:
                 return
             how = f"exited with code {code}" if code > 0 else f"was killed by {_signal_name(code)}"
             report = self._error_file(job_dir, p.rank)
-            self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {p.phase})",
+            self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
                                report=report, tail=tuple(p.tail)))
             return
+        self._check_early_exits()
+
+    def _check_early_exits(self) -> None:
+        """A rank that exited 0 before the tray was up can never join it: once any rank called
+        tray.init() (or this one had offered), the tray fails at once naming it. (When no rank ever
+        calls tray.init(), the program does not use the tray and exit 0 is a success.)"""
+        if self.t_go is not None or not self._forming():
+            return
+        for p in self.procs:
+            if p.returncode == 0:
+                when = "after its offer, before the tray was up" if p.rank in self.offers else \
+                    "before it joined the tray (tray.init() never offered)"
+                self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) exited with code 0 {when} "
+                                   f"(last phase: {self._phase_of(p)}); the other ranks wait for it in vain",
+                                   tail=tuple(p.tail)))
+                return
+
+    @staticmethod
+    def _phase_of(p: RankProcess) -> str:
+        if p.last_heartbeat is None and p.phase == "spawn":
+            return "spawn: never contacted the head"
+        return p.phase
 
     def _error_file(self, job_dir: Path, rank: int) -> str:
         path = job_dir / f"rank-{rank}.error.json"
@@ -296,18 +378,16 @@ class Head:
             return ""
         return f"{data.get('error_type')}: {data.get('message')}\n{data.get('traceback', '')}"
 
-    def _check_deadlines(self, elapsed_s: float) -> None:
+    def _check_deadlines(self) -> None:
         now = time.monotonic()
-        heard = bool(self.offers) or any(p.last_heartbeat is not None for p in self.procs)
-        if heard and not self.t_go and elapsed_s > self.spec.handshake_timeout_s:
+        timeout_s = self.spec.handshake_timeout_s
+        if not self.t_go and now - self.t_start > timeout_s:
+            # the deadline runs from the spawn: a tray whose ranks never reach the head fails too
             missing = [p for p in self.procs if p.rank not in self.offers] or \
                       [p for p in self.procs if p.rank not in self.ready]
             what = "offer" if len(self.offers) < self.spec.nprocs else "report ready"
-            names = "; ".join(
-                f"rank {p.rank} did not {what} within {self.spec.handshake_timeout_s:.0f} s "
-                f"(process {'alive' if p.popen.poll() is None else 'dead'}, last phase: "
-                f"{p.phase if p.last_heartbeat is not None else 'spawn: never contacted the head'})"
-                for p in missing)
+            names = "; ".join(f"rank {p.rank} did not {what} within {timeout_s:.0f} s (process "
+                              f"{self._liveness(p)}, last phase: {self._phase_of(p)})" for p in missing)
             self._fail(Failure(missing[0].rank if missing else None, names, exit_code=EXIT_HANDSHAKE,
                                tail=tuple(missing[0].tail) if missing else ()))
             return
@@ -317,22 +397,41 @@ class Head:
                 if silent > self.spec.heartbeat_timeout_s:
                     self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) sent no heartbeat for "
                                        f"{silent:.1f} s (timeout {self.spec.heartbeat_timeout_s:.1f} s, "
-                                       f"last phase: {p.phase}): stopped or frozen", tail=tuple(p.tail)))
+                                       f"last phase: {p.phase}, reported {now - p.phase_at:.1f} s ago): "
+                                       "stopped or frozen", tail=tuple(p.tail)))
                     return
+
+    @staticmethod
+    def _liveness(p: RankProcess) -> str:
+        code = p.popen.poll()
+        if code is None:
+            return "alive"
+        return f"exited with code {code}" if code >= 0 else f"killed by {_signal_name(code)}"
 
     def _fail(self, failure: Failure) -> None:
         if self.failure is None:
             self.failure = failure
 
-    def _teardown(self) -> None:
-        alive = [p for p in self.procs if p.popen.poll() is None]
-        descendants: dict[int, psutil.Process] = {}
-        for p in self.procs:
+    def _sample_shm(self, job: JobDir, force: bool = False) -> None:
+        """Record the collectives' segments the live ranks map, so whoever cleans up after them knows them."""
+        now = time.monotonic()
+        if not force and now - self._t_shm < SHM_SAMPLE_S:
+            return
+        self._t_shm = now
+        new = mapped_collective_shm(p.pid for p in self.procs if p.popen.poll() is None) - self.shm
+        if new:
+            self.shm |= new
             try:
-                for child in psutil.Process(p.pid).children(recursive=True):
-                    descendants[child.pid] = child
-            except psutil.Error:
-                pass
+                record_shm(job.fd, new)
+            except OSError as exc:
+                _say(f"could not record shared-memory segments in {job.path}: {exc.strerror}")
+
+    def _teardown(self, job: JobDir, watchdog: Watchdog | None, pump: OutputPump | None) -> None:
+        """Stop the ranks (SIGTERM, grace, SIGKILL), then everything they started (the tray's process
+        group, and orphans the head adopted as subreaper), remove collective segments no live process maps,
+        and read the ranks' last output for at most DRAIN_S."""
+        self._sample_shm(job, force=True)
+        alive = [p for p in self.procs if p.popen.poll() is None]
         if alive:
             if self.failure:
                 who = ",".join(str(p.rank) for p in alive)
@@ -349,22 +448,35 @@ class Head:
         for p in self.procs:
             if p.returncode is None:
                 p.returncode = p.popen.wait(timeout=5.0)
-        for d in descendants.values():
+        survivors: list[int] = []
+        if watchdog is not None:
+            survivors = kill_group(watchdog.pgid, frozenset({watchdog.popen.pid}))
+        self._kill_adopted(exclude={p.pid for p in self.procs} | ({watchdog.popen.pid} if watchdog else set()))
+        if survivors:
+            _say(f"processes {survivors} of the tray survived SIGKILL for {REAP_TIMEOUT_S:.0f} s "
+                 "(uninterruptible sleep?)")
+        if self.shm:
+            remove_shm(self.shm)
+        if pump is not None:
+            pump.stop(DRAIN_S)
+
+    @staticmethod
+    def _kill_adopted(exclude: set[int]) -> None:
+        """Kill the head's children it did not start: orphans of the ranks' descendants (reparented
+        here, the head being a subreaper) that left the tray's process group for a session of their
+        own. Children of another session only; they are reaped so none lingers as a zombie."""
+        me = psutil.Process()
+        try:
+            sid = os.getsid(0)
+            adopted = [c for c in me.children() if c.pid not in exclude and os.getsid(c.pid) != sid]
+        except (psutil.Error, OSError):
+            return
+        for c in adopted:
             try:
-                d.kill()
+                c.kill()
             except psutil.Error:
                 pass
-        psutil.wait_procs(list(descendants.values()), timeout=2.0)
-        for p in self.procs:  # let the last lines reach the terminal before the verdict
-            for t in p.pumps:
-                t.join(timeout=2.0)
-        for p in self.procs:
-            for stream in (p.popen.stdout, p.popen.stderr):
-                if stream is not None:
-                    try:
-                        stream.close()
-                    except OSError:
-                        pass
+        psutil.wait_procs(adopted, timeout=2.0)
 
     # --- reporting ------------------------------------------------------------------------------
     def _timeline(self) -> dict[str, tuple[float, int]]:
@@ -411,6 +523,7 @@ class Head:
                 _say(f"  | {line}")
 
     def _result(self, job_dir: Path) -> TrayResult:
+        """The TrayResult; prints the root cause first when the tray failed."""
         codes = {p.rank: p.returncode for p in self.procs}
         if self.failure:
             self._print_root_cause()
@@ -426,3 +539,18 @@ class Head:
         )
 
 
+def _bind_router(ctx: zmq.Context, endpoint: str, job: JobDir) -> zmq.Socket:
+    """The head's ROUTER, bound at `endpoint` inside the job dir, 0600. Raises SetupError (no room or
+    inodes for the socket, a path too long) naming the endpoint and what to do."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        sock.bind(endpoint)
+        os.chmod("head.sock", 0o600, dir_fd=job.fd)
+    except (zmq.ZMQError, OSError) as exc:
+        sock.close()
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise SetupError(f"cannot bind the head's socket {endpoint}: {why}; free space or inodes in {job.root}, "
+                         "or set TRAY_JOBS_ROOT to another directory") from None
+    return sock

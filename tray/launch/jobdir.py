@@ -1,44 +1,204 @@
-"""Private job directories (0700) under the user's runtime dir, and sweeping stale ones."""
+"""Private job directories (0700) under a checked per-user root, and sweeping stale ones.
+
+The root is opened without following links and checked through its fd (a directory, owned by this
+uid, mode 0700); everything below it is made and removed relative to that fd, so a planted link or a
+swapped path cannot steer the head into a directory someone else chose. A job dir is live while its
+`head.lock` is flocked: the head holds it for its lifetime (and its watchdog until it has cleaned up),
+so liveness holds across pid namespaces, where a pid proves nothing.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import secrets
 import shutil
+import stat
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
+from tray.errors import UsageError
+from tray.launch.shm import remove_recorded_shm
+
+LOCK_NAME = "head.lock"
+# NOTE: sun_path holds 108 bytes with its NUL; ZeroMQ's ipc:// and the fd sockets bind there.
+MAX_SOCKET_PATH = 107
+# NOTE: a half-made job dir (before its lock exists) lives for microseconds; one older than this
+# belongs to a head that died while making it.
+HALF_MADE_AGE_S = 60.0
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def jobs_root() -> Path:
-    """$TRAY_JOBS_ROOT or $TMPDIR/tray-<uid>: one root per user, 0700."""
-    root = Path(os.environ.get("TRAY_JOBS_ROOT") or Path(tempfile.gettempdir()) / f"tray-{os.getuid()}")
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = root.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{root} must be owned by uid {os.getuid()} with mode 0700")
-    return root
+class SetupError(UsageError):
+    """The jobs root, a job dir, the head's socket or watchdog cannot be made or trusted (exit 2)."""
 
 
-def make_job_dir() -> Path:
-    """A new job dir named after the head's pid; 0700 (mkdtemp)."""
-    sweep_stale()
-    return Path(tempfile.mkdtemp(prefix=f"job-{os.getpid()}-", dir=jobs_root()))
+@dataclass
+class JobDir:
+    """A live job dir: `path`, its open fd, and the held lock (`lock_fd`). `close()` removes it."""
+
+    path: Path
+    root: Path
+    root_fd: int
+    fd: int
+    lock_fd: int
+
+    def close(self) -> None:
+        """Remove the job dir (relative to the checked root) and release the lock. Idempotent."""
+        if self.fd < 0:
+            return
+        _remove_entry(self.root_fd, self.path.name)
+        for fd in (self.fd, self.lock_fd, self.root_fd):
+            os.close(fd)
+        self.fd = self.lock_fd = self.root_fd = -1
+
+
+def default_root() -> Path:
+    """$TRAY_JOBS_ROOT; else $XDG_RUNTIME_DIR/tray when that dir is ours and 0700; else $TMPDIR/tray-<uid>."""
+    explicit = os.environ.get("TRAY_JOBS_ROOT")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        try:
+            st = os.lstat(xdg)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return Path(xdg) / "tray"
+    return Path(tempfile.gettempdir()) / f"tray-{os.getuid()}"
+
+
+def open_root(root: Path | None = None) -> tuple[Path, int]:
+    """Create (0700) or open the jobs root without following a link at its last component; check
+    owner and mode through the fd. Returns (path, fd). Raises SetupError saying what is wrong."""
+    path = Path(root) if root is not None else default_root()
+    hint = "remove it or set TRAY_JOBS_ROOT to a directory of your own"
+    try:
+        os.makedirs(path.parent, mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise SetupError(f"jobs root {path} is a symbolic link or not a directory; {hint}") from None
+        raise SetupError(f"cannot create the jobs root {path}: {exc.strerror}; {hint}") from None
+    st = os.fstat(fd)
+    problem = None
+    if st.st_uid != os.getuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif stat.S_IMODE(st.st_mode) & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 (others could enter it)"
+    if problem:
+        os.close(fd)
+        raise SetupError(f"jobs root {path} {problem}; {hint}")
+    return path, fd
+
+
+def make_job_dir(nprocs: int, root: Path | None = None) -> JobDir:
+    """Sweep stale job dirs, then make a new locked one, 0700, named `job-<pid>-<random>`.
+
+    The name appears only once the lock is held (made as `.new-*`, renamed), so the sweep never sees
+    a live job dir without its lock. Raises SetupError when the root is unusable or a socket path
+    under it would be longer than a UNIX socket allows (for ranks 0..nprocs-1)."""
+    path, root_fd = open_root(root)
+    try:
+        sweep_stale(root_fd)
+        name = f"job-{os.getpid()}-{secrets.token_hex(4)}"
+        longest = max(len(str(path / name / f"rank-{nprocs - 1}.fds")), len(str(path / name / "head.sock")))
+        if longest > MAX_SOCKET_PATH:
+            raise SetupError(
+                f"socket paths under the jobs root {path} would be {longest} characters; UNIX sockets allow "
+                f"{MAX_SOCKET_PATH}: set TRAY_JOBS_ROOT to a shorter directory (e.g. /tmp/tray-{os.getuid()})")
+        temp = f".new-{name}"
+        try:
+            os.mkdir(temp, 0o700, dir_fd=root_fd)
+            fd = os.open(temp, _DIR_FLAGS, dir_fd=root_fd)
+            lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o600, dir_fd=fd)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(temp, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        except OSError as exc:
+            _remove_entry(root_fd, temp)
+            raise SetupError(f"cannot create a job dir in {path}: {exc.strerror}; free space or inodes "
+                              "there, or set TRAY_JOBS_ROOT") from None
+    except BaseException:
+        os.close(root_fd)
+        raise
+    return JobDir(path=path / name, root=path, root_fd=root_fd, fd=fd, lock_fd=lock_fd)
+
+
+def _remove_entry(root_fd: int, name: str) -> None:
+    try:
+        shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
+    except OSError:
+        pass
 
 
 def head_pid_of(job_dir: Path) -> int | None:
+    """The pid in a job dir's name (informational only: liveness is the lock)."""
     try:
         return int(job_dir.name.split("-")[1])
     except (IndexError, ValueError):
         return None
 
 
-def sweep_stale() -> list[Path]:
-    """Remove job dirs whose head is gone (a head killed with SIGKILL cannot clean up)."""
+def try_lock(root_fd: int, name: str) -> int | None:
+    """The fd of `name`'s lock, now held by us, if no live head holds it; None if it is live (or not
+    a real directory of ours). A job dir without a lock file is stale (a live one always has it)."""
+    try:
+        st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        dfd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return None
+    try:
+        lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return os.dup(dfd)  # nothing to hold: stand in with the dir fd
+    except OSError:
+        return None
+    finally:
+        os.close(dfd)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock_fd)
+        return None
+    return lock_fd
+
+
+def sweep_stale(root_fd: int) -> list[str]:
+    """Remove job dirs no live head holds (a head killed with SIGKILL, and its watchdog, gone), and
+    the NCCL segments their ranks left in /dev/shm. Returns the names removed."""
     removed = []
-    for d in jobs_root().glob("job-*"):
-        pid = head_pid_of(d)
-        if pid is not None and not psutil.pid_exists(pid):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
+    now = time.time()
+    for entry in os.scandir(root_fd):
+        name = entry.name
+        if name.startswith(".new-job-"):
+            try:
+                old = now - entry.stat(follow_symlinks=False).st_mtime > HALF_MADE_AGE_S
+            except OSError:
+                continue
+            if old:
+                _remove_entry(root_fd, name)
+                removed.append(name)
+            continue
+        if not name.startswith("job-"):
+            continue
+        lock_fd = try_lock(root_fd, name)
+        if lock_fd is None:
+            continue
+        try:
+            remove_recorded_shm(root_fd, name)
+            _remove_entry(root_fd, name)
+            removed.append(name)
+        finally:
+            os.close(lock_fd)
     return removed

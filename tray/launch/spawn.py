@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import IO, TextIO
 
 from tray.errors import UsageError
 from tray.launch.spec import RankProcess, TraySpec
@@ -24,8 +25,9 @@ _print_lock = threading.Lock()
 
 
 def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: str, manifest: str,
-             t_spawn: float) -> dict[str, str]:
-    """The environment of rank `rank`: the head's own, untouched, plus the tray's variables."""
+             t_spawn: float, restart_count: int = 0) -> dict[str, str]:
+    """The environment of rank `rank`: the head's own, untouched, plus the tray's variables.
+    `restart_count` is how many times `--max-restarts` started the tray again (0 on the first attempt)."""
     env = dict(os.environ)
     env.update(dict(spec.extra_env))
     env.update({
@@ -45,6 +47,8 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
         "WORLD_SIZE": str(spec.nprocs),
         "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(spec.nprocs),
+        "TRAY_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "PYTHONUNBUFFERED": "1",
     })
     # NOTE: NCCL must not connect lazily inside a CUDA graph capture; respect a user's choice.
@@ -62,13 +66,15 @@ def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:
     return run_in_child
 
 
-def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPlacement) -> RankProcess:
-    """Start one rank in the head's process group, with pipes for its output."""
+def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPlacement,
+               process_group: int) -> RankProcess:
+    """Start one rank in the tray's process group `process_group` (the watchdog's), with pipes for its
+    output. Everything the rank starts inherits the group, so one kill of the group reaches it all."""
     t_spawn = float(env["TRAY_T_SPAWN"])
     try:
         popen = subprocess.Popen(
             list(spec.cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            preexec_fn=_preexec(prepare_binding(placement)), close_fds=True,
+            preexec_fn=_preexec(prepare_binding(placement)), close_fds=True, process_group=process_group,
         )
     except OSError as exc:
         raise UsageError(f"cannot start rank {rank}: {spec.cmd[0]!r}: {exc.strerror}; "
@@ -76,36 +82,94 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)
 
 
-def start_pumps(proc: RankProcess, log_dir: str | None, quiet: bool) -> list[threading.Thread]:
-    """Threads that copy the rank's stdout/stderr to ours with a `[rank R]` prefix (and to a log)."""
-    log: TextIO | None = None
-    if log_dir:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        log = open(Path(log_dir) / f"rank-{proc.rank}.log", "a", buffering=1)
-    threads = []
-    streams = [(proc.popen.stdout, sys.stdout), (proc.popen.stderr, sys.stderr)]
-    remaining = [len(streams)]
-    for src, dst in streams:
-        t = threading.Thread(target=_pump, args=(proc, src, dst, log, quiet, remaining),
-                             name=f"tray-out-{proc.rank}", daemon=True)
-        t.start()
-        threads.append(t)
-    return threads
+class _Stream:
+    """One rank stream being pumped: its fd, where its lines go, and the partial last line."""
+
+    def __init__(self, proc: RankProcess, src: IO[bytes], dst: TextIO, log: TextIO | None) -> None:
+        self.proc = proc
+        self.src = src
+        self.fd = src.fileno()
+        self.dst = dst
+        self.log = log
+        self.partial = b""
 
 
-def _pump(proc: RankProcess, src, dst: TextIO, log: TextIO | None, quiet: bool, remaining: list[int]) -> None:
-    prefix = f"[rank {proc.rank}] "
-    for raw in iter(src.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        proc.tail.append(line)
-        if not quiet:
+class OutputPump:
+    """One thread that copies every rank's stdout/stderr to ours, each line prefixed `[rank R]`
+    (and to `--log-dir`), reading only what select() says is there, so it never blocks teardown.
+
+    `stop(drain_s)` lets it read until every stream ended or `drain_s` passed, then closes the
+    streams: a leftover process that still holds a rank's stdout cannot keep the head waiting."""
+
+    # NOTE: how long one select() waits before looking at the stop request again.
+    _TICK_S = 0.05
+    _CHUNK_NBYTES = 65536
+
+    def __init__(self, procs: list[RankProcess], log_dir: str | None, quiet: bool) -> None:
+        self.quiet = quiet
+        self._logs: list[TextIO] = []
+        self._sel = selectors.DefaultSelector()
+        for proc in procs:
+            log = None
+            if log_dir:
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                log = open(Path(log_dir) / f"rank-{proc.rank}.log", "a", buffering=1)
+                self._logs.append(log)
+            for src, dst in ((proc.popen.stdout, sys.stdout), (proc.popen.stderr, sys.stderr)):
+                if src is not None:
+                    self._sel.register(src.fileno(), selectors.EVENT_READ, _Stream(proc, src, dst, log))
+        self._drain_until: float | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="tray-output", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while self._sel.get_map():
+                with self._lock:
+                    until = self._drain_until
+                if until is not None and time.monotonic() >= until:
+                    break
+                for key, _ in self._sel.select(self._TICK_S):
+                    self._read(key.data)
+        finally:
+            for key in list(self._sel.get_map().values()):
+                self._finish(key.data)
+            self._sel.close()
+            for log in self._logs:
+                log.close()
+
+    def _read(self, s: _Stream) -> None:
+        try:
+            chunk = os.read(s.fd, self._CHUNK_NBYTES)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._finish(s)
+            return
+        *lines, s.partial = (s.partial + chunk).split(b"\n")
+        for raw in lines:
+            self._emit(s, raw)
+
+    def _finish(self, s: _Stream) -> None:
+        if s.partial:
+            self._emit(s, s.partial)
+            s.partial = b""
+        self._sel.unregister(s.fd)
+        s.src.close()
+
+    def _emit(self, s: _Stream, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip("\r")
+        s.proc.tail.append(line)
+        if not self.quiet:
             with _print_lock:
-                dst.write(prefix + line + "\n")
-                dst.flush()
-        if log is not None:
-            log.write(f"{time.time():.6f} {line}\n")
-    src.close()
-    with _print_lock:
-        remaining[0] -= 1
-        if remaining[0] == 0 and log is not None:
-            log.close()
+                s.dst.write(f"[rank {s.proc.rank}] {line}\n")
+                s.dst.flush()
+        if s.log is not None:
+            s.log.write(f"{time.time():.6f} {line}\n")
+
+    def stop(self, drain_s: float) -> None:
+        """Read for at most `drain_s` more seconds (until every stream ended), then stop and return."""
+        with self._lock:
+            self._drain_until = time.monotonic() + drain_s
+        self._thread.join(timeout=drain_s + 5 * self._TICK_S + 1.0)

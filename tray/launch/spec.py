@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import subprocess
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ class TraySpec:
     grace_s: float = 3.0
     extra_env: tuple[tuple[str, str], ...] = ()
     quiet: bool = False
+    # after a failure (exit 1 or 3), tear down and start again up to this many times
+    max_restarts: int = 0
 
 
 class RankState(enum.Enum):
@@ -49,7 +52,8 @@ class RankProcess:
     last_heartbeat: float | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=20))
     returncode: int | None = None
-    pumps: list = field(default_factory=list)
+    # when the head last learnt the phase (monotonic s): the age is part of a timeout's report
+    phase_at: float = field(default_factory=time.monotonic)
 
     @property
     def pid(self) -> int:
@@ -78,3 +82,4 @@ class TrayResult:
     startup_s: float | None = None
     job_dir: str = ""
     rejected: list[str] = field(default_factory=list)
+    attempts: int = 1

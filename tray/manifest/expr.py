@@ -30,7 +30,12 @@ class ExprError(Exception):
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """`"; did you mean 'x'?"` when a choice is close to `word`, else `""`."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    names = list(choices)
+    # NOTE: a ratio of 0.6 needs len(word) <= 2.33 * len(choice); skipping longer words changes no
+    # answer and keeps a multi-MB word from costing difflib seconds.
+    if not names or len(word) > 3 * max(len(n) for n in names):
+        return ""
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
 
 

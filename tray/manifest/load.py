@@ -59,6 +59,8 @@ MAX_DEPTH = 64
 # NOTE: JSON has no integer bound; 2**64 admits every u64 a bind table could carry while keeping
 # json.dumps (the digest) clear of Python's int-to-str digit limit.
 JSON_INT_LIMIT = 2**64
+# NOTE: keys and values quoted in messages are cut to this many characters.
+SHOW_CHARS = 60
 
 TOP_KEYS = ("format", "name", "description", "vars", "groups", "buffers", "states", "kernels", "programs")
 GROUP_KEYS = ("name", "ranks", "size")
@@ -99,21 +101,43 @@ OP_BUFFER_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 def child(json_path: str, key: str | int) -> str:
-    """`$.a` + key -> `$.a.key`, `$.a[3]`, or `$.a["odd key"]` for keys that are not identifiers."""
+    """`$.a` + key -> `$.a.key`, `$.a[3]`, or `$.a["odd key"]` for keys that are not identifiers;
+    keys longer than SHOW_CHARS are cut (with an ellipsis) so a message stays readable."""
     if isinstance(key, int):
         return f"{json_path}[{key}]"
-    if IDENT_RE.match(key):
+    if len(key) <= SHOW_CHARS and IDENT_RE.match(key):
         return f"{json_path}.{key}"
-    return f"{json_path}[{json.dumps(key)}]"
+    return f"{json_path}[{json.dumps(cut(key))}]"
+
+
+def cut(text: str, limit: int | None = None) -> str:
+    """`text`, or its first characters and an ellipsis when longer than `limit` (SHOW_CHARS)."""
+    limit = SHOW_CHARS if limit is None else limit
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _render(trail: tuple[Any, ...]) -> str:
+    """The JSON path of a node from its trail `(parent trail, key)` (root: `()` is `$`). Trails cost
+    O(1) per node; a path is rendered only for an error, so the loader stays linear in file size."""
+    keys = []
+    while trail:
+        trail, key = trail
+        keys.append(key)
+    jp = "$"
+    for key in reversed(keys):
+        jp = child(jp, key)
+    return jp
 
 
 def show(value: object) -> str:
-    """A JSON value for a message, cut to 60 characters."""
+    """A JSON value for a message, cut to SHOW_CHARS characters."""
+    if isinstance(value, str) and len(value) > 4 * SHOW_CHARS:
+        value = value[: 4 * SHOW_CHARS]  # no need to encode megabytes to show sixty characters
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return cut(text)
 
 
 class _DuplicateKeys(dict[str, Any]):
@@ -185,34 +209,44 @@ class _Parser:
 
     # -- generic shapes ------------------------------------------------------------------------
 
-    def plain(self, value: object, jp: str, depth: int = 0) -> Any:
-        """A copy of `value` as plain JSON (dict/list/str/int/float/bool/None); tuples become lists."""
+    def plain(self, value: object, trail: tuple[Any, ...] = (), depth: int = 0) -> Any:
+        """A copy of `value` as plain JSON (dict/list/str/int/float/bool/None); tuples become lists.
+        `trail` is the node's place (see _render), turned into a JSON path only for an error."""
         if depth > MAX_DEPTH:
-            self.fail(jp, f"nested too deeply (at most {MAX_DEPTH} levels)")
+            self.fail(_render(trail), f"nested too deeply (at most {MAX_DEPTH} levels)")
         if isinstance(value, _DuplicateKeys):
-            self.fail(child(jp, value.duplicate), f"duplicate key '{value.duplicate}'")
+            self.fail(_render((trail, value.duplicate)), f"duplicate key '{cut(value.duplicate)}'")
         if isinstance(value, dict):
             out: dict[str, Any] = {}
             for key, item in value.items():
                 if not isinstance(key, str):
-                    self.fail(f"{jp}[{key!r}]", f"object keys must be strings, got {type(key).__name__}")
-                out[str(key)] = self.plain(item, child(jp, key), depth + 1)
+                    self.fail(f"{_render(trail)}[{key!r}]", f"object keys must be strings, got {type(key).__name__}")
+                out[str(key)] = self.plain(item, (trail, key), depth + 1)
             return out
         if isinstance(value, (list, tuple)):
-            return [self.plain(item, child(jp, i), depth + 1) for i, item in enumerate(value)]
+            items: list[Any] = []
+            for i, item in enumerate(value):
+                # NOTE: scalars inline (no call per element): a 5 MB list of numbers loads in well under 1 s.
+                kind = type(item)
+                if (kind is int and -JSON_INT_LIMIT < item < JSON_INT_LIMIT) or kind is str or kind is bool \
+                        or item is None or (kind is float and math.isfinite(item)):
+                    items.append(item)
+                else:
+                    items.append(self.plain(item, (trail, i), depth + 1))
+            return items
         if value is None or isinstance(value, bool):
             return value
         if isinstance(value, str):
             return str(value)
         if isinstance(value, int):
             if abs(value) >= JSON_INT_LIMIT:
-                self.fail(jp, "integer out of range (|value| must be < 2**64)")
+                self.fail(_render(trail), "integer out of range (|value| must be < 2**64)")
             return int(value)
         if isinstance(value, float):
             if not math.isfinite(value):
-                self.fail(jp, f"expected a finite number, got {value!r}")
+                self.fail(_render(trail), f"expected a finite number, got {value!r}")
             return float(value)
-        self.fail(jp, f"expected a JSON value, got {type(value).__name__}")
+        self.fail(_render(trail), f"expected a JSON value, got {type(value).__name__}")
 
     def obj(
         self, value: object, jp: str, what: str, allowed: Sequence[str], required: Sequence[str]
@@ -223,7 +257,7 @@ class _Parser:
             if key not in allowed:
                 self.fail(
                     child(jp, key),
-                    f"unknown key '{key}' in {what}; allowed: {', '.join(allowed)}"
+                    f"unknown key '{cut(key)}' in {what}; allowed: {', '.join(allowed)}"
                     f"{did_you_mean(key, allowed)}",
                 )
         for key in required:
@@ -279,7 +313,7 @@ class _Parser:
             self.fail(jp, f"invalid {namespace} name {show(text)}; names must match {rule}")
         seen = self.declared.setdefault(namespace, {})
         if text in seen:
-            self.fail(jp, f"duplicate {namespace} name '{text}' (also at {seen[text]})")
+            self.fail(jp, f"duplicate {namespace} name '{cut(text)}' (also at {seen[text]})")
         seen[text] = jp
         return text
 
@@ -287,7 +321,7 @@ class _Parser:
         """A reference to a declared `kind`; unknown names list the known ones."""
         text = self.str_(value, jp, f"{kind} name")
         if text not in known:
-            self.fail(jp, f"unknown {kind} '{text}'; known: {known_list(known)}{did_you_mean(text, known)}")
+            self.fail(jp, f"unknown {kind} '{cut(text)}'; known: {known_list(known)}{did_you_mean(text, known)}")
         return text
 
     def dtype(self, value: object, jp: str) -> str:
@@ -296,7 +330,7 @@ class _Parser:
     # -- sections ------------------------------------------------------------------------------
 
     def parse(self, raw: object) -> Manifest:
-        doc = self.plain(raw, "$")
+        doc = self.plain(raw)
         top = self.obj(doc, "$", "manifest", TOP_KEYS, ("format", "name"))
         fmt = top["format"]
         if isinstance(fmt, bool) or fmt != FORMAT_VERSION:

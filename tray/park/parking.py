@@ -335,8 +335,9 @@ class Parking:
     def wake(self, parked: ParkedSession) -> Session:
         """Tray-wide: lease device pages on every rank and copy the parked pages back, all or nothing.
 
-        Call on every rank with the same parked session. The host copy stays reserved and every page
-        is clean afterwards (see Session: touch what you write before parking again). Raises NoRoom
+        Call on every rank with the same parked session. The host copy stays reserved; every page is
+        dirty afterwards, so the next park copies it unless the program declares it unchanged
+        (Session.mark_clean). Raises NoRoom
         on every rank when any rank's device pool is short (nothing moved, `parked` stays parked);
         UsageError on misuse (waking twice, a released session, different sessions); DeviceError when
         a copy failed (`parked` stays parked everywhere). Returns the live Session.
@@ -365,7 +366,9 @@ class Parking:
                     if record.device_pages is leased:
                         record.device_pages = None
                 raise
-            record.dirty = [False] * record.npages
+            # Every page counts as written from here on: the program may write any of them without
+            # telling us, and a park must never hand back an older copy. mark_clean() opts out.
+            record.dirty = [True] * record.npages
             record.where = Where.DEVICE
             record.generation += 1
             self.stats.wakes += 1

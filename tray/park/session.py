@@ -154,11 +154,11 @@ class Session(_Handle):
     so every rank leases once per session (0 pages is fine) and parks/wakes sessions together.
 
     Dirty pages (what park copies): a page is dirty when its device bytes may differ from its host
-    copy. Freshly leased pages are dirty. Park copies only dirty pages and then all pages are clean.
-    Wake brings every page back and keeps the host copy reserved, so the pages are clean after wake:
-    parking the same session again copies nothing unless you call `touch(indices)` (or `touch()` for
-    all pages) for the pages you wrote since the wake. A page written but not touched is parked as
-    its older host copy. `release()` frees the device pages and the host copy.
+    copy. Freshly leased pages are dirty, and so is every page after a wake (the program may write
+    any of them): a park never returns older bytes than the device held. A program that knows which
+    pages it left unchanged since the wake says so with `mark_clean(indices)` (or `mark_clean()` for
+    all), and the next park copies only the others; `touch(indices)` marks pages dirty again.
+    `release()` frees the device pages and the host copy.
     """
 
     _WHERE = Where.DEVICE
@@ -200,6 +200,19 @@ class Session(_Handle):
         idx = [_index(i, r.npages, "session.touch", r.id) for i in page_indices]
         for i in idx:
             r.dirty[i] = True
+
+    def mark_clean(self, page_indices: Iterable[int] | None = None) -> None:
+        """Declare pages unchanged since the last wake (all pages when None): the next park keeps
+        their host copy instead of copying them. Only after a wake (a page with no host copy yet
+        cannot be clean): UsageError otherwise. Indices are session page indices (0..npages-1)."""
+        r = self._live("session.mark_clean")
+        if r.host_pages is None:
+            raise UsageError(f"session.mark_clean: session {r.id} was never parked, so its pages have no host "
+                             "copy to keep; park it first")
+        idx = range(r.npages) if page_indices is None else \
+            [_index(i, r.npages, "session.mark_clean", r.id) for i in page_indices]
+        for i in idx:
+            r.dirty[i] = False
 
     @property
     def dirty(self) -> tuple[int, ...]:

@@ -151,12 +151,20 @@ class Rank:
 
     def exchange(self, topic: str, value: Any, timeout_s: float = 60.0) -> list[Any]:
         """Every rank's `value` (msgpack-able), in rank order, through the head. A tray-wide step:
-        every rank must call it with the same topic."""
+        every rank must call it with the same topic. Raises UsageError, before sending, when the
+        value is larger than wire.vote_limit_nbytes(world_size) (all values travel back in one message)."""
         self._require_open("exchange()")
         client = self._wiring.client
         rnd = self._rounds.get(topic, 0) + 1
+        data = wire.encode(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value))
+        limit = wire.vote_limit_nbytes(self.world_size)
+        if len(data) > limit:
+            raise UsageError(
+                f"exchange({topic!r}): rank {self.rank}'s value takes {len(data)} B; the head sends every "
+                f"rank's value back in one message of at most {wire.MAX_MESSAGE_NBYTES} B, so each of the "
+                f"{self.world_size} ranks may send at most {limit} B: exchange less (e.g. a digest or a path)")
         self._rounds[topic] = rnd
-        client.send(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value))
+        client.send_bytes(data)
         while True:
             d = client.receive(wire.Decision, timeout_s, f"decision on {topic!r}")
             if d.topic == topic and d.round == rnd:

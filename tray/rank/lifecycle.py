@@ -169,7 +169,10 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
             for n in names:
                 b = kinds[n]
                 handle = ExportedHandle(kind=b.handle, nbytes=b.nbytes, fd=fds.pop(n, None), fabric=b.fabric)
-                mapped[(peer, n)] = backend.import_peer(handle).ptr
+                try:
+                    mapped[(peer, n)] = backend.import_peer(handle).ptr
+                except HandshakeError as exc:
+                    raise HandshakeError(f"rank {peer}'s buffer {n!r}: {exc}") from None
         finally:
             for fd in fds.values():
                 os.close(fd)

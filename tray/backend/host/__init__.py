@@ -7,6 +7,7 @@ the same epoch protocol as the GPU kernel, polled from Python.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import time
@@ -31,7 +32,7 @@ from tray.backend.base import (
     numpy_dtype,
 )
 from tray.backend.host.barrier import HostBarrier
-from tray.errors import DeviceError, UsageError
+from tray.errors import DeviceError, HandshakeError, UsageError
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -40,6 +41,22 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE_NBYTES = mmap.PAGESIZE
+# A memfd's size is fixed once sized: a peer that shrank it would make every mapper fault (SIGBUS).
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def check_memfd(fd: int, nbytes: int) -> None:
+    """Before mapping a received memfd: it holds at least `nbytes` and is sealed against shrinking
+    and growing. Raises HandshakeError saying what was seen (the caller names the peer)."""
+    size = os.fstat(fd).st_size
+    if size < nbytes:
+        raise HandshakeError(f"its memfd holds {size} B, the offer says {nbytes} B (truncated or another fd)")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise HandshakeError(f"its fd is not a sealable memfd ({exc.strerror})") from None
+    if seals & SIZE_SEALS != SIZE_SEALS:
+        raise HandshakeError("its memfd is not sealed against shrinking and growing (F_SEAL_SHRINK|F_SEAL_GROW)")
 
 
 def _round_up(nbytes: int, granule: int) -> int:
@@ -74,9 +91,11 @@ class HostBuffer(DeviceBuffer):
         self.nbytes = nbytes
         self.export = export
         self.mapped_nbytes = _round_up(nbytes, PAGE_NBYTES)
-        self.fd = os.memfd_create(f"tray:{name}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(f"tray:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.mapped_nbytes)
+            # sized once for good: no peer (nor this rank) can shrink what others map
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
             self.ptr = map_fd(self.fd, self.mapped_nbytes, name)
         except BaseException:
             os.close(self.fd)
@@ -212,6 +231,7 @@ class HostBackend(Backend):
         if handle.kind != "memfd" or handle.fd is None:
             raise UsageError(f"host backend imports memfd handles only, got {handle.kind!r}")
         try:
+            check_memfd(handle.fd, handle.nbytes)
             ptr = map_fd(handle.fd, handle.nbytes, "peer buffer")
         finally:
             os.close(handle.fd)

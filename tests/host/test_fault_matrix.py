@@ -1,0 +1,332 @@
+"""The fault matrix of the launcher: the jobs root, leftover processes, shared memory, deadlines, big
+messages, head-side OS errors and restarts. Each case runs with a bound on time, and the `tray_env`
+fixture checks that nothing is left behind (processes carrying the test's marker, job dirs, /dev/shm);
+in-process cases also check the head's fds."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from tray.launch import TraySpec, run_tray
+
+# a leftover child: inherits the rank's stdout/stderr and carries the test's marker
+SPAWN_LEFTOVER = """
+import subprocess
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1]])
+"""
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def start_head(tray_env, n: int, body: str, *args: str) -> subprocess.Popen:
+    """A head in the background, its stdout piped; returns once every rank printed `up`."""
+    head = subprocess.Popen(tray_env.command(n, body, *args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=tray_env.env(), cwd=str(tray_env.tmp))
+    seen, deadline = 0, time.monotonic() + 30
+    while seen < n and time.monotonic() < deadline:
+        seen += head.stdout.readline().strip().endswith("up")
+    assert seen == n, "the ranks did not come up"
+    return head
+
+
+# --- 1. the jobs root --------------------------------------------------------------------------------
+
+def launch_with_root(tray_env, root: Path):
+    env = tray_env.env()
+    env["TRAY_JOBS_ROOT"] = str(root)
+    cmd = [sys.executable, "-m", "tray", "launch", "-n", "1", "--backend", "host", "--", sys.executable, "-c", "pass"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=str(tray_env.tmp))
+
+
+def test_jobs_root_symlink_is_refused(tray_env, tmp_path):
+    elsewhere = tmp_path / "chosen-by-someone-else"
+    elsewhere.mkdir(mode=0o700)
+    link = tmp_path / "root-link"
+    link.symlink_to(elsewhere)
+    run = launch_with_root(tray_env, link)
+    assert run.returncode == 2, run.stderr
+    assert "is a symbolic link or not a directory" in one_error_line(run.stderr)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_jobs_root_open_to_others_is_refused(tray_env, tmp_path):
+    root = tmp_path / "shared-root"
+    root.mkdir()
+    root.chmod(0o755)
+    run = launch_with_root(tray_env, root)
+    assert run.returncode == 2, run.stderr
+    assert "has mode 0755, expected 0700" in one_error_line(run.stderr)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a directory of another uid needs root")
+def test_jobs_root_of_another_uid_is_refused(tray_env, tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 4321, 4321)
+    run = launch_with_root(tray_env, root)
+    assert run.returncode == 2, run.stderr
+    assert "is owned by uid 4321" in one_error_line(run.stderr)
+    assert list(root.iterdir()) == []
+
+
+def test_socket_path_too_long_is_a_setup_error(tray_env, tmp_path):
+    root = tmp_path / ("r" * 100)
+    run = launch_with_root(tray_env, root)
+    assert run.returncode == 2, run.stderr
+    line = one_error_line(run.stderr)
+    assert "UNIX sockets allow 107" in line and "set TRAY_JOBS_ROOT to a shorter directory" in line
+
+
+def test_head_socket_bind_failure_is_named_and_cleaned(tray_env, monkeypatch):
+    from tray.launch.jobdir import SetupError
+
+    def no_room(self, endpoint):
+        raise zmq.ZMQError(errno.ENOSPC)
+
+    monkeypatch.setenv("TRAY_JOBS_ROOT", str(tray_env.jobs_root))
+    monkeypatch.setattr(zmq.Socket, "bind", no_room)
+    fds = set(os.listdir("/proc/self/fd"))
+    spec = TraySpec(nprocs=2, cmd=(sys.executable, "-c", "import time, sys; time.sleep(600)", tray_env.marker),
+                    backend="host", quiet=True)
+    with pytest.raises(SetupError, match=r"cannot bind the head's socket ipc://.*head.sock: No space left on device"):
+        run_tray(spec)
+    assert set(os.listdir("/proc/self/fd")) == fds
+
+
+def test_in_process_tray_leaves_no_fd(tray_env, monkeypatch):
+    monkeypatch.setenv("TRAY_JOBS_ROOT", str(tray_env.jobs_root))
+    prog = tray_env.script("""
+    with tray.init() as rank:
+        rank.barrier()
+    """)
+    spec = TraySpec(nprocs=2, cmd=(sys.executable, str(prog), tray_env.marker), backend="host", quiet=True)
+    run_tray(spec)  # the first run imports what it needs (zmq's own fds stay)
+    fds = set(os.listdir("/proc/self/fd"))
+    assert run_tray(spec).exit_code == 0
+    assert set(os.listdir("/proc/self/fd")) == fds
+
+
+# --- 2. leftover processes -----------------------------------------------------------------------------
+
+def test_leftover_child_holding_stdout_does_not_hang_the_tray(tray_env):
+    run = tray_env.launch(2, SPAWN_LEFTOVER + """
+with tray.init() as rank:
+    rank.barrier()
+print("done", flush=True)
+""", timeout_s=30)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("done") == 2
+    assert run.seconds < 10
+
+
+def test_head_sigkilled_takes_ranks_and_their_children(tray_env):
+    head = start_head(tray_env, 3, SPAWN_LEFTOVER + """
+with tray.init() as rank:
+    print("up", flush=True)
+    time.sleep(600)
+""")
+    try:
+        assert wait_for(lambda: len(tray_env.leftovers()) >= 7, 10)  # 3 ranks, 3 children, the job dir
+        t0 = time.monotonic()
+        head.send_signal(signal.SIGKILL)
+        head.wait(timeout=10)
+        assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
+        assert time.monotonic() - t0 < 5
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+
+
+def test_double_sigterm_leaves_no_job_dir(tray_env):
+    # ranks that ignore SIGTERM keep the head in its teardown (grace, then SIGKILL) when the second comes
+    head = start_head(tray_env, 2, """
+import signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with tray.init() as rank:
+    print("up", flush=True)
+    time.sleep(600)
+""")
+    try:
+        head.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        head.send_signal(signal.SIGTERM)
+        assert head.wait(timeout=20) == 130
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+    assert list(tray_env.jobs_root.iterdir()) == []
+
+
+# --- 3. NCCL's shared memory, 8. the stale-dir lock ---------------------------------------------------
+
+MAP_FAKE_NCCL_SEGMENT = """
+import mmap
+name = os.environ["FAKE_SEGMENT"]
+fd = os.open("/dev/shm/" + name, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 4096)
+segment = mmap.mmap(fd, 4096)
+"""
+
+
+def fake_segment_name() -> str:
+    return "nccl-" + secrets.token_hex(3)
+
+
+def test_segments_of_a_killed_tray_are_removed_by_the_next_launch(tray_env, monkeypatch):
+    name = fake_segment_name()
+    monkeypatch.setenv("FAKE_SEGMENT", name)
+    head = start_head(tray_env, 2, MAP_FAKE_NCCL_SEGMENT + """
+with tray.init() as rank:
+    print("up", flush=True)
+    time.sleep(600)
+""")
+    try:
+        assert wait_for(lambda: any(tray_env.jobs_root.glob("job-*/shm.list")), 10)  # the head recorded it
+        # the head and its watchdog die together: nobody cleans up now
+        watchdog = next(c for c in psutil.Process(head.pid).children() if "tray.launch.watchdog" in c.cmdline())
+        watchdog.kill()
+        head.kill()
+        head.wait(timeout=10)
+        assert wait_for(lambda: not [x for x in tray_env.leftovers() if x.startswith("process")], 5)
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+    assert os.path.exists(f"/dev/shm/{name}")
+    assert len(list(tray_env.jobs_root.iterdir())) == 1
+    run = tray_env.launch(1, "pass")
+    assert run.returncode == 0, run.output
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert list(tray_env.jobs_root.iterdir()) == []
+
+
+def test_sweep_spares_a_live_job_dir_whose_pid_it_cannot_see(tray_env):
+    # a head in another pid namespace: its pid means nothing here (this one does not exist), its lock does
+    live = tray_env.jobs_root / "job-999999999-0a1b2c3d"
+    live.mkdir(mode=0o700)
+    name = fake_segment_name()
+    segment = Path("/dev/shm") / name
+    segment.write_bytes(b"\0" * 4096)
+    (live / "shm.list").write_text(name + "\n")
+    lock = os.open(live / "head.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        run = tray_env.launch(1, "pass")
+        assert run.returncode == 0, run.output
+        assert live.is_dir() and segment.exists()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        run = tray_env.launch(1, "pass")
+        assert run.returncode == 0, run.output
+        assert not live.exists() and not segment.exists()
+    finally:
+        os.close(lock)
+        segment.unlink(missing_ok=True)
+
+
+# --- 4. big exchange, 5.-6. deadlines -----------------------------------------------------------------
+
+def test_exchange_too_big_for_the_decision_fails_at_the_rank(tray_env):
+    run = tray_env.launch(4, """
+with tray.init() as rank:
+    rank.exchange("big", b"x" * 600_000)
+""")
+    assert run.returncode == 1, run.output
+    line = next(ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED"))
+    assert "reported UsageError: exchange('big'): rank" in line
+    assert "each of the 4 ranks may send at most 262128 B" in line
+    assert run.seconds < 15
+
+
+def test_rank_exiting_0_before_init_is_judged_at_once(tray_env):
+    run = tray_env.launch(3, """
+if os.environ["TRAY_RANK"] == "1":
+    sys.exit(0)
+with tray.init() as rank:
+    rank.barrier(timeout_s=60)
+""")
+    assert run.returncode == 1, run.output
+    assert "FAILED: rank 1" in run.stderr and "exited with code 0 before it joined the tray" in run.stderr
+    assert run.seconds < 10
+
+
+def test_no_rank_ever_heard_fails_at_the_deadline_naming_every_rank(tray_env):
+    run = tray_env.launch(3, "time.sleep(600)\n", "--timeout-s", "2")
+    assert run.returncode == 3, run.output
+    for r in range(3):
+        assert (f"rank {r} did not offer within 2 s (process alive, last phase: spawn: never contacted the head)"
+                in run.stderr)
+    assert run.seconds < 10
+
+
+# --- restarts, minor items ------------------------------------------------------------------------
+
+def test_max_restarts_runs_again_after_a_failure(tray_env):
+    body = """
+attempt = int(os.environ["TRAY_RESTART_COUNT"])
+assert os.environ["TORCHELASTIC_RESTART_COUNT"] == str(attempt)
+with tray.init() as rank:
+    if attempt == 0 and rank.rank == 1:
+        raise RuntimeError("first attempt fails")
+    rank.barrier(timeout_s=30)
+    print("attempt", attempt, "ok", flush=True)
+"""
+    run = tray_env.launch(2, body, "--max-restarts", "2")
+    assert run.returncode == 0, run.output
+    assert "attempt 1 of 3 failed (exit 1): rank 1 reported RuntimeError: first attempt fails" in run.stderr
+    assert run.stdout.count("attempt 1 ok") == 2 and "attempt 2" not in run.stdout
+    run = tray_env.launch(2, "sys.exit(3)\n", "--max-restarts", "1")
+    assert run.returncode == 1, run.output
+    assert "attempt 1 of 2 failed (exit 1)" in run.stderr and "attempt 2 of 2" not in run.stderr
+
+
+def test_duplicate_ready_sends_go_once(tray_env):
+    run = tray_env.launch(2, """
+from tray.handshake import wire
+with tray.init() as rank:
+    if rank.rank == 0:
+        rank._wiring.client.send(wire.Ready(token=rank.env.token, rank=0, timings={}))
+    rank.barrier(timeout_s=30)
+    rank.exchange("after", 1)
+""")
+    assert run.returncode == 0, run.output
+    assert "rejected a message from rank-0: a second ready (go is sent once)" in run.stderr
+    assert run.stderr.count("tray up in") == 1
+
+
+def test_watchdog_group_member_scan_sees_a_group():
+    from tray.launch.watchdog import group_members
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], process_group=0)
+    try:
+        assert wait_for(lambda: group_members(child.pid) == [child.pid], 5)
+    finally:
+        child.kill()
+        child.wait()
+    assert group_members(child.pid) == []

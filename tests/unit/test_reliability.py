@@ -1,0 +1,133 @@
+"""In-process checks of the launcher's and the rank's safety rails: vote sizes, sealed memfds, the
+manifest loader's cost on hostile files, the head's phase bookkeeping, job dir locks."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tray.backend.base import ExportedHandle
+from tray.backend.host import HostBackend, check_memfd
+from tray.errors import HandshakeError, ManifestError
+from tray.handshake import wire
+from tray.launch.head import Head
+from tray.launch.jobdir import SetupError, make_job_dir, open_root, sweep_stale
+from tray.launch.spec import RankProcess
+from tray.manifest import load_manifest
+
+TOKEN = "t" * 32
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 64])
+def test_votes_within_the_limit_always_make_a_decision_that_fits(world_size):
+    limit = wire.vote_limit_nbytes(world_size)
+    topic = "a-topic"
+    overhead = len(wire.encode(wire.Vote(token=TOKEN, rank=world_size - 1, topic=topic, round=1, value=b"")))
+    value = b"x" * (limit - overhead - 4)  # 4 B: bin32 header instead of bin8
+    vote = wire.encode(wire.Vote(token=TOKEN, rank=world_size - 1, topic=topic, round=1, value=value))
+    assert len(vote) <= limit
+    decision = wire.Decision(token=TOKEN, topic=topic, round=1, values=(value,) * world_size)
+    assert len(wire.encode(decision)) <= wire.MAX_MESSAGE_NBYTES
+
+
+def test_memfds_are_sealed_and_checked_on_import():
+    backend = HostBackend.open(0)
+    try:
+        buf = backend.allocate("x", 10_000, True)
+        with pytest.raises(PermissionError):
+            os.ftruncate(buf.fd, 4096)  # F_SEAL_SHRINK
+        check_memfd(buf.fd, buf.mapped_nbytes)
+        small = os.memfd_create("small", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(small, 4096)
+        with pytest.raises(HandshakeError, match="holds 4096 B, the offer says 12288 B"):
+            backend.import_peer(ExportedHandle(kind="memfd", nbytes=12288, fd=os.dup(small)))
+        with pytest.raises(HandshakeError, match="not sealed against shrinking"):
+            backend.import_peer(ExportedHandle(kind="memfd", nbytes=4096, fd=small))
+        mapping = backend.import_peer(ExportedHandle(kind="memfd", nbytes=buf.mapped_nbytes, fd=os.dup(buf.fd)))
+        assert mapping.ptr
+    finally:
+        backend.close()
+
+
+HOSTILE_MANIFESTS = {
+    "long unknown key": {"format": 1, "name": "m", "k" * 5_000_000: 1},
+    "long key over a long list": {"format": 1, "name": "m", "buffers": [
+        {"name": "b", "dtype": "f32", "shape": [1], "z" * 2_500_000: [1] * 850_000}]},
+    "long value": {"format": 1, "name": "m", "buffers": [{"name": "b", "dtype": "f" * 5_000_000, "shape": [1]}]},
+    "long description": {"format": 1, "name": "m", "description": "d" * 5_000_000},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_MANIFESTS))
+def test_manifest_loader_is_linear_and_cuts_long_text(tmp_path, case):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(HOSTILE_MANIFESTS[case]))
+    assert path.stat().st_size >= 5_000_000
+    t0 = time.perf_counter()
+    try:
+        load_manifest(path)
+        message = ""
+    except ManifestError as exc:
+        message = str(exc)
+    assert time.perf_counter() - t0 < 1.0
+    assert len(message) < 400, message[:400]
+    if case == "long unknown key":
+        assert '$["kkkk' in message and 'kkk..."]: unknown key' in message
+
+
+def rank_process(phase: str = "spawn") -> RankProcess:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return RankProcess(rank=0, popen=proc, t_spawn=0.0, phase=phase)
+
+
+def test_a_late_heartbeat_never_moves_a_rank_back():
+    p = rank_process()
+    Head._note_phase(p, "allocate")
+    Head._note_phase(p, "table")     # the offer arrived
+    Head._note_phase(p, "offer")     # a heartbeat sent before it
+    assert p.phase == "table"
+    Head._note_phase(p, "run")
+    Head._note_phase(p, "park")      # after go, phases come and go
+    Head._note_phase(p, "run")
+    assert p.phase == "run"
+    Head._note_phase(p, "bye", force=True)
+    Head._note_phase(p, "run")
+    assert p.phase == "bye"
+
+
+def test_job_dir_is_locked_and_swept_only_when_free(tmp_path):
+    root = tmp_path / "jobs"
+    job = make_job_dir(4, root)
+    try:
+        assert job.path.parent == root and oct(job.path.stat().st_mode & 0o777) == "0o700"
+        other = os.open(job.path / "head.lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
+        _, root_fd = open_root(root)
+        assert sweep_stale(root_fd) == [] and job.path.is_dir()
+        os.close(job.lock_fd)  # the head died
+        job.lock_fd = os.open(os.devnull, os.O_RDONLY)
+        assert sweep_stale(root_fd) == [job.path.name] and not job.path.exists()
+        os.close(root_fd)
+    finally:
+        job.close()
+    assert os.listdir(root) == []
+
+
+def test_jobs_root_swapped_for_a_link_is_refused(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    root = tmp_path / "jobs"
+    root.symlink_to(target)
+    with pytest.raises(SetupError, match="is a symbolic link"):
+        make_job_dir(1, root)
+    assert list(Path(target).iterdir()) == []

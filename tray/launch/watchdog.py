@@ -1,0 +1,154 @@
+"""The tray's watchdog: a tiny sidecar that outlives a SIGKILLed head just long enough to clean up.
+
+The head starts it first; it leads the tray's process group (every rank, and everything a rank
+starts, joins that group) and holds the job dir's lock with the head. It waits on a pipe from the
+head. EOF without "done" means the head died: it kills every other process of the group, removes the
+NCCL segments the head recorded, removes the job dir, and exits. A group led by a live process cannot
+be reused by another, so the kill never reaches a stranger.
+
+    python -m tray.launch.watchdog ROOT JOB_NAME PIPE_FD LOCK_FD
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tray.launch.jobdir import SetupError, open_root
+from tray.launch.shm import remove_recorded_shm
+
+DONE = b"done\n"
+# NOTE: SIGKILLed processes vanish within milliseconds; the bound only guards against a process in
+# uninterruptible sleep (D state), which no signal can end sooner.
+REAP_TIMEOUT_S = 5.0
+
+
+def group_members(pgid: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Pids of the live processes in process group `pgid` (from /proc), minus `exclude`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        if pid in exclude:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # fields after the command (which may hold spaces and parentheses): state ppid pgrp ...
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            found.append(pid)
+    return found
+
+
+def kill_group(pgid: int, exclude: frozenset[int], timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
+    """SIGKILL every process of group `pgid` except `exclude` until none is left (a process may fork
+    while we look) or `timeout_s` passed; reaps those that are our children (orphans adopted by a
+    subreaper). Returns the pids still alive at the end (normally none)."""
+    deadline = time.monotonic() + timeout_s
+    signalled: set[int] = set()
+    try:
+        while True:
+            left = group_members(pgid, exclude)
+            if not left or time.monotonic() >= deadline:
+                return left
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    signalled.add(pid)
+                except OSError:
+                    pass
+            time.sleep(0.005)
+    finally:
+        for pid in signalled:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+class Watchdog:
+    """The head's handle on its watchdog: `pgid` is the tray's process group. `done()` tells it the
+    head cleaned up itself and waits for it to exit."""
+
+    def __init__(self, root: Path, job_name: str, lock_fd: int) -> None:
+        read_fd, self._write_fd = os.pipe()
+        os.set_inheritable(lock_fd, True)
+        package_parent = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "tray.launch.watchdog", str(root), job_name, str(read_fd), str(lock_fd)],
+                stdin=subprocess.DEVNULL, pass_fds=(read_fd, lock_fd), process_group=0, env=env,
+            )
+        except BaseException:
+            os.close(self._write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+            os.set_inheritable(lock_fd, False)
+        self.pgid = self.popen.pid
+
+    def done(self, timeout_s: float = 5.0) -> None:
+        """Release the watchdog without a cleanup (the head did it). Idempotent."""
+        if self._write_fd >= 0:
+            try:
+                os.write(self._write_fd, DONE)
+            except OSError:
+                pass
+            os.close(self._write_fd)
+            self._write_fd = -1
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def _watch(root: str, job_name: str, pipe_fd: int, lock_fd: int) -> int:
+    data = b""
+    while True:
+        try:
+            chunk = os.read(pipe_fd, 64)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    if data == DONE:
+        return 0
+    # the head died without cleaning up
+    me = os.getpid()
+    kill_group(os.getpgid(0), frozenset({me}))
+    try:
+        _, root_fd = open_root(Path(root))
+    except SetupError:
+        return 1
+    try:
+        remove_recorded_shm(root_fd, job_name)
+        shutil.rmtree(job_name, dir_fd=root_fd, ignore_errors=True)
+    finally:
+        os.close(root_fd)
+        os.close(lock_fd)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    # The terminal's Ctrl-C and a SIGTERM are the head's to handle; the watchdog only acts on EOF.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    root, job_name, pipe_fd, lock_fd = argv[0], argv[1], int(argv[2]), int(argv[3])
+    return _watch(root, job_name, pipe_fd, lock_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
