@@ -7,7 +7,8 @@ Every resource returned here has `close()`; the backend closes what it still own
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,8 +106,9 @@ class Barrier(abc.ABC):
     group: GroupInfo
 
     @abc.abstractmethod
-    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
-        """Enqueue one barrier on the rank's stream (host: run it now). May return before it ends."""
+    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
+        """Enqueue one barrier on the rank's stream, or on `stream` (an int CUDA stream handle) when given
+        (host: run it now). May return before it ends; no allocation or synchronisation (capturable)."""
 
     @abc.abstractmethod
     def check(self) -> None:
@@ -154,25 +156,31 @@ class Collectives(abc.ABC):
     on host).
 
     `count` is in elements of `dtype` (a numpy dtype name or "bf16"); for allgather and alltoall
-    `count` is the per-member chunk. All calls are enqueued on the rank's stream.
+    `count` is the per-member chunk. All calls are enqueued on the rank's stream, or on `stream` (an int
+    CUDA stream handle; host: ignored) when given; none synchronises, so a caller's capture records them.
     """
 
     group: GroupInfo
 
     @abc.abstractmethod
-    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
+    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                      stream: int | None = None) -> None: ...
 
     @abc.abstractmethod
-    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
+    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                      stream: int | None = None) -> None: ...
 
     @abc.abstractmethod
-    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
+    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                          stream: int | None = None) -> None: ...
 
     @abc.abstractmethod
-    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None: ...
+    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                     stream: int | None = None) -> None: ...
 
     @abc.abstractmethod
-    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
+    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
+                 stream: int | None = None) -> None:
         """Send `count` elements to member `peer_index` and receive as many from it."""
 
     @abc.abstractmethod
@@ -281,6 +289,41 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    # --- the caller's streams and views (DLPack) ------------------------------------------------------
+    @property
+    def dlpack_device(self) -> tuple[int, int]:
+        """(DLDeviceType, ordinal) of memory this backend maps: host memory is (kDLCPU = 1, 0)."""
+        return (1, 0)
+
+    @property
+    def cuda_stream(self) -> int | None:
+        """The rank's stream as an int handle (None on host: no streams)."""
+        return None
+
+    def order_stream(self, stream: int) -> None:
+        """Make the caller's `stream` wait for the work enqueued so far on the rank's stream (an event;
+        no host synchronisation). Host: nothing to order."""
+        return None
+
+    @contextlib.contextmanager
+    def joined(self, stream: int | None) -> Iterator[None]:
+        """Work the body enqueues on the rank's stream runs after the work on `stream` and before the
+        caller's next work on `stream` (events both ways; a capture on `stream` records it). Host: as is."""
+        yield
+
+    def is_capturing(self, stream: int) -> bool:
+        """Whether `stream` is being captured into a CUDA graph (host: never)."""
+        return False
+
+    def detach(self, resource: DeviceBuffer | PeerMapping) -> Callable[[], None]:
+        """Take `resource` (a buffer or mapping this backend made) out of `close()`: a view still uses it.
+        Returns the function that releases it (and what it needs of the device) later, exactly once."""
+        self._disown(resource)
+        return resource.close
+
+    def _disown(self, resource: DeviceBuffer | PeerMapping) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot hand out its resources")
 
 
 def itemsize(dtype: str) -> int:

@@ -66,14 +66,16 @@ class HostCollectives(Collectives):
             acc += self._peer(i, offset_nbytes, count, dtype)
         return acc
 
-    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                      stream: int | None = None) -> None:
         nbytes = count * numpy_dtype(dtype).itemsize
         self._stage(send_ptr, nbytes)
         result = self._reduce(0, count, dtype)
         self._barrier.launch()  # nobody restages scratch until every member has read it
         self._typed(recv_ptr, count, dtype)[:] = result
 
-    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                      stream: int | None = None) -> None:
         nbytes = count * numpy_dtype(dtype).itemsize
         self._stage(send_ptr, nbytes)
         recv = self._typed(recv_ptr, count * self.group.size, dtype)
@@ -81,14 +83,16 @@ class HostCollectives(Collectives):
             recv[i * count:(i + 1) * count] = self._peer(i, 0, count, dtype)
         self._barrier.launch()
 
-    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                          stream: int | None = None) -> None:
         chunk = count * numpy_dtype(dtype).itemsize
         self._stage(send_ptr, chunk * self.group.size)
         result = self._reduce(self.group.index * chunk, count, dtype)
         self._barrier.launch()
         self._typed(recv_ptr, count, dtype)[:] = result
 
-    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                     stream: int | None = None) -> None:
         chunk = count * numpy_dtype(dtype).itemsize
         self._stage(send_ptr, chunk * self.group.size)
         recv = self._typed(recv_ptr, count * self.group.size, dtype)
@@ -96,7 +100,8 @@ class HostCollectives(Collectives):
             recv[i * count:(i + 1) * count] = self._peer(i, self.group.index * chunk, count, dtype)
         self._barrier.launch()
 
-    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
+    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
+                 stream: int | None = None) -> None:
         nbytes = count * numpy_dtype(dtype).itemsize
         self._stage(send_ptr, nbytes)
         self._typed(recv_ptr, count, dtype)[:] = self._peer(peer_index, 0, count, dtype)

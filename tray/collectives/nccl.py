@@ -242,7 +242,8 @@ def get_unique_id() -> bytes:
 
 
 class NcclGroup(Collectives):
-    """One joined NCCL communicator. Every call is enqueued on `stream`; any failing call aborts the
+    """One joined NCCL communicator. Every call is enqueued on `stream` (or the caller's `stream=`, which
+    a CUDA graph capture of the caller's may record: no call here synchronises); any failing call aborts the
     communicator (comm_abort) before raising DeviceError, and later calls are refused.
 
     `count` is in elements of `dtype`; for allgather, reducescatter and alltoall it is the per-member
@@ -262,26 +263,35 @@ class NcclGroup(Collectives):
     def __repr__(self) -> str:
         return f"NcclGroup({self._where}, {self._state})"
 
+    def _stream(self, stream: int | None) -> int:
+        """The stream a call is enqueued on: the caller's (an int handle, 0 = the default stream) or the
+        rank's own."""
+        return self.stream if stream is None else int(stream)
+
     # --- collectives -------------------------------------------------------------------------------
-    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                  stream: int | None = None) -> None:
         """recv[:count] = sum over members of their send[:count]."""
         self._live("ncclAllReduce")
         self._call("ncclAllReduce", _ALLREDUCE, self._mod.all_reduce,
-                   send_ptr, recv_ptr, count, nccl_dtype(dtype), RED_SUM, self.comm, self.stream)
+                   send_ptr, recv_ptr, count, nccl_dtype(dtype), RED_SUM, self.comm, self._stream(stream))
 
-    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                  stream: int | None = None) -> None:
         """recv[i*count:(i+1)*count] = member i's send[:count]."""
         self._live("ncclAllGather")
         self._call("ncclAllGather", _ALLGATHER, self._mod.all_gather,
-                   send_ptr, recv_ptr, count, nccl_dtype(dtype), self.comm, self.stream)
+                   send_ptr, recv_ptr, count, nccl_dtype(dtype), self.comm, self._stream(stream))
 
-    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                      stream: int | None = None) -> None:
         """recv[:count] = sum over members of their send[me*count:(me+1)*count]."""
         self._live("ncclReduceScatter")
         self._call("ncclReduceScatter", _REDUCESCATTER, self._mod.reduce_scatter,
-                   send_ptr, recv_ptr, count, nccl_dtype(dtype), RED_SUM, self.comm, self.stream)
+                   send_ptr, recv_ptr, count, nccl_dtype(dtype), RED_SUM, self.comm, self._stream(stream))
 
-    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                 stream: int | None = None) -> None:
         """recv[i*count:(i+1)*count] = member i's send[me*count:(me+1)*count]: one NCCL group of a
         send and a recv of `count` elements per member (itself included)."""
         self._live("alltoall")
@@ -290,28 +300,29 @@ class NcclGroup(Collectives):
         with self.batch():
             for peer in range(self.group.size):
                 self._call("ncclSend", _SEND, self._mod.send,
-                           send_ptr + peer * chunk, count, dt, peer, self.comm, self.stream)
+                           send_ptr + peer * chunk, count, dt, peer, self.comm, self._stream(stream))
                 self._call("ncclRecv", _RECV, self._mod.recv,
-                           recv_ptr + peer * chunk, count, dt, peer, self.comm, self.stream)
+                           recv_ptr + peer * chunk, count, dt, peer, self.comm, self._stream(stream))
 
-    def send(self, ptr: int, count: int, dtype: str, peer_index: int) -> None:
+    def send(self, ptr: int, count: int, dtype: str, peer_index: int, stream: int | None = None) -> None:
         """Send `count` elements to member `peer_index`, which must post the matching recv (pair
         them inside `batch()` when both sides send and receive)."""
         self._live("ncclSend")
         self._call("ncclSend", _SEND, self._mod.send,
-                   ptr, count, nccl_dtype(dtype), self._peer(peer_index), self.comm, self.stream)
+                   ptr, count, nccl_dtype(dtype), self._peer(peer_index), self.comm, self._stream(stream))
 
-    def recv(self, ptr: int, count: int, dtype: str, peer_index: int) -> None:
+    def recv(self, ptr: int, count: int, dtype: str, peer_index: int, stream: int | None = None) -> None:
         """Receive `count` elements from member `peer_index`."""
         self._live("ncclRecv")
         self._call("ncclRecv", _RECV, self._mod.recv,
-                   ptr, count, nccl_dtype(dtype), self._peer(peer_index), self.comm, self.stream)
+                   ptr, count, nccl_dtype(dtype), self._peer(peer_index), self.comm, self._stream(stream))
 
-    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
+    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
+                 stream: int | None = None) -> None:
         """Exchange `count` elements with member `peer_index` (one grouped send + recv)."""
         with self.batch():
-            self.send(send_ptr, count, dtype, peer_index)
-            self.recv(recv_ptr, count, dtype, peer_index)
+            self.send(send_ptr, count, dtype, peer_index, stream)
+            self.recv(recv_ptr, count, dtype, peer_index, stream)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

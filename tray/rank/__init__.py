@@ -5,6 +5,7 @@ back a `Rank`, the public face over the frozen wiring they built.
         rank.barrier()
         x = rank.read("x")            # numpy array of the buffer's dtype and shape
         peers = rank.peers("x")       # PeerTable: every member's address, member order
+        t = torch.from_dlpack(rank.peer_view("x", 1))   # zero-copy views (tray.rank.views)
 
 An exception leaving the `with` block is reported to the head (the tray's root cause) and re-raised.
 """
@@ -26,6 +27,7 @@ from tray.manifest import Manifest, ResolvedManifest
 from tray.rank import lifecycle
 from tray.rank.env import RankEnv
 from tray.rank.phases import PhaseClock
+from tray.rank.views import BufferView, Leases, check_member
 from tray.rank.wiring import Buffer, Parts, PeerTable, RankContext, Wiring
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from tray.rank.executor import Executor
     from tray.weights import WeightsReport
 
-__all__ = ["Buffer", "PeerTable", "Rank", "RankContext", "init"]
+__all__ = ["Buffer", "BufferView", "PeerTable", "Rank", "RankContext", "init"]
 
 
 def init(manifest: str | None = None, timeout_s: float = 60.0) -> Rank:
@@ -66,6 +68,7 @@ class Rank:
         self._rounds: dict[str, int] = {}
         self._executor: Executor | None = None
         self._park: Parking | None = None
+        self._leases = Leases()  # live views of this rank's memory (tray/rank/views.py)
         self._closed = False
 
     # --- what start-up made ------------------------------------------------------------------------
@@ -100,9 +103,25 @@ class Rank:
         if self._closed:
             raise UsageError(f"rank {self.rank}: {what} after close()")
 
-    def buffer(self, name: str) -> Buffer:
-        """The manifest buffer `name` on this rank."""
-        return self._wiring.buffer(name)
+    def buffer(self, name: str) -> BufferView:
+        """The manifest buffer `name` on this rank: `.ptr`, and a zero-copy tensor (`torch.from_dlpack`,
+        `np.from_dlpack`; see tray.rank.views) typed and shaped as the manifest says."""
+        b = self._wiring.buffer(name)
+        self._require_open(f"buffer({name!r})")
+        return BufferView(b.name, b.dtype, b.shape, b.nbytes, b.ptr, b.export, self.rank, self.backend,
+                          self._wiring.buffers[name], self._leases)
+
+    def peer_view(self, name: str, member: int) -> BufferView:
+        """Global rank `member`'s copy of exported buffer `name`, mapped here: a zero-copy tensor on THIS
+        rank's device (cuda: this GPU's ordinal), typed and shaped as the manifest says. `member` must be
+        in the buffer's group; this rank's own gives its own buffer. The mapping stays while a view of it
+        lives, even past close(). Raises UsageError for an unknown buffer or member, or after close()."""
+        table = self.peers(name)
+        check_member(name, member, table.group.members, table.group.name)
+        b = self._wiring.buffer(name)
+        resource = self._wiring.buffers[name] if member == self.rank else self._wiring.mappings[(member, name)]
+        return BufferView(b.name, b.dtype, b.shape, b.nbytes, table.ptrs[table.group.members.index(member)],
+                          b.export, member, self.backend, resource, self._leases)
 
     def peers(self, name: str) -> PeerTable:
         """Every member's address of exported buffer `name` (over the buffer's group)."""
@@ -112,9 +131,17 @@ class Rank:
     def group(self, name: str = "world") -> GroupInfo:
         return self._wiring.group(name)
 
-    def barrier(self, group: str = "world", timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
-        """Wait until every member of `group` arrives; BarrierTimeout names who did not."""
-        self.barrier_of(group).wait(timeout_s)
+    def barrier(self, group: str = "world", timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
+                stream: int | None = None) -> None:
+        """Wait until every member of `group` arrives; BarrierTimeout names who did not.
+
+        With `stream` (an int handle, e.g. `torch.cuda.current_stream().cuda_stream`) the barrier is only
+        enqueued on that stream (no sync, no allocation: a CUDA graph capture on it records the barrier);
+        a timeout then surfaces at the next `synchronize()` after that stream's work ended."""
+        if stream is None:
+            self.barrier_of(group).wait(timeout_s)
+        else:
+            self.barrier_of(group).launch(timeout_s, stream)
 
     def barrier_of(self, group: str = "world") -> Barrier:
         """The group's Barrier object, for launching without synchronising (benchmarks, graphs)."""
@@ -171,15 +198,23 @@ class Rank:
                 return list(d.values)
 
     # --- programs, weights and park/wake (tray/rank/executor.py, tray/weights/, tray/park/) ----------
-    def run(self, program: str, vars: dict[str, int] | None = None) -> None:
+    def run(self, program: str, vars: dict[str, int] | None = None, stream: int | None = None) -> None:
         """Run manifest program `program` in lockstep with every rank (arguments resolved once per
-        (program, vars), then replayed; `graph: true` programs replay one captured graph)."""
+        (program, vars), then replayed; `graph: true` programs replay one captured graph).
+
+        With `stream` (an int handle) the program runs after the work on that stream and before the next
+        (see tray.rank.streams); run it once outside a capture first (plans and kernels are built then)."""
         self._require_open("run()")
         if self._executor is None:
             from tray.rank.executor import Executor
 
             self._executor = Executor(self.context())
-        self._executor.run(program, vars or {})
+        if stream is None:
+            self._executor.run(program, vars or {})
+        else:
+            from tray.rank.streams import run_on_stream
+
+            run_on_stream(self.backend, self._executor.plan(program, vars or {}), stream)
 
     def synchronize(self) -> None:
         """Wait for this rank's stream; raise BarrierTimeout if a barrier it ran timed out."""
@@ -224,6 +259,7 @@ class Rank:
         for owner in (self._executor, self._park):
             if owner is not None:
                 owner.close()
+        self._leases.close(self.backend)  # memory a live view uses stays mapped until the view goes
         self._wiring.close()
 
     def __enter__(self) -> Rank:

@@ -85,7 +85,8 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float) -> Wiring:
     assert parts.peer_tables is not None and parts.barriers is not None and parts.collectives is not None
     return Wiring(env=env, phases=phases, client=client, manifest=manifest, resolved=resolved, backend=backend,
                   fd_server=parts.fd_server, groups=groups, buffers=parts.buffers, ptr_tables=parts.ptr_tables,
-                  peer_tables=parts.peer_tables, barriers=parts.barriers, collectives=parts.collectives)
+                  peer_tables=parts.peer_tables, barriers=parts.barriers, collectives=parts.collectives,
+                  mappings=parts.mappings or {})
 
 
 def _my_groups(parts: Parts) -> dict[str, GroupInfo]:
@@ -160,6 +161,7 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
             if peer != env.rank:
                 wanted.setdefault(peer, []).append(name)
     mapped: dict[tuple[int, str], int] = {}
+    mappings = parts.mappings = {}  # (peer, buffer) -> its PeerMapping here (views hold them past close)
     for peer, names in sorted(wanted.items()):
         offer = table.offers[peer]
         kinds = {b.name: b for b in offer.buffers}
@@ -170,9 +172,10 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
                 b = kinds[n]
                 handle = ExportedHandle(kind=b.handle, nbytes=b.nbytes, fd=fds.pop(n, None), fabric=b.fabric)
                 try:
-                    mapped[(peer, n)] = backend.import_peer(handle).ptr
+                    mappings[(peer, n)] = backend.import_peer(handle)
                 except HandshakeError as exc:
                     raise HandshakeError(f"rank {peer}'s buffer {n!r}: {exc}") from None
+                mapped[(peer, n)] = mappings[(peer, n)].ptr
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PtrTable
+from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PeerMapping, PtrTable
 from tray.errors import UsageError
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer
@@ -80,6 +80,7 @@ class Parts:
     peer_tables: dict[str, PeerTable] | None = None
     barriers: dict[str, Barrier] | None = None
     collectives: dict[str, Collectives] | None = None
+    mappings: dict[tuple[int, str], PeerMapping] | None = None
 
     def close(self) -> None:
         _release(self.collectives or {}, self.barriers or {}, self.ptr_tables or {}, self.fd_server,
@@ -107,6 +108,7 @@ class Wiring:
     peer_tables: Mapping[str, PeerTable]
     barriers: Mapping[str, Barrier]
     collectives: Mapping[str, Collectives]
+    mappings: Mapping[tuple[int, str], PeerMapping] = field(default_factory=dict)  # (peer, buffer) -> mapping
 
     @property
     def rank(self) -> int:

@@ -8,9 +8,10 @@ stay apart; the hot paths (kernel and barrier launches, graph replays) do not.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -127,6 +128,7 @@ class CudaBackend(Backend):
         self._owned: dict[str, list[Any]] = {
             kind: [] for kind in ("graphs", "timers", "barriers", "tables", "mappings", "buffers", "host")
         }
+        self._order_events: tuple[Any, Any] | None = None  # (caller -> rank stream, rank -> caller stream)
         self._closed = False
 
     @classmethod
@@ -151,7 +153,14 @@ class CudaBackend(Backend):
         except BaseException:
             drv.primary_ctx_release(dev)
             raise
-        return cls(info, dev, ctx, stream, capability)
+        backend = cls(info, dev, ctx, stream, capability)
+        try:
+            # made here, not at first use: a caller's capture may be running by then
+            backend._order_events = (drv.event_create(timing=False), drv.event_create(timing=False))
+        except BaseException:
+            backend.close()
+            raise
+        return backend
 
     def make_current(self) -> None:
         """Make this GPU's context current on the calling thread. Only needed with several backends in
@@ -343,6 +352,68 @@ class CudaBackend(Backend):
             self._kernels[key] = kernel
         return kernel
 
+    # --- the caller's streams and views -------------------------------------------------------------
+
+    @property
+    def dlpack_device(self) -> tuple[int, int]:
+        """(kDLCUDA = 2, this GPU's ordinal): own buffers and peer mappings alike are this GPU's to use."""
+        return (2, self.info.ordinal)
+
+    @property
+    def cuda_stream(self) -> int | None:
+        return self.stream_handle
+
+    def _events(self) -> tuple[Any, Any]:
+        if self._order_events is None or self._closed:
+            raise UsageError(f"the cuda backend of GPU {self.info.ordinal} is closed")
+        return self._order_events
+
+    def order_stream(self, stream: int) -> None:
+        """`stream` (the caller's int handle) waits for the work enqueued so far on the rank's stream."""
+        event = self._events()[1]
+        drv.event_record(event, self.stream)
+        drv.stream_wait_event(drv.as_stream(stream), event)
+
+    @contextlib.contextmanager
+    def joined(self, stream: int | None) -> Iterator[None]:
+        """Fork the rank's stream from the caller's `stream` and join it back (two events, no sync), so
+        the body's work is ordered with the caller's and a capture running on `stream` records it."""
+        if stream is None:
+            yield
+            return
+        into, back = self._events()
+        caller = drv.as_stream(stream)
+        drv.event_record(into, caller)
+        drv.stream_wait_event(self.stream, into)
+        try:
+            yield
+        finally:
+            drv.event_record(back, self.stream)
+            drv.stream_wait_event(caller, back)
+
+    def is_capturing(self, stream: int) -> bool:
+        return drv.stream_is_capturing(drv.as_stream(stream))
+
+    def _disown(self, resource: Any) -> None:
+        for kind in ("buffers", "mappings"):
+            self._owned[kind][:] = [r for r in self._owned[kind] if r is not resource]
+
+    def detach(self, resource: Any) -> Callable[[], None]:
+        """As Backend.detach; the release also holds the primary context (retained once more here), so the
+        mapping outlives this backend's `close()` even when no other library uses the context."""
+        self._disown(resource)
+        drv.primary_ctx_retain(self.device)
+        ctx, ordinal, device = self.context, self.info.ordinal, self.device
+
+        def release() -> None:
+            try:
+                drv.ctx_set_current(ctx, ordinal)
+                resource.close()
+            finally:
+                drv.primary_ctx_release(device)
+
+        return release
+
     # --- teardown ----------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -377,6 +448,10 @@ class CudaBackend(Backend):
             attempt(drv.event_destroy, self._transfer_order)
             attempt(drv.stream_destroy, self._transfer)
             self._transfer = None
+        if self._order_events is not None:
+            for event in self._order_events:
+                attempt(drv.event_destroy, event)
+            self._order_events = None
         attempt(drv.stream_destroy, self.stream)
         attempt(drv.primary_ctx_release, self.device)
         self._closed = True

@@ -65,7 +65,7 @@ class CudaBarrier(Barrier):
         self._peer_flags = peer_flags
         self._kernel = kernel
         self._stream = stream
-        self._launches: dict[float, CudaLaunch] = {}
+        self._launches: dict[tuple[float, int | None], CudaLaunch] = {}
         self._last_timeout_s = DEFAULT_BARRIER_TIMEOUT_S
         self._state = drv.mem_alloc(_STATE_NBYTES)
         try:
@@ -85,9 +85,12 @@ class CudaBarrier(Barrier):
         self._host_word = ctypes.c_uint32.from_address(self._host_flag)
         self._host_word.value = 0
 
-    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
-        """Enqueue one barrier; returns before it ends. Safe inside a capture (no sync, no alloc)."""
-        bound = self._launches.get(timeout_s)
+    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
+        """Enqueue one barrier on the rank's stream or the caller's `stream` (an int handle); returns before
+        it ends. Safe inside a capture (no sync, no device alloc): the epoch counter lives on the device,
+        so a captured barrier replays with fresh epochs."""
+        key = (timeout_s, stream)
+        bound = self._launches.get(key)
         if bound is None:
             if self._state is None:
                 raise UsageError(f"barrier {self.group.name} is closed")
@@ -95,8 +98,10 @@ class CudaBarrier(Barrier):
                 raise UsageError(f"barrier {self.group.name}: timeout_s must be > 0, got {timeout_s}")
             args = [self._flags.ptr, self._peer_flags.ptr, self.counter_ptr, self.err_ptr,
                     self._host_flag_dev, self.group.size, self.group.index, int(timeout_s * 1e9)]
-            bound = self._kernel.bind((1, 1, 1), (_THREADS, 1, 1), args, programmatic=self.programmatic)
-            self._launches[timeout_s] = bound
+            target = self._stream if stream is None else drv.as_stream(stream)
+            bound = self._kernel.bind((1, 1, 1), (_THREADS, 1, 1), args, programmatic=self.programmatic,
+                                      stream=target)
+            self._launches[key] = bound
         self._last_timeout_s = timeout_s
         bound.launch()
 

@@ -231,6 +231,20 @@ def stream_create() -> Any:
     return _drv("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value, what="non-blocking")
 
 
+def as_stream(handle: int) -> Any:
+    """A binding stream for an int handle a caller passed (0 = the NULL stream, 1 = CU_STREAM_LEGACY,
+    2 = CU_STREAM_PER_THREAD, else a CUstream's address, e.g. `torch.cuda.current_stream().cuda_stream`)."""
+    if not isinstance(handle, int) or handle < 0:
+        raise UsageError(f"stream must be an int CUDA stream handle (>= 0), got {handle!r}")
+    return cu.CUstream(handle)
+
+
+def stream_is_capturing(stream: Any) -> bool:
+    """Whether `stream` is in an active capture (cuStreamIsCapturing)."""
+    status = _drv("cuStreamIsCapturing", stream, what=f"stream {int(stream):#x}")
+    return status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
 def stream_destroy(stream: Any) -> None:
     _drv("cuStreamDestroy", stream)
 
@@ -246,8 +260,10 @@ def stream_wait_event(stream: Any, event: Any) -> None:
     _drv("cuStreamWaitEvent", stream, event, 0)
 
 
-def event_create() -> Any:
-    return _drv("cuEventCreate", cu.CUevent_flags.CU_EVENT_DEFAULT.value)
+def event_create(timing: bool = True) -> Any:
+    """An event; `timing=False` makes a lighter one for ordering streams only."""
+    flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    return _drv("cuEventCreate", flags.value)
 
 
 def event_record(event: Any, stream: Any) -> None:

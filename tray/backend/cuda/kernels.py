@@ -131,8 +131,9 @@ class CudaKernel(Kernel):
         self.param_sizes = drv.func_param_sizes(function, entry)
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
-             shmem_nbytes: int = 0, programmatic: bool = False) -> CudaLaunch:
-        """Pack `args` once; raises UsageError if they do not match the kernel's parameters."""
+             shmem_nbytes: int = 0, programmatic: bool = False, stream: Any = None) -> CudaLaunch:
+        """Pack `args` once; launches go to `stream` (a binding stream or an int handle; default: the
+        backend's). Raises UsageError if the arguments do not match the kernel's parameters."""
         plan = pack_plan(self.param_sizes, args, self.name)
         return CudaLaunch(self, _dims(grid, "grid", self.name), _dims(block, "block", self.name),
-                          int(shmem_nbytes), self._stream, plan, programmatic)
+                          int(shmem_nbytes), self._stream if stream is None else stream, plan, programmatic)

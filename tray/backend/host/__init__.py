@@ -293,6 +293,9 @@ class HostBackend(Backend):
         twin = lookup(name)
         return HostKernel(self, name, twin)
 
+    def _disown(self, resource: Any) -> None:
+        self._owned[:] = [r for r in self._owned if r is not resource]
+
     def close(self) -> None:
         while self._owned:
             self._owned.pop().close()

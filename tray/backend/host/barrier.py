@@ -39,7 +39,8 @@ class HostBarrier(Barrier):
         self._peers = [_u64_view(p, group.size) for p in peer_flags_ptrs]
         self._broken: BarrierTimeout | None = None
 
-    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
+        # `stream` orders device work; the host barrier runs now, in program order
         if self._broken is not None:
             raise self._broken
         self.epoch += 1

@@ -1,0 +1,173 @@
+"""Buffers as tensors on the host backend: numpy and torch (CPU) views of own and peer buffers, written by
+one rank and read by the others byte for byte; the lifetime of views past rank.close()."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+VIEWS_MANIFEST = {
+    "format": 1,
+    "name": "views",
+    "description": "typed buffers for tensor views",
+    "vars": {"rows": 3, "cols": 5},
+    "groups": [{"name": "world", "ranks": "all"}],
+    "buffers": [
+        {"name": "x", "dtype": "f32", "shape": ["rows", "cols"], "export": True},
+        {"name": "h", "dtype": "bf16", "shape": ["rows", "cols"], "export": True},
+        {"name": "c", "dtype": "u16", "shape": ["rows"], "export": True},
+        {"name": "private", "dtype": "i32", "shape": [4], "export": False},
+    ],
+}
+
+# Every rank fills its own buffers through writable views with a pattern of its rank, then reads every
+# peer's through peer views and checks the bytes against what that peer wrote.
+_PATTERN = """
+import ml_dtypes
+def pattern(r, rows=3, cols=5):
+    x = (np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) + 0.25) * (r + 1)
+    h = x.astype(ml_dtypes.bfloat16)
+    c = (np.arange(rows, dtype=np.uint16) + 100 * r)
+    return x, h, c
+"""
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    path = tmp_path / "views.json"
+    path.write_text(json.dumps(VIEWS_MANIFEST))
+    return str(path)
+
+
+def test_numpy_views_of_own_and_peer_buffers(tray_env, manifest):
+    body = _PATTERN + """
+with tray.init() as rank:
+    me, n = rank.rank, rank.world_size
+    x, h, c = pattern(me)
+    own = np.from_dlpack(rank.buffer("x"))                  # DLPack, versioned: writable
+    assert own.dtype == np.float32 and own.shape == (3, 5), (own.dtype, own.shape)
+    own[...] = x
+    try:                                                    # numpy knows no DLPack bf16: a clean refusal
+        np.from_dlpack(rank.buffer("h"))
+    except (RuntimeError, BufferError, TypeError) as exc:
+        assert "dtype" in str(exc), exc
+    hv = np.asarray(rank.buffer("h"))                       # bf16 through __array__ (ml_dtypes)
+    assert hv.dtype == ml_dtypes.bfloat16 and hv.shape == (3, 5), hv.dtype
+    hv[...] = h
+    cv = np.asarray(rank.buffer("c"))                       # __array_interface__
+    assert cv.dtype == np.uint16 and cv.shape == (3,)
+    cv[...] = c
+    assert rank.buffer("x").__dlpack_device__() == (1, 0)
+    rank.barrier()
+    for p in range(n):
+        px, ph, pc = pattern(p)
+        vx = np.from_dlpack(rank.peer_view("x", p))
+        vh = np.asarray(rank.peer_view("h", p))             # bf16: __array__ (no typestr)
+        vc = np.asarray(rank.peer_view("c", p))
+        assert vx.tobytes() == px.tobytes(), (p, vx)
+        assert vh.dtype == ml_dtypes.bfloat16 and vh.tobytes() == ph.tobytes(), p
+        assert vc.tobytes() == pc.tobytes(), p
+        assert rank.peer_view("x", p).__dlpack_device__() == (1, 0)
+    rank.barrier()                                          # every rank has read every peer
+    own[0, 0] = -1.0                                        # zero-copy: view and buffer are one memory
+    assert rank.read("x")[0, 0] == -1.0
+    rank.barrier()
+    assert rank._leases.live() > 0
+    print("numpy views ok", n)
+"""
+    run = tray_env.launch(3, body, "--manifest", manifest)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("numpy views ok 3") == 3
+
+
+def test_torch_views_of_own_and_peer_buffers(tray_env, manifest):
+    pytest.importorskip("torch", reason="torch (CPU) is installed by `make test`; this run has none")
+    body = _PATTERN + """
+import torch
+with tray.init() as rank:
+    me, n = rank.rank, rank.world_size
+    x, h, c = pattern(me)
+    t = torch.from_dlpack(rank.buffer("x"))
+    assert t.dtype == torch.float32 and tuple(t.shape) == (3, 5) and t.device.type == "cpu"
+    t.copy_(torch.from_numpy(x))
+    th = torch.from_dlpack(rank.buffer("h"))
+    assert th.dtype == torch.bfloat16, th.dtype
+    th.copy_(torch.from_numpy(x).to(torch.bfloat16))
+    tc = torch.from_dlpack(rank.buffer("c"))
+    assert tc.dtype == torch.uint16, tc.dtype
+    tc.copy_(torch.from_numpy(c.astype(np.int32)).to(torch.uint16))
+    assert t.data_ptr() == rank.buffer("x").ptr
+    rank.barrier()
+    for p in range(n):
+        px, ph, pc = pattern(p)
+        vx = torch.from_dlpack(rank.peer_view("x", p))
+        vh = torch.from_dlpack(rank.peer_view("h", p))
+        vc = torch.from_dlpack(rank.peer_view("c", p))
+        assert vx.numpy().tobytes() == px.tobytes(), p
+        assert vh.view(torch.int16).numpy().tobytes() == ph.tobytes(), p
+        assert vc.view(torch.int16).numpy().tobytes() == pc.tobytes(), p
+        assert vx.data_ptr() == rank.peers("x").ptrs[p]
+    rank.barrier()
+    # a torch op on a peer's memory lands in the peer's buffer: every rank adds 1 to its right neighbour's x
+    right = (me + 1) % n
+    torch.from_dlpack(rank.peer_view("x", right)).add_(1)
+    rank.barrier()
+    assert rank.read("x").tobytes() == (x + 1).tobytes(), rank.read("x")
+    # an error raised while a temporary view dies reaches the caller as raised (torch CPU has no u16 add)
+    try:
+        torch.from_dlpack(rank.peer_view("c", right)).add_(1)
+    except NotImplementedError as exc:
+        assert "UInt16" in str(exc), exc
+    rank.barrier()
+    print("torch views ok", n)
+"""
+    run = tray_env.launch(3, body, "--manifest", manifest)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("torch views ok 3") == 3
+
+
+def test_views_outlive_close_and_bad_requests_are_named(tray_env, manifest):
+    body = """
+from tray import UsageError
+rank = tray.init()
+me, n = rank.rank, rank.world_size
+np.from_dlpack(rank.buffer("x"))[...] = me + 1
+rank.barrier()
+peer = (me + 1) % n
+kept = np.from_dlpack(rank.peer_view("x", peer))       # a live view of a peer mapping
+mine = np.asarray(rank.buffer("c"))                     # and one of an own buffer
+for bad, expect in ((lambda: rank.peer_view("x", n), "not in group"),
+                    (lambda: rank.peer_view("private", 0), "no peer table"),
+                    (lambda: rank.buffer("nope"), "no buffer")):
+    try:
+        bad()
+    except UsageError as exc:
+        assert expect in str(exc), exc
+    else:
+        raise AssertionError(expect)
+try:
+    rank.buffer("x").__dlpack__(copy=True)
+except BufferError as exc:
+    assert "zero-copy" in str(exc)
+else:
+    raise AssertionError("copy=True accepted")
+rank.barrier()
+rank.close()                                            # returns: the leased memory stays mapped
+assert (kept == peer + 1).all(), kept                   # still readable after close
+mine[...] = 7
+assert rank._leases.live() == 2, rank._leases.live()
+del kept, mine
+import gc; gc.collect()
+assert rank._leases.live() == 0
+try:
+    rank.buffer("x")
+except UsageError as exc:
+    assert "after close" in str(exc)
+else:
+    raise AssertionError("buffer() after close")
+print("lifetime ok")
+"""
+    run = tray_env.launch(2, body, "--manifest", manifest)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("lifetime ok") == 2
