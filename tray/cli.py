@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from tray.errors import TrayError, UsageError
 
@@ -36,16 +36,21 @@ def _parse_vars(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from tray.launch import TraySpec, run_tray
+    from tray.manifest.names import resolve_manifest
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    elif cmd and cmd[0].endswith(".py") and os.path.isfile(cmd[0]):
+        cmd = [sys.executable, *cmd]  # `tray launch -n 4 prog.py`: as torchrun, with this Python
     if not cmd:
-        raise UsageError("tray launch needs a command: tray launch -n 4 -- python program.py")
+        raise UsageError("tray launch needs a command: tray launch -n 4 program.py, or "
+                         "tray launch -n 4 -- CMD ARGS...")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     backend, nprocs = _backend_and_n(args.backend, args.nprocs)
-    spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=args.manifest,
+    manifest = resolve_manifest(args.manifest) if args.manifest else None
+    spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=manifest,
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
                     heartbeat_timeout_s=args.heartbeat_timeout_s, max_restarts=args.max_restarts)
     return run_tray(spec).exit_code
@@ -67,14 +72,15 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from tray.manifest import load_manifest
-    from tray.manifest.builtin import builtin_names, builtin_path
     from tray.manifest.inspect import format_inspect
+    from tray.manifest.names import format_builtins, resolve_manifest
 
-    path = args.manifest
-    # NOTE: a file of that name wins; a bare built-in name (e.g. `tp_mlp`) reads the package's copy.
-    if not Path(path).exists() and Path(path).stem in builtin_names() and "/" not in path:
-        path = str(builtin_path(path))
-    print(format_inspect(load_manifest(path), args.nprocs, dict(_parse_vars(args.var))))
+    if args.list:
+        print(format_builtins())
+        return 0
+    if not args.manifest:
+        raise UsageError("tray inspect needs a manifest (a file or a built-in name), or --list")
+    print(format_inspect(load_manifest(resolve_manifest(args.manifest)), args.nprocs, dict(_parse_vars(args.var))))
     return 0
 
 
@@ -103,14 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="spawn N ranks of CMD and supervise them")
     p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: visible GPUs, or 4)")
     p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
-    p.add_argument("--manifest", default=None, help="manifest JSON (default: built-in world group)")
+    p.add_argument("--manifest", default=None,
+                   help="manifest JSON file or built-in name (tray inspect --list); default: the world group")
     p.add_argument("--var", action="append", default=[], metavar="NAME=INT", help="override a manifest var")
     p.add_argument("--log-dir", default=None, help="keep one log file per rank here")
     p.add_argument("--timeout-s", type=float, default=30.0, help="handshake timeout (default 30)")
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0, help="missed-heartbeat timeout")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="after a failure, tear down and start the tray again up to K times (default 0)")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="PROGRAM.py ARGS... (run with this Python), or -- CMD ARGS...")
     p.set_defaults(fn=cmd_launch)
 
     p = sub.add_parser("gate", help="qualification runs: peer-barrier")
@@ -125,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_gate)
 
     p = sub.add_parser("inspect", help="print a manifest's groups, buffers, kernels, programs, digest")
-    p.add_argument("manifest", help="a manifest JSON file, or the name of a built-in one (e.g. ep_moe)")
+    p.add_argument("manifest", nargs="?", help="a manifest file or a built-in name (see --list)")
+    p.add_argument("--list", action="store_true", help="list the built-in manifests")
     p.add_argument("-n", "--nprocs", type=int, default=4, help="world size to resolve shapes for")
     p.add_argument("--var", action="append", default=[], metavar="NAME=INT")
     p.set_defaults(fn=cmd_inspect)

@@ -25,6 +25,7 @@ from tray.errors import WireError
 from tray.handshake import wire
 from tray.handshake.validate import validate_offers
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
+from tray.launch.ports import PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
 from tray.launch.spawn import OutputPump, rank_env, spawn_rank
 from tray.launch.spec import Failure, RankProcess, RankState, TrayResult, TraySpec
@@ -97,6 +98,7 @@ class Head:
                  restart_count: int = 0) -> None:
         self.spec = spec
         self.restart_count = restart_count
+        self.master_port: PortReservation | None = None
         self.manifest: Manifest = load_manifest(spec.manifest) if spec.manifest else builtin_manifest()
         self.resolved = self.manifest.resolve(spec.nprocs, dict(spec.vars))
         self.placements = placements or [placement_for(None)] * spec.nprocs
@@ -123,6 +125,7 @@ class Head:
         ctx = sock = watchdog = pump = None
         _set_child_subreaper(True)
         try:
+            self.master_port = PortReservation()  # MASTER_PORT: held until the tray is down
             try:
                 watchdog = Watchdog(job.root, job.path.name, job.lock_fd)
             except OSError as exc:
@@ -151,6 +154,8 @@ class Head:
                     watchdog.done()
                 job.close()
                 _set_child_subreaper(False)
+                if self.master_port is not None:
+                    self.master_port.close()
         return self._result(job.path)
 
     def _spawn_all(self, job_dir: Path, endpoint: str, process_group: int) -> None:
@@ -158,7 +163,8 @@ class Head:
         for r in range(self.spec.nprocs):
             t_spawn = time.time()
             env = rank_env(self.spec, r, job_dir=job_dir, endpoint=endpoint, token=self.token,
-                           manifest=manifest, t_spawn=t_spawn, restart_count=self.restart_count)
+                           manifest=manifest, t_spawn=t_spawn, restart_count=self.restart_count,
+                           master_port=self.master_port.port if self.master_port else None)
             self.procs.append(spawn_rank(self.spec, r, env, self.placements[r], process_group))
 
     def _loop(self, sock: zmq.Socket, job: JobDir) -> None:

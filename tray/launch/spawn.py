@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, TextIO
 
 from tray.errors import UsageError
+from tray.launch.ports import MASTER_ADDR
 from tray.launch.spec import RankProcess, TraySpec
 from tray.numa import NumaPlacement, prepare_binding
 
@@ -24,10 +25,26 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _print_lock = threading.Lock()
 
 
+def torchrun_env(rank: int, nprocs: int, master_port: int | None, run_id: str) -> dict[str, str]:
+    """What torchrun gives its workers, for one host (one node: GROUP_RANK 0, one role).
+
+    Like torchrun, these override what the head's environment has (a MASTER_PORT exported in the shell
+    would collide between trays); MASTER_* only when the head reserved a port."""
+    env = {
+        "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(nprocs), "TORCHELASTIC_RUN_ID": run_id,
+    }
+    if master_port is not None:
+        env.update({"MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": str(master_port)})
+    return env
+
+
 def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: str, manifest: str,
-             t_spawn: float, restart_count: int = 0) -> dict[str, str]:
-    """The environment of rank `rank`: the head's own, untouched, plus the tray's variables.
-    `restart_count` is how many times `--max-restarts` started the tray again (0 on the first attempt)."""
+             t_spawn: float, restart_count: int = 0, master_port: int | None = None) -> dict[str, str]:
+    """The environment of rank `rank`: the head's own, untouched, plus the tray's variables and
+    torchrun's (`torchrun_env`). `restart_count` is how many times `--max-restarts` started the tray again
+    (0 on the first attempt)."""
     env = dict(os.environ)
     env.update(dict(spec.extra_env))
     env.update({
@@ -43,14 +60,11 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
         "TRAY_BACKEND": spec.backend,
         "TRAY_VARS": ",".join(f"{k}={v}" for k, v in spec.vars),
         "TRAY_T_SPAWN": repr(t_spawn),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(spec.nprocs),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(spec.nprocs),
         "TRAY_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "PYTHONUNBUFFERED": "1",
     })
+    env.update(torchrun_env(rank, spec.nprocs, master_port, Path(job_dir).name))
     # NOTE: NCCL must not connect lazily inside a CUDA graph capture; respect a user's choice.
     env.setdefault("NCCL_RUNTIME_CONNECT", "0")
     return env

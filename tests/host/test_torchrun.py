@@ -1,0 +1,100 @@
+"""torchrun's contract under `tray launch`: a gloo program from env:// next to tray.init(), a script run
+without `python`, and a MASTER_PORT of its own for each of two trays running at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+_GLOO = """
+import torch
+import torch.distributed as dist
+for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+    assert os.environ.get(key), key
+assert os.environ["GROUP_RANK"] == "0" and os.environ["MASTER_ADDR"] == "127.0.0.1"
+assert os.environ["LOCAL_WORLD_SIZE"] == os.environ["WORLD_SIZE"] == os.environ["ROLE_WORLD_SIZE"]
+dist.init_process_group("gloo")                           # env:// as under torchrun
+with tray.init() as rank:
+    assert dist.get_rank() == rank.rank and dist.get_world_size() == rank.world_size
+    t = torch.full((4,), float(rank.rank + 1))
+    dist.all_reduce(t)
+    n = rank.world_size
+    assert t.tolist() == [n * (n + 1) / 2] * 4, t
+    rank.barrier()
+    print("gloo and tray ok", os.environ["MASTER_PORT"])
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_program_from_env_with_tray_init_as_a_bare_script(tray_env):
+    pytest.importorskip("torch", reason="torch (CPU) is installed by `make test`; this run has none")
+    prog = tray_env.script(_GLOO)
+    # no `--` and no `python`: a .py file runs with the launcher's Python, as under torchrun
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", "2", "--backend", "host", str(prog),
+                        tray_env.marker], timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("gloo and tray ok") == 2, run.output
+
+
+def test_two_trays_at_once_get_different_master_ports(tray_env):
+    meeting = tray_env.tmp / "ports"
+    meeting.mkdir()
+    body = f"""
+port = os.environ["MASTER_PORT"]
+(__import__("pathlib").Path({str(meeting)!r}) / f"{{os.getpid()}}").write_text(port)
+deadline = time.monotonic() + 30
+while len(os.listdir({str(meeting)!r})) < 4:            # every rank of both trays is up at once
+    assert time.monotonic() < deadline, "the other tray never came up"
+    time.sleep(0.02)
+print("port", port)
+"""
+    procs = [subprocess.Popen(tray_env.command(2, body), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=tray_env.env(), cwd=str(tray_env.tmp)) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0, out + err
+        outs.append({line.split()[-1] for line in out.splitlines() if " port " in line})
+    assert len(outs[0]) == 1 and len(outs[1]) == 1, outs  # one port per tray, seen by all its ranks
+    assert outs[0] != outs[1], outs
+
+
+def test_script_must_exist_to_run_bare(tray_env):
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", "1", "--backend", "host", "missing.py"])
+    assert run.returncode != 0
+    assert "missing.py" in run.stderr
+
+
+def test_reserved_port_is_kept_from_other_binds():
+    import socket
+
+    from tray.launch.ports import PortReservation
+
+    with PortReservation() as held:
+        other = socket.socket()
+        try:
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", held.port))
+        finally:
+            other.close()
+        t0 = time.monotonic()
+        picked = set()
+        while time.monotonic() - t0 < 0.5:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            picked.add(s.getsockname()[1])
+            s.close()
+        assert held.port not in picked
+
+
+def test_launch_takes_a_builtin_name(tray_env):
+    run = tray_env.launch(2, """
+with tray.init() as rank:
+    print("buffer", rank.buffer("fill").shape)
+""", "--manifest", "peer_fill")
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("buffer (8192,)") == 2, run.output
