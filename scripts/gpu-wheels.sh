@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Carry the Python packages the GPU machine lacks (it has no network) as wheels.
 #
-#   scripts/gpu-wheels.sh download   # here, with network: py3.12 manylinux x86_64 wheels into .whl/
+#   scripts/gpu-wheels.sh download   # here, with network: py3.12 manylinux x86_64 wheels + tray's own into .whl/
 #   scripts/gpu-wheels.sh install    # there: pip install --no-index --target "$TRAY_GPU_SITE"
-#   eval "$(scripts/gpu-wheels.sh env)"   # there: PYTHONPATH = repo root + that site
+#   eval "$(scripts/gpu-wheels.sh env)"   # there: PYTHONPATH = that site (not the checkout), its bin on PATH
 #
 # The GPU machine already has cuda-bindings, cuda-core, cuda-pathfinder, numpy, msgpack, psutil,
 # ml-dtypes, safetensors, pytest, hypothesis and the NCCL (nvidia-nccl-cu13, 2.28.9), cuBLAS, NVRTC
 # and CUDA runtime library wheels: never carry those (the NCCL wheel alone is ~200 MB).
-# The project itself is not installed there: PYTHONPATH carries the repo root (run `python3 -m tray`;
-# the `tray` console script exists only where the project was pip-installed).
+# The project itself travels as its own wheel (built here from the checkout) and is installed there like
+# the others, so GPU runs exercise the installed package, not the source tree.
 set -euo pipefail
 
 # One pinned version of each. nccl4py 0.6.0: raw bindings (nccl.bindings.nccl) generated from NCCL
@@ -33,14 +33,14 @@ SITE="${TRAY_GPU_SITE:-/tmp/tray-site}"
 
 usage() {
     echo "usage: $0 download|install|env" >&2
-    echo "  download  (with network) fetch the pinned cp312 manylinux x86_64 wheels into .whl/" >&2
+    echo "  download  (with network) fetch the pinned cp312 manylinux x86_64 wheels and build tray's into .whl/" >&2
     echo "  install   (GPU machine, offline) install .whl/*.whl into \$TRAY_GPU_SITE (default /tmp/tray-site)" >&2
-    echo "  env       print the export line that puts the repo root and that site on PYTHONPATH" >&2
+    echo "  env       print the export line that puts that site on PYTHONPATH and its bin/ on PATH" >&2
     exit 2
 }
 
 env_line() {
-    echo "export PYTHONPATH=\"$REPO:$SITE\${PYTHONPATH:+:\$PYTHONPATH}\""
+    echo "export PYTHONPATH=\"$SITE\${PYTHONPATH:+:\$PYTHONPATH}\" PATH=\"$SITE/bin:\$PATH\""
 }
 
 download() {
@@ -64,6 +64,8 @@ wanted = {norm(p.split("==")[0]): p.split("==")[1] for p in pins}
 found = {}
 for f in sorted(whl.glob("*.whl")):
     name, version = f.name.split("-")[:2]
+    if norm(name) == "tray":
+        continue  # rebuilt below
     if wanted.get(norm(name)) != version:
         print(f"removing {f.name} (not a pinned version)")
         f.unlink()
@@ -90,6 +92,9 @@ for f in found.values():
 if unmet:
     sys.exit("error: requirements neither pinned nor on the GPU machine:\n  " + "\n  ".join(unmet))
 EOF
+    # tray's own wheel, from this checkout (no dependencies: they are pinned above or already there)
+    rm -f "$WHL"/tray-*.whl
+    python3 -m pip wheel -q --no-deps -w "$WHL" "$REPO"
     ls -l "$WHL"/*.whl
     du -ch "$WHL"/*.whl | tail -1
 }
@@ -103,9 +108,9 @@ install() {
     fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "${wheels[@]}"
-    echo "installed ${#wheels[@]} wheels into $SITE" >&2
-    echo "the project itself is not installed: it runs from the repo root on PYTHONPATH" >&2
-    echo "(use 'python3 -m tray', not the 'tray' script). Run this, or eval \"\$($0 env)\":" >&2
+    echo "installed ${#wheels[@]} wheels (tray's own among them) into $SITE" >&2
+    echo "run this, or eval \"\$($0 env)\"; run Python with -P (or outside the checkout) so that the" >&2
+    echo "checkout's tray/ does not shadow the installed one:" >&2
     env_line
 }
 

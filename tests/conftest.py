@@ -20,6 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 
 
+def _tray_from_checkout() -> bool:
+    import tray
+
+    return Path(tray.__file__).resolve().parent.parent == REPO
+
+
+_TRAY_FROM_CHECKOUT = _tray_from_checkout()
+
+
 @dataclass
 class Run:
     returncode: int
@@ -56,7 +65,8 @@ class Tray:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["TRAY_JOBS_ROOT"] = str(self.jobs_root)
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        if _TRAY_FROM_CHECKOUT:  # an installed tray (GPU runs of the wheel) is tested as installed
+            env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
     def script(self, body: str) -> Path:
