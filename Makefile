@@ -23,7 +23,7 @@ test: $(BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/pip install -q ruff mypy
-	$(BIN)/ruff check tray tests bench
+	$(BIN)/ruff check tray tests bench examples
 	$(BIN)/mypy
 
 # GPU machine without network: download the wheels here, install them there.
