@@ -4,7 +4,10 @@
 #
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #
-# Stages: env doctor unit tests gate drop variants ep-moe tp park bench-barrier bench-startup
+# Stages: env doctor unit tests gate drop variants ep-moe tp park bench-barrier bench-startup torch
+# `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
+# sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
+# and writes $OUT/torch.json (per test: outcome, seconds; the environment).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -16,6 +19,46 @@ scripts/gpu-wheels.sh install >/dev/null || { echo "wheel install failed"; exit 
 eval "$(scripts/gpu-wheels.sh env)"
 N="${N:-4}"
 PY=python3
+if [ -z "${TORCH_PY:-}" ]; then
+    TORCH_PY=python3
+    if ! python3 -c "import torch" 2>/dev/null && [ -x /opt/torch/.venv/bin/python ]; then
+        TORCH_PY=/opt/torch/.venv/bin/python
+    fi
+fi
+
+torch_stage() {  # the installed wheel inside torch programs; JSON from pytest's junit XML
+    local junit="$LOGS/torch.xml"
+    $TORCH_PY -P -m pytest -q -m gpu tests/gpu/test_torch.py -p no:cacheprovider --junitxml "$junit"
+    local rc=$?
+    $TORCH_PY -P - "$junit" "$OUT/torch.json" <<'PYEOF'
+import json, platform, subprocess, sys, xml.etree.ElementTree as ET
+import torch, tray
+tests = []
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    outcome = "passed"
+    for tag in ("failure", "error", "skipped"):
+        node = case.find(tag)
+        if node is not None:
+            outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+            detail = (node.get("message") or "")[:2000]
+            break
+    else:
+        detail = ""
+    tests.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)), "detail": detail})
+try:
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.strip().splitlines()
+except OSError:
+    gpus = []
+json.dump({"stage": "torch", "tests": tests, "passed": sum(t["outcome"] == "passed" for t in tests),
+           "env": {"python": platform.python_version(), "torch": torch.__version__, "tray": tray.__file__,
+                   "gpus": gpus}}, open(sys.argv[2], "w"), indent=2)
+print(f"wrote {sys.argv[2]}: {sum(t['outcome'] == 'passed' for t in tests)}/{len(tests)} passed")
+PYEOF
+    return $rc
+}
+export -f torch_stage
+export TORCH_PY LOGS OUT
 
 stage() {  # stage NAME TIMEOUT_S CMD...
     local name=$1 t=$2; shift 2
@@ -41,6 +84,7 @@ for s in "$@"; do
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
+        torch) stage torch 600 bash -c torch_stage ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done

@@ -1,0 +1,168 @@
+"""tray inside torch programs on GPUs: zero-copy views of own and peer buffers, a tray barrier and collective
+on torch's stream inside a torch.cuda.graph capture, init_process_group("nccl") next to tray.init()."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO, visible_gpus
+
+pytestmark = pytest.mark.gpu
+
+TORCH_MANIFEST = {
+    "format": 1,
+    "name": "torch_views",
+    "description": "typed buffers for torch views, a barrier program",
+    "vars": {"rows": 64, "cols": 1024},
+    "groups": [{"name": "world", "ranks": "all"}],
+    "buffers": [
+        {"name": "x", "dtype": "bf16", "shape": ["rows", "cols"], "export": True},
+        {"name": "y", "dtype": "f32", "shape": ["rows", "cols"], "export": True},
+        {"name": "slots", "dtype": "f32", "shape": ["world_size"], "export": True},
+        {"name": "s", "dtype": "f32", "shape": [8], "export": True},
+    ],
+    "programs": [
+        {"name": "sync", "graph": False, "ops": [{"op": "barrier", "group": "world"}]},
+        {"name": "sync_graph", "graph": True, "ops": [{"op": "barrier", "group": "world"}]},
+    ],
+}
+
+_HEAD = """
+import torch
+device = torch.device("cuda", int(os.environ["TRAY_DEVICE"]))
+torch.cuda.set_device(device)
+"""
+
+
+def ngpus() -> int:
+    return min(4, visible_gpus())
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    path = tmp_path / "torch_views.json"
+    path.write_text(json.dumps(TORCH_MANIFEST))
+    return str(path)
+
+
+def _launch(tray_env, body: str, *args: str, n: int | None = None):
+    n = n or ngpus()
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, {n} visible")
+    run = tray_env.launch(n, _HEAD + body, *args, backend="cuda", timeout_s=240)
+    assert run.returncode == 0, run.output
+    return n, run
+
+
+def test_torch_fills_own_buffer_and_reads_every_peer(tray_env, manifest):
+    body = """
+with tray.init() as rank:
+    me, n = rank.rank, rank.world_size
+    assert rank.buffer("x").__dlpack_device__() == (2, device.index)
+    x = torch.from_dlpack(rank.buffer("x"))
+    assert x.device == device and x.dtype == torch.bfloat16 and tuple(x.shape) == (64, 1024), (x.device, x.dtype)
+    assert x.data_ptr() == rank.buffer("x").ptr
+    ar = torch.arange(64 * 1024, device=device, dtype=torch.float32).view(64, 1024)
+    x.copy_((ar % 251 + me * 1000).to(torch.bfloat16))       # torch ops into tray's memory
+    y = torch.as_tensor(rank.buffer("y"), device=device)     # __cuda_array_interface__ v3
+    assert y.data_ptr() == rank.buffer("y").ptr and y.dtype == torch.float32
+    y.copy_(ar * (me + 1))
+    rank.barrier(stream=torch.cuda.current_stream().cuda_stream)   # after torch's writes, on torch's stream
+    for p in range(n):
+        px = torch.from_dlpack(rank.peer_view("x", p))
+        assert px.device == device, px.device                  # a peer view is on THIS GPU
+        assert px.data_ptr() == rank.peers("x").ptrs[p]
+        want = (ar % 251 + p * 1000).to(torch.bfloat16)
+        assert torch.equal(px.view(torch.int16), want.view(torch.int16)), p
+        py = torch.from_dlpack(rank.peer_view("y", p))
+        assert torch.equal(py, ar * (p + 1)), p
+    # a peer's memory written with a torch op, read back by its owner
+    right = (me + 1) % n
+    torch.from_dlpack(rank.peer_view("slots", right))[me] = float(me + 7)
+    torch.cuda.synchronize()
+    rank.barrier()
+    left = (me - 1) % n
+    assert rank.read("slots")[left] == left + 7, rank.read("slots")
+    rank.barrier()
+    print("views ok", n)
+"""
+    n, run = _launch(tray_env, body, "--manifest", manifest)
+    assert run.stdout.count(f"views ok {n}") == n
+
+
+def test_barrier_and_allreduce_on_torch_stream_inside_a_cuda_graph(tray_env, manifest):
+    body = """
+with tray.init() as rank:
+    me, n = rank.rank, rank.world_size
+    slots = torch.from_dlpack(rank.buffer("slots"))
+    s = torch.from_dlpack(rank.buffer("s"))
+    step = torch.zeros(1, device=device)
+    got = torch.zeros(n, device=device)
+    peers = [torch.from_dlpack(rank.peer_view("slots", p)) for p in range(n)]
+    coll = rank.collectives("world")
+    sbuf = rank.buffer("s")
+
+    def body(stream):
+        step.add_(1)
+        slots[me:me + 1].copy_(step)
+        rank.barrier(stream=stream)                    # every rank's slot written
+        for p in range(n):
+            got[p:p + 1].copy_(peers[p][p:p + 1])
+        s.copy_(step.expand(8) * (me + 1))
+        coll.allreduce(sbuf.ptr, sbuf.ptr, 8, "f32", stream=stream)
+        rank.run("sync", stream=stream)                 # a program on the same stream
+        rank.run("sync_graph", stream=stream)           # tray's own graph: recorded step by step here
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                       # warm-up outside the capture: plans and launches built
+        body(side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    step.zero_()
+    rank.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body(torch.cuda.current_stream().cuda_stream)
+    for replay in range(1, 6):
+        graph.replay()
+        torch.cuda.synchronize()
+        rank.synchronize()                               # raises if a barrier in the graph timed out
+        assert got.tolist() == [float(replay)] * n, (replay, got.tolist())
+        assert s.tolist() == [replay * n * (n + 1) / 2] * 8, (replay, s.tolist())
+        rank.barrier()                                   # nobody replays again before every rank has checked
+    print("graph ok", n)
+"""
+    n, run = _launch(tray_env, body, "--manifest", manifest)
+    assert run.stdout.count(f"graph ok {n}") == n
+
+
+def test_init_process_group_nccl_next_to_tray_init(tray_env):
+    body = """
+import torch.distributed as dist
+dist.init_process_group("nccl", device_id=device)    # env:// from tray launch, as under torchrun
+with tray.init() as rank:
+    t = torch.full((1024,), float(rank.rank + 1), device=device)
+    dist.all_reduce(t)
+    n = rank.world_size
+    assert torch.all(t == n * (n + 1) / 2), t[:4]
+    rank.barrier()
+    print("nccl ok", os.environ["MASTER_PORT"])
+dist.destroy_process_group()
+"""
+    n, run = _launch(tray_env, body)
+    assert run.stdout.count("nccl ok") == n
+
+
+def test_example_torch_ep_dispatch_on_gpus(tray_env):
+    n = ngpus()
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, {n} visible")
+    examples = REPO / "examples"
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", str(n), "--backend", "cuda", "--manifest",
+                        str(examples / "torch_ep_dispatch.json"), str(examples / "torch_ep_dispatch.py"),
+                        tray_env.marker], timeout_s=240)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("byte-exact (cuda") == n, run.stdout
