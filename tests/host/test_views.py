@@ -153,7 +153,14 @@ except BufferError as exc:
 else:
     raise AssertionError("copy=True accepted")
 rank.barrier()
+unused = rank.buffer("x")                               # a view object that never handed out memory
 rank.close()                                            # returns: the leased memory stays mapped
+try:
+    np.asarray(unused)
+except UsageError as exc:
+    assert "released" in str(exc), exc
+else:
+    raise AssertionError("a view of released memory")
 assert (kept == peer + 1).all(), kept                   # still readable after close
 mine[...] = 7
 assert rank._leases.live() == 2, rank._leases.live()

@@ -3,7 +3,10 @@
 A view is zero-copy: DLPack (`torch.from_dlpack`, `numpy.from_dlpack`, `cupy.from_dlpack`) and, on cuda,
 `__cuda_array_interface__` v3 (host: `__array_interface__` v3, and `__array__` for bf16, which has no
 typestr). It is typed and shaped as the manifest says and reports the LOCAL device, for a peer's buffer
-too (the mapping is this GPU's to use, as torch's symmetric memory reports it).
+too (the mapping is this GPU's to use, as torch's symmetric memory reports it). NOTE: the CUDA array
+interface carries no device: consumers ask the driver, which may name the GPU that owns a peer's memory;
+for peer views use DLPack. Make views before a CUDA graph capture: `__dlpack__` orders the consumer's
+stream after tray's with an event recorded outside that capture.
 
 Lifetime: the first time a view hands out its memory it takes a lease on what backs it (the own buffer or
 the imported peer mapping); every consumer keeps the view object alive (DLPack's deleter, numpy's `base`,
@@ -35,13 +38,19 @@ class Leases:
         self._counts: dict[int, int] = {}
         self._resources: dict[int, Any] = {}
         self._release: dict[int, Callable[[], None]] = {}  # detached at close, released at count 0
+        self._closed = False
+        # NOTE: kept here: `drop` may run while the interpreter shuts down, after module globals are cleared
+        self._finalizing = sys.is_finalizing
 
-    def take(self, resource: Any) -> weakref.finalize | None:
-        """One more live view of `resource`; returns nothing: the caller ties `drop` to its view."""
+    def take(self, resource: Any, what: str) -> None:
+        """One more live view of `resource` (the caller ties `drop` to its view's life). After the rank
+        closed, only memory a live view still holds can be viewed again; else UsageError naming `what`."""
         key = id(resource)
+        if self._closed and key not in self._release:
+            raise UsageError(f"{what}: the rank is closed and this memory was released; take views "
+                             "(from_dlpack, np.asarray) before rank.close()")
         self._counts[key] = self._counts.get(key, 0) + 1
         self._resources[key] = resource
-        return None
 
     def drop(self, key: int) -> None:
         count = self._counts.get(key, 0) - 1
@@ -51,7 +60,7 @@ class Leases:
         self._counts.pop(key, None)
         self._resources.pop(key, None)
         release = self._release.pop(key, None)
-        if release is not None and not sys.is_finalizing():
+        if release is not None and not self._finalizing():
             release()
 
     def live(self) -> int:
@@ -61,6 +70,7 @@ class Leases:
     def close(self, backend: Backend) -> int:
         """At `rank.close()`: detach every leased resource from the backend (so its close leaves them
         mapped); each is released when its last view goes. Returns how many resources stay mapped."""
+        self._closed = True
         for key, resource in self._resources.items():
             if key not in self._release:
                 self._release[key] = backend.detach(resource)
@@ -99,7 +109,7 @@ class BufferView:
     def _lease(self) -> None:
         """Tie the backing memory to this object's life (once per view)."""
         if not self._leased:
-            self._leases.take(self._resource)
+            self._leases.take(self._resource, f"view of {self.name!r} (member {self.member})")
             self._leased = True
             fin = weakref.finalize(self, self._leases.drop, id(self._resource))
             fin.atexit = False  # NOTE: at exit the process's end unmaps everything; nothing to release
@@ -108,7 +118,7 @@ class BufferView:
     def __dlpack_device__(self) -> tuple[int, int]:
         return self._backend.dlpack_device
 
-    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
+    def __dlpack__(self, stream: int | None = None, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
         """A DLPack capsule of this view: versioned ("dltensor_versioned") when `max_version >= (1, 0)`,
         else legacy ("dltensor"). On cuda, `stream` (the consumer's; None = the legacy default stream,
