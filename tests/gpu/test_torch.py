@@ -78,6 +78,15 @@ with tray.init() as rank:
         assert torch.equal(px.view(torch.int16), want.view(torch.int16)), p
         py = torch.from_dlpack(rank.peer_view("y", p))
         assert torch.equal(py, ar * (p + 1)), p
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:                                   # another DLPack consumer, same zero-copy views
+        with cupy.cuda.Device(device.index):
+            cy = cupy.from_dlpack(rank.peer_view("y", (me + 1) % n))
+            assert cy.data.ptr == rank.peers("y").ptrs[(me + 1) % n]
+            assert float(cy[3, 5]) == float(ar[3, 5] * ((me + 1) % n + 1))
     # a peer's memory written with a torch op, read back by its owner
     right = (me + 1) % n
     torch.from_dlpack(rank.peer_view("slots", right))[me] = float(me + 7)
