@@ -39,6 +39,11 @@ usage() {
     exit 2
 }
 
+source_digest() {  # what tray's wheel was built from: every file under tray/ and manifests/, hashed
+    (cd "$REPO" && find -L tray manifests -type f ! -path '*__pycache__*' ! -name '*.pyc' -print0 \
+        | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+}
+
 env_line() {
     echo "export PYTHONPATH=\"$SITE\${PYTHONPATH:+:\$PYTHONPATH}\" PATH=\"$SITE/bin:\$PATH\""
 }
@@ -95,6 +100,7 @@ EOF
     # tray's own wheel, from this checkout (no dependencies: they are pinned above or already there)
     rm -f "$WHL"/tray-*.whl
     python3 -m pip wheel -q --no-deps -w "$WHL" "$REPO"
+    source_digest > "$WHL/tray-source.sha256"
     ls -l "$WHL"/*.whl
     du -ch "$WHL"/*.whl | tail -1
 }
@@ -104,6 +110,13 @@ install() {
     local wheels=("$WHL"/*.whl)
     if [ ${#wheels[@]} -eq 0 ]; then
         echo "error: no wheels in $WHL; run '$0 download' on a machine with network first" >&2
+        exit 1
+    fi
+    # NOTE: the GPU machine cannot build wheels (no network for the build backend): refuse a tray wheel
+    # built from other sources than this checkout's, so a GPU run never tests stale code
+    if [ "$(cat "$WHL/tray-source.sha256" 2>/dev/null)" != "$(source_digest)" ]; then
+        echo "error: .whl/tray-*.whl was not built from this checkout's tray/ and manifests/;" \
+             "run 'make gpu-wheels' here again and carry .whl/" >&2
         exit 1
     fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
