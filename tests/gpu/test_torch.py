@@ -175,3 +175,36 @@ def test_example_torch_ep_dispatch_on_gpus(tray_env):
                         tray_env.marker], timeout_s=240)
     assert run.returncode == 0, run.output
     assert run.stdout.count("byte-exact (cuda") == n, run.stdout
+
+
+def test_views_outlive_close_on_gpus(tray_env, manifest):
+    body = """
+from tray import UsageError
+rank = tray.init()
+me, n = rank.rank, rank.world_size
+torch.from_dlpack(rank.buffer("y")).fill_(float(me + 1))
+torch.cuda.synchronize()
+rank.barrier()
+peer = (me + 1) % n
+kept = torch.from_dlpack(rank.peer_view("y", peer))     # a live view of an imported mapping
+mine = torch.from_dlpack(rank.buffer("slots"))           # and of an own buffer
+unused = rank.buffer("x")                                 # never handed out memory: released at close
+rank.barrier()
+rank.close()                                              # returns; the leased memory stays mapped
+assert torch.all(kept == peer + 1), kept[0, :4]          # still readable after close (same GPU context)
+mine.fill_(3.0)
+torch.cuda.synchronize()
+try:
+    torch.from_dlpack(unused)
+except UsageError as exc:
+    assert "released" in str(exc), exc
+else:
+    raise AssertionError("a view of released memory")
+del kept, mine
+import gc; gc.collect()
+assert rank._leases.live() == 0
+torch.cuda.synchronize()
+print("outlived close", me)
+"""
+    n, run = _launch(tray_env, body, "--manifest", manifest)
+    assert run.stdout.count("outlived close") == n
