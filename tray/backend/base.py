@@ -298,7 +298,7 @@ class Backend(abc.ABC):
 
     @property
     def cuda_stream(self) -> int | None:
-        """The rank's stream as an int handle (None on host: no streams)."""
+        """The rank's stream as an int handle (None on host, which has no streams, and after close())."""
         return None
 
     def order_stream(self, stream: int) -> None:

@@ -114,6 +114,9 @@ class BufferView:
             fin = weakref.finalize(self, self._leases.drop, id(self._resource))
             fin.atexit = False  # NOTE: at exit the process's end unmaps everything; nothing to release
 
+    def _device_memory(self) -> bool:
+        return self._backend.dlpack_device[0] != dlpack.KDL_CPU
+
     # --- DLPack -------------------------------------------------------------------------------------
     def __dlpack_device__(self) -> tuple[int, int]:
         return self._backend.dlpack_device
@@ -129,10 +132,10 @@ class BufferView:
         device = self._backend.dlpack_device
         if dl_device is not None and tuple(dl_device) != device:
             raise BufferError(f"buffer {self.name!r} lives on DLPack device {device}, not {tuple(dl_device)}")
-        if self._backend.cuda_stream is not None and stream != -1:
+        self._lease()
+        if self._device_memory() and stream != -1:
             # DLPack: None means the legacy default stream (1); 0 is ambiguous and read as the same
             self._backend.order_stream(1 if stream in (None, 0) else int(stream))
-        self._lease()
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
         return dlpack.capsule(self, self.ptr, self.shape, self.dtype, device, versioned=versioned)
 
@@ -141,9 +144,9 @@ class BufferView:
     def __cuda_array_interface__(self) -> dict:
         """CUDA array interface v3 (cuda backend only); "stream" is the rank's stream, which the consumer
         waits on. AttributeError on host and for bf16 (no typestr): use DLPack there."""
-        stream = self._backend.cuda_stream
-        if stream is None:
+        if not self._device_memory():
             raise AttributeError("__cuda_array_interface__: this view is host memory (use __array_interface__)")
+        stream = self._backend.cuda_stream  # None once the rank closed: no tray work to wait for then
         out = dlpack.array_interface(self.ptr, self.shape, self.dtype, cuda_stream=stream)
         self._lease()
         return out
@@ -152,7 +155,7 @@ class BufferView:
     def __array_interface__(self) -> dict:
         """NumPy array interface v3 (host backend only). AttributeError on cuda (device memory) and for
         bf16 (no typestr; `np.asarray` then uses `__array__`)."""
-        if self._backend.cuda_stream is not None:
+        if self._device_memory():
             raise AttributeError("__array_interface__: this view is device memory (use DLPack or "
                                  "__cuda_array_interface__)")
         out = dlpack.array_interface(self.ptr, self.shape, self.dtype)
@@ -161,7 +164,7 @@ class BufferView:
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """A zero-copy numpy array of host memory (bf16 through ml_dtypes). Raises TypeError on cuda."""
-        if self._backend.cuda_stream is not None:
+        if self._device_memory():
             raise TypeError(f"buffer {self.name!r} is device memory; use rank.read() for a host copy")
         if copy:
             raise ValueError("tray views are zero-copy: np.array(view, copy=True) is not offered; use .copy()")

@@ -361,7 +361,7 @@ class CudaBackend(Backend):
 
     @property
     def cuda_stream(self) -> int | None:
-        return self.stream_handle
+        return None if self._closed else self.stream_handle
 
     def _events(self) -> tuple[Any, Any]:
         if self._order_events is None or self._closed:
@@ -369,7 +369,10 @@ class CudaBackend(Backend):
         return self._order_events
 
     def order_stream(self, stream: int) -> None:
-        """`stream` (the caller's int handle) waits for the work enqueued so far on the rank's stream."""
+        """`stream` (the caller's int handle) waits for the work enqueued so far on the rank's stream.
+        After close() there is nothing to wait for: the rank's stream was drained and destroyed."""
+        if self._closed:
+            return
         event = self._events()[1]
         drv.event_record(event, self.stream)
         drv.stream_wait_event(drv.as_stream(stream), event)
