@@ -121,6 +121,8 @@ def test_cuda_view_orders_the_consumer_stream_and_reports_the_local_gpu():
     with pytest.raises(TypeError, match="device memory"):
         np.asarray(view)
     assert not hasattr(_view(backend, "bf16"), "__cuda_array_interface__")  # bf16: DLPack only
+    backend.cuda_stream = None  # the rank closed: its stream is gone, nothing of tray's to wait for
+    assert "stream" not in view.__cuda_array_interface__
     del caps, managed
 
 
