@@ -98,8 +98,14 @@ if unmet:
     sys.exit("error: requirements neither pinned nor on the GPU machine:\n  " + "\n  ".join(unmet))
 EOF
     # tray's own wheel, from this checkout (no dependencies: they are pinned above or already there)
+    # built from a clean copy: an in-tree build would leave build/ behind and could pack its stale files
     rm -f "$WHL"/tray-*.whl
-    python3 -m pip wheel -q --no-deps -w "$WHL" "$REPO"
+    local src
+    src="$(mktemp -d)"
+    cp -a "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/tray" "$REPO/manifests" "$src/"
+    find "$src" -name __pycache__ -prune -exec rm -rf {} +
+    python3 -m pip wheel -q --no-deps -w "$WHL" "$src"
+    rm -rf "$src"
     source_digest > "$WHL/tray-source.sha256"
     ls -l "$WHL"/*.whl
     du -ch "$WHL"/*.whl | tail -1
