@@ -41,7 +41,7 @@ usage() {
 
 source_digest() {  # what tray's wheel was built from: every file under tray/ and manifests/, hashed
     (cd "$REPO" && find -L tray manifests -type f ! -path '*__pycache__*' ! -name '*.pyc' -print0 \
-        | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+        | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 }
 
 env_line() {
