@@ -1,11 +1,18 @@
-# Two entry points that work on a fresh machine with only Python 3.11+:
-#   make demo   set up .venv, run a 4-rank tray (host backend when no GPU is visible): the peer-barrier gate
-#   make test   set up .venv, run the test suite (GPU tests skip when no GPU is visible)
+# Entry points that work on a fresh machine with only Python 3.11+:
+#   make           set up .venv and say how to put `tray` on PATH
+#   make demo      set up .venv, run a 4-rank tray (host backend when no GPU is visible): the peer-barrier gate
+#   make test      set up .venv, run the test suite (GPU tests skip when no GPU is visible; runs the examples)
+#   make examples  run every example in examples/ on the host backend, as its docstring says
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint gpu-wheels gpu-install clean
+.DEFAULT_GOAL := setup
+.PHONY: setup demo test examples lint gpu-wheels gpu-install clean
+
+setup: $(BIN)/.installed
+	@echo "tray is installed in $(VENV). Put it on PATH with:  . $(BIN)/activate"
+	@echo "(or call $(BIN)/tray and $(BIN)/python directly). Next: make demo, make examples, make test"
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +27,9 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests
+
+examples: $(BIN)/.installed
+	$(BIN)/python examples/run_all.py
 
 lint: $(BIN)/.installed
 	$(BIN)/pip install -q ruff mypy

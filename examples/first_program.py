@@ -1,0 +1,38 @@
+"""A first tray program: buffers, peer tables, a kernel that writes into every peer, barrier, read/write,
+exchange.
+
+Run: tray launch -n 2 --backend host --manifest examples/first_program.json -- python examples/first_program.py
+
+Every rank owns `inbox` (u32[world_size, words], exported) and maps every peer's `inbox`. The manifest
+kernel `peer_fill` writes rank r's pattern into row r of every member's inbox, through the peer table;
+after a barrier each rank checks every row of its own inbox. On the host backend the kernel is a numpy
+twin (registered by the backend itself, see tray.twins); on cuda it is manifests/kernels/peer_fill.cu.
+"""
+
+import numpy as np
+
+import tray
+from tray.backend.host.twins import peer_fill_words  # the reference pattern (numpy, any backend)
+
+SEED = 7
+
+with tray.init() as rank:  # blocks until every rank has mapped every peer's buffers
+    me, n = rank.rank, rank.world_size
+    inbox = rank.buffer("inbox")  # Buffer(name, dtype "u32", shape (n, words), nbytes, ptr, export)
+    words = inbox.shape[1]
+    peers = rank.peers("inbox")  # PeerTable: ptrs[g] = member g's inbox as mapped here; table_ptr: u64[n]
+    assert peers.ptrs[me] == inbox.ptr and len(peers.ptrs) == n
+
+    # A kernel with "peers": true gets the device table of peer addresses as its first argument.
+    rank.kernel("peer_fill").launch((1, 1, 1), (128, 1, 1), [peers.table_ptr, n, me, words, SEED])
+    rank.barrier()  # every rank wrote every inbox; BarrierTimeout would name a missing rank
+
+    got = rank.read("inbox")  # a host copy, u32[n, words]
+    for writer in range(n):
+        assert (got[writer] == peer_fill_words(SEED, writer, me, words)).all(), f"row {writer}"
+
+    rank.write("scratch", np.arange(words, dtype=np.float32) * me)  # host -> this rank's buffer
+    total = float(rank.read("scratch").sum())
+    totals = rank.exchange("scratch-sum", total)  # every rank's value, in rank order, through the head
+    assert totals == [float(np.arange(words).sum() * r) for r in range(n)]
+    print(f"rank {me}: {n} rows of {words} words from {n} writers checked; totals {totals}")

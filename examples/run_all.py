@@ -1,0 +1,70 @@
+"""Run every example on the host backend, as its docstring says to (`make examples`).
+
+    python examples/run_all.py [NAME ...]      # all, or the named ones; exit 1 if any failed
+
+Each example's docstring holds the line `Run: tray launch ...`; that command is what runs here, with
+`tray` and `python` taken from this interpreter (so `.venv/bin/python examples/run_all.py` needs no PATH).
+"""
+
+from __future__ import annotations
+
+import ast
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+# in the order a newcomer reads them
+EXAMPLES = ("first_program", "allreduce", "lockstep", "park_wake", "user_kernel")
+# NOTE: a 2-rank host tray starts in ~1 s on 2 cores; 120 s only stops a hang.
+TIMEOUT_S = 120.0
+
+
+def run_line(name: str) -> str:
+    """The `tray launch ...` command of example `name`, from its docstring. Raises ValueError if absent."""
+    doc = ast.get_docstring(ast.parse((HERE / f"{name}.py").read_text())) or ""
+    for line in doc.splitlines():
+        if line.startswith("Run: "):
+            return line.removeprefix("Run: ").strip()
+    raise ValueError(f"examples/{name}.py: its docstring has no 'Run: tray launch ...' line")
+
+
+def argv(command: str) -> list[str]:
+    """`tray ...` / `python ...` of a documented command, with this interpreter's tray and python."""
+    words = shlex.split(command)
+    out = [sys.executable, "-m", "tray", *words[1:]] if words[0] == "tray" else words
+    return [sys.executable if w == "python" else w for w in out]
+
+
+def run(name: str, timeout_s: float = TIMEOUT_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run example `name` from the repository root with `env` (default: ours); output captured (text)."""
+    return subprocess.run(argv(run_line(name)), cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+                          env=env)
+
+
+def main(names: list[str]) -> int:
+    unknown = sorted(set(names) - set(EXAMPLES))
+    if unknown:
+        print(f"unknown example(s) {', '.join(unknown)}; known: {', '.join(EXAMPLES)}", file=sys.stderr)
+        return 2
+    failed = []
+    for name in names or EXAMPLES:
+        print(f"== {name}: {run_line(name)}", flush=True)
+        t0 = time.monotonic()
+        proc = run(name)
+        sys.stdout.write(proc.stdout)
+        if proc.returncode != 0:
+            sys.stdout.write(proc.stderr)
+            failed.append(name)
+        print(f"== {name}: {'ok' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'} "
+              f"in {time.monotonic() - t0:.1f} s\n", flush=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

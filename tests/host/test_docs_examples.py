@@ -1,0 +1,48 @@
+"""The README's example and every example in examples/ run as documented, on the host backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+
+import pytest
+from conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("examples_run_all", REPO / "examples" / "run_all.py")
+run_all = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_all)
+
+
+def _readme_use_block() -> tuple[str, str]:
+    """(the command in the first comment line, the code) of the README's "Use" python block."""
+    text = (REPO / "README.md").read_text()
+    use = text.split("\n## Use\n", 1)[1]
+    code = re.search(r"```python\n(.*?)```", use, re.S).group(1)
+    command = re.match(r"# \S+, started as: (.*)\n", code).group(1)
+    return command, code
+
+
+def test_readme_use_example_runs_as_written(tray_env):
+    command, code = _readme_use_block()
+    script = command.split(" python ", 1)[1].split()[0]
+    assert code == (REPO / script).read_text(), f"the README's Use block and {script} differ"
+    proc = subprocess.run(run_all.argv(command), cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=tray_env.env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n = int(re.search(r"-n (\d+)", command).group(1))
+    assert proc.stdout.count(": tour ok") == n, proc.stdout
+
+
+@pytest.mark.parametrize("name", run_all.EXAMPLES)
+def test_example_runs_as_documented(tray_env, name):
+    proc = run_all.run(name, env=tray_env.env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n = int(re.search(r"-n (\d+)", run_all.run_line(name)).group(1))
+    for r in range(n):
+        assert f"[rank {r}] rank {r}: " in proc.stdout, proc.stdout
+
+
+def test_every_example_is_listed():
+    scripts = {p.stem for p in (REPO / "examples").glob("*.py")} - {"run_all", "tour"}
+    assert scripts == set(run_all.EXAMPLES), "examples/run_all.py EXAMPLES and examples/*.py differ"
