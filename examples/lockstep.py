@@ -19,7 +19,7 @@ with tray.init() as rank:
     me, n = rank.rank, rank.world_size
     m, k = rank.buffer("x").shape
     xs = [np.random.default_rng(10 + r).standard_normal((m, k)).astype(bf16) for r in range(n)]
-    w = np.random.default_rng(99).standard_normal((rank.buffer("w").shape)).astype(bf16)  # same on all ranks
+    w = np.random.default_rng(99).standard_normal(rank.buffer("w").shape).astype(bf16)  # same on all ranks
     rank.write("x", xs[me])
     rank.write("w", w)
 
