@@ -1,4 +1,4 @@
-"""Error classes of the tray, arranged by who must act on them (DESIGN section 9).
+"""Error classes of the tray, arranged by who must act on them (docs/design.md section 10).
 
 Every message says what was expected, what was seen, and what to do.
 """

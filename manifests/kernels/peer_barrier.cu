@@ -1,4 +1,4 @@
-// peer_barrier: the GPU barrier over peer-mapped flags of DESIGN section 6. It never hangs and it
+// peer_barrier: the GPU barrier over peer-mapped flags of docs/design.md section 6. It never hangs and it
 // names who is missing.
 //
 // Every member owns `own_flags`, a u64[G] mapped into every peer; `peer_flags[t]` is member t's flags

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-# NOTE: the barrier's default wait; the gate and DESIGN section 6 use 2 s.
+# NOTE: the barrier's default wait; the gate and docs/design.md section 6 use 2 s.
 DEFAULT_BARRIER_TIMEOUT_S = 2.0
 
 
@@ -100,7 +100,7 @@ class HostMemory(abc.ABC):
 
 
 class Barrier(abc.ABC):
-    """The peer barrier of one group (DESIGN section 6). Epochs come from a counter the barrier
+    """The peer barrier of one group (docs/design.md section 6). Epochs come from a counter the barrier
     keeps itself, so a captured sequence replays with fresh epochs."""
 
     group: GroupInfo

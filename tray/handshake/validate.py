@@ -1,4 +1,4 @@
-"""The head's check of all offers before it hands out the table (DESIGN section 5). Pure data."""
+"""The head's check of all offers before it hands out the table (docs/design.md section 5). Pure data."""
 
 from __future__ import annotations
 

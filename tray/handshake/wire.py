@@ -275,7 +275,7 @@ class _Message:
 
 @dataclass(frozen=True, slots=True)
 class Offer(_Message):
-    """rank -> head: who this rank is, what it exports (DESIGN 5). `host` is the boot id, `manifest`
+    """rank -> head: who this rank is, what it exports (docs/design.md section 5). `host` is the boot id, `manifest`
     the manifest's sha256 hex, `groups` {group name: join info} for the groups whose member 0 is this
     rank (opaque bytes the collectives of the group need to join it, at most MAX_JOIN_INFO_NBYTES;
     empty when they need none), `timings` {phase: seconds}."""

@@ -1,4 +1,4 @@
-"""Spawning ranks: the env contract (DESIGN section 4), PR_SET_PDEATHSIG, NUMA binding, and the
+"""Spawning ranks: the env contract (docs/design.md section 4), PR_SET_PDEATHSIG, NUMA binding, and the
 output pumps that prefix every line with `[rank R]`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""State pages, leases, the host tier, and tray-wide park/wake (DESIGN section 8).
+"""State pages, leases, the host tier, and tray-wide park/wake (docs/design.md section 8).
 
     session = rank.lease(64)                 # 64 device pages of the manifest's state, on this rank
     backend.write(session.ptr(0), data)      # page addresses; session.touch() marks pages written

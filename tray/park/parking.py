@@ -1,4 +1,4 @@
-"""Tray-wide park and wake (DESIGN section 8): two votes through the head, all or nothing.
+"""Tray-wide park and wake (docs/design.md section 8): two votes through the head, all or nothing.
 
 park, on every rank at once:
   1. room     reserve host-tier pages for the session's pages (none if it already holds a host copy)

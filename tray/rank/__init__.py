@@ -1,4 +1,4 @@
-"""The rank: `tray.init()` runs the eight steps of DESIGN section 2 (tray/rank/lifecycle.py) and hands
+"""The rank: `tray.init()` runs the eight steps of docs/design.md section 2 (tray/rank/lifecycle.py) and hands
 back a `Rank`, the public face over the frozen wiring they built.
 
     with tray.init() as rank:

@@ -1,4 +1,4 @@
-"""The environment contract a rank is started with (DESIGN section 4), parsed once."""
+"""The environment contract a rank is started with (docs/design.md section 4), parsed once."""
 
 from __future__ import annotations
 

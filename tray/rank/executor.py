@@ -1,6 +1,6 @@
 """The program executor: a manifest program's ops resolved once per (program, vars), then replayed.
 
-Ops (DESIGN section 7): launch, nccl, gemm, barrier, copy. Every rank runs the same program (the
+Ops (docs/design.md section 7): launch, nccl, gemm, barrier, copy. Every rank runs the same program (the
 digest proves it), so the ranks stay in lockstep. `graph: true` captures the whole program into one
 graph and replays it; host programs replay their resolved steps the same way.
 """

@@ -1,4 +1,4 @@
-"""A rank's start-up: the eight steps of DESIGN section 2, each timed, ending in a frozen `Wiring`.
+"""A rank's start-up: the eight steps of docs/design.md section 2, each timed, ending in a frozen `Wiring`.
 
     manifest -> device -> allocate -> offer -> table -> import_peers -> join -> ready (the head's go)
 

@@ -89,7 +89,7 @@ class Parts:
 
 @dataclass(frozen=True)
 class Wiring:
-    """A rank after the eight steps of DESIGN section 2: its manifest, device, buffers (manifest
+    """A rank after the eight steps of docs/design.md section 2: its manifest, device, buffers (manifest
     buffers and the tray's own per-group buffers), peer tables, barriers and joined collectives.
 
     The lookups raise UsageError naming what exists. `close()` releases everything, in reverse order.

@@ -1,4 +1,4 @@
-"""The peer barrier of the cuda backend (DESIGN section 6): host side of `tray_peer_barrier`.
+"""The peer barrier of the cuda backend (docs/design.md section 6): host side of `tray_peer_barrier`.
 
 The kernel (manifests/kernels/peer_barrier.cu) keeps its epoch in a device counter and reports a
 timeout in an error word `u64[2]` = (epoch, bitmask of missing members); this class owns both, launches

@@ -15,7 +15,7 @@ from tray.envinfo import environment
 from tray.launch import TraySpec, run_tray
 from tray.manifest.builtin import builtin_path
 
-# NOTE: DESIGN section 6: every surviving rank must name the dropped one within timeout + 0.5 s.
+# NOTE: docs/design.md section 6: every surviving rank must name the dropped one within timeout + 0.5 s.
 DROP_SLACK_S = 0.5
 MANIFEST = "peer_barrier"  # built-in (package data), see tray.manifest.builtin
 

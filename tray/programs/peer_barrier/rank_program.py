@@ -1,6 +1,6 @@
 """The rank side of `tray gate peer-barrier`: time the barrier three ways, or test a dropped rank.
 
-Figures (DESIGN section 6), µs per barrier, median over repeats:
+Figures (docs/design.md section 6), µs per barrier, median over repeats:
   eager       K barriers launched back to back, timed by the backend's timer (device events), / K
   eager_sync  one barrier launched and synchronised, per barrier
   captured    a graph of K barriers, replayed, / K
