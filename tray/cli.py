@@ -16,9 +16,13 @@ EXIT_USAGE = 2
 
 
 def _backend_and_n(backend: str | None, nprocs: int | None) -> tuple[str, int]:
-    from tray.launch.pick import backend_and_nprocs
+    """The tray's backend and size, checked against the visible GPUs before anything is spawned; a warning
+    when the ranks outnumber the cores."""
+    from tray.launch.pick import backend_and_nprocs, warn_if_oversubscribed
 
-    return backend_and_nprocs(backend, nprocs)
+    chosen, n = backend_and_nprocs(backend, nprocs)
+    warn_if_oversubscribed(n)
+    return chosen, n
 
 
 def _parse_vars(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
@@ -48,11 +52,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
                          "tray launch -n 4 -- CMD ARGS...")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    from tray.launch.output import Routing, check_streams, parse_ranks_filter
+
     backend, nprocs = _backend_and_n(args.backend, args.nprocs)
+    tee, redirects = check_streams("--tee", args.tee), check_streams("--redirects", args.redirects)
+    ranks = parse_ranks_filter(args.local_ranks_filter, nprocs)
+    Routing(log_dir=args.log_dir, tee=tee, redirects=redirects)  # refuses --tee/--redirects without --log-dir
+    if args.barrier_timeout_s is not None and not 0 < args.barrier_timeout_s < float("inf"):
+        raise UsageError(f"--barrier-timeout-s must be a number of seconds > 0, got {args.barrier_timeout_s}")
+    from tray.rank.env import barrier_timeout
+
+    barrier_timeout(os.environ.get("TRAY_BARRIER_TIMEOUT_S"))  # a bad value fails here, not in every rank
     manifest = resolve_manifest(args.manifest) if args.manifest else None
     spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=manifest,
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
-                    heartbeat_timeout_s=args.heartbeat_timeout_s, max_restarts=args.max_restarts)
+                    heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
+                    redirects=redirects, local_ranks_filter=ranks, barrier_timeout_s=args.barrier_timeout_s,
+                    max_restarts=args.max_restarts)
     return run_tray(spec).exit_code
 
 
@@ -102,19 +118,62 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tray", description="Run one SPMD program across the GPUs of a host.")
-    sub = ap.add_subparsers(dest="command", required=True)
+LAUNCH_EPILOG = """\
+examples:
+  tray launch -n 4 prog.py                                one rank per GPU (host backend without GPUs)
+  tray launch -n 2 --backend host --manifest m.json -- python prog.py
+  tray launch --manifest peer_fill prog.py                a built-in manifest (tray inspect --list)
+  tray launch -n 8 -q --log-dir logs --redirects 3 --local-ranks-filter 0 -- python serve.py
+                                                          rank 0 on the terminal, every rank's lines in logs/
 
-    p = sub.add_parser("launch", help="spawn N ranks of CMD and supervise them")
-    p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: visible GPUs, or 4)")
+output: every line a rank writes is printed as "[rank R] line". With --log-dir D, D/rank-R.log gets
+every line, stamped (ISO 8601, ms), and the error report of a rank that failed. --tee/--redirects take
+torchrun's numbers: 0 none, 1 stdout, 2 stderr, 3 both; --tee S: streams S go to the file and the
+terminal; --redirects S: streams S go to the file only. --log-dir alone is --tee 3.
+
+exit codes: 0 every rank exited 0; 1 a rank failed (the root cause is printed first); 2 usage, setup or
+manifest error; 3 the handshake failed (offers disagree, a rank never offered); 130 interrupted.
+env: TRAY_JOBS_ROOT (job directories), TRAY_BARRIER_TIMEOUT_S (as --barrier-timeout-s).
+ranks get TRAY_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT): the attempts before theirs.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tray import __version__
+
+    ap = argparse.ArgumentParser(prog="tray", description="Run one SPMD program across the GPUs of a host.",
+                                 epilog="docs: docs/cli.md (commands), docs/manifest.md, docs/design.md; "
+                                        "`tray CMD --help` for each command")
+    ap.add_argument("--version", action="version", version=f"tray {__version__} (Python {sys.version.split()[0]})")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{launch,gate,inspect,bench,doctor}")
+
+    p = sub.add_parser("launch", help="spawn N ranks of CMD and supervise them",
+                       description="Spawn N ranks of CMD, form the tray (handshake, peer mappings, groups),\n"
+                                   "supervise them, and stop all of them at the first failure.",
+                       epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--nprocs", type=int, default=None,
+                   help="ranks (default: the visible GPUs; host backend: 4); checked against the visible GPUs "
+                        "and CUDA_VISIBLE_DEVICES before anything starts")
     p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
     p.add_argument("--manifest", default=None,
                    help="manifest JSON file or built-in name (tray inspect --list); default: the world group")
-    p.add_argument("--var", action="append", default=[], metavar="NAME=INT", help="override a manifest var")
-    p.add_argument("--log-dir", default=None, help="keep one log file per rank here")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="handshake timeout (default 30)")
-    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0, help="missed-heartbeat timeout")
+    p.add_argument("--var", action="append", default=[], metavar="NAME=INT",
+                   help="override a manifest var (repeatable)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no startup timeline (rank output and errors stay)")
+    p.add_argument("--log-dir", default=None, metavar="DIR", help="keep one log file per rank here (rank-R.log)")
+    p.add_argument("--tee", type=int, default=0, metavar="{0,1,2,3}",
+                   help="streams to the log file AND the terminal: 0 none, 1 stdout, 2 stderr, 3 both")
+    p.add_argument("--redirects", type=int, default=0, metavar="{0,1,2,3}",
+                   help="streams to the log file ONLY: 0 none, 1 stdout, 2 stderr, 3 both")
+    p.add_argument("--local-ranks-filter", default=None, metavar="R[,R...]",
+                   help="show only these ranks' output on the terminal (log files keep every rank's)")
+    p.add_argument("--barrier-timeout-s", type=float, default=None, metavar="S",
+                   help="how long programs' barriers wait (default: the manifest's barrier_timeout_s, or 2); "
+                        "sets TRAY_BARRIER_TIMEOUT_S for every rank")
+    p.add_argument("--timeout-s", type=float, default=30.0, metavar="S",
+                   help="every rank must offer and report ready within S (default 30)")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0, metavar="S",
+                   help="a rank silent this long is stopped or frozen: the tray fails (default 10)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="after a failure, tear down and start the tray again up to K times (default 0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="PROGRAM.py ARGS... (run with this Python), or -- CMD ARGS...")

@@ -5,6 +5,8 @@ Every message says what was expected, what was seen, and what to do.
 
 from __future__ import annotations
 
+import re
+
 
 class TrayError(Exception):
     """Base of every error the tray raises on purpose."""
@@ -57,6 +59,16 @@ class BarrierTimeout(PeerFailure):
             f"barrier {group} epoch {epoch}: rank {rank} waited {waited_s:.2f} s for rank {who}"
             f" (rank {who} missing: it died, hangs, or never entered this barrier)"
         )
+
+    @staticmethod
+    def missing_in(message: str) -> list[int]:
+        """The missing ranks a BarrierTimeout's message names (the head reads them from an error report);
+        [] when `message` is not one."""
+        found = _MISSING.search(message)
+        return [int(r) for r in found.group(1).split(",")] if found else []
+
+
+_MISSING = re.compile(r"waited [0-9.]+ s for rank ([0-9]+(?:,[0-9]+)*)")
 
 
 class DeviceError(TrayError):

@@ -21,13 +21,15 @@ from pathlib import Path
 import psutil
 import zmq
 
-from tray.errors import WireError
+from tray.errors import BarrierTimeout, WireError
 from tray.handshake import wire
+from tray.handshake.client import HEARTBEAT_INTERVAL_S
 from tray.handshake.validate import validate_offers
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
+from tray.launch.output import Routing, stamp
 from tray.launch.ports import PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
-from tray.launch.spawn import OutputPump, rank_env, spawn_rank
+from tray.launch.spawn import OutputPump, log_path, rank_env, spawn_rank
 from tray.launch.spec import Failure, RankProcess, RankState, TrayResult, TraySpec
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
@@ -41,7 +43,8 @@ PHASES = ("spawn", "import", "device", "manifest", "allocate", "offer", "table",
 # A rank's phases up to `run`, in the order it passes them. Heartbeats travel on their own socket and
 # may arrive after a later step's message: a heartbeat never moves a rank back along this order.
 _HANDSHAKE_ORDER = {name: i for i, name in enumerate(
-    ("spawn", "start", "manifest", "device", "allocate", "offer", "table", "import_peers", "join", "ready", "run"))}
+    ("spawn", "start", "manifest", "device", "allocate", "offer", "table", "import_peers", "join", "ready",
+     "running"))}
 # NOTE: how often the head reads its ranks' /proc/<pid>/maps for the collectives' segments (a few small reads).
 SHM_SAMPLE_S = 1.0
 # NOTE: after every rank and leftover is gone, the output still in the pipes is read for this long
@@ -102,6 +105,8 @@ class Head:
         self.manifest: Manifest = load_manifest(spec.manifest) if spec.manifest else builtin_manifest()
         self.resolved = self.manifest.resolve(spec.nprocs, dict(spec.vars))
         self.placements = placements or [placement_for(None)] * spec.nprocs
+        self.routing = Routing(log_dir=spec.log_dir, tee=spec.tee, redirects=spec.redirects,
+                               ranks=spec.local_ranks_filter, quiet=spec.quiet)
         self.token = secrets.token_hex(16)
         self.procs: list[RankProcess] = []
         self.offers: dict[int, wire.Offer] = {}
@@ -134,7 +139,7 @@ class Head:
             t0 = time.time()
             self._spawn_all(job.path, endpoint, watchdog.pgid)
             self.t_spawned = time.time() - t0
-            pump = OutputPump(self.procs, self.spec.log_dir, self.spec.quiet)
+            pump = OutputPump(self.procs, self.routing)
             if self.spec.backend == "cuda":
                 # NOTE: with the driver initialised in a live process (here, the head), each rank's
                 # cuInit + context costs ~0.7 s instead of ~1.5 s (measured on 4x H200, no persistence
@@ -229,8 +234,12 @@ class Head:
             self._on_ready(sock, proc, msg)
         elif isinstance(msg, wire.ErrorReport):
             self._note_phase(proc, msg.phase, force=True)
+            notes: tuple[str, ...] = ()
+            if msg.error_type == BarrierTimeout.__name__:
+                notes = tuple(self._status(self.procs[r]) for r in BarrierTimeout.missing_in(msg.message)
+                              if 0 <= r < len(self.procs))
             self._fail(Failure(rank, f"rank {rank} reported {msg.error_type}: {msg.message}",
-                               report=f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail)))
+                               report=f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail), notes=notes))
         elif isinstance(msg, wire.Vote):
             self._on_vote(sock, msg)
         elif isinstance(msg, wire.Bye):
@@ -291,7 +300,7 @@ class Head:
         go = wire.encode(wire.Go(token=self.token, t_go=self.t_go))
         for p in self.procs:
             p.state = RankState.RUNNING
-            self._note_phase(p, "run")
+            self._note_phase(p, "running")
             self._send_bytes(sock, f"rank-{p.rank}", go, wire.Go.KIND)
         self._print_timeline()
 
@@ -414,6 +423,39 @@ class Head:
             return "alive"
         return f"exited with code {code}" if code >= 0 else f"killed by {_signal_name(code)}"
 
+    def _status(self, p: RankProcess) -> str:
+        """What the head knows of rank `p` now: dead (how), or alive with its last heartbeat and phase, and
+        whether that makes it slow (heartbeating) or stopped (silent)."""
+        code = p.popen.poll()
+        if code is not None:
+            how = f"exited with code {code}" if code >= 0 else f"was killed by {_signal_name(code)}"
+            return f"rank {p.rank} {how} (last phase: {p.phase}): dead, not slow"
+        if p.last_heartbeat is None:
+            return f"rank {p.rank} is alive but never reached the head (last phase: {self._phase_of(p)})"
+        silent_s = time.monotonic() - p.last_heartbeat
+        head = f"rank {p.rank} is alive, last heartbeat {silent_s:.1f} s ago, phase {p.phase}"
+        # NOTE: heartbeats come every HEARTBEAT_INTERVAL_S; two missed ones mean the process is not running.
+        if silent_s <= 2 * HEARTBEAT_INTERVAL_S + 0.5:
+            return (f"{head}: slow, not dead; give barriers more time (--barrier-timeout-s S, "
+                    "TRAY_BARRIER_TIMEOUT_S or the manifest's barrier_timeout_s) or run fewer ranks than cores")
+        return f"{head}: stopped or frozen (no heartbeat)"
+
+    def _log_error_reports(self, job_dir: Path) -> None:
+        """Append each rank's error report (from its error file) to its --log-dir file: the log then holds
+        the traceback the rank reported, also when the rank was stopped before it could print more."""
+        if not self.spec.log_dir:
+            return
+        for p in self.procs:
+            report = self._error_file(job_dir, p.rank)
+            if not report:
+                continue
+            try:
+                with open(log_path(self.spec.log_dir, p.rank), "a") as log:
+                    log.writelines(f"{stamp()} [tray] {line}\n" for line in
+                                   ["error report sent to the head:", *report.rstrip().splitlines()])
+            except OSError as exc:
+                _say(f"could not add rank {p.rank}'s error report to its log: {exc.strerror or exc}")
+
     def _fail(self, failure: Failure) -> None:
         if self.failure is None:
             self.failure = failure
@@ -465,6 +507,7 @@ class Head:
             remove_shm(self.shm)
         if pump is not None:
             pump.stop(DRAIN_S)
+        self._log_error_reports(job.path)
 
     @staticmethod
     def _kill_adopted(exclude: set[int]) -> None:
@@ -500,7 +543,7 @@ class Head:
         return out
 
     def _print_timeline(self) -> None:
-        if self.spec.quiet:
+        if self.spec.quiet or not self.spec.timeline:
             return
         t0 = min(p.t_spawn for p in self.procs)
         total = (self.t_go or t0) - t0
@@ -516,6 +559,8 @@ class Head:
         f = self.failure
         assert f is not None
         _say(f"FAILED: {f.summary}")
+        for note in f.notes:
+            _say(f"  {note}")
         if f.report.strip():
             _say("error report:")
             for line in f.report.rstrip().splitlines():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from tray.errors import UsageError
 
 # NOTE: with no GPU visible, a 4-rank tray is what CI and the demo run.
@@ -16,15 +19,45 @@ def backend_and_nprocs(backend: str | None, nprocs: int | None) -> tuple[str, in
     chosen = backend or detect_backend()
     if chosen not in BACKENDS:
         raise UsageError(f"unknown backend {chosen!r}; expected one of {', '.join(BACKENDS)}")
-    if nprocs is None:
-        if chosen == "cuda":
-            from tray.backend.cuda import visible_gpu_count
-
-            nprocs = visible_gpu_count()
-            if nprocs == 0:
-                raise UsageError("--backend cuda but no GPU is visible; use --backend host")
-        else:
-            nprocs = HOST_DEFAULT_NPROCS
-    if nprocs < 1:
+    if nprocs is not None and nprocs < 1:
         raise UsageError(f"-n must be at least 1, got {nprocs}")
+    if chosen == "cuda":
+        from tray.backend.cuda import visible_gpu_count
+
+        visible = visible_gpu_count()
+        check_gpus(nprocs, visible, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        nprocs = visible if nprocs is None else nprocs
+    elif nprocs is None:
+        nprocs = HOST_DEFAULT_NPROCS
     return chosen, nprocs
+
+
+def check_gpus(nprocs: int | None, visible: int, cuda_visible_devices: str | None) -> None:
+    """Raise UsageError when a cuda tray of `nprocs` ranks (None: one per GPU) does not fit the `visible` GPUs,
+    before anything is spawned; the message names CUDA_VISIBLE_DEVICES when it is set."""
+    where = f" (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r})" if cuda_visible_devices is not None else ""
+    if visible == 0:
+        raise UsageError(f"--backend cuda but no GPU is visible{where}; use --backend host")
+    if nprocs is not None and nprocs > visible:
+        raise UsageError(f"-n {nprocs} needs {nprocs} GPUs (one per rank), {visible} visible{where}; "
+                         f"use -n {visible} or fewer, or --backend host")
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def warn_if_oversubscribed(nprocs: int, ncores: int | None = None) -> bool:
+    """Say on stderr when `nprocs` ranks outnumber the cores (a rank then waits for a core: barriers and
+    heartbeats run late). Returns whether it warned."""
+    ncores = cores() if ncores is None else ncores
+    if nprocs <= ncores:
+        return False
+    print(f"tray: warning: {nprocs} ranks on {ncores} CPU cores: ranks wait for a core, so barriers and "
+          "steps take longer; raise --barrier-timeout-s (or TRAY_BARRIER_TIMEOUT_S) if they time out",
+          file=sys.stderr, flush=True)
+    return True

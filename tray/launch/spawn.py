@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, TextIO
 
 from tray.errors import UsageError
+from tray.launch.output import STDERR, STDOUT, Routing, stamp
 from tray.launch.ports import MASTER_ADDR
 from tray.launch.spec import RankProcess, TraySpec
 from tray.numa import NumaPlacement, prepare_binding
@@ -65,9 +66,17 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
         "PYTHONUNBUFFERED": "1",
     })
     env.update(torchrun_env(rank, spec.nprocs, master_port, Path(job_dir).name))
-    # NOTE: NCCL must not connect lazily inside a CUDA graph capture; respect a user's choice.
-    env.setdefault("NCCL_RUNTIME_CONNECT", "0")
+    if spec.barrier_timeout_s is not None:
+        env["TRAY_BARRIER_TIMEOUT_S"] = repr(spec.barrier_timeout_s)
+    if spec.backend == "cuda":
+        # NOTE: NCCL must not connect lazily inside a CUDA graph capture; respect a user's choice.
+        env.setdefault("NCCL_RUNTIME_CONNECT", "0")
     return env
+
+
+def log_path(log_dir: str, rank: int) -> Path:
+    """The log file of `rank` under `log_dir`."""
+    return Path(log_dir) / f"rank-{rank}.log"
 
 
 def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:
@@ -99,18 +108,19 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
 class _Stream:
     """One rank stream being pumped: its fd, where its lines go, and the partial last line."""
 
-    def __init__(self, proc: RankProcess, src: IO[bytes], dst: TextIO, log: TextIO | None) -> None:
+    def __init__(self, proc: RankProcess, src: IO[bytes], dst: TextIO | None, log: TextIO | None) -> None:
         self.proc = proc
         self.src = src
         self.fd = src.fileno()
-        self.dst = dst
-        self.log = log
+        self.dst = dst  # None: not shown on the terminal
+        self.log = log  # None: not kept in the rank's file
         self.partial = b""
 
 
 class OutputPump:
-    """One thread that copies every rank's stdout/stderr to ours, each line prefixed `[rank R]`
-    (and to `--log-dir`), reading only what select() says is there, so it never blocks teardown.
+    """One thread that copies every rank's stdout/stderr to ours, each line prefixed `[rank R]`, and/or to
+    its `--log-dir` file, stamped (tray.launch.output.stamp), as `routing` says; it reads only what
+    select() says is there, so it never blocks teardown.
 
     `stop(drain_s)` lets it read until every stream ended or `drain_s` passed, then closes the
     streams: a leftover process that still holds a rank's stdout cannot keep the head waiting."""
@@ -119,19 +129,20 @@ class OutputPump:
     _TICK_S = 0.05
     _CHUNK_NBYTES = 65536
 
-    def __init__(self, procs: list[RankProcess], log_dir: str | None, quiet: bool) -> None:
-        self.quiet = quiet
+    def __init__(self, procs: list[RankProcess], routing: Routing) -> None:
         self._logs: list[TextIO] = []
         self._sel = selectors.DefaultSelector()
         for proc in procs:
             log = None
-            if log_dir:
-                Path(log_dir).mkdir(parents=True, exist_ok=True)
-                log = open(Path(log_dir) / f"rank-{proc.rank}.log", "a", buffering=1)
+            if routing.log_dir:
+                Path(routing.log_dir).mkdir(parents=True, exist_ok=True)
+                log = open(log_path(routing.log_dir, proc.rank), "a", buffering=1)
                 self._logs.append(log)
-            for src, dst in ((proc.popen.stdout, sys.stdout), (proc.popen.stderr, sys.stderr)):
+            for src, dst, which in ((proc.popen.stdout, sys.stdout, STDOUT), (proc.popen.stderr, sys.stderr, STDERR)):
                 if src is not None:
-                    self._sel.register(src.fileno(), selectors.EVENT_READ, _Stream(proc, src, dst, log))
+                    stream = _Stream(proc, src, dst if routing.to_terminal(proc.rank, which) else None,
+                                     log if routing.to_log(which) else None)
+                    self._sel.register(src.fileno(), selectors.EVENT_READ, stream)
         self._drain_until: float | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tray-output", daemon=True)
@@ -175,12 +186,12 @@ class OutputPump:
     def _emit(self, s: _Stream, raw: bytes) -> None:
         line = raw.decode(errors="replace").rstrip("\r")
         s.proc.tail.append(line)
-        if not self.quiet:
+        if s.dst is not None:
             with _print_lock:
                 s.dst.write(f"[rank {s.proc.rank}] {line}\n")
                 s.dst.flush()
         if s.log is not None:
-            s.log.write(f"{time.time():.6f} {line}\n")
+            s.log.write(f"{stamp()} {line}\n")
 
     def stop(self, drain_s: float) -> None:
         """Read for at most `drain_s` more seconds (until every stream ended), then stop and return."""

@@ -24,9 +24,18 @@ class TraySpec:
     heartbeat_timeout_s: float = 10.0
     grace_s: float = 3.0
     extra_env: tuple[tuple[str, str], ...] = ()
+    # quiet: no rank output on the terminal and no timeline (benches); timeline: the startup timeline
     quiet: bool = False
+    timeline: bool = True
     # after a failure (exit 1 or 3), tear down and start again up to this many times
     max_restarts: int = 0
+    # which rank streams go to --log-dir files (bits: 1 stdout, 2 stderr), and which of those also to the
+    # terminal (tee) or only to the file (redirects); ranks whose output the terminal shows (None: all)
+    tee: int = 0
+    redirects: int = 0
+    local_ranks_filter: tuple[int, ...] | None = None
+    # the barrier timeout of the ranks' programs (TRAY_BARRIER_TIMEOUT_S); None: the manifest's or 2 s
+    barrier_timeout_s: float | None = None
 
 
 class RankState(enum.Enum):
@@ -69,6 +78,7 @@ class Failure:
     report: str = ""
     tail: tuple[str, ...] = ()
     exit_code: int = 1
+    notes: tuple[str, ...] = ()  # what the head knows of the ranks the failure names (alive, phase, ...)
 
 
 @dataclass

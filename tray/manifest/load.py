@@ -62,7 +62,8 @@ JSON_INT_LIMIT = 2**64
 # NOTE: keys and values quoted in messages are cut to this many characters.
 SHOW_CHARS = 60
 
-TOP_KEYS = ("format", "name", "description", "vars", "groups", "buffers", "states", "kernels", "programs")
+TOP_KEYS = ("format", "name", "description", "barrier_timeout_s", "vars", "groups", "buffers", "states",
+            "kernels", "programs")
 GROUP_KEYS = ("name", "ranks", "size")
 BUFFER_KEYS = ("name", "dtype", "shape", "export", "group", "bind")
 STATE_KEYS = ("name", "page_nbytes", "pages", "host_pages")
@@ -289,6 +290,12 @@ class _Parser:
             self.fail(jp, f"must be >= {minimum}, got {value}")
         return value
 
+    def seconds(self, value: object, jp: str) -> float:
+        """A duration in seconds: a number > 0."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            self.fail(jp, f"expected a number of seconds > 0, got {show(value)}")
+        return float(value)
+
     def expr(self, value: object, jp: str, minimum: int | None) -> IntOrExpr:
         """An int (checked against `minimum` now) or an expression over vars (checked at resolve)."""
         if isinstance(value, str):
@@ -337,6 +344,8 @@ class _Parser:
             self.fail("$.format", f"unsupported format {show(fmt)}; this tray reads format {FORMAT_VERSION}")
         name = self.name(top["name"], "$.name", "manifest", MANIFEST_NAME_RE)
         description = self.str_(top.get("description", ""), "$.description", "description")
+        barrier_timeout_s = self.seconds(top["barrier_timeout_s"], "$.barrier_timeout_s") \
+            if "barrier_timeout_s" in top else None
         self.parse_vars(top.get("vars", {}))
         groups = self.parse_groups(top.get("groups", []))
         buffers = self.parse_buffers(top.get("buffers", []))
@@ -356,6 +365,7 @@ class _Parser:
             programs=programs,
             digest=compute_digest(doc, self.sources),
             doc=doc,
+            barrier_timeout_s=barrier_timeout_s,
         )
 
     def parse_vars(self, raw: object) -> None:

@@ -186,6 +186,8 @@ class Manifest:
     programs: tuple[ProgramSpec, ...]
     digest: str
     doc: dict[str, Any] = field(hash=False, repr=False)
+    # the timeout of the programs' barrier ops (and of rank.barrier() without one), s; None: the tray's default
+    barrier_timeout_s: float | None = None
 
     def group(self, name: str) -> GroupSpec:
         """The group named `name`. Raises UsageError naming the known groups."""

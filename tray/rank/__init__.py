@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,10 @@ class Rank:
         self._park: Parking | None = None
         self._leases = Leases()  # live views of this rank's memory (tray/rank/views.py)
         self._closed = False
+        # the timeout of barriers without one of their own (programs' barrier ops, rank.barrier()), s:
+        # the launch's or the environment's (TRAY_BARRIER_TIMEOUT_S), else the manifest's, else the default
+        self.barrier_timeout_s = (wiring.env.barrier_timeout_s or wiring.manifest.barrier_timeout_s
+                                  or DEFAULT_BARRIER_TIMEOUT_S)
 
     # --- what start-up made ------------------------------------------------------------------------
     @property
@@ -131,13 +136,14 @@ class Rank:
     def group(self, name: str = "world") -> GroupInfo:
         return self._wiring.group(name)
 
-    def barrier(self, group: str = "world", timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
-                stream: int | None = None) -> None:
-        """Wait until every member of `group` arrives; BarrierTimeout names who did not.
+    def barrier(self, group: str = "world", timeout_s: float | None = None, stream: int | None = None) -> None:
+        """Wait until every member of `group` arrives; BarrierTimeout names who did not. `timeout_s` None:
+        the rank's `barrier_timeout_s` (TRAY_BARRIER_TIMEOUT_S, else the manifest's, else 2 s).
 
         With `stream` (an int handle, e.g. `torch.cuda.current_stream().cuda_stream`) the barrier is only
         enqueued on that stream (no sync, no allocation: a CUDA graph capture on it records the barrier);
         a timeout then surfaces at the next `synchronize()` after that stream's work ended."""
+        timeout_s = self.barrier_timeout_s if timeout_s is None else timeout_s
         if stream is None:
             self.barrier_of(group).wait(timeout_s)
         else:
@@ -208,7 +214,7 @@ class Rank:
         if self._executor is None:
             from tray.rank.executor import Executor
 
-            self._executor = Executor(self.context())
+            self._executor = Executor(self.context(), self.barrier_timeout_s)
         if stream is None:
             self._executor.run(program, vars or {})
         else:
@@ -296,3 +302,20 @@ def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
             client.send(report)
         except Exception:  # the head may be gone; the error file stays
             pass
+    _print_once(exc, env.rank)
+
+
+def _print_once(reported: BaseException, rank: int) -> None:
+    """The head prints a reported exception's traceback (its root cause, and --log-dir files); should the
+    exception end this process uncaught, print one line instead of a second copy of the traceback."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        if value is reported:
+            first = str(value).splitlines()[0] if str(value) else ""
+            print(f"rank {rank}: {kind.__name__}: {first} (reported to the head, which prints its traceback)",
+                  file=sys.stderr, flush=True)
+        else:
+            previous(kind, value, tb)
+
+    sys.excepthook = hook

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ class RankEnv:
     backend: str
     vars: tuple[tuple[str, int], ...]
     t_spawn: float | None
+    barrier_timeout_s: float | None = None  # TRAY_BARRIER_TIMEOUT_S: programs' barriers wait this long
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RankEnv":
@@ -34,6 +36,7 @@ class RankEnv:
                 f"tray.init() found no tray here ({', '.join(missing)} unset); start this program with "
                 "`tray launch -n N -- python your_program.py`"
             )
+        timeout_s = barrier_timeout(env.get("TRAY_BARRIER_TIMEOUT_S"))
         try:
             pairs = [kv.split("=", 1) for kv in env.get("TRAY_VARS", "").split(",") if kv]
             return cls(
@@ -43,6 +46,20 @@ class RankEnv:
                 job_dir=env["TRAY_JOB"], token=env["TRAY_TOKEN"], manifest=env.get("TRAY_MANIFEST", ""),
                 backend=env["TRAY_BACKEND"], vars=tuple((k, int(v)) for k, v in pairs),
                 t_spawn=float(env["TRAY_T_SPAWN"]) if env.get("TRAY_T_SPAWN") else None,
+                barrier_timeout_s=timeout_s,
             )
         except ValueError as exc:
             raise UsageError(f"malformed tray environment: {exc}") from None
+
+
+def barrier_timeout(text: str | None) -> float | None:
+    """TRAY_BARRIER_TIMEOUT_S as seconds (None when unset or empty). Raises UsageError unless a number > 0."""
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"TRAY_BARRIER_TIMEOUT_S must be a number of seconds > 0, got {text!r}")
+    return value

@@ -80,7 +80,7 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float) -> Wiring:
         client.send(wire.Ready(token=env.token, rank=env.rank,
                                timings={k: v for k, v in phases.timings.items() if k in READY_TIMINGS}))
         client.receive(wire.Go, timeout_s, "go")
-    phases.enter("run")
+    phases.enter("running")
     assert parts.fd_server is not None and parts.buffers is not None and parts.ptr_tables is not None
     assert parts.peer_tables is not None and parts.barriers is not None and parts.collectives is not None
     return Wiring(env=env, phases=phases, client=client, manifest=manifest, resolved=resolved, backend=backend,
