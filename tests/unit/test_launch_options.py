@@ -1,0 +1,119 @@
+"""Launch options without a tray: output routing, rank filters, the GPU check, oversubscription, barrier
+timeouts (flag, env, manifest), and what the head reads from a BarrierTimeout."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+
+from tray.cli import build_parser, main
+from tray.errors import BarrierTimeout, ManifestError, UsageError
+from tray.launch.output import BOTH, STDERR, STDOUT, Routing, check_streams, parse_ranks_filter, stamp
+from tray.launch.pick import check_gpus, warn_if_oversubscribed
+from tray.manifest.load import parse_manifest
+from tray.rank.env import RankEnv
+
+
+def test_routing_as_torchrun():
+    plain = Routing()
+    assert plain.to_terminal(0, STDOUT) and not plain.to_log(STDOUT)
+    logged = Routing(log_dir="d")  # --log-dir alone: both streams to the file and the terminal
+    assert logged.to_log(STDOUT) and logged.to_log(STDERR) and logged.to_terminal(1, STDERR)
+    redirected = Routing(log_dir="d", redirects=STDERR)
+    assert redirected.to_log(STDERR) and not redirected.to_terminal(0, STDERR)
+    assert redirected.to_terminal(0, STDOUT) and not redirected.to_log(STDOUT)
+    teed = Routing(log_dir="d", tee=STDOUT)
+    assert teed.to_log(STDOUT) and teed.to_terminal(0, STDOUT) and not teed.to_log(STDERR)
+    filtered = Routing(log_dir="d", ranks=(0,))
+    assert filtered.to_terminal(0, STDOUT) and not filtered.to_terminal(1, STDOUT) and filtered.to_log(STDOUT)
+    assert not Routing(quiet=True).to_terminal(0, STDOUT)
+    with pytest.raises(UsageError, match="--redirects needs --log-dir"):
+        Routing(redirects=BOTH)
+
+
+def test_stream_numbers_and_rank_filters():
+    assert check_streams("--tee", 3) == 3
+    with pytest.raises(UsageError, match="0 \\(none\\), 1 \\(stdout\\), 2 \\(stderr\\) or 3 \\(both\\), got 4"):
+        check_streams("--tee", 4)
+    assert parse_ranks_filter("2, 0", 4) == (0, 2)
+    assert parse_ranks_filter(None, 4) is None
+    with pytest.raises(UsageError, match="ranks are 0..3 with -n 4"):
+        parse_ranks_filter("4", 4)
+    with pytest.raises(UsageError, match="comma-separated ranks"):
+        parse_ranks_filter("a,b", 4)
+
+
+def test_log_stamps_are_iso_with_milliseconds():
+    assert stamp(datetime.datetime(2026, 11, 30, 13, 21, 5, 123456)) == "2026-11-30T13:21:05.123"
+
+
+def test_gpu_count_checked_before_spawning():
+    check_gpus(2, 2, None)
+    check_gpus(None, 4, None)
+    with pytest.raises(UsageError, match=r"-n 3 needs 3 GPUs \(one per rank\), 2 visible "
+                                         r"\(CUDA_VISIBLE_DEVICES='0,1'\); use -n 2 or fewer"):
+        check_gpus(3, 2, "0,1")
+    with pytest.raises(UsageError, match="no GPU is visible; use --backend host"):
+        check_gpus(None, 0, None)
+
+
+def test_cuda_without_gpus_is_one_line_and_exit_2(capsys, monkeypatch):
+    import tray.backend.cuda as cuda
+
+    monkeypatch.setattr(cuda, "visible_gpu_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert main(["launch", "-n", "3", "--backend", "cuda", "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-n 3 needs 3 GPUs" in err and "CUDA_VISIBLE_DEVICES='0,1'" in err
+
+
+def test_oversubscription_warns(capsys):
+    assert not warn_if_oversubscribed(2, ncores=2)
+    assert warn_if_oversubscribed(100, ncores=2)
+    assert "100 ranks on 2 CPU cores" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("tray 0.")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tee", "1"], "--tee needs --log-dir"),
+    (["--redirects", "5", "--log-dir", "d"], "--redirects expects 0 (none)"),
+    (["--local-ranks-filter", "7", "-n", "2"], "ranks are 0..1 with -n 2"),
+    (["--barrier-timeout-s", "0"], "--barrier-timeout-s must be a number of seconds > 0"),
+])
+def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
+    assert main(["launch", "--backend", "host", *argv, "--", "false"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_barrier_timeout_from_env():
+    base = {"TRAY_RANK": "0", "TRAY_WORLD_SIZE": "1", "TRAY_RDZV": "ipc://x", "TRAY_JOB": "/j", "TRAY_TOKEN": "t",
+            "TRAY_BACKEND": "host"}
+    assert RankEnv.from_environ(base).barrier_timeout_s is None
+    assert RankEnv.from_environ({**base, "TRAY_BARRIER_TIMEOUT_S": "7.5"}).barrier_timeout_s == 7.5
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(UsageError, match="TRAY_BARRIER_TIMEOUT_S must be a number of seconds > 0"):
+            RankEnv.from_environ({**base, "TRAY_BARRIER_TIMEOUT_S": bad})
+
+
+def test_manifest_barrier_timeout(tmp_path):
+    doc = {"format": 1, "name": "m"}
+    assert parse_manifest(doc, "m.json", str(tmp_path)).barrier_timeout_s is None
+    assert parse_manifest({**doc, "barrier_timeout_s": 30}, "m.json", str(tmp_path)).barrier_timeout_s == 30.0
+    with pytest.raises(ManifestError, match=r"\$\.barrier_timeout_s: expected a number of seconds > 0, got 0"):
+        parse_manifest({**doc, "barrier_timeout_s": 0}, "m.json", str(tmp_path))
+    with pytest.raises(ManifestError, match=r"\$\.barrier_timeout_s"):
+        parse_manifest(json.loads('{"format": 1, "name": "m", "barrier_timeout_s": "2"}'), "m.json", str(tmp_path))
+
+
+def test_head_reads_missing_ranks_from_a_barrier_timeout():
+    err = BarrierTimeout("world", 3, 0, [2, 5], 2.0)
+    assert BarrierTimeout.missing_in(str(err)) == [2, 5]
+    assert BarrierTimeout.missing_in("ValueError: boom") == []
