@@ -13,6 +13,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,8 @@ from typing import Any
 from tray.envinfo import environment
 from tray.errors import UsageError
 
-__all__ = ["Row", "TrayFailed", "busbw_factor", "environment", "format_table", "median", "plot_lines",
-           "ratio", "require_plot", "run_rank_program", "write_report"]
+__all__ = ["Row", "TrayFailed", "buffers_nbytes", "busbw_factor", "environment", "format_gbps", "format_table",
+           "median", "plot_lines", "ratio", "require_plot", "run_rank_program", "stage", "write_report"]
 
 PLOT_EXTRA = "plot"
 
@@ -32,9 +33,11 @@ class TrayFailed(RuntimeError):
 
 
 def run_rank_program(name: str, module: str, cfg: dict[str, Any], work: Path, *, nprocs: int, backend: str,
-                     manifest: str, vars: dict[str, int], log_dir: str | None = None) -> list[dict[str, Any]]:
+                     manifest: str, vars: dict[str, int], log_dir: str | None = None,
+                     progress: bool = True) -> list[dict[str, Any]]:
     """Launch `python -m module CFG.json` on `nprocs` ranks; each rank writes `result_*.json` into
-    `cfg["out_dir"]` (set here to work/name). Returns those results in file-name order.
+    `cfg["out_dir"]` (set here to work/name). Returns those results in file-name order. With `progress`,
+    rank 0's output (its progress lines) shows on the terminal as `[rank 0] ...`; else no rank's does.
 
     Raises TrayFailed naming the root cause when the tray fails."""
     from tray.launch import TraySpec, run_tray
@@ -44,13 +47,39 @@ def run_rank_program(name: str, module: str, cfg: dict[str, Any], work: Path, *,
     cfg_path = work / f"{name}.json"
     cfg_path.write_text(json.dumps({**cfg, "out_dir": str(out)}))
     spec = TraySpec(nprocs=nprocs, cmd=(sys.executable, "-m", module, str(cfg_path)), backend=backend,
-                    manifest=manifest, vars=tuple(sorted(vars.items())), log_dir=log_dir, quiet=True)
+                    manifest=manifest, vars=tuple(sorted(vars.items())), log_dir=log_dir, quiet=not progress,
+                    timeline=False, local_ranks_filter=(0,))
     result = run_tray(spec)
     if result.exit_code != 0:
         cause = result.root_cause
         detail = f"{cause.summary}\n{cause.report}" if cause else "no root cause reported"
         raise TrayFailed(f"the {name} tray failed (exit {result.exit_code}): {detail}")
     return [json.loads(f.read_text()) for f in sorted(out.glob("result_*.json"))]
+
+
+def buffers_nbytes(manifest: str, nprocs: int, vars: dict[str, int]) -> int:
+    """Bytes of device buffers one rank of `manifest` allocates at `nprocs` ranks with `vars` (states and the
+    tray's own barrier flags and group buffers aside): what a bench states as its memory per rank."""
+    from tray.manifest import load_manifest
+
+    resolved = load_manifest(manifest).resolve(nprocs, vars)
+    return sum(b.nbytes for b in resolved.buffers)
+
+
+def stage(bench: str, index: int, total: int, what: str) -> float:
+    """Print a progress line `bench: [index/total] what` now (flushed); returns time.monotonic() for the
+    caller's elapsed time."""
+    print(f"{bench}: [{index}/{total}] {what}", flush=True)
+    return time.monotonic()
+
+
+def format_gbps(value: float) -> str:
+    """A bandwidth in GB/s with three significant digits (0.00176, 1.76, 176), never a bare 0.00; n/a for NaN."""
+    if math.isnan(value):
+        return "n/a"
+    if value == 0 or value >= 100:
+        return f"{value:.1f}"
+    return f"{value:.3g}"
 
 
 def median(values: Sequence[float]) -> float:
@@ -117,7 +146,7 @@ def format_table(rows: Sequence[Row]) -> str:
     for r in rows:
         wrong = "N/A" if r.wrong < 0 else str(r.wrong)
         lines.append(f"  {r.name:<{width}} {r.nbytes:>10} {r.count:>10} {r.dtype:>6} {r.time_us:>9.2f} "
-                     f"{r.algbw_gbps:>8.2f} {r.busbw_gbps:>8.2f} {wrong:>7}")
+                     f"{format_gbps(r.algbw_gbps):>8} {format_gbps(r.busbw_gbps):>8} {wrong:>7}")
     return "\n".join(lines)
 
 

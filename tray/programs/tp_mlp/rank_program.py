@@ -179,7 +179,8 @@ def main(argv: list[str]) -> int:
             "device": rank.backend.info.name,
             "sizes": [],
         }
-        for size in cfg["sizes"]:
+        t_sizes = time.perf_counter()
+        for i, size in enumerate(cfg["sizes"]):
             count = size // 2
             tokens = count // tp.H if count % tp.H == 0 else 0
             entry: dict[str, Any] = {"bytes": size, "count": count, "tokens": tokens, "us": {}}
@@ -197,6 +198,8 @@ def main(argv: list[str]) -> int:
                     entry["us"]["mlp_nccl"] = sampler.us_per_call(lambda v=v: rank.run("mlp_nccl", v))
             rank.exchange("tp.size_done", size)
             results["sizes"].append(entry)
+            print(f"tp: {size} B checked and timed ({i + 1} of {len(cfg['sizes'])} sizes, "
+                  f"{time.perf_counter() - t_sizes:.1f} s)", flush=True)
         tag = "one" if tp.G == 1 else str(rank.rank)
         (out_dir / f"result_{tag}.json").write_text(json.dumps(results, indent=1))
     return 0
