@@ -49,3 +49,31 @@ def test_a_plot_without_matplotlib_names_the_extra():
     require_plot(None)
     with pytest.raises(UsageError, match=r"tray\[plot\]"):
         require_plot("x.png")
+
+
+def test_bandwidths_keep_their_digits():
+    from tray.bench import format_gbps
+
+    assert [format_gbps(v) for v in (0.000976, 0.0127, 5.0, 47.123, 462.4)] == \
+        ["0.000976", "0.0127", "5.00", "47.12", "462.4"]
+    assert format_gbps(float("nan")) == "n/a"
+    table = format_table([Row("allreduce peer", 512, 256, "bf16", 527.97, 0, "allreduce", 2)])
+    assert "0.00097" in table and " 0.00 " not in table
+
+
+def test_plot_without_matplotlib_is_a_usage_error_naming_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    from tray.cli import main
+
+    for argv in (["bench", "tp", "-n", "2", "--backend", "host", "--plot", "x.png"],
+                 ["bench", "park", "-n", "2", "--backend", "host", "--plot", "x.png"]):
+        assert main(argv) == 2

@@ -74,11 +74,14 @@ def stage(bench: str, index: int, total: int, what: str) -> float:
 
 
 def format_gbps(value: float) -> str:
-    """A bandwidth in GB/s with three significant digits (0.00176, 1.76, 176), never a bare 0.00; n/a for NaN."""
+    """A bandwidth in GB/s: 0.00176, 1.76, 176.0 (three significant digits below 1, never a bare 0.00);
+    n/a for NaN."""
     if math.isnan(value):
         return "n/a"
-    if value == 0 or value >= 100:
+    if value >= 100:
         return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
     return f"{value:.3g}"
 
 

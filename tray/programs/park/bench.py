@@ -1,6 +1,6 @@
 """Park/wake: GB/s per rank and for the whole tray, next to the pinned-copy ceiling of the same run.
 
-    tray bench park -n 4 [--backend host|cuda] [--gib G] [--page-mib 2] [--repeats 5] [--json PATH]
+    tray bench park -n 4 [--backend host|cuda] [--gib G] [--page-mib 2] [--repeats 5] [--json PATH] [--plot PNG]
     python bench/park.py -n 4 ...                  (the same, the figure's entry script)
 
 Every rank leases G GiB of pages of manifests/park.json's state and fills them with random bytes. Then:
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tray.bench import write_report
+from tray.bench import Row, format_table, plot_lines, require_plot, stage, write_report
 from tray.manifest.builtin import builtin_path
 from tray.park.pages import fold_runs
 
@@ -185,11 +185,19 @@ def rank_program(out_dir: str, repeats: int, ceiling_repeats: int) -> None:
         probe.release()
         pattern = Pattern(1000 + rank.rank, state.page_nbytes, state.nbytes)
         out: dict[str, Any] = {"rank": rank.rank, "device": rank.backend.info.name}
+        t0 = time.perf_counter()
+        rounds = rank.world_size + 1
         for turn in range(rank.world_size):
             row = _round(rank, state.pages if turn == rank.rank else 0, pattern, repeats, ceiling_repeats)
             if turn == rank.rank:
                 out["alone"] = row
+            if rank.rank == 0:  # the progress line (the bench shows rank 0's output)
+                print(f"park: round {turn + 1} of {rounds}: rank {turn} alone ({time.perf_counter() - t0:.1f} s)",
+                      flush=True)
         out["together"] = _round(rank, state.pages, pattern, repeats, ceiling_repeats)
+        if rank.rank == 0:
+            print(f"park: round {rounds} of {rounds}: all ranks at once ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
         out["host_pool_placement"] = parking.placement.describe()
         out["copies"] = parking.stats.copies
         Path(out_dir, f"rank-{rank.rank}.json").write_text(json.dumps(out))
@@ -219,14 +227,22 @@ def run(
     repeats: int = 5,
     json_path: str | None = None,
     ceiling_repeats: int = CEILING_REPEATS,
+    plot_path: str | None = None,
 ) -> int:
-    """Run the bench on `nprocs` ranks; print the table, write the JSON report. Returns an exit code."""
+    """Run the bench on `nprocs` ranks; print the table, write the JSON report (and the plot). Returns an
+    exit code."""
     from tray.launch import TraySpec, run_tray
 
+    require_plot(plot_path)
     if gib is None:
         gib = CUDA_DEFAULT_GIB if backend == "cuda" else HOST_DEFAULT_GIB
+        if backend == "host":
+            print(f"park: host backend default: {gib} GiB per rank (--gib to change)", flush=True)
     page_nbytes = int(page_mib * (1 << 20))
     pages = max(1, round(gib * (1 << 30) / page_nbytes))
+    stage("park", 1, 1, f"{nprocs} ranks, {pages * page_nbytes / (1 << 30):.3g} GiB of device pages and as much "
+                        f"host tier per rank, {nprocs + 1} rounds of {repeats} parks and wakes (a line per round "
+                        "from rank 0)")
     with tempfile.TemporaryDirectory(prefix="tray-park-bench-") as tmp:
         cmd = (
             sys.executable,
@@ -244,7 +260,8 @@ def run(
             cmd=cmd,
             backend=backend,
             manifest=str(builtin_path(MANIFEST)),
-            quiet=True,
+            timeline=False,
+            local_ranks_filter=(0,),
             vars=(("page_nbytes", page_nbytes), ("pages", pages), ("host_pages", pages)),
         )
         t0 = time.perf_counter()
@@ -275,7 +292,36 @@ def run(
     }
     _print(report)
     write_report(report, json_path)
+    if plot_path:
+        plot(report, plot_path)
+        print(f"park: plot in {plot_path}")
     return 0
+
+
+def rows(report: dict[str, Any]) -> list[Row]:
+    """The figures as nccl-tests rows: bytes moved per rank (the tray's: all ranks') in u8, the median time,
+    GB/s; #wrong: bytes that differed after a wake (0: a difference fails the rank)."""
+    out = []
+    n = report["nprocs"]
+    for label, r, ranks in ([(f"r{r['rank']} alone", r, 1) for r in report["alone"]]
+                            + [("tray, all at once", report["together"], n)]):
+        for key, what in (("park", "park"), ("d2h_ceiling", "d2h copy"), ("wake", "wake"),
+                          ("h2d_ceiling", "h2d copy")):
+            out.append(Row(f"{what} {label}", r["nbytes"], r["nbytes"], "u8", r[f"{key}_s"] * 1e6, 0, "", ranks))
+    return out
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Scaling vs ranks: tray-wide GB/s of park, wake and both ceilings with one rank moving (the mean of
+    the ranks alone) and with every rank at once."""
+    n = report["nprocs"]
+    series = {}
+    for key, label in (("park", "park"), ("wake", "wake"), ("d2h_ceiling", "d2h copy ceiling"),
+                       ("h2d_ceiling", "h2d copy ceiling")):
+        alone = sum(r[f"{key}_gbps"] for r in report["alone"]) / len(report["alone"])
+        series[label] = ([1, n], [alone, report["together"][f"{key}_gbps"]])
+    plot_lines(path, series, title=f"park/wake, {report['backend']} backend", xlabel="ranks moving at once",
+               ylabel="GB/s, whole tray", log_x=False, log_y=False)
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
@@ -301,6 +347,7 @@ def _print(report: dict[str, Any]) -> None:
         print(_line(f"rank {r['rank']}", r))
     print(_line("tray", report["together"]))
     print(f" checked {report['checked_bytes'] / 1e9:.3f} GB after wakes, byte for byte")
+    print(format_table(rows(report)))
 
 
 def main(argv: list[str] | None = None) -> int:

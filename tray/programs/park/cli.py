@@ -15,6 +15,8 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (default 2)")
     b.add_argument("--repeats", type=int, default=5, help="park/wake repeats per round (median)")
     b.add_argument("--ceiling-repeats", type=int, default=None, help=argparse.SUPPRESS)
+    b.add_argument("--plot", default=None, metavar="PNG",
+                   help="GB/s vs ranks moving at once as a PNG (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_park)
 
 
@@ -23,4 +25,4 @@ def cmd_bench_park(args: argparse.Namespace) -> int:
 
     backend, nprocs = backend_and_nprocs(args)
     return run(nprocs, backend, args.gib, args.page_mib, args.repeats, args.json,
-               args.ceiling_repeats or CEILING_REPEATS)
+               args.ceiling_repeats or CEILING_REPEATS, args.plot)
