@@ -77,3 +77,14 @@ def test_plot_without_matplotlib_is_a_usage_error_naming_the_extra(monkeypatch):
     for argv in (["bench", "tp", "-n", "2", "--backend", "host", "--plot", "x.png"],
                  ["bench", "park", "-n", "2", "--backend", "host", "--plot", "x.png"]):
         assert main(argv) == 2
+
+
+def test_reports_say_the_command_that_made_them(tmp_path):
+    from tray.bench import invoked_command
+
+    assert invoked_command(["/x/.venv/bin/tray", "bench", "tp", "-n", "2"]) == "tray bench tp -n 2"
+    assert invoked_command(["/r/tray/__main__.py", "gate", "peer-barrier"]) == "tray gate peer-barrier"
+    assert invoked_command(["bench/startup.py", "-n", "4"]) == "python bench/startup.py -n 4"
+    report: dict = {}
+    write_report(report, str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text())["command"] == report["command"]

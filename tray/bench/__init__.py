@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -23,6 +25,7 @@ from tray.envinfo import environment
 from tray.errors import UsageError
 
 __all__ = ["Row", "TrayFailed", "buffers_nbytes", "busbw_factor", "environment", "format_gbps", "format_table",
+           "invoked_command",
            "median", "plot_lines", "ratio", "require_plot", "run_rank_program", "stage", "write_report"]
 
 PLOT_EXTRA = "plot"
@@ -153,9 +156,22 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def invoked_command(argv: Sequence[str] | None = None) -> str:
+    """The command line that made a report, as a reader would type it: `tray bench tp -n 2 ...` for the
+    `tray` command (or `python -m tray`), `python bench/startup.py ...` for a bench script."""
+    argv = list(sys.argv if argv is None else argv)
+    head = Path(argv[0]) if argv else Path("?")
+    if head.name in ("tray", "__main__.py"):
+        return shlex.join(["tray", *argv[1:]])
+    if head.suffix == ".py":
+        return shlex.join(["python", os.path.relpath(head) if head.is_absolute() else str(head), *argv[1:]])
+    return shlex.join([head.name, *argv[1:]])
+
+
 def write_report(report: dict[str, Any], path: str | None, extra_env: dict[str, Any] | None = None) -> None:
-    """Add `environment` (GPU, driver, NCCL, commit, ...) to `report` unless present; write it as JSON to
-    `path` (parents created) when one is given."""
+    """Add `environment` (GPU, driver, NCCL, commit, ...) and `command` (the command line that made it) to
+    `report` unless present; write it as JSON to `path` (parents created) when one is given."""
+    report.setdefault("command", invoked_command())
     report.setdefault("environment", environment(extra_env))
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
