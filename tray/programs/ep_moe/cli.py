@@ -6,16 +6,22 @@ import argparse
 
 from tray.bench.cli import add_program_args, backend_and_nprocs, ints
 
+# The layer's shape: DeepSeek-V3's on GPUs; on the host backend (numpy twins on CPU cores) one that runs in
+# well under a minute on 2 cores with a few hundred MB per rank.
+CUDA_SHAPE = {"tokens": (128, 4096), "hidden": 7168, "experts": 256, "topk": 8, "expert_dim": 2048}
+HOST_SHAPE = {"tokens": (16, 64), "hidden": 256, "experts": 16, "topk": 4, "expert_dim": 256}
+
 
 def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     """Add `ep-moe` to the `tray bench` subcommands."""
     b = benches.add_parser("ep-moe", help="EP MoE layer: peer dispatch/combine vs NCCL all-to-all vs EP1")
     add_program_args(b)
-    b.add_argument("--tokens", type=ints, default=(128, 4096), help="tokens per rank, comma-separated")
-    b.add_argument("--hidden", type=int, default=7168)
-    b.add_argument("--experts", type=int, default=256)
-    b.add_argument("--topk", type=int, default=8)
-    b.add_argument("--expert-dim", type=int, default=2048)
+    b.add_argument("--tokens", type=ints, default=None,
+                   help="tokens per rank, comma-separated (default 128,4096 on cuda, 16,64 on host)")
+    b.add_argument("--hidden", type=int, default=None, help="default 7168 on cuda, 256 on host")
+    b.add_argument("--experts", type=int, default=None, help="default 256 on cuda, 16 on host")
+    b.add_argument("--topk", type=int, default=None, help="default 8 on cuda, 4 on host")
+    b.add_argument("--expert-dim", type=int, default=None, help="default 2048 on cuda, 256 on host")
     b.add_argument("--cap", type=int, default=None, help="rows per expert (default: fit the routing)")
     b.add_argument("--ref-tokens", type=int, default=4, help="tokens checked against float64")
     b.add_argument("--plot", default=None, help="PNG of latency vs tokens per rank (the `plot` extra)")
@@ -29,15 +35,22 @@ def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
     backend, nprocs = backend_and_nprocs(args)
     require_plot(args.plot)
     extra = {} if args.repeats is None else {"repeats": args.repeats}
+    shape = dict(CUDA_SHAPE if backend == "cuda" else HOST_SHAPE)
+    given = {k: getattr(args, k) for k in shape if getattr(args, k) is not None}
+    if backend == "host" and len(given) < len(shape):
+        print("ep-moe: host backend defaults: " + ", ".join(f"{k.replace('_', '-')} {shape[k]}" for k in shape
+                                                            if k not in given)
+              + " (a DeepSeek-sized layer takes > 10 GB per rank and minutes in numpy)", flush=True)
+    shape.update(given)
     return run_ep_bench(
         EpBenchArgs(
             nprocs=nprocs,
             backend=backend,
-            tokens=args.tokens,
-            hidden=args.hidden,
-            experts=args.experts,
-            topk=args.topk,
-            expert_dim=args.expert_dim,
+            tokens=shape["tokens"],
+            hidden=shape["hidden"],
+            experts=shape["experts"],
+            topk=shape["topk"],
+            expert_dim=shape["expert_dim"],
             seed=args.seed,
             cap=args.cap,
             ref_tokens=args.ref_tokens,
