@@ -1,6 +1,6 @@
 """Collectives: allreduce and allgather over the world group, allreduce inside pairs of ranks.
 
-Run: tray launch -n 2 --backend host --manifest examples/allreduce.json -- python examples/allreduce.py
+Run: tray launch -n 2 --backend host --manifest examples/allreduce.json examples/allreduce.py
 
 `rank.collectives(group)` is NCCL on cuda and shared-memory algorithms over the peer-mapped buffers on
 the host backend; the calls are the same: (send_ptr, recv_ptr, count, dtype), count in elements per

@@ -1,6 +1,6 @@
 """A manifest program run in lockstep: out = allreduce(x @ w^T) over every rank, replayed, then captured.
 
-Run: tray launch -n 2 --backend host --manifest examples/lockstep.json -- python examples/lockstep.py
+Run: tray launch -n 2 --backend host --manifest examples/lockstep.json examples/lockstep.py
 
 `rank.run("layer")` resolves the program's ops once (buffer addresses, sizes, groups) and replays them;
 every rank runs the same manifest (the head checked the digest), so every rank runs the same ops in the

@@ -1,6 +1,6 @@
 """Park and wake a session: device pages to the host tier and back, tray-wide and all or nothing.
 
-Run: tray launch -n 2 --backend host --manifest examples/park_wake.json -- python examples/park_wake.py
+Run: tray launch -n 2 --backend host --manifest examples/park_wake.json examples/park_wake.py
 
 A session is one lease of pages per rank. `rank.park(session)` is a tray-wide step (every rank calls it):
 every rank first finds room in its host tier and votes; if any rank has no room, nobody moves a byte and

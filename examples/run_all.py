@@ -9,6 +9,7 @@ Each example's docstring holds the line `Run: tray launch ...`; that command is 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import shlex
 import subprocess
 import sys
@@ -18,7 +19,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 # in the order a newcomer reads them
-EXAMPLES = ("first_program", "allreduce", "lockstep", "park_wake", "user_kernel")
+EXAMPLES = ("first_program", "allreduce", "lockstep", "park_wake", "user_kernel", "torch_ep_dispatch")
+# example -> the module it needs beyond tray's own dependencies (skipped, and said so, without it)
+NEEDS = {"torch_ep_dispatch": "torch"}
 # NOTE: a 2-rank host tray starts in ~1 s on 2 cores; 120 s only stops a hang.
 TIMEOUT_S = 120.0
 
@@ -52,6 +55,10 @@ def main(names: list[str]) -> int:
         return 2
     failed = []
     for name in names or EXAMPLES:
+        need = NEEDS.get(name)
+        if need and importlib.util.find_spec(need) is None:
+            print(f"== {name}: skipped: needs {need} (pip install -e '.[{need}]')\n", flush=True)
+            continue
         print(f"== {name}: {run_line(name)}", flush=True)
         t0 = time.monotonic()
         proc = run(name)

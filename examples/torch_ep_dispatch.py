@@ -10,6 +10,8 @@ source must have sent (every rank can regenerate every rank's tokens: they come 
     tray launch -n 4 --manifest examples/torch_ep_dispatch.json examples/torch_ep_dispatch.py
     (GPUs visible: the cuda backend; add --backend host to run it on CPU with torch CPU tensors)
 
+Run: tray launch -n 2 --backend host --manifest examples/torch_ep_dispatch.json examples/torch_ep_dispatch.py
+
 No copy anywhere: the views are the buffers. On cuda the writes are torch kernels on torch's current
 stream, and the barrier runs on that stream too (`rank.barrier(stream=...)`), after them.
 """

@@ -1,4 +1,4 @@
-# tour.py, started as: tray launch -n 4 --manifest examples/tour.json -- python examples/tour.py
+# tour.py, started as: tray launch -n 4 --manifest examples/tour.json examples/tour.py
 import numpy as np
 
 import tray

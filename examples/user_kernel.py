@@ -1,6 +1,6 @@
 """Your own kernel: CUDA C for the GPU, a numpy twin for the host backend, registered from your code.
 
-Run: tray launch -n 2 --backend host --manifest examples/user_kernel.json -- python examples/user_kernel.py
+Run: tray launch -n 2 --backend host --manifest examples/user_kernel.json examples/user_kernel.py
 
 The manifest names the kernel `axpy` (source kernels/axpy.cu, entry example_axpy). On cuda, NVRTC compiles
 the source for the GPU; on the host backend the rank calls the function registered under the same name
