@@ -1,6 +1,7 @@
 """Run every example on the host backend, as its docstring says to (`make examples`).
 
-    python examples/run_all.py [NAME ...]      # all, or the named ones; exit 1 if any failed
+    python examples/run_all.py [NAME ...]                  # all, or the named ones; exit 1 if any failed
+    python examples/run_all.py --backend cuda [NAME ...]   # the same commands on the GPUs
 
 Each example's docstring holds the line `Run: tray launch ...`; that command is what runs here, with
 `tray` and `python` taken from this interpreter (so `.venv/bin/python examples/run_all.py` needs no PATH).
@@ -42,13 +43,18 @@ def argv(command: str) -> list[str]:
     return [sys.executable if w == "python" else w for w in out]
 
 
-def run(name: str, timeout_s: float = TIMEOUT_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run example `name` from the repository root with `env` (default: ours); output captured (text)."""
-    return subprocess.run(argv(run_line(name)), cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                          env=env)
+def run(name: str, timeout_s: float = TIMEOUT_S, env: dict[str, str] | None = None,
+        backend: str = "host") -> subprocess.CompletedProcess[str]:
+    """Run example `name` from the repository root with `env` (default: ours) on `backend` (the documented
+    command's `--backend host` replaced); output captured (text)."""
+    command = run_line(name).replace("--backend host", f"--backend {backend}")
+    return subprocess.run(argv(command), cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
 def main(names: list[str]) -> int:
+    backend = "host"
+    if names[:1] == ["--backend"] and len(names) >= 2:
+        backend, names = names[1], names[2:]
     unknown = sorted(set(names) - set(EXAMPLES))
     if unknown:
         print(f"unknown example(s) {', '.join(unknown)}; known: {', '.join(EXAMPLES)}", file=sys.stderr)
@@ -59,9 +65,9 @@ def main(names: list[str]) -> int:
         if need and importlib.util.find_spec(need) is None:
             print(f"== {name}: skipped: needs {need} (pip install -e '.[{need}]')\n", flush=True)
             continue
-        print(f"== {name}: {run_line(name)}", flush=True)
+        print(f"== {name}: {run_line(name).replace('--backend host', f'--backend {backend}')}", flush=True)
         t0 = time.monotonic()
-        proc = run(name)
+        proc = run(name, backend=backend)
         sys.stdout.write(proc.stdout)
         if proc.returncode != 0:
             sys.stdout.write(proc.stderr)

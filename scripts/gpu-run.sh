@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #
-# Stages: env doctor unit tests gate drop variants ep-moe tp park bench-barrier bench-startup torch
+# Stages: env doctor unit tests gate drop variants ep-moe tp park bench-barrier bench-startup torch examples
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds; the environment).
@@ -85,6 +85,7 @@ for s in "$@"; do
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
         torch) stage torch 600 bash -c torch_stage ;;
+        examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done
