@@ -165,3 +165,21 @@ def test_head_sigkilled_after_nccl_leaves_no_segment(tray_env, watchdog_dies_too
         time.sleep(2)
         run = tray_env.launch(1, "pass")
         assert run.returncode == 0, run.output
+
+
+def test_more_ranks_than_gpus_refused_before_spawning(tray_env):
+    n = visible_gpus() + 1
+    run = tray_env.launch(n, "raise SystemExit('a rank was spawned')", backend="cuda")
+    assert run.returncode == 2, run.output
+    assert f"-n {n} needs {n} GPUs (one per rank), {n - 1} visible" in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1 and "a rank was spawned" not in run.output
+
+
+def test_cuda_ranks_get_nccl_runtime_connect_and_the_barrier_timeout(tray_env):
+    body = """
+    with tray.init() as rank:
+        print("env", os.environ.get("NCCL_RUNTIME_CONNECT"), rank.barrier_timeout_s)
+    """
+    run = tray_env.launch(2, body, "--barrier-timeout-s", "7", backend="cuda")
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("env 0 7.0") == 2, run.stdout
