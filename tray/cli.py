@@ -179,15 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="PROGRAM.py ARGS... (run with this Python), or -- CMD ARGS...")
     p.set_defaults(fn=cmd_launch)
 
-    p = sub.add_parser("gate", help="qualification runs: peer-barrier")
-    p.add_argument("gate")
-    p.add_argument("-n", "--nprocs", type=int, default=None)
-    p.add_argument("--backend", choices=("host", "cuda"), default=None)
+    p = sub.add_parser("gate", help="qualification runs: peer-barrier",
+                       description="µs per barrier (eager, eager-sync, captured), per rank; with --drop R, passes "
+                                   "only if every other rank names R missing within the timeout + 0.5 s.")
+    p.add_argument("gate", help="which gate: peer-barrier")
+    p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: the visible GPUs; host: 4)")
+    p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
     p.add_argument("--iters", type=int, default=1000, help="barriers per timed repeat")
     p.add_argument("--drop", type=int, default=None, help="this rank never enters the barrier")
-    p.add_argument("--timeout-s", type=float, default=2.0, help="barrier timeout")
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--log-dir", default=None)
+    p.add_argument("--timeout-s", type=float, default=2.0, help="barrier timeout, s (default 2)")
+    p.add_argument("--json", default=None, help="write the report here (with the environment and the command)")
+    p.add_argument("--log-dir", default=None, help="keep one log file per rank here")
     p.set_defaults(fn=cmd_gate)
 
     p = sub.add_parser("inspect", help="print a manifest's groups, buffers, kernels, programs, digest")
@@ -205,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_parser(benches)
 
     p = sub.add_parser("doctor", help="what this machine's GPUs can do")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
     p.set_defaults(fn=cmd_doctor)
     return ap
 
