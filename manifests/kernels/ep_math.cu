@@ -91,41 +91,39 @@ extern "C" __global__ void ep_silu_mul(const uint4* __restrict__ h13, uint4* __r
     }
 }
 
-// reduce: out[t][h] = bf16(sum over k = 0..topk-1, in that order, of w[t][k] * comb[t][k][h]) with a
-// float32 accumulator starting at 0 (each product of two bf16 is exact in float32). A thread owns 8
-// consecutive h of one token and loads up to REDUCE_LOADS of its k rows before it adds them.
-//   comb     [tokens][topk][hidden] bf16     the combine slab
-//   weights  [tokens][topk] bf16             routing weights
-//   out      [tokens][hidden] bf16
-#define REDUCE_LOADS 8
-
-extern "C" __global__ void ep_reduce(const uint4* __restrict__ comb, const unsigned short* __restrict__ weights,
-                                     uint4* __restrict__ out, int tokens, int topk, int hidden) {
+// reduce: the origin's sum over reduction groups (see ep_moe.cu, combine):
+//   out[t][h] = bf16( sum over groups q = 0..groups-1 in that order, for the groups token t uses,
+//                     of comb[q][t][h] )     (float32 accumulator from 0)
+// Token t uses group q when one of its valid experts e (0 <= e < experts) has e / (experts / groups) == q.
+// Groups it does not use are never read (their rows were not written). groups <= 64.
+//   comb      [groups][tokens][hidden] bf16   one row per (group, token), from the combine
+//   topk_idx  [tokens][topk] i32              the router's expert ids
+//   out       [tokens][hidden] bf16
+extern "C" __global__ void ep_reduce(const uint4* __restrict__ comb, const int* __restrict__ topk_idx,
+                                     uint4* __restrict__ out, int tokens, int topk, int hidden, int experts,
+                                     int groups) {
     const long long nvec = hidden / 8;
     const long long total = (long long)tokens * nvec;
     const long long stride = (long long)gridDim.x * blockDim.x;
+    const int per_group = experts / groups;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         const long long t = i / nvec;
         const long long c = i - t * nvec;
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int k0 = 0; k0 < topk; k0 += REDUCE_LOADS) {
-            uint4 rows[REDUCE_LOADS];
-#pragma unroll
-            for (int u = 0; u < REDUCE_LOADS; ++u) {
-                if (k0 + u < topk) {
-                    rows[u] = comb[(t * topk + k0 + u) * nvec + c];
-                }
+        u64 used = 0;
+        for (int kk = 0; kk < topk; ++kk) {
+            const int e = topk_idx[t * topk + kk];
+            if (e >= 0 && e < experts) {
+                used |= 1ull << (e / per_group);
             }
+        }
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int q = 0; q < groups; ++q) {
+            if ((used >> q) & 1ull) {
+                float v[8];
+                unpack8(comb[((long long)q * tokens + t) * nvec + c], v);
 #pragma unroll
-            for (int u = 0; u < REDUCE_LOADS; ++u) {
-                if (k0 + u < topk) {
-                    const float w = bf16_to_f32(weights[t * topk + k0 + u]);
-                    float v[8];
-                    unpack8(rows[u], v);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        acc[j] = __fadd_rn(acc[j], __fmul_rn(w, v[j]));
-                    }
+                for (int j = 0; j < 8; ++j) {
+                    acc[j] = __fadd_rn(acc[j], v[j]);
                 }
             }
         }

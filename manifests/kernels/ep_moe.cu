@@ -1,22 +1,37 @@
-// ep_moe: the data-movement kernels of the expert-parallel MoE layer (manifests/ep_moe.json).
+// ep_moe: the data-movement and routing kernels of the expert-parallel MoE layer (manifests/ep_moe.json).
+//
+// The layer, per rank, all on the device (no host round trip; every launch is graph-capturable):
+//   dispatch    each token goes once to every rank that owns one of its top-k experts (row `t` of that
+//               rank's receive buffer block `me`), and its routing (expert ids and weights, packed) goes
+//               to every rank; barrier
+//   layout      the receiver computes, from the routing of every source, where each (token, local
+//               expert) pair lands: per-(chunk, expert) counts, a prefix over chunks, then positions in
+//               global token order (source rank, then token); pairs beyond an expert's capacity are
+//               dropped and counted in err (never silently)
+//   fanout      received rows are copied into the expert slab [local expert][cap][hidden]
+//   experts     GEMMs per local expert (cuBLAS, cap rows)
+//   combine     for every received token and every reduction group held here, the weighted sum of its
+//               expert outputs in that group (top-k slot order, float32, one bf16 rounding) goes back
+//               as one row to the origin: comb[group][token]; barrier
+//   reduce      the origin sums its groups' rows in ascending group order (ep_math.cu)
+// A reduction group is experts / groups consecutive experts; EP-N runs with groups = N (one group per
+// rank) and EP1 with the same groups on one rank, so both compute the same float operations in the same
+// order and their outputs match byte for byte.
 //
 // Rows are `hidden` bf16 values (2 * hidden bytes, a multiple of 16: the host checks hidden % 8 == 0)
-// moved as 16-byte vectors. The unit of work is a warp item: one CHUNK_VECS-vector chunk (2 KiB) of one
-// row; each lane first loads its ROW_UNROLL vectors of the chunk, then stores them. Items are walked
-// with a grid-stride loop (item = row * chunks_per_row + chunk), so any grid works, nothing depends on
-// how many SMs the GPU has or which blocks are co-resident, and a small batch (128 tokens x top-8 =
-// 1024 rows of 7 chunks at hidden 7168) still spreads over 7168 warps. blockDim.x must be a multiple
-// of 32 (the manifest launches 256: 8 warps per block).
+// moved as 16-byte vectors. The unit of row work is a warp item: one CHUNK_VECS-vector chunk (2 KiB) of
+// one row; each lane first loads its ROW_UNROLL vectors of the chunk, then stores them. Items are walked
+// with a grid-stride loop, so any grid works (the bench sizes it to an SM budget), nothing depends on
+// which blocks are co-resident, and no kernel synchronises threads within a block. blockDim.x must be a
+// multiple of 32; the row kernels are declared for at most 512 threads (__launch_bounds__), so a launch of
+// `blocks` blocks occupies at most `blocks` SMs: the bench's SM budget.
 //
-// Slab layout (the owner's receive slab `slab` and the expert outputs `y`): [local expert][cap][hidden]
-// with the rows of one expert in global token order (source rank, then token). Positions are
-// precomputed on the host (tray/programs/ep_moe/plan.py); a production router would compute them on the device
-// with a prefix sum over the per-(source, expert) counts.
+// Packed routing word (u32): bits 0..15 the global expert id (0xFFFF: none, e.g. an id out of range),
+// bits 16..31 the bf16 routing weight.
 //
 // Kernels that write peer memory end with publish(): the warp's stores are performed at system scope
 // before it exits (one fence per warp, after __syncwarp orders the lanes' stores before lane 0's fence).
-// The peer barrier that follows (its fence after the previous kernel ended) then publishes them to every
-// member; the fence here keeps that true even if a barrier someday overlaps the end of this kernel.
+// The peer barrier that follows (release/acquire at system scope) then publishes them to every member.
 
 typedef unsigned long long u64;
 
@@ -65,156 +80,344 @@ __device__ __forceinline__ WarpItems warp_items(long long rows, int nvec) {
     return it;
 }
 
-// dispatch (peer path): every (token, k) pair of this rank is written straight into the receive slab
-// of the rank that owns expert route_expert[t][k], at row route_pos[t][k] of that expert.
+
+// The bf16 recipe of ep_math.cu (round to nearest even, every NaN -> 0x7FC0), repeated here because
+// each kernel file compiles alone.
+__device__ __forceinline__ float bf16_to_f32(unsigned int bits16) {
+    return __uint_as_float(bits16 << 16);
+}
+
+__device__ __forceinline__ unsigned int f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+        return 0x7FC0u;
+    }
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+
+#define NO_EXPERT 0xFFFFu
+
+// Does the token whose `topk` packed routing words start at `m` have an expert in [lo, hi)?
+__device__ __forceinline__ bool hits(const unsigned int* m, int topk, unsigned int lo, unsigned int hi) {
+    for (int kk = 0; kk < topk; ++kk) {
+        const unsigned int e = m[kk] & 0xFFFFu;
+        if (e != NO_EXPERT && e >= lo && e < hi) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// dispatch: this rank's routing goes to every member, and each token once to every member that owns one
+// of its experts (members own experts / G consecutive experts each).
 //
-//   x             [tokens][hidden] bf16                 this rank's tokens
-//   route_expert  [tokens][topk] i32                    global expert id per pair
-//   route_pos     [tokens][topk] i32                    row within the expert's cap rows
-//   slab_peers    u64[G]: member g's slab [experts/G][cap][hidden] bf16 (as mapped here)
-//   count_peers   u64[G]: member g's recv_counts [G][experts/G] i32; this rank writes row `me`
-//   send_counts   [experts] i32                         pairs this rank sends to each expert
-//   err           u32[4] local: err[0] |= 1 on a bad route (expert out of range or pos >= cap: the
-//                 capacity overflowed), err[1] counts the pairs that were not sent
-extern "C" __global__ void ep_dispatch(const uint4* __restrict__ x,
-                                       const int* __restrict__ route_expert,
-                                       const int* __restrict__ route_pos,
-                                       unsigned char* const* slab_peers,
-                                       int* const* count_peers,
-                                       const int* __restrict__ send_counts,
+//   x          [tokens][hidden] bf16            this rank's tokens
+//   topk_idx   [tokens][topk] i32               global expert ids from the router
+//   topk_w     [tokens][topk] bf16              routing weights
+//   recv_peers u64[G]: member g's receive rows [G][tokens][hidden] bf16; this rank writes block `me`
+//   meta_peers u64[G]: member g's routing words [G][tokens][topk] u32; this rank writes block `me`
+//   send, send_meta  0 on the peer path; on the NCCL path the local send buffers [G][tokens][hidden]
+//              and [G][tokens][topk] (block g goes to member g), used instead of the peer tables
+//   err        u32[4] local: err[0] |= 1 and err[1] += 1 per routing entry whose expert is out of range
+//              (it is sent as NO_EXPERT and reaches no expert)
+extern "C" __global__ void __launch_bounds__(512) ep_dispatch(const uint4* __restrict__ x,
+                                       const int* __restrict__ topk_idx,
+                                       const unsigned short* __restrict__ topk_w,
+                                       unsigned char* const* recv_peers,
+                                       unsigned int* const* meta_peers,
+                                       unsigned char* send,
+                                       unsigned int* send_meta,
                                        unsigned int* err,
                                        int tokens,
                                        int topk,
                                        int hidden,
                                        int experts,
                                        int G,
-                                       int me,
-                                       int cap) {
+                                       int me) {
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
+    const long long words = (long long)tokens * topk;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    for (long long i = tid; i < words * G; i += nthreads) {
+        const long long g = i / words;
+        const long long j = i - g * words;
+        const int e = topk_idx[j];
+        const bool bad = e < 0 || e >= experts;
+        if (bad && g == 0) {
+            atomicOr(&err[0], 1u);
+            atomicAdd(&err[1], 1u);
+        }
+        const unsigned int word = ((unsigned int)topk_w[j] << 16) | (bad ? NO_EXPERT : (unsigned int)e);
+        if (send_meta) {
+            send_meta[g * words + j] = word;
+        } else {
+            meta_peers[g][(long long)me * words + j] = word;
+        }
+    }
     const int local = experts / G;
-    const int nvec = hidden / 8;
-    const size_t row_bytes = (size_t)hidden * 2;
-    if (blockIdx.x == 0) {
-        for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-            const int g = e / local;
-            count_peers[g][me * local + (e - g * local)] = send_counts[e];
-        }
-    }
     const int lane = threadIdx.x & 31;
-    const WarpItems it = warp_items((long long)tokens * topk, nvec);
-    for (long long item = it.first; item < it.count; item += it.stride) {
-        const long long p = item / it.chunks;
-        const int chunk = (int)(item - p * it.chunks);
-        const int e = route_expert[p];
-        const int pos = route_pos[p];
-        if (e < 0 || e >= experts || pos < 0 || pos >= cap) {
-            if (lane == 0 && chunk == 0) {
-                atomicOr(&err[0], 1u);
-                atomicAdd(&err[1], 1u);
-            }
-            continue;
-        }
-        const int g = e / local;
-        const int el = e - g * local;
-        uint4* dst = (uint4*)(slab_peers[g] + ((size_t)el * cap + pos) * row_bytes);
-        copy_chunk(dst, x + (size_t)(p / topk) * nvec, nvec, chunk, lane);
-    }
-    publish(lane);
-}
-
-// combine (peer path): every used row of this rank's expert outputs goes back to the combine slab of
-// the rank its token came from, at that token's (t, k) slot.
-//
-//   y            [rows][hidden] bf16                    rows = (experts / G) * cap expert outputs
-//   combine_src  [rows] i32                             global pair id (src * tokens + t) * topk + k,
-//                                                       or -1 for an unused row
-//   comb_peers   u64[G]: member g's combine slab [tokens][topk][hidden] bf16
-//   err          u32[4] local: err[0] |= 2 on a pair id outside the tray
-extern "C" __global__ void ep_combine(const uint4* __restrict__ y,
-                                      const int* __restrict__ combine_src,
-                                      unsigned char* const* comb_peers,
-                                      unsigned int* err,
-                                      int experts,
-                                      int cap,
-                                      int tokens,
-                                      int topk,
-                                      int hidden,
-                                      int G) {
-    const int nvec = hidden / 8;
-    const size_t row_bytes = (size_t)hidden * 2;
-    const long long pairs = (long long)tokens * topk;
-    const int lane = threadIdx.x & 31;
-    const WarpItems it = warp_items((long long)(experts / G) * cap, nvec);
+    // items: (token, member, chunk) with the member fastest, so every link carries traffic at once
+    const WarpItems it = warp_items((long long)tokens * G, nvec);
     for (long long item = it.first; item < it.count; item += it.stride) {
         const long long r = item / it.chunks;
         const int chunk = (int)(item - r * it.chunks);
-        const int v = combine_src[r];
-        if (v < 0) {
+        const long long t = r / G;
+        const int g = (int)(r - t * G);
+        bool hit = false;
+        for (int kk = 0; kk < topk; ++kk) {
+            const int e = topk_idx[t * topk + kk];
+            hit = hit || (e >= g * local && e < (g + 1) * local);
+        }
+        if (!hit) {
             continue;
         }
-        const long long g = v / pairs;
-        if (g >= G) {
-            if (lane == 0 && chunk == 0) {
-                atomicOr(&err[0], 2u);
-            }
-            continue;
-        }
-        uint4* dst = (uint4*)(comb_peers[g] + (size_t)(v - g * pairs) * row_bytes);
-        copy_chunk(dst, y + (size_t)r * nvec, nvec, chunk, lane);
+        unsigned char* dst = send ? send + ((size_t)g * tokens + t) * row_bytes
+                                  : recv_peers[g] + ((size_t)me * tokens + t) * row_bytes;
+        copy_chunk((uint4*)dst, x + (size_t)t * nvec, nvec, chunk, lane);
     }
     publish(lane);
 }
 
-// copy_rows (NCCL path pack/unpack, local only): for i < rows = rows_a * rows_b,
-//   dst row (dst_index ? dst_index[i] : i)  <-  src row (src_index ? src_index[i] : i / src_div)
-// and a row whose index is negative is skipped. A null index array (0) means "the identity".
-extern "C" __global__ void ep_copy_rows(unsigned char* dst,
-                                        const unsigned char* src,
-                                        const int* __restrict__ dst_index,
-                                        const int* __restrict__ src_index,
-                                        int rows_a,
-                                        int rows_b,
-                                        int src_div,
-                                        int hidden) {
-    const int nvec = hidden / 8;
-    const size_t row_bytes = (size_t)hidden * 2;
-    const int lane = threadIdx.x & 31;
-    const WarpItems it = warp_items((long long)rows_a * rows_b, nvec);
-    for (long long item = it.first; item < it.count; item += it.stride) {
-        const long long i = item / it.chunks;
-        const int chunk = (int)(item - i * it.chunks);
-        const long long d = dst_index ? (long long)dst_index[i] : i;
-        const long long s = src_index ? (long long)src_index[i] : i / src_div;
-        if (d < 0 || s < 0) {
-            continue;
+// layout_count: pairs per (chunk, local expert). Global token u = source * tokens + t (the receive
+// order); chunk c holds tokens c * chunk ..; one thread per (c, local expert), walking chunk x topk words.
+// The bench sizes chunk from the shape (at most 128 chunks), so the scan below stays short.
+//   meta    [G][tokens][topk] u32 routing words of every source (this rank's receive block)
+//   counts  [chunks][local] i32, chunks = ceil(G * tokens / chunk), local = experts / G
+extern "C" __global__ void ep_layout_count(const unsigned int* __restrict__ meta,
+                                           int* __restrict__ counts,
+                                           int tokens,
+                                           int topk,
+                                           int experts,
+                                           int G,
+                                           int me,
+                                           int chunk) {
+    const int local = experts / G;
+    const long long n = (long long)G * tokens;
+    const long long chunks = (n + chunk - 1) / chunk;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks * local; i += stride) {
+        const long long c = i / local;
+        const unsigned int e = (unsigned int)(me * local + (int)(i - c * local));
+        const long long end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+        int count = 0;
+        for (long long w = c * chunk * topk; w < end * topk; ++w) {
+            count += (meta[w] & 0xFFFFu) == e;
         }
-        copy_chunk((uint4*)(dst + (size_t)d * row_bytes), (const uint4*)(src + (size_t)s * row_bytes), nvec,
-                   chunk, lane);
+        counts[i] = count;
     }
 }
 
-// peer_copy (the GPU-to-GPU copy ceiling): the bytes of a dispatch (tokens * topk rows), but
-// contiguous. With rows_per_peer = tokens * topk / G, source row i < G * rows_per_peer goes to member
-// g = i % G, at row me * rows_per_peer + i / G of its `dst` buffer ([G][rows_per_peer][hidden] bf16).
-extern "C" __global__ void ep_peer_copy(const uint4* __restrict__ src,
-                                        unsigned char* const* dst_peers,
-                                        int tokens,
-                                        int topk,
-                                        int hidden,
-                                        int G,
-                                        int me) {
-    const long long rows_per_peer = (long long)tokens * topk / G;
+// layout_scan: per local expert, the exclusive prefix of counts over chunks (base), and the rows it will
+// hold: expert_rows[e] = min(total, cap). Pairs beyond cap are dropped: err[0] |= 2, err[2] += dropped.
+// One thread per local expert.
+extern "C" __global__ void ep_layout_scan(const int* __restrict__ counts,
+                                          int* __restrict__ base,
+                                          int* __restrict__ expert_rows,
+                                          unsigned int* err,
+                                          int tokens,
+                                          int experts,
+                                          int G,
+                                          int cap,
+                                          int chunk) {
+    const int local = experts / G;
+    const long long chunks = ((long long)G * tokens + chunk - 1) / chunk;
+    const int stride = gridDim.x * blockDim.x;
+    for (int el = blockIdx.x * blockDim.x + threadIdx.x; el < local; el += stride) {
+        long long run = 0;
+        for (long long c = 0; c < chunks; ++c) {
+            base[c * local + el] = (int)run;
+            run += counts[c * local + el];
+        }
+        expert_rows[el] = (int)(run < cap ? run : cap);
+        if (run > cap) {
+            atomicOr(&err[0], 2u);
+            atomicAdd(&err[2], (unsigned int)(run - cap));
+        }
+    }
+}
+
+// layout_rows: the slab row of every routing entry of the receive block: route_row[u][kk] =
+// el * cap + pos for a pair of local expert el at position pos < cap (pairs in global token order),
+// -1 for an entry of another rank's expert, NO_EXPERT, or a dropped pair. One thread per
+// (chunk, local expert) as in layout_count; thread el == 0 also writes the -1 of the entries that are
+// not this rank's.
+extern "C" __global__ void ep_layout_rows(const unsigned int* __restrict__ meta,
+                                          const int* __restrict__ base,
+                                          int* __restrict__ route_row,
+                                          int tokens,
+                                          int topk,
+                                          int experts,
+                                          int G,
+                                          int me,
+                                          int cap,
+                                          int chunk) {
+    const int local = experts / G;
+    const unsigned int lo = (unsigned int)(me * local);
+    const unsigned int hi = lo + (unsigned int)local;
+    const long long n = (long long)G * tokens;
+    const long long chunks = (n + chunk - 1) / chunk;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks * local; i += stride) {
+        const long long c = i / local;
+        const int el = (int)(i - c * local);
+        const unsigned int e = lo + (unsigned int)el;
+        const long long end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+        long long pos = base[i];
+        for (long long w = c * chunk * topk; w < end * topk; ++w) {
+            const unsigned int we = meta[w] & 0xFFFFu;
+            if (we == e) {
+                route_row[w] = pos < cap ? (int)((long long)el * cap + pos) : -1;
+                ++pos;
+            } else if (el == 0 && (we < lo || we >= hi)) {
+                route_row[w] = -1;
+            }
+        }
+    }
+}
+
+// fanout: every received row goes to the slab rows of its local experts (a local copy).
+//   recv       [G * tokens][hidden] bf16      received rows (global token order)
+//   route_row  [G * tokens][topk] i32         from layout_rows
+//   slab       [local * cap][hidden] bf16
+extern "C" __global__ void __launch_bounds__(512) ep_fanout(const uint4* __restrict__ recv,
+                                     const int* __restrict__ route_row,
+                                     unsigned char* slab,
+                                     int tokens,
+                                     int topk,
+                                     int hidden,
+                                     int G) {
     const int nvec = hidden / 8;
     const size_t row_bytes = (size_t)hidden * 2;
     const int lane = threadIdx.x & 31;
-    const WarpItems it = warp_items((long long)G * rows_per_peer, nvec);
+    const WarpItems it = warp_items((long long)G * tokens * topk, nvec);
+    for (long long item = it.first; item < it.count; item += it.stride) {
+        const long long w = item / it.chunks;
+        const int chunk = (int)(item - w * it.chunks);
+        const int row = route_row[w];
+        if (row < 0) {
+            continue;
+        }
+        copy_chunk((uint4*)(slab + (size_t)row * row_bytes), recv + (size_t)(w / topk) * nvec, nvec, chunk, lane);
+    }
+}
+
+// combine: for every received token u = (s, t) and every reduction group q held here that the token
+// uses, one row to its origin s:
+//   comb_s[q][t] = bf16( sum over kk = 0..topk-1 in that order, for entries of group q with a slab row,
+//                        of w[kk] * y[row] )     (float32 accumulator from 0, each product exact)
+// Groups: experts / groups consecutive experts each; this rank holds groups q0 .. q0 + groups / G - 1,
+// q0 = me * groups / G. A group whose pairs were all dropped sends +0.
+//
+//   y          [local * cap][hidden] bf16     expert outputs
+//   meta       [G * tokens][topk] u32         routing words of the receive block
+//   route_row  [G * tokens][topk] i32
+//   comb_peers u64[G]: member s's combine rows [groups][tokens][hidden] bf16
+//   send       0 on the peer path; on the NCCL path the local buffer [G][groups / G][tokens][hidden]
+//              (block s goes to member s)
+extern "C" __global__ void __launch_bounds__(512) ep_combine(const uint4* __restrict__ y,
+                                      const unsigned int* __restrict__ meta,
+                                      const int* __restrict__ route_row,
+                                      unsigned char* const* comb_peers,
+                                      unsigned char* send,
+                                      int tokens,
+                                      int topk,
+                                      int hidden,
+                                      int experts,
+                                      int G,
+                                      int me,
+                                      int groups) {
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
+    const int mine = groups / G;
+    const int per_group = experts / groups;
+    const int lane = threadIdx.x & 31;
+    // items: (token, group held here, chunk)
+    const WarpItems it = warp_items((long long)G * tokens * mine, nvec);
+    for (long long item = it.first; item < it.count; item += it.stride) {
+        const long long r = item / it.chunks;
+        const int chunk = (int)(item - r * it.chunks);
+        const long long u = r / mine;
+        const int qi = (int)(r - u * mine);
+        const int q = me * mine + qi;
+        const unsigned int* m = meta + u * topk;
+        if (!hits(m, topk, (unsigned int)(q * per_group), (unsigned int)((q + 1) * per_group))) {
+            continue;
+        }
+        float acc[ROW_UNROLL][8];
+#pragma unroll
+        for (int v = 0; v < ROW_UNROLL; ++v) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                acc[v][j] = 0.0f;
+            }
+        }
+        const int base = chunk * CHUNK_VECS + lane;
+        for (int kk = 0; kk < topk; ++kk) {
+            const unsigned int e = m[kk] & 0xFFFFu;
+            const int row = route_row[u * topk + kk];
+            if (e == NO_EXPERT || (int)e / per_group != q || row < 0) {
+                continue;
+            }
+            const float w = bf16_to_f32(m[kk] >> 16);
+            const uint4* src = y + (size_t)row * nvec;
+#pragma unroll
+            for (int v = 0; v < ROW_UNROLL; ++v) {
+                const int i = base + v * 32;
+                if (i < nvec) {
+                    const uint4 p = src[i];
+                    const unsigned int wd[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        acc[v][2 * j] = __fadd_rn(acc[v][2 * j], __fmul_rn(w, bf16_to_f32(wd[j] & 0xFFFFu)));
+                        acc[v][2 * j + 1] = __fadd_rn(acc[v][2 * j + 1], __fmul_rn(w, bf16_to_f32(wd[j] >> 16)));
+                    }
+                }
+            }
+        }
+        const long long s = u / tokens;
+        const long long t = u - s * tokens;
+        uint4* dst = (uint4*)(send ? send + (((size_t)s * mine + qi) * tokens + t) * row_bytes
+                                   : comb_peers[s] + ((size_t)q * tokens + t) * row_bytes);
+#pragma unroll
+        for (int v = 0; v < ROW_UNROLL; ++v) {
+            const int i = base + v * 32;
+            if (i < nvec) {
+                uint4 o;
+                o.x = f32_to_bf16(acc[v][0]) | (f32_to_bf16(acc[v][1]) << 16);
+                o.y = f32_to_bf16(acc[v][2]) | (f32_to_bf16(acc[v][3]) << 16);
+                o.z = f32_to_bf16(acc[v][4]) | (f32_to_bf16(acc[v][5]) << 16);
+                o.w = f32_to_bf16(acc[v][6]) | (f32_to_bf16(acc[v][7]) << 16);
+                dst[i] = o;
+            }
+        }
+    }
+    publish(lane);
+}
+
+// peer_copy (the NVLink ceiling): every rank writes `rows` rows to each other member at once, the
+// shape of a dispatch that sends every token to every other rank. Row i of src goes to member
+// g = (me + 1 + i % (G - 1)) % G, at row me * rows + i / (G - 1) of its dst [G][rows][hidden] bf16;
+// src holds rows * (G - 1) rows. Nothing is written to this rank's own buffer. G >= 2.
+extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __restrict__ src,
+                                        unsigned char* const* dst_peers,
+                                        int rows,
+                                        int hidden,
+                                        int G,
+                                        int me) {
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
+    const int lane = threadIdx.x & 31;
+    const int others = G - 1;
+    const WarpItems it = warp_items((long long)rows * others, nvec);
     for (long long item = it.first; item < it.count; item += it.stride) {
         const long long i = item / it.chunks;
         const int chunk = (int)(item - i * it.chunks);
-        // rows interleave over the members, so every NVLink carries traffic at every moment (as in a
-        // dispatch); blocks of rows per member would drive one link at a time
-        const long long g = i % G;
-        const long long j = i / G;
-        uint4* dst = (uint4*)(dst_peers[g] + ((size_t)me * rows_per_peer + j) * row_bytes);
+        // rows interleave over the members, so every link carries traffic at every moment
+        const long long g = (me + 1 + i % others) % G;
+        const long long j = i / others;
+        uint4* dst = (uint4*)(dst_peers[g] + ((size_t)me * rows + j) * row_bytes);
         copy_chunk(dst, src + (size_t)i * nvec, nvec, chunk, lane);
     }
     publish(lane);

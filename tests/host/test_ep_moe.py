@@ -11,6 +11,8 @@ from conftest import MANIFESTS
 
 EP_MOE = str(MANIFESTS / "ep_moe.json")
 TINY = ["--hidden", "64", "--experts", "8", "--topk", "2", "--expert-dim", "32", "--repeats", "2"]
+PEER = {"dispatch", "dispatch_send", "layout", "fanout", "experts", "combine", "reduce", "layer"}
+NCCL = {"dispatch", "experts", "combine", "reduce", "layer"}
 
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -24,8 +26,18 @@ def test_plot_without_the_extra_is_a_usage_error(tray_env, tmp_path):
     assert not (tmp_path / "ep.png").exists()
 
 
-@pytest.mark.parametrize("n, tokens", [(2, "4,8"), (4, "4")])
-def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens):
+def test_a_kernel_without_a_twin_is_named_with_how_to_register_one(tray_env):
+    vars_ = ["max_tokens=4", "tokens=4", "max_cap=8", "cap=8", "groups=2"]
+    args = [a for v in vars_ for a in ("--var", v)]
+    body = 'with tray.init() as rank:\n    rank.run("dispatch", {"tokens": 4, "cap": 8})\n'
+    run = tray_env.launch(2, body, "--manifest", EP_MOE, *args)
+    assert run.returncode != 0
+    assert "kernel 'ep_dispatch' has no host twin" in run.output
+    assert '@tray.twin("ep_dispatch")' in run.output
+
+
+@pytest.mark.parametrize("n, tokens, routing", [(2, "4,40", "uniform,zipf:2"), (4, "8", "zipf")])
+def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing):
     out = tmp_path / "ep.json"
     run = tray_env.run(
         [
@@ -40,6 +52,8 @@ def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens):
             "host",
             "--tokens",
             tokens,
+            "--routing",
+            routing,
             *TINY,
             "--json",
             str(out),
@@ -47,88 +61,69 @@ def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens):
         ]
     )
     assert run.returncode == 0, run.output
-    assert "PASSED" in run.stdout
+    assert "PASSED" in run.stdout and "EP1 done" in run.stdout
     assert (tmp_path / "ep.png").is_file() == HAVE_MATPLOTLIB
     report = json.loads(out.read_text())
     assert report["passed"] and report["environment"]["commit"]
+    assert len(report["runs"]) == len(tokens.split(",")) * len(routing.split(","))
     for r in report["runs"]:
         c = r["checks"]
         assert c["peer_rows_differ_from_ep1"] == 0 and c["nccl_rows_differ_from_ep1"] == 0, c
-        assert c["ep1_vs_float64_rel_err"] < 1e-2, c
-        assert c["recv_counts_ok"] and c["nan_rows"] == 0
-        for path in ("peer", "nccl", "ep1"):
-            assert set(r["us"][path]) == {"dispatch", "experts", "combine", "reduce", "layer"}
-            assert all(v > 0 for v in r["us"][path].values())
+        assert c["ep1_vs_float64_rel_err"] < 1e-2 and c["layout_reports_ok"] and c["after_replay_equal"], c
+        assert c["nan_rows"] == 0
+        for path, phases in (("peer", PEER), ("nccl", NCCL), ("ep1", PEER)):
+            assert set(r["us"][path]) == phases
+            assert all(v > 0 for v in r["us"][path].values()), (path, r["us"][path])
         assert r["gbps"]["ceiling"] > 0 and r["ratios"]["epn_layer_vs_ep1_layer"] > 0
+        assert r["gbps"]["nvlink_bytes_per_rank"] < r["gbps"]["logical_bytes_per_rank"]
+        assert r["cap"] == 4 * r["global_tokens"] * 2 // 8 or r["cap"] == r["global_tokens"]
 
 
-def test_too_small_cap_is_refused_before_launch(tray_env):
-    run = tray_env.run(
-        [
-            sys.executable,
-            "-m",
-            "tray",
-            "bench",
-            "ep-moe",
-            "-n",
-            "2",
-            "--backend",
-            "host",
-            "--tokens",
-            "16",
-            *TINY,
-            "--cap",
-            "1",
-        ]
+def test_a_small_capacity_drops_pairs_counted_and_ep1_still_matches(tray_env, tmp_path):
+    out = tmp_path / "ep.json"
+    args = ["--tokens", "16", "--routing", "zipf:2", *TINY, "--capacity", "1", "--json", str(out)]
+    run = tray_env.run([sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "host", *args])
+    assert run.returncode == 0, run.output
+    r = json.loads(out.read_text())["runs"][0]
+    assert r["dropped_pairs"] > 0 and r["max_rows_per_expert"] > r["cap"]
+    assert r["checks"]["passed"] and r["checks"]["peer_rows_differ_from_ep1"] == 0
+    words = r["checks"]["err_words"]  # rank 0 peer, rank 0 NCCL, rank 1 peer, rank 1 NCCL, EP1
+    assert words[0][2] + words[2][2] == words[1][2] + words[3][2] == words[4][2] == r["dropped_pairs"]
+    bad = tray_env.run(
+        [sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "host", "--capacity", "lots"]
     )
-    assert run.returncode == 2, run.output
-    assert "more than cap 1" in run.stderr
+    assert bad.returncode == 2 and "--capacity is 'worst' or a positive factor" in bad.stderr
 
 
-DISPATCH_OVERFLOW = """
+LAYOUT_REPORTS = """
 import tray.programs.ep_moe.twins  # the host twins of the manifest's kernels, registered before init
 with tray.init() as rank:
-    T, K = 4, 2
-    rank.write("route_expert", np.array([0, 1] * T, np.int32))
-    pos = np.zeros(T * K, np.int32)
-    pos[3] = 8                                   # cap is 8: this pair overflows
-    rank.write("route_pos", pos)
-    rank.write("send_counts", np.zeros(8, np.int32))
-    rank.run("dispatch", {"tokens": T, "cap": 8, "capp": 8})
+    T, K, cap = 4, 2, 3
+    idx = np.array([[0, 5]] * T, np.int32)        # expert 0 gets 2 * T = 8 pairs: 5 over cap 3
+    idx[1, 1] = 99                                # out of range: flagged by its source, reaches nobody
+                                                  # so expert 5 (rank 1) gets 2 * 3 pairs: 3 over cap
+    rank.write("topk_idx", idx)
+    rank.write("topk_w", np.zeros(T * K, np.uint16))
+    v = {"tokens": T, "cap": cap, "blocks": 2, "threads": 64}
+    for p in ("dispatch", "layout"):
+        rank.run(p, v)
     rank.synchronize()
     err = rank.read("err")
-    assert err[0] & 1 and err[1] == 1, err
-    print("overflow caught")
+    rows = rank.read("expert_rows")
+    if rank.rank == 0:
+        assert err[0] == 3 and err[1] == 1 and err[2] == 5 and rows.tolist() == [3, 0, 0, 0], (err, rows)
+    else:
+        assert err[0] == 3 and err[1] == 1 and err[2] == 3 and rows.tolist() == [0, 3, 0, 0], (err, rows)
+    print("layout reports")
 """
 
 
-def test_a_kernel_without_a_twin_is_named_with_how_to_register_one(tray_env):
-    vars_ = ["max_tokens=4", "tokens=4", "max_cap=8", "cap=8", "max_capp=8", "capp=8"]
+def test_layout_reports_drops_and_bad_ids(tray_env):
+    vars_ = ["hidden=64", "experts=8", "topk=2", "ffn=32", "max_tokens=4", "tokens=4", "max_cap=8", "cap=8", "groups=2"]
     args = [a for v in vars_ for a in ("--var", v)]
-    body = 'with tray.init() as rank:\n    rank.run("dispatch", {"tokens": 4, "cap": 8, "capp": 8})\n'
-    run = tray_env.launch(2, body, "--manifest", EP_MOE, *args)
-    assert run.returncode != 0
-    assert "kernel 'ep_dispatch' has no host twin" in run.output
-    assert '@tray.twin("ep_dispatch")' in run.output
-
-
-def test_dispatch_flags_a_pair_beyond_capacity(tray_env):
-    vars_ = [
-        "hidden=64",
-        "experts=8",
-        "topk=2",
-        "ffn=32",
-        "max_tokens=4",
-        "tokens=4",
-        "max_cap=8",
-        "cap=8",
-        "max_capp=8",
-        "capp=8",
-    ]
-    args = [a for v in vars_ for a in ("--var", v)]
-    run = tray_env.launch(2, DISPATCH_OVERFLOW, "--manifest", EP_MOE, *args)
+    run = tray_env.launch(2, LAYOUT_REPORTS, "--manifest", EP_MOE, *args)
     assert run.returncode == 0, run.output
-    assert run.stdout.count("overflow caught") == 2
+    assert run.stdout.count("layout reports") == 2
 
 
 WEIGHTS_MANIFEST = {
@@ -206,6 +201,4 @@ def test_a_bad_checkpoint_fails_the_tray_naming_file_and_tensor(tray_env, tmp_pa
     manifest.write_text(json.dumps(doc))
     run = tray_env.launch(2, LOAD_WEIGHTS, "--manifest", str(manifest))
     assert run.returncode != 0
-    assert (
-        "ckpt.safetensors: no tensor 'experts.0.w2'" in run.output or "no tensor 'experts.4.w2'" in run.output
-    )
+    assert "ckpt.safetensors: no tensor 'experts.0.w2'" in run.output or "no tensor 'experts.4.w2'" in run.output

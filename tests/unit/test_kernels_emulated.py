@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from conftest import MANIFESTS
 
-import tray.programs.ep_moe.twins
-import tray.programs.tp_mlp.twins  # noqa: F401
+import tray.programs.ep_moe.twins as ep_twins
+import tray.programs.tp_mlp.twins
+import tray.twins
 from tray.backend.host import HostBackend
 from tray.dtypes import f32_to_bf16_bits
+from tray.programs.ep_moe.twins import route_rows
 from tray.twins import lookup
 
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -35,6 +37,7 @@ static dim3 blockIdx, threadIdx, gridDim, blockDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(n)
 #define __restrict__ __restrict
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
@@ -54,20 +57,24 @@ static inline void __syncwarp() {}
 # kernel name -> its parameter list as C (the launcher forwards them unchanged)
 KERNELS = {
     "ep_moe.cu": {
-        "ep_dispatch": "const uint4* x, const int* re, const int* rp, unsigned char* const* sp, "
-        "int* const* cp, const int* sc, unsigned int* err, int tokens, int topk, int hidden, int experts, "
-        "int G, int me, int cap",
-        "ep_combine": "const uint4* y, const int* cs, unsigned char* const* cp, unsigned int* err, "
-        "int experts, int cap, int tokens, int topk, int hidden, int G",
-        "ep_copy_rows": "unsigned char* dst, const unsigned char* src, const int* di, const int* si, "
-        "int ra, int rb, int sd, int hidden",
-        "ep_peer_copy": "const uint4* src, unsigned char* const* dp, int tokens, int topk, int hidden, "
-        "int G, int me",
+        "ep_dispatch": "const uint4* x, const int* ti, const unsigned short* tw, unsigned char* const* rp, "
+        "unsigned int* const* mp, unsigned char* send, unsigned int* sm, unsigned int* err, int tokens, "
+        "int topk, int hidden, int experts, int G, int me",
+        "ep_layout_count": "const unsigned int* meta, int* counts, int tokens, int topk, int experts, int G, "
+        "int me, int chunk",
+        "ep_layout_scan": "const int* counts, int* base, int* er, unsigned int* err, int tokens, int experts, "
+        "int G, int cap, int chunk",
+        "ep_layout_rows": "const unsigned int* meta, const int* base, int* rr, int tokens, int topk, "
+        "int experts, int G, int me, int cap, int chunk",
+        "ep_fanout": "const uint4* recv, const int* rr, unsigned char* slab, int tokens, int topk, int hidden, int G",
+        "ep_combine": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
+        "unsigned char* send, int tokens, int topk, int hidden, int experts, int G, int me, int groups",
+        "ep_peer_copy": "const uint4* src, unsigned char* const* dp, int rows, int hidden, int G, int me",
     },
     "ep_math.cu": {
         "ep_silu_mul": "const uint4* h13, uint4* act, int rows, int ffn",
-        "ep_reduce": "const uint4* comb, const unsigned short* w, uint4* out, int tokens, int topk, "
-        "int hidden",
+        "ep_reduce": "const uint4* comb, const int* ti, uint4* out, int tokens, int topk, int hidden, "
+        "int experts, int groups",
         "ep_fill": "unsigned short* dst, long long rows, long long cols, long long rs, long long ib, "
         "int rank, long long rks, unsigned int seed, float scale",
         "ep_zero32": "unsigned int* dst, long long words, unsigned int value",
@@ -155,22 +162,31 @@ def bf16_random(rng, shape, scale=1.0):
     return f32_to_bf16_bits((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
+def bf16_wide(rng, shape):
+    """bf16 values of magnitudes 2^-24, 2^-9 and 1, either sign: float32 sums of a few of them cancel, so
+    their result depends on the order of the terms."""
+    mag = np.exp2(rng.choice([-24, -9, 0, 0], shape)) * (1 + rng.integers(0, 4, shape) / 128)
+    return f32_to_bf16_bits((mag * rng.choice([-1, 1], shape)).astype(np.float32))
+
+
 def test_silu_mul_and_reduce(emulated):
     rng = np.random.default_rng(0)
     rows, ffn = 5, 24
     arrays = {"h13": bf16_random(rng, (rows, 2 * ffn), 6.0), "act": np.zeros((rows, ffn), np.uint16)}
     c, t = both(emulated, "ep_silu_mul", 2, 32, lambda a: [ptr(a["h13"]), ptr(a["act"]), rows, ffn], arrays)
     assert np.array_equal(c["act"], t["act"]) and c["act"].any()
-    T, K, H = 3, 11, 16  # 11 > 8: the reduce loads its k rows in two passes
-    arrays = {
-        "comb": bf16_random(rng, (T, K, H)),
-        "w": bf16_random(rng, (T, K)),
-        "out": np.zeros((T, H), np.uint16),
-    }
+    T, K, H, E, R = 5, 3, 16, 12, 4
+    idx = np.array([[0, 5, 11], [3, 4, 5], [-1, 2, 99], [6, 9, 7], [99, -1, 40]], np.int32)  # bad ids: no group
+    arrays = {"comb": bf16_random(rng, (R, T, H)), "ti": idx, "out": np.zeros((T, H), np.uint16)}
     c, t = both(
-        emulated, "ep_reduce", 3, 8, lambda a: [ptr(a["comb"]), ptr(a["w"]), ptr(a["out"]), T, K, H], arrays
+        emulated,
+        "ep_reduce",
+        3,
+        8,
+        lambda a: [ptr(a["comb"]), ptr(a["ti"]), ptr(a["out"]), T, K, H, E, R],
+        arrays,
     )
-    assert np.array_equal(c["out"], t["out"]) and c["out"].any()
+    assert np.array_equal(c["out"], t["out"]) and c["out"][:4].any() and not c["out"][4].any()
 
 
 def test_fill_and_zero(emulated):
@@ -186,111 +202,218 @@ def test_fill_and_zero(emulated):
     assert np.array_equal(c["d"], t["d"]) and (c["d"] == 0x7FC07FC0).all()
 
 
-@pytest.mark.parametrize("H", [16, 1040])  # 1040: rows of two 2 KiB chunks, the second partial
-def test_dispatch_combine_copy_rows_peer_copy(emulated, H):
+def skewed_routing(rng, tokens, experts, topk, hot=0):
+    """Distinct experts per token, expert `hot` far more popular than the rest (it overflows a small cap)."""
+    p = np.ones(experts)
+    p[hot] = experts
+    return np.stack([rng.choice(experts, topk, replace=False, p=p / p.sum()) for _ in range(tokens)]).astype(np.int32)
+
+
+def tables(a, names):
+    return np.array([ptr(a[n]) for n in names], np.uint64)
+
+
+# H 1040: rows of two 2 KiB chunks, the second partial; layout chunks of 32 and 7 tokens, the last partial
+@pytest.mark.parametrize("H, chunk", [(16, 32), (1040, 7)])
+def test_dispatch_layout_fanout_combine(emulated, H, chunk):
+    """The whole data path of two ranks, kernel by kernel: emulated CUDA == twin at every step."""
     rng = np.random.default_rng(1)
-    G, T, K, E, cap = 2, 6, 2, 4, 8
-    L = E // G
-    ex = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
-    pos = np.zeros((T, K), np.int32)
-    seen = np.zeros(E, np.int32)
-    for t_, k_ in np.ndindex(T, K):  # rows in token order within each expert, like the plan
-        pos[t_, k_] = seen[ex[t_, k_]]
-        seen[ex[t_, k_]] += 1
-    pos[2, 1] = cap  # one overflowing pair: flagged, not written
-    x = bf16_random(rng, (T, H))
-    slabs = [np.zeros((L * cap, H), np.uint16) for _ in range(G)]
-    counts = [np.zeros((G, L), np.int32) for _ in range(G)]
-    arrays = {
-        "x": x,
-        "ex": ex,
-        "pos": pos,
-        "sc": np.arange(E, dtype=np.int32),
-        "err": np.zeros(4, np.uint32),
-        **{f"s{g}": s for g, s in enumerate(slabs)},
-        **{f"c{g}": c for g, c in enumerate(counts)},
-    }
+    G, T, K, E, R = 2, 40, 3, 8, 2
+    L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
+    idx = [skewed_routing(rng, T, E, K) for _ in range(G)]
+    idx[1][5, 2] = E + 3  # an id out of range: flagged, reaches no expert
+    xs = [bf16_random(rng, (T, H)) for _ in range(G)]
+    ws = [bf16_random(rng, (T, K)) for _ in range(G)]
+    recv = [np.zeros((G * T, H), np.uint16) for _ in range(G)]
+    meta = [np.zeros((G * T, K), np.uint32) for _ in range(G)]
+    for me in range(G):
+        arrays = {
+            "x": xs[me],
+            "ti": idx[me],
+            "tw": ws[me],
+            "err": np.zeros(4, np.uint32),
+            **{f"r{g}": recv[g] for g in range(G)},
+            **{f"m{g}": meta[g] for g in range(G)},
+        }
 
-    def dispatch_args(a):
-        a["sp"] = np.array([ptr(a[f"s{g}"]) for g in range(G)], np.uint64)
-        a["cp"] = np.array([ptr(a[f"c{g}"]) for g in range(G)], np.uint64)
-        return [
-            ptr(a["x"]),
-            ptr(a["ex"]),
-            ptr(a["pos"]),
-            ptr(a["sp"]),
-            ptr(a["cp"]),
-            ptr(a["sc"]),
-            ptr(a["err"]),
-            T,
-            K,
-            H,
-            E,
-            G,
-            1,
-            cap,
-        ]
+        def dispatch_args(a, me=me):
+            a["rp"], a["mp"] = tables(a, ["r0", "r1"]), tables(a, ["m0", "m1"])
+            return [
+                ptr(a["x"]),
+                ptr(a["ti"]),
+                ptr(a["tw"]),
+                ptr(a["rp"]),
+                ptr(a["mp"]),
+                0,
+                0,
+                ptr(a["err"]),
+                T,
+                K,
+                H,
+                E,
+                G,
+                me,
+            ]
 
-    c, t = both(emulated, "ep_dispatch", 3, 64, dispatch_args, arrays)
-    for k in ("s0", "s1", "c0", "c1", "err"):
-        assert np.array_equal(c[k], t[k]), k
-    assert c["err"][0] == 1 and c["err"][1] == 1 and c["s0"].any() and c["s1"].any()
+        c, t = both(emulated, "ep_dispatch", 3, 64, dispatch_args, arrays)
+        for k in ("r0", "r1", "m0", "m1", "err"):
+            assert np.array_equal(c[k], t[k]), k
+        assert c["err"].tolist() == ([0, 0, 0, 0] if me == 0 else [1, 1, 0, 0])
+        recv, meta = [c["r0"], c["r1"]], [c["m0"], c["m1"]]
 
-    src = np.full(L * cap, -1, np.int32)
-    src[[0, 3, 9]] = [0, 13, 21]  # pair ids (s * T + t) * K + k, both origins
-    arrays = {
-        "y": bf16_random(rng, (L * cap, H)),
-        "cs": src,
-        "err": np.zeros(4, np.uint32),
-        "m0": np.zeros((T * K, H), np.uint16),
-        "m1": np.zeros((T * K, H), np.uint16),
-    }
-
-    def combine_args(a):
-        a["cp"] = np.array([ptr(a["m0"]), ptr(a["m1"])], np.uint64)
-        return [ptr(a["y"]), ptr(a["cs"]), ptr(a["cp"]), ptr(a["err"]), E, cap, T, K, H, G]
-
-    c, t = both(emulated, "ep_combine", 2, 32, combine_args, arrays)
-    assert np.array_equal(c["m0"], t["m0"]) and np.array_equal(c["m1"], t["m1"]) and c["m1"].any()
-
-    arrays = {
-        "dst": np.zeros((10, H), np.uint16),
-        "src": bf16_random(rng, (7, H)),
-        "di": np.array([9, -1, 0, 4, 2, 5], np.int32),
-        "si": np.array([6, 0, 1, 2, -1, 3], np.int32),
-    }
-    for use_di, use_si in ((1, 0), (0, 1), (1, 1)):
+        # the NCCL path's send buffers hold, block g, exactly what the peer path put in member g's block me
+        arrays = {**arrays, "send": np.zeros((G * T, H), np.uint16), "sm": np.zeros((G * T, K), np.uint32)}
         c, t = both(
             emulated,
-            "ep_copy_rows",
+            "ep_dispatch",
             2,
-            64,
-            lambda a, u=use_di, v=use_si: [
-                ptr(a["dst"]),
-                ptr(a["src"]),
-                ptr(a["di"]) if u else 0,
-                ptr(a["si"]) if v else 0,
-                2,
-                3,
-                1,
+            32,
+            lambda a, me=me: [
+                ptr(a["x"]),
+                ptr(a["ti"]),
+                ptr(a["tw"]),
+                0,
+                0,
+                ptr(a["send"]),
+                ptr(a["sm"]),
+                ptr(a["err"]),
+                T,
+                K,
                 H,
+                E,
+                G,
+                me,
             ],
             arrays,
         )
-        assert np.array_equal(c["dst"], t["dst"]) and c["dst"].any()
+        assert np.array_equal(c["send"], t["send"]) and np.array_equal(c["sm"], t["sm"])
+        for g in range(G):
+            assert np.array_equal(c["sm"][g * T : (g + 1) * T], meta[g][me * T : (me + 1) * T])
+            assert np.array_equal(c["send"][g * T : (g + 1) * T], recv[g][me * T : (me + 1) * T])
 
-    arrays = {
-        "src": bf16_random(rng, (T * K, H)),
-        "d0": np.zeros((T * K, H), np.uint16),
-        "d1": np.zeros((T * K, H), np.uint16),
-    }
+    chunks = -(-G * T // chunk)
+    combs = [np.zeros((R * T, H), np.uint16) for _ in range(G)]
+    for me in range(G):
+        arrays = {"meta": meta[me], "counts": np.zeros((chunks, L), np.int32)}
+        c, t = both(
+            emulated,
+            "ep_layout_count",
+            2,
+            32,
+            lambda a, me=me: [ptr(a["meta"]), ptr(a["counts"]), T, K, E, G, me, chunk],
+            arrays,
+        )
+        assert np.array_equal(c["counts"], t["counts"]) and c["counts"].sum() > 0
+        arrays = {
+            "counts": c["counts"],
+            "base": np.zeros((chunks, L), np.int32),
+            "er": np.zeros(L, np.int32),
+            "err": np.zeros(4, np.uint32),
+        }
+        c, t = both(
+            emulated,
+            "ep_layout_scan",
+            1,
+            3,
+            lambda a: [ptr(a["counts"]), ptr(a["base"]), ptr(a["er"]), ptr(a["err"]), T, E, G, cap, chunk],
+            arrays,
+        )
+        for k in ("base", "er", "err"):
+            assert np.array_equal(c[k], t[k]), k
+        want_rows, totals = route_rows(meta[me], me * L, L, cap)
+        assert c["er"].tolist() == np.minimum(totals, cap).tolist()
+        assert c["err"][2] == np.maximum(totals - cap, 0).sum() and (c["err"][0] == 2) == (totals > cap).any()
+        arrays = {"meta": meta[me], "base": c["base"], "rr": np.full((G * T, K), 7, np.int32)}
+        c, t = both(
+            emulated,
+            "ep_layout_rows",
+            3,
+            8,
+            lambda a, me=me: [ptr(a["meta"]), ptr(a["base"]), ptr(a["rr"]), T, K, E, G, me, cap, chunk],
+            arrays,
+        )
+        assert np.array_equal(c["rr"], t["rr"]) and np.array_equal(c["rr"], want_rows)
+        rows = c["rr"]
+        arrays = {"recv": recv[me], "rr": rows, "slab": np.zeros((L * cap, H), np.uint16)}
+        c, t = both(
+            emulated, "ep_fanout", 2, 64, lambda a: [ptr(a["recv"]), ptr(a["rr"]), ptr(a["slab"]), T, K, H, G], arrays
+        )
+        assert np.array_equal(c["slab"], t["slab"]) and c["slab"].any()
+
+        y = bf16_wide(rng, (L * cap, H))
+        arrays = {
+            "y": y,
+            "meta": meta[me],
+            "rr": rows,
+            **{f"c{g}": combs[g] for g in range(G)},
+            "send": np.zeros((G * T, H), np.uint16),
+        }
+
+        def combine_args(a, me=me, nccl=False):
+            a["cp"] = tables(a, ["c0", "c1"])
+            return [
+                ptr(a["y"]),
+                ptr(a["meta"]),
+                ptr(a["rr"]),
+                0 if nccl else ptr(a["cp"]),
+                ptr(a["send"]) if nccl else 0,
+                T,
+                K,
+                H,
+                E,
+                G,
+                me,
+                R,
+            ]
+
+        c, t = both(emulated, "ep_combine", 3, 64, combine_args, arrays)
+        assert np.array_equal(c["c0"], t["c0"]) and np.array_equal(c["c1"], t["c1"])
+        combs = [c["c0"], c["c1"]]
+        c, t = both(emulated, "ep_combine", 2, 32, lambda a, me=me: combine_args(a, me, nccl=True), arrays)
+        assert np.array_equal(c["send"], t["send"])
+        for s in range(G):  # block s of the NCCL send buffer is what member s's comb[me] got
+            assert np.array_equal(c["send"][s * T : (s + 1) * T], combs[s][me * T : (me + 1) * T])
+    for me in range(G):
+        arrays = {"comb": combs[me], "ti": idx[me], "out": np.zeros((T, H), np.uint16)}
+        c, t = both(
+            emulated, "ep_reduce", 2, 64, lambda a: [ptr(a["comb"]), ptr(a["ti"]), ptr(a["out"]), T, K, H, E, R], arrays
+        )
+        assert np.array_equal(c["out"], t["out"]) and c["out"].any()
+
+    arrays = {"src": bf16_random(rng, (2 * T, H)), **{f"d{g}": np.zeros((3 * T, H), np.uint16) for g in range(3)}}
 
     def peer_copy_args(a):
-        a["dp"] = np.array([ptr(a["d0"]), ptr(a["d1"])], np.uint64)
-        return [ptr(a["src"]), ptr(a["dp"]), T, K, H, G, 1]
+        a["dp"] = tables(a, ["d0", "d1", "d2"])
+        return [ptr(a["src"]), ptr(a["dp"]), T, H, 3, 1]
 
     c, t = both(emulated, "ep_peer_copy", 2, 64, peer_copy_args, arrays)
-    assert np.array_equal(c["d0"], t["d0"]) and np.array_equal(c["d1"], t["d1"]) and c["d1"].any()
+    for g in range(3):
+        assert np.array_equal(c[f"d{g}"], t[f"d{g}"])
+    assert not c["d1"].any() and c["d0"][T : 2 * T].any() and c["d2"][T : 2 * T].any()
+
+
+def test_a_wrong_twin_is_caught(emulated, monkeypatch):
+    """The comparison can fail: a twin that sums the reduction groups in descending order differs."""
+    def descending(comb_bits, used):
+        return f32_to_bf16_bits(
+            sum(
+                (
+                    np.where(used[:, q, None], ep_twins.bf16_bits_to_f32(comb_bits[q]), np.float32(0))
+                    for q in reversed(range(comb_bits.shape[0]))
+                ),
+                np.zeros(comb_bits.shape[1:], np.float32),
+            )
+        )
+
+    monkeypatch.setattr(ep_twins, "reduce_groups_bits", descending)
+    rng = np.random.default_rng(3)
+    T, K, H, E, R = 64, 4, 16, 16, 4
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    arrays = {"comb": bf16_wide(rng, (R, T, H)), "ti": idx, "out": np.zeros((T, H), np.uint16)}
+    c, t = both(
+        emulated, "ep_reduce", 2, 64, lambda a: [ptr(a["comb"]), ptr(a["ti"]), ptr(a["out"]), T, K, H, E, R], arrays
+    )
+    assert not np.array_equal(c["out"], t["out"])
 
 
 def test_tp_sum_peers(emulated):
@@ -322,3 +445,29 @@ def test_ties_round_to_even(emulated):
 
     c, t = both(emulated, "tp_sum_peers", 1, 1, args, arrays)
     assert c["out"].tolist() == t["out"].tolist() == [one, 0x3F82] * 4
+
+
+def test_a_wrong_position_is_caught(emulated, monkeypatch):
+    """The comparison can fail: a layout twin that swaps the first two pairs of an expert differs."""
+    original = lookup("ep_layout_rows")
+
+    def swapped(backend, grid, block, meta, base, route_row, tokens, topk, experts, G, me, cap, chunk):
+        original(backend, grid, block, meta, base, route_row, tokens, topk, experts, G, me, cap, chunk)
+        rows = np.ctypeslib.as_array((ctypes.c_int32 * (G * tokens * topk)).from_address(route_row))
+        first = np.flatnonzero((rows >= 0) & (rows < cap))[:2]  # expert 0's first two pairs
+        rows[first] = rows[first[::-1]]
+
+    monkeypatch.setitem(tray.twins._TWINS, "ep_layout_rows", swapped)
+    rng = np.random.default_rng(4)
+    G, T, K, E, cap = 1, 16, 2, 4, 16
+    meta = skewed_routing(rng, T, E, K).astype(np.uint32)
+    arrays = {"meta": meta, "base": np.zeros((1, E), np.int32), "rr": np.zeros((T, K), np.int32)}
+    c, t = both(
+        emulated,
+        "ep_layout_rows",
+        1,
+        32,
+        lambda a: [ptr(a["meta"]), ptr(a["base"]), ptr(a["rr"]), T, K, E, G, 0, cap, 32],
+        arrays,
+    )
+    assert not np.array_equal(c["rr"], t["rr"])

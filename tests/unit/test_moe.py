@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
-from tray.programs.ep_moe.plan import CapacityError, plan_ep, random_routing
-from tray.programs.ep_moe.twins import ep_exp_f32, fill_bits, reduce_bits, silu_mul_f32
+from tray.errors import UsageError
+from tray.programs.ep_moe.plan import capacity, expected, parse_routing, random_routing, reference_tokens
+from tray.programs.ep_moe.twins import ep_exp_f32, fill_bits, groups_used, reduce_groups_bits, silu_mul_f32
 from tray.programs.tp_mlp.twins import sum_members_bits
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -47,8 +48,7 @@ def test_exp_polynomial_is_float32_accurate():
     assert np.max(np.abs(got - want) / want) < 4e-7
     assert np.isnan(ep_exp_f32(np.array([np.nan], np.float32))).all()
     assert (
-        ep_exp_f32(np.array([-1e4, 1e4], np.float32)).tolist()
-        == ep_exp_f32(np.array([-87, 88], np.float32)).tolist()
+        ep_exp_f32(np.array([-1e4, 1e4], np.float32)).tolist() == ep_exp_f32(np.array([-87, 88], np.float32)).tolist()
     )
 
 
@@ -64,12 +64,14 @@ def test_silu_mul_matches_float64_to_bf16_precision():
 
 def test_reduce_and_member_sum_are_float32_in_fixed_order():
     rng = np.random.default_rng(2)
-    comb = f32_to_bf16_bits(rng.standard_normal((5, 3, 16)).astype(np.float32))
-    w = f32_to_bf16_bits(rng.random((5, 3)).astype(np.float32))
+    comb = f32_to_bf16_bits(rng.standard_normal((3, 5, 16)).astype(np.float32))
+    idx = np.array([[0, 4], [5, 1], [2, 3], [-1, 5], [9, -3]], np.int32)  # 6 experts, 3 groups of 2
+    used = groups_used(idx, 6, 3)
+    assert used.tolist() == [[1, 0, 1], [1, 0, 1], [0, 1, 0], [0, 0, 1], [0, 0, 0]]
     acc = np.zeros((5, 16), np.float32)
-    for k in range(3):
-        acc = acc + bf16_bits_to_f32(w)[:, k, None] * bf16_bits_to_f32(comb)[:, k]
-    assert np.array_equal(reduce_bits(comb, w), acc.astype(BF16).view(np.uint16))
+    for q in range(3):
+        acc = np.where(used[:, q, None], acc + bf16_bits_to_f32(comb[q]), acc)
+    assert np.array_equal(reduce_groups_bits(comb, used), acc.astype(BF16).view(np.uint16))
     parts = [f32_to_bf16_bits(rng.standard_normal(64).astype(np.float32)) for _ in range(4)]
     s = np.float32(0) + bf16_bits_to_f32(parts[0])
     for p in parts[1:]:
@@ -88,54 +90,49 @@ def test_fill_is_the_same_value_in_every_layout():
     assert not np.array_equal(full, fill_bits(8, 6, 6, 0, 0, 0, seed=4, scale=2.0**-23))
 
 
+@pytest.mark.parametrize("skew", [0.0, 1.5])
+def test_routing_is_distinct_normalised_and_skewable(skew):
+    r = random_routing(2048, 32, 4, seed=5, skew=skew)
+    assert all(len(set(row)) == 4 for row in r.experts.tolist())
+    assert np.allclose(bf16_bits_to_f32(r.weights).sum(axis=1), 1, atol=2e-2)
+    counts = np.bincount(r.experts.ravel(), minlength=32)
+    mean = counts.mean()
+    if skew == 0:
+        assert counts.max() < 1.5 * mean and counts.min() > 0.5 * mean
+    else:
+        assert counts.max() > 3 * mean  # a hot expert
+    assert np.array_equal(r.experts, random_routing(2048, 32, 4, seed=5, skew=skew).experts)
+    assert parse_routing("uniform") == 0 and parse_routing("zipf") == 1 and parse_routing("zipf:0.5") == 0.5
+    with pytest.raises(UsageError, match="zipf:S"):
+        parse_routing("zipf:-1")
+
+
+def test_capacity_is_declared_not_fitted():
+    assert capacity("worst", 4, 128, 8, 256) == 512  # every token of every rank may pick an expert
+    assert capacity("4", 4, 128, 8, 256) == 64  # 4 x the mean of 16 rows
+    assert capacity("1.1", 2, 10, 2, 8) == 8  # ceil(5.5) = 6, rounded up to 8 rows
+    assert capacity("1000", 2, 10, 2, 8) == 20  # never above the worst case
+    for bad in ("0", "-1", "lots"):
+        with pytest.raises(UsageError, match="--capacity"):
+            capacity(bad, 2, 10, 2, 8)
+
+
 @pytest.mark.parametrize("G", [1, 2, 4])
-def test_plan_places_rows_in_global_token_order(G):
-    T, E, k = 32, 16, 4
-    routing = random_routing(G * T, E, k, seed=5)
-    plan = plan_ep(routing, G)
-    ex = routing.experts
-    assert all(len(set(row)) == k for row in ex.tolist())
-    w = bf16_bits_to_f32(routing.weights)
-    assert np.allclose(w.sum(axis=1), 1, atol=2e-2)
-    for e in range(E):
-        tokens, _ = np.nonzero(ex == e)
-        assert plan.pos[ex == e].tolist() == list(
-            range(len(tokens))
-        )  # row j is the j-th token in global order
-    assert plan.cap % 8 == 0 and plan.cap >= np.bincount(ex.ravel(), minlength=E).max()
-    assert plan.counts.sum() == G * T * k
-    # the same routing on one rank gives every pair the same row
-    one = plan_ep(routing, 1, cap=plan.cap)
-    assert np.array_equal(one.pos, plan.pos)
-
-
-def test_rank_inputs_invert_each_other():
-    G, T, E, k = 4, 16, 8, 2
-    routing = random_routing(G * T, E, k, seed=6)
-    plan = plan_ep(routing, G)
+def test_expected_layout_counts_drops_and_nvlink_rows(G):
+    T, E, k, cap = 32, 16, 4, 10
+    r = random_routing(G * T, E, k, seed=6, skew=1.0)
+    x = expected(r, G, cap)
+    per_expert = np.bincount(r.experts.ravel(), minlength=E)
+    assert x.expert_rows.tolist() == np.minimum(per_expert, cap).tolist()
+    assert x.dropped.sum() == np.maximum(per_expert - cap, 0).sum() == (~x.kept).sum() > 0
+    for e in range(E):  # the pairs kept are each expert's first cap pairs in global (token, slot) order
+        t, kk = np.nonzero(r.experts == e)
+        assert x.kept[t, kk].tolist() == [i < cap for i in range(t.size)]
     L = E // G
-    inputs = [plan.rank_inputs(r) for r in range(G)]
-    for r, inp in enumerate(inputs):
-        used = inp.combine_src >= 0
-        pair = inp.combine_src[used]
-        # every slab row maps back to a pair routed to this rank's expert at that row
-        rows = np.flatnonzero(used)
-        assert np.array_equal(routing.experts.reshape(-1)[pair], r * L + rows // plan.cap)
-        assert np.array_equal(plan.pos.reshape(-1)[pair], rows % plan.cap)
-        assert np.array_equal(inp.recv_counts.sum(axis=0), np.bincount(rows // plan.cap, minlength=L))
-        # NCCL path: what s packs for r at chunk row j is unpacked by r into the same slab row
-        for s in range(G):
-            src = inputs[s]
-            dest = src.pack_row.reshape(-1) // plan.capp
-            j = src.pack_row.reshape(-1) % plan.capp
-            to_r = dest == r
-            slab_rows = (src.route_expert.reshape(-1)[to_r] % L) * plan.cap + src.route_pos.reshape(-1)[to_r]
-            assert np.array_equal(inp.unpack_row[s * plan.capp + j[to_r]], slab_rows)
-
-
-def test_capacity_overflow_is_an_error():
-    routing = random_routing(64, 4, 2, seed=7)
-    with pytest.raises(CapacityError, match=r"expert \d+ receives \d+ rows, more than cap 8"):
-        plan_ep(routing, 2, cap=8)
-    with pytest.raises(CapacityError, match=r"rank \d sends \d+ rows to rank \d, more than capp 8"):
-        plan_ep(routing, 2, capp=8)
+    for s in range(G):
+        owners = [set((r.experts[t] // L).tolist()) for t in range(s * T, (s + 1) * T)]
+        assert x.dispatch_rows[s] == sum(len(o - {s}) for o in owners)
+        assert x.local_rows[s] == sum(s in o for o in owners)
+    assert np.array_equal(expected(r, 1, cap).kept, x.kept)  # EP1 keeps the same pairs
+    tokens = reference_tokens(r, x.kept, extra=3)
+    assert set(r.experts[tokens][x.kept[tokens]].tolist()) == set(np.flatnonzero(x.expert_rows))

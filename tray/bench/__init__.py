@@ -37,10 +37,11 @@ class TrayFailed(RuntimeError):
 
 def run_rank_program(name: str, module: str, cfg: dict[str, Any], work: Path, *, nprocs: int, backend: str,
                      manifest: str, vars: dict[str, int], log_dir: str | None = None,
-                     progress: bool = True) -> list[dict[str, Any]]:
-    """Launch `python -m module CFG.json` on `nprocs` ranks; each rank writes `result_*.json` into
-    `cfg["out_dir"]` (set here to work/name). Returns those results in file-name order. With `progress`,
-    rank 0's output (its progress lines) shows on the terminal as `[rank 0] ...`; else no rank's does.
+                     progress: bool = True, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Launch `python -m module CFG.json` on `nprocs` ranks (with `env` added to their environment); each
+    rank writes `result_*.json` into `cfg["out_dir"]` (set here to work/name). Returns those results in
+    file-name order. With `progress`, rank 0's output (its progress lines) shows on the terminal as
+    `[rank 0] ...`; else no rank's does.
 
     Raises TrayFailed naming the root cause when the tray fails."""
     from tray.launch import TraySpec, run_tray
@@ -51,7 +52,7 @@ def run_rank_program(name: str, module: str, cfg: dict[str, Any], work: Path, *,
     cfg_path.write_text(json.dumps({**cfg, "out_dir": str(out)}))
     spec = TraySpec(nprocs=nprocs, cmd=(sys.executable, "-m", module, str(cfg_path)), backend=backend,
                     manifest=manifest, vars=tuple(sorted(vars.items())), log_dir=log_dir, quiet=not progress,
-                    timeline=False, local_ranks_filter=(0,))
+                    timeline=False, local_ranks_filter=(0,), extra_env=tuple(sorted((env or {}).items())))
     result = run_tray(spec)
     if result.exit_code != 0:
         cause = result.root_cause

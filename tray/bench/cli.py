@@ -18,6 +18,14 @@ def ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def words(text: str) -> tuple[str, ...]:
+    """argparse type: "a,b" -> ("a", "b")."""
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one comma-separated value")
+    return values
+
+
 def add_tray_args(b: argparse.ArgumentParser) -> None:
     """-n, --backend, --json: the tray a bench runs on and where its report goes."""
     b.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: visible GPUs, or 4)")

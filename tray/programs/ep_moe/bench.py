@@ -1,22 +1,29 @@
 """`tray bench ep-moe`: the EP MoE layer over peer buffers vs NCCL all-to-all vs EP1, checked, then timed.
 
-    tray bench ep-moe -n 4 [--tokens 128,4096] [--hidden 7168] [--experts 256] [--topk 8]
-                      [--expert-dim 2048] [--backend cuda|host] [--json PATH] [--plot PATH]
+    tray bench ep-moe -n 4 [--tokens 128,4096] [--routing uniform,zipf] [--capacity 4|worst]
+                      [--sms all,24] [--hidden 7168] [--experts 256] [--topk 8] [--expert-dim 2048]
+                      [--backend cuda|host] [--json PATH] [--plot PATH]
 
-The head (this module) draws the routing for every token count from a seed, places it on N ranks and on
-one (tray/programs/ep_moe/plan.py), writes each rank's index arrays, then launches two trays of
-manifests/ep_moe.json running tray/programs/ep_moe/rank_program.py: N ranks (peer path, NCCL path, copy ceiling)
-and 1 rank (EP1, same global tokens). Checks: EP-N rows equal EP1 rows byte for byte (both paths), EP1
-within bf16 tolerance of a float64 reference on a few tokens, no NaN, no overflowed route, the counts
-every rank received. Exit 1 if a check fails.
+The head (this module) draws a routing per (routing kind, token count) from a seed: the router's output,
+topk_idx and topk_weights, which each rank uploads as device buffers. Everything after that happens on
+the device inside the timed programs: the layout (counts, prefix sums, positions, capacity drops), the
+dispatch (each token once per destination rank), the experts, the combine (one pre-reduced row per
+(token, rank)) and the reduce. The head predicts what the layout must report (rows per expert, dropped
+pairs) and which bytes cross NVLink, then launches two trays of manifests/ep_moe.json running
+tray/programs/ep_moe/rank_program.py: N ranks (peer path, NCCL path, copy ceilings) and 1 rank (EP1, the same global
+tokens and the same reduction groups). Checks: EP-N rows equal EP1 rows byte for byte (both paths, and
+again after the timed graph replays), EP1 within bf16 tolerance of a float64 reference on sampled tokens
+covering every expert, the layout's reports, no NaN. Exit 1 if a check fails.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +35,19 @@ from tray.errors import UsageError
 from tray.manifest.builtin import builtin_path
 
 MANIFEST = "ep_moe"  # built-in (package data), see tray.manifest.builtin
-# NOTE: bf16 operands and three bf16 roundings on the way (h13, act, expert output): a few 1e-3 expected.
+# NOTE: bf16 operands and four bf16 roundings on the way (h13, act, expert output, per-rank partial):
+# a few 1e-3 expected.
 REF_TOLERANCE = 2e-2
-PHASES = ("dispatch", "experts", "combine", "reduce", "layer")
+PEER_PHASES = ("dispatch", "dispatch_send", "layout", "fanout", "experts", "combine", "reduce", "layer")
+NCCL_PHASES = {
+    "dispatch": "dispatch_nccl",
+    "experts": "experts",
+    "combine": "combine_nccl",
+    "reduce": "reduce",
+    "layer": "layer_nccl",
+}
+BLAS_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+NCCL_CTA_ENV = ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS")
 
 
 @dataclass(frozen=True)
@@ -42,11 +59,13 @@ class EpBenchArgs:
     experts: int = 256
     topk: int = 8
     expert_dim: int = 2048
+    routings: tuple[str, ...] = ("uniform", "zipf")
+    capacity: str = "4"
+    budgets: tuple[str, ...] = ("all", "24")
     seed: int = 0
-    cap: int | None = None
     repeats: int = 10
     warmup: int = 2
-    ref_tokens: int = 4
+    ref_tokens: int = 8
     json_path: str | None = None
     plot_path: str | None = None
     log_dir: str | None = None
@@ -55,10 +74,16 @@ class EpBenchArgs:
 
 def validate(a: EpBenchArgs) -> None:
     """UsageError for shapes the kernels or the comparison cannot take."""
+    from tray.programs.ep_moe.plan import capacity, parse_routing
+
     if a.nprocs < 2:
         raise UsageError(f"ep-moe compares N ranks with EP1: -n must be at least 2, got {a.nprocs}")
     if a.experts % a.nprocs:
         raise UsageError(f"--experts {a.experts} must divide over {a.nprocs} ranks")
+    if a.nprocs > 64:
+        raise UsageError(f"the reduce keeps one bit per rank: at most 64 ranks, got {a.nprocs}")
+    if a.experts >= 0xFFFF:
+        raise UsageError(f"routing words hold 16-bit expert ids: --experts must be below 65535, got {a.experts}")
     if a.hidden % 8 or a.expert_dim % 8:
         raise UsageError(
             f"--hidden ({a.hidden}) and --expert-dim ({a.expert_dim}) must be multiples of 8 "
@@ -68,65 +93,97 @@ def validate(a: EpBenchArgs) -> None:
         raise UsageError(f"--topk must be in 1..{a.experts}, got {a.topk}")
     if not a.tokens or min(a.tokens) < 1:
         raise UsageError(f"--tokens needs positive counts, got {a.tokens}")
-    for t in a.tokens:
-        if (t * a.topk) % a.nprocs:
-            raise UsageError(
-                f"tokens {t} x topk {a.topk} must divide over {a.nprocs} ranks (the copy ceiling "
-                "sends equal chunks)"
-            )
+    for r in a.routings:
+        parse_routing(r)
+    capacity(a.capacity, a.nprocs, 1, a.topk, a.experts)
+    for b in a.budgets:
+        if b != "all" and not (b.isdigit() and int(b) >= 1):
+            raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
 
 
-def prepare(a: EpBenchArgs, work: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
-    """Plans and index arrays for every token count: (EP-N runs, EP1 runs, launch vars of EP-N)."""
-    from tray.programs.ep_moe.plan import plan_ep, random_routing
+def layout_chunk(num_tokens: int) -> int:
+    """Tokens per chunk of the layout kernels for `num_tokens` received tokens: at most LAYOUT_CHUNKS
+    chunks (the scan over chunks is one thread per expert), at least 32 tokens per chunk."""
+    return max(32, -(-num_tokens // LAYOUT_CHUNKS))
+
+
+def label_of(routing: str, tokens: int) -> str:
+    return f"{routing.replace(':', '')}_T{tokens}"
+
+
+def prepare(a: EpBenchArgs, work: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Routings and per-rank inputs for every (routing, token count): (EP-N runs, EP1 runs, facts per
+    label: cap, predicted drops and NVLink rows)."""
+    from tray.programs.ep_moe.plan import capacity, expected, parse_routing, random_routing, reference_tokens
 
     G = a.nprocs
-    runs_n, runs_1 = [], []
-    for T in a.tokens:
-        routing = random_routing(G * T, a.experts, a.topk, seed=a.seed * 1_000_003 + T)
-        plan_n = plan_ep(routing, G, cap=a.cap)
-        plan_1 = plan_ep(routing, 1, cap=plan_n.cap)
-        d = work / f"T{T}"
-        d.mkdir()
-        for r in range(G):
-            np.savez(d / f"r{r}.npz", **vars(plan_n.rank_inputs(r)))
-        ep1 = vars(plan_1.rank_inputs(0))
-        del ep1["pack_row"], ep1["unpack_row"]
-        np.savez(d / "ep1.npz", **ep1)
-        n_ref = min(a.ref_tokens, G * T)
-        ref = sorted({int(i) for i in np.linspace(0, G * T - 1, n_ref).round()}) if n_ref else []
-        runs_n.append({"label": T, "tokens": T, "cap": plan_n.cap, "capp": plan_n.capp, "inputs": str(d)})
-        runs_1.append(
-            {"label": T, "tokens": G * T, "cap": plan_n.cap, "capp": 8, "inputs": str(d), "ref_tokens": ref}
-        )
-    shape = {"hidden": a.hidden, "experts": a.experts, "topk": a.topk, "ffn": a.expert_dim}
-    launch_n = launch_vars(
-        shape, max(a.tokens), max(r["cap"] for r in runs_n), max(r["capp"] for r in runs_n)
-    )
-    return runs_n, runs_1, launch_n
+    runs_n, runs_1, facts = [], [], {}
+    for ri, kind in enumerate(a.routings):
+        for ti, T in enumerate(a.tokens):
+            label = label_of(kind, T)
+            routing = random_routing(
+                G * T, a.experts, a.topk, seed=(a.seed * 1_000_003 + T) * 31 + ri, skew=parse_routing(kind)
+            )
+            cap = capacity(a.capacity, G, T, a.topk, a.experts)
+            exp_n = expected(routing, G, cap)
+            d = work / label
+            d.mkdir()
+            L = a.experts // G
+            for r in range(G):
+                rows = slice(r * T, (r + 1) * T)
+                np.savez(
+                    d / f"r{r}.npz",
+                    topk_idx=routing.experts[rows],
+                    topk_w=routing.weights[rows],
+                    expert_rows=exp_n.expert_rows[r * L : (r + 1) * L],
+                    dropped=exp_n.dropped[r],
+                )
+            np.savez(
+                d / "ep1.npz",
+                topk_idx=routing.experts,
+                topk_w=routing.weights,
+                expert_rows=exp_n.expert_rows,
+                dropped=exp_n.dropped.sum(),
+                kept=exp_n.kept,
+            )
+            # NOTE: covering every expert reads every expert's weights back to the host: once per routing
+            ref = reference_tokens(routing, exp_n.kept, a.ref_tokens, cover=ti == 0)
+            chunk = layout_chunk(G * T)
+            runs_n.append({"label": label, "tokens": T, "cap": cap, "chunk": chunk, "inputs": str(d)})
+            runs_1.append(
+                {"label": label, "tokens": G * T, "cap": cap, "chunk": chunk, "inputs": str(d), "ref_tokens": ref}
+            )
+            facts[label] = {
+                "routing": kind,
+                "tokens_per_rank": T,
+                "cap": cap,
+                "max_rows_per_expert": int(np.bincount(routing.experts.ravel(), minlength=a.experts).max()),
+                "dropped_pairs": int(exp_n.dropped.sum()),
+                "pairs": G * T * a.topk,
+                "nvlink_rows_per_rank": exp_n.dispatch_rows.tolist(),
+                "local_rows_per_rank": exp_n.local_rows.tolist(),
+            }
+    return runs_n, runs_1, facts
 
 
-def launch_vars(shape: dict[str, int], max_tokens: int, max_cap: int, max_capp: int) -> dict[str, int]:
-    """Vars a tray is launched with: buffers are sized by the max_* ones; the run-time ones (tokens, cap,
-    capp) start at their maxima so every program resolves at launch."""
+def launch_vars(a: EpBenchArgs, max_tokens: int, max_cap: int) -> dict[str, int]:
+    """Vars a tray is launched with: buffers are sized by max_tokens / max_cap; tokens and cap start at
+    their maxima so every program resolves at launch; EP1 keeps EP-N's reduction groups."""
     return {
-        **shape,
+        "hidden": a.hidden,
+        "experts": a.experts,
+        "topk": a.topk,
+        "ffn": a.expert_dim,
         "max_tokens": max_tokens,
         "max_cap": max_cap,
-        "max_capp": max_capp,
         "tokens": max_tokens,
         "cap": max_cap,
-        "capp": max_capp,
+        "groups": a.nprocs,
     }
 
 
 def launch(
-    a: EpBenchArgs,
-    nprocs: int,
-    runs: list[dict[str, Any]],
-    launch_vars: dict[str, int],
-    work: Path,
-    name: str,
+    a: EpBenchArgs, nprocs: int, runs: list[dict[str, Any]], vars_: dict[str, int], work: Path, name: str
 ) -> list[dict[str, Any]]:
     """One tray of the rank program; returns every rank's result. Raises TrayFailed with the root cause."""
     cfg = {
@@ -134,95 +191,135 @@ def launch(
         "experts": a.experts,
         "topk": a.topk,
         "ffn": a.expert_dim,
+        "groups": a.nprocs,
         "seed": a.seed,
+        "backend": a.backend,
+        "budgets": list(a.budgets) if nprocs > 1 else ["all"],
         "repeats": a.repeats,
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
         "runs": runs,
     }
-    return run_rank_program(name, "tray.programs.ep_moe.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
-                            manifest=str(builtin_path(MANIFEST)), vars=launch_vars, log_dir=a.log_dir)
+    # NOTE: a host rank is one CPU worker: with the BLAS's default of a thread per core, N ranks spin
+    # N x cores threads against each other (measured 7x slower expert GEMMs at 2 ranks on 2 cores).
+    env = {k: os.environ.get(k, "1") for k in BLAS_THREAD_ENV} if a.backend == "host" else {}
+    return run_rank_program(
+        name,
+        "tray.programs.ep_moe.rank_program",
+        cfg,
+        work,
+        nprocs=nprocs,
+        backend=a.backend,
+        manifest=str(builtin_path(MANIFEST)),
+        vars=vars_,
+        log_dir=a.log_dir,
+        env=env,
+    )
 
 
-def _slowest(per_rank: list[dict[str, Any]], index: int, key: str) -> float:
-    vals = [r["runs"][index]["us"][key] for r in per_rank if key in r["runs"][index]["us"]]
+def _slowest(per_rank: list[dict[str, Any]], index: int, budget: str, key: str) -> float:
+    vals = [r["runs"][index]["us"].get(budget, {}).get(key, float("nan")) for r in per_rank]
     vals = [v for v in vals if not math.isnan(v)]  # NaN: a figure a rank could not take
     return max(vals) if vals else float("nan")
 
 
-def summarize(a: EpBenchArgs, per_rank: list[dict[str, Any]], ep1: dict[str, Any], work: Path) -> list[dict]:
+def _gbps(nbytes: float, us: float) -> float:
+    return nbytes / us / 1e3 if us > 0 and not math.isnan(us) else float("nan")
+
+
+def summarize_checks(
+    a: EpBenchArgs, per_rank: list[dict[str, Any]], e1: dict[str, Any], i: int, label: str, work: Path
+) -> dict[str, Any]:
+    G = a.nprocs
+    ref_out = np.load(work / "ep1" / f"{label}_ep1.npy")
+    rank_checks = [r["runs"][i]["checks"] for r in per_rank]
+    c1 = e1["checks"]
+    checks: dict[str, Any] = {"rows": int(ref_out.shape[0])}
+    for path in ("peer", "nccl"):
+        got = np.concatenate([np.load(work / "epn" / f"{label}_{path}_r{r}.npy") for r in range(G)])
+        checks[f"{path}_rows_differ_from_ep1"] = int((got != ref_out).any(axis=1).sum())
+    ref = e1.get("reference", {})
+    checks["ep1_vs_float64_rel_err"] = ref.get("rel_err")
+    checks["ep1_ref_tokens"] = ref.get("ref_tokens")
+    checks["ep1_ref_experts_covered"] = ref.get("experts_covered")
+    checks["err_words"] = [c[f"{p}_err_words"] for c in rank_checks for p in ("peer", "nccl")] + [c1["peer_err_words"]]
+    checks["layout_reports_ok"] = all(
+        c[f"{p}_err_ok"] and c[f"{p}_expert_rows_ok"] for c in rank_checks for p in ("peer", "nccl")
+    ) and bool(c1["peer_err_ok"] and c1["peer_expert_rows_ok"])
+    checks["nan_rows"] = sum(c["peer_nan_rows"] + c["nccl_nan_rows"] for c in rank_checks) + c1["peer_nan_rows"]
+    checks["after_replay_equal"] = all(
+        c["peer_after_replay_equal"] and c["nccl_after_replay_equal"] for c in rank_checks
+    ) and bool(c1["peer_after_replay_equal"])
+    rel = checks["ep1_vs_float64_rel_err"]
+    checks["passed"] = bool(
+        checks["peer_rows_differ_from_ep1"] == 0
+        and checks["nccl_rows_differ_from_ep1"] == 0
+        and rel is not None
+        and not math.isnan(rel)
+        and rel <= REF_TOLERANCE
+        and checks["layout_reports_ok"]
+        and checks["nan_rows"] == 0
+        and checks["after_replay_equal"]
+        and all(c["nccl_equals_peer"] for c in rank_checks)
+    )
+    return checks
+
+
+def summarize(
+    a: EpBenchArgs, per_rank: list[dict[str, Any]], ep1: dict[str, Any], facts: dict[str, Any], work: Path
+) -> list[dict[str, Any]]:
     G, K, H = a.nprocs, a.topk, a.hidden
+    budgets = list(per_rank[0]["runs"][0]["us"])  # "sm<N>" in --sms order
     runs = []
-    for i, T in enumerate(a.tokens):
+    for i, r0 in enumerate(per_rank[0]["runs"]):
+        label = r0["label"]
+        f = facts[label]
+        T = f["tokens_per_rank"]
         e1 = ep1["runs"][i]
-        ref_out = np.load(work / "ep1" / f"T{T}_ep1.npy")
-        peer = np.concatenate([np.load(work / "epn" / f"T{T}_peer_r{r}.npy") for r in range(G)])
-        nccl = np.concatenate([np.load(work / "epn" / f"T{T}_nccl_r{r}.npy") for r in range(G)])
-        rank_checks = [r["runs"][i]["checks"] for r in per_rank]
-        checks = {
-            "rows": G * T,
-            "peer_rows_differ_from_ep1": int((peer != ref_out).any(axis=1).sum()),
-            "nccl_rows_differ_from_ep1": int((nccl != ref_out).any(axis=1).sum()),
-            "ep1_vs_float64_rel_err": e1.get("reference", {}).get("rel_err"),
-            "ep1_ref_tokens": e1.get("reference", {}).get("ref_tokens"),
-            "route_errors": [c["err_words"][:2] for c in rank_checks] + [e1["checks"]["err_words"][:2]],
-            "recv_counts_ok": all(c["recv_counts_ok"] for c in rank_checks)
-            and e1["checks"]["recv_counts_ok"],
-            "nan_rows": sum(c["peer_nan_rows"] + c["nccl_nan_rows"] for c in rank_checks)
-            + e1["checks"]["peer_nan_rows"],
+        us: dict[str, Any] = {}
+        for j, b in enumerate(budgets):
+            key = "peer" if j == 0 else f"peer_{b}"
+            us[key] = {p: _slowest(per_rank, i, b, p) for p in PEER_PHASES}
+        us["nccl"] = {p: _slowest(per_rank, i, budgets[0], k) for p, k in NCCL_PHASES.items()}
+        e1_us = e1["us"][next(iter(e1["us"]))]
+        us["ep1"] = {p: e1_us[p] for p in PEER_PHASES}
+        us["ceiling_kernel"] = _slowest(per_rank, i, budgets[0], "ceiling")
+        us["ceiling_ce"] = _slowest(per_rank, i, budgets[0], "ceiling_ce")
+        row = 2 * H
+        logical = T * K * row  # every (token, expert) row a rank sends (and gets back)
+        physical = float(np.mean(f["nvlink_rows_per_rank"])) * row + (G - 1) * T * K * 4  # + routing words
+        ceiling_bytes = (G - 1) * T * row
+        ceiling_us = float(np.nanmin([us["ceiling_kernel"], us["ceiling_ce"]]))
+        gbps: dict[str, Any] = {
+            "logical_bytes_per_rank": logical,
+            "nvlink_bytes_per_rank": physical,
+            "ceiling_bytes_per_rank": ceiling_bytes,
+            "ceiling": _gbps(ceiling_bytes, ceiling_us),
         }
-        rel = checks["ep1_vs_float64_rel_err"]
-        checks["passed"] = bool(
-            checks["peer_rows_differ_from_ep1"] == 0
-            and checks["nccl_rows_differ_from_ep1"] == 0
-            and (rel is None or (not math.isnan(rel) and rel <= REF_TOLERANCE))
-            and all(e == [0, 0] for e in checks["route_errors"])
-            and checks["recv_counts_ok"]
-            and checks["nan_rows"] == 0
-        )
-        us = {
-            "peer": {p: _slowest(per_rank, i, p) for p in PHASES},
-            "nccl": {
-                p: _slowest(per_rank, i, k)
-                for p, k in (
-                    ("dispatch", "dispatch_nccl"),
-                    ("experts", "experts"),
-                    ("combine", "combine_nccl"),
-                    ("reduce", "reduce"),
-                    ("layer", "layer_nccl"),
-                )
-            },
-            "ep1": {p: e1["us"][p] for p in PHASES},
-            "ceiling_kernel": _slowest(per_rank, i, "ceiling"),
-            "ceiling_ce": _slowest(per_rank, i, "ceiling_ce"),
-        }
-        nbytes = T * K * H * 2  # rows one rank sends in a dispatch (and receives back in a combine)
-        ceiling_us = np.nanmin([us["ceiling_kernel"], us["ceiling_ce"]])
-        gbps = {
-            "bytes_per_rank": nbytes,
-            "dispatch": nbytes / us["peer"]["dispatch"] / 1e3,
-            "combine": nbytes / us["peer"]["combine"] / 1e3,
-            "ceiling": nbytes / ceiling_us / 1e3,
-        }
-        gbps["dispatch_vs_ceiling"] = gbps["dispatch"] / gbps["ceiling"]
-        gbps["combine_vs_ceiling"] = gbps["combine"] / gbps["ceiling"]
-        dc_peer = us["peer"]["dispatch"] + us["peer"]["combine"]
-        dc_nccl = us["nccl"]["dispatch"] + us["nccl"]["combine"]
-        ratios = {
-            "peer_dispatch_combine_vs_nccl": dc_peer / dc_nccl,
-            "peer_layer_vs_nccl_layer": us["peer"]["layer"] / us["nccl"]["layer"],
-            "epn_layer_vs_ep1_layer": us["peer"]["layer"] / us["ep1"]["layer"],
-        }
+        for key in [k for k in us if k.startswith("peer")] + ["nccl"]:
+            for phase in ("dispatch", "combine"):
+                t = us[key][phase]
+                gbps[f"{key}_{phase}_logical"] = _gbps(logical, t)
+                nv = physical if phase == "dispatch" else physical - (G - 1) * T * K * 4
+                gbps[f"{key}_{phase}_nvlink"] = _gbps(nv, t)
+        gbps["peer_dispatch_send_nvlink_vs_ceiling"] = _gbps(physical, us["peer"]["dispatch_send"]) / gbps["ceiling"]
+        dc = {k: us[k]["dispatch"] + us[k]["combine"] for k in us if k.startswith("peer") or k == "nccl"}
+        ratios = {f"{k}_dispatch_combine_vs_nccl": v / dc["nccl"] for k, v in dc.items() if k != "nccl"}
+        ratios["peer_layer_vs_nccl_layer"] = us["peer"]["layer"] / us["nccl"]["layer"]
+        ratios["epn_layer_vs_ep1_layer"] = us["peer"]["layer"] / us["ep1"]["layer"]
+        ratios["layout_share_of_dispatch"] = us["peer"]["layout"] / us["peer"]["dispatch"]
+        sms = {("peer" if j == 0 else f"peer_{b}"): int(b[2:]) for j, b in enumerate(budgets)}
+        sms["nccl"] = {k: os.environ[k] for k in NCCL_CTA_ENV if k in os.environ} or "NCCL's own choice (env unset)"
         runs.append(
             {
-                "tokens_per_rank": T,
+                "label": label,
+                **f,
                 "global_tokens": G * T,
-                "cap": e1["cap"],
-                "capp": per_rank[0]["runs"][i]["capp"],
-                "checks": checks,
+                "checks": summarize_checks(a, per_rank, e1, i, label, work),
                 "us": us,
                 "gbps": gbps,
                 "ratios": ratios,
+                "sms": sms,
             }
         )
     return runs
@@ -233,50 +330,63 @@ def print_report(report: dict[str, Any]) -> None:
     G = report["nprocs"]
     print(
         f"ep-moe: {G} ranks, {report['backend']} backend; hidden {s['hidden']}, {s['experts']} experts "
-        f"({s['experts'] // G} per rank), top-{s['topk']}, expert dim {s['ffn']}; µs, slowest rank, median"
+        f"({s['experts'] // G} per rank), top-{s['topk']}, expert dim {s['ffn']}, capacity {report['capacity']}; "
+        "µs, slowest rank, median of captured replays"
     )
-    head = ("dispatch", "experts", "combine", "reduce", "layer")
-    print(f"  {'tokens/rank':>11} {'path':<5} " + " ".join(f"{h:>9}" for h in head))
+    head = ("dispatch", "layout", "experts", "combine", "reduce", "layer")
+    print(f"  {'run':<16} {'path':<12} " + " ".join(f"{h:>9}" for h in head))
     for run in report["runs"]:
-        for path in ("peer", "nccl", "ep1"):
-            u = run["us"][path]
-            label = f"EP{G}" if path == "peer" else path
-            print(f"  {run['tokens_per_rank']:>11} {label:<5} " + " ".join(f"{u[h]:>9.1f}" for h in head))
+        for path, u in run["us"].items():
+            if not isinstance(u, dict):
+                continue
+            label = f"EP{G} {path}" if path.startswith("peer") else path
+            print(f"  {run['label']:<16} {label:<12} " + " ".join(f"{u.get(h, float('nan')):>9.1f}" for h in head))
         g, r, c = run["gbps"], run["ratios"], run["checks"]
         print(
-            f"  {'':>11} dispatch {g['dispatch']:.1f} GB/s, combine {g['combine']:.1f} GB/s vs copy ceiling "
-            f"{g['ceiling']:.1f} GB/s ({g['dispatch_vs_ceiling']:.2f}x, {g['combine_vs_ceiling']:.2f}x)"
+            f"  {'':<16} cap {run['cap']} (largest expert {run['max_rows_per_expert']} rows; dropped "
+            f"{run['dropped_pairs']}/{run['pairs']} pairs); NVLink GB/s dispatch {g['peer_dispatch_nvlink']:.1f}, "
+            f"combine {g['peer_combine_nvlink']:.1f} (logical {g['peer_dispatch_logical']:.1f} / "
+            f"{g['peer_combine_logical']:.1f}); concurrent copy ceiling {g['ceiling']:.1f}"
         )
         print(
-            f"  {'':>11} peer d+c / NCCL d+c {r['peer_dispatch_combine_vs_nccl']:.2f}; EP{G} layer / EP1 "
-            f"layer {r['epn_layer_vs_ep1_layer']:.2f}; peer layer / NCCL layer "
-            f"{r['peer_layer_vs_nccl_layer']:.2f}"
+            f"  {'':<16} peer d+c / NCCL d+c {r['peer_dispatch_combine_vs_nccl']:.2f}; EP{G} layer / EP1 layer "
+            f"{r['epn_layer_vs_ep1_layer']:.2f}; peer layer / NCCL layer {r['peer_layer_vs_nccl_layer']:.2f}; "
+            f"SMs {run['sms']}"
         )
         rel = c["ep1_vs_float64_rel_err"]
-        rel_text = "not checked" if rel is None else f"{rel:.2e} on {len(c['ep1_ref_tokens'])} tokens"
+        rel_text = (
+            "not checked"
+            if rel is None
+            else (f"{rel:.2e} on {c['ep1_ref_tokens']} tokens, {c['ep1_ref_experts_covered']} experts")
+        )
         print(
-            f"  {'':>11} checks: rows differing from EP1: peer {c['peer_rows_differ_from_ep1']}/{c['rows']}, "
-            f"NCCL {c['nccl_rows_differ_from_ep1']}/{c['rows']}; EP1 vs float64 {rel_text}; "
+            f"  {'':<16} checks: rows differing from EP1: peer {c['peer_rows_differ_from_ep1']}/{c['rows']}, "
+            f"NCCL {c['nccl_rows_differ_from_ep1']}/{c['rows']}; after replays equal {c['after_replay_equal']}; "
+            f"layout reports {c['layout_reports_ok']}; EP1 vs float64 {rel_text}; "
             f"{'PASSED' if c['passed'] else 'FAILED'}"
         )
     print("PASSED" if report["passed"] else "FAILED")
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    """Latency vs tokens per rank: the layer on each path, and dispatch+combine of peer and NCCL."""
+    """Latency vs tokens per rank, per routing: the layer on each path, and dispatch+combine of peer and NCCL."""
     G = report["nprocs"]
-    runs = report["runs"]
-    xs = [r["tokens_per_rank"] for r in runs]
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for routing in dict.fromkeys(r["routing"] for r in report["runs"]):
+        runs = [r for r in report["runs"] if r["routing"] == routing]
+        xs = [float(r["tokens_per_rank"]) for r in runs]
+        for label, get in (
+            (f"EP{G} peer layer", lambda r: r["us"]["peer"]["layer"]),
+            (f"EP{G} NCCL layer", lambda r: r["us"]["nccl"]["layer"]),
+            ("EP1 layer", lambda r: r["us"]["ep1"]["layer"]),
+            ("peer dispatch+combine", lambda r: r["us"]["peer"]["dispatch"] + r["us"]["peer"]["combine"]),
+            ("NCCL dispatch+combine", lambda r: r["us"]["nccl"]["dispatch"] + r["us"]["nccl"]["combine"]),
+        ):
+            series[f"{label} ({routing})"] = (xs, [get(r) for r in runs])
     s = report["shape"]
     plot_lines(
         path,
-        {
-            f"EP{G} peer layer": (xs, [r["us"]["peer"]["layer"] for r in runs]),
-            f"EP{G} NCCL layer": (xs, [r["us"]["nccl"]["layer"] for r in runs]),
-            "EP1 layer": (xs, [r["us"]["ep1"]["layer"] for r in runs]),
-            "peer dispatch+combine": (xs, [r["us"]["peer"]["dispatch"] + r["us"]["peer"]["combine"] for r in runs]),
-            "NCCL dispatch+combine": (xs, [r["us"]["nccl"]["dispatch"] + r["us"]["nccl"]["combine"] for r in runs]),
-        },
+        series,
         title=f"EP MoE, {G} ranks: H {s['hidden']}, {s['experts']} experts, top-{s['topk']}",
         xlabel="tokens per rank",
         ylabel="µs (captured, median)",
@@ -289,17 +399,22 @@ def run_ep_bench(a: EpBenchArgs) -> int:
     validate(a)
     require_plot(a.plot_path)
     work = Path(tempfile.mkdtemp(prefix="tray-ep-moe-"))
+    t0 = time.perf_counter()
     try:
-        runs_n, runs_1, launch_n = prepare(a, work)
-        shape = {k: launch_n[k] for k in ("hidden", "experts", "topk", "ffn")}
-        launch_1 = launch_vars(shape, a.nprocs * max(a.tokens), launch_n["max_cap"], 8)
+        runs_n, runs_1, facts = prepare(a, work)
+        max_cap = max(r["cap"] for r in runs_n)
+        print(
+            f"ep-moe: {len(runs_n)} runs prepared ({time.perf_counter() - t0:.1f} s); EP{a.nprocs} tray...", flush=True
+        )
         try:
-            per_rank = launch(a, a.nprocs, runs_n, launch_n, work, "epn")
-            ep1 = launch(a, 1, runs_1, launch_1, work, "ep1")[0]
+            per_rank = launch(a, a.nprocs, runs_n, launch_vars(a, max(a.tokens), max_cap), work, "epn")
+            print(f"ep-moe: EP{a.nprocs} done ({time.perf_counter() - t0:.1f} s); EP1 tray...", flush=True)
+            ep1 = launch(a, 1, runs_1, launch_vars(a, a.nprocs * max(a.tokens), max_cap), work, "ep1")[0]
+            print(f"ep-moe: EP1 done ({time.perf_counter() - t0:.1f} s)", flush=True)
         except TrayFailed as exc:
             print(f"ep-moe: {exc}", file=sys.stderr)
             return 1
-        runs = summarize(a, per_rank, ep1, work)
+        runs = summarize(a, per_rank, ep1, facts, work)
     finally:
         if a.keep:
             print(f"ep-moe: work files kept in {work}")
@@ -310,14 +425,16 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "nprocs": a.nprocs,
         "backend": a.backend,
         "shape": {"hidden": a.hidden, "experts": a.experts, "topk": a.topk, "ffn": a.expert_dim},
+        "capacity": a.capacity,
         "seed": a.seed,
         "repeats": a.repeats,
         "runs": runs,
         "passed": all(r["checks"]["passed"] for r in runs),
         "setup_s": {"epn": max(r["setup_s"] for r in per_rank), "ep1": ep1["setup_s"]},
+        "wall_s": time.perf_counter() - t0,
     }
     print_report(report)
-    write_report(report, a.json_path, {"device": per_rank[0].get("device")})
+    write_report(report, a.json_path, {"device": per_rank[0].get("device"), "sms": per_rank[0].get("sms")})
     if a.plot_path:
         plot(report, a.plot_path)
     return 0 if report["passed"] else 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tray.bench.cli import add_program_args, backend_and_nprocs, ints
+from tray.bench.cli import add_program_args, backend_and_nprocs, ints, words
 
 # The layer's shape: DeepSeek-V3's on GPUs; on the host backend (numpy twins on CPU cores) one that runs in
 # well under a minute on 2 cores with a few hundred MB per rank.
@@ -22,8 +22,19 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--experts", type=int, default=None, help="default 256 on cuda, 16 on host")
     b.add_argument("--topk", type=int, default=None, help="default 8 on cuda, 4 on host")
     b.add_argument("--expert-dim", type=int, default=None, help="default 2048 on cuda, 256 on host")
-    b.add_argument("--cap", type=int, default=None, help="rows per expert (default: fit the routing)")
-    b.add_argument("--ref-tokens", type=int, default=4, help="tokens checked against float64")
+    b.add_argument("--routing", type=words, default=("uniform", "zipf"),
+                   help="routings, comma-separated: uniform, zipf (skew 1), zipf:S (default uniform,zipf)")
+    b.add_argument("--capacity", default="4",
+                   help="rows per expert: 'worst' (every token of every rank may pick it) or a factor of the mean "
+                   "rows per expert (default 4; pairs beyond it are dropped and counted)")
+    b.add_argument("--gemm", choices=("masked", "cublas"), default="masked",
+                   help="expert GEMMs: 'masked' (one launch over every expert, rows from the device counts; "
+                   "default) or 'cublas' (a cuBLAS GEMM per expert over all cap rows)")
+    b.add_argument("--sms", type=words, default=("all", "24"),
+                   help="SM budgets of the peer kernels, comma-separated (default all,24)")
+    b.add_argument("--ref-tokens", type=int, default=8,
+                   help="evenly spaced tokens checked against float64 (plus, on the first token count of each "
+                   "routing, tokens covering every expert)")
     b.add_argument("--plot", default=None, help="PNG of latency vs tokens per rank (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_ep_moe)
 
@@ -35,6 +46,8 @@ def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
     backend, nprocs = backend_and_nprocs(args)
     require_plot(args.plot)
     extra = {} if args.repeats is None else {"repeats": args.repeats}
+    if backend != "cuda" and args.repeats is None:
+        extra["repeats"] = 3  # NOTE: numpy twins: three samples per figure keep the host run short
     shape = dict(CUDA_SHAPE if backend == "cuda" else HOST_SHAPE)
     given = {k: getattr(args, k) for k in shape if getattr(args, k) is not None}
     if backend == "host" and len(given) < len(shape):
@@ -51,8 +64,11 @@ def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
             experts=shape["experts"],
             topk=shape["topk"],
             expert_dim=shape["expert_dim"],
+            routings=args.routing,
+            capacity=args.capacity,
+            gemm=args.gemm,
+            budgets=args.sms,
             seed=args.seed,
-            cap=args.cap,
             ref_tokens=args.ref_tokens,
             json_path=args.json,
             plot_path=args.plot,

@@ -1,13 +1,13 @@
-"""Routing plans of the EP MoE layer: where every (token, k) pair lands, computed on the host.
+"""Routings of the EP MoE layer and what the device layout must make of them, computed on the host.
 
-Pure numpy, shared by the bench and the tests. The static shapes a captured graph needs come from a
-fixed capacity per expert (`cap` rows) and, for the NCCL path, per (source, destination) pair of ranks
-(`capp` rows). Within an expert, rows are in global token order (source rank, then token), so an
-expert's GEMM sees exactly the same rows in the same places whether one rank holds every expert (EP1)
-or each of G ranks holds experts/G of them: the outputs can match byte for byte.
+Pure numpy, shared by the bench and the tests. The layer itself lays the routing out on the device
+(manifests/kernels/ep_moe.cu: dispatch, layout, fanout): the host draws a routing (the router's output),
+sizes the capacity from a declared rule (never from the routing being timed), and predicts what the
+device must report (rows per expert, dropped pairs, bytes that cross NVLink) so the bench can check it.
 
-A production router would compute the positions on the device (a prefix sum over the per-(source,
-expert) counts, exchanged first); here routing is an input, so the host computes them once.
+Positions: within an expert, pairs are in global token order (source rank, then token, then top-k slot),
+so an expert's GEMM sees the same rows in the same places whether one rank holds every expert (EP1) or
+each of G ranks holds experts/G of them. Pairs at positions >= cap are dropped (counted, never silent).
 """
 
 from __future__ import annotations
@@ -18,13 +18,8 @@ import numpy as np
 
 from tray.errors import UsageError
 
-# NOTE: capacities are rounded up to whole 8-row groups: no GEMM needs it, but it keeps cap and capp
-# stable when a different seed moves the largest expert by a row or two.
+# NOTE: capacities are whole 8-row groups: tensor-core GEMM tiles like M % 8 == 0.
 ROW_ALIGN = 8
-
-
-class CapacityError(UsageError):
-    """More rows go to an expert (or from one rank to another) than the capacity given."""
 
 
 @dataclass(frozen=True)
@@ -48,147 +43,118 @@ class Routing:
         return int(self.experts.shape[1])
 
 
-def random_routing(num_tokens: int, num_experts: int, topk: int, seed: int) -> Routing:
-    """Uniformly random distinct experts per token, softmax weights over the k picks rounded to bf16."""
+def random_routing(num_tokens: int, num_experts: int, topk: int, seed: int, skew: float = 0.0) -> Routing:
+    """Distinct experts per token drawn without replacement from a Zipf-like popularity
+    p(e) ~ 1 / (1 + rank(e)) ** skew (skew 0: uniform; the ranks are a seeded permutation, so the hot
+    experts land on any rank), softmax weights over the k picks rounded to bf16."""
     from tray.dtypes import f32_to_bf16_bits
 
     if not 1 <= topk <= num_experts:
         raise UsageError(f"topk must be in 1..experts ({num_experts}), got {topk}")
+    if skew < 0:
+        raise UsageError(f"skew must be >= 0 (0 is uniform), got {skew}")
     rng = np.random.default_rng(seed)
-    keys = rng.random((num_tokens, num_experts), dtype=np.float32)
-    experts = np.argsort(keys, axis=1, kind="stable")[:, :topk].astype(np.int32)
+    popularity = 1.0 / (1.0 + rng.permutation(num_experts)) ** skew
+    # Gumbel top-k: the k largest log p + Gumbel noise are a draw without replacement proportional to p
+    keys = np.log(popularity)[None, :] + rng.gumbel(size=(num_tokens, num_experts))
+    experts = np.argsort(-keys, axis=1, kind="stable")[:, :topk].astype(np.int32)
     logits = rng.standard_normal((num_tokens, topk))
     w = np.exp(logits - logits.max(axis=1, keepdims=True))
     w /= w.sum(axis=1, keepdims=True)
     return Routing(np.ascontiguousarray(experts), f32_to_bf16_bits(w.astype(np.float32)), num_experts)
 
 
-def _round_up(n: int, align: int) -> int:
-    return max(align, -(-n // align) * align)
+def parse_routing(text: str) -> float:
+    """`uniform` -> 0.0, `zipf` -> 1.0, `zipf:S` -> S (the skew of random_routing)."""
+    if text == "uniform":
+        return 0.0
+    if text == "zipf":
+        return 1.0
+    if text.startswith("zipf:"):
+        try:
+            skew = float(text[5:])
+        except ValueError:
+            skew = -1.0
+        if skew >= 0:
+            return skew
+    raise UsageError(f"a routing is 'uniform', 'zipf' or 'zipf:S' with S >= 0, got {text!r}")
+
+
+def capacity(spec: str, world_size: int, tokens_per_rank: int, topk: int, num_experts: int) -> int:
+    """Rows per expert a graph allows. `worst`: every token of every rank may pick the expert
+    (world_size * tokens_per_rank, nothing can drop); a float F: ceil(F * mean rows per expert), rounded
+    up to ROW_ALIGN, at most the worst case (pairs beyond it are dropped and counted)."""
+    worst = world_size * tokens_per_rank
+    if spec == "worst":
+        return worst
+    try:
+        factor = float(spec)
+    except ValueError:
+        factor = -1.0
+    if not factor > 0:
+        raise UsageError(f"--capacity is 'worst' or a positive factor of the mean rows per expert, got {spec!r}")
+    mean = worst * topk / num_experts
+    cap = -(-int(np.ceil(factor * mean)) // ROW_ALIGN) * ROW_ALIGN
+    return int(min(max(cap, ROW_ALIGN), worst))
 
 
 @dataclass(frozen=True)
-class RankInputs:
-    """What one rank's kernels read (all C-contiguous; shapes for T tokens per rank, L = E / G experts).
+class Expected:
+    """What the device layout of `routing` on `world_size` ranks must produce, and what it moves.
 
-    route_expert, route_pos: i32 [T, k]; route_weights: u16 [T, k] (bf16 bits); send_counts: i32 [E];
-    combine_src: i32 [L * cap] (global pair id (src * T + t) * k + kk of each slab row, -1 if unused);
-    pack_row: i32 [T, k] (row of the NCCL send buffer [G][capp] per pair); unpack_row: i32 [G * capp]
-    (slab row of each NCCL receive row, -1 if unused); recv_counts: i32 [G, L] (what dispatch must
-    deliver into this rank's counts).
+    `expert_rows`: i32 [num_experts], rows each expert holds (min(pairs, cap)); `dropped`: i64
+    [world_size], pairs beyond cap at each (owner) rank; `kept`: bool [num_tokens, topk], pairs not
+    dropped; `dispatch_rows`: i64 [world_size], (token, destination) rows each source sends to other
+    ranks (the combine sends as many back); `local_rows`: i64 [world_size], those kept on the source.
     """
 
-    route_expert: np.ndarray
-    route_pos: np.ndarray
-    route_weights: np.ndarray
-    send_counts: np.ndarray
-    combine_src: np.ndarray
-    pack_row: np.ndarray
-    unpack_row: np.ndarray
-    recv_counts: np.ndarray
+    expert_rows: np.ndarray
+    dropped: np.ndarray
+    kept: np.ndarray
+    dispatch_rows: np.ndarray
+    local_rows: np.ndarray
 
 
-@dataclass(frozen=True)
-class EpPlan:
-    """A routing placed on `world_size` ranks of `tokens_per_rank` tokens each.
-
-    `pos`: i32 [num_tokens, topk], the row of each pair within its expert's `cap` rows (global token
-    order); `counts`: i32 [world_size, num_experts], pairs from each source rank to each expert;
-    `capp`: rows per (source, destination) chunk of the NCCL path.
-    """
-
-    routing: Routing
-    world_size: int
-    tokens_per_rank: int
-    cap: int
-    capp: int
-    pos: np.ndarray
-    counts: np.ndarray
-
-    @property
-    def local_experts(self) -> int:
-        return self.routing.num_experts // self.world_size
-
-    def rank_inputs(self, rank: int) -> RankInputs:
-        """The index arrays rank `rank` uploads (see RankInputs)."""
-        G, T, k, L = self.world_size, self.tokens_per_rank, self.routing.topk, self.local_experts
-        cap, capp = self.cap, self.capp
-        rows = slice(rank * T, (rank + 1) * T)
-        experts = self.routing.experts
-        owner = experts // L  # [N, k] destination rank of every pair
-        slab_row = (experts % L) * cap + self.pos  # [N, k] row in the owner's slab
-
-        combine_src = np.full(L * cap, -1, np.int32)
-        mine = owner == rank
-        combine_src[slab_row[mine]] = np.flatnonzero(mine.reshape(-1)).astype(np.int32)
-
-        # NCCL path: source s sends its pairs for destination p in its (t, k) order, as rows p * capp + j.
-        order_in_chunk = _rank_within(owner.reshape(G, T * k))  # [G, T*k]
-        pack_row = (owner[rows].reshape(-1) * capp + order_in_chunk[rank]).astype(np.int32).reshape(T, k)
-        unpack_row = np.full(G * capp, -1, np.int32)
-        to_me = owner.reshape(G, T * k) == rank
-        for s in range(G):
-            j = order_in_chunk[s][to_me[s]]
-            unpack_row[s * capp + j] = slab_row.reshape(G, T * k)[s][to_me[s]]
-        return RankInputs(
-            route_expert=np.ascontiguousarray(experts[rows]),
-            route_pos=np.ascontiguousarray(self.pos[rows]),
-            route_weights=np.ascontiguousarray(self.routing.weights[rows]),
-            send_counts=np.ascontiguousarray(self.counts[rank]),
-            combine_src=combine_src,
-            pack_row=np.ascontiguousarray(pack_row),
-            unpack_row=unpack_row,
-            recv_counts=np.ascontiguousarray(self.counts[:, rank * L : (rank + 1) * L]),
-        )
-
-
-def _rank_within(owner: np.ndarray) -> np.ndarray:
-    """For each row of `owner` (i32 [G, n]), the index of every element among the earlier elements
-    with the same value (0, 1, 2... per value, in order)."""
-    out = np.empty_like(owner)
-    for s in range(owner.shape[0]):
-        row = owner[s]
-        order = np.argsort(row, kind="stable")
-        sorted_vals = row[order]
-        starts = np.searchsorted(sorted_vals, sorted_vals, side="left")
-        out[s][order] = np.arange(row.size) - starts
-    return out
-
-
-def plan_ep(routing: Routing, world_size: int, cap: int | None = None, capp: int | None = None) -> EpPlan:
-    """Place `routing` on `world_size` ranks (num_tokens = world_size * tokens_per_rank).
-
-    `cap` / `capp` default to the smallest capacity that fits, rounded up to ROW_ALIGN rows. Raises
-    CapacityError naming the expert (or rank pair) when a given capacity is too small, UsageError
-    when the experts or tokens do not divide over the ranks.
-    """
-    G, E, k, N = world_size, routing.num_experts, routing.topk, routing.num_tokens
+def expected(routing: Routing, world_size: int, cap: int) -> Expected:
+    """Raises UsageError when experts or tokens do not divide over the ranks."""
+    G, E, N, k = world_size, routing.num_experts, routing.num_tokens, routing.topk
     if G < 1 or E % G or N % G:
-        raise UsageError(f"{E} experts and {N} tokens must divide evenly over {G} ranks")
+        raise UsageError(f"{E} experts and {N} tokens must divide over {G} ranks")
     T, L = N // G, E // G
-    flat = routing.experts.reshape(-1)
-    order = np.argsort(flat, kind="stable")  # pairs grouped by expert, global (token, k) order inside
-    expert_rows = np.bincount(flat, minlength=E)
-    starts = np.concatenate([[0], np.cumsum(expert_rows)[:-1]])
+    flat = routing.experts.reshape(-1).astype(np.int64)
+    order = np.argsort(flat, kind="stable")  # pairs by expert, global (token, slot) order inside
+    per_expert = np.bincount(flat, minlength=E)
+    starts = np.concatenate([[0], np.cumsum(per_expert)[:-1]])
     pos = np.empty(flat.size, np.int64)
     pos[order] = np.arange(flat.size) - starts[flat[order]]
-    need = int(expert_rows.max()) if flat.size else 0
-    if cap is None:
-        cap = _round_up(need, ROW_ALIGN)
-    elif need > cap:
-        e = int(expert_rows.argmax())
-        raise CapacityError(
-            f"expert {e} receives {need} rows, more than cap {cap}; raise --cap (or leave it "
-            "out: the bench sizes it from the routing)"
-        )
-    src = np.repeat(np.arange(G), T * k)
-    counts = np.zeros((G, E), np.int32)
-    np.add.at(counts, (src, flat), 1)
-    chunk = counts.reshape(G, G, L).sum(axis=2)  # [source, destination] pairs
-    need_p = int(chunk.max()) if chunk.size else 0
-    if capp is None:
-        capp = _round_up(need_p, ROW_ALIGN)
-    elif need_p > capp:
-        s, p = np.unravel_index(int(chunk.argmax()), chunk.shape)
-        raise CapacityError(f"rank {s} sends {need_p} rows to rank {p}, more than capp {capp}")
-    return EpPlan(routing, G, T, int(cap), int(capp), pos.astype(np.int32).reshape(N, k), counts)
+    over = np.maximum(per_expert - cap, 0)
+    hit = np.zeros((N, G), bool)
+    hit[np.repeat(np.arange(N), k), flat // L] = True
+    src = np.arange(N) // T
+    own = hit[np.arange(N), src]
+    return Expected(
+        expert_rows=np.minimum(per_expert, cap).astype(np.int32),
+        dropped=over.reshape(G, L).sum(axis=1),
+        kept=(pos < cap).reshape(N, k),
+        dispatch_rows=np.bincount(src, weights=hit.sum(axis=1) - own, minlength=G).astype(np.int64),
+        local_rows=np.bincount(src, weights=own, minlength=G).astype(np.int64),
+    )
+
+
+def reference_tokens(routing: Routing, kept: np.ndarray, extra: int, cover: bool = True) -> list[int]:
+    """`extra` evenly spaced tokens, and with `cover` tokens whose float64 reference covers every expert
+    that keeps a pair (the first token of each expert not yet covered, in expert order).
+    `kept`: bool [num_tokens, topk], the pairs the capacity keeps."""
+    chosen: set[int] = set()
+    covered = np.zeros(routing.num_experts, bool)
+    for e in range(routing.num_experts if cover else 0):
+        if covered[e]:
+            continue
+        tokens = np.nonzero((routing.experts == e) & kept)[0]
+        if tokens.size:
+            t = int(tokens[0])
+            chosen.add(t)
+            covered[routing.experts[t][kept[t]]] = True
+    n = routing.num_tokens
+    chosen.update(int(i) for i in np.linspace(0, n - 1, min(extra, n)).round())
+    return sorted(chosen)

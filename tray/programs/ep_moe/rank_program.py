@@ -1,10 +1,13 @@
-"""The rank side of `tray bench ep-moe`: run as `python -m tray.programs.ep_moe.rank_program CONFIG` inside a tray
-launched with manifests/ep_moe.json (the bench, tray/programs/ep_moe/bench.py, writes CONFIG and the index arrays).
+"""The rank side of `tray bench ep-moe`: run as `python -m tray.programs.ep_moe.rank_program CONFIG` inside a
+tray launched with manifests/ep_moe.json (the bench, tray/programs/ep_moe/bench.py, writes CONFIG and each
+rank's routing).
 
-Per token count: upload the plan's index arrays, run the peer path, then the NCCL path, eagerly, and save
-the outputs (the head compares them with EP1 byte for byte); then time each phase captured. A 1-rank
-tray is EP1: it runs the peer path only (dispatch is then a local copy) and checks a subset of its rows
-against a float64 reference computed here from the weights read back from the device.
+Per run (token count, routing): upload the router's output (topk_idx, topk_w) and the tokens, run the
+layer eagerly over peer buffers and over NCCL, check what the device layout reports (rows per expert,
+dropped pairs, bad ids) against the head's prediction, save the outputs (the head compares them with
+EP1 byte for byte); then time every phase captured, at each SM budget; then replay the captured layer
+once more and check its output equals the eager one. A 1-rank tray is EP1: the same programs (the
+dispatch is a local copy), no NCCL path, plus a float64 reference of sampled tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ FILL_BLOCK = 256
 # NOTE: grid-stride kernels: enough blocks to fill any GPU, bounded so tiny launches stay tiny.
 MAX_FILL_GRID = 16384
 SEED_X, SEED_W13, SEED_W2 = 1, 2, 3
+# NOTE: threads per block of the data-movement kernels (their __launch_bounds__): with `blocks` blocks a
+# launch occupies at most `blocks` SMs, so blocks is the SM budget.
+MOVE_THREADS = 512
 
 
 def nan_rows(bits: np.ndarray) -> int:
@@ -38,6 +44,18 @@ def fill_scale(amplitude: float) -> float:
     return amplitude / float(1 << 23)
 
 
+def sm_count(rank: Any, backend_kind: str) -> int:
+    """Streaming multiprocessors of this rank's GPU (1 on the host backend, where grids mean nothing)."""
+    if backend_kind != "cuda":
+        return 1
+    from tray.backend.cuda import driver
+
+    return driver.device_attribute(rank.backend.device, "MULTIPROCESSOR_COUNT")
+
+
+Steps = list[tuple[str, dict[str, int]]]
+
+
 class MoeRank:
     """One rank's view of the layer: buffers, fills, programs, checks and timings."""
 
@@ -45,41 +63,23 @@ class MoeRank:
         self.rank = rank
         self.cfg = cfg
         self.backend = rank.backend
-        self.G = rank.world_size
+        self.world = rank.world_size
         self.me = rank.rank
-        self.H, self.E, self.K, self.F = cfg["hidden"], cfg["experts"], cfg["topk"], cfg["ffn"]
-        self.L = self.E // self.G
-        self.ep1 = self.G == 1
+        self.hidden, self.experts, self.topk, self.ffn = cfg["hidden"], cfg["experts"], cfg["topk"], cfg["ffn"]
+        self.local = self.experts // self.world
+        self.groups = cfg["groups"]
+        self.ep1 = self.world == 1
+        self.sms = sm_count(rank, cfg["backend"])
 
     # --- device setup ---------------------------------------------------------------------------------------
     def launch(self, kernel: str, total: int, args: list[Any]) -> None:
         grid = max(1, min(MAX_FILL_GRID, math.ceil(total / FILL_BLOCK)))
         self.rank.kernel(kernel).launch((grid, 1, 1), (FILL_BLOCK, 1, 1), args)
 
-    def fill(
-        self,
-        buffer: str,
-        rows: int,
-        cols: int,
-        row_stride: int,
-        rank_stride: int,
-        seed: int,
-        amplitude: float,
-    ) -> None:
+    def fill(self, buffer: str, rows: int, cols: int, rank_stride: int, seed: int, amplitude: float) -> None:
+        ptr = self.rank.buffer(buffer).ptr
         self.launch(
-            "ep_fill",
-            rows * cols,
-            [
-                self.rank.buffer(buffer).ptr,
-                rows,
-                cols,
-                row_stride,
-                0,
-                self.me,
-                rank_stride,
-                seed,
-                fill_scale(amplitude),
-            ],
+            "ep_fill", rows * cols, [ptr, rows, cols, cols, 0, self.me, rank_stride, seed, fill_scale(amplitude)]
         )
 
     def words(self, buffer: str, value: int, nbytes: int | None = None) -> None:
@@ -89,10 +89,10 @@ class MoeRank:
 
     def fill_weights(self) -> None:
         """w13 [L][2F][H] and w2 [L][H][F] of the global experts me*L .. me*L+L-1."""
-        H, F, L = self.H, self.F, self.L
+        H, F, L = self.hidden, self.ffn, self.local
         seed = self.cfg["seed"]
-        self.fill("w13", L * 2 * F, H, H, L * 2 * F * H, seed * 8 + SEED_W13, 6.0 / math.sqrt(H))
-        self.fill("w2", L * H, F, F, L * H * F, seed * 8 + SEED_W2, 3.0 / math.sqrt(F))
+        self.fill("w13", L * 2 * F, H, L * 2 * F * H, seed * 8 + SEED_W13, 6.0 / math.sqrt(H))
+        self.fill("w2", L * H, F, L * H * F, seed * 8 + SEED_W2, 3.0 / math.sqrt(F))
 
     def warm(self) -> None:
         """Load every kernel and make the cuBLAS handle before any barrier: first-use costs differ per
@@ -100,106 +100,142 @@ class MoeRank:
         for k in self.rank.manifest.kernels:
             self.rank.kernel(k.name)
         h13, slab, w13 = (self.rank.buffer(n) for n in ("h13", "slab", "w13"))
-        self.backend.gemm(slab.ptr, w13.ptr, h13.ptr, min(8, h13.shape[0]), 2 * self.F, self.H, "bf16")
+        self.backend.gemm(slab.ptr, w13.ptr, h13.ptr, min(8, h13.shape[0]), 2 * self.ffn, self.hidden, "bf16")
         self.backend.synchronize()
 
-    # --- one token count ------------------------------------------------------------------------------------
+    # --- one run --------------------------------------------------------------------------------------------
     def upload(self, tokens: int, inputs: dict[str, np.ndarray]) -> None:
-        for name, key in (
-            ("route_expert", "route_expert"),
-            ("route_pos", "route_pos"),
-            ("route_w", "route_weights"),
-            ("send_counts", "send_counts"),
-            ("combine_src", "combine_src"),
-            ("pack_row", "pack_row"),
-            ("unpack_row", "unpack_row"),
-        ):
-            if key in inputs:  # EP1 has no NCCL path, so no pack/unpack rows
-                self.rank.write(name, np.ascontiguousarray(inputs[key]))
-        self.fill_x(tokens)
-        self.words("slab", 0)  # unused slab rows are zero
+        """The router's output and this rank's tokens (global token index me * tokens + t, so EP1's
+        tokens are EP-N's in rank order)."""
+        self.rank.write("topk_idx", np.ascontiguousarray(inputs["topk_idx"]))
+        self.rank.write("topk_w", np.ascontiguousarray(inputs["topk_w"]))
+        self.fill("x", tokens, self.hidden, tokens * self.hidden, self.cfg["seed"] * 8 + SEED_X, 1.0)
         self.words("err", 0)
         self.backend.synchronize()
 
-    def fill_x(self, tokens: int) -> None:
-        H = self.H
-        self.fill("x", tokens, H, H, tokens * H, self.cfg["seed"] * 8 + SEED_X, 1.0)
-
-    def programs(self, v: dict[str, int]) -> dict[str, list[tuple[str, dict[str, int]]]]:
-        experts = [("expert", {**v, "e": e}) for e in range(self.L)]
+    def programs(self, v: dict[str, int]) -> dict[str, Steps]:
+        """name -> programs, for the run vars `v` (tokens, cap, blocks, threads)."""
+        experts: Steps = [("expert", {**v, "e": e}) for e in range(self.local)]
+        arrive: Steps = [("dispatch", v), ("layout", v), ("fanout", v)]
         out = {
-            "dispatch": [("dispatch", v)],
+            "dispatch": arrive,
+            "dispatch_send": [("dispatch", v)],
+            "layout": [("layout", v)],
+            "fanout": [("fanout", v)],
             "experts": experts,
             "combine": [("combine", v)],
             "reduce": [("reduce", v)],
-            "layer": [("dispatch", v), *experts, ("combine", v), ("reduce", v)],
+            "layer": [*arrive, *experts, ("combine", v), ("reduce", v)],
         }
         if not self.ep1:
+            arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), ("fanout", v)]
             out.update(
                 {
-                    "dispatch_nccl": [("dispatch_nccl", v)],
+                    "dispatch_nccl": arrive_nccl,
                     "combine_nccl": [("combine_nccl", v)],
-                    "layer_nccl": [("dispatch_nccl", v), *experts, ("combine_nccl", v), ("reduce", v)],
+                    "layer_nccl": [*arrive_nccl, *experts, ("combine_nccl", v), ("reduce", v)],
                     "ceiling": [("ceiling", v)],
                 }
             )
         return out
 
-    def run(self, steps: list[tuple[str, dict[str, int]]]) -> None:
+    def budget_vars(self, run: dict[str, Any], sms: int) -> dict[str, int]:
+        """Run vars: tokens, cap and the layout chunk from the head, and the SM budget."""
+        return {
+            "tokens": run["tokens"],
+            "cap": run["cap"],
+            "chunk": run["chunk"],
+            "blocks": sms,
+            "threads": MOVE_THREADS,
+        }
+
+    def run(self, steps: Steps) -> None:
         for program, v in steps:
             self.rank.run(program, v)
 
-    def checked_run(self, tokens: int, steps: list[tuple[str, dict[str, int]]]) -> np.ndarray:
-        """Poison out and comb, run, return out's first `tokens` rows (u16)."""
-        T, K, H = tokens, self.K, self.H
-        self.words("out", POISON_WORD, T * H * 2)
-        self.words("comb", POISON_WORD, T * K * H * 2)
+    def poison(self, tokens: int) -> None:
+        self.words("out", POISON_WORD, tokens * self.hidden * 2)
+        self.words("comb", POISON_WORD, self.groups * tokens * self.hidden * 2)
+
+    def read_out(self, tokens: int) -> np.ndarray:
+        return self.rank.read("out").view(np.uint16).reshape(-1, self.hidden)[:tokens].copy()
+
+    def checked_run(self, tokens: int, steps: Steps) -> tuple[np.ndarray, list[int]]:
+        """Poison out and comb, zero err, run, return (out's first `tokens` rows as u16, err words)."""
+        self.poison(tokens)
+        self.words("err", 0)
         self.run(steps)
         self.rank.synchronize()
-        return self.rank.read("out").view(np.uint16).reshape(-1, H)[:T].copy()
+        return self.read_out(tokens), [int(w) for w in self.rank.read("err")]
 
     def check(
-        self, tokens: int, inputs: dict[str, np.ndarray], v: dict[str, int], out_dir: Path, label: int
-    ) -> dict[str, Any]:
-        """Run both paths eagerly; save the outputs as T{label}_*.npy (label: tokens per rank of EP-N)."""
+        self, tokens: int, inputs: dict[str, np.ndarray], v: dict[str, int], out_dir: Path, label: str
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Run both paths eagerly; save the outputs as {label}_*.npy. Returns (checks, outputs)."""
         progs = self.programs(v)
         checks: dict[str, Any] = {}
-        peer = self.checked_run(tokens, progs["layer"])
-        err = [int(w) for w in self.rank.read("err")]
-        counts = self.rank.read("recv_counts").reshape(self.G, self.L)
-        checks["err_words"] = err
-        checks["recv_counts_ok"] = bool(np.array_equal(counts, inputs["recv_counts"]))
-        checks["peer_nan_rows"] = nan_rows(peer)
-        tag = "ep1" if self.ep1 else f"peer_r{self.me}"
-        np.save(out_dir / f"T{label}_{tag}.npy", peer)
+        outputs: dict[str, np.ndarray] = {}
+        want_err = [2 if int(inputs["dropped"]) else 0, 0, int(inputs["dropped"]), 0]
+        paths = ["peer"] if self.ep1 else ["peer", "nccl"]
+        for path in paths:
+            out, err = self.checked_run(tokens, progs["layer" if path == "peer" else "layer_nccl"])
+            rows = self.rank.read("expert_rows")
+            checks[f"{path}_err_words"] = err
+            checks[f"{path}_err_ok"] = err == want_err
+            checks[f"{path}_expert_rows_ok"] = bool(np.array_equal(rows, inputs["expert_rows"]))
+            checks[f"{path}_nan_rows"] = nan_rows(out)
+            outputs[path] = out
+            tag = "ep1" if self.ep1 else f"{path}_r{self.me}"
+            np.save(out_dir / f"{label}_{tag}.npy", out)
         if not self.ep1:
-            self.words("slab", 0)  # the NCCL path must deliver every row itself
-            nccl = self.checked_run(tokens, progs["layer_nccl"])
-            checks["nccl_nan_rows"] = nan_rows(nccl)
-            checks["nccl_equals_peer"] = bool(np.array_equal(nccl, peer))
-            np.save(out_dir / f"T{label}_nccl_r{self.me}.npy", nccl)
-        return checks
+            checks["nccl_equals_peer"] = bool(np.array_equal(outputs["nccl"], outputs["peer"]))
+        return checks, outputs
 
-    def timings(self, sampler: Any, v: dict[str, int]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, steps in self.programs(v).items():
-            out[name] = sampler.us_per_call(lambda steps=steps: self.run(steps))
-        if not self.ep1:
-            out["ceiling_ce"] = self.copy_engine_ceiling(sampler, v)
+    def replayed_equal(self, tokens: int, steps: Steps, eager: np.ndarray) -> bool:
+        """Capture `steps`, poison the outputs, replay the graph once: does out equal the eager run's?"""
+        self.run(steps)  # eagerly once: plans and handles are built outside the capture
+        self.rank.synchronize()
+        graph = self.backend.capture(lambda: self.run(steps))
+        try:
+            self.poison(tokens)
+            self.rank.synchronize()
+            self.rank.barrier_of("world").launch()
+            graph.replay()
+            self.rank.synchronize()
+        finally:
+            graph.close()
+        return bool(np.array_equal(self.read_out(tokens), eager))
+
+    def timings(self, sampler: Any, run: dict[str, Any], budgets: list[int]) -> dict[str, dict[str, float]]:
+        """{"sm<N>": {program: us}} for each SM budget N (the first budget also times the NCCL path)."""
+        out: dict[str, dict[str, float]] = {}
+        for i, sms in enumerate(budgets):
+            v = self.budget_vars(run, sms)
+            figures: dict[str, float] = {}
+            for name, steps in self.programs(v).items():
+                if i > 0 and (name.endswith("_nccl") or name in ("experts", "reduce")):
+                    continue  # no SM budget applies: cuBLAS, NCCL, and the local reduce
+                t0 = time.perf_counter()
+                figures[name] = sampler.us_per_call(lambda steps=steps: self.run(steps))
+                print(f"  {name} at {sms} SMs: {figures[name]:.1f} us ({time.perf_counter() - t0:.2f} s)", flush=True)
+            if not self.ep1:
+                figures["ceiling_ce"] = self.copy_engine_ceiling(sampler, run["tokens"]) if i == 0 else float("nan")
+            out[f"sm{v['blocks']}"] = figures
         return out
 
-    def copy_engine_ceiling(self, sampler: Any, v: dict[str, int]) -> float:
-        """The ceiling's bytes moved by the copy engines (backend.copy into each peer's mapping) + barrier."""
-        rows_per_peer = v["tokens"] * self.K // self.G
-        chunk = rows_per_peer * self.H * 2
-        src = self.rank.buffer("comb").ptr
+    def copy_engine_ceiling(self, sampler: Any, tokens: int) -> float:
+        """The ceiling's bytes (tokens rows to every other rank, all ranks at once) moved by the copy
+        engines (backend.copy into each peer's mapping), then a barrier."""
+        chunk = tokens * self.hidden * 2
+        src = self.rank.buffer("send").ptr
         dst = self.rank.peers("ceil_dst").ptrs
         barrier = self.rank.barrier_of("world")
         me = self.rank.group("world").index
 
         def body() -> None:
-            for g in range(self.G):
-                self.backend.copy(dst[g] + me * chunk, src + g * chunk, chunk)
+            for i in range(1, self.world):
+                g = (me + i) % self.world
+                self.backend.copy(dst[g] + me * chunk, src + (i - 1) * chunk, chunk)
             barrier.launch()
 
         try:
@@ -210,44 +246,44 @@ class MoeRank:
 
     # --- EP1 only: float64 reference ---------------------------------------------------------------------
     def reference(self, tokens: int, inputs: dict[str, np.ndarray], ref_tokens: list[int]) -> dict[str, Any]:
-        """Rows `ref_tokens` of EP1's output against float64 on the same bf16 inputs and weights."""
-        import ml_dtypes
+        """Rows `ref_tokens` of EP1's output against float64 on the same bf16 inputs and weights; pairs the
+        capacity dropped (inputs["kept"] false) contribute nothing, as in the layer."""
+        from tray.dtypes import bf16_bits_to_f32
 
-        from tray.backend.base import numpy_dtype
+        def f64(bits: np.ndarray) -> np.ndarray:  # bf16 bits -> float64, exact (via float32: a bit shift)
+            return bf16_bits_to_f32(bits).astype(np.float64)
 
-        bf16 = numpy_dtype("bf16")
-        H, F = self.H, self.F
-        x = self.rank.read("x")[:tokens]
-        out = self.rank.read("out")[:tokens]
-        experts = inputs["route_expert"]
-        weights = inputs["route_weights"].view(ml_dtypes.bfloat16).astype(np.float64)
-        w13 = self.rank.buffer("w13")
-        w2 = self.rank.buffer("w2")
+        H, F = self.hidden, self.ffn
+        x = self.rank.read("x").view(np.uint16).reshape(-1, H)[:tokens]
+        out = self.rank.read("out").view(np.uint16).reshape(-1, H)[:tokens]
+        experts, kept = inputs["topk_idx"], inputs["kept"]
+        weights = f64(inputs["topk_w"])
+        w13, w2 = self.rank.buffer("w13"), self.rank.buffer("w2")
         ref = np.zeros((len(ref_tokens), H))
         by_expert: dict[int, list[tuple[int, int]]] = {}
         for i, t in enumerate(ref_tokens):
-            for k in range(self.K):
-                by_expert.setdefault(int(experts[t, k]), []).append((i, k))
+            for k in range(self.topk):
+                if kept[t, k]:
+                    by_expert.setdefault(int(experts[t, k]), []).append((i, k))
         for e, uses in sorted(by_expert.items()):
-            a = self.backend.read(w13.ptr + e * 2 * F * H * 2, 2 * F * H * 2).view(bf16).reshape(2 * F, H)
-            b = self.backend.read(w2.ptr + e * H * F * 2, H * F * 2).view(bf16).reshape(H, F)
-            rows = [i for i, _ in uses]
-            xs = x[[ref_tokens[i] for i in rows]].astype(np.float64)
-            h = xs @ a.astype(np.float64).T
+            a = f64(self.backend.read(w13.ptr + e * 2 * F * H * 2, 2 * F * H * 2).view(np.uint16).reshape(2 * F, H))
+            b = f64(self.backend.read(w2.ptr + e * H * F * 2, H * F * 2).view(np.uint16).reshape(H, F))
+            xs = f64(x[[ref_tokens[i] for i, _ in uses]])
+            h = xs @ a.T
             g, u = h[:, :F], h[:, F:]
             with np.errstate(all="ignore"):
                 act = g / (1.0 + np.exp(-g)) * u
-            y = act @ b.astype(np.float64).T
+            y = act @ b.T
             for j, (i, k) in enumerate(uses):
                 ref[i] += weights[ref_tokens[i], k] * y[j]
-        got = out[ref_tokens].astype(np.float64)
+        got = f64(out[ref_tokens])
         rel = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
         finite = bool(np.isfinite(got).all())
         return {
-            "ref_tokens": ref_tokens,
+            "ref_tokens": len(ref_tokens),
             "rel_err": rel if finite else float("nan"),
             "finite": finite,
-            "experts_read": len(by_expert),
+            "experts_covered": len(by_expert),
         }
 
 
@@ -270,30 +306,41 @@ def main(argv: list[str]) -> int:
         from tray.bench.timing import Sampler
 
         sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"])
+        # NOTE: a budget above the GPU's SM count is the whole GPU: the same figure, taken once
+        budgets = list(dict.fromkeys(min(moe.sms, moe.sms if b == "all" else int(b)) for b in cfg["budgets"]))
         results: dict[str, Any] = {
             "rank": rank.rank,
             "world_size": rank.world_size,
             "setup_s": setup_s,
             "device": rank.backend.info.name,
+            "sms": moe.sms,
             "runs": [],
         }
+        tag = "ep1" if moe.ep1 else f"r{rank.rank}"
         for run in cfg["runs"]:
-            tokens = run["tokens"]
-            tag = "ep1" if moe.ep1 else f"r{rank.rank}"
+            tokens, cap, label = run["tokens"], run["cap"], run["label"]
+            t_run = time.perf_counter()
             inputs = dict(np.load(Path(run["inputs"]) / f"{tag}.npz"))
-            v = {"tokens": tokens, "cap": run["cap"], "capp": run["capp"]}
+            v = moe.budget_vars(run, budgets[0])
             moe.upload(tokens, inputs)
-            rank.exchange("ep.uploaded", tokens)
-            entry: dict[str, Any] = {"tokens": tokens, "cap": run["cap"], "capp": run["capp"]}
-            entry["checks"] = moe.check(tokens, inputs, v, out_dir, run["label"])
-            rank.exchange("ep.checked", tokens)
-            entry["us"] = moe.timings(sampler, v)
+            rank.exchange("ep.uploaded", label)
+            entry: dict[str, Any] = {"label": label, "tokens": tokens, "cap": cap}
+            entry["checks"], eager = moe.check(tokens, inputs, v, out_dir, label)
+            rank.exchange("ep.checked", label)
+            print(f"{label}: checked ({time.perf_counter() - t_run:.1f} s)", flush=True)
+            entry["us"] = moe.timings(sampler, run, budgets)
+            rank.exchange("ep.timed", label)
+            print(f"{label}: timed ({time.perf_counter() - t_run:.1f} s)", flush=True)
+            progs = moe.programs(v)
+            for path, name in (("peer", "layer"), ("nccl", "layer_nccl")):
+                if path in eager:
+                    entry["checks"][f"{path}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[path])
             if moe.ep1 and run.get("ref_tokens"):
                 entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"])
-            rank.exchange("ep.timed", tokens)
+            rank.exchange("ep.done", label)
             results["runs"].append(entry)
-            print(f"T={tokens}: layer {entry['us']['layer']:.1f} us", flush=True)
-        (out_dir / f"result_{'ep1' if moe.ep1 else rank.rank}.json").write_text(json.dumps(results, indent=1))
+            print(f"{label}: done ({time.perf_counter() - t_run:.1f} s)", flush=True)
+        (out_dir / f"result_{tag}.json").write_text(json.dumps(results, indent=1))
     return 0
 
 

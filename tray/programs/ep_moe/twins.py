@@ -3,8 +3,8 @@
 Each twin computes the bytes its CUDA kernel writes: copies for the data movement, and for the math the
 same float32 operations in the same order (numpy float32 ufuncs round to nearest even per operation and
 never fuse a multiply with an add, like the kernels' __fmul_rn/__fadd_rn). The pure functions here
-(`silu_mul_f32`, `fill_bits`, `reduce_bits`) are the
-specification the tests and benches check against.
+(`silu_mul_f32`, `fill_bits`, `reduce_groups_bits`, `route_rows`,
+`pack_routing`) are the specification the tests and benches check against.
 """
 
 from __future__ import annotations
@@ -75,15 +75,27 @@ def silu_mul_bits(h13_bits: np.ndarray, ffn: int) -> np.ndarray:
     return f32_to_bf16_bits(silu_mul_f32(f[:, :ffn], f[:, ffn:]))
 
 
-def reduce_bits(comb_bits: np.ndarray, weight_bits: np.ndarray) -> np.ndarray:
-    """`ep_reduce`: u16 [tokens, topk, hidden] and u16 [tokens, topk] -> u16 [tokens, hidden]."""
+def reduce_groups_bits(comb_bits: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """`ep_reduce`: u16 [groups, tokens, hidden] and bool [tokens, groups] (token t uses group q) ->
+    u16 [tokens, hidden], the float32 sum over the used groups in ascending order, rounded once."""
     comb = bf16_bits_to_f32(comb_bits)
-    w = bf16_bits_to_f32(weight_bits)
-    acc = np.zeros((comb.shape[0], comb.shape[2]), _F32)
+    acc = np.zeros(comb.shape[1:], _F32)
     with np.errstate(all="ignore"):
-        for k in range(comb.shape[1]):
-            acc = acc + w[:, k, None] * comb[:, k, :]
+        for q in range(comb.shape[0]):
+            m = used[:, q]
+            acc[m] = acc[m] + comb[q][m]
     return f32_to_bf16_bits(acc)
+
+
+def groups_used(experts: np.ndarray, num_experts: int, groups: int) -> np.ndarray:
+    """bool [tokens, groups]: token t has a valid expert e (0 <= e < num_experts) of group
+    e // (num_experts // groups). `experts`: i32 [tokens, topk]."""
+    e = np.asarray(experts, np.int64)
+    valid = (e >= 0) & (e < num_experts)
+    used = np.zeros((e.shape[0], groups), bool)
+    rows, cols = np.nonzero(valid)
+    used[rows, e[rows, cols] // (num_experts // groups)] = True
+    return used
 
 
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -122,17 +134,54 @@ def fill_bits(
 # --- the twins ---------------------------------------------------------------------------------------------
 
 
+NO_EXPERT = 0xFFFF
+
+
+def pack_routing(experts: np.ndarray, weight_bits: np.ndarray, num_experts: int) -> np.ndarray:
+    """The routing words ep_dispatch sends: u32 (weight bits << 16) | expert id, NO_EXPERT for an id out
+    of range. `experts`: i32 [...]; `weight_bits`: u16 [...] (bf16) of the same shape."""
+    e = np.asarray(experts, np.int64)
+    ids = np.where((e < 0) | (e >= num_experts), NO_EXPERT, e).astype(np.uint32)
+    return (np.asarray(weight_bits, np.uint32) << np.uint32(16)) | ids
+
+
+def layout_chunks(num_tokens: int, chunk: int) -> int:
+    """Rows of the layout kernels' counts/base arrays for `num_tokens` received tokens, `chunk` per row."""
+    return -(-num_tokens // chunk)
+
+
+def route_rows(meta: np.ndarray, lo: int, local: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slab rows of the routing words `meta` (u32 [num_tokens, topk], global token order) for experts
+    lo .. lo + local - 1: (i32 [num_tokens, topk] el * cap + position or -1, i64 [local] pairs per expert
+    before the cap). Positions count in global token order, then top-k slot order."""
+    e = (np.asarray(meta, np.uint32) & np.uint32(0xFFFF)).astype(np.int64).reshape(-1)
+    el = e - lo
+    mine = (el >= 0) & (el < local) & (e != NO_EXPERT)
+    rows = np.full(e.size, -1, np.int32)
+    idx = np.flatnonzero(mine)
+    keys = el[idx]
+    order = np.argsort(keys, kind="stable")
+    totals = np.bincount(keys, minlength=local)
+    starts = np.concatenate([[0], np.cumsum(totals)[:-1]])
+    pos = np.empty(idx.size, np.int64)
+    pos[order] = np.arange(idx.size) - starts[keys[order]]
+    keep = pos < cap
+    rows[idx[keep]] = (keys[keep] * cap + pos[keep]).astype(np.int32)
+    return rows.reshape(np.shape(meta)), totals
+
+
 @twin("ep_dispatch")
 def ep_dispatch(
     backend: Any,
     grid: Any,
     block: Any,
     x: int,
-    route_expert: int,
-    route_pos: int,
-    slab_peers: int,
-    count_peers: int,
-    send_counts: int,
+    topk_idx: int,
+    topk_w: int,
+    recv_peers: int,
+    meta_peers: int,
+    send: int,
+    send_meta: int,
     err: int,
     tokens: int,
     topk: int,
@@ -140,26 +189,137 @@ def ep_dispatch(
     experts: int,
     G: int,
     me: int,
-    cap: int,
 ) -> None:
-    local = experts // G
-    xs = _rows(x, tokens, hidden)
-    ex = _at(route_expert, tokens * topk, np.int32)
-    pos = _at(route_pos, tokens * topk, np.int32)
-    slabs = [_rows(int(p), local * cap, hidden) for p in u64_at(slab_peers, G)]
-    counts = [_at(int(p), G * local, np.int32) for p in u64_at(count_peers, G)]
-    sent = _at(send_counts, experts, np.int32)
-    for e in range(experts):
-        counts[e // local][me * local + e % local] = sent[e]
-    bad = (ex < 0) | (ex >= experts) | (pos < 0) | (pos >= cap)
-    if bad.any():
+    words = tokens * topk
+    idx = _at(topk_idx, words, np.int32)
+    bad = int(((idx < 0) | (idx >= experts)).sum())
+    if bad:
         errs = _at(err, 4, np.uint32)
         errs[0] |= 1
-        errs[1] += int(bad.sum())
-    for p in np.flatnonzero(~bad):
-        e = int(ex[p])
-        g, el = divmod(e, local)
-        slabs[g][el * cap + int(pos[p])] = xs[p // topk]
+        errs[1] += bad
+    packed = pack_routing(idx, _at(topk_w, words, np.uint16), experts)
+    xs = _rows(x, tokens, hidden)
+    local = experts // G
+    idx2 = idx.reshape(tokens, topk).astype(np.int64)
+    for g in range(G):
+        hit = ((idx2 >= g * local) & (idx2 < (g + 1) * local)).any(axis=1)
+        if send_meta:
+            _at(send_meta, G * words, np.uint32)[g * words : (g + 1) * words] = packed
+        else:
+            _at(int(u64_at(meta_peers, G)[g]) + me * words * 4, words, np.uint32)[:] = packed
+        if send:
+            dst = _rows(send + g * tokens * hidden * 2, tokens, hidden)
+        else:
+            dst = _rows(int(u64_at(recv_peers, G)[g]) + me * tokens * hidden * 2, tokens, hidden)
+        dst[hit] = xs[hit]
+
+
+@twin("ep_layout_count")
+def ep_layout_count(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    meta: int,
+    counts: int,
+    tokens: int,
+    topk: int,
+    experts: int,
+    G: int,
+    me: int,
+    chunk: int,
+) -> None:
+    local, n = experts // G, G * tokens
+    chunks = layout_chunks(n, chunk)
+    e = (_at(meta, n * topk, np.uint32) & np.uint32(0xFFFF)).astype(np.int64).reshape(n, topk)
+    el = e - me * local
+    mine = (el >= 0) & (el < local) & (e != NO_EXPERT)
+    chunk = np.repeat(np.arange(n) // chunk, topk).reshape(n, topk)
+    c = np.bincount((chunk * local + el)[mine], minlength=chunks * local)
+    _at(counts, chunks * local, np.int32)[:] = c
+
+
+@twin("ep_layout_scan")
+def ep_layout_scan(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    counts: int,
+    base: int,
+    expert_rows: int,
+    err: int,
+    tokens: int,
+    experts: int,
+    G: int,
+    cap: int,
+    chunk: int,
+) -> None:
+    local = experts // G
+    chunks = layout_chunks(G * tokens, chunk)
+    c = _at(counts, chunks * local, np.int32).reshape(chunks, local).astype(np.int64)
+    run = np.cumsum(c, axis=0)
+    _at(base, chunks * local, np.int32).reshape(chunks, local)[...] = run - c
+    total = run[-1] if chunks else np.zeros(local, np.int64)
+    _at(expert_rows, local, np.int32)[:] = np.minimum(total, cap)
+    over = total > cap
+    if over.any():
+        errs = _at(err, 4, np.uint32)
+        errs[0] |= 2
+        errs[2] += np.uint32(int((total[over] - cap).sum()) & 0xFFFFFFFF)
+
+
+@twin("ep_layout_rows")
+def ep_layout_rows(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    meta: int,
+    base: int,
+    route_row: int,
+    tokens: int,
+    topk: int,
+    experts: int,
+    G: int,
+    me: int,
+    cap: int,
+    chunk: int,
+) -> None:
+    local, n = experts // G, G * tokens
+    chunks = layout_chunks(n, chunk)
+    e = (_at(meta, n * topk, np.uint32) & np.uint32(0xFFFF)).astype(np.int64)
+    el = e - me * local
+    idx = np.flatnonzero((el >= 0) & (el < local) & (e != NO_EXPERT))
+    key = (idx // topk // chunk) * local + el[idx]  # (chunk, expert), entries in (token, slot) order
+    order = np.argsort(key, kind="stable")
+    sizes = np.bincount(key, minlength=chunks * local)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    rank = np.empty(idx.size, np.int64)
+    rank[order] = np.arange(idx.size) - starts[key[order]]
+    pos = _at(base, chunks * local, np.int32).astype(np.int64)[key] + rank
+    out = np.full(n * topk, -1, np.int32)
+    keep = pos < cap
+    out[idx[keep]] = (el[idx][keep] * cap + pos[keep]).astype(np.int32)
+    _at(route_row, n * topk, np.int32)[:] = out
+
+
+@twin("ep_fanout")
+def ep_fanout(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    recv: int,
+    route_row: int,
+    slab: int,
+    tokens: int,
+    topk: int,
+    hidden: int,
+    G: int,
+) -> None:
+    n = G * tokens
+    rows = _at(route_row, n * topk, np.int32)
+    keep = np.flatnonzero(rows >= 0)
+    if keep.size:
+        dst = _rows(slab, int(rows.max()) + 1, hidden)
+        dst[rows[keep]] = _rows(recv, n, hidden)[keep // topk]
 
 
 @twin("ep_combine")
@@ -168,73 +328,57 @@ def ep_combine(
     grid: Any,
     block: Any,
     y: int,
-    combine_src: int,
+    meta: int,
+    route_row: int,
     comb_peers: int,
-    err: int,
-    experts: int,
-    cap: int,
+    send: int,
     tokens: int,
     topk: int,
     hidden: int,
+    experts: int,
     G: int,
+    me: int,
+    groups: int,
 ) -> None:
-    rows = experts // G * cap
-    ys = _rows(y, rows, hidden)
-    src = _at(combine_src, rows, np.int32)
-    pairs = tokens * topk
-    combs = [_rows(int(p), pairs, hidden) for p in u64_at(comb_peers, G)]
-    for r in np.flatnonzero(src >= 0):
-        g, pair = divmod(int(src[r]), pairs)
-        if g >= G:
-            _at(err, 4, np.uint32)[0] |= 2
-            continue
-        combs[g][pair] = ys[r]
-
-
-@twin("ep_copy_rows")
-def ep_copy_rows(
-    backend: Any,
-    grid: Any,
-    block: Any,
-    dst: int,
-    src: int,
-    dst_index: int,
-    src_index: int,
-    rows_a: int,
-    rows_b: int,
-    src_div: int,
-    hidden: int,
-) -> None:
-    rows = rows_a * rows_b
-    i = np.arange(rows, dtype=np.int64)
-    d = _at(dst_index, rows, np.int32).astype(np.int64) if dst_index else i
-    s = _at(src_index, rows, np.int32).astype(np.int64) if src_index else i // src_div
-    keep = (d >= 0) & (s >= 0)
-    if not keep.any():
-        return
-    d, s = d[keep], s[keep]
-    dst_rows = _rows(dst, int(d.max()) + 1, hidden)
-    dst_rows[d] = _rows(src, int(s.max()) + 1, hidden)[s]
+    n, mine, per_group = G * tokens, groups // G, experts // groups
+    m = _at(meta, n * topk, np.uint32).reshape(n, topk)
+    rows = _at(route_row, n * topk, np.int32).reshape(n, topk)
+    e = (m & np.uint32(0xFFFF)).astype(np.int64)
+    group = np.where(e == NO_EXPERT, -1, e // per_group)
+    w = bf16_bits_to_f32((m >> np.uint32(16)).astype(np.uint16))
+    ys = _rows(y, int(rows.max()) + 1, hidden) if (rows >= 0).any() else np.zeros((0, hidden), np.uint16)
+    peers = None if send else u64_at(comb_peers, G)
+    for qi in range(mine):
+        q = me * mine + qi
+        used = (group == q).any(axis=1)
+        acc = np.zeros((n, hidden), _F32)
+        with np.errstate(all="ignore"):
+            for kk in range(topk):
+                sel = (group[:, kk] == q) & (rows[:, kk] >= 0)
+                acc[sel] = acc[sel] + w[sel, kk, None] * bf16_bits_to_f32(ys[rows[sel, kk]])
+        bits = f32_to_bf16_bits(acc)
+        for s in range(G):
+            u = slice(s * tokens, (s + 1) * tokens)
+            hit = used[u]
+            if send:
+                dst = _rows(send + ((s * mine + qi) * tokens) * hidden * 2, tokens, hidden)
+            else:
+                assert peers is not None
+                dst = _rows(int(peers[s]) + q * tokens * hidden * 2, tokens, hidden)
+            dst[hit] = bits[u][hit]
 
 
 @twin("ep_peer_copy")
 def ep_peer_copy(
-    backend: Any,
-    grid: Any,
-    block: Any,
-    src: int,
-    dst_peers: int,
-    tokens: int,
-    topk: int,
-    hidden: int,
-    G: int,
-    me: int,
+    backend: Any, grid: Any, block: Any, src: int, dst_peers: int, rows: int, hidden: int, G: int, me: int
 ) -> None:
-    rows_per_peer = tokens * topk // G
-    rows = _rows(src, G * rows_per_peer, hidden)
-    for g, p in enumerate(u64_at(dst_peers, G)):
-        dst = _rows(int(p), G * rows_per_peer, hidden)
-        dst[me * rows_per_peer : (me + 1) * rows_per_peer] = rows[g::G]  # rows interleave over members
+    others = G - 1
+    data = _rows(src, rows * others, hidden)
+    for i, p in enumerate(u64_at(dst_peers, G)):
+        if i == me:
+            continue
+        slot = (i - me - 1) % G  # rows interleave over the other members
+        _rows(int(p), G * rows, hidden)[me * rows : (me + 1) * rows] = data[slot::others]
 
 
 @twin("ep_silu_mul")
@@ -248,15 +392,17 @@ def ep_reduce(
     grid: Any,
     block: Any,
     comb: int,
-    weights: int,
+    topk_idx: int,
     out: int,
     tokens: int,
     topk: int,
     hidden: int,
+    experts: int,
+    groups: int,
 ) -> None:
-    c = _at(comb, tokens * topk * hidden, np.uint16).reshape(tokens, topk, hidden)
-    w = _at(weights, tokens * topk, np.uint16).reshape(tokens, topk)
-    _rows(out, tokens, hidden)[...] = reduce_bits(c, w)
+    c = _at(comb, groups * tokens * hidden, np.uint16).reshape(groups, tokens, hidden)
+    idx = _at(topk_idx, tokens * topk, np.int32).reshape(tokens, topk)
+    _rows(out, tokens, hidden)[...] = reduce_groups_bits(c, groups_used(idx, experts, groups))
 
 
 @twin("ep_fill")

@@ -1,0 +1,77 @@
+"""The EP MoE layer on GPUs: the device layout's reports, and the bench's checks (EP-N == EP1 byte for byte
+over peer buffers and over NCCL, after timed graph replays too; EP1 vs float64 over every expert)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from conftest import MANIFESTS, visible_gpus
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
+
+pytestmark = pytest.mark.gpu
+
+
+def test_layout_reports_drops_and_bad_ids_on_gpu(tray_env):
+    from test_ep_moe import LAYOUT_REPORTS
+
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    vars_ = ["hidden=64", "experts=8", "topk=2", "ffn=32", "max_tokens=4", "tokens=4", "max_cap=8", "cap=8", "groups=2"]
+    args = [a for v in vars_ for a in ("--var", v)]
+    run = tray_env.launch(
+        2, LAYOUT_REPORTS, "--manifest", str(MANIFESTS / "ep_moe.json"), *args, backend="cuda", timeout_s=180
+    )
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("layout reports") == 2
+
+
+@pytest.mark.parametrize("tokens, routing, capacity", [("64,300", "uniform,zipf:1.5", "4"), ("64", "zipf", "worst")])
+def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity):
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "ep.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tray",
+        "bench",
+        "ep-moe",
+        "-n",
+        "2",
+        "--backend",
+        "cuda",
+        "--tokens",
+        "64,300",
+        "--hidden",
+        "1024",
+        "--experts",
+        "32",
+        "--topk",
+        "4",
+        "--expert-dim",
+        "512",
+        "--routing",
+        routing,
+        "--capacity",
+        capacity,
+        "--sms",
+        "all,8",
+        "--repeats",
+        "3",
+        "--json",
+        str(out),
+    ]
+    run = tray_env.run(cmd, timeout_s=600)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    for r in report["runs"]:
+        c = r["checks"]
+        assert c["passed"] and c["after_replay_equal"] and c["layout_reports_ok"], c
+        assert c["peer_rows_differ_from_ep1"] == 0 and c["nccl_rows_differ_from_ep1"] == 0, c
+        assert all(v > 0 for v in r["us"]["peer"].values()) and "peer_sm8" in r["us"], r["us"]
+        if capacity == "worst":
+            assert r["dropped_pairs"] == 0
