@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #
-# Stages: env doctor unit tests gate drop variants ep-moe ep-moe-worst tp park bench-barrier bench-startup torch examples
+# Stages: env doctor unit tests gate drop variants ep-moe ep-moe-cublas ep-moe-worst tp park bench-barrier bench-startup torch examples
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds; the environment).
@@ -80,10 +80,12 @@ for s in "$@"; do
         drop) stage drop 60 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;
         variants) stage variants 200 $PY bench/barrier_variants.py -n "$N" --json "$OUT/barrier_variants.json" ;;
         # 128 and 4096 tokens/rank, H 7168, top-8 of 256 experts, bf16; uniform and zipf routing; capacity 4x the
-        # mean rows per expert (drops counted); peer kernels on every SM and on 24
-        ep-moe) stage ep_moe 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
+        # mean rows per expert (drops counted); peer kernels on every SM and on 24; expert GEMMs masked by the
+        # device counts (ep-moe-cublas: a cuBLAS GEMM per expert over all cap rows instead)
+        ep-moe) stage ep_moe 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
+        ep-moe-cublas) stage ep_moe_cublas 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas --json "$OUT/ep_moe_cublas.json" ;;
         # the capacity a graph must allow with no drop at all (every token of every rank on one expert)
-        ep-moe-worst) stage ep_moe_worst 400 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity worst --sms all,24 --json "$OUT/ep_moe_worst.json" ;;
+        ep-moe-worst) stage ep_moe_worst 400 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity worst --sms all,24 --gemm masked --json "$OUT/ep_moe_worst.json" ;;
         tp) stage tp 150 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;

@@ -29,8 +29,11 @@ def test_layout_reports_drops_and_bad_ids_on_gpu(tray_env):
     assert run.stdout.count("layout reports") == 2
 
 
-@pytest.mark.parametrize("tokens, routing, capacity", [("64,300", "uniform,zipf:1.5", "4"), ("64", "zipf", "worst")])
-def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity):
+@pytest.mark.parametrize(
+    "tokens, routing, capacity, gemm",
+    [("64,300", "uniform,zipf:1.5", "4", "masked"), ("64", "zipf", "worst", "masked"), ("64", "zipf", "4", "cublas")],
+)
+def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, gemm):
     if visible_gpus() < 2:
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "ep.json"

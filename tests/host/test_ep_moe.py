@@ -20,8 +20,21 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 @pytest.mark.skipif(HAVE_MATPLOTLIB, reason="matplotlib is installed: --plot works")
 def test_plot_without_the_extra_is_a_usage_error(tray_env, tmp_path):
-    run = tray_env.run([sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "host",
-                        "--plot", str(tmp_path / "ep.png")])
+    run = tray_env.run(
+        [
+            sys.executable,
+            "-m",
+            "tray",
+            "bench",
+            "ep-moe",
+            "-n",
+            "2",
+            "--backend",
+            "host",
+            "--plot",
+            str(tmp_path / "ep.png"),
+        ]
+    )
     assert run.returncode == 2 and "tray[plot]" in run.stderr, run.output
     assert not (tmp_path / "ep.png").exists()
 
@@ -36,8 +49,10 @@ def test_a_kernel_without_a_twin_is_named_with_how_to_register_one(tray_env):
     assert '@tray.twin("ep_dispatch")' in run.output
 
 
-@pytest.mark.parametrize("n, tokens, routing", [(2, "4,40", "uniform,zipf:2"), (4, "8", "zipf")])
-def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing):
+@pytest.mark.parametrize(
+    "n, tokens, routing, gemm", [(2, "4,40", "uniform,zipf:2", "masked"), (4, "8", "zipf", "cublas")]
+)
+def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing, gemm):
     out = tmp_path / "ep.json"
     run = tray_env.run(
         [
@@ -54,6 +69,8 @@ def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing):
             tokens,
             "--routing",
             routing,
+            "--gemm",
+            gemm,
             *TINY,
             "--json",
             str(out),
@@ -64,7 +81,7 @@ def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing):
     assert "PASSED" in run.stdout and "EP1 done" in run.stdout
     assert (tmp_path / "ep.png").is_file() == HAVE_MATPLOTLIB
     report = json.loads(out.read_text())
-    assert report["passed"] and report["environment"]["commit"]
+    assert report["passed"] and report["environment"]["commit"] and report["gemm"] == gemm
     assert len(report["runs"]) == len(tokens.split(",")) * len(routing.split(","))
     for r in report["runs"]:
         c = r["checks"]

@@ -37,7 +37,6 @@ static dim3 blockIdx, threadIdx, gridDim, blockDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
 #define __restrict__ __restrict
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
@@ -52,6 +51,114 @@ static inline void __threadfence_system() {}
 static inline void __syncwarp() {}
 #define LAUNCH(call) for (blockIdx.x = 0; blockIdx.x < gridDim.x; ++blockIdx.x) \
     for (threadIdx.x = 0; threadIdx.x < blockDim.x; ++threadIdx.x) { call; }
+// Kernels with block barriers and warp-wide tensor-core ops run their threads as cooperative contexts:
+// each runs until it waits (__syncthreads, an mma), and a wait is released when every thread it names
+// has arrived: the block for __syncthreads, the 32 lanes of the warp for an mma, which is then computed
+// from the lanes' fragments as the PTX ISA lays them out (m16n8k16, .bf16, float32 accumulate).
+#define TRAY_EMULATED 1
+#define __shared__ static
+#define __launch_bounds__(n)
+#include <ucontext.h>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+namespace coop {
+enum { RUN, BLOCK_WAIT, WARP_WAIT, DONE };
+struct Lane { unsigned int a[4], b[2]; float d[4]; };
+static std::vector<ucontext_t> ctx;
+static std::vector<std::vector<char>> stacks;
+static std::vector<int> state;
+static std::vector<Lane> lanes;
+static ucontext_t sched;
+static unsigned int cur;
+static std::function<void()> body;
+static void entry() { body(); state[cur] = DONE; }
+static void wait(int why) { state[cur] = why; swapcontext(&ctx[cur], &sched); }
+static float bf(unsigned int word, int half) {
+    return __uint_as_float(((half ? word >> 16 : word) & 0xFFFFu) << 16);
+}
+static void warp_mma(unsigned int w) {
+    float A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const Lane& x = lanes[w * 32 + l];
+        const int g = l >> 2, t = l & 3;
+        for (int j = 0; j < 2; ++j) {
+            A[g][2 * t + j] = bf(x.a[0], j);
+            A[g + 8][2 * t + j] = bf(x.a[1], j);
+            A[g][2 * t + 8 + j] = bf(x.a[2], j);
+            A[g + 8][2 * t + 8 + j] = bf(x.a[3], j);
+            B[2 * t + j][g] = bf(x.b[0], j);
+            B[2 * t + 8 + j][g] = bf(x.b[1], j);
+            C[g][2 * t + j] = x.d[j];
+            C[g + 8][2 * t + j] = x.d[2 + j];
+        }
+    }
+    for (int l = 0; l < 32; ++l) {
+        Lane& x = lanes[w * 32 + l];
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 4; ++i) {
+            const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+            float acc = C[row][col];
+            for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+            x.d[i] = acc;
+        }
+    }
+}
+static void run_block(unsigned int n, std::function<void()> fn) {
+    body = fn;
+    ctx.assign(n, ucontext_t());
+    stacks.assign(n, std::vector<char>(1 << 16));
+    state.assign(n, RUN);
+    lanes.assign(n, Lane());
+    for (unsigned int i = 0; i < n; ++i) {
+        getcontext(&ctx[i]);
+        ctx[i].uc_stack.ss_sp = stacks[i].data();
+        ctx[i].uc_stack.ss_size = stacks[i].size();
+        ctx[i].uc_link = &sched;
+        makecontext(&ctx[i], entry, 0);
+    }
+    for (;;) {
+        bool ran = false, released = false;
+        for (unsigned int i = 0; i < n; ++i) {
+            if (state[i] == RUN) {
+                cur = i;
+                threadIdx.x = i;
+                ran = true;
+                swapcontext(&sched, &ctx[i]);
+            }
+        }
+        unsigned int done = 0, block_wait = 0;
+        for (unsigned int i = 0; i < n; ++i) {
+            done += state[i] == DONE;
+            block_wait += state[i] == BLOCK_WAIT;
+        }
+        if (done == n) return;
+        for (unsigned int w = 0; w < n / 32; ++w) {
+            bool all = true;
+            for (unsigned int l = 0; l < 32; ++l) all = all && state[w * 32 + l] == WARP_WAIT;
+            if (all) {
+                warp_mma(w);
+                for (unsigned int l = 0; l < 32; ++l) state[w * 32 + l] = RUN;
+                released = true;
+            }
+        }
+        if (!released && block_wait + done == n) {
+            for (unsigned int i = 0; i < n; ++i) if (state[i] == BLOCK_WAIT) state[i] = RUN;
+            released = true;
+        }
+        if (!ran && !released) std::abort();  // a barrier some thread never reaches
+    }
+}
+}  // namespace coop
+static inline void __syncthreads() { coop::wait(coop::BLOCK_WAIT); }
+static inline void mma_bf16_m16n8k16(float* d, const unsigned int* a, const unsigned int* b) {
+    coop::Lane& x = coop::lanes[coop::cur];
+    for (int i = 0; i < 4; ++i) { x.a[i] = a[i]; x.d[i] = d[i]; }
+    x.b[0] = b[0];
+    x.b[1] = b[1];
+    coop::wait(coop::WARP_WAIT);
+    for (int i = 0; i < 4; ++i) d[i] = coop::lanes[coop::cur].d[i];
+}
 """
 
 # kernel name -> its parameter list as C (the launcher forwards them unchanged)
@@ -81,6 +188,15 @@ KERNELS = {
     },
     "tp_allreduce.cu": {"tp_sum_peers": "const uint4* const* peers, uint4* out, long long count, int G"},
 }
+_SILU_ROWS = "const uint4* h13, uint4* act, const int* rows, int all_experts, int G, int cap, int ffn"
+KERNELS["ep_math.cu"]["ep_silu_mul_rows"] = _SILU_ROWS
+# kernels with block barriers or warp-wide ops: launched on a 3-D grid, each block's threads cooperatively
+COOP_KERNELS = {
+    "ep_gemm.cu": {
+        "ep_masked_gemm": "const uint4* A, const uint4* B, unsigned int* C, const int* rows, int cap, int n, "
+        "int n_factor, int K"
+    }
+}
 
 
 def _names(params: str) -> str:
@@ -98,6 +214,17 @@ def emulated(tmp_path_factory):
             src.append(
                 f'extern "C" void run_{name}(unsigned int grid, unsigned int block, {params}) {{ '
                 f"gridDim.x = grid; blockDim.x = block; LAUNCH({call}) }}"
+            )
+    for file, kernels in COOP_KERNELS.items():
+        src.append(f"namespace k_{file.split('.')[0]} {{\n{(MANIFESTS / 'kernels' / file).read_text()}\n}}")
+        for name, params in kernels.items():
+            call = f"k_{file.split('.')[0]}::{name}({_names(params)})"
+            src.append(
+                f'extern "C" void run3_{name}(unsigned int gx, unsigned int gy, unsigned int gz, unsigned int block, '
+                f"{params}) {{ gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; blockDim.x = block; "
+                "for (blockIdx.z = 0; blockIdx.z < gz; ++blockIdx.z) for (blockIdx.y = 0; blockIdx.y < gy; "
+                "++blockIdx.y) for (blockIdx.x = 0; blockIdx.x < gx; ++blockIdx.x) "
+                f"coop::run_block(block, [&] {{ {call}; }}); }}"
             )
     (d / "emu.cpp").write_text("\n".join(src))
     lib = d / "emu.so"
@@ -394,6 +521,7 @@ def test_dispatch_layout_fanout_combine(emulated, H, chunk):
 
 def test_a_wrong_twin_is_caught(emulated, monkeypatch):
     """The comparison can fail: a twin that sums the reduction groups in descending order differs."""
+
     def descending(comb_bits, used):
         return f32_to_bf16_bits(
             sum(
@@ -471,3 +599,49 @@ def test_a_wrong_position_is_caught(emulated, monkeypatch):
         arrays,
     )
     assert not np.array_equal(c["rr"], t["rr"])
+
+
+def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
+    """Tensor-core tiles (emulated lane by lane) against float64 and the twin; tiles at or beyond an
+    expert's row count write nothing. cap 70 and N 136: partial tiles in both; K 64: two K steps."""
+    rng = np.random.default_rng(5)
+    L, cap, n, n_factor, K = 3, 70, 68, 2, 64
+    N = n * n_factor
+    rows = np.array([70, 5, 0], np.int32)
+    a = bf16_random(rng, (L * cap, K))
+    b = bf16_random(rng, (L * N, K))
+    poison = np.full((L * cap, N), 0x7FC0, np.uint16)
+    c_cuda, c_twin = poison.copy(), poison.copy()
+    fn = emulated.run3_ep_masked_gemm
+    fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    fn(-(-N // 128), -(-cap // 64), L, 128, ptr(a), ptr(b), ptr(c_cuda), ptr(rows), cap, n, n_factor, K)
+    lookup("ep_masked_gemm")(
+        None, (-(-N // 128), -(-cap // 64), L), (128, 1, 1), ptr(a), ptr(b), ptr(c_twin), ptr(rows), cap, n, n_factor, K
+    )
+    f64 = ep_twins.bf16_bits_to_f32
+    for e in range(L):
+        r = slice(e * cap, e * cap + rows[e])
+        want = f64(a[r]).astype(np.float64) @ f64(b[e * N : (e + 1) * N]).astype(np.float64).T
+        for got in (c_cuda[r], c_twin[r]):
+            assert np.allclose(f64(got), want, rtol=1e-2, atol=1e-2 * np.abs(want).max(initial=1.0))
+        rest = slice(e * cap + rows[e], (e + 1) * cap)
+        assert (c_cuda[rest] == 0x7FC0).all() and (c_twin[rest] == 0x7FC0).all()
+        # the two differ at most by the order of float32 sums: a bf16 ulp here and there
+        x, y = f64(c_cuda[r]).astype(np.float64), f64(c_twin[r]).astype(np.float64)
+        assert (np.abs(x - y) <= 2**-7 * np.abs(y) + 1e-6).all()
+
+    F = 24
+    arrays = {"h": bf16_random(rng, (L * cap, 2 * F), 4.0), "act": np.zeros((L * cap, F), np.uint16), "rows": rows}
+    c, t = both(
+        emulated,
+        "ep_silu_mul_rows",
+        2,
+        64,
+        lambda x: [ptr(x["h"]), ptr(x["act"]), ptr(x["rows"]), 2 * L, 2, cap, F],
+        arrays,
+    )
+    assert np.array_equal(c["act"], t["act"])
+    filled = np.zeros(L * cap, bool)
+    for e in range(L):
+        filled[e * cap : e * cap + rows[e]] = True
+    assert c["act"][filled].any() and not c["act"][~filled].any()

@@ -61,6 +61,7 @@ class EpBenchArgs:
     expert_dim: int = 2048
     routings: tuple[str, ...] = ("uniform", "zipf")
     capacity: str = "4"
+    gemm: str = "masked"
     budgets: tuple[str, ...] = ("all", "24")
     seed: int = 0
     repeats: int = 10
@@ -93,6 +94,13 @@ def validate(a: EpBenchArgs) -> None:
         raise UsageError(f"--topk must be in 1..{a.experts}, got {a.topk}")
     if not a.tokens or min(a.tokens) < 1:
         raise UsageError(f"--tokens needs positive counts, got {a.tokens}")
+    if a.gemm not in ("masked", "cublas"):
+        raise UsageError(f"--gemm is 'masked' or 'cublas', got {a.gemm!r}")
+    if a.gemm == "masked" and (a.hidden % 32 or a.expert_dim % 32):
+        raise UsageError(
+            f"--gemm masked steps K by 32: --hidden ({a.hidden}) and --expert-dim ({a.expert_dim}) must be "
+            "multiples of 32 (or use --gemm cublas)"
+        )
     for r in a.routings:
         parse_routing(r)
     capacity(a.capacity, a.nprocs, 1, a.topk, a.experts)
@@ -192,6 +200,7 @@ def launch(
         "topk": a.topk,
         "ffn": a.expert_dim,
         "groups": a.nprocs,
+        "gemm": a.gemm,
         "seed": a.seed,
         "backend": a.backend,
         "budgets": list(a.budgets) if nprocs > 1 else ["all"],
@@ -330,7 +339,8 @@ def print_report(report: dict[str, Any]) -> None:
     G = report["nprocs"]
     print(
         f"ep-moe: {G} ranks, {report['backend']} backend; hidden {s['hidden']}, {s['experts']} experts "
-        f"({s['experts'] // G} per rank), top-{s['topk']}, expert dim {s['ffn']}, capacity {report['capacity']}; "
+        f"({s['experts'] // G} per rank), top-{s['topk']}, expert dim {s['ffn']}, capacity {report['capacity']}, "
+        f"expert GEMMs {report['gemm']}; "
         "µs, slowest rank, median of captured replays"
     )
     head = ("dispatch", "layout", "experts", "combine", "reduce", "layer")
@@ -426,6 +436,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "backend": a.backend,
         "shape": {"hidden": a.hidden, "experts": a.experts, "topk": a.topk, "ffn": a.expert_dim},
         "capacity": a.capacity,
+        "gemm": a.gemm,
         "seed": a.seed,
         "repeats": a.repeats,
         "runs": runs,

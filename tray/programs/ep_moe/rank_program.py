@@ -32,6 +32,8 @@ SEED_X, SEED_W13, SEED_W2 = 1, 2, 3
 # NOTE: threads per block of the data-movement kernels (their __launch_bounds__): with `blocks` blocks a
 # launch occupies at most `blocks` SMs, so blocks is the SM budget.
 MOVE_THREADS = 512
+# the kernels of the device-count-driven expert phase (--gemm masked)
+MASKED_KERNELS = ("ep_masked_gemm", "ep_silu_mul_rows")
 
 
 def nan_rows(bits: np.ndarray) -> int:
@@ -98,6 +100,8 @@ class MoeRank:
         """Load every kernel and make the cuBLAS handle before any barrier: first-use costs differ per
         rank and would otherwise eat into the barrier timeout."""
         for k in self.rank.manifest.kernels:
+            if k.name in MASKED_KERNELS and self.cfg["gemm"] != "masked":
+                continue  # compiled only when used
             self.rank.kernel(k.name)
         h13, slab, w13 = (self.rank.buffer(n) for n in ("h13", "slab", "w13"))
         self.backend.gemm(slab.ptr, w13.ptr, h13.ptr, min(8, h13.shape[0]), 2 * self.ffn, self.hidden, "bf16")
@@ -115,7 +119,10 @@ class MoeRank:
 
     def programs(self, v: dict[str, int]) -> dict[str, Steps]:
         """name -> programs, for the run vars `v` (tokens, cap, blocks, threads)."""
-        experts: Steps = [("expert", {**v, "e": e}) for e in range(self.local)]
+        if self.cfg["gemm"] == "masked":
+            experts: Steps = [("experts_masked", v)]
+        else:
+            experts = [("expert", {**v, "e": e}) for e in range(self.local)]
         arrive: Steps = [("dispatch", v), ("layout", v), ("fanout", v)]
         out = {
             "dispatch": arrive,

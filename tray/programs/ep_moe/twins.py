@@ -386,6 +386,56 @@ def ep_silu_mul(backend: Any, grid: Any, block: Any, h13: int, act: int, rows: i
     _rows(act, rows, ffn)[...] = silu_mul_bits(_rows(h13, rows, 2 * ffn), ffn)
 
 
+@twin("ep_silu_mul_rows")
+def ep_silu_mul_rows(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    h13: int,
+    act: int,
+    rows: int,
+    all_experts: int,
+    G: int,
+    cap: int,
+    ffn: int,
+) -> None:
+    experts = all_experts // G
+    present = np.minimum(_at(rows, experts, np.int32), cap)
+    h = _rows(h13, experts * cap, 2 * ffn)
+    a = _rows(act, experts * cap, ffn)
+    for e in np.flatnonzero(present > 0):
+        r = slice(e * cap, e * cap + int(present[e]))
+        a[r] = silu_mul_bits(h[r], ffn)
+
+
+@twin("ep_masked_gemm")
+def ep_masked_gemm(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    a: int,
+    b: int,
+    c: int,
+    rows: int,
+    cap: int,
+    n_units: int,
+    n_factor: int,
+    k: int,
+) -> None:
+    """The rows present of every expert (grid z = experts): float32 products and sums, rounded once (the
+    host backend's gemm; the tensor cores' summation order differs, so GPU results match within bf16
+    rounding, not bit for bit)."""
+    experts, n = int(grid[2]), n_units * n_factor
+    present = np.minimum(_at(rows, experts, np.int32), cap)
+    a_rows = _rows(a, experts * cap, k)
+    b_rows = _rows(b, experts * n, k)
+    c_rows = _rows(c, experts * cap, n)
+    for e in np.flatnonzero(present > 0):
+        r = slice(e * cap, e * cap + int(present[e]))
+        w = bf16_bits_to_f32(b_rows[e * n : (e + 1) * n])
+        c_rows[r] = f32_to_bf16_bits(bf16_bits_to_f32(a_rows[r]) @ w.T)
+
+
 @twin("ep_reduce")
 def ep_reduce(
     backend: Any,
@@ -425,9 +475,7 @@ def ep_fill(
     out = _at(dst, rows * cols, np.uint16).reshape(rows, cols)
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
-        out[r0 : r0 + n] = fill_bits(
-            n, cols, row_stride, index_base + r0 * row_stride, rank, rank_stride, seed, scale
-        )
+        out[r0 : r0 + n] = fill_bits(n, cols, row_stride, index_base + r0 * row_stride, rank, rank_stride, seed, scale)
 
 
 @twin("ep_zero32")
