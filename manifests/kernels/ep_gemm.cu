@@ -96,8 +96,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
     if (m0 >= present) {
         return;  // the whole block: no thread has reached a barrier
     }
-    __shared__ unsigned short As[GEMM_BM * GEMM_PAD];
-    __shared__ unsigned short Bs[GEMM_BN * GEMM_PAD];
+    __shared__ __align__(16) unsigned short As[GEMM_BM * GEMM_PAD];  // 16 B: tiles are stored as uint4
+    __shared__ __align__(16) unsigned short Bs[GEMM_BN * GEMM_PAD];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;

@@ -57,6 +57,7 @@ static inline void __syncwarp() {}
 // from the lanes' fragments as the PTX ISA lays them out (m16n8k16, .bf16, float32 accumulate).
 #define TRAY_EMULATED 1
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(n)
 #include <ucontext.h>
 #include <cstdlib>
