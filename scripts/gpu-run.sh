@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #
-# Stages: env doctor unit tests gate drop variants ep-moe ep-moe-cublas ep-moe-worst tp park bench-barrier bench-startup torch examples
+# Stages: env doctor unit tests gate drop variants ep-moe ep-moe-cublas ep-moe-nccl24 ep-moe-worst tp park bench-barrier bench-startup torch examples
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds; the environment).
@@ -84,6 +84,8 @@ for s in "$@"; do
         # device counts (ep-moe-cublas: a cuBLAS GEMM per expert over all cap rows instead)
         ep-moe) stage ep_moe 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
         ep-moe-cublas) stage ep_moe_cublas 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas --json "$OUT/ep_moe_cublas.json" ;;
+        # the NCCL path at the peer path's small SM budget: NCCL limited to 24 CTAs (recorded in the JSON's sms.nccl)
+        ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage ep_moe_nccl24 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;
         # the capacity a graph must allow with no drop at all (every token of every rank on one expert)
         ep-moe-worst) stage ep_moe_worst 400 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity worst --sms all,24 --gemm masked --json "$OUT/ep_moe_worst.json" ;;
         tp) stage tp 150 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;

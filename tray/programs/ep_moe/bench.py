@@ -14,6 +14,22 @@ tray/programs/ep_moe/rank_program.py: N ranks (peer path, NCCL path, copy ceilin
 tokens and the same reduction groups). Checks: EP-N rows equal EP1 rows byte for byte (both paths, and
 again after the timed graph replays), EP1 within bf16 tolerance of a float64 reference on sampled tokens
 covering every expert, the layout's reports, no NaN. Exit 1 if a check fails.
+
+What each figure (µs, captured graph replays, median, slowest rank) includes:
+  dispatch       dispatch kernel (routing words to every rank, each token once per destination rank) +
+                 peer barrier + layout (3 kernels: counts, prefix, positions) + fanout into the expert slab:
+                 everything between the router's output and the experts
+  dispatch_send  the dispatch kernel + barrier alone; layout, fanout: those kernels alone
+  experts        gate/up GEMM, SiLU*up, down GEMM of every local expert (masked: one launch each over the
+                 rows the layout counted; cublas: one cuBLAS GEMM per expert over all cap rows)
+  combine        the combine kernel (a token's local expert outputs summed, one row per (token, rank) to its
+                 origin) + peer barrier;  reduce: the origin's sum over ranks
+  layer          all of the above in one graph
+The NCCL path runs the same kernels with local send buffers and two all-to-alls (routing words, then rows:
+a fixed upper bound of tokens rows per (source, destination) pair, so no count reaches the host), and one
+all-to-all back. Bytes: logical = tokens x topk rows per rank each way; NVLink = the (token, other rank)
+rows actually sent (+ routing words on dispatch); the ceiling is every rank writing tokens rows to each
+other rank at once (copy engines and a kernel; the faster counts).
 """
 
 from __future__ import annotations
