@@ -5,9 +5,9 @@
 //               rank's receive buffer block `me`), and its routing (expert ids and weights, packed) goes
 //               to every rank; barrier
 //   layout      the receiver computes, from the routing of every source, where each (token, local
-//               expert) pair lands: per-(chunk, expert) counts, a prefix over chunks, then positions in
-//               global token order (source rank, then token); pairs beyond an expert's capacity are
-//               dropped and counted in err (never silently)
+//               expert) pair lands: counts and a block-wide prefix per expert, positions in global token
+//               order (source rank, then token); pairs beyond an expert's capacity are dropped and
+//               counted in err (never silently)
 //   fanout      received rows are copied into the expert slab [local expert][cap][hidden]
 //   experts     GEMMs per local expert (cuBLAS, cap rows)
 //   combine     for every received token and every reduction group held here, the weighted sum of its
@@ -21,8 +21,8 @@
 // Rows are `hidden` bf16 values (2 * hidden bytes, a multiple of 16: the host checks hidden % 8 == 0)
 // moved as 16-byte vectors. The unit of row work is a warp item: one CHUNK_VECS-vector chunk (2 KiB) of
 // one row; each lane first loads its ROW_UNROLL vectors of the chunk, then stores them. Items are walked
-// with a grid-stride loop, so any grid works (the bench sizes it to an SM budget), nothing depends on
-// which blocks are co-resident, and no kernel synchronises threads within a block. blockDim.x must be a
+// with a grid-stride loop, so any grid works (the bench sizes it to an SM budget) and nothing depends on
+// which blocks are co-resident; only the layout synchronises the threads of a block. blockDim.x must be a
 // multiple of 32; the row kernels are declared for at most 512 threads (__launch_bounds__), so a launch of
 // `blocks` blocks occupies at most `blocks` SMs: the bench's SM budget.
 //
@@ -180,98 +180,96 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(const uint4* __res
     publish(lane);
 }
 
-// layout_count: pairs per (chunk, local expert). Global token u = source * tokens + t (the receive
-// order); chunk c holds tokens c * chunk ..; one thread per (c, local expert), walking chunk x topk words.
-// The bench sizes chunk from the shape (at most 128 chunks), so the scan below stays short.
-//   meta    [G][tokens][topk] u32 routing words of every source (this rank's receive block)
-//   counts  [chunks][local] i32, chunks = ceil(G * tokens / chunk), local = experts / G
-extern "C" __global__ void ep_layout_count(const unsigned int* __restrict__ meta,
-                                           int* __restrict__ counts,
-                                           int tokens,
-                                           int topk,
-                                           int experts,
-                                           int G,
-                                           int me,
-                                           int chunk) {
-    const int local = experts / G;
-    const long long n = (long long)G * tokens;
-    const long long chunks = (n + chunk - 1) / chunk;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks * local; i += stride) {
-        const long long c = i / local;
-        const unsigned int e = (unsigned int)(me * local + (int)(i - c * local));
-        const long long end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-        int count = 0;
-        for (long long w = c * chunk * topk; w < end * topk; ++w) {
-            count += (meta[w] & 0xFFFFu) == e;
-        }
-        counts[i] = count;
-    }
-}
+// layout: where every pair of this rank's experts lands, from the routing words of every source. One
+// block per local expert el (grid-stride over experts); the block walks the G * tokens * topk words in
+// rounds of blockDim x per words (each thread a contiguous run of `per`, per = max(4, words / (8 x
+// blockDim)): at most 8 rounds), counts its expert's pairs, and turns the counts into positions with a
+// block-wide exclusive prefix (per warp, then over warps) that carries from round to round. So pairs are
+// numbered in global order (source, token, top-k slot), the order EP1 numbers them in.
+//   meta         [G * tokens][topk] u32   routing words of the receive block
+//   route_row    [G * tokens][topk] i32   el * cap + position for a pair of local expert el at position
+//                                         < cap; -1 for another rank's expert, NO_EXPERT, or a dropped pair
+//                                         (the block of el == 0 writes the -1 of other ranks' entries)
+//   expert_rows  [experts / G] i32        min(pairs, cap)
+//   err          u32[4] local: pairs beyond cap are dropped: err[0] |= 2, err[2] += dropped
+// blockDim.x: a multiple of 32, at most LAYOUT_THREADS.
+#define LAYOUT_THREADS 256
 
-// layout_scan: per local expert, the exclusive prefix of counts over chunks (base), and the rows it will
-// hold: expert_rows[e] = min(total, cap). Pairs beyond cap are dropped: err[0] |= 2, err[2] += dropped.
-// One thread per local expert.
-extern "C" __global__ void ep_layout_scan(const int* __restrict__ counts,
-                                          int* __restrict__ base,
-                                          int* __restrict__ expert_rows,
-                                          unsigned int* err,
-                                          int tokens,
-                                          int experts,
-                                          int G,
-                                          int cap,
-                                          int chunk) {
-    const int local = experts / G;
-    const long long chunks = ((long long)G * tokens + chunk - 1) / chunk;
-    const int stride = gridDim.x * blockDim.x;
-    for (int el = blockIdx.x * blockDim.x + threadIdx.x; el < local; el += stride) {
-        long long run = 0;
-        for (long long c = 0; c < chunks; ++c) {
-            base[c * local + el] = (int)run;
-            run += counts[c * local + el];
-        }
-        expert_rows[el] = (int)(run < cap ? run : cap);
-        if (run > cap) {
-            atomicOr(&err[0], 2u);
-            atomicAdd(&err[2], (unsigned int)(run - cap));
-        }
-    }
-}
-
-// layout_rows: the slab row of every routing entry of the receive block: route_row[u][kk] =
-// el * cap + pos for a pair of local expert el at position pos < cap (pairs in global token order),
-// -1 for an entry of another rank's expert, NO_EXPERT, or a dropped pair. One thread per
-// (chunk, local expert) as in layout_count; thread el == 0 also writes the -1 of the entries that are
-// not this rank's.
-extern "C" __global__ void ep_layout_rows(const unsigned int* __restrict__ meta,
-                                          const int* __restrict__ base,
-                                          int* __restrict__ route_row,
-                                          int tokens,
-                                          int topk,
-                                          int experts,
-                                          int G,
-                                          int me,
-                                          int cap,
-                                          int chunk) {
+extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ep_layout(const unsigned int* __restrict__ meta,
+                                                                      int* __restrict__ route_row,
+                                                                      int* __restrict__ expert_rows,
+                                                                      unsigned int* err,
+                                                                      int tokens,
+                                                                      int topk,
+                                                                      int experts,
+                                                                      int G,
+                                                                      int me,
+                                                                      int cap) {
+    __shared__ int counts[LAYOUT_THREADS];
+    __shared__ int warp_base[LAYOUT_THREADS / 32];
+    __shared__ long long round_base;
     const int local = experts / G;
     const unsigned int lo = (unsigned int)(me * local);
     const unsigned int hi = lo + (unsigned int)local;
-    const long long n = (long long)G * tokens;
-    const long long chunks = (n + chunk - 1) / chunk;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < chunks * local; i += stride) {
-        const long long c = i / local;
-        const int el = (int)(i - c * local);
+    const long long words = (long long)G * tokens * topk;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int warps = blockDim.x >> 5;
+    long long per = (words + 8LL * blockDim.x - 1) / (8LL * blockDim.x);
+    per = per < 4 ? 4 : per;
+    const long long span = per * blockDim.x;
+    for (int el = blockIdx.x; el < local; el += gridDim.x) {
         const unsigned int e = lo + (unsigned int)el;
-        const long long end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-        long long pos = base[i];
-        for (long long w = c * chunk * topk; w < end * topk; ++w) {
-            const unsigned int we = meta[w] & 0xFFFFu;
-            if (we == e) {
-                route_row[w] = pos < cap ? (int)((long long)el * cap + pos) : -1;
-                ++pos;
-            } else if (el == 0 && (we < lo || we >= hi)) {
-                route_row[w] = -1;
+        long long run = 0;  // pairs of e before this round (the same value in every thread)
+        for (long long w0 = 0; w0 < words; w0 += span) {
+            const long long first = w0 + tid * per;
+            const long long last = first + per < words ? first + per : words;
+            int count = 0;
+            for (long long w = first; w < last; ++w) {
+                count += (meta[w] & 0xFFFFu) == e;
+            }
+            counts[tid] = count;
+            __syncthreads();
+            if (lane == 0) {
+                int sum = 0;
+                for (int l = 0; l < 32; ++l) {
+                    sum += counts[warp * 32 + l];
+                }
+                warp_base[warp] = sum;
+            }
+            __syncthreads();
+            if (tid == 0) {
+                long long sum = run;
+                for (int w = 0; w < warps; ++w) {
+                    const int x = warp_base[w];
+                    warp_base[w] = (int)(sum - run);
+                    sum += x;
+                }
+                round_base = sum;
+            }
+            __syncthreads();
+            long long pos = run + warp_base[warp];
+            for (int l = 0; l < lane; ++l) {
+                pos += counts[warp * 32 + l];
+            }
+            for (long long w = first; w < last; ++w) {
+                const unsigned int we = meta[w] & 0xFFFFu;
+                if (we == e) {
+                    route_row[w] = pos < cap ? (int)((long long)el * cap + pos) : -1;
+                    ++pos;
+                } else if (el == 0 && (we < lo || we >= hi)) {
+                    route_row[w] = -1;
+                }
+            }
+            run = round_base;
+            __syncthreads();  // counts, warp_base and round_base are rewritten by the next round
+        }
+        if (tid == 0) {
+            expert_rows[el] = (int)(run < cap ? run : cap);
+            if (run > cap) {
+                atomicOr(&err[0], 2u);
+                atomicAdd(&err[2], (unsigned int)(run - cap));
             }
         }
     }

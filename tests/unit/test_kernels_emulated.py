@@ -168,12 +168,8 @@ KERNELS = {
         "ep_dispatch": "const uint4* x, const int* ti, const unsigned short* tw, unsigned char* const* rp, "
         "unsigned int* const* mp, unsigned char* send, unsigned int* sm, unsigned int* err, int tokens, "
         "int topk, int hidden, int experts, int G, int me",
-        "ep_layout_count": "const unsigned int* meta, int* counts, int tokens, int topk, int experts, int G, "
-        "int me, int chunk",
-        "ep_layout_scan": "const int* counts, int* base, int* er, unsigned int* err, int tokens, int experts, "
-        "int G, int cap, int chunk",
-        "ep_layout_rows": "const unsigned int* meta, const int* base, int* rr, int tokens, int topk, "
-        "int experts, int G, int me, int cap, int chunk",
+        "ep_layout": "const unsigned int* meta, int* rr, int* er, unsigned int* err, int tokens, int topk, "
+        "int experts, int G, int me, int cap",
         "ep_fanout": "const uint4* recv, const int* rr, unsigned char* slab, int tokens, int topk, int hidden, int G",
         "ep_combine": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
         "unsigned char* send, int tokens, int topk, int hidden, int experts, int G, int me, int groups",
@@ -191,13 +187,13 @@ KERNELS = {
 }
 _SILU_ROWS = "const uint4* h13, uint4* act, const int* rows, int all_experts, int G, int cap, int ffn"
 KERNELS["ep_math.cu"]["ep_silu_mul_rows"] = _SILU_ROWS
-# kernels with block barriers or warp-wide ops: launched on a 3-D grid, each block's threads cooperatively
-COOP_KERNELS = {
-    "ep_gemm.cu": {
-        "ep_masked_gemm": "const uint4* A, const uint4* B, unsigned int* C, const int* rows, int cap, int n, "
-        "int n_factor, int K"
-    }
+KERNELS["ep_gemm.cu"] = {
+    "ep_masked_gemm": "const uint4* A, const uint4* B, unsigned int* C, const int* rows, int cap, int n, int n_factor, "
+    "int K"
 }
+# kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
+# masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
+COOP = {"ep_layout", "ep_masked_gemm"}
 
 
 def _names(params: str) -> str:
@@ -212,21 +208,22 @@ def emulated(tmp_path_factory):
         src.append(f"namespace k_{file.split('.')[0]} {{\n{(MANIFESTS / 'kernels' / file).read_text()}\n}}")
         for name, params in kernels.items():
             call = f"k_{file.split('.')[0]}::{name}({_names(params)})"
+            run = f"coop::run_block(block, [&] {{ {call}; }});" if name in COOP else f"LAUNCH({call})"
+            if name in COOP:
+                run = f"for (blockIdx.x = 0; blockIdx.x < grid; ++blockIdx.x) {run}"
             src.append(
                 f'extern "C" void run_{name}(unsigned int grid, unsigned int block, {params}) {{ '
-                f"gridDim.x = grid; blockDim.x = block; LAUNCH({call}) }}"
+                f"gridDim.x = grid; blockDim.x = block; {run} }}"
             )
-    for file, kernels in COOP_KERNELS.items():
-        src.append(f"namespace k_{file.split('.')[0]} {{\n{(MANIFESTS / 'kernels' / file).read_text()}\n}}")
-        for name, params in kernels.items():
-            call = f"k_{file.split('.')[0]}::{name}({_names(params)})"
-            src.append(
-                f'extern "C" void run3_{name}(unsigned int gx, unsigned int gy, unsigned int gz, unsigned int block, '
-                f"{params}) {{ gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; blockDim.x = block; "
-                "for (blockIdx.z = 0; blockIdx.z < gz; ++blockIdx.z) for (blockIdx.y = 0; blockIdx.y < gy; "
-                "++blockIdx.y) for (blockIdx.x = 0; blockIdx.x < gx; ++blockIdx.x) "
-                f"coop::run_block(block, [&] {{ {call}; }}); }}"
-            )
+            if name in COOP:
+                src.append(
+                    f'extern "C" void run3_{name}(unsigned int gx, unsigned int gy, unsigned int gz, '
+                    f"unsigned int block, {params}) {{ gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; "
+                    "blockDim.x = block; for (blockIdx.z = 0; blockIdx.z < gz; ++blockIdx.z) "
+                    "for (blockIdx.y = 0; blockIdx.y < gy; ++blockIdx.y) "
+                    "for (blockIdx.x = 0; blockIdx.x < gx; ++blockIdx.x) "
+                    f"coop::run_block(block, [&] {{ {call}; }}); }}"
+                )
     (d / "emu.cpp").write_text("\n".join(src))
     lib = d / "emu.so"
     subprocess.run(
@@ -341,9 +338,10 @@ def tables(a, names):
     return np.array([ptr(a[n]) for n in names], np.uint64)
 
 
-# H 1040: rows of two 2 KiB chunks, the second partial; layout chunks of 32 and 7 tokens, the last partial
-@pytest.mark.parametrize("H, chunk", [(16, 32), (1040, 7)])
-def test_dispatch_layout_fanout_combine(emulated, H, chunk):
+# H 1040: rows of two 2 KiB chunks, the second partial; the layout on 1 block of 64 threads (every expert
+# in turn, one round of 4 words per thread) and on 4 blocks of 32 (an expert each, two rounds)
+@pytest.mark.parametrize("H, grid, block", [(16, 1, 64), (1040, 4, 32)])
+def test_dispatch_layout_fanout_combine(emulated, H, grid, block):
     """The whole data path of two ranks, kernel by kernel: emulated CUDA == twin at every step."""
     rng = np.random.default_rng(1)
     G, T, K, E, R = 2, 40, 3, 8, 2
@@ -419,48 +417,27 @@ def test_dispatch_layout_fanout_combine(emulated, H, chunk):
             assert np.array_equal(c["sm"][g * T : (g + 1) * T], meta[g][me * T : (me + 1) * T])
             assert np.array_equal(c["send"][g * T : (g + 1) * T], recv[g][me * T : (me + 1) * T])
 
-    chunks = -(-G * T // chunk)
     combs = [np.zeros((R * T, H), np.uint16) for _ in range(G)]
     for me in range(G):
-        arrays = {"meta": meta[me], "counts": np.zeros((chunks, L), np.int32)}
-        c, t = both(
-            emulated,
-            "ep_layout_count",
-            2,
-            32,
-            lambda a, me=me: [ptr(a["meta"]), ptr(a["counts"]), T, K, E, G, me, chunk],
-            arrays,
-        )
-        assert np.array_equal(c["counts"], t["counts"]) and c["counts"].sum() > 0
         arrays = {
-            "counts": c["counts"],
-            "base": np.zeros((chunks, L), np.int32),
+            "meta": meta[me],
+            "rr": np.full((G * T, K), 7, np.int32),
             "er": np.zeros(L, np.int32),
             "err": np.zeros(4, np.uint32),
         }
         c, t = both(
             emulated,
-            "ep_layout_scan",
-            1,
-            3,
-            lambda a: [ptr(a["counts"]), ptr(a["base"]), ptr(a["er"]), ptr(a["err"]), T, E, G, cap, chunk],
+            "ep_layout",
+            grid,
+            block,
+            lambda a, me=me: [ptr(a["meta"]), ptr(a["rr"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, me, cap],
             arrays,
         )
-        for k in ("base", "er", "err"):
+        for k in ("rr", "er", "err"):
             assert np.array_equal(c[k], t[k]), k
         want_rows, totals = route_rows(meta[me], me * L, L, cap)
-        assert c["er"].tolist() == np.minimum(totals, cap).tolist()
+        assert np.array_equal(c["rr"], want_rows) and c["er"].tolist() == np.minimum(totals, cap).tolist()
         assert c["err"][2] == np.maximum(totals - cap, 0).sum() and (c["err"][0] == 2) == (totals > cap).any()
-        arrays = {"meta": meta[me], "base": c["base"], "rr": np.full((G * T, K), 7, np.int32)}
-        c, t = both(
-            emulated,
-            "ep_layout_rows",
-            3,
-            8,
-            lambda a, me=me: [ptr(a["meta"]), ptr(a["base"]), ptr(a["rr"]), T, K, E, G, me, cap, chunk],
-            arrays,
-        )
-        assert np.array_equal(c["rr"], t["rr"]) and np.array_equal(c["rr"], want_rows)
         rows = c["rr"]
         arrays = {"recv": recv[me], "rr": rows, "slab": np.zeros((L * cap, H), np.uint16)}
         c, t = both(
@@ -578,25 +555,30 @@ def test_ties_round_to_even(emulated):
 
 def test_a_wrong_position_is_caught(emulated, monkeypatch):
     """The comparison can fail: a layout twin that swaps the first two pairs of an expert differs."""
-    original = lookup("ep_layout_rows")
+    original = lookup("ep_layout")
 
-    def swapped(backend, grid, block, meta, base, route_row, tokens, topk, experts, G, me, cap, chunk):
-        original(backend, grid, block, meta, base, route_row, tokens, topk, experts, G, me, cap, chunk)
+    def swapped(backend, grid, block, meta, route_row, expert_rows, err, tokens, topk, experts, G, me, cap):
+        original(backend, grid, block, meta, route_row, expert_rows, err, tokens, topk, experts, G, me, cap)
         rows = np.ctypeslib.as_array((ctypes.c_int32 * (G * tokens * topk)).from_address(route_row))
         first = np.flatnonzero((rows >= 0) & (rows < cap))[:2]  # expert 0's first two pairs
         rows[first] = rows[first[::-1]]
 
-    monkeypatch.setitem(tray.twins._TWINS, "ep_layout_rows", swapped)
+    monkeypatch.setitem(tray.twins._TWINS, "ep_layout", swapped)
     rng = np.random.default_rng(4)
     G, T, K, E, cap = 1, 16, 2, 4, 16
     meta = skewed_routing(rng, T, E, K).astype(np.uint32)
-    arrays = {"meta": meta, "base": np.zeros((1, E), np.int32), "rr": np.zeros((T, K), np.int32)}
+    arrays = {
+        "meta": meta,
+        "rr": np.zeros((T, K), np.int32),
+        "er": np.zeros(E, np.int32),
+        "err": np.zeros(4, np.uint32),
+    }
     c, t = both(
         emulated,
-        "ep_layout_rows",
-        1,
+        "ep_layout",
+        2,
         32,
-        lambda a: [ptr(a["meta"]), ptr(a["base"]), ptr(a["rr"]), T, K, E, G, 0, cap, 32],
+        lambda a: [ptr(a["meta"]), ptr(a["rr"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, 0, cap],
         arrays,
     )
     assert not np.array_equal(c["rr"], t["rr"])

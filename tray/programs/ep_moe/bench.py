@@ -17,7 +17,7 @@ covering every expert, the layout's reports, no NaN. Exit 1 if a check fails.
 
 What each figure (µs, captured graph replays, median, slowest rank) includes:
   dispatch       dispatch kernel (routing words to every rank, each token once per destination rank) +
-                 peer barrier + layout (3 kernels: counts, prefix, positions) + fanout into the expert slab:
+                 peer barrier + layout (counts and positions per expert) + fanout into the expert slab:
                  everything between the router's output and the experts
   dispatch_send  the dispatch kernel + barrier alone; layout, fanout: those kernels alone
   experts        gate/up GEMM, SiLU*up, down GEMM of every local expert (masked: one launch each over the
@@ -125,12 +125,6 @@ def validate(a: EpBenchArgs) -> None:
             raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
 
 
-def layout_chunk(num_tokens: int) -> int:
-    """Tokens per chunk of the layout kernels for `num_tokens` received tokens: at most LAYOUT_CHUNKS
-    chunks (the scan over chunks is one thread per expert), at least 32 tokens per chunk."""
-    return max(32, -(-num_tokens // LAYOUT_CHUNKS))
-
-
 def label_of(routing: str, tokens: int) -> str:
     return f"{routing.replace(':', '')}_T{tokens}"
 
@@ -172,11 +166,8 @@ def prepare(a: EpBenchArgs, work: Path) -> tuple[list[dict[str, Any]], list[dict
             )
             # NOTE: covering every expert reads every expert's weights back to the host: once per routing
             ref = reference_tokens(routing, exp_n.kept, a.ref_tokens, cover=ti == 0)
-            chunk = layout_chunk(G * T)
-            runs_n.append({"label": label, "tokens": T, "cap": cap, "chunk": chunk, "inputs": str(d)})
-            runs_1.append(
-                {"label": label, "tokens": G * T, "cap": cap, "chunk": chunk, "inputs": str(d), "ref_tokens": ref}
-            )
+            runs_n.append({"label": label, "tokens": T, "cap": cap, "inputs": str(d)})
+            runs_1.append({"label": label, "tokens": G * T, "cap": cap, "inputs": str(d), "ref_tokens": ref})
             facts[label] = {
                 "routing": kind,
                 "tokens_per_rank": T,

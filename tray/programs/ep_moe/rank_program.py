@@ -147,14 +147,8 @@ class MoeRank:
         return out
 
     def budget_vars(self, run: dict[str, Any], sms: int) -> dict[str, int]:
-        """Run vars: tokens, cap and the layout chunk from the head, and the SM budget."""
-        return {
-            "tokens": run["tokens"],
-            "cap": run["cap"],
-            "chunk": run["chunk"],
-            "blocks": sms,
-            "threads": MOVE_THREADS,
-        }
+        """Run vars: tokens and cap from the head, and the SM budget."""
+        return {"tokens": run["tokens"], "cap": run["cap"], "blocks": sms, "threads": MOVE_THREADS}
 
     def run(self, steps: Steps) -> None:
         for program, v in steps:

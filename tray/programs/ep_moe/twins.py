@@ -145,11 +145,6 @@ def pack_routing(experts: np.ndarray, weight_bits: np.ndarray, num_experts: int)
     return (np.asarray(weight_bits, np.uint32) << np.uint32(16)) | ids
 
 
-def layout_chunks(num_tokens: int, chunk: int) -> int:
-    """Rows of the layout kernels' counts/base arrays for `num_tokens` received tokens, `chunk` per row."""
-    return -(-num_tokens // chunk)
-
-
 def route_rows(meta: np.ndarray, lo: int, local: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
     """Slab rows of the routing words `meta` (u32 [num_tokens, topk], global token order) for experts
     lo .. lo + local - 1: (i32 [num_tokens, topk] el * cap + position or -1, i64 [local] pairs per expert
@@ -214,91 +209,31 @@ def ep_dispatch(
         dst[hit] = xs[hit]
 
 
-@twin("ep_layout_count")
-def ep_layout_count(
+@twin("ep_layout")
+def ep_layout(
     backend: Any,
     grid: Any,
     block: Any,
     meta: int,
-    counts: int,
-    tokens: int,
-    topk: int,
-    experts: int,
-    G: int,
-    me: int,
-    chunk: int,
-) -> None:
-    local, n = experts // G, G * tokens
-    chunks = layout_chunks(n, chunk)
-    e = (_at(meta, n * topk, np.uint32) & np.uint32(0xFFFF)).astype(np.int64).reshape(n, topk)
-    el = e - me * local
-    mine = (el >= 0) & (el < local) & (e != NO_EXPERT)
-    chunk = np.repeat(np.arange(n) // chunk, topk).reshape(n, topk)
-    c = np.bincount((chunk * local + el)[mine], minlength=chunks * local)
-    _at(counts, chunks * local, np.int32)[:] = c
-
-
-@twin("ep_layout_scan")
-def ep_layout_scan(
-    backend: Any,
-    grid: Any,
-    block: Any,
-    counts: int,
-    base: int,
+    route_row: int,
     expert_rows: int,
     err: int,
     tokens: int,
-    experts: int,
-    G: int,
-    cap: int,
-    chunk: int,
-) -> None:
-    local = experts // G
-    chunks = layout_chunks(G * tokens, chunk)
-    c = _at(counts, chunks * local, np.int32).reshape(chunks, local).astype(np.int64)
-    run = np.cumsum(c, axis=0)
-    _at(base, chunks * local, np.int32).reshape(chunks, local)[...] = run - c
-    total = run[-1] if chunks else np.zeros(local, np.int64)
-    _at(expert_rows, local, np.int32)[:] = np.minimum(total, cap)
-    over = total > cap
-    if over.any():
-        errs = _at(err, 4, np.uint32)
-        errs[0] |= 2
-        errs[2] += np.uint32(int((total[over] - cap).sum()) & 0xFFFFFFFF)
-
-
-@twin("ep_layout_rows")
-def ep_layout_rows(
-    backend: Any,
-    grid: Any,
-    block: Any,
-    meta: int,
-    base: int,
-    route_row: int,
-    tokens: int,
     topk: int,
     experts: int,
     G: int,
     me: int,
     cap: int,
-    chunk: int,
 ) -> None:
     local, n = experts // G, G * tokens
-    chunks = layout_chunks(n, chunk)
-    e = (_at(meta, n * topk, np.uint32) & np.uint32(0xFFFF)).astype(np.int64)
-    el = e - me * local
-    idx = np.flatnonzero((el >= 0) & (el < local) & (e != NO_EXPERT))
-    key = (idx // topk // chunk) * local + el[idx]  # (chunk, expert), entries in (token, slot) order
-    order = np.argsort(key, kind="stable")
-    sizes = np.bincount(key, minlength=chunks * local)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    rank = np.empty(idx.size, np.int64)
-    rank[order] = np.arange(idx.size) - starts[key[order]]
-    pos = _at(base, chunks * local, np.int32).astype(np.int64)[key] + rank
-    out = np.full(n * topk, -1, np.int32)
-    keep = pos < cap
-    out[idx[keep]] = (el[idx][keep] * cap + pos[keep]).astype(np.int32)
-    _at(route_row, n * topk, np.int32)[:] = out
+    rows, totals = route_rows(_at(meta, n * topk, np.uint32).reshape(n, topk), me * local, local, cap)
+    _at(route_row, n * topk, np.int32)[:] = rows.reshape(-1)
+    _at(expert_rows, local, np.int32)[:] = np.minimum(totals, cap)
+    over = totals > cap
+    if over.any():
+        errs = _at(err, 4, np.uint32)
+        errs[0] |= 2
+        errs[2] += np.uint32(int((totals[over] - cap).sum()) & 0xFFFFFFFF)
 
 
 @twin("ep_fanout")
