@@ -451,8 +451,8 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "setup_s": {"epn": max(r["setup_s"] for r in per_rank), "ep1": ep1["setup_s"]},
         "wall_s": time.perf_counter() - t0,
     }
-    print_report(report)
     write_report(report, a.json_path, {"device": per_rank[0].get("device"), "sms": per_rank[0].get("sms")})
+    print_report(report)
     if a.plot_path:
         plot(report, a.plot_path)
     return 0 if report["passed"] else 1
