@@ -4,7 +4,8 @@
 #
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #
-# Stages: env doctor unit tests gate drop variants ep-moe ep-moe-cublas ep-moe-nccl24 ep-moe-worst tp park bench-barrier bench-startup torch examples
+# Stages: env doctor unit tests gate drop variants ep-moe ep-moe-cublas ep-moe-nccl24 ep-moe-worst tp park bench-barrier bench-startup torch examples nodes2
+# `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds; the environment).
@@ -94,6 +95,7 @@ for s in "$@"; do
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
         torch) stage torch 600 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
+        nodes2) stage nodes2 300 env OUT="$OUT" LOGS="$LOGS" N="$N" PY=$PY scripts/gpu-nodes2.sh ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
 done

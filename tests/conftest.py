@@ -124,11 +124,27 @@ def visible_gpus() -> int:
     return visible_gpu_count()
 
 
+def slurm_cluster() -> str | None:
+    """None when a Slurm cluster answers `sinfo`; otherwise why not."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%D"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"no Slurm cluster reachable (sinfo: {exc}); start one: launch/slurm/local-cluster.sh start"
+    if proc.returncode != 0:
+        return f"no Slurm cluster reachable (sinfo: {proc.stderr.strip()[:200]})"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests skip only when no GPU is visible."""
-    if visible_gpus() > 0:
-        return
-    skip = pytest.mark.skip(reason="no GPU visible")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    """`gpu` tests skip only when no GPU is visible; `cluster` tests when no Slurm cluster answers."""
+    wanted = {k for item in items for k in ("gpu", "cluster") if k in item.keywords}
+    if "gpu" in wanted and visible_gpus() == 0:
+        skip = pytest.mark.skip(reason="no GPU visible")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    why = slurm_cluster() if "cluster" in wanted else None
+    if why:
+        for item in items:
+            if "cluster" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=why))

@@ -38,8 +38,20 @@ def _parse_vars(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def _job_of(args: argparse.Namespace):  # -> JobSpec | None
+
+    from tray.launch.job import JobArgs, resolve_job
+
+    if args.node_heartbeat_timeout_s <= 0:
+        raise UsageError(f"--node-heartbeat-timeout-s must be positive, got {args.node_heartbeat_timeout_s}")
+    return resolve_job(JobArgs(
+        nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        master_addr=args.master_addr, master_port=args.master_port, nproc_per_node=args.nprocs, slurm=args.slurm,
+        node_heartbeat_timeout_s=args.node_heartbeat_timeout_s), os.environ)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
-    from tray.launch import TraySpec, run_tray
+    from tray.launch import TraySpec, placements_for, run_tray
     from tray.manifest.names import resolve_manifest
 
     cmd = list(args.cmd)
@@ -54,7 +66,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     from tray.launch.output import Routing, check_streams, parse_ranks_filter
 
-    backend, nprocs = _backend_and_n(args.backend, args.nprocs)
+    job = _job_of(args)
+    if job is not None and args.max_restarts:
+        raise UsageError("--max-restarts restarts one tray; a job of several nodes restarts as a whole, under its "
+                         "scheduler (e.g. sbatch --requeue), so drop --max-restarts with --nnodes")
+    backend, nprocs = _backend_and_n(args.backend, job.nproc_per_node if job else args.nprocs)
     tee, redirects = check_streams("--tee", args.tee), check_streams("--redirects", args.redirects)
     ranks = parse_ranks_filter(args.local_ranks_filter, nprocs)
     Routing(log_dir=args.log_dir, tee=tee, redirects=redirects)  # refuses --tee/--redirects without --log-dir
@@ -69,7 +85,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
                     heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
                     redirects=redirects, local_ranks_filter=ranks, barrier_timeout_s=args.barrier_timeout_s,
                     max_restarts=args.max_restarts)
-    return run_tray(spec).exit_code
+    if job is None:
+        return run_tray(spec).exit_code
+    from tray.launch.node import NodeHead
+
+    return NodeHead(spec, job, placements_for(backend, nprocs)).run().exit_code
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -125,6 +145,10 @@ examples:
   tray launch --manifest peer_fill prog.py                a built-in manifest (tray inspect --list)
   tray launch -n 8 -q --log-dir logs --redirects 3 --local-ranks-filter 0 -- python serve.py
                                                           rank 0 on the terminal, every rank's lines in logs/
+  tray launch --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 -n 4 prog.py
+                                                          node 0 of a job of two trays (node1: --node-rank 1);
+                                                          both with the same TRAY_JOB_TOKEN in the environment
+  srun -N 2 --ntasks-per-node=1 tray launch -n 4 prog.py  the same under Slurm (launch/slurm/tray.sbatch)
 
 output: every line a rank writes is printed as "[rank R] line". With --log-dir D, D/rank-R.log gets
 every line, stamped (ISO 8601, ms), and the error report of a rank that failed. --tee/--redirects take
@@ -133,7 +157,9 @@ terminal; --redirects S: streams S go to the file only. --log-dir alone is --tee
 
 exit codes: 0 every rank exited 0; 1 a rank failed (the root cause is printed first); 2 usage, setup or
 manifest error; 3 the handshake failed (offers disagree, a rank never offered); 130 interrupted.
-env: TRAY_JOBS_ROOT (job directories), TRAY_BARRIER_TIMEOUT_S (as --barrier-timeout-s).
+env: TRAY_JOBS_ROOT (job directories), TRAY_BARRIER_TIMEOUT_S (as --barrier-timeout-s), TRAY_JOB_TOKEN
+(a job of several nodes: the secret every node shares; never read from the command line), SLURM_*, PET_*
+(PyTorchJob), LWS_* (LeaderWorkerSet): the job's shape where --nnodes and friends are not given.
 ranks get TRAY_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT): the attempts before theirs.
 """
 
@@ -151,12 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Spawn N ranks of CMD, form the tray (handshake, peer mappings, groups),\n"
                                    "supervise them, and stop all of them at the first failure.",
                        epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", "--nprocs", type=int, default=None,
+    p.add_argument("-n", "--nprocs", "--nproc-per-node", type=int, default=None,
                    help="ranks (default: the visible GPUs; host backend: 4); checked against the visible GPUs "
                         "and CUDA_VISIBLE_DEVICES before anything starts")
     p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
     p.add_argument("--manifest", default=None,
                    help="manifest JSON file or built-in name (tray inspect --list); default: the world group")
+    job = p.add_argument_group("a job of several nodes (one `tray launch` per node; secret in $TRAY_JOB_TOKEN)")
+    job.add_argument("--nnodes", type=int, default=None, help="nodes in the job")
+    job.add_argument("--node-rank", type=int, default=None, help="this node's rank, 0..nnodes-1 (0 hosts the root)")
+    job.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="where node 0's root listens")
+    job.add_argument("--rdzv-id", default=None, help="a name of the job (the same on every node)")
+    job.add_argument("--master-addr", default=None, help="the root's host (torchrun's spelling)")
+    job.add_argument("--master-port", type=int, default=None, help="the root's port (torchrun's spelling)")
+    job.add_argument("--slurm", action="store_true",
+                     help="read the job from Slurm (automatic inside `srun --ntasks-per-node=1`)")
+    job.add_argument("--node-heartbeat-timeout-s", type=float, default=5.0,
+                     help="a node or the root silent this long is lost (default 5)")
     p.add_argument("--var", action="append", default=[], metavar="NAME=INT",
                    help="override a manifest var (repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="no startup timeline (rank output and errors stay)")

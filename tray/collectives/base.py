@@ -27,6 +27,10 @@ class GroupJoin:
 class Joiner(abc.ABC):
     """Joins the groups of one rank on one backend."""
 
+    # Whether its collectives work between nodes of a job (without peer mappings); where not, a group
+    # that spans nodes gets relayed collectives (tray/collectives/relay.py).
+    crosses_nodes: bool = False
+
     def buffer_nbytes(self, group: GroupInfo, largest_nbytes: int) -> int:
         """Bytes of the exported per-group working buffer the collectives need; 0 for none.
         `largest_nbytes` is the manifest's largest buffer on this rank."""

@@ -532,6 +532,8 @@ class NcclJoiner(Joiner):
     `backend` needs `make_current()`, `stream_handle` (the rank's stream as an int) and `info.ordinal`.
     """
 
+    crosses_nodes = True  # NCCL picks its transport: NVLink within a node, the network between
+
     def __init__(self, backend: Any) -> None:
         self.backend = backend
 

@@ -98,12 +98,15 @@ class Head:
     """One tray launch. `run()` returns a TrayResult and leaves no process, socket or job dir."""
 
     def __init__(self, spec: TraySpec, placements: list[NumaPlacement] | None = None,
-                 restart_count: int = 0) -> None:
+                 restart_count: int = 0, *, rank_base: int = 0, world_size: int | None = None) -> None:
         self.spec = spec
         self.restart_count = restart_count
         self.master_port: PortReservation | None = None
+        # A head of a job of several trays runs global ranks rank_base..rank_base+nprocs-1 of world_size.
+        self.rank_base = rank_base
+        self.world_size = world_size or spec.nprocs
         self.manifest: Manifest = load_manifest(spec.manifest) if spec.manifest else builtin_manifest()
-        self.resolved = self.manifest.resolve(spec.nprocs, dict(spec.vars))
+        self.resolved = self.manifest.resolve(self.world_size, dict(spec.vars))
         self.placements = placements or [placement_for(None)] * spec.nprocs
         self.routing = Routing(log_dir=spec.log_dir, tee=spec.tee, redirects=spec.redirects,
                                ranks=spec.local_ranks_filter, quiet=spec.quiet)
@@ -147,10 +150,13 @@ class Head:
                 threading.Thread(target=_init_driver, name="tray-driver", daemon=True).start()
             ctx = zmq.Context()
             sock = _bind_router(ctx, endpoint, job)
+            self._start_job(ctx, sock)
             self._loop(sock, job)
+            self._after_loop()
         finally:
             with _signals_deferred():
                 self._teardown(job, watchdog, pump)
+                self._close_job()
                 if sock is not None:
                     sock.close()
                 if ctx is not None:
@@ -170,18 +176,32 @@ class Head:
             env = rank_env(self.spec, r, job_dir=job_dir, endpoint=endpoint, token=self.token,
                            manifest=manifest, t_spawn=t_spawn, restart_count=self.restart_count,
                            master_port=self.master_port.port if self.master_port else None)
-            self.procs.append(spawn_rank(self.spec, r, env, self.placements[r], process_group))
+            env.update(self._job_env(r))
+            self.procs.append(spawn_rank(self.spec, self.rank_base + r, env, self.placements[r], process_group))
 
     def _loop(self, sock: zmq.Socket, job: JobDir) -> None:
         """Supervise until every rank exited or one failure is known (the root cause)."""
+        extra = self._extra_sockets()
+        poller = zmq.Poller()
+        for s in (sock, *extra):
+            poller.register(s, zmq.POLLIN)
         while not self.failure:
-            self._drain(sock, _POLL_MS)
+            if extra:
+                ready = dict(poller.poll(_POLL_MS))
+                for s in extra:
+                    if s in ready:
+                        self._on_extra(s)
+                self._drain(sock, 0)
+                if not self.failure:
+                    self._tick(sock)
+            else:
+                self._drain(sock, _POLL_MS)
             if not self.failure:
                 self._check_children(sock, job.path)
             if not self.failure:
                 self._check_deadlines()
             self._sample_shm(job)
-            if all(p.returncode is not None for p in self.procs):
+            if self._finished():
                 return
 
     def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:
@@ -191,6 +211,54 @@ class Head:
             ident, payload = self._recv(sock)
             if ident is not None:
                 self._on_message(sock, ident, payload)
+
+    # --- hooks: a head of a job of several trays (tray/launch/node.py) overrides these ------------------
+    def _job_env(self, local_rank: int) -> dict[str, str]:
+        """Variables a rank gets beyond the tray's own (none on one host)."""
+        return {}
+
+    def _start_job(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        """After the ranks are spawned and the rank socket `sock` is bound."""
+
+    def _extra_sockets(self) -> list[zmq.Socket]:
+        """Sockets the loop polls besides the ranks' (none on one host)."""
+        return []
+
+    def _on_extra(self, sock: zmq.Socket) -> None:
+        """One of _extra_sockets() is readable."""
+
+    def _tick(self, sock: zmq.Socket) -> None:
+        """Every loop turn (at most _POLL_MS apart) when there are extra sockets."""
+
+    def _finished(self) -> bool:
+        return all(p.returncode is not None for p in self.procs)
+
+    def _handshake_is_ours(self) -> bool:
+        """Whether the handshake deadline names this head's ranks (not when they wait on the job's root)."""
+        return True
+
+    def _after_loop(self) -> None:
+        """After the loop, before the teardown."""
+
+    def _close_job(self) -> None:
+        """After the teardown, before the context ends."""
+
+    def _offers_complete(self, sock: zmq.Socket) -> None:
+        """Every local offer arrived and passed validation: hand out the table."""
+        self.t_table = time.time()
+        table = wire.Table(token=self.token, offers=tuple(self.offers[p.rank] for p in self.procs))
+        for p in self.procs:
+            self._send(sock, f"rank-{p.rank}", table)
+
+    def _all_ready(self, sock: zmq.Socket) -> None:
+        """Every local rank reported ready: say go."""
+        self.t_go = time.time()
+        go = wire.encode(wire.Go(token=self.token, t_go=self.t_go))
+        for p in self.procs:
+            p.state = RankState.RUNNING
+            self._note_phase(p, "running")
+            self._send_bytes(sock, f"rank-{p.rank}", go, wire.Go.KIND)
+        self._print_timeline()
 
     def _recv(self, sock: zmq.Socket) -> tuple[str | None, bytes]:
         frames = sock.recv_multipart()
@@ -202,7 +270,8 @@ class Head:
     # --- messages -------------------------------------------------------------------------------
     def _sender_rank(self, ident: str) -> int | None:
         base = ident[:-3] if ident.endswith(".hb") else ident
-        if base.startswith("rank-") and base[5:].isdigit() and int(base[5:]) < self.spec.nprocs:
+        if base.startswith("rank-") and base[5:].isdigit() and \
+                self.rank_base <= int(base[5:]) < self.rank_base + self.spec.nprocs:
             return int(base[5:])
         return None
 
@@ -224,7 +293,7 @@ class Head:
             self._reject_log(ident, reason)
             self._send(sock, ident, wire.Reject(token=self.token, reason=reason))
             return
-        proc = self.procs[rank]
+        proc = self.procs[rank - self.rank_base]
         if isinstance(msg, wire.Heartbeat):
             proc.last_heartbeat = time.monotonic()
             self._note_phase(proc, msg.phase)
@@ -271,7 +340,7 @@ class Head:
             return
         leaders = {name: [members[0] for members in instances] for name, instances in self.resolved.groups.items()}
         problems = validate_offers(
-            [self.offers[r] for r in range(self.spec.nprocs)], world_size=self.spec.nprocs,
+            [self.offers[p.rank] for p in self.procs], world_size=self.world_size,
             digest=self.manifest.digest, uid=os.getuid(), pids={p.rank: p.pid for p in self.procs},
             group_leaders=leaders,
         )
@@ -279,10 +348,7 @@ class Head:
             self._fail(Failure(None, "the offers disagree; nobody proceeds:\n  " + "\n  ".join(problems),
                                exit_code=EXIT_HANDSHAKE))
             return
-        self.t_table = time.time()
-        table = wire.Table(token=self.token, offers=tuple(self.offers[r] for r in range(self.spec.nprocs)))
-        for p in self.procs:
-            self._send(sock, f"rank-{p.rank}", table)
+        self._offers_complete(sock)
 
     def _on_ready(self, sock: zmq.Socket, proc: RankProcess, ready: wire.Ready) -> None:
         if proc.rank in self.ready:
@@ -296,13 +362,7 @@ class Head:
         self._note_phase(proc, "ready")
         if len(self.ready) < self.spec.nprocs:
             return
-        self.t_go = time.time()
-        go = wire.encode(wire.Go(token=self.token, t_go=self.t_go))
-        for p in self.procs:
-            p.state = RankState.RUNNING
-            self._note_phase(p, "running")
-            self._send_bytes(sock, f"rank-{p.rank}", go, wire.Go.KIND)
-        self._print_timeline()
+        self._all_ready(sock)
 
     def _on_vote(self, sock: zmq.Socket, vote: wire.Vote) -> None:
         key = (vote.topic, vote.round)
@@ -396,7 +456,7 @@ class Head:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         timeout_s = self.spec.handshake_timeout_s
-        if not self.t_go and now - self.t_start > timeout_s:
+        if not self.t_go and now - self.t_start > timeout_s and self._handshake_is_ours():
             # the deadline runs from the spawn: a tray whose ranks never reach the head fails too
             missing = [p for p in self.procs if p.rank not in self.offers] or \
                       [p for p in self.procs if p.rank not in self.ready]
@@ -529,8 +589,8 @@ class Head:
 
     # --- reporting ------------------------------------------------------------------------------
     def _timeline(self) -> dict[str, tuple[float, int]]:
-        out: dict[str, tuple[float, int]] = {"spawn": (self.t_spawned, self.spec.nprocs - 1)}
-        for r in range(self.spec.nprocs):
+        out: dict[str, tuple[float, int]] = {"spawn": (self.t_spawned, self.procs[-1].rank)}
+        for r in (p.rank for p in self.procs):
             timings = dict(self.offers[r].timings) if r in self.offers else {}
             if r in self.ready:
                 timings.update(self.ready[r].timings)
@@ -566,8 +626,9 @@ class Head:
             for line in f.report.rstrip().splitlines():
                 _say(f"  {line}")
         for (topic, rnd), box in self.votes.items():
-            missing = ",".join(str(r) for r in range(self.spec.nprocs) if r not in box)
-            _say(f"tray-wide step {topic!r} (round {rnd}) was still waiting for rank {missing}")
+            missing = ",".join(str(p.rank) for p in self.procs if p.rank not in box)
+            if missing:
+                _say(f"tray-wide step {topic!r} (round {rnd}) was still waiting for rank {missing}")
         if f.tail:
             _say(f"last lines of rank {f.rank}:")
             for line in f.tail[-10:]:

@@ -26,18 +26,25 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _print_lock = threading.Lock()
 
 
-def torchrun_env(rank: int, nprocs: int, master_port: int | None, run_id: str) -> dict[str, str]:
-    """What torchrun gives its workers, for one host (one node: GROUP_RANK 0, one role).
+def torchrun_env(rank: int, nprocs: int, master_port: int | None, run_id: str, *, local_rank: int | None = None,
+                 local_world_size: int | None = None, group_rank: int = 0, group_world_size: int = 1,
+                 master_addr: str = MASTER_ADDR) -> dict[str, str]:
+    """What torchrun gives its workers: by default for one host (one node: GROUP_RANK 0, one role);
+    a job of several trays passes the global `rank` of `nprocs`, this node's `local_*` and `group_*`
+    (node rank, node count) and the job's `master_addr`.
 
     Like torchrun, these override what the head's environment has (a MASTER_PORT exported in the shell
     would collide between trays); MASTER_* only when the head reserved a port."""
+    local_rank = rank if local_rank is None else local_rank
+    local_world_size = nprocs if local_world_size is None else local_world_size
     env = {
-        "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nprocs),
-        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+        "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(group_rank),
+        "GROUP_WORLD_SIZE": str(group_world_size), "ROLE_NAME": "default", "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(nprocs), "TORCHELASTIC_RUN_ID": run_id,
     }
     if master_port is not None:
-        env.update({"MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": str(master_port)})
+        env.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
     return env
 
 
@@ -47,6 +54,7 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
     torchrun's (`torchrun_env`). `restart_count` is how many times `--max-restarts` started the tray again
     (0 on the first attempt)."""
     env = dict(os.environ)
+    env.pop("TRAY_JOB_TOKEN", None)  # the job's secret is for the heads only; a rank never needs it
     env.update(dict(spec.extra_env))
     env.update({
         "TRAY_RANK": str(rank),

@@ -26,6 +26,10 @@ class RankEnv:
     vars: tuple[tuple[str, int], ...]
     t_spawn: float | None
     barrier_timeout_s: float | None = None  # TRAY_BARRIER_TIMEOUT_S: programs' barriers wait this long
+    # a job of several trays: this rank's node and the ranks per node (rank // local_world_size = node)
+    node_rank: int = 0
+    nnodes: int = 1
+    local_world_size: int = 0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RankEnv":
@@ -47,6 +51,8 @@ class RankEnv:
                 backend=env["TRAY_BACKEND"], vars=tuple((k, int(v)) for k, v in pairs),
                 t_spawn=float(env["TRAY_T_SPAWN"]) if env.get("TRAY_T_SPAWN") else None,
                 barrier_timeout_s=timeout_s,
+                node_rank=int(env.get("TRAY_NODE_RANK", "0")), nnodes=int(env.get("TRAY_NNODES", "1")),
+                local_world_size=int(env.get("TRAY_LOCAL_WORLD_SIZE") or env["TRAY_WORLD_SIZE"]),
             )
         except ValueError as exc:
             raise UsageError(f"malformed tray environment: {exc}") from None

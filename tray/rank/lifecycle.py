@@ -14,11 +14,12 @@ from pathlib import Path
 
 from tray import collectives
 from tray.backend import open_backend
-from tray.backend.base import Backend, ExportedHandle, GroupInfo
+from tray.backend.base import Backend, Collectives, ExportedHandle, GroupInfo
 from tray.errors import HandshakeError
 from tray.handshake import wire
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer, fetch_fds
+from tray.handshake.steps import spans_nodes
 from tray.manifest import builtin_manifest, load_manifest
 from tray.rank.wiring import (
     FLAGS_PREFIX,
@@ -71,7 +72,9 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float) -> Wiring:
     with phases.timed("table"):
         table = client.receive(wire.Table, timeout_s, "table")
     assert parts.fd_server is not None
-    parts.fd_server.allow(o.pid for o in table.offers)
+    # fds only to ranks of this node: two nodes of a job on one machine never pass fds
+    local = env.local_world_size or env.world_size
+    parts.fd_server.allow(o.pid for o in table.offers if o.rank // local == env.rank // local)
     with phases.timed("import_peers"):
         _import_peers(parts, backend, table, timeout_s)
     with phases.timed("join"):
@@ -86,7 +89,8 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float) -> Wiring:
     return Wiring(env=env, phases=phases, client=client, manifest=manifest, resolved=resolved, backend=backend,
                   fd_server=parts.fd_server, groups=groups, buffers=parts.buffers, ptr_tables=parts.ptr_tables,
                   peer_tables=parts.peer_tables, barriers=parts.barriers, collectives=parts.collectives,
-                  mappings=parts.mappings or {})
+                  mappings=parts.mappings or {},
+                  spanning=frozenset(parts.spanning))
 
 
 def _my_groups(parts: Parts) -> dict[str, GroupInfo]:
@@ -101,13 +105,18 @@ def _my_groups(parts: Parts) -> dict[str, GroupInfo]:
 
 
 def _allocate(parts: Parts, backend: Backend, joiner: collectives.Joiner, groups: dict[str, GroupInfo]) -> None:
-    """Every manifest buffer, then per group its barrier flags and the collectives' buffer (if any)."""
+    """Every manifest buffer, then per group within this node its barrier flags and the collectives'
+    buffer (if any); a group that spans nodes has neither (its steps are relayed through the root)."""
     assert parts.resolved is not None
+    local = parts.env.local_world_size or parts.env.world_size
+    parts.spanning = {g.name for g in groups.values() if spans_nodes(g.members, local)}
     buffers = parts.buffers = {}
     largest = max((b.nbytes for b in parts.resolved.buffers), default=0)
     for b in parts.resolved.buffers:
         buffers[b.name] = backend.allocate(b.name, b.nbytes, b.export)
     for g in groups.values():
+        if g.name in parts.spanning:
+            continue
         # Flags are zeroed before the offer goes out: no peer writes into memory zeroed later.
         buffers[FLAGS_PREFIX + g.name] = backend.allocate(FLAGS_PREFIX + g.name, 8 * g.size, True)
         nbytes = joiner.buffer_nbytes(g, largest)
@@ -116,10 +125,12 @@ def _allocate(parts: Parts, backend: Backend, joiner: collectives.Joiner, groups
 
 
 def _exported(parts: Parts) -> list[str]:
-    """The names of the buffers this rank exports: the exported manifest buffers and the tray's own."""
+    """The names of the buffers this rank exports: the exported manifest buffers and the tray's own,
+    less those of groups that span nodes (peer mappings stay within a node)."""
     assert parts.resolved is not None and parts.buffers is not None
     export = {b.name for b in parts.resolved.buffers if b.export}
-    return [n for n in parts.buffers if n.startswith(INTERNAL_PREFIX) or n in export]
+    return [n for n in parts.buffers if (n.startswith(INTERNAL_PREFIX) or n in export)
+            and _group_of_buffer(parts, n) not in parts.spanning]
 
 
 def _group_of_buffer(parts: Parts, name: str) -> str:
@@ -197,8 +208,12 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
     """Every group's barrier, then its collectives from member 0's join info."""
     assert parts.buffers is not None and parts.groups is not None and parts.ptr_tables is not None
     barriers = parts.barriers = {}
+    relayed: dict[str, Collectives] = {}
     joins = []
     for g in parts.groups.values():
+        if g.name in parts.spanning:
+            _join_spanning(parts, backend, joiner, table, g, joins, relayed)
+            continue
         barriers[g.name] = backend.barrier(g, parts.buffers[FLAGS_PREFIX + g.name],
                                            parts.ptr_tables[FLAGS_PREFIX + g.name])
         leader = table.offers[g.members[0]]
@@ -206,7 +221,23 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
             group=g, join_info=leader.groups.get(g.name, b""), barrier=barriers[g.name],
             buffer=parts.buffers.get(GROUP_BUFFER_PREFIX + g.name),
             peer_buffers=parts.ptr_tables.get(GROUP_BUFFER_PREFIX + g.name)))
-    parts.collectives = joiner.join(joins)
+    parts.collectives = {**joiner.join(joins), **relayed}
+
+
+def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table, g: GroupInfo,
+                   joins: list[collectives.GroupJoin], relayed: dict[str, Collectives]) -> None:
+    """A group with members on other nodes: its barrier relayed through the root; its collectives
+    joined where the joiner crosses nodes (NCCL), relayed otherwise (host)."""
+    from tray.collectives.relay import RelayBarrier, RelayCollectives, VoteStep
+
+    assert parts.barriers is not None and parts.client is not None
+    step = VoteStep(parts.client, parts.env.token, parts.env.rank)
+    barrier = parts.barriers[g.name] = RelayBarrier(g, step, before=backend.synchronize)
+    if joiner.crosses_nodes:
+        leader = table.offers[g.members[0]]
+        joins.append(collectives.GroupJoin(group=g, join_info=leader.groups.get(g.name, b""), barrier=barrier))
+    else:
+        relayed[g.name] = RelayCollectives(g, step)
 
 
 __all__ = ["READY_TIMINGS", "boot_id", "start"]

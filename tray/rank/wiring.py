@@ -81,6 +81,7 @@ class Parts:
     barriers: dict[str, Barrier] | None = None
     collectives: dict[str, Collectives] | None = None
     mappings: dict[tuple[int, str], PeerMapping] | None = None
+    spanning: set[str] = field(default_factory=set)  # groups with members on other nodes
 
     def close(self) -> None:
         _release(self.collectives or {}, self.barriers or {}, self.ptr_tables or {}, self.fd_server,
@@ -109,6 +110,8 @@ class Wiring:
     barriers: Mapping[str, Barrier]
     collectives: Mapping[str, Collectives]
     mappings: Mapping[tuple[int, str], PeerMapping] = field(default_factory=dict)  # (peer, buffer) -> mapping
+    # groups with members on other nodes (a job of several trays): no peer tables; steps relayed
+    spanning: frozenset[str] = frozenset()
 
     @property
     def rank(self) -> int:
@@ -135,6 +138,12 @@ class Wiring:
 
     def peers(self, name: str) -> PeerTable:
         """Every member's address of exported buffer `name` (over the buffer's group)."""
+        spec = self._specs.get(name)
+        if spec is not None and spec.group in self.spanning:
+            members = self.groups[spec.group].members
+            raise UsageError(f"buffer {name!r} has no peer table: its group {spec.group!r} (ranks {members[0]}.."
+                             f"{members[-1]}) spans nodes, and peer tables exist only within a node; use the group's "
+                             "collectives, or give the buffer a group within one node")
         if name not in self.peer_tables or name.startswith(INTERNAL_PREFIX):
             exported = sorted(n for n in self.peer_tables if not n.startswith(INTERNAL_PREFIX))
             raise UsageError(f"no peer table for {name!r}; exported buffers with a group containing rank "

@@ -1,0 +1,291 @@
+"""A job of two trays on this machine over 127.0.0.1: two `tray launch --nnodes 2` processes, 2 ranks each,
+host backend; the heads talk to node 0's root over TCP with CURVE."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import MANIFESTS, Run
+
+FILL = str(MANIFESTS / "peer_fill.json")
+PARK = str(MANIFESTS / "park.json")
+TOKEN = "f00dfeedf00dfeedf00dfeedf00dfeed"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tray", "launch", "-n", "2", "--backend", "host", *args]
+
+
+def start_job(tray_env, body: str, *launch_args: str, nnodes: int = 2, tokens: tuple[str, ...] = (),
+              node_args: dict[int, tuple[str, ...]] | None = None) -> list[subprocess.Popen]:
+    """One `tray launch` per node, all started at once; node i gets tokens[i] (default TOKEN)."""
+    port = free_port()
+    prog = tray_env.script(body)
+    procs = []
+    for node in range(nnodes):
+        env = tray_env.env()
+        env["TRAY_JOB_TOKEN"] = tokens[node] if node < len(tokens) else TOKEN
+        cmd = launch_cmd(*launch_args, "--nnodes", str(nnodes), "--node-rank", str(node),
+                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test", *(node_args or {}).get(node, ()),
+                         "--", sys.executable, str(prog), tray_env.marker)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=str(tray_env.tmp)))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float = 60.0) -> list[Run]:
+    runs = []
+    t0 = time.monotonic()
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            err += "\n(test: killed after the timeout)"
+        runs.append(Run(p.returncode, out, err, time.monotonic() - t0))
+    return runs
+
+
+def test_two_nodes_exchange_barrier_collectives_peer_tables(tray_env):
+    body = """
+    with tray.init() as rank:
+        me, n = rank.rank, rank.world_size
+        assert n == 4 and rank.local_rank == me % 2 and os.environ["GROUP_RANK"] == str(me // 2)
+        assert os.environ["WORLD_SIZE"] == "4" and os.environ["LOCAL_WORLD_SIZE"] == "2"
+        assert "TRAY_JOB_TOKEN" not in os.environ
+        assert rank.exchange("who", [me, os.getpid()])[me] == [me, os.getpid()]
+        rank.barrier()                                   # world spans both nodes: relayed
+        # pairs {0,1} and {2,3} stay within a node: peer tables and the shared-memory barrier
+        pair = rank.peers("pair")
+        assert len(pair.ptrs) == 2 and pair.ptrs[me % 2] == rank.buffer("pair").ptr
+        rank.write("pair", np.full(2, 100 + me, np.uint32))
+        rank.barrier("pairs")
+        from tray.backend.host import view
+        peer = view(pair.ptrs[1 - me % 2], 8).view(np.uint32)
+        assert list(peer) == [100 + (me ^ 1)] * 2, list(peer)
+        try:
+            rank.peers("fill")
+        except tray.UsageError as exc:
+            assert "spans nodes" in str(exc), exc
+        else:
+            raise AssertionError("a peer table over a spanning group")
+        c = rank.collectives("world")
+        count = 256
+        inputs = np.random.default_rng(7).standard_normal((n, count)).astype(np.float32)
+        rank.write("send", inputs[me])
+        send, recv = rank.buffer("send"), rank.buffer("recv")
+        c.allreduce(send.ptr, recv.ptr, count, "f32")
+        ref = inputs[0].copy()
+        for i in range(1, n):
+            ref += inputs[i]
+        assert np.array_equal(rank.read("recv")[:count], ref)
+        c.allgather(send.ptr, recv.ptr, count // 4, "f32")
+        assert np.array_equal(rank.read("recv")[:count], np.concatenate([inputs[i][:count // 4] for i in range(n)]))
+        rank.barrier()
+        print("node job ok", me)
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", FILL, "--var", "count=256", "--var", "words=64"))
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, run.output
+        for r in (2 * node, 2 * node + 1):
+            assert f"[rank {r}] node job ok {r}" in run.stdout, run.output
+
+
+def test_two_nodes_park_wake_all_or_nothing(tray_env):
+    body = """
+    from tray.errors import NoRoom
+    with tray.init() as rank:
+        me, b = rank.rank, rank.backend
+        s = rank.lease(2)
+        data = np.random.default_rng(me).integers(0, 256, s.nbytes, dtype=np.uint8)
+        for i in range(s.npages):
+            b.write(s.ptr(i), data[i * s.page_nbytes:(i + 1) * s.page_nbytes])
+        parked = rank.park(s)
+        woken = rank.wake(parked)
+        got = np.concatenate([b.read(woken.ptr(i), woken.page_nbytes) for i in range(woken.npages)])
+        assert np.array_equal(got, data)
+        big = rank.lease(5 if me == 3 else 1)           # rank 3 (node 1) has no host room for 5
+        try:
+            rank.park(big)
+        except NoRoom as exc:
+            print("noroom", me, "rank 3" in str(exc), flush=True)
+        else:
+            raise AssertionError("park should have been refused on every rank")
+        print("park ok", me)
+    """
+    args = ("--manifest", PARK, "--var", "page_nbytes=4096", "--var", "pages=8", "--var", "host_pages=4")
+    runs = finish(start_job(tray_env, body, *args))
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, run.output
+        for r in (2 * node, 2 * node + 1):
+            assert f"[rank {r}] noroom {r} True" in run.stdout and f"[rank {r}] park ok {r}" in run.stdout, run.output
+
+
+def _root_cause(run: Run) -> str:
+    return next(line for line in run.stderr.splitlines() if line.startswith("tray: FAILED:"))
+
+
+def test_a_rank_failing_on_node_1_is_named_by_both_heads(tray_env):
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 3:
+            raise ValueError("rank three gives up")
+        rank.barrier()
+    """
+    runs = finish(start_job(tray_env, body))
+    assert all(run.returncode != 0 for run in runs), [r.output for r in runs]
+    causes = [_root_cause(run) for run in runs]
+    assert causes[0] == causes[1], causes
+    assert "node 1" in causes[0] and "rank 3" in causes[0] and "rank three gives up" in causes[0], causes
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_head_is_named_within_the_timeout(tray_env, victim):
+    """Node 1's head killed: the root names node 1. Node 0's head (the root) killed: node 1 names the lost
+    root and stops its ranks. Either way within the heartbeat timeout, and nothing is left (the killed
+    head's watchdog removes its ranks and its job dir; the fixture checks)."""
+    body = """
+    with tray.init() as rank:
+        open(f"up-{rank.rank}", "w").close()
+        time.sleep(60)
+    """
+    survivor = 1 - victim
+    procs = start_job(tray_env, body, node_args={survivor: ("--node-heartbeat-timeout-s", "1.5")})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(tray_env.tmp.glob("up-*"))) < 4:
+        time.sleep(0.05)
+    assert len(list(tray_env.tmp.glob("up-*"))) == 4
+    t_kill = time.monotonic()
+    os.kill(procs[victim].pid, signal.SIGKILL)   # its ranks die with it (PR_SET_PDEATHSIG)
+    run = finish([procs[survivor]], timeout_s=20)[0]
+    finish([procs[victim]])
+    assert run.returncode != 0 and time.monotonic() - t_kill < 1.5 + 5, run.output
+    cause = _root_cause(run)
+    if victim == 1:
+        assert "node 1" in cause and "lost" in cause and "no heartbeat" in cause, run.output
+    else:
+        assert "node 1: lost the root (node 0 at 127.0.0.1:" in cause and "nothing heard" in cause, run.output
+
+
+def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    t0 = time.monotonic()
+    runs = finish(start_job(tray_env, body, tokens=(TOKEN, "another-secret-another-secret")), timeout_s=30)
+    assert time.monotonic() - t0 < 15
+    assert all(run.returncode != 0 for run in runs), [r.output for r in runs]
+    assert "TRAY_JOB_TOKEN" in _root_cause(runs[1]), runs[1].output
+    assert "TRAY_JOB_TOKEN" in _root_cause(runs[0]), runs[0].output
+
+
+def test_missing_token_is_a_usage_error(tray_env):
+    env = tray_env.env()
+    env.pop("TRAY_JOB_TOKEN", None)
+    cmd = launch_cmd("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "--", "true")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 2 and "TRAY_JOB_TOKEN" in proc.stderr, proc.stderr
+
+
+def test_peers_kernel_over_a_spanning_group_is_refused_at_bind(tray_env, tmp_path):
+    manifest = tmp_path / "span.json"
+    kernel = MANIFESTS / "kernels" / "peer_fill.cu"
+    manifest.write_text(f"""{{"format": 1, "name": "span", "vars": {{"words": 64}},
+      "groups": [{{"name": "world", "ranks": "all"}}],
+      "buffers": [{{"name": "fill", "dtype": "u32", "shape": ["world_size * words"], "export": true}}],
+      "kernels": [{{"name": "peer_fill", "source": "{kernel}", "entry": "tray_peer_fill", "peers": true}}],
+      "programs": [{{"name": "fill", "ops": [{{"op": "launch", "kernel": "peer_fill", "grid": [1, 1, 1],
+        "block": [32, 1, 1], "args": ["peers:fill", "world_size", "rank", "words", 7]}}]}}]}}""")
+    env = tray_env.env()
+    env["TRAY_JOB_TOKEN"] = TOKEN
+    cmd = launch_cmd("--manifest", str(manifest), "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                     "127.0.0.1:1", "--", "true")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "group 'world' spans nodes" in proc.stderr and "peer_fill" in proc.stderr, proc.stderr
+
+
+def test_nodes_with_different_rank_counts_are_refused_by_name(tray_env):
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    runs = finish(start_job(tray_env, body, node_args={1: ("-n", "1")}), timeout_s=40)
+    assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
+    for run in runs:
+        assert "1 ranks per node, node 0 runs 2" in _root_cause(run), run.output
+
+
+def test_a_node_rank_given_twice_is_refused_by_name(tray_env):
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    runs = finish(start_job(tray_env, body, nnodes=3, node_args={2: ("--node-rank", "1")}), timeout_s=40)
+    assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
+    assert "node rank 1 joined twice" in _root_cause(runs[0]), runs[0].output
+
+
+def test_a_barrier_over_a_spanning_group_names_who_is_missing(tray_env):
+    body = """
+    with tray.init() as rank:
+        if rank.rank != 3:
+            t = time.monotonic()
+            try:
+                rank.barrier(timeout_s=0.5)
+            except tray.BarrierTimeout as exc:
+                print("missing", exc.missing, time.monotonic() - t < 2.0, flush=True)
+        else:
+            time.sleep(1.5)
+    """
+    runs = finish(start_job(tray_env, body))
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    for r in (0, 1, 2):
+        assert f"[rank {r}] missing [3] True" in runs[r // 2].stdout, runs[r // 2].output
+
+
+def test_node_0_must_run_where_the_endpoint_points(tray_env):
+    env = tray_env.env()
+    env["TRAY_JOB_TOKEN"] = TOKEN
+    # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this machine
+    cmd = launch_cmd("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "192.0.2.7:29400", "--", "true")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env, cwd=str(tray_env.tmp))
+    assert proc.returncode == 2, proc.stderr
+    assert "node 0 cannot listen on tcp://192.0.2.7:29400" in proc.stderr, proc.stderr
+
+
+def test_a_gloo_program_spans_the_nodes_through_torchruns_variables(tray_env):
+    pytest.importorskip("torch", reason="torch (CPU) is installed by `make test`; this run has none")
+    body = """
+    import torch
+    import torch.distributed as dist
+    assert os.environ["GROUP_WORLD_SIZE"] == "2" and os.environ["WORLD_SIZE"] == "2"
+    dist.init_process_group("gloo")                       # env://: MASTER_ADDR/PORT name node 0
+    with tray.init() as rank:
+        assert dist.get_rank() == rank.rank and os.environ["GROUP_RANK"] == str(rank.rank)
+        t = torch.full((4,), float(rank.rank + 1))
+        dist.all_reduce(t)
+        assert t.tolist() == [3.0] * 4, t
+        rank.barrier()
+        print("gloo across nodes ok", rank.rank)
+    dist.destroy_process_group()
+    """
+    runs = finish(start_job(tray_env, body, node_args={0: ("-n", "1"), 1: ("-n", "1")}), timeout_s=120)
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, run.output
+        assert f"gloo across nodes ok {node}" in run.stdout, run.output

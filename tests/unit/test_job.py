@@ -1,0 +1,215 @@
+"""Multi-node job config: Slurm host lists, CLI and scheduler environments, CURVE keyed from the token."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from tray.errors import UsageError
+from tray.launch.curve import ZapHandler, job_keys, make_client, make_server
+from tray.launch.hostlist import MAX_HOSTS, expand_hostlist, first_host
+from tray.launch.job import JobArgs, job_rank_env, resolve_job, slurm_port
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("node1", ["node1"]),
+    ("gpu[01-04,07]", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]),
+    ("a,b[1-2]", ["a", "b1", "b2"]),
+    ("n[001-003]-ib", ["n001-ib", "n002-ib", "n003-ib"]),
+    ("x[1-2],y[9-10],z", ["x1", "x2", "y9", "y10", "z"]),
+    ("r[1-2]n[0-1]", ["r1n0", "r1n1", "r2n0", "r2n1"]),
+    ("c[8-11]", ["c8", "c9", "c10", "c11"]),
+    (" node[1-2] ", ["node1", "node2"]),
+])
+def test_hostlist_expands_like_slurm(text, hosts):
+    assert expand_hostlist(text) == hosts
+    assert first_host(text) == hosts[0]
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "empty"),
+    ("gpu[01-04", "never closed"),
+    ("gpu01-04]", r"without '\['"),
+    ("gpu[[1]]", "nested"),
+    ("gpu[4-1]", "backwards"),
+    ("gpu[a-b]", "not NUM"),
+    ("a,,b", "empty name"),
+    ("gpu[]", "empty brackets"),
+    (f"n[0-{MAX_HOSTS}]", "more than"),
+])
+def test_hostlist_errors_name_the_fault(text, why):
+    with pytest.raises(UsageError, match=why):
+        expand_hostlist(text)
+
+
+def test_cli_job_and_aliases():
+    env = {"TRAY_JOB_TOKEN": TOKEN}
+    job = resolve_job(JobArgs(nnodes=2, node_rank=1, rdzv_endpoint="hostA:29400", rdzv_id="j7"), env)
+    assert job is not None and (job.nnodes, job.node_rank, job.endpoint, job.rdzv_id) == (2, 1, "hostA:29400", "j7")
+    assert job.source == "cli" and not job.is_root and job.token == TOKEN
+    same = resolve_job(JobArgs(nnodes=2, node_rank=1, master_addr="hostA", master_port=29400, rdzv_id="j7"), env)
+    assert same == job
+    assert resolve_job(JobArgs(), env) is None                       # one host: no job
+    assert resolve_job(JobArgs(nnodes=1, node_rank=0, rdzv_endpoint="h:1"), env) is None
+
+
+@pytest.mark.parametrize("args, why", [
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:1", master_addr="g"), "--master-addr says 'g'"),
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:1", master_port=2), "--master-port says 2"),
+    (JobArgs(nnodes=2, node_rank=2, rdzv_endpoint="h:1"), "outside 0..1"),
+    (JobArgs(nnodes=2, rdzv_endpoint="h:1"), "--node-rank"),
+    (JobArgs(nnodes=2, node_rank=0), "--rdzv-endpoint"),
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h"), "HOST:PORT"),
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:70000"), "1..65535"),
+    (JobArgs(node_rank=0, rdzv_endpoint="h:1"), "without --nnodes"),
+    (JobArgs(nnodes=0), "at least 1"),
+])
+def test_cli_errors(args, why):
+    with pytest.raises(UsageError, match=why):
+        resolve_job(args, {"TRAY_JOB_TOKEN": TOKEN})
+
+
+def test_token_only_from_the_environment():
+    args = JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:1")
+    with pytest.raises(UsageError, match="TRAY_JOB_TOKEN"):
+        resolve_job(args, {})
+    with pytest.raises(UsageError, match="at least 16"):
+        resolve_job(args, {"TRAY_JOB_TOKEN": "short"})
+
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "2",
+         "SLURM_JOB_NODELIST": "gpu[07-09,11]", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4",
+         "SLURM_STEP_NUM_NODES": "4", "TRAY_JOB_TOKEN": TOKEN}
+
+
+def test_slurm_automatic_inside_a_one_task_per_node_step():
+    job = resolve_job(JobArgs(), SLURM)
+    assert job is not None
+    assert (job.nnodes, job.node_rank, job.root_host, job.root_port) == (4, 2, "gpu07", slurm_port("4242"))
+    assert job.root_port == 20000 + 4242 and job.source == "slurm" and job.rdzv_id == "slurm-4242.0"
+    # several tasks per node: not automatic (each task may be its own tray) ...
+    assert resolve_job(JobArgs(), {**SLURM, "SLURM_STEP_NUM_TASKS": "8"}) is None
+    # ... and an error when asked for
+    with pytest.raises(UsageError, match="one task per node"):
+        resolve_job(JobArgs(slurm=True), {**SLURM, "SLURM_STEP_NUM_TASKS": "8"})
+    # the command line wins over the environment
+    job = resolve_job(JobArgs(rdzv_endpoint="gpu07:31000"), SLURM)
+    assert job is not None and job.root_port == 31000 and job.source == "cli+slurm"
+
+
+def test_slurm_errors():
+    with pytest.raises(UsageError, match="SLURM_JOB_ID, SLURM_JOB_NUM_NODES"):
+        resolve_job(JobArgs(slurm=True), {"TRAY_JOB_TOKEN": TOKEN})
+    with pytest.raises(UsageError, match="spans 2 of the job's 4 nodes"):
+        resolve_job(JobArgs(slurm=True), {**SLURM, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2"})
+    with pytest.raises(UsageError, match="host list"):
+        resolve_job(JobArgs(slurm=True), {**SLURM, "SLURM_JOB_NODELIST": "gpu[07"})
+
+
+def test_pytorchjob_and_lws():
+    pet = {"PET_NNODES": "3", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456",
+           "PET_NPROC_PER_NODE": "4", "TRAY_JOB_TOKEN": TOKEN}
+    job = resolve_job(JobArgs(), pet)
+    assert job is not None and (job.nnodes, job.node_rank, job.endpoint, job.nproc_per_node) == \
+        (3, 1, "job-master-0:23456", 4)
+    assert job.source == "pytorchjob"
+    with pytest.raises(UsageError, match="elastic range"):
+        resolve_job(JobArgs(), {**pet, "PET_NNODES": "1:3"})
+    lws = {"LWS_LEADER_ADDRESS": "lws-0.lws", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0",
+           "TRAY_JOB_TOKEN": TOKEN}
+    job = resolve_job(JobArgs(), lws)
+    assert job is not None and (job.nnodes, job.node_rank, job.endpoint, job.is_root) == (2, 0, "lws-0.lws:29500", True)
+    with pytest.raises(UsageError, match=r"PyTorchJob \(PET_\*\) and LeaderWorkerSet"):
+        resolve_job(JobArgs(), {**pet, **lws})
+    with pytest.raises(UsageError, match="LWS_WORKER_INDEX"):
+        resolve_job(JobArgs(), {**lws, "LWS_WORKER_INDEX": "x"})
+
+
+def test_rank_env_describes_the_job():
+    job = resolve_job(JobArgs(nnodes=3, node_rank=2, rdzv_endpoint="h0:29400"), {"TRAY_JOB_TOKEN": TOKEN})
+    assert job is not None
+    env = job_rank_env(job, local_rank=1, local_world_size=4)
+    assert env["RANK"] == env["TRAY_RANK"] == "9" and env["WORLD_SIZE"] == "12"
+    assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "4" and env["GROUP_RANK"] == "2"
+    assert env["MASTER_ADDR"] == "h0" and env["MASTER_PORT"] == "29401"
+    assert env["GROUP_WORLD_SIZE"] == "3" and env["ROLE_RANK"] == "9" and env["ROLE_WORLD_SIZE"] == "12"
+    assert TOKEN not in env.values()  # the job token never reaches a rank
+
+
+def test_keys_are_deterministic_per_token():
+    a, b, c = job_keys(TOKEN), job_keys(TOKEN), job_keys(TOKEN + "x")
+    assert a == b and a.server_public != c.server_public and a.client_public != c.client_public
+    assert zmq.curve_public(a.server_secret) == a.server_public and len(a.server_public) == 40
+
+
+def _serve(token: str, client_token: str, *, timeout_s: float = 1.0) -> tuple[bytes | None, list[str]]:
+    ctx = zmq.Context()
+    keys, other = job_keys(token), job_keys(client_token)
+    zap = ZapHandler(ctx, keys)
+    server = make_server(ctx, keys)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    client = make_client(ctx, other)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(f"tcp://127.0.0.1:{port}")
+    client.send(b"hello")
+    got = None
+    poller = zmq.Poller()
+    poller.register(server, zmq.POLLIN)
+    poller.register(zap.socket, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while got is None and time.monotonic() < deadline:
+            for sock, _ in poller.poll(20):
+                if sock is zap.socket:
+                    zap.handle()
+                else:
+                    got = server.recv_multipart()[-1]
+        return got, zap.refused
+    finally:
+        for s in (client, server):
+            s.close()
+        zap.close()
+        ctx.term()
+
+
+def test_curve_right_key_delivers_wrong_key_cannot():
+    got, refused = _serve(TOKEN, TOKEN)
+    assert got == b"hello" and refused == []
+    got, _ = _serve(TOKEN, "another-token-of-the-same-length")
+    assert got is None
+
+
+def test_curve_client_knowing_the_server_key_but_not_the_token_is_refused():
+    ctx = zmq.Context()
+    keys = job_keys(TOKEN)
+    zap = ZapHandler(ctx, keys)
+    server = make_server(ctx, keys)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    intruder = ctx.socket(zmq.DEALER)
+    public, secret = zmq.curve_keypair()
+    intruder.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+    intruder.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    intruder.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    intruder.setsockopt(zmq.LINGER, 0)
+    intruder.connect(f"tcp://127.0.0.1:{port}")
+    intruder.send(b"let me in")
+    deadline = time.monotonic() + 1.0
+    delivered = False
+    try:
+        while time.monotonic() < deadline and not zap.refused:
+            if zap.socket.poll(20, zmq.POLLIN):
+                zap.handle()
+            delivered = delivered or bool(server.poll(0, zmq.POLLIN))
+        assert zap.refused and zap.refused[0] == "127.0.0.1"
+        assert not delivered and not server.poll(100, zmq.POLLIN)
+    finally:
+        for s in (intruder, server):
+            s.close()
+        zap.close()
+        ctx.term()

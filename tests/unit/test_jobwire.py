@@ -1,0 +1,86 @@
+"""Messages between heads and the root: round trips, refusals, and which ranks vote on a step."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import msgpack
+import pytest
+
+from tray.errors import WireError
+from tray.handshake import jobwire, wire
+from tray.handshake.steps import group_topic, spans_nodes, step_voters
+
+TOKEN = "t" * 32
+
+
+def _offer(rank: int) -> wire.Offer:
+    return wire.Offer(token=TOKEN, rank=rank, world_size=4, host="boot", pid=100 + rank, uid=0,
+                      device=wire.DeviceIdentity(ordinal=rank % 2, uuid=f"host-{rank % 2}", pci_bus="", numa_node=-1),
+                      backend="host", manifest="a" * 64, fd_socket=f"/j/rank-{rank}.fds",
+                      buffers=(wire.BufferOffer(name="x", nbytes=64, handle="memfd", fabric=None),),
+                      groups={}, timings={"offer": 0.5})
+
+
+MESSAGES = [
+    jobwire.NodeJoin(token=TOKEN, node_rank=1, nnodes=2, local_world_size=2, rdzv_id="j", hostname="h", pid=9,
+                     manifest="a" * 64, backend="host"),
+    jobwire.NodeOffers(token=TOKEN, node_rank=1, offers=(_offer(2), _offer(3))),
+    jobwire.JobTable(token=TOKEN, offers=tuple(_offer(r) for r in range(4))),
+    jobwire.NodeReady(token=TOKEN, node_rank=1, timings={"table": 0.25}),
+    jobwire.JobGo(token=TOKEN, t_go=12.5),
+    jobwire.NodeVote(token=TOKEN, node_rank=1, topic="x", round=3, ranks=(2, 3), values=({"a": [1, 2]}, None)),
+    jobwire.JobDecision(token=TOKEN, topic="x", round=3, ranks=(0, 1, 2, 3), values=(1, b"2", None, "4"),
+                        missing=(2,), waited_s=2.0),
+    jobwire.NodeFailure(token=TOKEN, node_rank=1, rank=3, summary="rank 3 died", report="tb", tail=("a", "b"),
+                        exit_code=1),
+    jobwire.JobStop(token=TOKEN, node_rank=-1, rank=-1, summary="node 1 lost", report="", tail=(), exit_code=3),
+    jobwire.NodeDone(token=TOKEN, node_rank=1),
+    jobwire.JobEnd(token=TOKEN, nnodes=2),
+    jobwire.Beat(token=TOKEN, node_rank=0, seq=7),
+]
+
+
+def test_every_kind_is_covered_and_its_field_table_matches_the_dataclass():
+    assert {type(m) for m in MESSAGES} == set(jobwire.KINDS.values())
+    for cls in jobwire.KINDS.values():
+        assert tuple(cls.FIELDS) == tuple(f.name for f in fields(cls) if f.name != "token"), cls
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.KIND)
+def test_round_trip(msg):
+    data = msg.to_msgpack()
+    assert jobwire.decode(data, token=TOKEN) == msg
+    assert msg.to_msgpack() == data  # deterministic bytes
+
+
+def test_refusals_name_the_fault():
+    good = MESSAGES[0].to_body()
+    with pytest.raises(WireError, match="wrong token"):
+        jobwire.decode(MESSAGES[0].to_msgpack(), token="u" * 32)
+    with pytest.raises(WireError, match="unknown kind 'offer'"):
+        jobwire.decode(msgpack.packb({**good, "kind": "offer"}), token=TOKEN)
+    with pytest.raises(WireError, match="unknown field 'extra'"):
+        jobwire.decode(msgpack.packb({**good, "extra": 1}), token=TOKEN)
+    with pytest.raises(WireError, match="field 'node_rank': expected int >= 0, got -1"):
+        jobwire.decode(msgpack.packb({**good, "node_rank": -1}), token=TOKEN)
+    with pytest.raises(WireError, match="protocol version"):
+        jobwire.decode(msgpack.packb({**good, "v": 99}), token=TOKEN)
+    with pytest.raises(WireError, match="not valid msgpack"):
+        jobwire.decode(b"\xc1garbage", token=TOKEN)
+    with pytest.raises(WireError, match="nested offers carry no token"):
+        body = MESSAGES[2].to_body()
+        body["offers"][0]["token"] = TOKEN
+        jobwire.decode(msgpack.packb(body), token=TOKEN)
+    with pytest.raises(WireError, match="cannot encode beat"):
+        jobwire.Beat(token=TOKEN, node_rank=0, seq=-1).to_msgpack()
+
+
+def test_step_voters_and_spanning():
+    groups = {"world": ((0, 1, 2, 3),), "pairs": ((0, 1), (2, 3))}
+    assert step_voters("park", 4, groups) == (0, 1, 2, 3)
+    assert step_voters(group_topic("pairs", (2, 3), "barrier"), 4, groups) == (2, 3)
+    assert step_voters(group_topic("world", (0, 1, 2, 3), "gather"), 4, groups) == (0, 1, 2, 3)
+    assert step_voters("tray:group:pairs@1:barrier", 4, groups) is None   # no instance led by rank 1
+    assert step_voters("tray:group:nope@0:barrier", 4, groups) is None
+    assert spans_nodes((0, 1, 2, 3), 2) and not spans_nodes((2, 3), 2) and spans_nodes((1, 2), 2)

@@ -1,0 +1,149 @@
+"""A barrier and collectives over a group that spans nodes, relayed through the heads and the root.
+
+Used where a group has no peer mappings (its members sit on different nodes) and no NCCL id (the
+host backend). Each call is one group step at the root: every member's contribution goes up, one
+decision with all of them comes back, in member order, so every member computes the same bytes. The
+root bounds the step by the caller's timeout and names the members that never arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Barrier, Collectives, GroupInfo, numpy_dtype
+from tray.backend.host import view
+from tray.errors import BarrierTimeout, UsageError
+from tray.handshake import wire
+from tray.handshake.steps import group_topic
+from tray.handshake.wire import MAX_MESSAGE_NBYTES
+
+# NOTE: the rank waits this much longer than the step's timeout, so that the root's verdict (which
+# names who is missing) arrives before the rank gives up on its own.
+VERDICT_MARGIN_S = 5.0
+# NOTE: a decision carries every member's bytes in one control message (capped at 1 MiB); keep room
+# for the envelope.
+RELAY_NBYTES = MAX_MESSAGE_NBYTES - 16 * 1024
+
+# step(topic, value, wait_s) -> every member's value, in member order (None: never arrived)
+Step = Callable[[str, Any, float], list[Any]]
+
+
+class VoteStep:
+    """A Step over the rank's connection to its head: one Vote per call, rounds counted per topic, the
+    matching Decision returned (the head answers through the root in a job of several trays).
+    HandshakeError after `wait_s` without an answer, naming the step."""
+
+    def __init__(self, client: Any, token: str, rank: int) -> None:
+        self._client = client
+        self._token = token
+        self._rank = rank
+        self._rounds: dict[str, int] = {}
+
+    def __call__(self, topic: str, value: Any, wait_s: float) -> list[Any]:
+        rnd = self._rounds.get(topic, 0) + 1
+        self._rounds[topic] = rnd
+        self._client.send(wire.Vote(token=self._token, rank=self._rank, topic=topic, round=rnd, value=value))
+        while True:
+            d = self._client.receive(wire.Decision, wait_s, f"decision on {topic!r}")
+            if d.topic == topic and d.round == rnd:
+                return list(d.values)
+
+
+class RelayBarrier(Barrier):
+    """A barrier over a spanning group; `before` runs first (the device's stream synchronised)."""
+
+    def __init__(self, group: GroupInfo, step: Step, before: Callable[[], None] = lambda: None) -> None:
+        self.group = group
+        self.epoch = 0
+        self._step = step
+        self._before = before
+        self._topic = group_topic(group.name, group.members, "barrier")
+        self._broken: BarrierTimeout | None = None
+
+    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        if self._broken is not None:
+            raise self._broken
+        self.epoch += 1
+        self._before()
+        values = self._step(self._topic, {"timeout_s": float(timeout_s)}, timeout_s + VERDICT_MARGIN_S)
+        missing = [m for m, v in zip(self.group.members, values) if v is None]
+        if missing:
+            self._broken = BarrierTimeout(self.group.name, self.epoch, self.group.members[self.group.index], missing,
+                                          timeout_s)
+            raise self._broken
+
+    def check(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RelayCollectives(Collectives):
+    """Collectives over a spanning group on the host backend: one relayed gather per call, then each
+    member combines in member order (so all get the same bytes). At most RELAY_NBYTES per call in all."""
+
+    def __init__(self, group: GroupInfo, step: Step, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        self.group = group
+        self._step = step
+        self._timeout_s = timeout_s
+        self._topic = group_topic(group.name, group.members, "gather")
+
+    def _gather(self, send_ptr: int, nbytes: int) -> list[bytes]:
+        if nbytes * self.group.size > RELAY_NBYTES:
+            total = nbytes * self.group.size
+            raise UsageError(f"group {self.group.name!r} spans nodes: a relayed collective carries at most "
+                             f"{RELAY_NBYTES} B for all {self.group.size} members, this one {total} B; split the "
+                             "call, or use a group within one node")
+        data = view(send_ptr, nbytes).tobytes()
+        values = self._step(self._topic, {"timeout_s": self._timeout_s, "data": data},
+                            self._timeout_s + VERDICT_MARGIN_S)
+        missing = [m for m, v in zip(self.group.members, values) if v is None]
+        if missing:
+            me = self.group.members[self.group.index]
+            raise BarrierTimeout(self.group.name, 0, me, missing, self._timeout_s)
+        return [v["data"] for v in values]
+
+    def _typed(self, raw: bytes, dtype: str) -> np.ndarray:
+        return np.frombuffer(raw, dtype=numpy_dtype(dtype))
+
+    def _out(self, recv_ptr: int, result: np.ndarray) -> None:
+        view(recv_ptr, result.nbytes)[:] = result.view(np.uint8).reshape(-1)
+
+    def _sum(self, parts: list[bytes], dtype: str) -> np.ndarray:
+        acc = self._typed(parts[0], dtype).copy()
+        for raw in parts[1:]:
+            acc += self._typed(raw, dtype)
+        return acc
+
+    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+        parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
+        self._out(recv_ptr, self._sum(parts, dtype))
+
+    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+        parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
+        self._out(recv_ptr, np.concatenate([self._typed(p, dtype) for p in parts]))
+
+    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+        parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
+        me = self.group.index
+        self._out(recv_ptr, self._sum(parts, dtype)[me * count:(me + 1) * count])
+
+    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+        parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
+        me = self.group.index
+        self._out(recv_ptr, np.concatenate([self._typed(p, dtype)[me * count:(me + 1) * count] for p in parts]))
+
+    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
+        parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
+        self._out(recv_ptr, self._typed(parts[peer_index], dtype))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,301 @@
+"""Control messages between the heads of a job and its root (DESIGN section 10): typed frozen
+dataclasses <-> checked msgpack bytes, in the envelope of wire.py ({kind, v, token, ...}).
+
+Each message declares its fields once, in FIELDS (name -> check); encoding, decoding and the
+refusal of unknown or missing fields all follow from that table. Node ranks name the sender; the
+root answers per step with one message per node, so the root handles O(nodes) messages per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self, TypeAlias
+
+import msgpack  # type: ignore[import-untyped]
+
+from tray.errors import WireError
+from tray.handshake import wire
+from tray.handshake.wire import (
+    _ENVELOPE,
+    MAX_MESSAGE_NBYTES,
+    PROTOCOL_VERSION,
+    Offer,
+    _as_float,
+    _as_float_map,
+    _as_int,
+    _as_list,
+    _as_map,
+    _as_plain,
+    _as_str,
+    _check_token,
+    _check_version,
+    _fields,
+    _show,
+    _unpack,
+)
+
+# (value, field path) -> checked value; `_offers` also takes the enclosing token
+Check: TypeAlias = Callable[..., Any]
+
+
+def _int(lo: int | None = None) -> Check:
+    return lambda v, p: _as_int(v, p, lo=lo)
+
+
+def _str(*choices: str) -> Check:
+    return lambda v, p: _as_str(v, p, choices)
+
+
+def _float(v: Any, p: str) -> float:
+    return _as_float(v, p)
+
+
+def _ints(v: Any, p: str) -> tuple[int, ...]:
+    return tuple(_as_int(x, f"{p}[{i}]", lo=0) for i, x in enumerate(_as_list(v, p)))
+
+
+def _strs(v: Any, p: str) -> tuple[str, ...]:
+    return tuple(_as_str(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
+
+
+def _plains(v: Any, p: str) -> tuple[Any, ...]:
+    return tuple(_as_plain(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
+
+
+def _offers(v: Any, p: str, token: str) -> tuple[Offer, ...]:
+    """Offers nested without kind, v and token (the enclosing message's token applies)."""
+    out = []
+    for i, raw in enumerate(_as_list(v, p)):
+        q = f"{p}[{i}]"
+        nested = _as_map(raw, q)
+        if "token" in nested:
+            raise WireError(f"field '{q}.token': nested offers carry no token")
+        out.append(Offer.from_body({**nested, "token": token}, prefix=q + "."))
+    return tuple(out)
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, tuple) and value and isinstance(value[0], Offer):
+        return [o._payload() for o in value]
+    if isinstance(value, tuple):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: value[k] for k in sorted(value)}
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _JobMessage:
+    KIND: ClassVar[str]
+    FIELDS: ClassVar[dict[str, Check]]
+    token: str
+
+    def to_body(self) -> dict[str, Any]:
+        body = {"kind": self.KIND, "v": PROTOCOL_VERSION, "token": self.token}
+        body.update({name: _to_wire(getattr(self, name)) for name in self.FIELDS})
+        return body
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
+        b = _fields(body, ("token", *cls.FIELDS), prefix)
+        token = _as_str(b["token"], prefix + "token")
+        values = {}
+        for name, check in cls.FIELDS.items():
+            if check is _offers:
+                values[name] = _offers(b[name], prefix + name, token)
+            else:
+                values[name] = check(b[name], prefix + name)
+        return cls(token=token, **values)
+
+    def to_msgpack(self) -> bytes:
+        """The wire bytes; raises WireError when the peer would refuse them (checked here first)."""
+        try:
+            body = self.to_body()
+            type(self).from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
+            data: bytes = msgpack.packb(body, use_bin_type=True)
+        except WireError as e:
+            raise WireError(f"cannot encode {self.KIND}: {e.reason}") from None
+        except (AttributeError, TypeError, ValueError, OverflowError) as e:
+            raise WireError(f"cannot encode {self.KIND}: {type(e).__name__}: {_show(str(e), 200)}") from None
+        if len(data) > MAX_MESSAGE_NBYTES:
+            raise WireError(f"cannot encode {self.KIND}: {len(data)} bytes exceeds the limit of "
+                            f"{MAX_MESSAGE_NBYTES} bytes")
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class NodeJoin(_JobMessage):
+    """head -> root, first: which node this is and what it runs (checked against every other node)."""
+
+    KIND: ClassVar[str] = "node_join"
+    FIELDS: ClassVar[dict[str, Check]] = {
+        "node_rank": _int(0), "nnodes": _int(1), "local_world_size": _int(1), "rdzv_id": _str(),
+        "hostname": _str(), "pid": _int(1), "manifest": _str(), "backend": _str(*wire.BACKENDS)}
+    node_rank: int
+    nnodes: int
+    local_world_size: int
+    rdzv_id: str
+    hostname: str
+    pid: int
+    manifest: str
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOffers(_JobMessage):
+    """head -> root: every offer of the node's ranks, checked by the head, in rank order."""
+
+    KIND: ClassVar[str] = "node_offers"
+    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "offers": _offers}
+    node_rank: int
+    offers: tuple[Offer, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class JobTable(_JobMessage):
+    """root -> every head: the offers of every rank of the job, in global rank order."""
+
+    KIND: ClassVar[str] = "job_table"
+    FIELDS: ClassVar[dict[str, Check]] = {"offers": _offers}
+    offers: tuple[Offer, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReady(_JobMessage):
+    """head -> root: every rank of the node is ready; `timings` {phase: slowest seconds}."""
+
+    KIND: ClassVar[str] = "node_ready"
+    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "timings": _as_float_map}
+    node_rank: int
+    timings: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class JobGo(_JobMessage):
+    """root -> every head: every node is ready; `t_go` is the root's time.time()."""
+
+    KIND: ClassVar[str] = "job_go"
+    FIELDS: ClassVar[dict[str, Check]] = {"t_go": _float}
+    t_go: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeVote(_JobMessage):
+    """head -> root: the votes of this node's ranks for (`topic`, `round`); `values[i]` from `ranks[i]`."""
+
+    KIND: ClassVar[str] = "node_vote"
+    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "topic": _str(), "round": _int(0),
+                                          "ranks": _ints, "values": _plains}
+    node_rank: int
+    topic: str
+    round: int
+    ranks: tuple[int, ...]
+    values: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class JobDecision(_JobMessage):
+    """root -> heads with voters: the values of (`topic`, `round`) in voter order (`ranks`); when the
+    step timed out, `missing` names the ranks that never voted (their values are None) and `waited_s`
+    how long the first voter waited."""
+
+    KIND: ClassVar[str] = "job_decision"
+    FIELDS: ClassVar[dict[str, Check]] = {"topic": _str(), "round": _int(0), "ranks": _ints, "values": _plains,
+                                          "missing": _ints, "waited_s": _float}
+    topic: str
+    round: int
+    ranks: tuple[int, ...]
+    values: tuple[Any, ...]
+    missing: tuple[int, ...]
+    waited_s: float
+
+
+_FAILURE_FIELDS: dict[str, Check] = {"node_rank": _int(-1), "rank": _int(-1), "summary": _str(),
+                                     "report": _str(), "tail": _strs, "exit_code": _int(1)}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFailure(_JobMessage):
+    """head -> root: the first failure on this node (`rank` -1: the node as a whole)."""
+
+    KIND: ClassVar[str] = "node_failure"
+    FIELDS: ClassVar[dict[str, Check]] = _FAILURE_FIELDS
+    node_rank: int
+    rank: int
+    summary: str
+    report: str
+    tail: tuple[str, ...]
+    exit_code: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobStop(_JobMessage):
+    """root -> every head: the job's root cause (the first failure anywhere); stop every rank."""
+
+    KIND: ClassVar[str] = "job_stop"
+    FIELDS: ClassVar[dict[str, Check]] = _FAILURE_FIELDS
+    node_rank: int
+    rank: int
+    summary: str
+    report: str
+    tail: tuple[str, ...]
+    exit_code: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDone(_JobMessage):
+    """head -> root: every rank of this node exited 0."""
+
+    KIND: ClassVar[str] = "node_done"
+    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0)}
+    node_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnd(_JobMessage):
+    """root -> every head: every node is done; the job succeeded."""
+
+    KIND: ClassVar[str] = "job_end"
+    FIELDS: ClassVar[dict[str, Check]] = {"nnodes": _int(1)}
+    nnodes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Beat(_JobMessage):
+    """Both ways, every HEARTBEAT_INTERVAL_S: the sender (node `node_rank`; the root says 0) is alive."""
+
+    KIND: ClassVar[str] = "beat"
+    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "seq": _int(0)}
+    node_rank: int
+    seq: int
+
+
+JobMessage: TypeAlias = (NodeJoin | NodeOffers | JobTable | NodeReady | JobGo | NodeVote | JobDecision | NodeFailure
+                         | JobStop | NodeDone | JobEnd | Beat)
+KINDS: dict[str, type[JobMessage]] = {cls.KIND: cls for cls in (
+    NodeJoin, NodeOffers, JobTable, NodeReady, JobGo, NodeVote, JobDecision, NodeFailure, JobStop, NodeDone,
+    JobEnd, Beat)}
+
+
+def decode(data: bytes, *, token: str, sender: str | None = None) -> JobMessage:
+    """Check and decode one job message; raises WireError (only) saying what was expected and seen."""
+    try:
+        if len(data) > MAX_MESSAGE_NBYTES:
+            raise WireError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_NBYTES} bytes")
+        body = _unpack(data)
+        if type(body) is not dict:
+            raise WireError(f"expected a map at top level, got {type(body).__name__}")
+        _check_version(body, sender)
+        kind = body.get("kind")
+        if type(kind) is not str or kind not in KINDS:
+            raise WireError(f"unknown kind {_show(kind)}; expected one of {', '.join(sorted(KINDS))}")
+        _check_token(body, token)
+        try:
+            return KINDS[kind].from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
+        except WireError as e:
+            raise WireError(f"{kind}: {e.reason}") from None
+    except WireError as e:
+        raise WireError(e.reason, sender) from None
+    except (ValueError, TypeError, OverflowError, RecursionError, UnicodeError, KeyError) as e:
+        raise WireError(f"malformed message ({type(e).__name__}: {_show(str(e), 200)})", sender) from None

@@ -1,0 +1,290 @@
+"""A job of several trays: which node this head is, where the root listens, from the CLI or a scheduler.
+
+Sources, in precedence order per field: the command line (torchrun's names and aliases), then one
+scheduler's environment: Slurm (`--slurm`, or automatic inside an `srun` step with one task per node),
+PyTorchJob (`PET_*`) or LeaderWorkerSet (`LWS_*`). Two scheduler environments at once, or two spellings
+of one field on the command line that disagree, are usage errors naming both. Nothing here changes
+`os.environ`: the environment is read from the mapping passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tray.errors import UsageError
+from tray.launch.hostlist import first_host
+
+__all__ = ["JobArgs", "JobSpec", "TOKEN_VAR", "job_rank_env", "resolve_job", "slurm_port"]
+
+TOKEN_VAR = "TRAY_JOB_TOKEN"
+# NOTE: the CURVE keys are derived from the token, so they are only as strong as it is; 16 characters
+# is the floor (the sbatch script makes 64 hex characters).
+MIN_TOKEN_CHARS = 16
+# NOTE: torchrun's default master port; used where a scheduler names the root's host but no port (LWS).
+DEFAULT_PORT = 29500
+# NOTE: the Slurm port is derived from the job id so every node computes the same one without talking;
+# 20000-29999 lies below Linux's ephemeral range (32768+), where outgoing connections take their ports.
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 10000
+# NOTE: a lost node is named within this bound; heartbeats go every HEARTBEAT_INTERVAL_S (node.py).
+DEFAULT_NODE_HEARTBEAT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class JobArgs:
+    """What the command line said (None: not given)."""
+
+    nnodes: int | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    nproc_per_node: int | None = None
+    slurm: bool = False
+    node_heartbeat_timeout_s: float = DEFAULT_NODE_HEARTBEAT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """This head's place in a job of `nnodes` trays; the root (node 0's head) listens on
+    `root_host`:`root_port` (TCP). `source` says where the values came from ("cli", "slurm",
+    "pytorchjob", "lws"); `nproc_per_node` is None when no source said it (the CLI default applies)."""
+
+    nnodes: int
+    node_rank: int
+    root_host: str
+    root_port: int
+    rdzv_id: str
+    token: str
+    source: str
+    nproc_per_node: int | None = None
+    node_heartbeat_timeout_s: float = DEFAULT_NODE_HEARTBEAT_TIMEOUT_S
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.root_host}:{self.root_port}"
+
+    @property
+    def is_root(self) -> bool:
+        return self.node_rank == 0
+
+
+def slurm_port(job_id: str) -> int:
+    """The root's port for Slurm job `job_id` (same on every node): 20000 + id mod 10000."""
+    digits = job_id.split("_")[0]  # array jobs: "1234_7"
+    if not digits.isdigit():
+        raise UsageError(f"SLURM_JOB_ID {job_id!r} is not a number; give the port: --rdzv-endpoint HOST:PORT")
+    return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
+
+
+def _int(value: str, name: str, lo: int) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise UsageError(f"{name}={value!r}: expected an integer") from None
+    if n < lo:
+        raise UsageError(f"{name}={n}: expected an integer >= {lo}")
+    return n
+
+
+def _split_endpoint(endpoint: str, name: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port:
+        raise UsageError(f"{name} {endpoint!r}: expected HOST:PORT, e.g. node001:29500")
+    return host.strip("[]"), _port(port, name)
+
+
+def _port(value: str | int, name: str) -> int:
+    n = _int(str(value), name, 1)
+    if n > 65535:
+        raise UsageError(f"{name}={n}: a TCP port is 1..65535")
+    return n
+
+
+@dataclass(frozen=True)
+class _Found:
+    """Fields one source gave (None: not given), and the source's name for messages."""
+
+    source: str
+    nnodes: int | None = None
+    node_rank: int | None = None
+    host: str | None = None
+    port: int | None = None
+    rdzv_id: str | None = None
+    nproc_per_node: int | None = None
+
+
+def _from_cli(args: JobArgs) -> _Found:
+    host = port = None
+    if args.rdzv_endpoint:
+        host, port = _split_endpoint(args.rdzv_endpoint, "--rdzv-endpoint")
+    if args.master_addr is not None:
+        if host is not None and args.master_addr != host:
+            raise UsageError(f"--rdzv-endpoint says host {host!r}, --master-addr says {args.master_addr!r}; "
+                             "give one of them")
+        host = args.master_addr
+    if args.master_port is not None:
+        mp = _port(args.master_port, "--master-port")
+        if port is not None and mp != port:
+            raise UsageError(f"--rdzv-endpoint says port {port}, --master-port says {mp}; give one of them")
+        port = mp
+    return _Found("cli", nnodes=args.nnodes, node_rank=args.node_rank, host=host, port=port,
+                  rdzv_id=args.rdzv_id, nproc_per_node=args.nproc_per_node)
+
+
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    """Inside an `srun` step that runs one task per node (the automatic case)."""
+    if not (env.get("SLURM_JOB_ID") and env.get("SLURM_NODEID") and env.get("SLURM_STEP_ID")):
+        return False
+    return env.get("SLURM_STEP_NUM_TASKS") is not None and \
+        env.get("SLURM_STEP_NUM_TASKS") == env.get("SLURM_STEP_NUM_NODES")
+
+
+def _from_slurm(env: Mapping[str, str]) -> _Found:
+    missing = [k for k in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST")
+               if not env.get(k)]
+    if missing:
+        raise UsageError(f"--slurm: {', '.join(missing)} unset; run `tray launch --slurm` inside a Slurm job "
+                         "step: srun --ntasks-per-node=1 tray launch --slurm ...")
+    nnodes = _int(env["SLURM_JOB_NUM_NODES"], "SLURM_JOB_NUM_NODES", 1)
+    tasks, step_nodes = env.get("SLURM_STEP_NUM_TASKS"), env.get("SLURM_STEP_NUM_NODES")
+    if tasks is not None and step_nodes is not None and tasks != step_nodes:
+        raise UsageError(f"this Slurm step runs {tasks} tasks on {step_nodes} nodes; tray needs one task per "
+                         "node (its head spawns the ranks): srun --ntasks-per-node=1 tray launch --slurm ...")
+    if step_nodes is not None and _int(step_nodes, "SLURM_STEP_NUM_NODES", 1) != nnodes:
+        raise UsageError(f"this Slurm step spans {step_nodes} of the job's {nnodes} nodes; run it on all of them "
+                         f"(srun -N{nnodes} --ntasks-per-node=1)")
+    job_id = env["SLURM_JOB_ID"]
+    step = env.get("SLURM_STEP_ID")
+    return _Found("slurm", nnodes=nnodes, node_rank=_int(env["SLURM_NODEID"], "SLURM_NODEID", 0),
+                  host=first_host(env["SLURM_JOB_NODELIST"]), port=slurm_port(job_id),
+                  rdzv_id=f"slurm-{job_id}" + (f".{step}" if step else ""))
+
+
+def _from_pytorchjob(env: Mapping[str, str]) -> _Found:
+    nnodes_text = env.get("PET_NNODES", "")
+    if ":" in nnodes_text:
+        raise UsageError(f"PET_NNODES={nnodes_text!r} is an elastic range; tray runs a fixed number of nodes "
+                         "(set minReplicas = maxReplicas, or give --nnodes)")
+    nproc = env.get("PET_NPROC_PER_NODE")
+    return _Found(
+        "pytorchjob",
+        nnodes=_int(nnodes_text, "PET_NNODES", 1) if nnodes_text else None,
+        node_rank=_int(env["PET_NODE_RANK"], "PET_NODE_RANK", 0) if env.get("PET_NODE_RANK") else None,
+        host=env.get("PET_MASTER_ADDR") or None,
+        port=_port(env["PET_MASTER_PORT"], "PET_MASTER_PORT") if env.get("PET_MASTER_PORT") else None,
+        rdzv_id=env.get("PET_RDZV_ID") or None,
+        nproc_per_node=_int(nproc, "PET_NPROC_PER_NODE", 1) if nproc and nproc.isdigit() else None,
+    )
+
+
+def _from_lws(env: Mapping[str, str]) -> _Found:
+    return _Found(
+        "lws",
+        nnodes=_int(env["LWS_GROUP_SIZE"], "LWS_GROUP_SIZE", 1) if env.get("LWS_GROUP_SIZE") else None,
+        node_rank=_int(env["LWS_WORKER_INDEX"], "LWS_WORKER_INDEX", 0) if env.get("LWS_WORKER_INDEX") else None,
+        host=env.get("LWS_LEADER_ADDRESS") or None,
+        rdzv_id=env.get("LWS_NAME") or None,
+    )
+
+
+def _scheduler(args: JobArgs, env: Mapping[str, str]) -> _Found | None:
+    """The one scheduler environment to read, or None; two at once is a conflict."""
+    present = []
+    if args.slurm or _in_slurm_step(env):
+        present.append(("Slurm (SLURM_*)", _from_slurm))
+    if env.get("PET_NNODES") or env.get("PET_NODE_RANK"):
+        present.append(("PyTorchJob (PET_*)", _from_pytorchjob))
+    if env.get("LWS_LEADER_ADDRESS"):
+        present.append(("LeaderWorkerSet (LWS_*)", _from_lws))
+    if len(present) > 1:
+        names = " and ".join(name for name, _ in present)
+        raise UsageError(f"the environment describes the job twice: {names}; unset one, or give --nnodes, "
+                         "--node-rank and --rdzv-endpoint on the command line")
+    return present[0][1](env) if present else None
+
+
+def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
+    """The job this head belongs to, or None for a tray of one host (no source names more than one node).
+
+    Raises UsageError for a missing or malformed field (naming the flag or variable that would set it),
+    a node rank outside 0..nnodes-1, conflicting sources, or a missing TRAY_JOB_TOKEN."""
+    cli = _from_cli(args)
+    sched = _scheduler(args, env)
+    if sched is None and cli.nnodes is None:
+        if cli.node_rank is not None or cli.host is not None:
+            raise UsageError("--node-rank/--rdzv-endpoint/--master-addr without --nnodes; a job of several "
+                             "trays needs all three: --nnodes N --node-rank I --rdzv-endpoint HOST:PORT")
+        return None
+    s = sched or _Found("none")
+    used: set[str] = set()
+
+    def pick(name: str) -> tuple[object, str]:
+        mine = getattr(cli, name)
+        value, source = (mine, "cli") if mine is not None else (getattr(s, name), s.source)
+        if value is not None:
+            used.add(source)
+        return value, source
+
+    nnodes, _ = pick("nnodes")
+    if nnodes is None:
+        raise UsageError(f"{s.source}: the number of nodes is unknown; give --nnodes N")
+    assert isinstance(nnodes, int)
+    if nnodes < 1:
+        raise UsageError(f"--nnodes must be at least 1, got {nnodes}")
+    if nnodes == 1:
+        return None
+    node_rank, _ = pick("node_rank")
+    host, _ = pick("host")
+    port, _ = pick("port")
+    if node_rank is None:
+        raise UsageError("this node's rank is unknown; give --node-rank I (0 on the root's node)")
+    if host is None:
+        raise UsageError("the root's address is unknown; give --rdzv-endpoint HOST:PORT (node 0's host)")
+    if port is None:
+        port = DEFAULT_PORT
+    assert isinstance(node_rank, int) and isinstance(host, str) and isinstance(port, int)
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"node rank {node_rank} is outside 0..{nnodes - 1} (a job of {nnodes} nodes)")
+    token = env.get(TOKEN_VAR, "")
+    if not token:
+        raise UsageError(f"a job of {nnodes} nodes needs a shared secret in {TOKEN_VAR} (the same on every node; "
+                         "e.g. export TRAY_JOB_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')); "
+                         "it is never read from the command line")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise UsageError(f"{TOKEN_VAR} has {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
+                         "(e.g. secrets.token_hex(32))")
+    rdzv_id, _ = pick("rdzv_id")
+    nproc, _ = pick("nproc_per_node")
+    return JobSpec(nnodes=nnodes, node_rank=node_rank, root_host=host, root_port=port,
+                   rdzv_id=str(rdzv_id or "default"), token=token, source="+".join(sorted(used)),
+                   nproc_per_node=nproc if isinstance(nproc, int) else None,
+                   node_heartbeat_timeout_s=args.node_heartbeat_timeout_s)
+
+
+def job_rank_env(job: JobSpec, local_rank: int, local_world_size: int) -> dict[str, str]:
+    """The variables that place local rank `local_rank` of this node in the job: global rank =
+    node_rank * local_world_size + local_rank, and torchrun's contract describing the job (through
+    spawn.torchrun_env, as for one host).
+
+    MASTER_PORT is the root's port + 1: the root itself listens on the root port, so a program's own
+    store (torch's TCPStore under init_process_group, on node 0) takes the next one."""
+    from tray.launch.spawn import torchrun_env
+
+    rank = job.node_rank * local_world_size + local_rank
+    world = job.nnodes * local_world_size
+    env = {
+        "TRAY_RANK": str(rank),
+        "TRAY_WORLD_SIZE": str(world),
+        "TRAY_LOCAL_RANK": str(local_rank),
+        "TRAY_LOCAL_WORLD_SIZE": str(local_world_size),
+        "TRAY_NODE_RANK": str(job.node_rank),
+        "TRAY_NNODES": str(job.nnodes),
+    }
+    master_port = job.root_port + 1 if job.root_port < 65535 else job.root_port - 1
+    env.update(torchrun_env(rank, world, master_port, job.rdzv_id, local_rank=local_rank,
+                            local_world_size=local_world_size, group_rank=job.node_rank,
+                            group_world_size=job.nnodes, master_addr=job.root_host))
+    return env

@@ -1,0 +1,318 @@
+"""The head of one node of a job (DESIGN section 10): its own ranks as on one host, plus a link to the
+root (node 0's head, which also serves the root in the same loop).
+
+What changes against a head of one host: rank numbers are global (node_rank * L + local rank); the
+local offers, ready reports and votes go to the root as one message per node and step, and the table,
+go and decisions come back from it; the first failure on this node is reported to the root, and the
+job's root cause (wherever it happened) is what every head prints; heartbeats both ways bound how long
+a lost node or a lost root goes unnoticed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tray.errors import ManifestError, WireError
+from tray.handshake import jobwire, wire
+from tray.handshake.steps import GROUP_PREFIX, spans_nodes, step_voters
+from tray.launch.curve import job_keys, make_client
+from tray.launch.head import Head
+from tray.launch.job import JobSpec, job_rank_env
+from tray.launch.root import EXIT_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
+from tray.launch.spec import Failure, TraySpec
+from tray.manifest.schema import ResolvedLaunch, ResolvedManifest
+from tray.numa import NumaPlacement
+
+_FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# NOTE: after a local failure the head waits this long for the root's verdict (the job's root cause may
+# be an earlier failure elsewhere) before it tears down with its own.
+VERDICT_WAIT_S = 2.0
+
+
+def spanning_peer_launches(resolved: ResolvedManifest, local_world_size: int) -> list[tuple[str, str]]:
+    """Launches of `"peers": true` kernels that read the peer table of a buffer whose group spans nodes,
+    as (JSON path of the op, what is wrong).
+
+    Peer tables exist only within a node (no fabric handles between nodes), so such a launch could
+    never run; each problem names the program, the kernel, the buffer and the group."""
+    problems = []
+    kernels = {k.name: k for k in resolved.manifest.kernels}
+    for program in resolved.programs.values():
+        for op in program.ops:
+            if not isinstance(op, ResolvedLaunch):
+                continue
+            kernel = kernels.get(op.kernel)
+            if kernel is None or not kernel.peers:
+                continue
+            for arg in op.args:
+                if arg.kind != "peers" or arg.name is None:
+                    continue
+                group = resolved.buffer(arg.name).group
+                spanning = [m for m in resolved.groups[group] if spans_nodes(m, local_world_size)]
+                if spanning:
+                    problems.append((
+                        op.json_path, f"program {program.name!r} launches peers kernel {kernel.name!r} on the peer "
+                        f"table of {arg.name!r}, whose group {group!r} spans nodes (instance {list(spanning[0])} with "
+                        f"{local_world_size} ranks per node); peer tables exist only within a node: give the buffer a "
+                        "group that stays within one node, or use a collective"))
+    return problems
+
+
+class NodeLink:
+    """This head's DEALER to the root (CURVE), its monitor, and the heartbeats both ways."""
+
+    def __init__(self, ctx: zmq.Context, job: JobSpec, join: jobwire.NodeJoin, connect_timeout_s: float) -> None:
+        self.job = job
+        self.connect_timeout_s = connect_timeout_s
+        self.sock = make_client(ctx, job_keys(job.token))
+        # unique per head, so a second head given the same node rank is heard (and refused by name), not
+        # silently dropped by the ROUTER as a duplicate identity
+        self.sock.setsockopt(zmq.IDENTITY, f"node-{job.node_rank}-{os.getpid()}".encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)  # a failure report must leave before the head exits
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.sock.connect(f"tcp://{job.root_host}:{job.root_port}")
+        self.t_start = time.monotonic()
+        self.last_heard: float | None = None
+        self.refused = False
+        self._seq = 0
+        self._last_beat = 0.0
+        self.send(join)
+
+    def send(self, msg: Any) -> None:
+        try:
+            self.sock.send(msg.to_msgpack(), zmq.NOBLOCK)
+        except zmq.Again:  # not connected yet and the queue is full: heartbeats will tell
+            pass
+
+    def receive(self) -> list[Any]:
+        """Every pending message from the root (malformed ones dropped: only the root can send here)."""
+        out = []
+        while self.sock.poll(0, zmq.POLLIN):
+            data = self.sock.recv()
+            self.last_heard = time.monotonic()
+            try:
+                out.append(jobwire.decode(data, token=self.job.token, sender="the root"))
+            except WireError as exc:  # CURVE authenticated the root: a version skew, said and skipped
+                print(f"tray: rejected a message from the root: {exc.reason}", file=sys.stderr, flush=True)
+        return out
+
+    def on_monitor(self) -> None:
+        while self.monitor.poll(0, zmq.POLLIN):
+            if recv_monitor_message(self.monitor)["event"] in _FAILED_HANDSHAKE:
+                self.refused = True
+
+    def tick(self) -> str | None:
+        """Send a heartbeat when due; the reason this node must stop, if the root is lost or refused it."""
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_INTERVAL_S and self.last_heard is not None:
+            self._last_beat = now
+            self._seq += 1
+            self.send(jobwire.Beat(token=self.job.token, node_rank=self.job.node_rank, seq=self._seq))
+        where = f"the root (node 0 at {self.job.endpoint})"
+        if self.refused and self.last_heard is None:
+            return (f"{where} refused this node's CURVE handshake: TRAY_JOB_TOKEN differs from node 0's (every node "
+                    "needs the same token), or something else listens on that port")
+        if self.last_heard is None:
+            if now - self.t_start > self.connect_timeout_s:
+                return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (node 0 not started, a wrong "
+                        "--rdzv-endpoint, or a firewall)")
+            return None
+        silent = now - self.last_heard
+        if silent > self.job.node_heartbeat_timeout_s:
+            return (f"lost {where}: nothing heard for {silent:.1f} s (timeout {self.job.node_heartbeat_timeout_s:.1f} "
+                    "s): node 0's head was killed, its machine is down, or the network is cut")
+        return None
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
+
+
+class NodeHead(Head):
+    """`tray launch --nnodes N ...`: this node's ranks plus the link to the root (and, on node 0, the root)."""
+
+    def __init__(self, spec: TraySpec, job: JobSpec, placements: list[NumaPlacement] | None = None) -> None:
+        super().__init__(spec, placements, rank_base=job.node_rank * spec.nprocs,
+                         world_size=job.nnodes * spec.nprocs)
+        self.job = job
+        if spec.local_ranks_filter is not None:  # local ranks, as torchrun's flag; the output names global ranks
+            self.routing = dataclasses.replace(
+                self.routing, ranks=tuple(self.rank_base + r for r in spec.local_ranks_filter))
+        problems = spanning_peer_launches(self.resolved, spec.nprocs)
+        if problems:
+            raise ManifestError(self.manifest.path, problems[0][0], "\n  ".join(why for _, why in problems))
+        self.root: Root | None = None
+        self.link: NodeLink | None = None
+        self.job_stop: jobwire.JobStop | None = None
+        self.job_end = False
+        self.done_sent = False
+        self._rank_sock: zmq.Socket | None = None
+        self._root_lost = False  # no verdict can come: the root refused this node, or is gone
+
+    # --- hooks of Head ---------------------------------------------------------------------------
+    def _job_env(self, local_rank: int) -> dict[str, str]:
+        return job_rank_env(self.job, local_rank, self.spec.nprocs)
+
+    def _start_job(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        self._rank_sock = sock
+        if self.job.is_root:
+            self.root = Root(ctx, self.job, local_world_size=self.spec.nprocs, manifest=self.manifest.digest,
+                             backend=self.spec.backend, groups=self.resolved.groups,
+                             join_timeout_s=self.spec.handshake_timeout_s)
+        join = jobwire.NodeJoin(token=self.job.token, node_rank=self.job.node_rank, nnodes=self.job.nnodes,
+                                local_world_size=self.spec.nprocs, rdzv_id=self.job.rdzv_id,
+                                hostname=socket.gethostname(), pid=os.getpid(), manifest=self.manifest.digest,
+                                backend=self.spec.backend)
+        self.link = NodeLink(ctx, self.job, join, self.spec.handshake_timeout_s)
+
+    def _extra_sockets(self) -> list[zmq.Socket]:
+        assert self.link is not None
+        return [*(self.root.sockets() if self.root else []), self.link.sock, self.link.monitor]
+
+    def _on_extra(self, sock: zmq.Socket) -> None:
+        assert self.link is not None
+        if self.root is not None and sock in self.root.sockets():
+            self.root.on_readable(sock)
+        elif sock is self.link.monitor:
+            self.link.on_monitor()
+        else:
+            for msg in self.link.receive():
+                self._on_job_message(msg)
+
+    def _tick(self, sock: zmq.Socket) -> None:
+        assert self.link is not None
+        if self.root is not None:
+            self.root.tick()
+        lost = self.link.tick()
+        if lost is not None:
+            self._root_lost = True
+            self._fail(Failure(None, f"node {self.job.node_rank}: {lost}; stopping this node's ranks",
+                               exit_code=EXIT_HANDSHAKE if self.link.last_heard is None else 1))
+            return
+        if not self.done_sent and self.procs and all(p.returncode == 0 for p in self.procs):
+            self.done_sent = True
+            self.link.send(jobwire.NodeDone(token=self.job.token, node_rank=self.job.node_rank))
+
+    def _finished(self) -> bool:
+        return self.job_end
+
+    def _handshake_is_ours(self) -> bool:
+        # while every local rank waits on the root (for the table or for go), the root bounds the wait
+        # (a node that never joins, a lost node) and names who is missing; the ranks' heartbeats still count
+        n = self.spec.nprocs
+        waiting_on_root = (len(self.offers) == n and self.t_table is None) or (len(self.ready) == n and not self.t_go)
+        return not waiting_on_root
+
+    def _offers_complete(self, sock: zmq.Socket) -> None:
+        assert self.link is not None
+        offers = tuple(self.offers[p.rank] for p in self.procs)
+        self.link.send(jobwire.NodeOffers(token=self.job.token, node_rank=self.job.node_rank, offers=offers))
+
+    def _all_ready(self, sock: zmq.Socket) -> None:
+        assert self.link is not None
+        timings = {phase: secs for phase, (secs, _) in self._timeline().items()}
+        self.link.send(jobwire.NodeReady(token=self.job.token, node_rank=self.job.node_rank, timings=timings))
+
+    def _on_vote(self, sock: zmq.Socket, vote: wire.Vote) -> None:
+        assert self.link is not None
+        voters = step_voters(vote.topic, self.world_size, self.resolved.groups)
+        if voters is None or vote.rank not in voters:
+            reason = f"rank {vote.rank} voted on {vote.topic!r}, a step it takes no part in"
+            self._reject_log(f"rank-{vote.rank}", reason)
+            self._send(sock, f"rank-{vote.rank}", wire.Reject(token=self.token, reason=reason))
+            return
+        key = (vote.topic, vote.round)
+        box = self.votes.setdefault(key, {})
+        box[vote.rank] = vote.value
+        local = [r for r in voters if self.rank_base <= r < self.rank_base + self.spec.nprocs]
+        if vote.topic.startswith(GROUP_PREFIX):
+            # a group step is bounded by its timeout at the root, which must see each arrival as it happens
+            ranks: tuple[int, ...] = (vote.rank,)
+        elif all(r in box for r in local):
+            ranks = tuple(local)
+        else:
+            return
+        try:
+            self.link.send(jobwire.NodeVote(token=self.job.token, node_rank=self.job.node_rank, topic=vote.topic,
+                                            round=vote.round, ranks=ranks, values=tuple(box[r] for r in ranks)))
+        except WireError as exc:
+            self._fail(Failure(vote.rank, f"step {vote.topic!r} (round {vote.round}): the votes of ranks "
+                               f"{','.join(map(str, ranks))} cannot be sent to the root ({exc.reason}); vote smaller "
+                               "values"))
+
+    def _fail(self, failure: Failure) -> None:
+        if self.failure is not None:
+            return
+        self.failure = failure
+        if self.job_stop is None and self.link is not None:
+            self.link.send(jobwire.NodeFailure(
+                token=self.job.token, node_rank=self.job.node_rank, rank=-1 if failure.rank is None else failure.rank,
+                summary=failure.summary, report=failure.report, tail=tuple(failure.tail),
+                exit_code=max(1, failure.exit_code)))
+
+    def _after_loop(self) -> None:
+        """After a local failure: keep serving the root and the link until the job's verdict arrives."""
+        if self.failure is None or self.job_stop is not None or self.link is None or self._root_lost:
+            return
+        poller = zmq.Poller()
+        for s in self._extra_sockets():
+            poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + min(VERDICT_WAIT_S, self.job.node_heartbeat_timeout_s)
+        while self.job_stop is None and time.monotonic() < deadline:
+            for s, _ in poller.poll(20):
+                self._on_extra(s)
+            if self.root is not None:
+                self.root.tick()
+
+    def _close_job(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        if self.root is not None:
+            for line in self.root.rejected:
+                print(f"tray: root: {line}", file=sys.stderr, flush=True)
+            if not self.spec.quiet and self.spec.timeline:
+                print(f"tray: root: {self.root.summary()}", file=sys.stderr, flush=True)
+            self.root.close()
+
+    # --- from the root ---------------------------------------------------------------------------
+    def _on_job_message(self, msg: Any) -> None:
+        sock = self._rank_sock
+        assert sock is not None
+        if isinstance(msg, jobwire.JobTable):
+            self.t_table = time.time()
+            table = wire.Table(token=self.token,
+                               offers=tuple(dataclasses.replace(o, token=self.token) for o in msg.offers))
+            for p in self.procs:
+                self._send(sock, f"rank-{p.rank}", table)
+        elif isinstance(msg, jobwire.JobGo):
+            if not self.spec.quiet and self.spec.timeline:
+                first, last = self.rank_base, self.rank_base + self.spec.nprocs - 1
+                print(f"tray: node {self.job.node_rank} of {self.job.nnodes} (ranks {first}..{last} of "
+                      f"{self.world_size}): every node is ready", file=sys.stderr, flush=True)
+            Head._all_ready(self, sock)  # go to this node's ranks, as a head of one host says it
+        elif isinstance(msg, jobwire.JobDecision):
+            box = self.votes.pop((msg.topic, msg.round), {})
+            decision = wire.Decision(token=self.token, topic=msg.topic, round=msg.round, values=msg.values)
+            for r in sorted(box):
+                self._send(sock, f"rank-{r}", decision)
+        elif isinstance(msg, jobwire.JobStop):
+            self.job_stop = msg
+            where = f"node {msg.node_rank}, " if msg.node_rank >= 0 and not msg.summary.startswith("node ") else ""
+            # every head prints this same root cause, whichever node it happened on
+            self.failure = Failure(None if msg.rank < 0 else msg.rank, where + msg.summary, report=msg.report,
+                                   tail=msg.tail, exit_code=msg.exit_code)
+        elif isinstance(msg, jobwire.JobEnd):
+            self.job_end = True

@@ -1,0 +1,347 @@
+"""The job's root (DESIGN section 10): served by node 0's head, inside its poll loop.
+
+Heads connect over TCP with CURVE (keys from the job token). The root checks that the nodes form one
+job (node ranks 0..N-1 once each, one node count, one ranks-per-node, one manifest, one backend, one
+rendezvous id), assembles one table from one offers message per node, gathers per-node votes into
+one decision per step, says go when every node is ready, and ends the job when every node is done.
+The first failure anywhere (a node's report, a lost node, a node that never joined, a refused
+handshake while nodes are missing) becomes the job's root cause, sent to every head as JobStop.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tray.errors import UsageError, WireError
+from tray.handshake import jobwire
+from tray.handshake.steps import GROUP_PREFIX, step_voters
+from tray.launch.curve import ZapHandler, job_keys, make_server
+from tray.launch.job import JobSpec
+
+# NOTE: the root says it is alive this often; a head declares the root lost after its heartbeat
+# timeout (default 5 s), i.e. after ten missed beats.
+HEARTBEAT_INTERVAL_S = 0.5
+EXIT_JOB = 1
+EXIT_HANDSHAKE = 3
+_FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def bind_address(host: str, port: int) -> str:
+    """`tcp://IP:PORT` for the root's host name; UsageError when it does not resolve."""
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as exc:
+        raise UsageError(f"the root's host {host!r} does not resolve ({exc}); give --rdzv-endpoint with a name "
+                         "or address every node can reach") from None
+    return f"tcp://{ip}:{port}"
+
+
+@dataclass
+class NodeState:
+    """A node as the root sees it."""
+
+    ident: bytes
+    join: jobwire.NodeJoin
+    last_seen: float
+    offers: tuple = ()
+    ready: dict[str, float] | None = None
+    done: bool = False
+
+
+@dataclass
+class _Step:
+    """Votes of one (topic, round) so far: rank -> value; `t0` the first vote's arrival."""
+
+    voters: tuple[int, ...]
+    values: dict[int, Any] = field(default_factory=dict)
+    t0: float = field(default_factory=time.monotonic)
+    timeout_s: float | None = None
+
+
+class Root:
+    """Owns the root's ROUTER, its ZAP handler and monitor; `sockets()` are polled by the head, which
+    calls `on_readable(sock)` for each readable one and `tick()` every loop turn."""
+
+    def __init__(self, ctx: zmq.Context, job: JobSpec, *, local_world_size: int, manifest: str, backend: str,
+                 groups: dict[str, tuple[tuple[int, ...], ...]], join_timeout_s: float) -> None:
+        self.job = job
+        self.nnodes = job.nnodes
+        self.local_world_size = local_world_size
+        self.world_size = job.nnodes * local_world_size
+        self.manifest = manifest
+        self.backend = backend
+        self.groups = groups
+        self.join_timeout_s = join_timeout_s
+        self.token = job.token
+        self.nodes: dict[int, NodeState] = {}
+        self.by_ident: dict[bytes, int] = {}
+        self.steps: dict[tuple[str, int], _Step] = {}
+        self.expired: dict[tuple[str, int], jobwire.JobDecision] = {}
+        self.stop: jobwire.JobStop | None = None
+        self.ended = False
+        self.rejected: list[str] = []
+        self.t_start = time.monotonic()
+        self.t_table: float | None = None
+        self.t_go: float | None = None
+        self._seq = 0
+        self._last_beat = 0.0
+        self.messages_in = 0
+        self.messages_out = 0
+        self.busy_s = 0.0  # time spent handling messages and ticks: the root's own cost
+        keys = job_keys(job.token)
+        self.zap = ZapHandler(ctx, keys)
+        self.sock = make_server(ctx, keys)
+        self.sock.setsockopt(zmq.LINGER, 1000)  # a JobStop/JobEnd must leave before the head exits
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.endpoint = bind_address(job.root_host, job.root_port)
+        try:
+            self.sock.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(f"the root's port {job.root_port} is in use on this machine; give another with "
+                                 "--rdzv-endpoint HOST:PORT (the same on every node)") from None
+            raise UsageError(f"node 0 cannot listen on {self.endpoint} ({job.root_host}): {exc.strerror}; run node 0 "
+                             "on the host the endpoint names") from None
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.sock, self.zap.socket, self.monitor]
+
+    # --- events -------------------------------------------------------------------------------------
+    def on_readable(self, sock: zmq.Socket) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._on_readable(sock)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        if sock is self.zap.socket:
+            self.zap.handle()
+        elif sock is self.monitor:
+            while self.monitor.poll(0, zmq.POLLIN):
+                event = recv_monitor_message(self.monitor)
+                if event["event"] in _FAILED_HANDSHAKE and len(self.nodes) < self.nnodes:
+                    missing = self._missing_nodes()
+                    self._stop(None, -1, f"a connection to the root at {self.job.endpoint} failed its CURVE handshake "
+                               f"while node(s) {missing} had not joined: a node started with a different "
+                               "TRAY_JOB_TOKEN (every node needs the same one), or another program dialled this port",
+                               exit_code=EXIT_HANDSHAKE)
+        else:
+            while self.sock.poll(0, zmq.POLLIN):
+                frames = self.sock.recv_multipart()
+                if len(frames) != 2:
+                    self._reject(frames[0], f"expected 1 frame, got {len(frames) - 1}")
+                    continue
+                self.messages_in += 1
+                self._on_message(frames[0], frames[1])
+
+    def _reject(self, ident: bytes, reason: str) -> None:
+        self.rejected.append(f"rejected a message from {ident.decode(errors='replace')}: {reason}")
+
+    def _on_message(self, ident: bytes, payload: bytes) -> None:
+        try:
+            msg = jobwire.decode(payload, token=self.token, sender=ident.decode(errors="replace"))
+        except WireError as exc:
+            self._reject(ident, exc.reason)
+            return
+        if isinstance(msg, jobwire.NodeJoin):
+            self._on_join(ident, msg)
+            return
+        node = self.by_ident.get(ident)
+        if node is None or getattr(msg, "node_rank", node) != node:
+            self._reject(ident, f"{msg.KIND} from a connection that has not joined as that node")
+            return
+        state = self.nodes[node]
+        state.last_seen = time.monotonic()
+        if isinstance(msg, jobwire.Beat):
+            return
+        if isinstance(msg, jobwire.NodeOffers):
+            self._on_offers(state, msg)
+        elif isinstance(msg, jobwire.NodeReady):
+            state.ready = dict(msg.timings)
+            if all(s.ready is not None for s in self.nodes.values()) and len(self.nodes) == self.nnodes:
+                self.t_go = time.time()
+                self._broadcast(jobwire.JobGo(token=self.token, t_go=self.t_go))
+        elif isinstance(msg, jobwire.NodeVote):
+            self._on_vote(node, msg)
+        elif isinstance(msg, jobwire.NodeFailure):
+            self._stop(node, msg.rank, msg.summary, report=msg.report, tail=msg.tail, exit_code=msg.exit_code)
+        elif isinstance(msg, jobwire.NodeDone):
+            state.done = True
+            if len(self.nodes) == self.nnodes and all(s.done for s in self.nodes.values()) and self.stop is None:
+                self.ended = True
+                self._broadcast(jobwire.JobEnd(token=self.token, nnodes=self.nnodes))
+        else:
+            self._reject(ident, f"a head may not send {msg.KIND!r}")
+
+    def _on_join(self, ident: bytes, join: jobwire.NodeJoin) -> None:
+        problems = []
+        if join.rdzv_id != self.job.rdzv_id:
+            problems.append(f"rendezvous id {join.rdzv_id!r}, the root's is {self.job.rdzv_id!r} (two jobs share "
+                            "one endpoint and token?)")
+        if join.nnodes != self.nnodes:
+            problems.append(f"a job of {join.nnodes} nodes, the root's has {self.nnodes} (--nnodes differs)")
+        if join.local_world_size != self.local_world_size:
+            problems.append(f"{join.local_world_size} ranks per node, node 0 runs {self.local_world_size}; every "
+                            "node must run the same number (-n / --nproc-per-node)")
+        if join.manifest != self.manifest:
+            problems.append(f"manifest {join.manifest[:12]}..., node 0 loaded {self.manifest[:12]}...; run every node "
+                            "with the same manifest file, kernels and vars")
+        if join.backend != self.backend:
+            problems.append(f"backend {join.backend}, node 0 runs {self.backend}")
+        if join.node_rank >= self.nnodes:
+            problems.append(f"node rank {join.node_rank}, outside 0..{self.nnodes - 1}")
+        elif join.node_rank in self.nodes:
+            first = self.nodes[join.node_rank].join
+            problems.append(f"node rank {join.node_rank} joined twice: first from {first.hostname} (head pid "
+                            f"{first.pid}), again from {join.hostname} (head pid {join.pid}); give each node its "
+                            "own --node-rank")
+        if problems:
+            who = f"node {join.node_rank} ({join.hostname}, head pid {join.pid})"
+            self._stop(None, -1, f"{who} cannot join this job: " + "; ".join(problems), exit_code=EXIT_HANDSHAKE)
+            if self.stop is not None:  # the refused head is not a member: tell it too
+                self._send(ident, self.stop)
+            return
+        self.nodes[join.node_rank] = NodeState(ident=ident, join=join, last_seen=time.monotonic())
+        self.by_ident[ident] = join.node_rank
+        self._send(ident, jobwire.Beat(token=self.token, node_rank=0, seq=self._seq))
+
+    def _on_offers(self, state: NodeState, msg: jobwire.NodeOffers) -> None:
+        base = msg.node_rank * self.local_world_size
+        got = [o.rank for o in msg.offers]
+        if got != list(range(base, base + self.local_world_size)):
+            self._stop(msg.node_rank, -1, f"node {msg.node_rank} forwarded offers of ranks {got}, expected ranks "
+                       f"{base}..{base + self.local_world_size - 1}", exit_code=EXIT_HANDSHAKE)
+            return
+        state.offers = msg.offers
+        if len(self.nodes) == self.nnodes and all(s.offers for s in self.nodes.values()):
+            offers = tuple(o for n in range(self.nnodes) for o in self.nodes[n].offers)
+            self.t_table = time.time()
+            try:
+                self._broadcast(jobwire.JobTable(token=self.token, offers=offers))
+            except WireError as exc:
+                self._stop(None, -1, f"the job's table of {len(offers)} offers cannot be sent ({exc.reason}); fewer "
+                           "ranks or fewer exported buffers per job", exit_code=EXIT_HANDSHAKE)
+
+    def _on_vote(self, node: int, msg: jobwire.NodeVote) -> None:
+        key = (msg.topic, msg.round)
+        if key in self.expired:  # a late voter of a step that timed out gets the same verdict
+            self._send(self.nodes[node].ident, self.expired[key])
+            return
+        step = self.steps.get(key)
+        if step is None:
+            voters = step_voters(msg.topic, self.world_size, self.groups)
+            if voters is None:
+                self._stop(node, msg.ranks[0] if msg.ranks else -1,
+                           f"a vote on {msg.topic!r} names no group instance of the manifest", exit_code=EXIT_JOB)
+                return
+            step = self.steps[key] = _Step(voters=voters)
+        for r, v in zip(msg.ranks, msg.values):
+            step.values[r] = v
+            if step.timeout_s is None and msg.topic.startswith(GROUP_PREFIX) and isinstance(v, dict):
+                t = v.get("timeout_s")
+                step.timeout_s = float(t) if isinstance(t, (int, float)) else None
+        if all(r in step.values for r in step.voters):
+            del self.steps[key]
+            self._decide(key, step, missing=())
+
+    def _decide(self, key: tuple[str, int], step: _Step, missing: tuple[int, ...]) -> None:
+        decision = jobwire.JobDecision(token=self.token, topic=key[0], round=key[1], ranks=step.voters,
+                                       values=tuple(step.values.get(r) for r in step.voters), missing=missing,
+                                       waited_s=time.monotonic() - step.t0)
+        try:
+            data = decision.to_msgpack()
+        except WireError as exc:
+            self._stop(None, -1, f"step {key[0]!r} (round {key[1]}): the decision for {len(step.voters)} ranks "
+                       f"cannot be sent ({exc.reason}); vote smaller values")
+            return
+        if missing:
+            self.expired[key] = decision
+        for n in sorted({r // self.local_world_size for r in step.voters}):
+            if n in self.nodes:
+                self._send_bytes(self.nodes[n].ident, data)
+
+    # --- time -------------------------------------------------------------------------------------
+    def _missing_nodes(self) -> str:
+        return ",".join(str(n) for n in range(self.nnodes) if n not in self.nodes) or "none"
+
+    def tick(self) -> None:
+        """Heartbeats out; lost nodes, late joins and timed-out group steps named."""
+        t0 = time.perf_counter()
+        try:
+            self._tick()
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def summary(self) -> str:
+        return (f"{self.nnodes} nodes, {self.messages_in} messages in, {self.messages_out} out, "
+                f"{self.busy_s * 1e3:.1f} ms handling them")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_INTERVAL_S:
+            self._last_beat = now
+            self._seq += 1
+            self._broadcast(jobwire.Beat(token=self.token, node_rank=0, seq=self._seq))
+        if self.stop is not None or self.ended:
+            return
+        if len(self.nodes) < self.nnodes and now - self.t_start > self.join_timeout_s:
+            self._stop(None, -1, f"node(s) {self._missing_nodes()} did not join the root at {self.job.endpoint} within "
+                       f"{self.join_timeout_s:.0f} s (not started, a wrong --rdzv-endpoint, or a firewall)",
+                       exit_code=EXIT_HANDSHAKE)
+            return
+        limit = self.job.node_heartbeat_timeout_s
+        for n, state in sorted(self.nodes.items()):
+            silent = now - state.last_seen
+            if not state.done and silent > limit:
+                j = state.join
+                self._stop(n, -1, f"node {n} ({j.hostname}, head pid {j.pid}) lost: no heartbeat for {silent:.1f} s "
+                           f"(timeout {limit:.1f} s): its head was killed, its machine is down, or the network is cut")
+                return
+        for key, step in list(self.steps.items()):
+            if step.timeout_s is not None and now - step.t0 > step.timeout_s:
+                del self.steps[key]
+                self._decide(key, step, missing=tuple(r for r in step.voters if r not in step.values))
+
+    # --- sending ----------------------------------------------------------------------------------
+    def _stop(self, node: int | None, rank: int, summary: str, *, report: str = "", tail: tuple[str, ...] = (),
+              exit_code: int = EXIT_JOB) -> None:
+        """The first failure anywhere becomes the job's root cause; later ones are only counted."""
+        if self.stop is not None:
+            return
+        self.stop = jobwire.JobStop(token=self.token, node_rank=node if node is not None else -1, rank=rank,
+                                    summary=summary, report=report, tail=tuple(tail), exit_code=max(1, exit_code))
+        self._broadcast(self.stop)
+
+    def _broadcast(self, msg: Any) -> None:
+        data = msg.to_msgpack()  # once for every node
+        for state in self.nodes.values():
+            self._send_bytes(state.ident, data)
+
+    def _send(self, ident: bytes, msg: Any) -> None:
+        self._send_bytes(ident, msg.to_msgpack())
+
+    def _send_bytes(self, ident: bytes, data: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, data], zmq.NOBLOCK)
+            self.messages_out += 1
+        except zmq.ZMQError:  # the node is gone or not keeping up; its silence is what gets reported
+            pass
+
+    def close(self) -> None:
+        for s in (getattr(self, "monitor", None), self.sock):
+            if s is not None:
+                s.close()
+        self.zap.close()
