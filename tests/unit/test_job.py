@@ -213,3 +213,20 @@ def test_curve_client_knowing_the_server_key_but_not_the_token_is_refused():
             s.close()
         zap.close()
         ctx.term()
+
+
+def test_ops_that_cannot_span_nodes_are_named():
+    from tray.launch.node import spanning_problems
+    from tray.manifest import parse_manifest
+
+    doc = {"format": 1, "name": "span", "vars": {"words": 4},
+           "groups": [{"name": "world", "ranks": "all"}, {"name": "pairs", "size": 2}],
+           "buffers": [{"name": "fill", "dtype": "u32", "shape": ["world_size * words"], "export": True}],
+           "programs": [{"name": "g", "graph": True, "ops": [{"op": "barrier", "group": "pairs"},
+                                                            {"op": "barrier", "group": "world"}]},
+                        {"name": "eager", "ops": [{"op": "barrier", "group": "world"}]}]}
+    resolved = parse_manifest(doc, "<test>", ".").resolve(4)
+    problems = spanning_problems(resolved, local_world_size=2)
+    assert [path for path, _ in problems] == ["$.programs[0].ops[1]"], problems
+    assert "group 'world', which spans nodes" in problems[0][1]
+    assert spanning_problems(resolved, local_world_size=4) == []   # one node: nothing spans

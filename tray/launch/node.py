@@ -28,7 +28,7 @@ from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
 from tray.launch.root import EXIT_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
 from tray.launch.spec import Failure, TraySpec
-from tray.manifest.schema import ResolvedLaunch, ResolvedManifest
+from tray.manifest.schema import ResolvedBarrier, ResolvedLaunch, ResolvedManifest
 from tray.numa import NumaPlacement
 
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
@@ -38,16 +38,22 @@ _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FA
 VERDICT_WAIT_S = 2.0
 
 
-def spanning_peer_launches(resolved: ResolvedManifest, local_world_size: int) -> list[tuple[str, str]]:
-    """Launches of `"peers": true` kernels that read the peer table of a buffer whose group spans nodes,
-    as (JSON path of the op, what is wrong).
-
-    Peer tables exist only within a node (no fabric handles between nodes), so such a launch could
-    never run; each problem names the program, the kernel, the buffer and the group."""
+def spanning_problems(resolved: ResolvedManifest, local_world_size: int) -> list[tuple[str, str]]:
+    """Ops that cannot run when groups span nodes, as (JSON path of the op, what is wrong): launches of
+    `"peers": true` kernels on the peer table of a buffer whose group spans nodes (peer tables exist only
+    within a node: no fabric handles between nodes), and barriers over such a group inside a captured
+    (`"graph": true`) program (the barrier is relayed through the root, on the host). Each problem names
+    the program, the group and what to change."""
     problems = []
     kernels = {k.name: k for k in resolved.manifest.kernels}
     for program in resolved.programs.values():
         for op in program.ops:
+            if isinstance(op, ResolvedBarrier) and program.graph and \
+                    any(spans_nodes(m, local_world_size) for m in resolved.groups[op.group]):
+                problems.append((
+                    op.json_path, f"program {program.name!r} is captured as one graph (\"graph\": true), but its "
+                    f"barrier over group {op.group!r}, which spans nodes, is relayed through the job's root and "
+                    "cannot be captured: drop \"graph\", or barrier over a group within one node"))
             if not isinstance(op, ResolvedLaunch):
                 continue
             kernel = kernels.get(op.kernel)
@@ -151,7 +157,7 @@ class NodeHead(Head):
         if spec.local_ranks_filter is not None:  # local ranks, as torchrun's flag; the output names global ranks
             self.routing = dataclasses.replace(
                 self.routing, ranks=tuple(self.rank_base + r for r in spec.local_ranks_filter))
-        problems = spanning_peer_launches(self.resolved, spec.nprocs)
+        problems = spanning_problems(self.resolved, spec.nprocs)
         if problems:
             raise ManifestError(self.manifest.path, problems[0][0], "\n  ".join(why for _, why in problems))
         self.root: Root | None = None
