@@ -131,7 +131,8 @@ def slurm_cluster() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"no Slurm cluster reachable (sinfo: {exc}); start one: launch/slurm/local-cluster.sh start"
     if proc.returncode != 0:
-        return f"no Slurm cluster reachable (sinfo: {proc.stderr.strip()[:200]})"
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
+        return f"no Slurm cluster reachable (sinfo: {last}); start one: launch/slurm/local-cluster.sh start"
     return None
 
 
