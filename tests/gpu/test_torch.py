@@ -33,14 +33,15 @@ TORCH_MANIFEST = {
 
 # Every rank program is bounded: past RANK_BOUND_S (a passing program takes ~8 s on 2x H200) faulthandler
 # prints every thread's Python stack to the rank's stderr and exits, so the launcher ends the tray and the
-# failure message shows where each rank waited. The launch itself is bounded below pytest's timeout.
+# failure message shows where each rank waited (a rank the launcher stops prints its stacks too). The launch itself is bounded below pytest's timeout.
 RANK_BOUND_S = 20
 LAUNCH_BOUND_S = 45
 TAIL_LINES = 60
 
 _HEAD = f"""
-import faulthandler
+import faulthandler, signal
 faulthandler.dump_traceback_later({RANK_BOUND_S}, exit=True)
+faulthandler.register(signal.SIGTERM, chain=True)      # stopped by the launcher: where it was, then exit
 T0 = time.monotonic()
 
 
@@ -81,6 +82,15 @@ def _tail(text: str, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _stderr_tails(stderr: str) -> str:
+    """The launcher's last lines (who failed, how), then the last TAIL_LINES lines the ranks wrote."""
+    lines = stderr.splitlines()
+    ranks = [line for line in lines if line.startswith("[rank ")]
+    head = [line for line in lines if not line.startswith("[rank ")]
+    return ("--- launcher stderr tail\n" + "\n".join(head[-15:]) + "\n--- ranks' stderr tail\n"
+            + "\n".join(ranks[-TAIL_LINES:]))
+
+
 def _rank_logs(log_dir: Path) -> str:
     """Every rank's log (--log-dir) tail, for a launch that did not end in time."""
     parts = []
@@ -89,7 +99,7 @@ def _rank_logs(log_dir: Path) -> str:
     return "\n".join(parts) or "(no rank logs)"
 
 
-def _launch(tray_env, body: str, *args: str, n: int | None = None, expect_rc: int = 0):
+def _launch(tray_env, body: str, *args: str, n: int | None = None):
     """Run `body` on n GPUs under `tray launch`; on failure the message holds the last TAIL_LINES lines of
     the ranks' stderr (faulthandler's stacks when a rank hung)."""
     n = n or ngpus()
@@ -100,12 +110,14 @@ def _launch(tray_env, body: str, *args: str, n: int | None = None, expect_rc: in
         run = tray_env.launch(n, _HEAD + body, "--log-dir", str(log_dir), *args, backend="cuda",
                               timeout_s=LAUNCH_BOUND_S)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"tray launch did not end within {LAUNCH_BOUND_S} s\n--- stderr tail\n"
-                    f"{_tail(_text(exc.stderr))}\n{_rank_logs(log_dir)}", pytrace=False)
-    if run.returncode != expect_rc:
-        pytest.fail(f"tray launch exited {run.returncode} (expected {expect_rc}) after {run.seconds:.1f} s\n"
-                    f"--- stdout tail\n{_tail(run.stdout, 10)}\n--- stderr tail\n{_tail(run.stderr)}",
-                    pytrace=False)
+        stderr = _text(exc.stderr)
+        run = None
+    if run is None:
+        pytest.fail(f"tray launch did not end within {LAUNCH_BOUND_S} s\n{_stderr_tails(stderr)}\n"
+                    f"--- rank logs\n{_rank_logs(log_dir)}", pytrace=False)
+    if run.returncode != 0:
+        pytest.fail(f"tray launch exited {run.returncode} after {run.seconds:.1f} s\n"
+                    f"--- stdout tail\n{_tail(run.stdout, 10)}\n{_stderr_tails(run.stderr)}", pytrace=False)
     return n, run
 
 
