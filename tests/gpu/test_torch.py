@@ -33,7 +33,8 @@ TORCH_MANIFEST = {
 
 # Every rank program is bounded: past RANK_BOUND_S (a passing program takes ~8 s on 2x H200) faulthandler
 # prints every thread's Python stack to the rank's stderr and exits, so the launcher ends the tray and the
-# failure message shows where each rank waited (a rank the launcher stops prints its stacks too). The launch itself is bounded below pytest's timeout.
+# failure message shows where each rank waited (a rank the launcher stops prints its stacks too). The
+# launch itself is bounded below pytest's timeout.
 RANK_BOUND_S = 20
 LAUNCH_BOUND_S = 45
 TAIL_LINES = 60
