@@ -8,7 +8,8 @@
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
-# and writes $OUT/torch.json (per test: outcome, seconds; the environment).
+# and writes $OUT/torch.json (per test: outcome, seconds, the tail of a failure; the environment). Bounded:
+# 60 s per test (each rank program exits with every thread's stack after 20 s), pytest 200 s, the stage 240 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -29,23 +30,32 @@ fi
 
 torch_stage() {  # the installed wheel inside torch programs; JSON from pytest's junit XML
     local junit="$LOGS/torch.xml"
-    $TORCH_PY -P -m pytest -q -m gpu tests/gpu/test_torch.py -p no:cacheprovider --junitxml "$junit"
+    rm -f "$junit"
+    NCCL_DEBUG=WARN timeout -k 5 200 $TORCH_PY -P -m pytest -q -m gpu tests/gpu/test_torch.py -p no:cacheprovider \
+        --timeout 60 --junitxml "$junit"
     local rc=$?
     $TORCH_PY -P - "$junit" "$OUT/torch.json" <<'PYEOF'
 import json, platform, subprocess, sys, xml.etree.ElementTree as ET
 import torch, tray
 tests = []
-for case in ET.parse(sys.argv[1]).iter("testcase"):
-    outcome = "passed"
+try:
+    cases = list(ET.parse(sys.argv[1]).iter("testcase"))
+except (OSError, ET.ParseError) as exc:  # pytest itself was killed: say so instead of no file
+    cases = []
+    tests.append({"test": "(pytest)", "outcome": "error", "seconds": 0.0, "detail": f"no junit XML: {exc}",
+                  "tail": []})
+for case in cases:
+    outcome, detail, tail = "passed", "", []
     for tag in ("failure", "error", "skipped"):
         node = case.find(tag)
         if node is not None:
             outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
             detail = (node.get("message") or "")[:2000]
+            tail = (node.text or "").splitlines()[-80:]  # the ranks' stderr tail (faulthandler stacks)
             break
-    else:
-        detail = ""
-    tests.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)), "detail": detail})
+    tests.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
+                  "detail": detail, "tail": tail})
+    print(f"{outcome:8} {float(case.get('time', 0)):6.1f} s  {case.get('name')}")
 try:
     gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                           capture_output=True, text=True).stdout.strip().splitlines()
@@ -93,7 +103,7 @@ for s in "$@"; do
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
-        torch) stage torch 600 bash -c torch_stage ;;
+        torch) stage torch 240 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
         nodes2) stage nodes2 300 env OUT="$OUT" LOGS="$LOGS" N="$N" PY=$PY scripts/gpu-nodes2.sh ;;
         *) echo "unknown stage $s"; exit 2 ;;

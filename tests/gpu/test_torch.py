@@ -4,7 +4,9 @@ on torch's stream inside a torch.cuda.graph capture, init_process_group("nccl") 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, visible_gpus
@@ -29,7 +31,25 @@ TORCH_MANIFEST = {
     ],
 }
 
-_HEAD = """
+# Every rank program is bounded: past RANK_BOUND_S (a passing program takes ~8 s on 2x H200) faulthandler
+# prints every thread's Python stack to the rank's stderr and exits, so the launcher ends the tray and the
+# failure message shows where each rank waited (a rank the launcher stops prints its stacks too). The
+# launch itself is bounded below pytest's timeout.
+RANK_BOUND_S = 20
+LAUNCH_BOUND_S = 45
+TAIL_LINES = 60
+
+_HEAD = f"""
+import faulthandler, signal
+faulthandler.dump_traceback_later({RANK_BOUND_S}, exit=True)
+faulthandler.register(signal.SIGTERM, chain=True)      # stopped by the launcher: where it was, then exit
+T0 = time.monotonic()
+
+
+def say(what):
+    print(f"phase {{what}} at {{time.monotonic() - T0:.1f}} s", file=sys.stderr, flush=True)
+
+
 import torch
 device = torch.device("cuda", int(os.environ["TRAY_DEVICE"]))
 torch.cuda.set_device(device)
@@ -47,12 +67,58 @@ def manifest(tmp_path):
     return str(path)
 
 
+@pytest.fixture(autouse=True)
+def nccl_warnings(monkeypatch):
+    """NCCL's own warnings reach the ranks' stderr (and so the failure message)."""
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+
+
+def _text(out) -> str:
+    if out is None:
+        return ""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out
+
+
+def _tail(text: str, lines: int = TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _stderr_tails(stderr: str) -> str:
+    """The launcher's last lines (who failed, how), then the last TAIL_LINES lines the ranks wrote."""
+    lines = stderr.splitlines()
+    ranks = [line for line in lines if line.startswith("[rank ")]
+    head = [line for line in lines if not line.startswith("[rank ")]
+    return ("--- launcher stderr tail\n" + "\n".join(head[-15:]) + "\n--- ranks' stderr tail\n"
+            + "\n".join(ranks[-TAIL_LINES:]))
+
+
+def _rank_logs(log_dir: Path) -> str:
+    """Every rank's log (--log-dir) tail, for a launch that did not end in time."""
+    parts = []
+    for path in sorted(log_dir.glob("rank-*.log")):
+        parts.append(f"--- {path.name}\n{_tail(path.read_text(errors='replace'), TAIL_LINES // 2)}")
+    return "\n".join(parts) or "(no rank logs)"
+
+
 def _launch(tray_env, body: str, *args: str, n: int | None = None):
+    """Run `body` on n GPUs under `tray launch`; on failure the message holds the last TAIL_LINES lines of
+    the ranks' stderr (faulthandler's stacks when a rank hung)."""
     n = n or ngpus()
     if n < 2:
         pytest.skip(f"needs 2 GPUs, {n} visible")
-    run = tray_env.launch(n, _HEAD + body, *args, backend="cuda", timeout_s=240)
-    assert run.returncode == 0, run.output
+    log_dir = tray_env.tmp / "rank-logs"
+    try:
+        run = tray_env.launch(n, _HEAD + body, "--log-dir", str(log_dir), *args, backend="cuda",
+                              timeout_s=LAUNCH_BOUND_S)
+    except subprocess.TimeoutExpired as exc:
+        stderr = _text(exc.stderr)
+        run = None
+    if run is None:
+        pytest.fail(f"tray launch did not end within {LAUNCH_BOUND_S} s\n{_stderr_tails(stderr)}\n"
+                    f"--- rank logs\n{_rank_logs(log_dir)}", pytrace=False)
+    if run.returncode != 0:
+        pytest.fail(f"tray launch exited {run.returncode} after {run.seconds:.1f} s\n"
+                    f"--- stdout tail\n{_tail(run.stdout, 10)}\n{_stderr_tails(run.stderr)}", pytrace=False)
     return n, run
 
 
@@ -101,8 +167,37 @@ with tray.init() as rank:
     assert run.stdout.count(f"views ok {n}") == n
 
 
-def test_barrier_and_allreduce_on_torch_stream_inside_a_cuda_graph(tray_env, manifest):
-    body = """
+# What a body run on `stream` does, by part; each part alone, then all of them, inside a torch.cuda.graph.
+_GRAPH_PARTS = {
+    "barrier": """
+        slots[me:me + 1].copy_(step)
+        rank.barrier(stream=stream)                     # every rank's slot written
+        for p in range(n):
+            got[p:p + 1].copy_(peers[p][p:p + 1])
+""",
+    "allreduce": """
+        s.copy_(step.expand(8) * (me + 1))
+        coll.allreduce(sbuf.ptr, sbuf.ptr, 8, "f32", stream=stream)    # NCCL on torch's stream
+""",
+    "run": """
+        slots[me:me + 1].copy_(step)
+        rank.run("sync", stream=stream)                 # a program (one barrier) on the same stream
+        for p in range(n):
+            got[p:p + 1].copy_(peers[p][p:p + 1])
+""",
+    "run_graph": """
+        slots[me:me + 1].copy_(step)
+        rank.run("sync_graph", stream=stream)           # tray's own graph: recorded step by step here
+        for p in range(n):
+            got[p:p + 1].copy_(peers[p][p:p + 1])
+""",
+}
+_GRAPH_PARTS["all"] = _GRAPH_PARTS["barrier"] + _GRAPH_PARTS["allreduce"] + """
+        rank.run("sync", stream=stream)
+        rank.run("sync_graph", stream=stream)
+"""
+
+_GRAPH_PROGRAM = """
 with tray.init() as rank:
     me, n = rank.rank, rank.world_size
     slots = torch.from_dlpack(rank.buffer("slots"))
@@ -112,40 +207,71 @@ with tray.init() as rank:
     peers = [torch.from_dlpack(rank.peer_view("slots", p)) for p in range(n)]
     coll = rank.collectives("world")
     sbuf = rank.buffer("s")
+    checks_got, checks_sum = {checks_got}, {checks_sum}
 
     def body(stream):
         step.add_(1)
-        slots[me:me + 1].copy_(step)
-        rank.barrier(stream=stream)                    # every rank's slot written
-        for p in range(n):
-            got[p:p + 1].copy_(peers[p][p:p + 1])
-        s.copy_(step.expand(8) * (me + 1))
-        coll.allreduce(sbuf.ptr, sbuf.ptr, 8, "f32", stream=stream)
-        rank.run("sync", stream=stream)                 # a program on the same stream
-        rank.run("sync_graph", stream=stream)           # tray's own graph: recorded step by step here
-
+{part}
+    say("warm-up")
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                       # warm-up outside the capture: plans and launches built
+    with torch.cuda.stream(side):                       # outside the capture: plans and launches built
         body(side.cuda_stream)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    rank.synchronize()
     step.zero_()
     rank.barrier()
+    say("capture")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body(torch.cuda.current_stream().cuda_stream)
     for replay in range(1, 6):
+        say(f"replay {{replay}}")
         graph.replay()
         torch.cuda.synchronize()
         rank.synchronize()                               # raises if a barrier in the graph timed out
-        assert got.tolist() == [float(replay)] * n, (replay, got.tolist())
-        assert s.tolist() == [replay * n * (n + 1) / 2] * 8, (replay, s.tolist())
+        if checks_got:
+            assert got.tolist() == [float(replay)] * n, (replay, got.tolist())
+        if checks_sum:
+            assert s.tolist() == [replay * n * (n + 1) / 2] * 8, (replay, s.tolist())
         rank.barrier()                                   # nobody replays again before every rank has checked
     print("graph ok", n)
+    {before_close}
+    say("close")
+{after_close}
+say("closed")
 """
-    n, run = _launch(tray_env, body, "--manifest", manifest)
-    assert run.stdout.count(f"graph ok {n}") == n
+
+# NCCL destroys a communicator only after every CUDA graph that captured its work is gone: a torch graph
+# holding tray collectives is destroyed before rank.close() (the `with` block's end)
+_DESTROY_GRAPH = "graph.reset(); del graph"
+
+
+def _graph_program(part: str, keep_graph_past_close: bool = False) -> str:
+    got = part != "allreduce"
+    total = part in ("allreduce", "all")
+    return _GRAPH_PROGRAM.format(part=_GRAPH_PARTS[part], checks_got=got, checks_sum=total,
+                                 before_close="pass" if keep_graph_past_close else _DESTROY_GRAPH,
+                                 after_close=_DESTROY_GRAPH if keep_graph_past_close else "")
+
+
+@pytest.mark.parametrize("part", ["barrier", "allreduce", "run", "run_graph", "all"])
+def test_on_torch_stream_inside_a_cuda_graph(tray_env, manifest, part):
+    """Warm-up of body(stream) on a torch side stream, a torch.cuda.graph capture of it, 5 replays checked."""
+    n, run = _launch(tray_env, _graph_program(part), "--manifest", manifest)
+    assert run.stdout.count(f"graph ok {n}") == n, _tail(run.output)
+    assert "did not return within" not in run.stderr, _tail(run.stderr)
+
+
+def test_torch_graph_kept_past_close_does_not_hang_it(tray_env, manifest, monkeypatch):
+    """A graph that captured tray's NCCL work and outlives rank.close(): close waits a bounded time, says
+    why, and the program goes on (the communicator is destroyed once the graph is)."""
+    monkeypatch.setenv("TRAY_NCCL_CLOSE_TIMEOUT_S", "3")
+    n, run = _launch(tray_env, _graph_program("allreduce", keep_graph_past_close=True), "--manifest", manifest)
+    assert run.stdout.count(f"graph ok {n}") == n, _tail(run.output)
+    assert run.stderr.count("did not return within 3 s") == n, _tail(run.stderr)
+    assert run.stderr.count("phase closed") == n, _tail(run.stderr)
 
 
 def test_init_process_group_nccl_next_to_tray_init(tray_env):
@@ -172,7 +298,7 @@ def test_example_torch_ep_dispatch_on_gpus(tray_env):
     examples = REPO / "examples"
     run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", str(n), "--backend", "cuda", "--manifest",
                         str(examples / "torch_ep_dispatch.json"), str(examples / "torch_ep_dispatch.py"),
-                        tray_env.marker], timeout_s=240)
+                        tray_env.marker], timeout_s=LAUNCH_BOUND_S)
     assert run.returncode == 0, run.output
     assert run.stdout.count("byte-exact (cuda") == n, run.stdout
 

@@ -8,6 +8,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 import types
 from typing import Any
 
@@ -529,3 +531,30 @@ def test_unknown_backend_has_no_collectives() -> None:
 
     with pytest.raises(UsageError, match="backend 'rocm' has no collectives"):
         for_backend(types.SimpleNamespace(name="rocm"))
+
+
+def test_close_that_never_returns_is_bounded_and_names_the_graphs(fake: FakeNccl,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # ncclCommDestroy waits for every CUDA graph that captured the communicator: a live one must not hang close
+    release = threading.Event()
+    monkeypatch.setattr(fake, "comm_destroy", lambda comm: release.wait(10))
+    monkeypatch.setenv("TRAY_NCCL_CLOSE_TIMEOUT_S", "0.6")
+    g = group(fake)
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"within 0.6 s: .*every CUDA graph that captured .*del graph"):
+        g.close()
+    assert 0.6 <= time.monotonic() - t0 < 5
+    release.set()
+    g.close()  # closed: nothing more to wait for
+    with pytest.raises(UsageError, match="after close"):
+        g.allreduce(0x100, 0x200, 1, "u8")
+
+
+def test_close_timeout_must_be_positive(fake: FakeNccl, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAY_NCCL_CLOSE_TIMEOUT_S", "0")
+    g = group(fake)
+    with pytest.raises(UsageError, match="TRAY_NCCL_CLOSE_TIMEOUT_S must be a positive number.*'0'"):
+        g.close()
+    monkeypatch.delenv("TRAY_NCCL_CLOSE_TIMEOUT_S")
+    g.close()  # still open after the refusal: destroyed now
+    assert fake.names() == ["comm_destroy"]

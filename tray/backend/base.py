@@ -280,6 +280,11 @@ class Backend(abc.ABC):
     def capture(self, body: Callable[[], None]) -> Graph:
         """Record the stream work `body` enqueues; replay it later as one graph."""
 
+    def close_graphs(self) -> None:
+        """Destroy every graph `capture` made. Called before the collectives close: NCCL frees a
+        communicator only once every graph that captured its work is gone. Host: nothing to destroy."""
+        return None
+
     # --- kernels ------------------------------------------------------------------------------------
     @abc.abstractmethod
     def load_kernel(self, name: str, code: bytes, entry: str, options: Sequence[str], peers: bool,

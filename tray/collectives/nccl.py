@@ -26,6 +26,10 @@ is left as the launcher set it (0 for ranks unless the user set it), so captures
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
+import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -77,6 +81,13 @@ _HINTS = {
     8: "a peer did not answer in time: a rank died or stalls",
 }
 _HEX_ARGS = frozenset({"sendbuff", "recvbuff", "stream", "comm_id"})
+
+# NOTE: ncclCommDestroy returns only after every CUDA graph that captured work of the communicator is
+# destroyed (NCCL keeps polling until those graphs die) and, being intra-node collective, after the other
+# members destroy theirs; close() waits this long (TRAY_NCCL_CLOSE_TIMEOUT_S overrides) and then moves on.
+CLOSE_TIMEOUT_S = 30.0
+# after this long a collection runs once: a graph nobody references any more (in a cycle) is destroyed then
+_CLOSE_COLLECT_AFTER_S = 0.5
 
 _ALLREDUCE = ("sendbuff", "recvbuff", "count", "datatype", "op", "comm", "stream")
 _ALLGATHER = ("sendbuff", "recvbuff", "sendcount", "datatype", "comm", "stream")
@@ -195,6 +206,21 @@ def _error_text(mod: Any, exc: BaseException | None, status: int | None) -> str:
     if exc is None:
         return f"ncclResult {status}"
     return str(exc) if status is not None else f"{type(exc).__name__}: {exc}"
+
+
+def close_timeout_s() -> float:
+    """How long NcclGroup.close() waits for ncclCommDestroy: `TRAY_NCCL_CLOSE_TIMEOUT_S`, else
+    CLOSE_TIMEOUT_S. UsageError for a value that is not a positive number."""
+    raw = os.environ.get("TRAY_NCCL_CLOSE_TIMEOUT_S", "")
+    if not raw:
+        return CLOSE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"TRAY_NCCL_CLOSE_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 def describe(group: GroupInfo) -> str:
@@ -363,13 +389,44 @@ class NcclGroup(Collectives):
 
     def close(self) -> None:
         """Destroy the communicator (ncclCommDestroy). Idempotent; a no-op after abort(). Every member
-        must close: destroy synchronises with the other members of the node."""
+        must close: destroy synchronises with the other members of the node, and NCCL destroys a
+        communicator only after every CUDA graph that captured its collectives is gone (destroy a
+        `torch.cuda.CUDAGraph` that captured them, e.g. `del graph`, before `rank.close()`).
+
+        Waits at most `close_timeout_s()`; past it a RuntimeWarning names what is still waited for and the
+        communicator is left to the process's end. Raises DeviceError (after an abort) if NCCL fails."""
         if self._state != "open":
             return
+        timeout_s = close_timeout_s()
         self._state = "closed"
-        try:
-            self._mod.comm_destroy(self.comm)
-        except Exception as exc:
+        done = threading.Event()
+        failure: list[Exception] = []
+
+        def destroy() -> None:
+            try:
+                self._mod.comm_destroy(self.comm)
+            except Exception as exc:
+                failure.append(exc)
+            finally:
+                done.set()
+
+        # on a thread: a destroy that waits for a graph or a member must not hang the rank forever
+        threading.Thread(target=destroy, name=f"tray-nccl-destroy-{self.group.name}", daemon=True).start()
+        if not done.wait(min(_CLOSE_COLLECT_AFTER_S, timeout_s)):
+            gc.collect()
+            done.wait(max(0.0, timeout_s - _CLOSE_COLLECT_AFTER_S))
+        if not done.is_set():
+            warnings.warn(
+                f"ncclCommDestroy on {self._where} did not return within {timeout_s:g} s: NCCL destroys a "
+                "communicator only after every CUDA graph that captured its collectives is destroyed, and "
+                "after the other members of the node destroy theirs. Destroy such graphs (e.g. `del graph` "
+                "for a torch.cuda.CUDAGraph captured with stream=) before rank.close(), and check that every "
+                "rank reaches close(); this communicator is left to the process's end "
+                "(TRAY_NCCL_CLOSE_TIMEOUT_S sets the wait)",
+                RuntimeWarning, stacklevel=2)
+            return
+        if failure:
+            exc = failure[0]
             status = error_status(exc)
             msg = format_error(format_call("ncclCommDestroy", _COMM, (self.comm,)), status,
                                _error_text(self._mod, exc, status), self._where)

@@ -47,7 +47,10 @@ class PeerTable:
 def _release(collectives: Mapping[str, Collectives], barriers: Mapping[str, Barrier],
              ptr_tables: Mapping[str, PtrTable], fd_server: FdServer | None, backend: Backend | None,
              client: RendezvousClient | None) -> None:
-    """Dependents first: collectives and barriers use the tables, which use the backend's memory."""
+    """Dependents first: collectives and barriers use the tables, which use the backend's memory; the
+    backend's graphs go before the collectives (NCCL's destroy waits for every graph that captured it)."""
+    if backend is not None:
+        backend.close_graphs()
     for c in collectives.values():
         c.close()
     for b in barriers.values():

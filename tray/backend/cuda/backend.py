@@ -317,6 +317,14 @@ class CudaBackend(Backend):
             raise
         return self._track("graphs", CudaGraph(graph, graph_exec, self.stream))
 
+    def close_graphs(self) -> None:
+        """Destroy the graphs `capture` made (each at most once; close() does the rest)."""
+        if self._closed or not self._owned["graphs"]:
+            return
+        self.make_current()
+        while self._owned["graphs"]:
+            self._owned["graphs"].pop().close()
+
     def _abandon_capture(self) -> None:
         try:
             graph = drv.stream_end_capture(self.stream)
