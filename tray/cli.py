@@ -103,7 +103,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     backend, nprocs = _backend_and_n(args.backend, args.nprocs)
     return run_gate(GateArgs(nprocs=nprocs, backend=backend, iters=args.iters, drop=args.drop,
-                             timeout_s=args.timeout_s, json_path=args.json, log_dir=args.log_dir))
+                             timeout_s=args.timeout_s, json_path=args.json, log_dir=args.log_dir,
+                             stress=args.stress, replays=args.replays, skew_ns=args.skew_ns,
+                             corrupt=args.corrupt))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -217,16 +219,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_launch)
 
     p = sub.add_parser("gate", help="qualification runs: peer-barrier",
-                       description="µs per barrier (eager, eager-sync, captured), per rank; with --drop R, passes "
-                                   "only if every other rank names R missing within the timeout + 0.5 s.")
+                       description="µs per barrier (eager, eager-sync, captured, eager graph launches), per rank; "
+                                   "with --drop R, passes only if every other rank names R missing within the "
+                                   "timeout + 0.5 s; with --stress, passes only if no rank received a wrong word.")
     p.add_argument("gate", help="which gate: peer-barrier")
     p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: the visible GPUs; host: 4)")
     p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
-    p.add_argument("--iters", type=int, default=1000, help="barriers per timed repeat")
+    p.add_argument("--iters", type=int, default=1000, help="barriers per timed repeat (--stress: rounds per graph)")
     p.add_argument("--drop", type=int, default=None, help="this rank never enters the barrier")
     p.add_argument("--timeout-s", type=float, default=2.0, help="barrier timeout, s (default 2)")
     p.add_argument("--json", default=None, help="write the report here (with the environment and the command)")
     p.add_argument("--log-dir", default=None, help="keep one log file per rank here")
+    p.add_argument("--stress", action="store_true",
+                   help="check the barrier's ordering: --iters rounds of write peers -> barrier -> check on the "
+                        "device, eagerly and in a replayed graph; fails on any wrong word")
+    p.add_argument("--replays", type=int, default=5, help="--stress: graph replays")
+    p.add_argument("--skew-ns", type=int, default=2000, help="--stress: each round one rank starts this much later "
+                   "per step")
+    p.add_argument("--corrupt", type=int, default=None, metavar="RANK",
+                   help="--stress: RANK sends one wrong word (the gate must fail)")
     p.set_defaults(fn=cmd_gate)
 
     p = sub.add_parser("inspect", help="print a manifest's groups, buffers, kernels, programs, digest")

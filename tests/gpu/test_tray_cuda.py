@@ -93,6 +93,28 @@ def test_barrier_in_graph_and_drop(tray_env, tmp_path):
     assert all(c["ok"] for c in report["drop_checks"]) and len(report["drop_checks"]) == n - 1
 
 
+def test_barrier_stress_under_graphs_with_skew_and_a_wrong_word(tray_env, tmp_path):
+    """Producer -> barrier -> consumer through peer pointers, no host sync, graphs replayed, skewed ranks:
+    zero wrong words; and one injected wrong word makes the gate fail, naming its writer."""
+    n = ngpus()
+    if n < 2:
+        pytest.skip("the stress needs two GPUs")
+    base = [sys.executable, "-m", "tray", "gate", "peer-barrier", "-n", str(n), "--backend", "cuda", "--stress",
+            "--iters", "500", "--replays", "4"]
+    out = tmp_path / "stress.json"
+    run = tray_env.run([*base, "--json", str(out)], timeout_s=180)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["mismatches"] == 0
+    assert all(r["stress"]["rounds"] == 2500 for r in report["per_rank"])
+    out = tmp_path / "corrupt.json"
+    run = tray_env.run([*base, "--corrupt", "1", "--json", str(out)], timeout_s=180)
+    assert run.returncode == 1, run.output
+    report = json.loads(out.read_text())
+    victim = report["per_rank"][2 % n]["stress"]
+    assert report["mismatches"] == 1 and victim["bad_writers"] == [1] and victim["first_bad_round"] == 3
+
+
 def test_rank_hangs_in_gpu_barrier_is_named(tray_env):
     n = ngpus()
     if n < 2:

@@ -98,6 +98,28 @@ def test_gate_peer_barrier_and_drop(tray_env, tmp_path):
     assert run.seconds < 20
 
 
+def test_gate_stress_passes_and_fails_on_a_wrong_word(tray_env, tmp_path):
+    import sys
+
+    base = [sys.executable, "-m", "tray", "gate", "peer-barrier", "-n", "3", "--backend", "host", "--stress",
+            "--iters", "12", "--replays", "2"]
+    out = tmp_path / "stress.json"
+    run = tray_env.run([*base, "--json", str(out)], timeout_s=120)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["mismatches"] == 0
+    assert [r["stress"]["rounds"] for r in report["per_rank"]] == [36, 36, 36]
+
+    out = tmp_path / "corrupt.json"
+    run = tray_env.run([*base, "--corrupt", "2", "--json", str(out)], timeout_s=120)
+    assert run.returncode == 1, run.output
+    report = json.loads(out.read_text())
+    assert not report["passed"] and report["mismatches"] == 1
+    victim = report["per_rank"][0]["stress"]  # rank 2 sends its wrong word to (2 + 1) % 3 = 0
+    assert victim["bad_writers"] == [2] and victim["first_bad_round"] == 3
+    assert "FAILED" in run.stdout
+
+
 def test_usage_error_outside_a_tray(tray_env):
     import subprocess
     import sys

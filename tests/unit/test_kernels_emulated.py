@@ -1,4 +1,4 @@
-"""The CUDA C of the EP/TP kernels, compiled for the CPU, against their numpy twins, bit for bit.
+"""The CUDA C of the EP/TP/barrier-stress kernels, compiled for the CPU, against their numpy twins, bit for bit.
 
 No GPU needed: a shim header gives the CUDA names a host meaning (IEEE float ops with no contraction
 for the __f*_rn intrinsics, a sequential loop over blocks and threads for a launch), so the kernels'
@@ -47,6 +47,11 @@ static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline int __float2int_rn(float x) { return std::isnan(x) ? 0 : (int)std::nearbyintf(x); }
 static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned o = *p; *p |= v; return o; }
 static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { unsigned o = *p; *p += v; return o; }
+typedef unsigned long long u64_t;
+static inline u64_t atomicAdd(u64_t* p, u64_t v) { u64_t o = *p; *p += v; return o; }
+static inline u64_t atomicOr(u64_t* p, u64_t v) { u64_t o = *p; *p |= v; return o; }
+static inline u64_t atomicCAS(u64_t* p, u64_t c, u64_t v) { u64_t o = *p; if (o == c) *p = v; return o; }
+static u64_t emu_clock_ns = 0;  // %globaltimer: advances 1 us per read, so every spin ends
 static inline void __threadfence_system() {}
 static inline void __syncwarp() {}
 #define LAUNCH(call) for (blockIdx.x = 0; blockIdx.x < gridDim.x; ++blockIdx.x) \
@@ -184,6 +189,12 @@ KERNELS = {
         "ep_zero32": "unsigned int* dst, long long words, unsigned int value",
     },
     "tp_allreduce.cu": {"tp_sum_peers": "const uint4* const* peers, uint4* out, long long count, int G"},
+    "peer_stress.cu": {
+        "stress_next": "unsigned long long* state",
+        "stress_produce": "unsigned int* const* peers, const unsigned long long* state, int G, int me, "
+        "unsigned long long words, unsigned long long skew_ns, unsigned long long corrupt_round",
+        "stress_check": "const unsigned int* buf, unsigned long long* state, int G, int me, unsigned long long words",
+    },
 }
 _SILU_ROWS = "const uint4* h13, uint4* act, const int* rows, int all_experts, int G, int cap, int ffn"
 KERNELS["ep_math.cu"]["ep_silu_mul_rows"] = _SILU_ROWS
@@ -193,7 +204,10 @@ KERNELS["ep_gemm.cu"] = {
 }
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
-COOP = {"ep_layout", "ep_masked_gemm"}
+COOP = {"ep_layout", "ep_masked_gemm", "stress_produce"}
+# inline PTX has no CPU meaning: the one clock read becomes the shim's clock
+PTX_ON_CPU = {'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));': "now = (emu_clock_ns += 1000);"}
+ENTRY = {name: f"tray_{name}" for name in ("stress_next", "stress_produce", "stress_check")}
 
 
 def _names(params: str) -> str:
@@ -205,9 +219,12 @@ def emulated(tmp_path_factory):
     d = tmp_path_factory.mktemp("emu")
     src = [SHIM]
     for file, kernels in KERNELS.items():
-        src.append(f"namespace k_{file.split('.')[0]} {{\n{(MANIFESTS / 'kernels' / file).read_text()}\n}}")
+        code = (MANIFESTS / "kernels" / file).read_text()
+        for ptx, cpu in PTX_ON_CPU.items():
+            code = code.replace(ptx, cpu)
+        src.append(f"namespace k_{file.split('.')[0]} {{\n{code}\n}}")
         for name, params in kernels.items():
-            call = f"k_{file.split('.')[0]}::{name}({_names(params)})"
+            call = f"k_{file.split('.')[0]}::{ENTRY.get(name, name)}({_names(params)})"
             run = f"coop::run_block(block, [&] {{ {call}; }});" if name in COOP else f"LAUNCH({call})"
             if name in COOP:
                 run = f"for (blockIdx.x = 0; blockIdx.x < grid; ++blockIdx.x) {run}"
@@ -260,6 +277,8 @@ def both(emulated, name, grid, block, make_args, arrays):
         types.append(
             ctypes.c_void_p
             if "*" in p
+            else ctypes.c_ulonglong
+            if p.startswith("unsigned long long")
             else ctypes.c_float
             if p.startswith("float")
             else ctypes.c_longlong
@@ -628,3 +647,72 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     for e in range(L):
         filled[e * cap : e * cap + rows[e]] = True
     assert c["act"][filled].any() and not c["act"][~filled].any()
+
+
+def _call(emulated, name, grid, block, *args):
+    """Launch the emulated kernel `name` with plain ints (addresses as ints)."""
+    fn = getattr(emulated, f"run_{name}")
+    sig = KERNELS["peer_stress.cu"][name]
+    kinds = []
+    for p in sig.split(","):
+        p = p.strip()
+        kinds.append(ctypes.c_void_p if "*" in p else ctypes.c_ulonglong if p.startswith("unsigned long long")
+                     else ctypes.c_int)
+    fn.argtypes = [ctypes.c_uint, ctypes.c_uint, *kinds]
+    fn(grid, block, *args)
+
+
+def _stress_world(G, words):
+    return {"buf": [np.full(2 * G * words, 0xA5A5A5A5, np.uint32) for _ in range(G)],
+            "state": [np.zeros(4, np.uint64) for _ in range(G)]}
+
+
+def _stress_rounds(run, world, G, words, rounds, corrupt=None, lost=None):
+    """`rounds` rounds of next -> produce (every member) -> check (every member) on `world`, through
+    `run(name, grid, block, *args)`. `lost` = (round, writer): that writer's produce is skipped in that
+    round, as if its stores had not landed when the barrier let the others through."""
+    table = np.array([ptr(b) for b in world["buf"]], np.uint64)
+    for r in range(1, rounds + 1):
+        for me in range(G):
+            run("stress_next", 1, 1, ptr(world["state"][me]))
+        for me in range(G):
+            if lost == (r, me):
+                continue
+            corrupt_round = 2 if corrupt == me else 0
+            run("stress_produce", 3, 32, ptr(table), ptr(world["state"][me]), G, me, words, 0, corrupt_round)
+        for me in range(G):
+            run("stress_check", 2, 64, ptr(world["buf"][me]), ptr(world["state"][me]), G, me, words)
+
+
+@pytest.mark.parametrize("G", [2, 3])
+def test_stress_kernels_match_twins_and_catch_wrong_data(emulated, G):
+    import tray.programs.peer_barrier.twins  # noqa: F401  (registers the stress twins)
+
+    words = 37  # not a multiple of the block: the grid-stride tails are exercised
+    host = HostBackend.open(0)
+
+    def cuda(name, grid, block, *args):
+        _call(emulated, name, grid, block, *args)
+
+    def twin(name, grid, block, *args):
+        lookup(name)(host, (grid, 1, 1), (block, 1, 1), *args)
+
+    for corrupt, lost in ((None, None), (1, None), (None, (3, 0))):
+        worlds = []
+        for run in (cuda, twin):
+            world = _stress_world(G, words)
+            _stress_rounds(run, world, G, words, 5, corrupt, lost)
+            worlds.append(world)
+        c, t = worlds
+        for me in range(G):
+            assert np.array_equal(c["buf"][me], t["buf"][me]) and np.array_equal(c["state"][me], t["state"][me])
+        states = c["state"]
+        assert all(int(s[0]) == 5 for s in states)
+        if corrupt is None and lost is None:
+            assert all(int(s[1]) == 0 and int(s[3]) == 0 for s in states)
+        elif corrupt is not None:  # one flipped word, seen by member corrupt + 1 in round 2
+            victim = (corrupt + 1) % G
+            assert [int(s[1]) for s in states] == [int(m == victim) for m in range(G)]
+            assert int(states[victim][2]) == 1 << corrupt and int(states[victim][3]) == 2
+        else:  # writer 0's round-3 words never landed: every member sees round 1's words there instead
+            assert all(int(s[1]) == words and int(s[2]) == 1 and int(s[3]) == 3 for s in states)

@@ -18,6 +18,10 @@ from tray.manifest.builtin import builtin_path
 # NOTE: docs/design.md section 6: every surviving rank must name the dropped one within timeout + 0.5 s.
 DROP_SLACK_S = 0.5
 MANIFEST = "peer_barrier"  # built-in (package data), see tray.manifest.builtin
+STRESS_MANIFEST = "peer_stress"
+# NOTE: words per (parity, writer) slot: 1 MiB per slot on a GPU keeps every SM's stores in flight over
+# NVLink when the barrier starts; the host backend checks in numpy, so it stays small there.
+STRESS_WORDS = {"cuda": 1 << 18, "host": 1 << 12}
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class GateArgs:
     json_path: str | None = None
     log_dir: str | None = None
     quiet: bool = False
+    stress: bool = False  # producer -> barrier -> consumer rounds checked on the device (iters = rounds)
+    replays: int = 5
+    skew_ns: int = 2000
+    corrupt: int | None = None  # --stress: this rank sends one wrong word (the gate must then fail)
 
 
 def run_gate(args: GateArgs) -> int:
@@ -38,15 +46,25 @@ def run_gate(args: GateArgs) -> int:
         print(f"tray: --drop {args.drop} is not a rank of a {args.nprocs}-rank tray (0..{args.nprocs - 1})",
               file=sys.stderr)
         return 2
+    if args.corrupt is not None and not (args.stress and 0 <= args.corrupt < args.nprocs):
+        print(f"tray: --corrupt {args.corrupt} needs --stress and a rank of the tray (0..{args.nprocs - 1})",
+              file=sys.stderr)
+        return 2
     out_dir = Path(tempfile.mkdtemp(prefix="tray-gate-"))
     try:
         cmd = [sys.executable, "-m", "tray.programs.peer_barrier.rank_program", "--iters", str(args.iters),
                "--timeout-s", str(args.timeout_s), "--out", str(out_dir)]
         if args.drop is not None:
             cmd += ["--drop", str(args.drop)]
+        variables: tuple[tuple[str, int], ...] = ()
+        if args.stress:
+            cmd += ["--stress", "--replays", str(args.replays), "--skew-ns", str(args.skew_ns)]
+            if args.corrupt is not None:
+                cmd += ["--corrupt", str(args.corrupt)]
+            variables = (("stress_words", STRESS_WORDS.get(args.backend, STRESS_WORDS["host"])),)
         spec = TraySpec(nprocs=args.nprocs, cmd=tuple(cmd), backend=args.backend,
-                        manifest=str(builtin_path(MANIFEST)), log_dir=args.log_dir,
-                        quiet=args.quiet)
+                        manifest=str(builtin_path(STRESS_MANIFEST if args.stress else MANIFEST)),
+                        vars=variables, log_dir=args.log_dir, quiet=args.quiet)
         result = run_tray(spec)
         per_rank = []
         for r in range(args.nprocs):
@@ -86,6 +104,14 @@ def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
         "environment": environment({"device": per_rank[0].get("device") if per_rank else None}),
     }
     complete = result.exit_code == 0 and len(per_rank) == args.nprocs
+    if args.stress:
+        report["stress"] = {"rounds": args.iters, "replays": args.replays, "skew_ns": args.skew_ns,
+                            "corrupt": args.corrupt}
+        report["mismatches"] = sum(r["stress"]["mismatches"] for r in per_rank)
+        report["passed"] = complete and all(
+            r["stress"]["mismatches"] == 0 and r["stress"]["rounds"] == r["stress"]["rounds_expected"]
+            for r in per_rank)
+        return report
     if args.drop is None:
         for key in ("eager_us", "eager_sync_us", "captured_us"):
             report[key] = _median(per_rank, key)
@@ -107,7 +133,16 @@ def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
 
 def _print(report: dict) -> None:
     head = f"peer-barrier gate: {report['nprocs']} ranks, {report['backend']} backend"
-    if report["drop"] is None:
+    if "stress" in report:
+        st = report["stress"]
+        print(f"{head}, stress: {st['rounds']} rounds eager + {st['replays']} replays of a graph of "
+              f"{st['rounds']} (produce -> barrier -> check), skew step {st['skew_ns']} ns")
+        print(f"  {'rank':>4} {'rounds':>8} {'expected':>9} {'wrong words':>12} {'bad writers':>12} {'us/round':>9}")
+        for r in report["per_rank"]:
+            s = r["stress"]
+            print(f"  {r['rank']:>4} {s['rounds']:>8} {s['rounds_expected']:>9} {s['mismatches']:>12} "
+                  f"{str(s['bad_writers'] or '-'):>12} {s['captured_round_us']:>9.2f}")
+    elif report["drop"] is None:
         print(f"{head}, {report['iters']} barriers per repeat (µs per barrier, median)")
         print(f"  {'rank':>4} {'eager':>10} {'eager_sync':>11} {'captured':>10}")
         for r in report["per_rank"]:

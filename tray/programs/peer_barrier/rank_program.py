@@ -1,9 +1,14 @@
-"""The rank side of `tray gate peer-barrier`: time the barrier three ways, or test a dropped rank.
+"""The rank side of `tray gate peer-barrier`: time the barrier three ways, test a dropped rank, or
+stress the barrier's ordering contract.
 
 Figures (docs/design.md section 6), µs per barrier, median over repeats:
   eager       K barriers launched back to back, timed by the backend's timer (device events), / K
   eager_sync  one barrier launched and synchronised, per barrier
   captured    a graph of K barriers, replayed, / K
+
+Stress (`--stress`, manifest peer_stress): rounds of produce -> barrier -> check (manifests/kernels/
+peer_stress.cu), first eagerly, then as a captured graph replayed several times, with no host
+synchronisation between the rounds; the device counts the words that did not match.
 """
 
 from __future__ import annotations
@@ -78,6 +83,63 @@ def measure(rank, iters: int, timeout_s: float) -> dict:
             "captured_us_all": captured}
 
 
+# NOTE: 256 threads x 264 blocks (2 per SM of an H200) keep every SM writing; the kernels grid-stride.
+STRESS_BLOCK = 256
+STRESS_MAX_GRID = 264
+CORRUPT_ROUND = 3  # a round inside the eager pass: the fault is injected once, early
+
+
+def stress(rank, rounds: int, replays: int, skew_ns: int, corrupt: int | None, timeout_s: float) -> dict:
+    """Run `rounds` stress rounds eagerly, then a graph of `rounds` rounds `replays` times; returns the
+    device's verdict: {"rounds", "rounds_expected", "mismatches", "bad_writers", "first_bad_round",
+    "captured_round_us"}. Every rank must call it with the same arguments."""
+    import numpy as np
+
+    import tray.programs.peer_barrier.twins  # noqa: F401  (host twins of the stress kernels)
+
+    G, me = rank.world_size, rank.rank
+    stress_buf, state = rank.buffer("stress"), rank.buffer("stress_state")
+    words = stress_buf.nbytes // 4 // (2 * G)
+    grid = (max(1, min(STRESS_MAX_GRID, -(-G * words // STRESS_BLOCK))), 1, 1)
+    block = (STRESS_BLOCK, 1, 1)
+    corrupt_round = CORRUPT_ROUND if corrupt == me else 0
+    launches = [
+        rank.kernel("stress_next").bind((1, 1, 1), (1, 1, 1), [state.ptr]),
+        rank.kernel("stress_produce").bind(grid, block, [rank.peers("stress").table_ptr, state.ptr, G, me, words, skew_ns,
+                                                         corrupt_round]),
+    ]
+    check = rank.kernel("stress_check").bind(grid, block, [stress_buf.ptr, state.ptr, G, me, words])
+    barrier, backend = rank.barrier_of("world"), rank.backend
+
+    def one_round() -> None:
+        for launch in launches:
+            launch.launch()
+        barrier.launch(timeout_s)
+        check.launch()
+
+    rank.write("stress_state", np.zeros(4, np.uint64))
+    rank.synchronize()
+    rank.exchange("stress.zeroed", me)  # no rank writes into a peer before every state is zeroed
+    for _ in range(rounds):
+        one_round()
+    graph = backend.capture(lambda: [one_round() for _ in range(rounds)])
+    timer = backend.timer()
+    try:
+        timer.start()
+        for _ in range(replays):
+            graph.replay()
+        timer.stop()
+        rank.synchronize()
+        elapsed = timer.elapsed_s()
+    finally:
+        graph.close()
+    st = rank.read("stress_state")
+    return {"rounds": int(st[0]), "rounds_expected": rounds * (1 + replays), "words_per_slot": words,
+            "skew_ns": skew_ns, "mismatches": int(st[1]),
+            "bad_writers": [w for w in range(G) if int(st[2]) >> w & 1], "first_bad_round": int(st[3]),
+            "corrupt_round": corrupt_round, "captured_round_us": elapsed / max(1, replays * rounds) * 1e6}
+
+
 def drop_test(rank, drop: int, timeout_s: float) -> dict:
     if rank.rank == drop:
         return {"dropped": True}
@@ -98,11 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, required=True)
     ap.add_argument("--drop", type=int, default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--stress", action="store_true", help="producer -> barrier -> consumer rounds")
+    ap.add_argument("--replays", type=int, default=5, help="--stress: graph replays of --iters rounds")
+    ap.add_argument("--skew-ns", type=int, default=2000, help="--stress: late-rank delay step")
+    ap.add_argument("--corrupt", type=int, default=None, help="--stress: this rank sends one wrong word")
     args = ap.parse_args(argv)
     with tray.init() as rank:
         info = rank.backend.info
         result = {"rank": rank.rank, "device": info.name, "uuid": info.uuid}
-        if args.drop is None:
+        if args.stress:
+            result["stress"] = stress(rank, args.iters, args.replays, args.skew_ns, args.corrupt, args.timeout_s)
+        elif args.drop is None:
             result.update(measure(rank, args.iters, args.timeout_s))
         else:
             result.update(drop_test(rank, args.drop, args.timeout_s))
