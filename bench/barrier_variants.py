@@ -1,5 +1,9 @@
 """Kernel variants of the peer barrier, timed by the gate in one run (keeps the faster correct one).
 
+Each variant is timed (`tray gate peer-barrier`) and then stressed (`--stress`: producer -> barrier ->
+consumer rounds through peer pointers, checked on the device): a variant is correct only when its stress
+finds no wrong word. `v4_nofence` drops the release fence on purpose: its stress should fail.
+
 Each variant is the production kernel (manifests/kernels/peer_barrier.cu, read from the installed package)
 with a unified diff from barrier_variants/<name>.diff applied at run time: every hunk must match the
 production source exactly once, so a variant that no longer fits the kernel is an error, never a stale
@@ -39,6 +43,7 @@ VARIANTS = (
     Variant("v0", "v0.diff", False),
     Variant("v2", "v2.diff", False),
     Variant("v4_nofence", "v4_nofence.diff", True),
+    Variant("v5_acqpoll", "v5_acqpoll.diff", True),
 )
 
 
@@ -97,6 +102,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=4)
     ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--stress-rounds", type=int, default=1000, help="rounds per stress graph (0: no stress)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = {}
@@ -115,16 +121,27 @@ def main() -> int:
             per_rank = report.get("per_rank") or []
             r["eager_host_us"] = median([p["eager_host_us"] for p in per_rank]) if per_rank else None
             r["exit_code"] = code
+            if args.stress_rounds:
+                out = kdir / "stress.json"
+                code = run_gate(GateArgs(nprocs=args.n, backend="cuda", iters=args.stress_rounds, json_path=str(out),
+                                         quiet=True, stress=True))
+                report = json.loads(out.read_text()) if out.exists() else {}
+                r["stress_exit_code"] = code
+                r["stress_mismatches"] = report.get("mismatches")
+                r["stress_passed"] = bool(report.get("passed"))
             results[v.name] = r
     for key in ("TRAY_KERNEL_DIR", "TRAY_BARRIER_PDL"):
         os.environ.pop(key, None)
-    print(f"{'variant':<14}{'eager':>9}{'host':>9}{'sync':>9}{'captured':>10}")
+    print(f"{'variant':<14}{'eager':>9}{'host':>9}{'sync':>9}{'captured':>10}  stress (wrong words)")
     for name, r in results.items():
+        verdict = "not run" if "stress_passed" not in r else (
+            f"ok ({r['stress_mismatches']})" if r["stress_passed"] else
+            f"FAILED ({r['stress_mismatches']}, exit {r['stress_exit_code']})")
         if r["eager_us"] is not None:
             print(f"{name:<14}{r['eager_us']:>9.2f}{r['eager_host_us']:>9.2f}{r['eager_sync_us']:>9.2f}"
-                  f"{r['captured_us']:>10.2f}")
+                  f"{r['captured_us']:>10.2f}  {verdict}")
         else:
-            print(f"{name:<14} failed (exit {r['exit_code']})")
+            print(f"{name:<14} failed (exit {r['exit_code']})  {verdict}")
     write_report({"variants": results}, args.json)
     return 0
 

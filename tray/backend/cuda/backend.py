@@ -73,11 +73,12 @@ class CudaGraph(Graph):
         self._exec = graph_exec
         self._stream = stream
         self._open = True
+        self._launch = drv.graph_launcher(graph_exec, stream)
 
     def replay(self) -> None:
         if not self._open:
             raise UsageError("this graph is closed")
-        drv.graph_launch(self._exec, self._stream)
+        self._launch()
 
     def close(self) -> None:
         if self._open:

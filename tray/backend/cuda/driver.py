@@ -298,10 +298,29 @@ def graph_instantiate(graph: Any) -> Any:
     return _drv("cuGraphInstantiate", graph, 0)
 
 
-def graph_launch(graph_exec: Any, stream: Any) -> None:
-    err, = cu.cuGraphLaunch(graph_exec, stream)
-    if err != 0:
-        check("cuGraphLaunch", (err,), f"stream {int(stream):#x}")
+_fast_graph_launch: Any = None
+
+
+def graph_launcher(graph_exec: Any, stream: Any) -> Any:
+    """A no-argument function that launches `graph_exec` on `stream`, its C arguments converted once
+    (the replay path of a graph launched many times from Python; a failure raises CudaError naming the call)."""
+    import ctypes
+
+    global _fast_graph_launch
+    if _fast_graph_launch is None:
+        _fast_graph_launch = _libcuda().cuGraphLaunch
+        _fast_graph_launch.restype = ctypes.c_int
+    fn = _fast_graph_launch
+    c_args = (ctypes.c_void_p(int(graph_exec)), ctypes.c_void_p(int(stream)))
+    where = f"stream {int(stream):#x}"
+
+    def launch() -> None:
+        err = fn(*c_args)
+        if err != 0:
+            check("cuGraphLaunch", (cu.CUresult(err),), where)
+
+    launch.keep = c_args  # type: ignore[attr-defined]
+    return launch
 
 
 def graph_exec_destroy(graph_exec: Any) -> None:

@@ -91,7 +91,7 @@ def barrier_rows(report: dict[str, Any]) -> list[Row]:
     did not report)."""
     wrong = report["nprocs"] - len(report["per_rank"])
     return [Row(f"barrier {key[:-3]}", 0, 0, "none", report[key], wrong)
-            for key in ("eager_us", "eager_sync_us", "captured_us") if report.get(key) is not None]
+            for key in ("eager_us", "eager_sync_us", "captured_us", "eager_graph_us") if report.get(key) is not None]
 
 
 def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
@@ -113,7 +113,8 @@ def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
             for r in per_rank)
         return report
     if args.drop is None:
-        for key in ("eager_us", "eager_sync_us", "captured_us"):
+        for key in ("eager_us", "eager_sync_us", "captured_us", "eager_graph_us", "eager_host_us",
+                    "eager_graph_host_us"):
             report[key] = _median(per_rank, key)
         report["passed"] = complete
         return report
@@ -144,12 +145,14 @@ def _print(report: dict) -> None:
                   f"{str(s['bad_writers'] or '-'):>12} {s['captured_round_us']:>9.2f}")
     elif report["drop"] is None:
         print(f"{head}, {report['iters']} barriers per repeat (µs per barrier, median)")
-        print(f"  {'rank':>4} {'eager':>10} {'eager_sync':>11} {'captured':>10}")
-        for r in report["per_rank"]:
-            print(f"  {r['rank']:>4} {r['eager_us']:>10.2f} {r['eager_sync_us']:>11.2f} {r['captured_us']:>10.2f}")
+        print(f"  {'rank':>4} {'eager':>10} {'eager_sync':>11} {'captured':>10} {'eager_graph':>12} "
+              f"{'host/launch':>12} {'host/graph':>11}")
+        for r in [*report["per_rank"], {**report, "rank": "all"}]:
+            if r.get("eager_us") is None:
+                continue
+            print(f"  {r['rank']:>4} {r['eager_us']:>10.2f} {r['eager_sync_us']:>11.2f} {r['captured_us']:>10.2f} "
+                  f"{r['eager_graph_us']:>12.2f} {r['eager_host_us']:>12.2f} {r['eager_graph_host_us']:>11.2f}")
         if report.get("eager_us") is not None:
-            print(f"  {'all':>4} {report['eager_us']:>10.2f} {report['eager_sync_us']:>11.2f} "
-                  f"{report['captured_us']:>10.2f}")
             print(format_table(barrier_rows(report)))
     else:
         print(f"{head}, rank {report['drop']} dropped, timeout {report['timeout_s']:.2f} s "

@@ -5,6 +5,8 @@ Figures (docs/design.md section 6), µs per barrier, median over repeats:
   eager       K barriers launched back to back, timed by the backend's timer (device events), / K
   eager_sync  one barrier launched and synchronised, per barrier
   captured    a graph of K barriers, replayed, / K
+  eager_graph K launches of a graph of one barrier from Python, / K (the other launch path an eager
+              caller has: cuGraphLaunch instead of cuLaunchKernelEx; both figures carry their host cost)
 
 Stress (`--stress`, manifest peer_stress): rounds of produce -> barrier -> check (manifests/kernels/
 peer_stress.cu), first eagerly, then as a captured graph replayed several times, with no host
@@ -61,6 +63,21 @@ def _captured(barrier, backend, graph, iters: int) -> float:
     return elapsed / iters * 1e6
 
 
+def _eager_graph(barrier, backend, graph, iters: int) -> tuple[float, float]:
+    """(device µs per barrier, host µs per launch) of `iters` replays of a one-barrier graph."""
+    timer = backend.timer()
+    timer.start()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        graph.replay()
+    host_s = time.perf_counter() - t0
+    timer.stop()
+    elapsed = timer.elapsed_s()
+    barrier.synchronize()
+    barrier.check()
+    return elapsed / iters * 1e6, host_s / iters * 1e6
+
+
 def measure(rank, iters: int, timeout_s: float) -> dict:
     barrier, backend = rank.barrier_of("world"), rank.backend
     for _ in range(WARMUP):
@@ -76,8 +93,17 @@ def measure(rank, iters: int, timeout_s: float) -> dict:
         captured = [_captured(barrier, backend, graph, iters) for _ in range(REPEATS)]
     finally:
         graph.close()
+    single = backend.capture(lambda: barrier.launch(timeout_s))
+    try:
+        single.replay()
+        barrier.synchronize()
+        graph_pairs = [_eager_graph(barrier, backend, single, iters) for _ in range(REPEATS)]
+    finally:
+        single.close()
     return {"eager_us": statistics.median(eager), "eager_sync_us": statistics.median(eager_sync),
             "captured_us": statistics.median(captured),
+            "eager_graph_us": statistics.median(p[0] for p in graph_pairs),
+            "eager_graph_host_us": statistics.median(p[1] for p in graph_pairs),
             "eager_host_us": statistics.median(p[1] for p in eager_pairs),
             "eager_us_all": eager, "eager_sync_us_all": eager_sync,
             "captured_us_all": captured}
