@@ -1,6 +1,6 @@
-"""TP MLP: one-shot peer allreduce vs NCCL allreduce, 512 B .. 4 MiB (same as `tray bench tp`).
+"""Peer allreduce (one-shot, two-shot) vs NCCL, 8 B .. 64 MiB, and a TP MLP layer (same as `tray bench tp`).
 
-    python bench/tp.py -n 4 [--sizes 512,4096] [--backend cuda] [--json bench/results/tp.json]
+    python bench/tp.py -n 4 [--sizes 8,4096] [--tokens 1,64] [--backend cuda] [--json bench/results/tp.json]
 
 The work is in tray.programs.tp_mlp.bench; this script is the figure's entry point beside the others.
 """

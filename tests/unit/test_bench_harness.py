@@ -88,3 +88,24 @@ def test_reports_say_the_command_that_made_them(tmp_path):
     report: dict = {}
     write_report(report, str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text())["command"] == report["command"]
+
+
+def test_tp_crossover_and_peer_pick():
+    from tray.programs.tp_mlp.bench import crossover, summarize_sizes
+
+    def entry(nbytes, one, two, nccl, wrong=0):
+        return {"bytes": nbytes, "count": nbytes // 2, "us": {"ar_oneshot": one, "ar_twoshot": two, "ar_nccl": nccl},
+                "checks": {"wrong": {"ar_oneshot": wrong, "ar_twoshot": 0, "ar_nccl": 0},
+                           "ar_oneshot_identical_on_all_ranks": True, "ar_twoshot_identical_on_all_ranks": True}}
+
+    ranks = [{"sizes": [entry(8, 4.0, 9.0, 8.0), entry(1 << 20, 9.0, 8.0, 12.0), entry(1 << 21, 5.0, 6.0, 9.0),
+                        entry(1 << 22, 20.0, 12.0, 30.0, wrong=3)]},
+             {"sizes": [entry(8, 4.5, 9.0, 8.0), entry(1 << 20, 9.0, 8.5, 12.0), entry(1 << 21, 5.0, 6.0, 9.0),
+                        entry(1 << 22, 20.0, 12.0, 31.0)]}]
+    rows = summarize_sizes(ranks)
+    assert [r["ar_peer_path"] for r in rows] == ["ar_oneshot", "ar_twoshot", "ar_oneshot", "ar_twoshot"]
+    assert rows[0]["us"]["ar_peer"] == 4.5 and rows[1]["us"]["ar_peer"] == 8.5  # the slowest rank
+    assert [r["checks"]["passed"] for r in rows] == [True, True, True, False]  # 3 wrong elements on rank 0
+    assert rows[3]["checks"]["wrong"]["ar_oneshot"] == 3
+    assert crossover(rows) == 1 << 22  # 1 MiB won, 2 MiB lost: the two-shot wins for good only from 4 MiB
+    assert crossover(rows[:3]) is None

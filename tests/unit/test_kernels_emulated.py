@@ -188,7 +188,11 @@ KERNELS = {
         "int rank, long long rks, unsigned int seed, float scale",
         "ep_zero32": "unsigned int* dst, long long words, unsigned int value",
     },
-    "tp_allreduce.cu": {"tp_sum_peers": "const uint4* const* peers, uint4* out, long long count, int G"},
+    "tp_allreduce.cu": {
+        "tp_sum_peers": "const uint4* const* peers, uint4* out, long long count, int G",
+        "tp_rs_peers": "const uint4* const* peers, uint4* out, long long count, int G, int me",
+        "tp_ag_peers": "uint4* const* outs, long long count, int G, int me",
+    },
     "peer_stress.cu": {
         "stress_next": "unsigned long long* state",
         "stress_produce": "unsigned int* const* peers, const unsigned long long* state, int G, int me, "
@@ -553,6 +557,47 @@ def test_tp_sum_peers(emulated):
 
         c, t = both(emulated, "tp_sum_peers", 1, 4, args, arrays)
         assert np.array_equal(c["out"], t["out"]) and c["out"].any()
+
+
+@pytest.mark.parametrize("count", [4, 40, 131])  # 4 and 131: a tail of count % 8 elements; 131 < G * chunk
+def test_tp_one_shot_and_two_shot_give_the_same_bytes(emulated, count):
+    rng = np.random.default_rng(3)
+    for G in (1, 2, 3):
+        parts = [bf16_random(rng, count) for _ in range(G)]
+        outs = {"one": [], "two": []}
+        for kind in ("emu", "twin"):
+            one = np.full(count, 0xFFFF, np.uint16)
+            tbl = np.array([ptr(p) for p in parts], np.uint64)
+            two = [np.full(count, 0xFFFF, np.uint16) for _ in range(G)]
+            otbl = np.array([ptr(o) for o in two], np.uint64)
+            if kind == "emu":
+                _tp(emulated, "tp_sum_peers", 2, 4, ptr(tbl), ptr(one), count, G)
+                for me in range(G):
+                    _tp(emulated, "tp_rs_peers", 2, 4, ptr(tbl), ptr(two[me]), count, G, me)
+                for me in range(G):
+                    _tp(emulated, "tp_ag_peers", 3, 2, ptr(otbl), count, G, me)
+            else:
+                host = HostBackend.open(0)
+                lookup("tp_sum_peers")(host, (2, 1, 1), (4, 1, 1), ptr(tbl), ptr(one), count, G)
+                for me in range(G):
+                    lookup("tp_rs_peers")(host, (2, 1, 1), (4, 1, 1), ptr(tbl), ptr(two[me]), count, G, me)
+                for me in range(G):
+                    lookup("tp_ag_peers")(host, (3, 1, 1), (2, 1, 1), ptr(otbl), count, G, me)
+            outs["one"].append(one)
+            outs["two"].append(two)
+        emu_one, twin_one = outs["one"]
+        assert np.array_equal(emu_one, twin_one) and (emu_one != 0xFFFF).all()
+        for member in range(G):  # every member's two-shot output is the one-shot output, bit for bit
+            assert np.array_equal(outs["two"][0][member], emu_one), (G, member)
+            assert np.array_equal(outs["two"][1][member], emu_one), (G, member)
+
+
+def _tp(emulated, name, grid, block, *args):
+    fn = getattr(emulated, f"run_{name}")
+    kinds = [ctypes.c_void_p if "*" in p else ctypes.c_longlong if "long long" in p else ctypes.c_int
+             for p in KERNELS["tp_allreduce.cu"][name].split(",")]
+    fn.argtypes = [ctypes.c_uint, ctypes.c_uint, *kinds]
+    fn(grid, block, *args)
 
 
 def test_ties_round_to_even(emulated):

@@ -30,3 +30,27 @@ def sum_members_bits(parts: list[np.ndarray]) -> np.ndarray:
 def tp_sum_peers(backend: Any, grid: Any, block: Any, peers: int, out: int, count: int, G: int) -> None:
     parts = [at(int(p), count, np.uint16) for p in u64_at(peers, G)]
     at(out, count, np.uint16)[:] = sum_members_bits(parts)
+
+
+def chunk_range(count: int, G: int, member: int) -> tuple[int, int]:
+    """(begin, n): member `member`'s element range of the two-shot allreduce (tp_chunk / tp_chunk_len)."""
+    chunk = (-(-count // G) + 7) // 8 * 8
+    begin = member * chunk
+    return begin, max(0, min(chunk, count - begin))
+
+
+@twin("tp_rs_peers")
+def tp_rs_peers(backend: Any, grid: Any, block: Any, peers: int, out: int, count: int, G: int, me: int) -> None:
+    begin, n = chunk_range(count, G, me)
+    parts = [at(int(p) + 2 * begin, n, np.uint16) for p in u64_at(peers, G)]
+    at(out + 2 * begin, n, np.uint16)[:] = sum_members_bits(parts)
+
+
+@twin("tp_ag_peers")
+def tp_ag_peers(backend: Any, grid: Any, block: Any, outs: int, count: int, G: int, me: int) -> None:
+    begin, n = chunk_range(count, G, me)
+    ptrs = [int(p) for p in u64_at(outs, G)]
+    mine = at(ptrs[me] + 2 * begin, n, np.uint16)
+    for g, p in enumerate(ptrs):
+        if g != me:
+            at(p + 2 * begin, n, np.uint16)[:] = mine
