@@ -109,3 +109,6 @@ def test_tp_crossover_and_peer_pick():
     assert rows[3]["checks"]["wrong"]["ar_oneshot"] == 3
     assert crossover(rows) == 1 << 22  # 1 MiB won, 2 MiB lost: the two-shot wins for good only from 4 MiB
     assert crossover(rows[:3]) is None
+    assert [r["ar_tray_path"] for r in rows] == ["ar_oneshot", "ar_twoshot", "ar_oneshot", "ar_twoshot"]
+    slow = summarize_sizes([{"sizes": [entry(1 << 26, 300.0, 200.0, 190.0)]}])[0]
+    assert slow["ar_tray_path"] == "ar_nccl" and slow["us"]["ar_tray"] == 190.0 and slow["us"]["ar_peer"] == 200.0

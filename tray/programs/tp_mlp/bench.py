@@ -8,7 +8,9 @@ sweep, nccl-tests shaped: every path timed captured and checked on what its time
 TP layer per token count), then 1 rank (the full layer on one GPU: the reference for the TP outputs and
 the TP-N vs one-GPU time). `ar_peer` per size is the faster of the two peer paths measured in this run
 (`ar_peer_path` says which; `crossover` gives the smallest size from which the two-shot wins at every
-larger size): the size table a runtime would pick by. Exit 1 if a check fails.
+larger size): the size table a runtime would pick by. `ar_tray` is what the tray's allreduce does with
+that table: the faster peer path, or NCCL at the sizes where NCCL measured faster (`ar_tray_path`), so it
+is never slower than NCCL by construction; the report lists those sizes. Exit 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -129,7 +131,11 @@ def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         identical = all(e["checks"][f"{k}_identical_on_all_ranks"] for e in entries for k in PEER_PATHS)
         path = min(PEER_PATHS, key=lambda k: us[k])
         us["ar_peer"] = us[path]
+        # the tray's allreduce: the faster peer path, or NCCL where NCCL measured faster at this size
+        tray_path = path if us[path] <= us["ar_nccl"] else "ar_nccl"
+        us["ar_tray"] = us[tray_path]
         rows.append({"bytes": e0["bytes"], "count": e0["count"], "us": us, "ar_peer_path": path,
+                     "ar_tray_path": tray_path,
                      "ratios": {"ar_peer_vs_nccl": us["ar_peer"] / us["ar_nccl"]},
                      "checks": {"wrong": wrong, "peer_identical_on_all_ranks": identical,
                                 "passed": identical and not any(wrong.values())}})
@@ -184,7 +190,10 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"  {r['bytes']:>9} {u['ar_oneshot']:>9.2f} {u['ar_twoshot']:>9.2f} {u['ar_nccl']:>9.2f} "
               f"{r['ratios']['ar_peer_vs_nccl']:>9.2f}  {'ok' if r['checks']['passed'] else 'FAILED'}")
     print(f"  two-shot wins from {report['crossover_bytes']} B" if report["crossover_bytes"] else
-          "  two-shot never wins over the one-shot from some size on")
+          "  the two-shot does not win for good at any size")
+    nccl_sizes = [r["bytes"] for r in report["sizes"] if r["ar_tray_path"] == "ar_nccl"]
+    print(f"  NCCL faster than both peer paths at: {nccl_sizes} B (the tray's allreduce calls NCCL there)"
+          if nccl_sizes else "  a peer path is at least as fast as NCCL at every size")
     print(f"tp layer: hidden {report['hidden']}, ffn {report['ffn']} ({report['ffn'] // report['nprocs']} per rank)")
     print(f"  {'tokens':>7} {'one-shot':>10} {'two-shot':>10} {'nccl':>10} {'1 gpu':>10} {'peer/1gpu':>9}  check")
     for r in report["tokens"]:
@@ -235,6 +244,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
         "repeats": a.repeats,
         "sizes": sizes,
         "crossover_bytes": crossover(sizes),
+        "nccl_faster_bytes": [r["bytes"] for r in sizes if r["ar_tray_path"] == "ar_nccl"],
         "tokens": tokens,
         "passed": all(s["checks"]["passed"] for s in sizes + tokens),
         "setup_s": max(r["setup_s"] for r in per_rank),
