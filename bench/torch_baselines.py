@@ -4,8 +4,9 @@
     python bench/torch_baselines.py barrier -n 4 --iters 1000
 
 `startup`: torch mp spawn -> init_process_group(nccl) -> first allreduce (seconds, median).
-`barrier`: SymmetricMemory barrier (eager, back to back / K, events; and a CUDA graph of K), and
-`dist.barrier()` (median of 200). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+`barrier`: SymmetricMemory barrier (eager, back to back / K, events; a CUDA graph of K; one barrier then
+a stream synchronize, median of 200: the baseline of tray's eager_sync), and `dist.barrier()` (median of
+200, a host-side barrier: reported, not compared). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def _free_port() -> int:
 
 
 def _startup_worker(rank: int, n: int, port: int, out: str) -> None:
+    t_import = time.time()
     import torch
     import torch.distributed as dist
+
+    imported = time.time()
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
@@ -41,7 +45,8 @@ def _startup_worker(rank: int, n: int, port: int, out: str) -> None:
     dist.all_reduce(x)
     torch.cuda.synchronize()
     assert x.item() == n
-    Path(out, f"rank-{rank}").write_text(repr(time.time()))
+    Path(out, f"rank-{rank}").write_text(json.dumps({"t_first": time.time(), "import_s": imported - t_import,
+                                                     "t_imported": imported}))
     dist.destroy_process_group()
 
 
@@ -85,13 +90,22 @@ def _barrier_worker(rank: int, n: int, port: int, out: str, iters: int) -> None:
     torch.cuda.synchronize()
     captured_us = statistics.median(events_us(graph.replay) for _ in range(7))
     samples = []
+    stream = torch.cuda.current_stream()
+    for _ in range(200):  # what tray's eager_sync is: one barrier launched, then the stream synchronised
+        t0 = time.perf_counter()
+        hdl.barrier(channel=0)
+        stream.synchronize()
+        samples.append(time.perf_counter() - t0)
+    symm_sync_us = statistics.median(samples) * 1e6
+    samples = []
     for _ in range(200):
         t0 = time.perf_counter()
         dist.barrier()
         samples.append(time.perf_counter() - t0)
     dist_barrier_us = statistics.median(samples) * 1e6
     Path(out, f"rank-{rank}").write_text(json.dumps(
-        {"symm_eager_us": eager_us, "symm_captured_us": captured_us, "dist_barrier_us": dist_barrier_us}))
+        {"symm_eager_us": eager_us, "symm_captured_us": captured_us, "symm_sync_us": symm_sync_us,
+         "dist_barrier_us": dist_barrier_us}))
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
@@ -107,18 +121,25 @@ def _spawn(target, n: int, extra: tuple) -> tuple[float, list[str]]:
 
 
 def startup(n: int, repeats: int) -> dict:
-    samples = []
+    """spawn -> first allreduce (s, median), the children's `import torch` (slowest rank) and the time
+    from the last rank's import to the first allreduce (the part comparable with tray's after-import)."""
+    samples, imports, after = [], [], []
     for _ in range(repeats):
         t0, outs = _spawn(_startup_worker, n, ())
-        samples.append(max(float(o) for o in outs) - t0)
-    return {"first_allreduce_s": statistics.median(samples), "samples_s": samples}
+        ranks = [json.loads(o) for o in outs]
+        first = max(r["t_first"] for r in ranks)
+        samples.append(first - t0)
+        imports.append(max(r["import_s"] for r in ranks))
+        after.append(first - max(r["t_imported"] for r in ranks))
+    return {"first_allreduce_s": statistics.median(samples), "import_s": statistics.median(imports),
+            "after_import_s": statistics.median(after), "samples_s": samples}
 
 
 def barrier(n: int, iters: int) -> dict:
     _, outs = _spawn(_barrier_worker, n, (iters,))
     per_rank = [json.loads(o) for o in outs]
     out = {"per_rank": per_rank}
-    for key in ("symm_eager_us", "symm_captured_us", "dist_barrier_us"):
+    for key in ("symm_eager_us", "symm_captured_us", "symm_sync_us", "dist_barrier_us"):
         out[key] = statistics.median(r[key] for r in per_rank)
     return out
 

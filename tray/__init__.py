@@ -7,6 +7,8 @@ Nothing heavy happens at import time.
 
 from __future__ import annotations
 
+import os
+
 from tray.errors import (
     BarrierTimeout,
     DeviceError,
@@ -36,9 +38,20 @@ __version__ = "0.1.0"
 
 def init(**kwargs):
     """Join the tray this process was launched into; see `tray.rank.init`."""
+    warmup = None
+    if os.environ.get("TRAY_BACKEND") == "cuda":
+        # the driver starts on a thread now, while the rank's modules (numpy, zmq, ...) import below
+        try:
+            ordinal = int(os.environ.get("TRAY_DEVICE") or os.environ.get("TRAY_RANK") or "")
+        except ValueError:
+            ordinal = -1  # malformed: tray.rank.init reports it
+        if ordinal >= 0:
+            from tray.backend.cuda import DriverWarmup
+
+            warmup = DriverWarmup(ordinal)
     from tray.rank import init as _init
 
-    return _init(**kwargs)
+    return _init(warmup=warmup, **kwargs)
 
 
 def twin(name: str):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from tray.backend.base import Backend
+from typing import TYPE_CHECKING
+
 from tray.errors import UsageError
+
+if TYPE_CHECKING:  # NOTE: base imports numpy; the driver's warm-up imports this package before numpy
+    from tray.backend.base import Backend
 
 BACKENDS = ("host", "cuda")
 

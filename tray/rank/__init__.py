@@ -39,16 +39,22 @@ if TYPE_CHECKING:
 __all__ = ["Buffer", "BufferView", "PeerTable", "Rank", "RankContext", "init"]
 
 
-def init(manifest: str | None = None, timeout_s: float = 60.0) -> Rank:
+def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = None) -> Rank:
     """Join the tray this process was launched into. Blocks until every rank is ready (`go`).
 
     `manifest` overrides TRAY_MANIFEST (every rank must load the same one: the head checks).
+    `warmup`: a started `tray.backend.cuda.DriverWarmup` (tray.init makes one on the cuda backend).
     Raises UsageError outside a tray, HandshakeError when the tray cannot form.
     """
-    env = RankEnv.from_environ()
+    try:
+        env = RankEnv.from_environ()
+    except BaseException:
+        if warmup is not None:
+            warmup.release()
+        raise
     parts = Parts(env, PhaseClock())
     try:
-        wiring = lifecycle.start(parts, manifest or env.manifest or None, timeout_s)
+        wiring = lifecycle.start(parts, manifest or env.manifest or None, timeout_s, warmup)
     except BaseException as exc:
         _report(env, parts.phases.current, parts.client, exc)
         parts.close()
@@ -166,8 +172,10 @@ class Rank:
         return self._kernels[name]
 
     def collectives(self, group: str = "world") -> Collectives:
+        """The collectives of `group`. The first call joins every group's collectives: a tray-wide step
+        that every rank must make (like `exchange`); a program with a collective op makes it in lockstep."""
         self._require_open("collectives()")
-        return self._wiring.collectives_of(group)
+        return self._wiring.collectives_of(group, self.exchange)
 
     def read(self, name: str) -> np.ndarray:
         """A host copy of buffer `name`, typed and shaped as the manifest says."""

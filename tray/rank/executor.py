@@ -139,7 +139,7 @@ class Executor:
         return arg.value
 
     def _collective(self, op: ResolvedCollective) -> Step:
-        coll = self.wiring.collectives_of(op.group)
+        coll = self.wiring.collectives_of(op.group, self.ctx.exchange)
         send, recv, count, dtype = self._ptr(op.send), self._ptr(op.recv), op.count, op.dtype
         if op.peer is not None:
             peer = op.peer

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from tray import collectives
 from tray.backend import open_backend
@@ -25,6 +26,7 @@ from tray.rank.wiring import (
     FLAGS_PREFIX,
     GROUP_BUFFER_PREFIX,
     INTERNAL_PREFIX,
+    LazyCollectives,
     Parts,
     PeerTable,
     Wiring,
@@ -42,8 +44,9 @@ def boot_id() -> str:
         return os.uname().nodename
 
 
-def start(parts: Parts, manifest_path: str | None, timeout_s: float) -> Wiring:
-    """Run the eight steps into `parts`; the wiring once the head said go.
+def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any = None) -> Wiring:
+    """Run the eight steps into `parts`; the wiring once the head said go. `warmup` (a started
+    DriverWarmup or None) is released once the backend is open, whatever happens.
 
     Every wait on the head lasts at most `timeout_s`. Raises what a step raised (HandshakeError,
     ManifestError, DeviceError, ...); `parts` then holds what was built, for the caller to report the
@@ -60,12 +63,19 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float) -> Wiring:
         resolved = parts.resolved = manifest.resolve(env.world_size, dict(env.vars))
     with phases.timed("device"):
         host = boot_id()
-        backend = parts.backend = open_backend(env.backend, env.device, host)
+        try:
+            backend = parts.backend = open_backend(env.backend, env.device, host)
+        finally:
+            if warmup is not None:
+                warmup.release(timeout_s)
+                if warmup.seconds is not None:
+                    phases.timings["driver_warmup"] = warmup.seconds
     joiner = collectives.for_backend(backend)
     with phases.timed("allocate"):
         groups = parts.groups = _my_groups(parts)
         _allocate(parts, backend, joiner, groups)
-        join_info = {g.name: joiner.join_info(g) for g in groups.values() if g.index == 0}
+        # the collectives join on first use (LazyCollectives): their join info travels then, not here
+        join_info = {g.name: b"" for g in groups.values() if g.index == 0}
     with phases.timed("offer"):
         offer = _offer(parts, backend, host, join_info)
     client.send(offer)
@@ -205,7 +215,7 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
 
 
 def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table) -> None:
-    """Every group's barrier, then its collectives from member 0's join info."""
+    """Every group's barrier; its collectives are set up to join on first use (LazyCollectives)."""
     assert parts.buffers is not None and parts.groups is not None and parts.ptr_tables is not None
     barriers = parts.barriers = {}
     relayed: dict[str, Collectives] = {}
@@ -216,26 +226,25 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
             continue
         barriers[g.name] = backend.barrier(g, parts.buffers[FLAGS_PREFIX + g.name],
                                            parts.ptr_tables[FLAGS_PREFIX + g.name])
-        leader = table.offers[g.members[0]]
         joins.append(collectives.GroupJoin(
-            group=g, join_info=leader.groups.get(g.name, b""), barrier=barriers[g.name],
+            group=g, join_info=b"", barrier=barriers[g.name],
             buffer=parts.buffers.get(GROUP_BUFFER_PREFIX + g.name),
             peer_buffers=parts.ptr_tables.get(GROUP_BUFFER_PREFIX + g.name)))
-    parts.collectives = {**joiner.join(joins), **relayed}
+    parts.collectives = LazyCollectives(joiner, joins, parts.phases, ready=relayed)
 
 
 def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table, g: GroupInfo,
                    joins: list[collectives.GroupJoin], relayed: dict[str, Collectives]) -> None:
     """A group with members on other nodes: its barrier relayed through the root; its collectives
-    joined where the joiner crosses nodes (NCCL), relayed otherwise (host)."""
+    joined (on first use, like every group's) where the joiner crosses nodes (NCCL), relayed otherwise
+    (host: ready at once)."""
     from tray.collectives.relay import RelayBarrier, RelayCollectives, VoteStep
 
     assert parts.barriers is not None and parts.client is not None
     step = VoteStep(parts.client, parts.env.token, parts.env.rank)
     barrier = parts.barriers[g.name] = RelayBarrier(g, step, before=backend.synchronize)
     if joiner.crosses_nodes:
-        leader = table.offers[g.members[0]]
-        joins.append(collectives.GroupJoin(group=g, join_info=leader.groups.get(g.name, b""), barrier=barrier))
+        joins.append(collectives.GroupJoin(group=g, join_info=b"", barrier=barrier))
     else:
         relayed[g.name] = RelayCollectives(g, step)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PeerMapping, PtrTable
+from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import UsageError
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer
@@ -44,15 +46,72 @@ class PeerTable:
     table_ptr: int
 
 
-def _release(collectives: Mapping[str, Collectives], barriers: Mapping[str, Barrier],
+# The topic of the tray-wide step that joins the collectives (every rank votes its groups' join info).
+JOIN_TOPIC = "tray.collectives.join"
+Exchange = Callable[[str, Any, float], list[Any]]
+
+
+class LazyCollectives:
+    """Every group's collectives of one rank, joined together on first use, not at start-up: a rank
+    whose programs never reduce pays nothing for them (an NCCL join is ~0.5 s per rank).
+
+    The join is a tray-wide step, like `exchange`: the first `of(group, exchange)` on any rank must be
+    matched by one on every rank (a program with a collective op does this in lockstep; so does a first
+    `rank.collectives()` called by every rank). Member 0 of each group makes the join info then and every
+    rank receives it through `exchange`; the time lands in `phases.timings["collectives"]`.
+    """
+
+    def __init__(self, joiner: Joiner, pending: Sequence[GroupJoin], phases: PhaseClock,
+                 ready: Mapping[str, Collectives] | None = None, timeout_s: float = 60.0) -> None:
+        self._joiner = joiner
+        self._pending = tuple(pending)
+        self._phases = phases
+        self._ready = dict(ready or {})  # groups whose collectives need no join (relayed across nodes)
+        self._timeout_s = timeout_s
+        self._joined: dict[str, Collectives] | None = None
+
+    @property
+    def joined(self) -> bool:
+        return self._joined is not None
+
+    def of(self, group: str, exchange: Exchange) -> Collectives:
+        """The collectives of `group` (a group of this rank), joining every group first if needed."""
+        if group in self._ready:
+            return self._ready[group]
+        if self._joined is None:
+            self._join(exchange)
+        assert self._joined is not None
+        return self._joined[group]
+
+    def _join(self, exchange: Exchange) -> None:
+        with self._phases.showing("collectives"):
+            t0 = time.perf_counter()
+            mine = {j.group.name: self._joiner.join_info(j.group) for j in self._pending if j.group.index == 0}
+            votes = exchange(JOIN_TOPIC, mine, self._timeout_s)
+            joins = []
+            for j in self._pending:
+                leader = votes[j.group.members[0]]
+                info = leader.get(j.group.name, b"") if isinstance(leader, dict) else b""
+                joins.append(replace(j, join_info=bytes(info)))
+            self._joined = self._joiner.join(joins)
+            self._phases.timings["collectives"] = time.perf_counter() - t0
+
+    def close(self) -> None:
+        joined, self._joined = self._joined, {}
+        ready, self._ready = self._ready, {}
+        for c in [*(joined or {}).values(), *ready.values()]:
+            c.close()
+
+
+def _release(collectives: LazyCollectives | None, barriers: Mapping[str, Barrier],
              ptr_tables: Mapping[str, PtrTable], fd_server: FdServer | None, backend: Backend | None,
              client: RendezvousClient | None) -> None:
     """Dependents first: collectives and barriers use the tables, which use the backend's memory; the
     backend's graphs go before the collectives (NCCL's destroy waits for every graph that captured it)."""
     if backend is not None:
         backend.close_graphs()
-    for c in collectives.values():
-        c.close()
+    if collectives is not None:
+        collectives.close()
     for b in barriers.values():
         b.close()
     for t in ptr_tables.values():
@@ -82,12 +141,12 @@ class Parts:
     ptr_tables: dict[str, PtrTable] | None = None
     peer_tables: dict[str, PeerTable] | None = None
     barriers: dict[str, Barrier] | None = None
-    collectives: dict[str, Collectives] | None = None
+    collectives: LazyCollectives | None = None
     mappings: dict[tuple[int, str], PeerMapping] | None = None
     spanning: set[str] = field(default_factory=set)  # groups with members on other nodes
 
     def close(self) -> None:
-        _release(self.collectives or {}, self.barriers or {}, self.ptr_tables or {}, self.fd_server,
+        _release(self.collectives, self.barriers or {}, self.ptr_tables or {}, self.fd_server,
                  self.backend, self.client)
 
 
@@ -111,7 +170,7 @@ class Wiring:
     ptr_tables: Mapping[str, PtrTable]
     peer_tables: Mapping[str, PeerTable]
     barriers: Mapping[str, Barrier]
-    collectives: Mapping[str, Collectives]
+    collectives: LazyCollectives
     mappings: Mapping[tuple[int, str], PeerMapping] = field(default_factory=dict)  # (peer, buffer) -> mapping
     # groups with members on other nodes (a job of several trays): no peer tables; steps relayed
     spanning: frozenset[str] = frozenset()
@@ -162,9 +221,11 @@ class Wiring:
         self.group(group)
         return self.barriers[group]
 
-    def collectives_of(self, group: str) -> Collectives:
+    def collectives_of(self, group: str, exchange: Exchange) -> Collectives:
+        """The collectives of `group`; the first call joins every group (a tray-wide step: see
+        LazyCollectives)."""
         self.group(group)
-        return self.collectives[group]
+        return self.collectives.of(group, exchange)
 
     def close(self) -> None:
         _release(self.collectives, self.barriers, self.ptr_tables, self.fd_server, self.backend, self.client)

@@ -8,9 +8,11 @@ cheap and works without a GPU or without cuda-bindings: `CudaBackend` loads on f
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
-__all__ = ["CudaBackend", "pci_bus_ids", "visible_gpu_count"]
+__all__ = ["CudaBackend", "DriverWarmup", "pci_bus_ids", "visible_gpu_count"]
 
 _PROC_GPUS = "/proc/driver/nvidia/gpus"  # one directory per GPU, named by its PCI bus id
 
@@ -26,6 +28,44 @@ def _identical_gpus() -> bool:
     except OSError:
         return False
     return len(models) == 1
+
+
+class DriverWarmup:
+    """cuInit and device `ordinal`'s primary context, made on a thread while the rank still imports its
+    Python modules: ~0.4 s of driver work (HARDWARE.md: cuInit 265 ms, context 129 ms) overlaps the
+    imports instead of following them. The context stays retained until `release()`, called once the
+    backend retained its own, so the driver never tears it down in between. A failure here is kept
+    quiet: the backend's own open meets it again and reports it with its context."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self.seconds: float | None = None  # how long the warm-up took on its thread
+        self._device: Any = None
+        self._thread = threading.Thread(target=self._run, name="tray-driver-warmup", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            from tray.backend.cuda import driver as drv
+
+            drv.init()
+            device = drv.device_get(self.ordinal)
+            drv.primary_ctx_retain(device)
+            self._device = device
+        except Exception:  # NOTE: reported by CudaBackend.open, which meets the same failure
+            pass
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    def release(self, timeout_s: float = 30.0) -> None:
+        """Wait (at most `timeout_s`) for the warm-up, then drop its reference to the context."""
+        self._thread.join(timeout_s)
+        device, self._device = self._device, None
+        if device is not None:
+            from tray.backend.cuda import driver as drv
+
+            drv.primary_ctx_release(device)
 
 
 def visible_gpu_count() -> int:

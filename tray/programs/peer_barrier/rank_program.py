@@ -129,10 +129,10 @@ def stress(rank, rounds: int, replays: int, skew_ns: int, corrupt: int | None, t
     grid = (max(1, min(STRESS_MAX_GRID, -(-G * words // STRESS_BLOCK))), 1, 1)
     block = (STRESS_BLOCK, 1, 1)
     corrupt_round = CORRUPT_ROUND if corrupt == me else 0
+    produce_args = [rank.peers("stress").table_ptr, state.ptr, G, me, words, skew_ns, corrupt_round]
     launches = [
         rank.kernel("stress_next").bind((1, 1, 1), (1, 1, 1), [state.ptr]),
-        rank.kernel("stress_produce").bind(grid, block, [rank.peers("stress").table_ptr, state.ptr, G, me, words, skew_ns,
-                                                         corrupt_round]),
+        rank.kernel("stress_produce").bind(grid, block, produce_args),
     ]
     check = rank.kernel("stress_check").bind(grid, block, [stress_buf.ptr, state.ptr, G, me, words])
     barrier, backend = rank.barrier_of("world"), rank.backend

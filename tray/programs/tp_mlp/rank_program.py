@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
     import tray
 
     # the host twins register on import: before init, which looks every manifest kernel up
-    import tray.programs.tp_mlp.twins  # noqa: F401
+    import tray.programs.tp_mlp.twins
     from tray.bench.timing import Sampler
 
     cfg = json.loads(Path(argv[1]).read_text())
