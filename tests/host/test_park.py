@@ -225,8 +225,13 @@ def test_bench_park_runs_tiny_on_host(tray_env, tmp_path):
     report = json.loads(out.read_text())
     assert report["bench"] == "park" and report["nprocs"] == 2 and report["checked_bytes"] > 0
     assert len(report["alone"]) == 2 and len(report["together"]["per_rank"]) == 2
-    for row in report["alone"] + report["together"]["per_rank"]:
+    for row in report["alone"] + report["together"]["per_rank"] + report["fragmented"]["per_rank"]:
         assert row["park_gbps"] > 0 and row["wake_gbps"] > 0 and row["d2h_ceiling_gbps"] > 0
+    pages = report["pages_per_rank"]  # 4 pages of 1 MiB: the partial park moves pages 0 (and 8, ...)
+    assert [r["device_runs"] for r in report["together"]["per_rank"]] == [1, 1]
+    assert [r["device_runs"] for r in report["fragmented"]["per_rank"]] == [pages, pages]
+    assert all(r["partial_park_nbytes"] == -(-pages // 8) * report["page_nbytes"]
+               for r in report["together"]["per_rank"] + report["fragmented"]["per_rank"])
     assert report["environment"]["commit"]
     assert "park" in run.stdout and "ceiling" in run.stdout
 

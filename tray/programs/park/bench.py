@@ -7,10 +7,16 @@ Every rank leases G GiB of pages of manifests/park.json's state and fills them w
   ceiling  one plain `backend.copy` of the same bytes, device -> the same pinned host tier and back, on
            the rank's stream, timed by `backend.timer()` (device events on cuda); median of 5.
   park     wall clock around `rank.park` (both votes included); `wake` likewise; median of --repeats.
-           Every page is touched before each park, so each park copies all G GiB; after every wake
-           every byte is checked against what was written.
+           Every page is marked written (`session.touch()`, bookkeeping only) before these parks, so
+           each copies all G GiB: what is measured is the full copy. After every wake every byte is
+           checked against what was written.
+  partial  the same lease with one page in PARTIAL_EVERY marked written (scattered): the park copies
+           only those; reported with the bytes it moved.
 First each rank alone (the others lease an empty session and wait at the votes), then all ranks at
-once. Targets on 4x H200: park and wake >= 0.9x the ceiling per GPU and all four at once.
+once with a contiguous lease, then all ranks at once with a fragmented lease (no two of its device
+pages adjacent: each page is its own copy), against the contiguous round's ceiling. The device pool
+holds twice the lease, so the fragmented lease can be made. Targets on 4x H200: park and wake >= 0.9x
+the ceiling per GPU and all four at once.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ TARGET_RATIO = 0.9
 CEILING_REPEATS = 5
 # NOTE: fill, scribble and check in pieces of at most 64 MiB, so host memory stays small at any G.
 CHUNK_NBYTES = 64 << 20
+PARTIAL_EVERY = 8  # the partial park marks every 8th page written
 
 
 # --- on every rank --------------------------------------------------------------------------------------
@@ -114,19 +121,34 @@ def _timed_copy(backend: Any, dst: int, src: int, nbytes: int) -> float:
     return timer.elapsed_s()
 
 
-def _round(rank: Any, npages: int, pattern: Pattern, repeats: int, ceiling_repeats: int) -> dict[str, Any]:
+def _fragmented_lease(rank: Any, npages: int) -> Any:
+    """A lease of `npages` whose device pages are pairwise non-adjacent: take 2 * npages single pages,
+    give back every other one, lease into the holes, then give back the rest. Every rank must call it
+    with the same npages (session ids stay aligned)."""
+    singles = [rank.lease(1) for _ in range(2 * npages)]
+    for s in singles[1::2]:
+        s.release()
+    session = rank.lease(npages)
+    for s in singles[0::2]:
+        s.release()
+    return session
+
+
+def _round(rank: Any, npages: int, pattern: Pattern, repeats: int, ceiling_repeats: int,
+           fragmented: bool = False) -> dict[str, Any]:
     """One measurement round: every rank takes part in every vote; ranks with npages 0 only wait."""
     backend = rank.backend
-    session = rank.lease(npages)
+    session = _fragmented_lease(rank, npages) if fragmented else rank.lease(npages)
     pool = session.parking.pool(session.state)
     nbytes = session.nbytes
+    runs = len(fold_runs(session.pages, range(npages)))
     _fill(backend, session, pattern)
     # NOTE: the ceiling copies the session's own pages into the (still unreserved) host tier: same
     # source, same pinned destination, one copy. A fresh pool leases pages 0..n-1, so they are contiguous.
-    assert len(fold_runs(session.pages, range(npages))) <= 1, "ceiling needs contiguous pages"
+    assert fragmented or runs <= 1, "ceiling needs contiguous pages"
     d2h: list[float] = []
     h2d: list[float] = []
-    for k in range(ceiling_repeats):
+    for k in range(0 if fragmented else ceiling_repeats):
         rank.exchange("bench.ceiling", k)
         if npages:
             dev, host = session.ptr(0), pool.host_ptr(0)
@@ -147,19 +169,39 @@ def _round(rank: Any, npages: int, pattern: Pattern, repeats: int, ceiling_repea
         session = rank.wake(parked)
         wake_s.append(time.perf_counter() - t0)
         checked += _check(backend, session, pattern, rank.rank)
+    # partial: a scattered eighth of the pages marked written; the park moves only those
+    partial_pages = list(range(0, npages, PARTIAL_EVERY))
+    stats = session.parking.stats
+    partial_s: list[float] = []
+    partial_nbytes = 0
+    for k in range(repeats):
+        session.mark_clean()
+        session.touch(partial_pages)
+        rank.exchange("bench.partial", k)
+        before = stats.bytes_parked
+        t0 = time.perf_counter()
+        parked = rank.park(session)
+        partial_s.append(time.perf_counter() - t0)
+        partial_nbytes = stats.bytes_parked - before
+        session = rank.wake(parked)
+        checked += _check(backend, session, pattern, rank.rank)
     session.release()
     if not npages:
         return {}
     row = {
         "rank": rank.rank,
         "nbytes": nbytes,
+        "device_runs": runs,
         "checked_bytes": checked,
         "park_s": statistics.median(park_s),
         "wake_s": statistics.median(wake_s),
-        "d2h_ceiling_s": statistics.median(d2h),
-        "h2d_ceiling_s": statistics.median(h2d),
+        "partial_park_s": statistics.median(partial_s),
+        "partial_park_nbytes": partial_nbytes,
+        "d2h_ceiling_s": statistics.median(d2h) if d2h else float("nan"),
+        "h2d_ceiling_s": statistics.median(h2d) if h2d else float("nan"),
         "park_runs_s": park_s,
         "wake_runs_s": wake_s,
+        "partial_park_runs_s": partial_s,
         "d2h_runs_s": d2h,
         "h2d_runs_s": h2d,
     }
@@ -170,9 +212,19 @@ def _rates(row: dict[str, Any]) -> dict[str, Any]:
     gb = row["nbytes"] / 1e9
     for key in ("park", "wake", "d2h_ceiling", "h2d_ceiling"):
         row[f"{key}_gbps"] = gb / row[f"{key}_s"] if row[f"{key}_s"] > 0 else float("inf")
+    moved = row["partial_park_nbytes"] / 1e9
+    row["partial_park_gbps"] = moved / row["partial_park_s"] if row["partial_park_s"] > 0 else float("inf")
     row["park_ratio"] = row["park_gbps"] / row["d2h_ceiling_gbps"]
     row["wake_ratio"] = row["wake_gbps"] / row["h2d_ceiling_gbps"]
     return row
+
+
+def with_ceiling(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
+    """`row` (a fragmented round: no ceiling of its own) against the contiguous round's ceiling."""
+    out = dict(row)
+    for key in ("d2h_ceiling", "h2d_ceiling"):
+        out[f"{key}_s"] = ceiling[f"{key}_s"] * row["nbytes"] / ceiling["nbytes"]
+    return _rates(out)
 
 
 def rank_program(out_dir: str, repeats: int, ceiling_repeats: int) -> None:
@@ -186,18 +238,23 @@ def rank_program(out_dir: str, repeats: int, ceiling_repeats: int) -> None:
         pattern = Pattern(1000 + rank.rank, state.page_nbytes, state.nbytes)
         out: dict[str, Any] = {"rank": rank.rank, "device": rank.backend.info.name}
         t0 = time.perf_counter()
-        rounds = rank.world_size + 1
+        rounds = rank.world_size + 2
         for turn in range(rank.world_size):
-            row = _round(rank, state.pages if turn == rank.rank else 0, pattern, repeats, ceiling_repeats)
+            row = _round(rank, state.pages // 2 if turn == rank.rank else 0, pattern, repeats, ceiling_repeats)
             if turn == rank.rank:
                 out["alone"] = row
             if rank.rank == 0:  # the progress line (the bench shows rank 0's output)
                 print(f"park: round {turn + 1} of {rounds}: rank {turn} alone ({time.perf_counter() - t0:.1f} s)",
                       flush=True)
-        out["together"] = _round(rank, state.pages, pattern, repeats, ceiling_repeats)
+        lease = state.pages // 2  # the pool holds two leases: room to fragment one
+        out["together"] = _round(rank, lease, pattern, repeats, ceiling_repeats)
         if rank.rank == 0:
-            print(f"park: round {rounds} of {rounds}: all ranks at once ({time.perf_counter() - t0:.1f} s)",
+            print(f"park: round {rounds - 1} of {rounds}: all ranks at once ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
+        out["fragmented"] = _round(rank, lease, pattern, repeats, ceiling_repeats, fragmented=True)
+        if rank.rank == 0:
+            print(f"park: round {rounds} of {rounds}: all ranks at once, fragmented lease "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
         out["host_pool_placement"] = parking.placement.describe()
         out["copies"] = parking.stats.copies
         Path(out_dir, f"rank-{rank.rank}.json").write_text(json.dumps(out))
@@ -214,6 +271,9 @@ def _together(rows: list[dict[str, Any]]) -> dict[str, Any]:
         slowest = max(r[f"{key}_s"] for r in rows)
         out[f"{key}_s"] = slowest
         out[f"{key}_gbps"] = total / 1e9 / slowest if slowest > 0 else float("inf")
+    slowest = max(r["partial_park_s"] for r in rows)
+    out["partial_park_nbytes"] = sum(r["partial_park_nbytes"] for r in rows)
+    out["partial_park_gbps"] = out["partial_park_nbytes"] / 1e9 / slowest if slowest > 0 else float("inf")
     out["park_ratio"] = out["park_gbps"] / out["d2h_ceiling_gbps"]
     out["wake_ratio"] = out["wake_gbps"] / out["h2d_ceiling_gbps"]
     return out
@@ -240,9 +300,9 @@ def run(
             print(f"park: host backend default: {gib} GiB per rank (--gib to change)", flush=True)
     page_nbytes = int(page_mib * (1 << 20))
     pages = max(1, round(gib * (1 << 30) / page_nbytes))
-    stage("park", 1, 1, f"{nprocs} ranks, {pages * page_nbytes / (1 << 30):.3g} GiB of device pages and as much "
-                        f"host tier per rank, {nprocs + 1} rounds of {repeats} parks and wakes (a line per round "
-                        "from rank 0)")
+    stage("park", 1, 1, f"{nprocs} ranks, leases of {pages * page_nbytes / (1 << 30):.3g} GiB (a device pool of "
+                        f"twice that, a host tier of once) per rank, {nprocs + 2} rounds of {repeats} parks and wakes "
+                        "(a line per round from rank 0)")
     with tempfile.TemporaryDirectory(prefix="tray-park-bench-") as tmp:
         cmd = (
             sys.executable,
@@ -262,7 +322,7 @@ def run(
             manifest=str(builtin_path(MANIFEST)),
             timeline=False,
             local_ranks_filter=(0,),
-            vars=(("page_nbytes", page_nbytes), ("pages", pages), ("host_pages", pages)),
+            vars=(("page_nbytes", page_nbytes), ("pages", 2 * pages), ("host_pages", pages)),
         )
         t0 = time.perf_counter()
         result = run_tray(spec)
@@ -274,6 +334,7 @@ def run(
         ranks = [json.loads(Path(tmp, f"rank-{r}.json").read_text()) for r in range(nprocs)]
     alone = [r["alone"] for r in ranks]
     together = _together([r["together"] for r in ranks])
+    fragmented = _together([with_ceiling(r["fragmented"], r["together"]) for r in ranks])
     report = {
         "bench": "park",
         "nprocs": nprocs,
@@ -286,7 +347,8 @@ def run(
         "target_ratio": TARGET_RATIO,
         "alone": alone,
         "together": together,
-        "checked_bytes": sum(r["checked_bytes"] for r in alone + together["per_rank"]),
+        "fragmented": fragmented,
+        "checked_bytes": sum(r["checked_bytes"] for r in alone + together["per_rank"] + fragmented["per_rank"]),
         "host_pool_placement": [r["host_pool_placement"] for r in ranks],
         "wall_s": wall_s,
     }
@@ -346,6 +408,14 @@ def _print(report: dict[str, Any]) -> None:
     for r in report["together"]["per_rank"]:
         print(_line(f"rank {r['rank']}", r))
     print(_line("tray", report["together"]))
+    print(" all ranks at once, fragmented lease (every device page its own copy; the contiguous ceiling):")
+    for r in report["fragmented"]["per_rank"]:
+        print(_line(f"rank {r['rank']}", r) + f"  [{r['device_runs']} runs]")
+    print(_line("tray", report["fragmented"]))
+    for name in ("together", "fragmented"):
+        t = report[name]
+        print(f" partial park ({name}): 1 page in {PARTIAL_EVERY} written, {t['partial_park_nbytes'] / 1e9:.3f} GB "
+              f"moved at {t['partial_park_gbps']:.2f} GB/s")
     print(f" checked {report['checked_bytes'] / 1e9:.3f} GB after wakes, byte for byte")
     print(format_table(rows(report)))
 
