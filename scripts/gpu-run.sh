@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU pass, one call on the GPU machine: install the carried wheels, then run the named stages.
-# Each stage has its own timeout and writes under $OUT (default ./gpu-out).
+# Each stage has its own timeout and writes its JSON under $OUT (default ./gpu-out), its log under $LOGS.
 #
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
+#   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
-# Stages: env doctor unit tests gate drop variants ep-moe ep-moe-cublas ep-moe-nccl24 ep-moe-worst tp park bench-barrier bench-startup torch examples nodes2
+# Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-cublas ep-moe-nccl24 ep-moe-worst tp park
+# bench-barrier bench-startup torch examples nodes2 perf
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
@@ -81,15 +83,21 @@ stage() {  # stage NAME TIMEOUT_S CMD...
     echo "=== $name rc=$rc in $((SECONDS - t0)) s"
 }
 
+STAGES=()
 for s in "$@"; do
+    if [ "$s" = perf ]; then STAGES+=(gate stress variants tp bench-barrier bench-startup park); else STAGES+=("$s"); fi
+done
+
+for s in "${STAGES[@]}"; do
     case "$s" in
         env) stage env 60 bash -c 'nvidia-smi -L; nvidia-smi topo -m; python3 -c "import sys, torch, cuda.bindings, nccl.bindings.nccl as n; print(sys.version, torch.__version__, cuda.bindings.__version__, n.get_version())"' ;;
         doctor) stage doctor 120 $PY -m tray doctor --json; cp "$LOGS/doctor.log" "$OUT/doctor.json" ;;
         unit) stage unit 300 $PY -m pytest -q -x tests/gpu/test_cuda_backend.py ;;
         tests) stage tests 300 $PY -m pytest -q -m gpu tests/gpu ;;
         gate) stage gate 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;
+        stress) stage stress 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --stress --iters 1000 --replays 9 --json "$OUT/gate_stress.json" ;;
         drop) stage drop 60 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;
-        variants) stage variants 200 $PY bench/barrier_variants.py -n "$N" --json "$OUT/barrier_variants.json" ;;
+        variants) stage variants 240 $PY bench/barrier_variants.py -n "$N" --json "$OUT/barrier_variants.json" ;;
         # 128 and 4096 tokens/rank, H 7168, top-8 of 256 experts, bf16; uniform and zipf routing; capacity 4x the
         # mean rows per expert (drops counted); peer kernels on every SM and on 24; expert GEMMs masked by the
         # device counts (ep-moe-cublas: a cuBLAS GEMM per expert over all cap rows instead)
@@ -99,8 +107,8 @@ for s in "$@"; do
         ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage ep_moe_nccl24 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;
         # the capacity a graph must allow with no drop at all (every token of every rank on one expert)
         ep-moe-worst) stage ep_moe_worst 400 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity worst --sms all,24 --gemm masked --json "$OUT/ep_moe_worst.json" ;;
-        tp) stage tp 150 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
-        park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --repeats 3 --json "$OUT/park.json" ;;
+        tp) stage tp 300 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
+        park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
         torch) stage torch 240 bash -c torch_stage ;;
