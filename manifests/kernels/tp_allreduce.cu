@@ -15,6 +15,10 @@
 // own `out`; barrier; all-gather: member me writes its range of `out` into every other member's `out`
 // (peer writes); barrier. Moves 2 (G - 1) / G * S bytes per member: the bandwidth path.
 //
+// The manifest launches these with programmatic stream serialization: a kernel may be scheduled while the
+// barrier before it still waits, and holds in `griddepcontrol.wait` until that barrier has ended and its
+// memory operations are visible (the same guarantee as a kernel boundary, without the launch gap).
+//
 // Each thread owns 8 consecutive bf16 (one 16-byte vector) and first issues the loads from up to 8
 // members, then adds them in order, so a warp has 8 remote loads in flight. Grid-stride loops: any
 // grid works; any count works (the count % 8 tail goes element by element).
@@ -89,6 +93,13 @@ __device__ void sum_range(const uint4* const* peers, unsigned short* out, long l
     }
 }
 
+// Waits for the kernel before this one (with a programmatic launch); does nothing otherwise.
+__device__ __forceinline__ void wait_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ long long tp_chunk(long long count, int G) {
     return ((count + G - 1) / G + 7) / 8 * 8;
 }
@@ -102,12 +113,14 @@ __device__ __forceinline__ long long tp_chunk_len(long long count, long long chu
 //   out    [count] bf16, local
 extern "C" __global__ void tp_sum_peers(const uint4* const* peers, uint4* __restrict__ out, long long count,
                                         int G) {
+    wait_previous_kernel();
     sum_range(peers, (unsigned short*)out, 0, count, G);
 }
 
 // Two-shot, step 1: this member's range of the sum into its own `out` (the rest of `out` untouched).
 extern "C" __global__ void tp_rs_peers(const uint4* const* peers, uint4* __restrict__ out, long long count, int G,
                                        int me) {
+    wait_previous_kernel();
     const long long chunk = tp_chunk(count, G);
     sum_range(peers, (unsigned short*)out, (long long)me * chunk, tp_chunk_len(count, chunk, me), G);
 }
@@ -115,6 +128,7 @@ extern "C" __global__ void tp_rs_peers(const uint4* const* peers, uint4* __restr
 // Two-shot, step 2: this member's range of its `out` (outs[me]) into every other member's `out`.
 //   outs   u64[G]: member g's out [count] bf16 (as mapped here)
 extern "C" __global__ void tp_ag_peers(uint4* const* outs, long long count, int G, int me) {
+    wait_previous_kernel();
     const long long chunk = tp_chunk(count, G);
     const long long n = tp_chunk_len(count, chunk, me);
     const long long begin = (long long)me * chunk;

@@ -822,3 +822,9 @@ def test_state_host_pages_unknown_key_lists_it(root: Path) -> None:
     path, exc = load_error(root, doc)
     assert_error(path, exc, "$.states[0].host_page", "allowed: name, page_nbytes, pages, host_pages",
                  "did you mean 'host_pages'")
+
+
+def test_kernel_programmatic_flag() -> None:
+    m = load_manifest(REPO / "manifests" / "tp_mlp.json")
+    flags = {k.name: k.programmatic for k in m.kernels}
+    assert flags["tp_sum_peers"] and flags["tp_rs_peers"] and flags["tp_ag_peers"] and not flags["ep_fill"]

@@ -207,6 +207,7 @@ class Kernel(abc.ABC):
         block: tuple[int, int, int],
         args: Sequence[Any],
         shmem_nbytes: int = 0,
+        programmatic: bool = False,
     ) -> BoundLaunch: ...
 
     def launch(

@@ -68,7 +68,7 @@ GROUP_KEYS = ("name", "ranks", "size")
 BUFFER_KEYS = ("name", "dtype", "shape", "export", "group", "bind")
 STATE_KEYS = ("name", "page_nbytes", "pages", "host_pages")
 STATE_REQUIRED = ("name", "page_nbytes", "pages")
-KERNEL_KEYS = ("name", "source", "entry", "options", "peers")
+KERNEL_KEYS = ("name", "source", "entry", "options", "peers", "programmatic")
 PROGRAM_KEYS = ("name", "graph", "ops")
 # op type -> (allowed keys, required keys)
 OP_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -499,7 +499,8 @@ class _Parser:
                 for k, o in enumerate(self.list_(spec.get("options", []), ojp, "compiler options"))
             )
             peers = self.bool_(spec.get("peers", False), child(jp, "peers"))
-            out.append(KernelSpec(name, full, entry, options, peers, self.sources[name]))
+            programmatic = self.bool_(spec.get("programmatic", False), child(jp, "programmatic"))
+            out.append(KernelSpec(name, full, entry, options, peers, self.sources[name], programmatic))
         self.kernels = {k.name: k for k in out}
         return tuple(out)
 

@@ -69,7 +69,9 @@ class StateSpec:
 class KernelSpec:
     """A CUDA C kernel: `source` is the file's absolute path, `code` its bytes as read once by the
     loader (the bytes the digest covers are the bytes the backend compiles), `entry` the extern "C"
-    function name."""
+    function name. `programmatic`: launched with programmatic stream serialization (it may start while
+    the kernel before it still runs, so it must `griddepcontrol.wait` before it touches memory that
+    kernel wrote; the cuda backend only, sm_90+)."""
 
     name: str
     source: str
@@ -77,6 +79,7 @@ class KernelSpec:
     options: tuple[str, ...]
     peers: bool
     code: bytes = field(default=b"", repr=False, compare=False)
+    programmatic: bool = False
 
 
 # -- ops as written: one frozen type per op kind, each with its JSON path for errors ----------------

@@ -57,6 +57,7 @@ class Executor:
         self.wiring = ctx.wiring
         self.barrier_timeout_s = barrier_timeout_s
         self._plans: dict[tuple[str, tuple[tuple[str, int], ...]], Plan] = {}
+        self._programmatic = {k.name: k.programmatic for k in ctx.manifest.kernels}
 
     def run(self, program: str, vars: dict[str, int]) -> None:
         self.plan(program, vars).run()
@@ -107,7 +108,9 @@ class Executor:
         match op:
             case ResolvedLaunch():
                 kernel = self.ctx.kernel(op.kernel)
-                return kernel.bind(op.grid, op.block, [self._arg(a) for a in op.args], op.shmem).launch
+                programmatic = self._programmatic.get(op.kernel, False)
+                return kernel.bind(op.grid, op.block, [self._arg(a) for a in op.args], op.shmem,
+                                   programmatic=programmatic).launch
             case ResolvedCollective():
                 return self._collective(op)
             case ResolvedGemm():

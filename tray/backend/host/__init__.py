@@ -200,7 +200,7 @@ class HostKernel(Kernel):
         self._twin = twin
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
-             shmem_nbytes: int = 0) -> BoundLaunch:
+             shmem_nbytes: int = 0, programmatic: bool = False) -> BoundLaunch:
         frozen = tuple(args)
         backend, twin = self._backend, self._twin
         return HostBoundLaunch(lambda: twin(backend, grid, block, *frozen))
