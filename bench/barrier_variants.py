@@ -44,6 +44,10 @@ VARIANTS = (
     Variant("v2", "v2.diff", False),
     Variant("v4_nofence", "v4_nofence.diff", True),
     Variant("v5_acqpoll", "v5_acqpoll.diff", True),
+    Variant("v6_fencefirst", "v6_fencefirst.diff", True),
+    Variant("v7_fencefirst_acqpoll", "v7_fencefirst_acqpoll.diff", True),
+    Variant("v8_parallel", "v8_parallel.diff", True),
+    Variant("v9_parallel_acqpoll", "v9_parallel_acqpoll.diff", True),
 )
 
 
@@ -132,16 +136,16 @@ def main() -> int:
             results[v.name] = r
     for key in ("TRAY_KERNEL_DIR", "TRAY_BARRIER_PDL"):
         os.environ.pop(key, None)
-    print(f"{'variant':<14}{'eager':>9}{'host':>9}{'sync':>9}{'captured':>10}  stress (wrong words)")
+    print(f"{'variant':<22}{'eager':>9}{'host':>9}{'sync':>9}{'captured':>10}  stress (wrong words)")
     for name, r in results.items():
         verdict = "not run" if "stress_passed" not in r else (
             f"ok ({r['stress_mismatches']})" if r["stress_passed"] else
             f"FAILED ({r['stress_mismatches']}, exit {r['stress_exit_code']})")
         if r["eager_us"] is not None:
-            print(f"{name:<14}{r['eager_us']:>9.2f}{r['eager_host_us']:>9.2f}{r['eager_sync_us']:>9.2f}"
+            print(f"{name:<22}{r['eager_us']:>9.2f}{r['eager_host_us']:>9.2f}{r['eager_sync_us']:>9.2f}"
                   f"{r['captured_us']:>10.2f}  {verdict}")
         else:
-            print(f"{name:<14} failed (exit {r['exit_code']})  {verdict}")
+            print(f"{name:<22} failed (exit {r['exit_code']})  {verdict}")
     write_report({"variants": results}, args.json)
     return 0
 
