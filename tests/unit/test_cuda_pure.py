@@ -356,3 +356,12 @@ def test_bus_ids_from_proc_follow_cuda_visible_devices(tmp_path, monkeypatch) ->
     assert cuda_pkg.pci_bus_ids() == ["0000:9a:00.0", "0000:07:00.0"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234")  # UUIDs: only CUDA knows the order
     assert cuda_pkg._proc_bus_ids() is None
+
+
+def test_driver_warmup_is_quiet_where_there_is_no_driver() -> None:
+    from tray.backend.cuda import DriverWarmup
+
+    warmup = DriverWarmup(0)
+    warmup.release(timeout_s=30.0)  # on a GPU machine: cuInit + a context retained, then released
+    assert warmup.seconds is not None and warmup.seconds >= 0
+    warmup.release(timeout_s=1.0)  # twice is harmless
