@@ -1,7 +1,7 @@
 """`tray bench tp`: the peer allreduces (one-shot, two-shot) vs NCCL's, and a TP MLP layer through each.
 
     tray bench tp -n 4 [--sizes 8,16,...,67108864] [--tokens 1,4,...,4096] [--hidden 8192] [--ffn 28672]
-                  [--backend] [--json PATH]
+                  [--backend] [--json PATH] [--plot PNG]
 
 Two trays of manifests/tp_mlp.json running tray/programs/tp_mlp/rank_program.py: N ranks (the allreduce
 sweep, nccl-tests shaped: every path timed captured and checked on what its timed replays left; then the
@@ -19,20 +19,31 @@ import math
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tray.bench import Row, TrayFailed, format_table, run_rank_program, write_report
+from tray.bench import (
+    Row,
+    TrayFailed,
+    buffers_nbytes,
+    format_table,
+    plot_lines,
+    require_plot,
+    run_rank_program,
+    stage,
+    write_report,
+)
 from tray.errors import UsageError
 from tray.manifest.builtin import builtin_path
 
 MANIFEST = "tp_mlp"  # built-in (package data), see tray.manifest.builtin
 # NOTE: the nccl-tests range 8 B .. 64 MiB on a GPU; the layer of a 70B-class model (hidden 8192, ffn
-# 28672 split over the ranks) at 1 .. 4096 tokens. The host backend sums in numpy on a laptop-sized
-# box: the same flow at sizes that finish in seconds.
+# 28672 split over the ranks) at 1 .. 4096 tokens. The host backend sums and multiplies in numpy: the
+# same flow at sizes that finish in well under a minute on 2 cores, a few MB per rank.
 DEFAULTS = {
     "cuda": {"sizes": tuple(8 << i for i in range(24)), "tokens": tuple(4**i for i in range(7)),
              "hidden": 8192, "ffn": 28672, "repeats": 20},
@@ -58,6 +69,7 @@ class TpBenchArgs:
     json_path: str | None = None
     log_dir: str | None = None
     keep: bool = False
+    plot_path: str | None = None
 
     def resolved(self) -> TpBenchArgs:
         """Every None replaced by the backend's default."""
@@ -66,7 +78,12 @@ class TpBenchArgs:
             nprocs=self.nprocs, backend=self.backend, sizes=self.sizes or d["sizes"],
             tokens=self.tokens or d["tokens"], hidden=self.hidden or d["hidden"], ffn=self.ffn or d["ffn"],
             seed=self.seed, repeats=self.repeats or d["repeats"], warmup=self.warmup, json_path=self.json_path,
-            log_dir=self.log_dir, keep=self.keep)
+            log_dir=self.log_dir, keep=self.keep, plot_path=self.plot_path)
+
+
+def baseline_name(backend: str) -> str:
+    """What the allreduce is compared with: NCCL on cuda, the host backend's shared-memory collectives."""
+    return "nccl" if backend == "cuda" else "shm"
 
 
 def validate(a: TpBenchArgs) -> None:
@@ -87,9 +104,7 @@ def validate(a: TpBenchArgs) -> None:
 
 def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str, Any]]:
     """One tray of the rank program; returns every rank's result. Raises TrayFailed with the root cause."""
-    assert a.sizes is not None and a.tokens is not None and a.hidden is not None and a.ffn is not None
-    max_tokens = max(a.tokens)
-    max_count = max(max_tokens * a.hidden, *(s // 2 for s in a.sizes))
+    assert a.sizes is not None and a.tokens is not None
     cfg = {
         "hidden": a.hidden,
         "ffn": a.ffn,
@@ -100,16 +115,17 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
     }
-    launch_vars = {
-        "hidden": a.hidden,
-        "ffn_local": a.ffn // nprocs,
-        "max_tokens": max_tokens,
-        "tokens": max_tokens,
-        "max_count": max_count,
-        "count": max_count,
-    }
     return run_rank_program(name, "tray.programs.tp_mlp.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
-                            manifest=str(builtin_path(MANIFEST)), vars=launch_vars, log_dir=a.log_dir)
+                            manifest=str(builtin_path(MANIFEST)), vars=launch_vars(a, nprocs), log_dir=a.log_dir)
+
+
+def launch_vars(a: TpBenchArgs, nprocs: int) -> dict[str, int]:
+    """The manifest vars of a tray of `nprocs` ranks: buffers sized for the largest message and token count."""
+    assert a.sizes is not None and a.tokens is not None and a.hidden is not None and a.ffn is not None
+    max_tokens = max(a.tokens)
+    max_count = max(max_tokens * a.hidden, *(s // 2 for s in a.sizes))
+    return {"hidden": a.hidden, "ffn_local": a.ffn // nprocs, "max_tokens": max_tokens, "tokens": max_tokens,
+            "max_count": max_count, "count": max_count}
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
@@ -182,24 +198,27 @@ def summarize_tokens(a: TpBenchArgs, per_rank: list[dict[str, Any]], one: dict[s
 
 
 def print_report(report: dict[str, Any]) -> None:
-    print(f"tp: {report['nprocs']} ranks, {report['backend']} backend; µs per call, captured, slowest rank")
+    base = baseline_name(report["backend"])
+    one = "1 gpu" if report["backend"] == "cuda" else "1 rank"
+    print(f"tp: {report['nprocs']} ranks, {report['backend']} backend; µs per call, captured, slowest rank; "
+          f"baseline {base} ({'NCCL' if base == 'nccl' else 'the host backend’s shared-memory collectives'})")
     print(format_table(allreduce_rows(report)))
-    print(f"  {'bytes':>9} {'one-shot':>9} {'two-shot':>9} {'nccl':>9} {'peer/nccl':>9}  check")
+    print(f"  {'bytes':>9} {'one-shot':>9} {'two-shot':>9} {base:>9} {'peer/' + base:>9}  check")
     for r in report["sizes"]:
         u = r["us"]
         print(f"  {r['bytes']:>9} {u['ar_oneshot']:>9.2f} {u['ar_twoshot']:>9.2f} {u['ar_nccl']:>9.2f} "
               f"{r['ratios']['ar_peer_vs_nccl']:>9.2f}  {'ok' if r['checks']['passed'] else 'FAILED'}")
     print(f"  two-shot wins from {report['crossover_bytes']} B" if report["crossover_bytes"] else
           "  the two-shot does not win for good at any size")
-    nccl_sizes = [r["bytes"] for r in report["sizes"] if r["ar_tray_path"] == "ar_nccl"]
-    print(f"  NCCL faster than both peer paths at: {nccl_sizes} B (the tray's allreduce calls NCCL there)"
-          if nccl_sizes else "  a peer path is at least as fast as NCCL at every size")
+    nccl_sizes = report["nccl_faster_bytes"]
+    print(f"  {base} faster than both peer paths at: {nccl_sizes} B (the tray's allreduce calls it there)"
+          if nccl_sizes else f"  a peer path is at least as fast as {base} at every size")
     print(f"tp layer: hidden {report['hidden']}, ffn {report['ffn']} ({report['ffn'] // report['nprocs']} per rank)")
-    print(f"  {'tokens':>7} {'one-shot':>10} {'two-shot':>10} {'nccl':>10} {'1 gpu':>10} {'peer/1gpu':>9}  check")
+    print(f"  {'tokens':>7} {'one-shot':>10} {'two-shot':>10} {base:>10} {one:>10} {'peer/' + one:>11}  check")
     for r in report["tokens"]:
         u = r["us"]
         print(f"  {r['tokens']:>7} {u['mlp_one']:>10.1f} {u['mlp_two']:>10.1f} {u['mlp_nccl']:>10.1f} "
-              f"{u['mlp_one_gpu']:>10.1f} {r['ratios']['mlp_peer_vs_one_gpu']:>9.2f}  "
+              f"{u['mlp_one_gpu']:>10.1f} {r['ratios']['mlp_peer_vs_one_gpu']:>11.2f}  "
               f"{'ok' if r['checks']['passed'] else 'FAILED'}")
     print("PASSED" if report["passed"] else "FAILED")
 
@@ -208,22 +227,43 @@ def allreduce_rows(report: dict[str, Any]) -> list[Row]:
     """Every path per size as nccl-tests rows (bf16, busbw factor 2(n-1)/n; #wrong: elements that failed
     the check after the timed replays, summed over the ranks)."""
     rows = []
+    names = {"ar_oneshot": "allreduce one-shot", "ar_twoshot": "allreduce two-shot",
+             "ar_nccl": f"allreduce {baseline_name(report['backend'])}"}
     for r in report["sizes"]:
-        for path in (*PEER_PATHS, "ar_nccl"):
-            rows.append(Row(path, r["bytes"], r["count"], "bf16", r["us"][path], r["checks"]["wrong"][path],
+        for path, name in names.items():
+            rows.append(Row(name, r["bytes"], r["count"], "bf16", r["us"][path], r["checks"]["wrong"][path],
                             "allreduce", report["nprocs"]))
     return rows
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Latency vs message size: the three allreduces, µs, log-log."""
+    base = baseline_name(report["backend"])
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for key, label in (("ar_oneshot", "allreduce one-shot"), ("ar_twoshot", "allreduce two-shot"),
+                       ("ar_nccl", f"allreduce {base}")):
+        series[label] = ([r["bytes"] for r in report["sizes"]], [r["us"][key] for r in report["sizes"]])
+    plot_lines(path, series, title=f"tp: {report['nprocs']} ranks, {report['backend']} backend",
+               xlabel="message size (bytes)", ylabel="µs per call")
 
 
 def run_tp_bench(a: TpBenchArgs) -> int:
     """Check, time, print, write JSON. Returns the exit code: 0 passed, 1 failed."""
     a = a.resolved()
     validate(a)
+    require_plot(a.plot_path)
+    assert a.sizes is not None and a.tokens is not None
     work = Path(tempfile.mkdtemp(prefix="tray-tp-"))
     try:
         try:
+            mib = buffers_nbytes(str(builtin_path(MANIFEST)), a.nprocs, launch_vars(a, a.nprocs)) / (1 << 20)
+            t0 = stage("tp", 1, 2, f"{a.nprocs} ranks: {len(a.sizes)} sizes, {a.sizes[0]} .. {a.sizes[-1]} B, then "
+                                   f"the layer at {len(a.tokens)} token counts, {a.repeats} repeats each, "
+                                   f"{mib:.1f} MiB of buffers per rank (a line per size from rank 0)")
             per_rank = _launch(a, a.nprocs, work, "tp")
+            t1 = stage("tp", 2, 2, f"1 rank: the full layer for the reference ({time.monotonic() - t0:.1f} s so far)")
             one = _launch(a, 1, work, "one")[0]
+            print(f"tp: done in {time.monotonic() - t0:.1f} s (reference {time.monotonic() - t1:.1f} s)", flush=True)
         except TrayFailed as exc:
             print(f"tp: {exc}", file=sys.stderr)
             return 1
@@ -251,4 +291,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
     }
     print_report(report)
     write_report(report, a.json_path, {"device": per_rank[0].get("device")})
+    if a.plot_path:
+        plot(report, a.plot_path)
+        print(f"tp: plot in {a.plot_path}")
     return 0 if report["passed"] else 1

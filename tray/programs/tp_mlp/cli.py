@@ -15,14 +15,22 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--tokens", type=ints, default=None, help="MLP token counts (cuda: 1,4,..,4096)")
     b.add_argument("--hidden", type=int, default=None, help="MLP hidden size (cuda: 8192; host: 256)")
     b.add_argument("--ffn", type=int, default=None, help="MLP ffn size, split over the ranks (cuda: 28672)")
+    b.add_argument("--plot", default=None, metavar="PNG", help="latency vs size as a PNG (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_tp)
 
 
 def cmd_bench_tp(args: argparse.Namespace) -> int:
-    from tray.programs.tp_mlp.bench import TpBenchArgs, run_tp_bench
+    from tray.bench import require_plot
+    from tray.programs.tp_mlp.bench import DEFAULTS, TpBenchArgs, run_tp_bench
 
     backend, nprocs = backend_and_nprocs(args)
-    extra: dict = {} if args.repeats is None else {"repeats": args.repeats}
+    require_plot(args.plot)
+    extra: dict = {"plot_path": args.plot} if args.repeats is None else {"repeats": args.repeats, "plot_path": args.plot}
+    if backend == "host" and None in (args.sizes, args.tokens, args.repeats):
+        d = DEFAULTS["host"]
+        print(f"tp: host backend defaults: sizes {d['sizes'][0]} .. {d['sizes'][-1]} B, tokens {list(d['tokens'])}, "
+              f"hidden {d['hidden']}, ffn {d['ffn']}, {d['repeats']} repeats (--sizes, --tokens, ... to change)",
+              flush=True)
     return run_tp_bench(
         TpBenchArgs(
             nprocs=nprocs,

@@ -169,16 +169,21 @@ def main(argv: list[str]) -> int:
         sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"])
         results: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size, "setup_s": setup_s,
                                    "device": rank.backend.info.name, "sizes": [], "tokens": []}
-        if tp.G > 1:
-            for size in cfg["sizes"]:
-                count = size // 2
-                us, checks = tp.allreduce(sampler, count)
-                results["sizes"].append({"bytes": size, "count": count, "us": us, "checks": checks})
-                rank.exchange("tp.size_done", size)
-        for tokens in cfg["tokens"]:
+        t_start = time.perf_counter()
+        sizes = cfg["sizes"] if tp.G > 1 else []
+        for i, size in enumerate(sizes):
+            count = size // 2
+            us, checks = tp.allreduce(sampler, count)
+            results["sizes"].append({"bytes": size, "count": count, "us": us, "checks": checks})
+            rank.exchange("tp.size_done", size)
+            print(f"tp: {size} B timed and checked ({i + 1} of {len(sizes)} sizes, "
+                  f"{time.perf_counter() - t_start:.1f} s)", flush=True)
+        for i, tokens in enumerate(cfg["tokens"]):
             us, checks = tp.mlp(sampler, tokens, out_dir)
             results["tokens"].append({"tokens": tokens, "us": us, "checks": checks})
             rank.exchange("tp.tokens_done", tokens)
+            print(f"tp: layer at {tokens} tokens timed and checked ({i + 1} of {len(cfg['tokens'])}, "
+                  f"{time.perf_counter() - t_start:.1f} s)", flush=True)
         tag = "one" if tp.G == 1 else str(rank.rank)
         (out_dir / f"result_{tag}.json").write_text(json.dumps(results, indent=1))
     return 0
