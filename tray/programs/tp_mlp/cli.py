@@ -25,7 +25,9 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
 
     backend, nprocs = backend_and_nprocs(args)
     require_plot(args.plot)
-    extra: dict = {"plot_path": args.plot} if args.repeats is None else {"repeats": args.repeats, "plot_path": args.plot}
+    extra: dict = {"plot_path": args.plot}
+    if args.repeats is not None:
+        extra["repeats"] = args.repeats
     if backend == "host" and None in (args.sizes, args.tokens, args.repeats):
         d = DEFAULTS["host"]
         print(f"tp: host backend defaults: sizes {d['sizes'][0]} .. {d['sizes'][-1]} B, tokens {list(d['tokens'])}, "
