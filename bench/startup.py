@@ -116,7 +116,8 @@ def main() -> int:
             print(f"    {p:<14}{summary['phases_s'][p] * 1e3:8.1f} ms (slowest rank)")
     if "torch" in report:
         t = report["torch"]
-        print(f"  torch spawn -> first allreduce {t['first_allreduce_s']:.3f} s (import torch {t['import_s']:.3f} s); "
+        print(f"  torch spawn -> first allreduce {t['first_allreduce_s']:.3f} s "
+              f"(spawn + import torch {t['import_s']:.3f} s); "
               f"ratio tray/torch {report['ratio_first_allreduce_vs_torch']:.2f}")
         print(f"  after the imports: tray {summary['after_import_s']:.3f} s, torch {t['after_import_s']:.3f} s; "
               f"ratio {report['ratio_after_import_vs_torch']:.2f}")

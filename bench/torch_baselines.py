@@ -121,15 +121,16 @@ def _spawn(target, n: int, extra: tuple) -> tuple[float, list[str]]:
 
 
 def startup(n: int, repeats: int) -> dict:
-    """spawn -> first allreduce (s, median), the children's `import torch` (slowest rank) and the time
-    from the last rank's import to the first allreduce (the part comparable with tray's after-import)."""
+    """spawn -> first allreduce (s, median), spawn -> torch imported in every child (`import_s`: the
+    spawn bootstrap imports torch before the worker runs, so the worker's own `import torch` is free) and
+    the time from the last rank's import to the first allreduce (comparable with tray's after-import)."""
     samples, imports, after = [], [], []
     for _ in range(repeats):
         t0, outs = _spawn(_startup_worker, n, ())
         ranks = [json.loads(o) for o in outs]
         first = max(r["t_first"] for r in ranks)
         samples.append(first - t0)
-        imports.append(max(r["import_s"] for r in ranks))
+        imports.append(max(r["t_imported"] for r in ranks) - t0)
         after.append(first - max(r["t_imported"] for r in ranks))
     return {"first_allreduce_s": statistics.median(samples), "import_s": statistics.median(imports),
             "after_import_s": statistics.median(after), "samples_s": samples}
