@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from tray.bench import TrayFailed, plot_lines, require_plot, run_rank_program, write_report
+from tray.bench import TrayFailed, plot_lines, require_plot, run_rank_program, stage, write_report
 from tray.errors import UsageError
 from tray.manifest.builtin import builtin_path
 
@@ -164,8 +164,10 @@ def prepare(a: EpBenchArgs, work: Path) -> tuple[list[dict[str, Any]], list[dict
                 dropped=exp_n.dropped.sum(),
                 kept=exp_n.kept,
             )
-            # NOTE: covering every expert reads every expert's weights back to the host: once per routing
-            ref = reference_tokens(routing, exp_n.kept, a.ref_tokens, cover=ti == 0)
+            # NOTE: covering every expert reads every expert's weights (88 MB each at the cuda shape) back to the
+            # host and runs it in float64 (~70 ms of a core each): once per bench, in its first run; every
+            # other run checks its ref_tokens evenly spaced tokens (at most ref_tokens * topk experts)
+            ref = reference_tokens(routing, exp_n.kept, a.ref_tokens, cover=ri == 0 and ti == 0)
             runs_n.append({"label": label, "tokens": T, "cap": cap, "inputs": str(d)})
             runs_1.append({"label": label, "tokens": G * T, "cap": cap, "inputs": str(d), "ref_tokens": ref})
             facts[label] = {
@@ -217,8 +219,10 @@ def launch(
         "runs": runs,
     }
     # NOTE: a host rank is one CPU worker: with the BLAS's default of a thread per core, N ranks spin
-    # N x cores threads against each other (measured 7x slower expert GEMMs at 2 ranks on 2 cores).
-    env = {k: os.environ.get(k, "1") for k in BLAS_THREAD_ENV} if a.backend == "host" else {}
+    # N x cores threads against each other (measured 7x slower expert GEMMs at 2 ranks on 2 cores). On
+    # cuda the only BLAS work is EP1's float64 reference, which runs experts on its own threads
+    # (tray/programs/ep_moe/reference.py): a threaded BLAS under each would oversubscribe the cores.
+    env = {k: os.environ.get(k, "1") for k in BLAS_THREAD_ENV}
     return run_rank_program(
         name,
         "tray.programs.ep_moe.rank_program",
@@ -417,21 +421,28 @@ def run_ep_bench(a: EpBenchArgs) -> int:
     require_plot(a.plot_path)
     work = Path(tempfile.mkdtemp(prefix="tray-ep-moe-"))
     t0 = time.perf_counter()
+
+    def done(what: str) -> None:  # NOTE: on stdout with the elapsed time, so a stuck stage shows which it is
+        print(f"ep-moe: {what} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
     try:
+        stage("ep-moe", 1, 4, "routings, capacities and expected layouts")
         runs_n, runs_1, facts = prepare(a, work)
         max_cap = max(r["cap"] for r in runs_n)
-        print(
-            f"ep-moe: {len(runs_n)} runs prepared ({time.perf_counter() - t0:.1f} s); EP{a.nprocs} tray...", flush=True
-        )
+        done(f"{len(runs_n)} runs prepared")
         try:
+            stage("ep-moe", 2, 4, f"EP{a.nprocs} tray: {len(runs_n)} runs x SM budgets {','.join(a.budgets)}")
             per_rank = launch(a, a.nprocs, runs_n, launch_vars(a, max(a.tokens), max_cap), work, "epn")
-            print(f"ep-moe: EP{a.nprocs} done ({time.perf_counter() - t0:.1f} s); EP1 tray...", flush=True)
+            done(f"EP{a.nprocs} done")
+            stage("ep-moe", 3, 4, f"EP1 tray: {len(runs_1)} runs and the float64 reference")
             ep1 = launch(a, 1, runs_1, launch_vars(a, a.nprocs * max(a.tokens), max_cap), work, "ep1")[0]
-            print(f"ep-moe: EP1 done ({time.perf_counter() - t0:.1f} s)", flush=True)
+            done("EP1 done")
         except TrayFailed as exc:
             print(f"ep-moe: {exc}", file=sys.stderr)
             return 1
+        stage("ep-moe", 4, 4, "EP-N vs EP1 byte for byte, reports")
         runs = summarize(a, per_rank, ep1, facts, work)
+        done("checks summarized")
     finally:
         if a.keep:
             print(f"ep-moe: work files kept in {work}")

@@ -247,44 +247,32 @@ class MoeRank:
 
     # --- EP1 only: float64 reference ---------------------------------------------------------------------
     def reference(self, tokens: int, inputs: dict[str, np.ndarray], ref_tokens: list[int]) -> dict[str, Any]:
-        """Rows `ref_tokens` of EP1's output against float64 on the same bf16 inputs and weights; pairs the
-        capacity dropped (inputs["kept"] false) contribute nothing, as in the layer."""
+        """Rows `ref_tokens` of EP1's output against float64 on the same bf16 inputs and weights (see
+        tray/programs/ep_moe/reference.py); pairs the capacity dropped (inputs["kept"] false) contribute
+        nothing, as in the layer. Each expert's weights are read back once, while the previous ones compute."""
         from tray.dtypes import bf16_bits_to_f32
-
-        def f64(bits: np.ndarray) -> np.ndarray:  # bf16 bits -> float64, exact (via float32: a bit shift)
-            return bf16_bits_to_f32(bits).astype(np.float64)
+        from tray.programs.ep_moe.reference import reference_rows
 
         H, F = self.hidden, self.ffn
         x = self.rank.read("x").view(np.uint16).reshape(-1, H)[:tokens]
         out = self.rank.read("out").view(np.uint16).reshape(-1, H)[:tokens]
-        experts, kept = inputs["topk_idx"], inputs["kept"]
-        weights = f64(inputs["topk_w"])
         w13, w2 = self.rank.buffer("w13"), self.rank.buffer("w2")
-        ref = np.zeros((len(ref_tokens), H))
-        by_expert: dict[int, list[tuple[int, int]]] = {}
-        for i, t in enumerate(ref_tokens):
-            for k in range(self.topk):
-                if kept[t, k]:
-                    by_expert.setdefault(int(experts[t, k]), []).append((i, k))
-        for e, uses in sorted(by_expert.items()):
-            a = f64(self.backend.read(w13.ptr + e * 2 * F * H * 2, 2 * F * H * 2).view(np.uint16).reshape(2 * F, H))
-            b = f64(self.backend.read(w2.ptr + e * H * F * 2, H * F * 2).view(np.uint16).reshape(H, F))
-            xs = f64(x[[ref_tokens[i] for i, _ in uses]])
-            h = xs @ a.T
-            g, u = h[:, :F], h[:, F:]
-            with np.errstate(all="ignore"):
-                act = g / (1.0 + np.exp(-g)) * u
-            y = act @ b.T
-            for j, (i, k) in enumerate(uses):
-                ref[i] += weights[ref_tokens[i], k] * y[j]
-        got = f64(out[ref_tokens])
+
+        def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
+            a = self.backend.read(w13.ptr + e * 2 * F * H * 2, 2 * F * H * 2).view(np.uint16).reshape(2 * F, H)
+            b = self.backend.read(w2.ptr + e * H * F * 2, H * F * 2).view(np.uint16).reshape(H, F)
+            return a, b
+
+        ref, covered = reference_rows(x, inputs["topk_idx"], inputs["topk_w"], inputs["kept"], ref_tokens,
+                                      expert_weights)
+        got = bf16_bits_to_f32(out[ref_tokens]).astype(np.float64)
         rel = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
         finite = bool(np.isfinite(got).all())
         return {
             "ref_tokens": len(ref_tokens),
             "rel_err": rel if finite else float("nan"),
             "finite": finite,
-            "experts_covered": len(by_expert),
+            "experts_covered": covered,
         }
 
 
@@ -296,12 +284,22 @@ def main(argv: list[str]) -> int:
 
     cfg = json.loads(Path(argv[1]).read_text())
     out_dir = Path(cfg["out_dir"])
+    t_start = time.perf_counter()
+
+    def progress(what: str, since: float) -> None:  # NOTE: rank 0's lines show on the bench's stdout
+        now = time.perf_counter()
+        print(f"{what} ({now - since:.1f} s; {now - t_start:.1f} s since start)", flush=True)
+
     with tray.init() as rank:
         moe = MoeRank(rank, cfg)
+        progress(f"ready: {rank.world_size} rank(s)", t_start)
         t0 = time.perf_counter()
         moe.warm()
+        progress("setup: kernels loaded, GEMM handle made", t0)
+        t1 = time.perf_counter()
         moe.fill_weights()
         rank.synchronize()
+        progress(f"setup: weights of {moe.local} experts filled on the device", t1)
         setup_s = time.perf_counter() - t0
         rank.exchange("ep.ready", setup_s)
         from tray.bench.timing import Sampler
@@ -328,19 +326,22 @@ def main(argv: list[str]) -> int:
             entry: dict[str, Any] = {"label": label, "tokens": tokens, "cap": cap}
             entry["checks"], eager = moe.check(tokens, inputs, v, out_dir, label)
             rank.exchange("ep.checked", label)
-            print(f"{label}: checked ({time.perf_counter() - t_run:.1f} s)", flush=True)
+            progress(f"{label}: checked", t_run)
             entry["us"] = moe.timings(sampler, run, budgets)
             rank.exchange("ep.timed", label)
-            print(f"{label}: timed ({time.perf_counter() - t_run:.1f} s)", flush=True)
+            progress(f"{label}: timed", t_run)
             progs = moe.programs(v)
             for path, name in (("peer", "layer"), ("nccl", "layer_nccl")):
                 if path in eager:
                     entry["checks"][f"{path}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[path])
             if moe.ep1 and run.get("ref_tokens"):
-                entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"])
+                t_ref = time.perf_counter()
+                ref = entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"])
+                progress(f"{label}: float64 reference of {ref['ref_tokens']} tokens, {ref['experts_covered']} experts",
+                         t_ref)
             rank.exchange("ep.done", label)
             results["runs"].append(entry)
-            print(f"{label}: done ({time.perf_counter() - t_run:.1f} s)", flush=True)
+            progress(f"{label}: done", t_run)
         (out_dir / f"result_{tag}.json").write_text(json.dumps(results, indent=1))
     return 0
 
