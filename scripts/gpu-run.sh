@@ -5,7 +5,7 @@
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
-# Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-cublas ep-moe-nccl24 ep-moe-worst tp park
+# Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst tp park
 # bench-barrier bench-startup torch examples nodes2 perf
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
@@ -83,6 +83,22 @@ stage() {  # stage NAME TIMEOUT_S CMD...
     echo "=== $name rc=$rc in $((SECONDS - t0)) s"
 }
 
+stage_live() {  # stage_live NAME TIMEOUT_S CMD...: as stage, and the bench's progress lines (its own and rank 0's,
+    # each with elapsed seconds) show as they come, so a stage stopped from outside still says where it was
+    local name=$1 t=$2; shift 2
+    echo "=== $name ($(date +%T))"
+    local t0=$SECONDS
+    timeout -k 10 "$t" "$@" 2>&1 | tee "$LOGS/$name.log" | grep --line-buffered -E '^(ep-moe: |\[rank 0\] [^ ])'
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 0 ]; then
+        tail -n 25 "$LOGS/$name.log"
+    else
+        [ "$rc" -eq 124 ] && echo "=== $name TIMED OUT after $t s; the log's tail:"
+        tail -n 60 "$LOGS/$name.log"
+    fi
+    echo "=== $name rc=$rc in $((SECONDS - t0)) s"
+}
+
 STAGES=()
 for s in "$@"; do
     if [ "$s" = perf ]; then STAGES+=(gate stress variants tp bench-barrier bench-startup park); else STAGES+=("$s"); fi
@@ -101,12 +117,14 @@ for s in "${STAGES[@]}"; do
         # 128 and 4096 tokens/rank, H 7168, top-8 of 256 experts, bf16; uniform and zipf routing; capacity 4x the
         # mean rows per expert (drops counted); peer kernels on every SM and on 24; expert GEMMs masked by the
         # device counts (ep-moe-cublas: a cuBLAS GEMM per expert over all cap rows instead)
-        ep-moe) stage ep_moe 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
-        ep-moe-cublas) stage ep_moe_cublas 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas --json "$OUT/ep_moe_cublas.json" ;;
+        # (expected ~60 s at 2 ranks; bounded at 200 s). ep-moe-quick: 128 tokens/rank, every SM (expected ~30 s)
+        ep-moe) stage_live ep_moe 200 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
+        ep-moe-quick) stage_live ep_moe_quick 90 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm masked --json "$OUT/ep_moe_quick.json" ;;
+        ep-moe-cublas) stage_live ep_moe_cublas 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas --json "$OUT/ep_moe_cublas.json" ;;
         # the NCCL path at the peer path's small SM budget: NCCL limited to 24 CTAs (recorded in the JSON's sms.nccl)
-        ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage ep_moe_nccl24 560 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;
+        ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage_live ep_moe_nccl24 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;
         # the capacity a graph must allow with no drop at all (every token of every rank on one expert)
-        ep-moe-worst) stage ep_moe_worst 400 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity worst --sms all,24 --gemm masked --json "$OUT/ep_moe_worst.json" ;;
+        ep-moe-worst) stage_live ep_moe_worst 120 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity worst --sms all,24 --gemm masked --json "$OUT/ep_moe_worst.json" ;;
         tp) stage tp 300 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;

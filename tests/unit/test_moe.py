@@ -136,3 +136,38 @@ def test_expected_layout_counts_drops_and_nvlink_rows(G):
     assert np.array_equal(expected(r, 1, cap).kept, x.kept)  # EP1 keeps the same pairs
     tokens = reference_tokens(r, x.kept, extra=3)
     assert set(r.experts[tokens][x.kept[tokens]].tolist()) == set(np.flatnonzero(x.expert_rows))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_float64_reference_by_expert_equals_the_layer_token_by_token(monkeypatch, threads):
+    import tray.programs.ep_moe.reference as refmod
+
+    monkeypatch.setattr(refmod, "BLOCK_ROWS", 16)  # several row blocks per weight matrix
+    N, H, F, E, k = 20, 64, 24, 8, 3
+    rng = np.random.default_rng(3)
+    x = f32_to_bf16_bits(rng.standard_normal((N, H)).astype(np.float32))
+    w13 = f32_to_bf16_bits((rng.standard_normal((E, 2 * F, H)) / 8).astype(np.float32))
+    w2 = f32_to_bf16_bits((rng.standard_normal((E, H, F)) / 5).astype(np.float32))
+    r = random_routing(N, E, k, seed=4, skew=1.0)
+    kept = rng.random((N, k)) < 0.8
+    kept[5] = False  # a token whose pairs were all dropped: its reference is 0
+    tokens = [0, 5, 7, 19]
+    asked: list[int] = []
+
+    def weights(e):
+        asked.append(e)
+        return w13[e], w2[e]
+
+    got, covered = refmod.reference_rows(x, r.experts, r.weights, kept, tokens, weights, threads=threads)
+    f = lambda b: bf16_bits_to_f32(b).astype(np.float64)  # noqa: E731
+    want = np.zeros((len(tokens), H))
+    for i, t in enumerate(tokens):
+        for kk in np.flatnonzero(kept[t]):
+            e = r.experts[t, kk]
+            h = f(x[t]) @ f(w13[e]).T
+            act = h[:F] / (1 + np.exp(-h[:F])) * h[F:]
+            want[i] += f(r.weights[t, kk]) * (act @ f(w2[e]).T)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert not got[1].any()
+    used = sorted(set(r.experts[tokens][kept[tokens]].tolist()))
+    assert asked == used and covered == len(used)  # each expert read once, in ascending order

@@ -249,22 +249,39 @@ class MoeRank:
     def reference(self, tokens: int, inputs: dict[str, np.ndarray], ref_tokens: list[int]) -> dict[str, Any]:
         """Rows `ref_tokens` of EP1's output against float64 on the same bf16 inputs and weights (see
         tray/programs/ep_moe/reference.py); pairs the capacity dropped (inputs["kept"] false) contribute
-        nothing, as in the layer. Each expert's weights are read back once, while the previous ones compute."""
+        nothing, as in the layer. Each expert's weights are read back once (into a ring of pinned buffers,
+        one per reference thread and one more: no page faults, full copy speed) while earlier ones compute."""
         from tray.dtypes import bf16_bits_to_f32
-        from tray.programs.ep_moe.reference import reference_rows
+        from tray.programs.ep_moe.reference import reference_rows, workers
+        from tray.twins import at
 
         H, F = self.hidden, self.ffn
         x = self.rank.read("x").view(np.uint16).reshape(-1, H)[:tokens]
         out = self.rank.read("out").view(np.uint16).reshape(-1, H)[:tokens]
         w13, w2 = self.rank.buffer("w13"), self.rank.buffer("w2")
+        n13, n2 = 2 * F * H, H * F  # elements of one expert's w13 and w2
+        threads = max(1, min(workers(), np.unique(inputs["topk_idx"][ref_tokens]).size))
+        slots = []
+        try:
+            for _ in range(threads + 1):
+                slots.append(self.backend.pinned_host((n13 + n2) * 2))
+            calls = 0
 
-        def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
-            a = self.backend.read(w13.ptr + e * 2 * F * H * 2, 2 * F * H * 2).view(np.uint16).reshape(2 * F, H)
-            b = self.backend.read(w2.ptr + e * H * F * 2, H * F * 2).view(np.uint16).reshape(H, F)
-            return a, b
+            def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
+                nonlocal calls
+                slot = slots[calls % len(slots)]
+                calls += 1
+                self.backend.copy(slot.ptr, w13.ptr + e * n13 * 2, n13 * 2)
+                self.backend.copy(slot.ptr + n13 * 2, w2.ptr + e * n2 * 2, n2 * 2)
+                self.backend.synchronize()
+                bits = at(slot.ptr, n13 + n2, np.uint16)
+                return bits[:n13].reshape(2 * F, H), bits[n13:].reshape(H, F)
 
-        ref, covered = reference_rows(x, inputs["topk_idx"], inputs["topk_w"], inputs["kept"], ref_tokens,
-                                      expert_weights)
+            ref, covered = reference_rows(x, inputs["topk_idx"], inputs["topk_w"], inputs["kept"], ref_tokens,
+                                          expert_weights, threads=threads)
+        finally:
+            for slot in slots:
+                slot.close()
         got = bf16_bits_to_f32(out[ref_tokens]).astype(np.float64)
         rel = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
         finite = bool(np.isfinite(got).all())

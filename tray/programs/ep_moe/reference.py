@@ -71,8 +71,10 @@ def reference_rows(
     x_bits u16 [num_tokens, hidden] (bf16 bits); experts i32 [num_tokens, topk]; weight_bits u16
     [num_tokens, topk] (bf16 routing weights); kept bool [num_tokens, topk] (pairs the capacity kept: the
     others contribute nothing, as in the layer); expert_weights(e) -> (w13 u16 [2 * ffn, hidden], w2 u16
-    [hidden, ffn]), called from this thread only, in ascending expert order. Each expert's contributions
-    are added in ascending expert order (deterministic). Raises what expert_weights raises."""
+    [hidden, ffn]), called from this thread only, in ascending expert order; when it is called, at most
+    `threads` (workers() when None) of its earlier results are still in use, so a caller may hand out
+    threads + 1 buffers in turn. Each expert's contributions are added in ascending expert order
+    (deterministic). Raises what expert_weights raises."""
     sel = np.asarray(tokens, np.int64)
     hidden = x_bits.shape[1]
     ref = np.zeros((sel.size, hidden))
@@ -100,7 +102,7 @@ def reference_rows(
                 span = slice(bounds[i], bounds[i + 1])
                 w13_bits, w2_bits = expert_weights(e)
                 pending.append((span, pool.submit(expert_f64, xs[rows[span]], w13_bits, w2_bits)))
-                drain(n_threads)  # NOTE: bounds the weights held in memory to threads + 1 experts
+                drain(n_threads)  # NOTE: at most `threads` results in use when expert_weights is next called
             drain(0)
         finally:
             for _, fut in pending:
