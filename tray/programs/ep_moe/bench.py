@@ -165,9 +165,10 @@ def prepare(a: EpBenchArgs, work: Path) -> tuple[list[dict[str, Any]], list[dict
                 kept=exp_n.kept,
             )
             # NOTE: covering every expert reads every expert's weights (88 MB each at the cuda shape) back to the
-            # host and runs it in float64 (~70 ms of a core each): once per bench, in its first run; every
-            # other run checks its ref_tokens evenly spaced tokens (at most ref_tokens * topk experts)
-            ref = reference_tokens(routing, exp_n.kept, a.ref_tokens, cover=ri == 0 and ti == 0)
+            # host and runs it in float64 (~70 ms of a core each, on several threads: ~3 s for 256 experts):
+            # once per routing, in its first token count; the other runs check ref_tokens evenly spaced
+            # tokens (at most ref_tokens * topk experts)
+            ref = reference_tokens(routing, exp_n.kept, a.ref_tokens, cover=ti == 0)
             runs_n.append({"label": label, "tokens": T, "cap": cap, "inputs": str(d)})
             runs_1.append({"label": label, "tokens": G * T, "cap": cap, "inputs": str(d), "ref_tokens": ref})
             facts[label] = {

@@ -33,8 +33,8 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--sms", type=words, default=("all", "24"),
                    help="SM budgets of the peer kernels, comma-separated (default all,24)")
     b.add_argument("--ref-tokens", type=int, default=8,
-                   help="evenly spaced tokens of each run checked against float64 (plus, in the first run, tokens "
-                   "covering every expert)")
+                   help="evenly spaced tokens of each run checked against float64 (plus, on the first token count "
+                   "of each routing, tokens covering every expert)")
     b.add_argument("--plot", default=None, help="PNG of latency vs tokens per rank (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_ep_moe)
 
