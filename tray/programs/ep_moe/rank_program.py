@@ -352,6 +352,7 @@ def main(argv: list[str]) -> int:
             for path, name in (("peer", "layer"), ("nccl", "layer_nccl")):
                 if path in eager:
                     entry["checks"][f"{path}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[path])
+            progress(f"{label}: outputs after a replay checked", t_run)
             if moe.ep1 and run.get("ref_tokens"):
                 t_ref = time.perf_counter()
                 ref = entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"])
