@@ -16,6 +16,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ class MoeRank:
         self.groups = cfg["groups"]
         self.ep1 = self.world == 1
         self.sms = sm_count(rank, cfg["backend"])
+        self.ref_slots: list[Any] = []  # pinned host buffers of the float64 reference, kept from run to run
 
     # --- device setup ---------------------------------------------------------------------------------------
     def launch(self, kernel: str, total: int, args: list[Any]) -> None:
@@ -251,7 +253,8 @@ class MoeRank:
         """Rows `ref_tokens` of EP1's output against float64 on the same bf16 inputs and weights (see
         tray/programs/ep_moe/reference.py); pairs the capacity dropped (inputs["kept"] false) contribute
         nothing, as in the layer. Each expert's weights are read back once (into a ring of pinned buffers,
-        one per reference thread and one more: no page faults, full copy speed) while earlier ones compute."""
+        one per reference thread and one more: no page faults, full copy speed) while earlier ones compute.
+        The ring stays allocated for the next run (close_reference frees it)."""
         from tray.dtypes import bf16_bits_to_f32
         from tray.programs.ep_moe.reference import reference_rows, workers
         from tray.twins import at
@@ -262,27 +265,23 @@ class MoeRank:
         w13, w2 = self.rank.buffer("w13"), self.rank.buffer("w2")
         n13, n2 = 2 * F * H, H * F  # elements of one expert's w13 and w2
         threads = max(1, min(workers(), np.unique(inputs["topk_idx"][ref_tokens]).size))
-        slots = []
-        try:
-            for _ in range(threads + 1):
-                slots.append(self.backend.pinned_host((n13 + n2) * 2))
-            calls = 0
+        while len(self.ref_slots) < threads + 1:
+            self.ref_slots.append(self.backend.pinned_host((n13 + n2) * 2))
+        slots = self.ref_slots
+        calls = 0
 
-            def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
-                nonlocal calls
-                slot = slots[calls % len(slots)]
-                calls += 1
-                self.backend.copy(slot.ptr, w13.ptr + e * n13 * 2, n13 * 2)
-                self.backend.copy(slot.ptr + n13 * 2, w2.ptr + e * n2 * 2, n2 * 2)
-                self.backend.synchronize()
-                bits = at(slot.ptr, n13 + n2, np.uint16)
-                return bits[:n13].reshape(2 * F, H), bits[n13:].reshape(H, F)
+        def expert_weights(e: int) -> tuple[np.ndarray, np.ndarray]:
+            nonlocal calls
+            slot = slots[calls % len(slots)]  # NOTE: reference_rows uses at most `threads` earlier results
+            calls += 1
+            self.backend.copy(slot.ptr, w13.ptr + e * n13 * 2, n13 * 2)
+            self.backend.copy(slot.ptr + n13 * 2, w2.ptr + e * n2 * 2, n2 * 2)
+            self.backend.synchronize()
+            bits = at(slot.ptr, n13 + n2, np.uint16)
+            return bits[:n13].reshape(2 * F, H), bits[n13:].reshape(H, F)
 
-            ref, covered = reference_rows(x, inputs["topk_idx"], inputs["topk_w"], inputs["kept"], ref_tokens,
-                                          expert_weights, threads=threads)
-        finally:
-            for slot in slots:
-                slot.close()
+        ref, covered = reference_rows(x, inputs["topk_idx"], inputs["topk_w"], inputs["kept"], ref_tokens,
+                                      expert_weights, threads=threads)
         got = bf16_bits_to_f32(out[ref_tokens]).astype(np.float64)
         rel = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
         finite = bool(np.isfinite(got).all())
@@ -292,6 +291,12 @@ class MoeRank:
             "finite": finite,
             "experts_covered": covered,
         }
+
+
+    def close_reference(self) -> None:
+        """Free the reference's pinned buffers."""
+        while self.ref_slots:
+            self.ref_slots.pop().close()
 
 
 def main(argv: list[str]) -> int:
@@ -334,35 +339,45 @@ def main(argv: list[str]) -> int:
             "runs": [],
         }
         tag = "ep1" if moe.ep1 else f"r{rank.rank}"
-        for run in cfg["runs"]:
-            tokens, cap, label = run["tokens"], run["cap"], run["label"]
-            t_run = time.perf_counter()
-            inputs = dict(np.load(Path(run["inputs"]) / f"{tag}.npz"))
-            v = moe.budget_vars(run, budgets[0])
-            moe.upload(tokens, inputs)
-            rank.exchange("ep.uploaded", label)
-            entry: dict[str, Any] = {"label": label, "tokens": tokens, "cap": cap}
-            entry["checks"], eager = moe.check(tokens, inputs, v, out_dir, label)
-            rank.exchange("ep.checked", label)
-            progress(f"{label}: checked", t_run)
-            entry["us"] = moe.timings(sampler, run, budgets)
-            rank.exchange("ep.timed", label)
-            progress(f"{label}: timed", t_run)
-            progs = moe.programs(v)
-            for path, name in (("peer", "layer"), ("nccl", "layer_nccl")):
-                if path in eager:
-                    entry["checks"][f"{path}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[path])
-            progress(f"{label}: outputs after a replay checked", t_run)
-            if moe.ep1 and run.get("ref_tokens"):
-                t_ref = time.perf_counter()
-                ref = entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"])
-                progress(f"{label}: float64 reference of {ref['ref_tokens']} tokens, {ref['experts_covered']} experts",
-                         t_ref)
-            rank.exchange("ep.done", label)
-            results["runs"].append(entry)
-            progress(f"{label}: done", t_run)
+        try:
+            run_all(rank, moe, cfg, sampler, budgets, results, tag, out_dir, progress)
+        finally:
+            moe.close_reference()
         (out_dir / f"result_{tag}.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def run_all(rank: Any, moe: MoeRank, cfg: dict[str, Any], sampler: Any, budgets: list[int], results: dict[str, Any],
+            tag: str, out_dir: Path, progress: Callable[[str, float], None]) -> None:
+    """Every run of cfg["runs"]: upload, check, time, check after replays, (EP1) reference; appends to
+    results["runs"]."""
+    for run in cfg["runs"]:
+        tokens, cap, label = run["tokens"], run["cap"], run["label"]
+        t_run = time.perf_counter()
+        inputs = dict(np.load(Path(run["inputs"]) / f"{tag}.npz"))
+        v = moe.budget_vars(run, budgets[0])
+        moe.upload(tokens, inputs)
+        rank.exchange("ep.uploaded", label)
+        entry: dict[str, Any] = {"label": label, "tokens": tokens, "cap": cap}
+        entry["checks"], eager = moe.check(tokens, inputs, v, out_dir, label)
+        rank.exchange("ep.checked", label)
+        progress(f"{label}: checked", t_run)
+        entry["us"] = moe.timings(sampler, run, budgets)
+        rank.exchange("ep.timed", label)
+        progress(f"{label}: timed", t_run)
+        progs = moe.programs(v)
+        for path, name in (("peer", "layer"), ("nccl", "layer_nccl")):
+            if path in eager:
+                entry["checks"][f"{path}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[path])
+        progress(f"{label}: outputs after a replay checked", t_run)
+        if moe.ep1 and run.get("ref_tokens"):
+            t_ref = time.perf_counter()
+            ref = entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"])
+            progress(f"{label}: float64 reference of {ref['ref_tokens']} tokens, {ref['experts_covered']} experts",
+                     t_ref)
+        rank.exchange("ep.done", label)
+        results["runs"].append(entry)
+        progress(f"{label}: done", t_run)
 
 
 if __name__ == "__main__":
