@@ -3,6 +3,8 @@
 Each variant is timed (`tray gate peer-barrier`) and then stressed (`--stress`: producer -> barrier ->
 consumer rounds through peer pointers, checked on the device): a variant is correct only when its stress
 finds no wrong word. `v4_nofence` drops the release fence on purpose: its stress should fail.
+`prev_production` is the kernel the production one replaced (thread 0 fences, then stores to every member),
+timed again beside it; v4_nofence..v7 are variants of that kernel, v9 of the production one.
 
 Each variant is the production kernel (manifests/kernels/peer_barrier.cu, read from the installed package)
 with a unified diff from barrier_variants/<name>.diff applied at run time: every hunk must match the
@@ -40,13 +42,13 @@ class Variant:
 VARIANTS = (
     Variant("production", None, True),
     Variant("prod-nopdl", None, False),
+    Variant("prev_production", "prev_production.diff", True),
     Variant("v0", "v0.diff", False),
     Variant("v2", "v2.diff", False),
     Variant("v4_nofence", "v4_nofence.diff", True),
     Variant("v5_acqpoll", "v5_acqpoll.diff", True),
     Variant("v6_fencefirst", "v6_fencefirst.diff", True),
     Variant("v7_fencefirst_acqpoll", "v7_fencefirst_acqpoll.diff", True),
-    Variant("v8_parallel", "v8_parallel.diff", True),
     Variant("v9_parallel_acqpoll", "v9_parallel_acqpoll.diff", True),
 )
 

@@ -6,17 +6,41 @@
 // launches on one stream run one after another, so a captured graph of K barriers replays with K fresh
 // epochs and no host involvement.
 //
-// Launch: one block of 32 threads, G <= 32 (the host checks). Thread 0 makes this GPU's earlier writes
-// visible system-wide (one `fence.acq_rel.sys`), then announces epoch e to every member t (a relaxed
-// store into peer_flags[t][me]: fence + store in one thread is a release). Thread t < G waits for
-// member t's announcement in own_flags[t] (relaxed polling, then one `ld.acquire.sys` that pairs with
-// the member's release). Past `timeout_ns` (%globaltimer) it records the missing member in `err`:
+// Launch: one block of 32 threads, G <= 32 (the host checks). After `griddepcontrol.wait`, every load
+// the barrier needs is issued at once (thread t < G: member t's flags address; thread 0: the counter and
+// the error word) and every thread runs one `fence.acq_rel.sys` while they fly. Thread 0 then publishes
+// epoch e = counter + 1 (or `broken`) through shared memory. Thread t < G announces e to member t (a
+// relaxed store into peer_flags[t][me]: fence + store in one thread is a release) and waits for member
+// t's announcement in own_flags[t] (relaxed polling, then one `ld.acquire.sys` that pairs with the
+// member's release). Past `timeout_ns` (%globaltimer) it records the missing member in `err`:
 // err[0] = the epoch that timed out (atomicMax), err[1] |= 1 << t, and sets *host_flag = 1 (mapped
 // host memory, so the host learns of a timeout without a copy). No __trap: the process must live to
 // report. On sm_90+ the host launches it with programmatic stream serialization: the next barrier is
 // scheduled while this one runs and waits in `griddepcontrol.wait` (hides the launch latency in graphs
 // and eager loops). A broken barrier stays broken: a launch that finds err[1] != 0 returns at once, so a graph of
 // K barriers after a drop costs one timeout, not K.
+//
+// Why it is correct (PTX memory model). Contract: what this GPU wrote before the barrier (earlier kernels
+// in stream order, local or through peer pointers) is visible to every member that passes it.
+// - Release: member t passes only once it reads epoch >= e in its slot `me`, written by our thread t with
+//   `st.relaxed.sys` after that same thread's `fence.acq_rel.sys`: a release pattern. Earlier kernels'
+//   writes precede that fence in causality order (stream order, or `griddepcontrol.wait`, which returns
+//   only once the previous grid ended and its writes are visible), and the fence is cumulative, so they
+//   are ordered before the flag at system scope. Which thread fences does not matter, only that the
+//   thread that stores to member t fenced first: no flag store is issued by a thread without a fence.
+// - Acquire: our relaxed poll saw >= e; the `ld.acquire.sys` after it reads the same location, so by
+//   coherence it reads >= e too and synchronizes with the member's release of that epoch or a later one
+//   (a later one also follows the member's earlier writes). Every thread t < G acquires from member t
+//   before the kernel ends, and the next kernel on the stream starts after the end (or, programmatic,
+//   only past its own `griddepcontrol.wait`), so every member's writes are visible to it.
+// - Epoch and error word: only thread 0 reads and writes `counter` and reads err[1], after
+//   `griddepcontrol.wait` (the previous barrier's increment and timeout record are visible), and
+//   `__syncthreads` hands e / broken to the other threads before any of them stores or waits. Epochs
+//   grow by one per launch and flags only grow, so `>= e` is never satisfied by an old announcement.
+// - Timeout / broken: thread t waits for member t alone and sets bit t alone, so the mask names exactly
+//   the members whose announcement did not arrive in time; its own store went out first, so the others
+//   are not held up by the waiting side. A broken barrier stores nothing and waits for nothing: err keeps
+//   the first timeout's epoch and mask for the host to report.
 
 __device__ __forceinline__ void st_relaxed_sys(unsigned long long* addr, unsigned long long value) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
@@ -58,24 +82,31 @@ extern "C" __global__ void tray_peer_barrier(unsigned long long* own_flags,
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    // Every load the barrier needs is issued at once: member t's flags address (thread t < G), the epoch
+    // counter and the error word (thread 0).
+    unsigned long long* const peer = t < G ? peer_flags[t] + me : nullptr;
+    unsigned long long c = 0ull;
+    unsigned long long missing = 0ull;
     if (t == 0) {
-        // counter and err[1] are independent loads: both are in flight at once.
-        const unsigned long long c = *counter;
-        broken = *(volatile unsigned long long*)&err[1] != 0ull;
+        c = *counter;
+        missing = *(volatile unsigned long long*)&err[1];
+    }
+    // The release: each thread's fence orders what this GPU wrote before the barrier (earlier kernels
+    // included) before that thread's flag store below (fence + store in one thread is a release). The
+    // warp executes it once, while the loads above are still in flight.
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    if (t == 0) {
+        broken = missing != 0ull;
         if (!broken) {
-            const unsigned long long e = c + 1ull;
-            *counter = e;
-            epoch = e;
-            asm volatile("fence.acq_rel.sys;" ::: "memory");
-            for (int m = 0; m < G; ++m) {
-                st_relaxed_sys(peer_flags[m] + me, e);
-            }
+            epoch = c + 1ull;
+            *counter = c + 1ull;
         }
     }
     __syncthreads();
     if (broken || t >= G) {
         return;
     }
+    st_relaxed_sys(peer, epoch);
     const unsigned long long e = epoch;
     const unsigned long long* flag = own_flags + t;
     if (ld_relaxed_sys(flag) < e) {

@@ -1,4 +1,5 @@
-"""The CUDA C of the EP/TP/barrier-stress kernels, compiled for the CPU, against their numpy twins, bit for bit.
+"""The CUDA C of the EP/TP/barrier-stress kernels, compiled for the CPU, against their numpy twins, bit for bit;
+the peer barrier kernel's epoch, announcements, timeout record and broken path, against what its comments say.
 
 No GPU needed: a shim header gives the CUDA names a host meaning (IEEE float ops with no contraction
 for the __f*_rn intrinsics, a sequential loop over blocks and threads for a launch), so the kernels'
@@ -50,6 +51,7 @@ static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { unsigned
 typedef unsigned long long u64_t;
 static inline u64_t atomicAdd(u64_t* p, u64_t v) { u64_t o = *p; *p += v; return o; }
 static inline u64_t atomicOr(u64_t* p, u64_t v) { u64_t o = *p; *p |= v; return o; }
+static inline u64_t atomicMax(u64_t* p, u64_t v) { u64_t o = *p; if (v > o) *p = v; return o; }
 static inline u64_t atomicCAS(u64_t* p, u64_t c, u64_t v) { u64_t o = *p; if (o == c) *p = v; return o; }
 static u64_t emu_clock_ns = 0;  // %globaltimer: advances 1 us per read, so every spin ends
 static inline void __threadfence_system() {}
@@ -199,6 +201,11 @@ KERNELS = {
         "unsigned long long words, unsigned long long skew_ns, unsigned long long corrupt_round",
         "stress_check": "const unsigned int* buf, unsigned long long* state, int G, int me, unsigned long long words",
     },
+    "peer_barrier.cu": {
+        "peer_barrier": "unsigned long long* own_flags, unsigned long long* const* peer_flags, "
+        "unsigned long long* counter, unsigned long long* err, unsigned int* host_flag, int G, int me, "
+        "unsigned long long timeout_ns",
+    },
 }
 _SILU_ROWS = "const uint4* h13, uint4* act, const int* rows, int all_experts, int G, int cap, int ffn"
 KERNELS["ep_math.cu"]["ep_silu_mul_rows"] = _SILU_ROWS
@@ -208,10 +215,20 @@ KERNELS["ep_gemm.cu"] = {
 }
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
-COOP = {"ep_layout", "ep_masked_gemm", "stress_produce"}
-# inline PTX has no CPU meaning: the one clock read becomes the shim's clock
-PTX_ON_CPU = {'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));': "now = (emu_clock_ns += 1000);"}
-ENTRY = {name: f"tray_{name}" for name in ("stress_next", "stress_produce", "stress_check")}
+COOP = {"ep_layout", "ep_masked_gemm", "stress_produce", "peer_barrier"}
+# inline PTX has no CPU meaning: the clock read becomes the shim's clock, the barrier's sys-scope loads and
+# stores plain volatile ones (one thread runs at a time here: ordering is the GPU's to check, not this test's)
+PTX_ON_CPU = {
+    'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));': "now = (emu_clock_ns += 1000);",
+    'asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");':
+        "*(volatile unsigned long long*)addr = value;",
+    'asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");':
+        "value = *(const volatile unsigned long long*)addr;",
+    'asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");':
+        "value = *(const volatile unsigned long long*)addr;",
+    'asm volatile("fence.acq_rel.sys;" ::: "memory");': "__threadfence_system();",
+}
+ENTRY = {name: f"tray_{name}" for name in ("stress_next", "stress_produce", "stress_check", "peer_barrier")}
 
 
 def _names(params: str) -> str:
@@ -697,7 +714,7 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
 def _call(emulated, name, grid, block, *args):
     """Launch the emulated kernel `name` with plain ints (addresses as ints)."""
     fn = getattr(emulated, f"run_{name}")
-    sig = KERNELS["peer_stress.cu"][name]
+    sig = next(kernels[name] for kernels in KERNELS.values() if name in kernels)
     kinds = []
     for p in sig.split(","):
         p = p.strip()
@@ -761,3 +778,28 @@ def test_stress_kernels_match_twins_and_catch_wrong_data(emulated, G):
             assert int(states[victim][2]) == 1 << corrupt and int(states[victim][3]) == 2
         else:  # writer 0's round-3 words never landed: every member sees round 1's words there instead
             assert all(int(s[1]) == words and int(s[2]) == 1 and int(s[3]) == 3 for s in states)
+
+
+def test_peer_barrier_kernel_announces_names_the_missing_and_stays_broken(emulated):
+    """Member 1 of 3, one launch at a time, its peers' announcements preset: thread t stores the epoch into
+    member t's slot 1; a member that announced this epoch or a later one lets it pass; a member that never
+    announces is named (err = epoch, bit t; the host flag raised); a broken barrier stores nothing."""
+    G, me = 3, 1
+    flags = [np.zeros(G, np.uint64) for _ in range(G)]
+    table = np.array([ptr(f) for f in flags], np.uint64)
+    counter, err, host_flag = np.zeros(1, np.uint64), np.zeros(2, np.uint64), np.zeros(1, np.uint32)
+
+    def launch():
+        _call(emulated, "peer_barrier", 1, 32, ptr(flags[me]), ptr(table), ptr(counter), ptr(err), ptr(host_flag),
+              G, me, 50_000)
+
+    flags[me][0], flags[me][2] = 1, 1
+    launch()
+    assert int(counter[0]) == 1 and [int(f[me]) for f in flags] == [1] * G
+    assert err.tolist() == [0, 0] and int(host_flag[0]) == 0
+    flags[me][0] = 3  # member 0 is already past a later barrier (flags only grow); member 2 stays at 1
+    launch()
+    assert int(counter[0]) == 2 and [int(f[me]) for f in flags] == [2] * G
+    assert err.tolist() == [2, 1 << 2] and int(host_flag[0]) == 1
+    launch()  # broken: no epoch, no announcement, the first timeout's record kept
+    assert int(counter[0]) == 2 and [int(f[me]) for f in flags] == [2] * G and err.tolist() == [2, 1 << 2]
