@@ -71,6 +71,26 @@ class BarrierTimeout(PeerFailure):
 _MISSING = re.compile(r"waited [0-9.]+ s for rank ([0-9]+(?:,[0-9]+)*)")
 
 
+class SyncTimeout(PeerFailure):
+    """A host wait for the device (a stream or event) passed its deadline. Names what was waited for,
+    the last work enqueued before it (program, op, collective), and how long it waited.
+
+    Almost always a collective whose partner never came: a peer rank made different NCCL calls, stopped,
+    or is blocked itself. The stream is left as it is (its work may still be running): the rank should
+    report and exit."""
+
+    def __init__(self, what: str, pending: str, waited_s: float, setting: str) -> None:
+        self.what = what
+        self.pending = pending
+        self.waited_s = waited_s
+        super().__init__(
+            f"{what} was not done after {waited_s:.1f} s; last work enqueued before it: {pending}. "
+            "A peer may have diverged (made other collective calls or barriers than this rank, in another "
+            "order, or stopped): compare the other ranks' messages. If the work is merely that long, raise "
+            f"{setting}"
+        )
+
+
 class DeviceError(TrayError):
     """Operations must act: the driver, the GPU or NCCL returned an error."""
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tray.backend.wait import Pending
+
 # NOTE: the barrier's default wait; the gate and docs/design.md section 6 use 2 s.
 DEFAULT_BARRIER_TIMEOUT_S = 2.0
 
@@ -225,6 +227,15 @@ class Backend(abc.ABC):
 
     name: str
     info: DeviceInfo
+
+    @property
+    def pending(self) -> Pending:
+        """What was last enqueued on the rank's stream, in words (the executor and graph replays set it):
+        a wait that times out names it."""
+        found = self.__dict__.get("_pending")
+        if found is None:
+            found = self.__dict__["_pending"] = Pending()
+        return found
 
     # --- memory -------------------------------------------------------------------------------
     @abc.abstractmethod

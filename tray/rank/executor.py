@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Graph
+from tray.backend.wait import Pending
 from tray.errors import UsageError
 from tray.manifest.schema import (
     BufferRef,
@@ -28,15 +29,43 @@ from tray.rank.wiring import RankContext
 Step = Callable[[], None]
 
 
+def describe_op(op: ResolvedOp) -> str:
+    """One op in words for a wait that timed out: `nccl alltoall on group 'world' (1024 x u32 per member)`."""
+    match op:
+        case ResolvedLaunch():
+            return f"launch {op.kernel}"
+        case ResolvedCollective():
+            per = " per member" if op.collective in ("allgather", "reducescatter", "alltoall") else ""
+            peer = f" with member {op.peer}" if op.peer is not None else ""
+            return f"nccl {op.collective} on group {op.group!r}{peer} ({op.count} x {op.dtype}{per})"
+        case ResolvedGemm():
+            return f"gemm {op.m}x{op.n}x{op.k}"
+        case ResolvedBarrier():
+            return f"barrier {op.group!r}"
+        case ResolvedCopy():
+            return f"copy {op.nbytes} B"
+
+
+def describe_program(program: str, vars: dict[str, int], ops: tuple[ResolvedOp, ...] | list[ResolvedOp]) -> str:
+    """`program 'dispatch_nccl' (tokens=128): launch ep_dispatch, nccl alltoall on group 'world' (...)`"""
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(vars.items()))
+    return f"program {program!r}" + (f" ({shown})" if shown else "") + ": " + ", ".join(describe_op(o) for o in ops)
+
+
 @dataclass
 class Plan:
-    """A program ready to run: `steps` in order, or one captured `graph` of them."""
+    """A program ready to run: `steps` in order, or one captured `graph` of them. `describe` is the program
+    and its ops in words, noted in `pending` at each run (a wait that times out names it)."""
 
     program: str
     steps: list[Step]
     graph: Graph | None = None
+    describe: str = ""
+    pending: Pending | None = None
 
     def run(self) -> None:
+        if self.pending is not None:
+            self.pending.note(self.describe)
         if self.graph is not None:
             self.graph.replay()
             return
@@ -90,7 +119,8 @@ class Executor:
     def _build(self, program: str, vars: dict[str, int]) -> Plan:
         resolved = self._resolved_program(program, vars)
         steps = [self._step(op) for op in resolved.ops]
-        plan = Plan(program=program, steps=steps)
+        plan = Plan(program=program, steps=steps, describe=describe_program(program, vars, resolved.ops),
+                    pending=self.ctx.backend.pending)
         if resolved.graph:
 
             def body() -> None:

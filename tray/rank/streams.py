@@ -18,6 +18,8 @@ from tray.backend.base import Backend
 def run_on_stream(backend: Backend, plan: Any, stream: int) -> None:
     """Run `plan` (an executor Plan: `steps`, and `graph` when tray captured it) ordered with `stream`."""
     capturing = backend.is_capturing(stream)
+    if plan.pending is not None:
+        plan.pending.note(plan.describe)
     with backend.joined(stream):
         if plan.graph is not None and not capturing:
             plan.graph.replay()

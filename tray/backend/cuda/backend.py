@@ -31,14 +31,16 @@ from tray.backend.cuda import driver as drv
 from tray.backend.cuda import memory, nvrtc
 from tray.backend.cuda.barrier import BARRIER_ENTRY, BARRIER_SOURCE, CudaBarrier, kernel_dir
 from tray.backend.cuda.kernels import CudaKernel
+from tray.backend.wait import Pending
 from tray.errors import DeviceError, UsageError
 
 
 class CudaTimer(Timer):
     """Two events (default flags) recorded on the backend's stream."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, pending: Pending | None = None) -> None:
         self._stream = stream
+        self._pending = pending
         self._start = drv.event_create()
         try:
             self._stop = drv.event_create()
@@ -54,8 +56,9 @@ class CudaTimer(Timer):
         drv.event_record(self._stop, self._stream)
 
     def elapsed_s(self) -> float:
-        """Seconds between the recorded start and stop; waits for the stop event."""
-        drv.event_synchronize(self._stop)
+        """Seconds between the recorded start and stop; waits for the stop event (SyncTimeout past
+        TRAY_SYNC_TIMEOUT_S)."""
+        drv.event_wait(self._stop, "the timer's stop event", self._pending)
         return drv.event_elapsed_ms(self._start, self._stop) / 1e3
 
     def close(self) -> None:
@@ -66,18 +69,24 @@ class CudaTimer(Timer):
 
 
 class CudaGraph(Graph):
-    """An instantiated CUDA graph; `replay()` launches it on the backend's stream."""
+    """An instantiated CUDA graph; `replay()` launches it on the backend's stream. `holds` says in words
+    what it captured (noted in `pending` at each replay, for the message of a wait that times out)."""
 
-    def __init__(self, graph: Any, graph_exec: Any, stream: Any) -> None:
+    def __init__(self, graph: Any, graph_exec: Any, stream: Any, pending: Pending | None = None,
+                 holds: str = "") -> None:
         self._graph = graph
         self._exec = graph_exec
         self._stream = stream
         self._open = True
         self._launch = drv.graph_launcher(graph_exec, stream)
+        self._pending = pending
+        self._note = f"a replay of a captured graph of: {holds or 'work tray did not describe'}"
 
     def replay(self) -> None:
         if not self._open:
             raise UsageError("this graph is closed")
+        if self._pending is not None:
+            self._pending.note(self._note)
         self._launch()
 
     def close(self) -> None:
@@ -213,7 +222,8 @@ class CudaBackend(Backend):
             return
         self.make_current()
         drv.memcpy_htod_async(ptr, data.ctypes.data, data.nbytes, self.stream)
-        drv.stream_synchronize(self.stream)
+        drv.stream_wait(self.stream, f"a write of {data.nbytes} B to the device (after the stream's earlier work)",
+                        self.pending)
 
     def read(self, ptr: int, nbytes: int) -> np.ndarray:
         """`nbytes` from device address `ptr` as a new u8 array, after the stream's earlier work."""
@@ -221,12 +231,15 @@ class CudaBackend(Backend):
         if nbytes:
             self.make_current()
             drv.memcpy_dtoh_async(out.ctypes.data, ptr, nbytes, self.stream)
-            drv.stream_synchronize(self.stream)
+            drv.stream_wait(self.stream, f"a read of {nbytes} B from the device (after the stream's earlier work)",
+                            self.pending)
         return out
 
     def synchronize(self) -> None:
+        """Wait for the rank's stream; SyncTimeout (naming the last work enqueued) when it is still busy after
+        TRAY_SYNC_TIMEOUT_S (default 60 s): a collective whose peer never came would otherwise block forever."""
         self.make_current()
-        drv.stream_synchronize(self.stream)
+        drv.stream_wait(self.stream, f"the stream of GPU {self.info.ordinal}", self.pending)
 
     # --- copies, pinned host memory, GEMM -------------------------------------------------------------
 
@@ -260,7 +273,7 @@ class CudaBackend(Backend):
     def sync_transfer(self) -> None:
         """Wait until every `copy(..., transfer=True)` has landed."""
         if self._transfer is not None:
-            drv.stream_synchronize(self._transfer)
+            drv.stream_wait(self._transfer, f"the transfer stream of GPU {self.info.ordinal}", self.pending)
 
     def pinned_host(self, nbytes: int) -> HostMemory:
         """`nbytes` of page-locked host memory on this GPU's NUMA node: allocated under the rank's
@@ -290,11 +303,12 @@ class CudaBackend(Backend):
                                   filename=BARRIER_SOURCE)
         self.make_current()
         return self._track("barriers", CudaBarrier(group, flags, peer_flags, kernel, self.stream,
-                                                    programmatic=self.capability >= (9, 0)))
+                                                    programmatic=self.capability >= (9, 0),
+                                                    pending=self.pending))
 
     def timer(self) -> CudaTimer:
         self.make_current()
-        return self._track("timers", CudaTimer(self.stream))
+        return self._track("timers", CudaTimer(self.stream, self.pending))
 
     def capture(self, body: Callable[[], None]) -> CudaGraph:
         """Capture what `body` enqueues on the stream (THREAD_LOCAL mode) into an instantiated graph.
@@ -303,11 +317,14 @@ class CudaBackend(Backend):
         """
         self.make_current()
         drv.stream_begin_capture(self.stream)
+        self.pending.start_trail()
         try:
             body()
         except BaseException:
+            self.pending.end_trail()
             self._abandon_capture()
             raise
+        holds = "; ".join(self.pending.end_trail())
         graph = drv.stream_end_capture(self.stream)
         if graph is None:
             raise DeviceError(f"cuStreamEndCapture(device {self.info.ordinal}): the driver returned no graph")
@@ -316,7 +333,7 @@ class CudaBackend(Backend):
         except BaseException:
             drv.graph_destroy(graph)
             raise
-        return self._track("graphs", CudaGraph(graph, graph_exec, self.stream))
+        return self._track("graphs", CudaGraph(graph, graph_exec, self.stream, self.pending, holds))
 
     def close_graphs(self) -> None:
         """Destroy the graphs `capture` made (each at most once; close() does the rest)."""
@@ -441,9 +458,10 @@ class CudaBackend(Backend):
                 errors.append(exc)
 
         attempt(drv.ctx_set_current, self.context, self.info.ordinal)
-        attempt(drv.stream_synchronize, self.stream)  # nothing in flight may use what is freed next
+        # nothing in flight may use what is freed next; bounded: a close after a SyncTimeout must not hang
+        attempt(drv.stream_wait, self.stream, f"the stream of GPU {self.info.ordinal} (closing)", self.pending)
         if self._transfer is not None:
-            attempt(drv.stream_synchronize, self._transfer)
+            attempt(drv.stream_wait, self._transfer, f"the transfer stream of GPU {self.info.ordinal} (closing)")
         for kind in ("graphs", "timers", "barriers"):
             while self._owned[kind]:
                 attempt(self._owned[kind].pop().close)

@@ -18,6 +18,7 @@ import numpy as np
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Barrier, DeviceBuffer, GroupInfo, PtrTable
 from tray.backend.cuda import driver as drv
 from tray.backend.cuda.kernels import CudaKernel, CudaLaunch
+from tray.backend.wait import Pending
 from tray.errors import BarrierTimeout, UsageError
 
 BARRIER_SOURCE = "peer_barrier.cu"
@@ -47,7 +48,7 @@ class CudaBarrier(Barrier):
     every member's flags as mapped here, in member order (own slot = own address)."""
 
     def __init__(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable, kernel: CudaKernel,
-                 stream: Any, programmatic: bool = False) -> None:
+                 stream: Any, programmatic: bool = False, pending: Pending | None = None) -> None:
         if not 1 <= group.size <= MAX_GROUP_SIZE:
             raise UsageError(f"barrier {group.name}: groups of 1 to {MAX_GROUP_SIZE} members are "
                              f"supported, got {group.size}")
@@ -58,6 +59,7 @@ class CudaBarrier(Barrier):
             raise UsageError(f"barrier {group.name}: peer_flags has {len(peer_flags.ptrs)} entries for "
                              f"{group.size} members")
         self.group = group
+        self._pending = pending
         # programmatic launches let barrier k+1 be scheduled while barrier k still waits (the kernel
         # does `griddepcontrol.wait` first); TRAY_BARRIER_PDL=0 turns it off
         self.programmatic = programmatic and os.environ.get("TRAY_BARRIER_PDL", "1") != "0"
@@ -121,7 +123,7 @@ class CudaBarrier(Barrier):
         """Barriers this member has entered so far (the device counter; synchronises)."""
         out = np.zeros(1, dtype=np.uint64)
         drv.memcpy_dtoh_async(out.ctypes.data, self.counter_ptr, 8, self._stream)
-        drv.stream_synchronize(self._stream)
+        drv.stream_wait(self._stream, f"barrier {self.group.name}: a read of its epoch", self._pending)
         return int(out[0])
 
     def _read_err(self) -> np.ndarray:
@@ -129,11 +131,11 @@ class CudaBarrier(Barrier):
             raise UsageError(f"barrier {self.group.name} is closed")
         out = np.zeros(2, dtype=np.uint64)
         drv.memcpy_dtoh_async(out.ctypes.data, self.err_ptr, 16, self._stream)
-        drv.stream_synchronize(self._stream)
+        drv.stream_wait(self._stream, f"barrier {self.group.name}: a read of its error word", self._pending)
         return out
 
     def synchronize(self) -> None:
-        drv.stream_synchronize(self._stream)
+        drv.stream_wait(self._stream, f"barrier {self.group.name}: the stream it was launched on", self._pending)
 
     def close(self) -> None:
         state, self._state = self._state, None

@@ -13,6 +13,7 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
+from tray.backend.wait import Pending, wait_until
 from tray.errors import DeviceError, UsageError
 
 try:
@@ -253,6 +254,39 @@ def stream_synchronize(stream: Any) -> None:
     err, = cu.cuStreamSynchronize(stream)
     if err != 0:
         check("cuStreamSynchronize", (err,), f"stream {int(stream):#x}")
+
+
+def stream_query(stream: Any) -> bool:
+    """Whether every operation enqueued on `stream` has completed (cuStreamQuery: NOT_READY is False);
+    CudaError for any other failure (e.g. a kernel fault)."""
+    err, = cu.cuStreamQuery(stream)
+    if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    if err != 0:
+        check("cuStreamQuery", (err,), f"stream {int(stream):#x}")
+    return True
+
+
+def event_query(event: Any) -> bool:
+    """Whether the work before `event`'s last record has completed (cuEventQuery: NOT_READY is False)."""
+    err, = cu.cuEventQuery(event)
+    if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    if err != 0:
+        check("cuEventQuery", (err,))
+    return True
+
+
+def stream_wait(stream: Any, what: str, pending: Pending | None = None, timeout_s: float | None = None) -> None:
+    """cuStreamSynchronize with a deadline: polls cuStreamQuery (tray.backend.wait.wait_until); SyncTimeout
+    names `what` and `pending.last` when the stream is still busy after `timeout_s` (None: TRAY_SYNC_TIMEOUT_S,
+    else 60 s)."""
+    wait_until(lambda: stream_query(stream), what, pending, timeout_s)
+
+
+def event_wait(event: Any, what: str, pending: Pending | None = None, timeout_s: float | None = None) -> None:
+    """cuEventSynchronize with a deadline (polls cuEventQuery); SyncTimeout as stream_wait."""
+    wait_until(lambda: event_query(event), what, pending, timeout_s)
 
 
 def stream_wait_event(stream: Any, event: Any) -> None:

@@ -63,6 +63,9 @@ NCCL_PHASES = {
     "layer": "layer_nccl",
 }
 BLAS_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# NOTE: "eager" is the default because captured replays of the NCCL path hung on 2x H200 (rank 0 silent
+# after the peer figures) while eager runs of the same programs completed; "captured" stays selectable.
+NCCL_TIMINGS = ("eager", "captured")
 NCCL_CTA_ENV = ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS")
 
 
@@ -87,6 +90,7 @@ class EpBenchArgs:
     plot_path: str | None = None
     log_dir: str | None = None
     keep: bool = False
+    nccl_timing: str = "eager"
 
 
 def validate(a: EpBenchArgs) -> None:
@@ -110,6 +114,8 @@ def validate(a: EpBenchArgs) -> None:
         raise UsageError(f"--topk must be in 1..{a.experts}, got {a.topk}")
     if not a.tokens or min(a.tokens) < 1:
         raise UsageError(f"--tokens needs positive counts, got {a.tokens}")
+    if a.nccl_timing not in NCCL_TIMINGS:
+        raise UsageError(f"--nccl-timing is 'eager' or 'captured', got {a.nccl_timing!r}")
     if a.gemm not in ("masked", "cublas"):
         raise UsageError(f"--gemm is 'masked' or 'cublas', got {a.gemm!r}")
     if a.gemm == "masked" and (a.hidden % 32 or a.expert_dim % 32):
@@ -217,6 +223,7 @@ def launch(
         "repeats": a.repeats,
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
+        "nccl_timing": a.nccl_timing,
         "runs": runs,
     }
     # NOTE: a host rank is one CPU worker: with the BLAS's default of a thread per core, N ranks spin
@@ -331,10 +338,23 @@ def summarize(
         ratios["layout_share_of_dispatch"] = us["peer"]["layout"] / us["peer"]["dispatch"]
         sms = {("peer" if j == 0 else f"peer_{b}"): int(b[2:]) for j, b in enumerate(budgets)}
         sms["nccl"] = {k: os.environ[k] for k in NCCL_CTA_ENV if k in os.environ} or "NCCL's own choice (env unset)"
+        timing = dict(r0.get("timing", {}))
+        if "eager_dispatch" in r0["us"][budgets[0]]:
+            us["peer_eager"] = {p: _slowest(per_rank, i, budgets[0], f"eager_{p}") for p in ("dispatch", "combine",
+                                                                                             "layer")}
+            ratios["peer_eager_dispatch_combine_vs_nccl"] = (
+                (us["peer_eager"]["dispatch"] + us["peer_eager"]["combine"]) / dc["nccl"])
+            ratios["peer_eager_layer_vs_nccl_layer"] = us["peer_eager"]["layer"] / us["nccl"]["layer"]
         runs.append(
             {
                 "label": label,
                 **f,
+                "timing": {
+                    "peer": "captured",
+                    "peer_eager": "eager",
+                    "nccl": {p: timing.get(k, "captured") for p, k in NCCL_PHASES.items()},
+                    "ep1": "captured",
+                },
                 "global_tokens": G * T,
                 "checks": summarize_checks(a, per_rank, e1, i, label, work),
                 "us": us,
@@ -354,6 +374,9 @@ def print_report(report: dict[str, Any]) -> None:
         f"({s['experts'] // G} per rank), top-{s['topk']}, expert dim {s['ffn']}, capacity {report['capacity']}, "
         f"expert GEMMs {report['gemm']}; "
         "µs, slowest rank, median of captured replays"
+        + ("" if report.get("nccl_timing") != "eager" else
+           "; the NCCL path's dispatch/combine/layer and the peer_eager rows are EAGER launches from Python "
+           "(host launch cost included): compare them with each other")
     )
     head = ("dispatch", "layout", "experts", "combine", "reduce", "layer")
     print(f"  {'run':<16} {'path':<12} " + " ".join(f"{h:>9}" for h in head))
@@ -416,6 +439,51 @@ def plot(report: dict[str, Any], path: str) -> None:
     print(f"ep-moe: plot written to {path}")
 
 
+def partial_results(work: Path) -> dict[str, Any]:
+    """What the trays wrote before one failed: {tray name: {"results": [each rank's result_*.json as far as
+    it got], "samples": {file: [one dict per figure]}}} for the trays that started."""
+    import json
+
+    found: dict[str, Any] = {}
+    for name in ("epn", "ep1"):
+        out = work / name
+        if not out.is_dir():
+            continue
+        results = []
+        for f in sorted(out.glob("result_*.json")):
+            try:
+                results.append(json.loads(f.read_text()))
+            except (OSError, ValueError) as exc:
+                results.append({"file": f.name, "unreadable": str(exc)})
+        samples = {}
+        for f in sorted(out.glob("samples_*.jsonl")):
+            lines = []
+            for line in f.read_text().splitlines():
+                try:
+                    lines.append(json.loads(line))
+                except ValueError:
+                    continue  # NOTE: a line cut short by the kill
+            samples[f.name] = lines
+        found[name] = {"results": results, "samples": samples}
+    return found
+
+
+def salvage(a: EpBenchArgs, work: Path, error: str, wall_s: float) -> None:
+    """After a failed tray: write what was measured before it (partial_results) to --json's path, marked
+    partial, with the error; without --json say how many figures were lost."""
+    partial = partial_results(work)
+    figures = sum(len(v) for t in partial.values() for v in t["samples"].values())
+    if a.json_path is None:
+        print(f"ep-moe: {figures} figure(s) were taken before the failure; pass --json PATH to keep them",
+              file=sys.stderr)
+        return
+    report = {"bench": "ep-moe", "partial": True, "error": error, "nprocs": a.nprocs, "backend": a.backend,
+              "nccl_timing": a.nccl_timing, "wall_s": wall_s, "trays": partial}
+    write_report(report, a.json_path, {})
+    print(f"ep-moe: PARTIAL results ({figures} figure(s) taken before the failure) written to {a.json_path}",
+          file=sys.stderr)
+
+
 def run_ep_bench(a: EpBenchArgs) -> int:
     """Check, time, print, write JSON (and a plot). Returns the exit code: 0 passed, 1 failed."""
     validate(a)
@@ -440,6 +508,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
             done("EP1 done")
         except TrayFailed as exc:
             print(f"ep-moe: {exc}", file=sys.stderr)
+            salvage(a, work, str(exc), time.perf_counter() - t0)
             return 1
         stage("ep-moe", 4, 4, "EP-N vs EP1 byte for byte, reports")
         runs = summarize(a, per_rank, ep1, facts, work)
@@ -456,6 +525,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "shape": {"hidden": a.hidden, "experts": a.experts, "topk": a.topk, "ffn": a.expert_dim},
         "capacity": a.capacity,
         "gemm": a.gemm,
+        "nccl_timing": a.nccl_timing,
         "seed": a.seed,
         "repeats": a.repeats,
         "runs": runs,

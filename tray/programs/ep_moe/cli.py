@@ -35,6 +35,10 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--ref-tokens", type=int, default=8,
                    help="evenly spaced tokens of each run checked against float64 (plus, on the first token count "
                    "of each routing, tokens covering every expert)")
+    b.add_argument("--nccl-timing", choices=("eager", "captured"), default="eager",
+                   help="how the NCCL path's programs are timed: 'eager' (launched from Python between an eager "
+                   "barrier and device events; the peer path's dispatch/combine/layer are also timed so, as "
+                   "peer_eager; default) or 'captured' (graph replays, as the peer path)")
     b.add_argument("--plot", default=None, help="PNG of latency vs tokens per rank (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_ep_moe)
 
@@ -74,6 +78,7 @@ def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
             plot_path=args.plot,
             log_dir=args.log_dir,
             keep=args.keep,
+            nccl_timing=args.nccl_timing,
             **extra,
         )
     )

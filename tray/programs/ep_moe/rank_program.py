@@ -8,6 +8,13 @@ dropped pairs, bad ids) against the head's prediction, save the outputs (the hea
 EP1 byte for byte); then time every phase captured, at each SM budget; then replay the captured layer
 once more and check its output equals the eager one. A 1-rank tray is EP1: the same programs (the
 dispatch is a local copy), no NCCL path, plus a float64 reference of sampled tokens.
+
+The NCCL path's programs are timed as cfg["nccl_timing"] says: "eager" (default: launched from Python
+between an eager barrier and device events, the peer path's dispatch/combine/layer timed the same way
+beside them as `eager_*`, and its after-the-timing check an eager rerun) or "captured" (graphs, as the
+peer path). Each figure's timing is recorded in the run's `timing`. After every figure this rank's
+result file is rewritten (`"complete": false` until the end), and the sampler appends each figure to
+`samples_<tag>.jsonl`, so a run that hangs or dies keeps what was measured before it.
 """
 
 from __future__ import annotations
@@ -195,6 +202,16 @@ class MoeRank:
             checks["nccl_equals_peer"] = bool(np.array_equal(outputs["nccl"], outputs["peer"]))
         return checks, outputs
 
+    def rerun_equal(self, tokens: int, steps: Steps, eager: np.ndarray) -> bool:
+        """Poison the outputs, run `steps` eagerly once more (after the timed runs): does out equal the first
+        eager run's?"""
+        self.poison(tokens)
+        self.rank.synchronize()
+        self.rank.barrier_of("world").launch()
+        self.run(steps)
+        self.rank.synchronize()
+        return bool(np.array_equal(self.read_out(tokens), eager))
+
     def replayed_equal(self, tokens: int, steps: Steps, eager: np.ndarray) -> bool:
         """Capture `steps`, poison the outputs, replay the graph once: does out equal the eager run's?"""
         self.run(steps)  # eagerly once: plans and handles are built outside the capture
@@ -210,21 +227,39 @@ class MoeRank:
             graph.close()
         return bool(np.array_equal(self.read_out(tokens), eager))
 
-    def timings(self, sampler: Any, run: dict[str, Any], budgets: list[int]) -> dict[str, dict[str, float]]:
-        """{"sm<N>": {program: us}} for each SM budget N (the first budget also times the NCCL path)."""
-        out: dict[str, dict[str, float]] = {}
+    def timings(self, sampler: Any, run: dict[str, Any], budgets: list[int], nccl_timing: str = "captured",
+                out: dict[str, dict[str, float]] | None = None, timing: dict[str, str] | None = None,
+                save: Callable[[], None] = lambda: None) -> dict[str, dict[str, float]]:
+        """{"sm<N>": {program: us}} for each SM budget N (the first budget also times the NCCL path), filled
+        into `out` figure by figure (`save()` after each); `timing` gets program -> "captured" | "eager"."""
+        out = {} if out is None else out
+        timing = {} if timing is None else timing
+
+        def take(figures: dict[str, float], key: str, steps: Steps, how: str, sms: int) -> None:
+            t0 = time.perf_counter()
+            figures[key] = sampler.us(lambda: self.run(steps), how, label=f"{run['label']} sm{sms} {key}")
+            timing[key] = how
+            print(f"  {key} at {sms} SMs ({how}): {figures[key]:.1f} us ({time.perf_counter() - t0:.2f} s)",
+                  flush=True)
+            save()
+
         for i, sms in enumerate(budgets):
             v = self.budget_vars(run, sms)
             figures: dict[str, float] = {}
-            for name, steps in self.programs(v).items():
+            out[f"sm{v['blocks']}"] = figures
+            progs = self.programs(v)
+            for name, steps in progs.items():
                 if i > 0 and (name.endswith("_nccl") or name in ("experts", "reduce")):
                     continue  # no SM budget applies: cuBLAS, NCCL, and the local reduce
-                t0 = time.perf_counter()
-                figures[name] = sampler.us_per_call(lambda steps=steps: self.run(steps))
-                print(f"  {name} at {sms} SMs: {figures[name]:.1f} us ({time.perf_counter() - t0:.2f} s)", flush=True)
+                take(figures, name, steps, nccl_timing if name.endswith("_nccl") else "captured", sms)
+            if i == 0 and not self.ep1 and nccl_timing == "eager":
+                # NOTE: the NCCL figures include Python's launch cost: the peer path timed the same way is
+                # the fair comparison, reported beside the captured figures, never instead of them
+                for name in ("dispatch", "combine", "layer"):
+                    take(figures, f"eager_{name}", progs[name], "eager", sms)
             if not self.ep1:
                 figures["ceiling_ce"] = self.copy_engine_ceiling(sampler, run["tokens"]) if i == 0 else float("nan")
-            out[f"sm{v['blocks']}"] = figures
+                save()
         return out
 
     def copy_engine_ceiling(self, sampler: Any, tokens: int) -> float:
@@ -243,7 +278,7 @@ class MoeRank:
             barrier.launch()
 
         try:
-            return sampler.us_per_call(body)
+            return sampler.us_per_call(body, label=f"T{tokens} ceiling_ce")
         except TrayError as exc:  # NOTE: a figure we can do without; the kernel ceiling stands
             print(f"copy-engine ceiling failed: {type(exc).__name__}: {exc}", flush=True)
             return float("nan")
@@ -327,7 +362,9 @@ def main(argv: list[str]) -> int:
         rank.exchange("ep.ready", setup_s)
         from tray.bench.timing import Sampler
 
-        sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"])
+        tag = "ep1" if moe.ep1 else f"r{rank.rank}"
+        sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"],
+                          log_path=out_dir / f"samples_{tag}.jsonl")
         # NOTE: a budget above the GPU's SM count is the whole GPU: the same figure, taken once
         budgets = list(dict.fromkeys(min(moe.sms, moe.sms if b == "all" else int(b)) for b in cfg["budgets"]))
         results: dict[str, Any] = {
@@ -336,21 +373,37 @@ def main(argv: list[str]) -> int:
             "setup_s": setup_s,
             "device": rank.backend.info.name,
             "sms": moe.sms,
+            "nccl_timing": cfg.get("nccl_timing", "captured"),
+            "complete": False,
             "runs": [],
         }
-        tag = "ep1" if moe.ep1 else f"r{rank.rank}"
         try:
             run_all(rank, moe, cfg, sampler, budgets, results, tag, out_dir, progress)
         finally:
             moe.close_reference()
-        (out_dir / f"result_{tag}.json").write_text(json.dumps(results, indent=1))
+        results["complete"] = True
+        write_results(out_dir / f"result_{tag}.json", results)
     return 0
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    """Replace `path` with `results` as JSON at once (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(path)
 
 
 def run_all(rank: Any, moe: MoeRank, cfg: dict[str, Any], sampler: Any, budgets: list[int], results: dict[str, Any],
             tag: str, out_dir: Path, progress: Callable[[str, float], None]) -> None:
     """Every run of cfg["runs"]: upload, check, time, check after replays, (EP1) reference; appends to
-    results["runs"]."""
+    results["runs"] when a run starts and rewrites this rank's result file after each step (its entry has
+    "done": false until the run ends)."""
+    nccl_timing = cfg.get("nccl_timing", "captured")
+    path = out_dir / f"result_{tag}.json"
+
+    def save() -> None:
+        write_results(path, results)
+
     for run in cfg["runs"]:
         tokens, cap, label = run["tokens"], run["cap"], run["label"]
         t_run = time.perf_counter()
@@ -358,17 +411,28 @@ def run_all(rank: Any, moe: MoeRank, cfg: dict[str, Any], sampler: Any, budgets:
         v = moe.budget_vars(run, budgets[0])
         moe.upload(tokens, inputs)
         rank.exchange("ep.uploaded", label)
-        entry: dict[str, Any] = {"label": label, "tokens": tokens, "cap": cap}
+        entry: dict[str, Any] = {"label": label, "tokens": tokens, "cap": cap, "done": False}
+        results["runs"].append(entry)
         entry["checks"], eager = moe.check(tokens, inputs, v, out_dir, label)
+        save()
         rank.exchange("ep.checked", label)
         progress(f"{label}: checked", t_run)
-        entry["us"] = moe.timings(sampler, run, budgets)
+        entry["us"], entry["timing"] = {}, {}
+        moe.timings(sampler, run, budgets, nccl_timing, entry["us"], entry["timing"], save)
         rank.exchange("ep.timed", label)
         progress(f"{label}: timed", t_run)
         progs = moe.programs(v)
-        for path, name in (("peer", "layer"), ("nccl", "layer_nccl")):
-            if path in eager:
-                entry["checks"][f"{path}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[path])
+        for p, name in (("peer", "layer"), ("nccl", "layer_nccl")):
+            if p not in eager:
+                continue
+            if p == "nccl" and nccl_timing == "eager":
+                # NOTE: the NCCL path is never captured in this mode: its check after the timed runs is an
+                # eager rerun, said so in the checks
+                entry["checks"]["nccl_after_replay_how"] = "eager rerun"
+                entry["checks"]["nccl_after_replay_equal"] = moe.rerun_equal(tokens, progs[name], eager[p])
+            else:
+                entry["checks"][f"{p}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[p])
+            save()
         progress(f"{label}: outputs after a replay checked", t_run)
         if moe.ep1 and run.get("ref_tokens"):
             t_ref = time.perf_counter()
@@ -376,7 +440,8 @@ def run_all(rank: Any, moe: MoeRank, cfg: dict[str, Any], sampler: Any, budgets:
             progress(f"{label}: float64 reference of {ref['ref_tokens']} tokens, {ref['experts_covered']} experts",
                      t_ref)
         rank.exchange("ep.done", label)
-        results["runs"].append(entry)
+        entry["done"] = True
+        save()
         progress(f"{label}: done", t_run)
 
 
