@@ -50,9 +50,10 @@ def test_a_kernel_without_a_twin_is_named_with_how_to_register_one(tray_env):
 
 
 @pytest.mark.parametrize(
-    "n, tokens, routing, gemm", [(2, "4,40", "uniform,zipf:2", "masked"), (4, "8", "zipf", "cublas")]
+    "n, tokens, routing, gemm, nccl_timing",
+    [(2, "4,40", "uniform,zipf:2", "masked", "eager"), (4, "8", "zipf", "cublas", "captured")],
 )
-def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing, gemm):
+def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing, gemm, nccl_timing):
     out = tmp_path / "ep.json"
     run = tray_env.run(
         [
@@ -72,6 +73,8 @@ def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing, ge
             "--gemm",
             gemm,
             *TINY,
+            "--nccl-timing",
+            nccl_timing,
             "--json",
             str(out),
             *(["--plot", str(tmp_path / "ep.png")] if HAVE_MATPLOTLIB else []),
@@ -91,6 +94,16 @@ def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing, ge
         for path, phases in (("peer", PEER), ("nccl", NCCL), ("ep1", PEER)):
             assert set(r["us"][path]) == phases
             assert all(v > 0 for v in r["us"][path].values()), (path, r["us"][path])
+        # every figure says how it was taken; eager NCCL figures come with eager peer ones beside them
+        assert report["nccl_timing"] == nccl_timing and r["timing"]["peer"] == "captured"
+        moved = {"dispatch", "combine", "layer"}
+        assert r["timing"]["nccl"] == {p: nccl_timing if p in moved else "captured" for p in NCCL}
+        if nccl_timing == "eager":
+            assert set(r["us"]["peer_eager"]) == moved and all(v > 0 for v in r["us"]["peer_eager"].values())
+            assert r["ratios"]["peer_eager_layer_vs_nccl_layer"] > 0
+            assert c["nccl_after_replay_how"] == "eager rerun"
+        else:
+            assert "peer_eager" not in r["us"] and "nccl_after_replay_how" not in c
         assert r["gbps"]["ceiling"] > 0 and r["ratios"]["epn_layer_vs_ep1_layer"] > 0
         assert r["gbps"]["nvlink_bytes_per_rank"] < r["gbps"]["logical_bytes_per_rank"]
         assert r["cap"] == 4 * r["global_tokens"] * 2 // 8 or r["cap"] == r["global_tokens"]

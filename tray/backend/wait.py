@@ -2,9 +2,10 @@
 driver forever (pure Python: the query is passed in, so the host tests drive it with fakes).
 
 A blocking cuStreamSynchronize on a stream whose NCCL kernel waits for a peer that never comes never
-returns; the rank then shows nothing. Polling costs a query per check (about a microsecond on cuda); the
-first check is made at once, then the sleeps grow from FIRST_SLEEP_S to MAX_SLEEP_S, so short waits stay
-short and long ones cost little CPU.
+returns; the rank then shows nothing. Here the query is polled back to back for the first SPIN_S (short
+waits, e.g. a barrier then a sync, end within a query's time, as a spinning cuStreamSynchronize would),
+then between sleeps that grow from FIRST_SLEEP_S to MAX_SLEEP_S (long waits cost little CPU and end at
+most about MAX_SLEEP_S late).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ SYNC_TIMEOUT_ENV = "TRAY_SYNC_TIMEOUT_S"
 # NOTE: generous: the longest single wait in the benches (EP1's experts at 4096 tokens, a cold cuBLAS
 # load before it) is seconds; a hang is minutes.
 DEFAULT_SYNC_TIMEOUT_S = 60.0
-# NOTE: Linux sleeps at least ~50 us; below that a sleep is a yield. Doubling to 1 ms bounds the extra
-# latency of a long wait to about 1 ms.
-FIRST_SLEEP_S = 2e-5
-MAX_SLEEP_S = 1e-3
+# NOTE: measured on the 2-core CPU host: a wait that returns at once costs ~0.1 us over the query itself;
+# a sleep lasts at least ~60 us, so a first sleep after 30 us of work returned 60 us late. Spinning for
+# the first 2 ms keeps short waits exact; past it a wait ends at most ~MAX_SLEEP_S (+ the OS's slack) late.
+SPIN_S = 2e-3
+FIRST_SLEEP_S = 5e-5
+MAX_SLEEP_S = 5e-4
 
 
 def sync_timeout_s() -> float:
@@ -68,14 +71,17 @@ class Pending:
 
 def wait_until(done: Callable[[], bool], what: str, pending: Pending | None = None,
                timeout_s: float | None = None, *, clock: Callable[[], float] = time.monotonic,
-               sleep: Callable[[float], None] = time.sleep) -> None:
+               sleep: Callable[[float], None] = time.sleep, spin_s: float = SPIN_S) -> None:
     """Return once `done()` is true; raise SyncTimeout (naming `what` and `pending.last`) when it is still
     false `timeout_s` (None: sync_timeout_s()) after the first check. `done` raising propagates (a failed
-    query is a device error, not a timeout). Returns 0-cost-ish when already done: one call of `done`."""
+    query is a device error, not a timeout). Already done: one call of `done`, nothing else."""
     if done():
         return
     limit = sync_timeout_s() if timeout_s is None else timeout_s
     start = clock()
+    while clock() - start < min(spin_s, limit):
+        if done():
+            return
     pause = FIRST_SLEEP_S
     while True:
         sleep(pause)

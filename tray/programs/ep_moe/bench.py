@@ -278,6 +278,9 @@ def summarize_checks(
     checks["after_replay_equal"] = all(
         c["peer_after_replay_equal"] and c["nccl_after_replay_equal"] for c in rank_checks
     ) and bool(c1["peer_after_replay_equal"])
+    hows = {c["nccl_after_replay_how"] for c in rank_checks if "nccl_after_replay_how" in c}
+    if hows:  # NOTE: the NCCL path timed eagerly is checked by an eager rerun, not a replay: say so
+        checks["nccl_after_replay_how"] = ", ".join(sorted(hows))
     rel = checks["ep1_vs_float64_rel_err"]
     checks["passed"] = bool(
         checks["peer_rows_differ_from_ep1"] == 0
