@@ -32,7 +32,11 @@ from tray.backend.cuda import memory, nvrtc
 from tray.backend.cuda.barrier import BARRIER_ENTRY, BARRIER_SOURCE, CudaBarrier, kernel_dir
 from tray.backend.cuda.kernels import CudaKernel
 from tray.backend.wait import Pending
-from tray.errors import DeviceError, UsageError
+from tray.errors import DeviceError, SyncTimeout, UsageError
+
+# NOTE: after a wait timed out the stream is presumed stuck (a collective without its peer): closing waits
+# this long for it, not the full TRAY_SYNC_TIMEOUT_S again, so the rank exits and reports promptly.
+CLOSE_AFTER_TIMEOUT_S = 2.0
 
 
 class CudaTimer(Timer):
@@ -140,6 +144,7 @@ class CudaBackend(Backend):
         }
         self._order_events: tuple[Any, Any] | None = None  # (caller -> rank stream, rank -> caller stream)
         self._closed = False
+        self._timed_out = False  # a wait raised SyncTimeout
 
     @classmethod
     def open(cls, ordinal: int) -> CudaBackend:
@@ -222,8 +227,7 @@ class CudaBackend(Backend):
             return
         self.make_current()
         drv.memcpy_htod_async(ptr, data.ctypes.data, data.nbytes, self.stream)
-        drv.stream_wait(self.stream, f"a write of {data.nbytes} B to the device (after the stream's earlier work)",
-                        self.pending)
+        self._wait(self.stream, f"a write of {data.nbytes} B to the device (after the stream's earlier work)")
 
     def read(self, ptr: int, nbytes: int) -> np.ndarray:
         """`nbytes` from device address `ptr` as a new u8 array, after the stream's earlier work."""
@@ -231,15 +235,21 @@ class CudaBackend(Backend):
         if nbytes:
             self.make_current()
             drv.memcpy_dtoh_async(out.ctypes.data, ptr, nbytes, self.stream)
-            drv.stream_wait(self.stream, f"a read of {nbytes} B from the device (after the stream's earlier work)",
-                            self.pending)
+            self._wait(self.stream, f"a read of {nbytes} B from the device (after the stream's earlier work)")
         return out
 
     def synchronize(self) -> None:
         """Wait for the rank's stream; SyncTimeout (naming the last work enqueued) when it is still busy after
         TRAY_SYNC_TIMEOUT_S (default 60 s): a collective whose peer never came would otherwise block forever."""
         self.make_current()
-        drv.stream_wait(self.stream, f"the stream of GPU {self.info.ordinal}", self.pending)
+        self._wait(self.stream, f"the stream of GPU {self.info.ordinal}")
+
+    def _wait(self, stream: Any, what: str) -> None:
+        try:
+            drv.stream_wait(stream, what, self.pending)
+        except SyncTimeout:
+            self._timed_out = True  # NOTE: close() then waits briefly: the stream may never end
+            raise
 
     # --- copies, pinned host memory, GEMM -------------------------------------------------------------
 
@@ -273,7 +283,7 @@ class CudaBackend(Backend):
     def sync_transfer(self) -> None:
         """Wait until every `copy(..., transfer=True)` has landed."""
         if self._transfer is not None:
-            drv.stream_wait(self._transfer, f"the transfer stream of GPU {self.info.ordinal}", self.pending)
+            self._wait(self._transfer, f"the transfer stream of GPU {self.info.ordinal}")
 
     def pinned_host(self, nbytes: int) -> HostMemory:
         """`nbytes` of page-locked host memory on this GPU's NUMA node: allocated under the rank's
@@ -459,9 +469,11 @@ class CudaBackend(Backend):
 
         attempt(drv.ctx_set_current, self.context, self.info.ordinal)
         # nothing in flight may use what is freed next; bounded: a close after a SyncTimeout must not hang
-        attempt(drv.stream_wait, self.stream, f"the stream of GPU {self.info.ordinal} (closing)", self.pending)
+        limit = CLOSE_AFTER_TIMEOUT_S if self._timed_out else None
+        attempt(drv.stream_wait, self.stream, f"the stream of GPU {self.info.ordinal} (closing)", self.pending, limit)
         if self._transfer is not None:
-            attempt(drv.stream_wait, self._transfer, f"the transfer stream of GPU {self.info.ordinal} (closing)")
+            attempt(drv.stream_wait, self._transfer, f"the transfer stream of GPU {self.info.ordinal} (closing)",
+                    None, limit)
         for kind in ("graphs", "timers", "barriers"):
             while self._owned[kind]:
                 attempt(self._owned[kind].pop().close)
