@@ -5,7 +5,8 @@
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
-# Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst tp park
+# Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
+# ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp park
 # bench-barrier bench-startup torch examples nodes2 perf
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
@@ -125,6 +126,11 @@ for s in "${STAGES[@]}"; do
         ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage_live ep_moe_nccl24 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;
         # the capacity a graph must allow with no drop at all (every token of every rank on one expert)
         ep-moe-worst) stage_live ep_moe_worst 120 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity worst --sms all,24 --gemm masked --json "$OUT/ep_moe_worst.json" ;;
+        # the NCCL path timed as captured graphs (the default times it eagerly): a hang must end in a SyncTimeout
+        # naming the pending program after 30 s; NCCL's registration log shows whether it registered the exported
+        # receive buffers at capture. -noreg: the same with NCCL's graph registration off
+        ep-moe-nccl-graph) TRAY_SYNC_TIMEOUT_S=30 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG stage_live ep_moe_nccl_graph 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --log-dir "$LOGS/ep_moe_nccl_graph" --json "$OUT/ep_moe_nccl_graph.json" ;;
+        ep-moe-nccl-graph-noreg) NCCL_GRAPH_REGISTER=0 TRAY_SYNC_TIMEOUT_S=30 stage_live ep_moe_nccl_graph_noreg 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --json "$OUT/ep_moe_nccl_graph_noreg.json" ;;
         tp) stage tp 300 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;

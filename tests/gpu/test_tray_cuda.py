@@ -130,6 +130,36 @@ def test_rank_hangs_in_gpu_barrier_is_named(tray_env):
     assert "BarrierTimeout" in line and "for rank 1" in line
 
 
+def test_a_collective_without_its_peer_ends_in_a_named_sync_timeout(tray_env):
+    n = ngpus()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    run = tray_env.launch(n, """
+    from tray.errors import SyncTimeout
+    os.environ["TRAY_SYNC_TIMEOUT_S"] = "5"
+    with tray.init() as rank:
+        rank.run("step")  # every rank: NCCL joined, the plan built
+        rank.synchronize()
+        rank.exchange("warm", 0)
+        if rank.rank != 0:
+            time.sleep(600)
+        t0 = time.monotonic()
+        rank.run("step")  # rank 0 alone: its allreduce waits for peers that never come
+        try:
+            rank.synchronize()
+        except SyncTimeout:
+            print(f"sync timed out after {time.monotonic() - t0:.1f} s", flush=True)
+            raise
+    """, "--manifest", str(MANIFESTS / "program_smoke.json"), backend="cuda", timeout_s=150)
+    assert run.returncode == 1, run.output
+    waited = float(run.stdout.split("sync timed out after ")[1].split(" s")[0])
+    assert 5.0 <= waited < 15.0, run.output
+    line = next(ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED"))
+    assert "SyncTimeout" in line, run.output
+    assert "program 'step'" in run.output and "nccl allreduce on group 'world'" in run.output
+    assert "peer may have diverged" in run.output
+
+
 def test_programs_on_gpu(tray_env):
     from test_programs import BODY
 
