@@ -300,3 +300,30 @@ def test_a_failed_ep_bench_keeps_the_figures_taken_before(tmp_path, capsys) -> N
     assert "PARTIAL results (1 figure(s)" in capsys.readouterr().err
     salvage(EpBenchArgs(nprocs=2, backend="host"), work, "x", 1.0)
     assert "1 figure(s) were taken before the failure; pass --json PATH" in capsys.readouterr().err
+
+
+# --- the cuda backend's waits and graphs, on a fake driver -------------------------------------------------
+
+
+def test_cuda_backend_sync_names_the_graph_replayed_and_closes_promptly(monkeypatch) -> None:
+    from tray.backend.base import DeviceInfo
+    from tray.backend.cuda.backend import CLOSE_AFTER_TIMEOUT_S, CudaBackend
+
+    monkeypatch.setattr(driver, "cu", fake_cu([FakeResult.CUDA_ERROR_NOT_READY]))  # the stream never ends
+    launched = []
+    for name in ("ctx_set_current", "stream_begin_capture"):
+        monkeypatch.setattr(driver, name, lambda *a: None)
+    monkeypatch.setattr(driver, "stream_end_capture", lambda s: "graph")
+    monkeypatch.setattr(driver, "graph_instantiate", lambda g: "exec")
+    monkeypatch.setattr(driver, "graph_launcher", lambda e, s: lambda: launched.append(e))
+    monkeypatch.setenv(wait.SYNC_TIMEOUT_ENV, "0.05")
+    backend = CudaBackend(DeviceInfo(0, "GPU-x", "0000:00:00.0", -1), device=0, context=None, stream=7,
+                          capability=(9, 0))
+    graph = backend.capture(lambda: [backend.last_work.note(f"program {p!r}") for p in ("a", "b", "a")])
+    backend.last_work.note("program 'c'")
+    graph.replay()
+    assert launched == ["exec"]
+    with pytest.raises(SyncTimeout, match="the stream of GPU 0 was not done") as info:
+        backend.synchronize()
+    assert "a replay of a captured graph of: program 'a'; program 'b'; program 'a'" in str(info.value)
+    assert backend._timed_out and CLOSE_AFTER_TIMEOUT_S < wait.DEFAULT_SYNC_TIMEOUT_S

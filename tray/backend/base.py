@@ -229,12 +229,12 @@ class Backend(abc.ABC):
     info: DeviceInfo
 
     @property
-    def pending(self) -> Pending:
-        """What was last enqueued on the rank's stream, in words (the executor and graph replays set it):
+    def last_work(self) -> Pending:
+        """What was last enqueued on the rank's stream, in words (the executor and graph replays note it):
         a wait that times out names it."""
-        found = self.__dict__.get("_pending")
+        found = self.__dict__.get("_tray_last_work")
         if found is None:
-            found = self.__dict__["_pending"] = Pending()
+            found = self.__dict__["_tray_last_work"] = Pending()
         return found
 
     # --- memory -------------------------------------------------------------------------------

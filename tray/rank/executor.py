@@ -120,7 +120,7 @@ class Executor:
         resolved = self._resolved_program(program, vars)
         steps = [self._step(op) for op in resolved.ops]
         plan = Plan(program=program, steps=steps, describe=describe_program(program, vars, resolved.ops),
-                    pending=self.ctx.backend.pending)
+                    pending=self.ctx.backend.last_work)
         if resolved.graph:
 
             def body() -> None:

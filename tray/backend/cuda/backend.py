@@ -246,7 +246,7 @@ class CudaBackend(Backend):
 
     def _wait(self, stream: Any, what: str) -> None:
         try:
-            drv.stream_wait(stream, what, self.pending)
+            drv.stream_wait(stream, what, self.last_work)
         except SyncTimeout:
             self._timed_out = True  # NOTE: close() then waits briefly: the stream may never end
             raise
@@ -314,11 +314,11 @@ class CudaBackend(Backend):
         self.make_current()
         return self._track("barriers", CudaBarrier(group, flags, peer_flags, kernel, self.stream,
                                                     programmatic=self.capability >= (9, 0),
-                                                    pending=self.pending))
+                                                    pending=self.last_work))
 
     def timer(self) -> CudaTimer:
         self.make_current()
-        return self._track("timers", CudaTimer(self.stream, self.pending))
+        return self._track("timers", CudaTimer(self.stream, self.last_work))
 
     def capture(self, body: Callable[[], None]) -> CudaGraph:
         """Capture what `body` enqueues on the stream (THREAD_LOCAL mode) into an instantiated graph.
@@ -327,14 +327,14 @@ class CudaBackend(Backend):
         """
         self.make_current()
         drv.stream_begin_capture(self.stream)
-        self.pending.start_trail()
+        self.last_work.start_trail()
         try:
             body()
         except BaseException:
-            self.pending.end_trail()
+            self.last_work.end_trail()
             self._abandon_capture()
             raise
-        holds = "; ".join(self.pending.end_trail())
+        holds = "; ".join(self.last_work.end_trail())
         graph = drv.stream_end_capture(self.stream)
         if graph is None:
             raise DeviceError(f"cuStreamEndCapture(device {self.info.ordinal}): the driver returned no graph")
@@ -343,7 +343,7 @@ class CudaBackend(Backend):
         except BaseException:
             drv.graph_destroy(graph)
             raise
-        return self._track("graphs", CudaGraph(graph, graph_exec, self.stream, self.pending, holds))
+        return self._track("graphs", CudaGraph(graph, graph_exec, self.stream, self.last_work, holds))
 
     def close_graphs(self) -> None:
         """Destroy the graphs `capture` made (each at most once; close() does the rest)."""
@@ -470,7 +470,7 @@ class CudaBackend(Backend):
         attempt(drv.ctx_set_current, self.context, self.info.ordinal)
         # nothing in flight may use what is freed next; bounded: a close after a SyncTimeout must not hang
         limit = CLOSE_AFTER_TIMEOUT_S if self._timed_out else None
-        attempt(drv.stream_wait, self.stream, f"the stream of GPU {self.info.ordinal} (closing)", self.pending, limit)
+        attempt(drv.stream_wait, self.stream, f"the stream of GPU {self.info.ordinal} (closing)", self.last_work, limit)
         if self._transfer is not None:
             attempt(drv.stream_wait, self._transfer, f"the transfer stream of GPU {self.info.ordinal} (closing)",
                     None, limit)
