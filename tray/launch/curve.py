@@ -21,6 +21,8 @@ __all__ = ["CurveKeys", "ZapHandler", "job_keys", "make_client", "make_server"]
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _SALT = b"tray job curve v1"
+# NOTE: a port scanner may dial from many addresses; the reports name a few, memory stays bounded.
+MAX_REFUSED_ADDRESSES = 8
 
 
 def _hkdf_sha256(secret: bytes, info: bytes, nbytes: int = 32) -> bytes:
@@ -77,14 +79,15 @@ def make_client(ctx: zmq.Context, keys: CurveKeys, kind: int = zmq.DEALER) -> zm
 
 
 class ZapHandler:
-    """Admits CURVE clients holding the job's client key; refuses (and counts) every other.
+    """Admits CURVE clients holding the job's client key; refuses every other, keeping the first
+    `MAX_REFUSED_ADDRESSES` distinct peer addresses (IP strings, as ZAP gives them) for the reports.
 
     Bind it in the server's context before the server socket binds; call `handle()` whenever `socket`
     is readable (poll it with the server socket)."""
 
     def __init__(self, ctx: zmq.Context, keys: CurveKeys) -> None:
         self._allowed = zmq.utils.z85.decode(keys.client_public)
-        self.refused: list[str] = []  # peer addresses refused, for the head's report
+        self.refused: list[str] = []  # distinct peer addresses refused, oldest first, for the root's reports
         self.socket = ctx.socket(zmq.REP)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(ZAP_ENDPOINT)
@@ -98,7 +101,7 @@ class ZapHandler:
             mechanism = frames[5] if len(frames) > 5 else b""
             key = frames[6] if len(frames) > 6 else b""
             ok = mechanism == b"CURVE" and hmac.compare_digest(key, self._allowed)
-            if not ok:
+            if not ok and address not in self.refused and len(self.refused) < MAX_REFUSED_ADDRESSES:
                 self.refused.append(address)
             code, text = (b"200", b"OK") if ok else (b"400", b"not a key of this job")
             self.socket.send_multipart([version, request_id, code, text, b"head" if ok else b"", b""])

@@ -4,14 +4,17 @@ Heads connect over TCP with CURVE (keys from the job token). The root checks tha
 job (node ranks 0..N-1 once each, one node count, one ranks-per-node, one manifest, one backend, one
 rendezvous id), assembles one table from one offers message per node, gathers per-node votes into
 one decision per step, says go when every node is ready, and ends the job when every node is done.
-The first failure anywhere (a node's report, a lost node, a node that never joined, a refused
-handshake while nodes are missing) becomes the job's root cause, sent to every head as JobStop.
+The first failure anywhere (a node's report, a lost node, a node that never joined) becomes the job's
+root cause, sent to every head as JobStop. A connection that fails its CURVE handshake is not a node
+of this job (a port scanner, a head started with another token): it is counted, logged and ignored,
+so no stranger can stop the job; a join that then times out says how many failed and from where.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +35,9 @@ EXIT_JOB = 1
 EXIT_HANDSHAKE = 3
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# NOTE: failed handshakes are logged at most this often: a head with another token redials every 100 ms,
+# a port scanner faster; one line per interval says how many failed since the last.
+HANDSHAKE_LOG_INTERVAL_S = 5.0
 
 
 def bind_address(host: str, port: int) -> str:
@@ -96,6 +102,10 @@ class Root:
         self.messages_in = 0
         self.messages_out = 0
         self.busy_s = 0.0  # time spent handling messages and ticks: the root's own cost
+        self.handshake_failures = 0  # connections that failed CURVE (a wrong root key, or a key ZAP refused)
+        self.auth_failures = 0  # of those, refused by ZAP: the only ones whose peer address is known
+        self._failures_logged = 0
+        self._last_failure_log: float | None = None
         keys = job_keys(job.token)
         self.zap = ZapHandler(ctx, keys)
         self.sock = make_server(ctx, keys)
@@ -131,13 +141,11 @@ class Root:
             self.zap.handle()
         elif sock is self.monitor:
             while self.monitor.poll(0, zmq.POLLIN):
-                event = recv_monitor_message(self.monitor)
-                if event["event"] in _FAILED_HANDSHAKE and len(self.nodes) < self.nnodes:
-                    missing = self._missing_nodes()
-                    self._stop(None, -1, f"a connection to the root at {self.job.endpoint} failed its CURVE handshake "
-                               f"while node(s) {missing} had not joined: a node started with a different "
-                               "TRAY_JOB_TOKEN (every node needs the same one), or another program dialled this port",
-                               exit_code=EXIT_HANDSHAKE)
+                event = recv_monitor_message(self.monitor)["event"]
+                if event in _FAILED_HANDSHAKE:
+                    self.handshake_failures += 1
+                    self.auth_failures += event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            self._log_handshake_failures()
         else:
             while self.sock.poll(0, zmq.POLLIN):
                 frames = self.sock.recv_multipart()
@@ -273,6 +281,29 @@ class Root:
             if n in self.nodes:
                 self._send_bytes(self.nodes[n].ident, data)
 
+    def _failed_handshakes(self, count: int) -> str:
+        """'3 connections failed the CURVE handshake from 10.0.0.7' (addresses as far as they are known)."""
+        text = f"{count} connection{'s' if count != 1 else ''} failed the CURVE handshake"
+        known = ", ".join(self.zap.refused)
+        if known:
+            text += f" from {known}"
+        if self.handshake_failures > self.auth_failures:  # no ZAP request before the root's key is proven
+            text += (" and from addresses libzmq does not report (peers without the root's key)" if known else
+                     " (libzmq does not report the address of a peer without the root's key)")
+        return text
+
+    def _log_handshake_failures(self) -> None:
+        """One stderr line for the failures not yet logged, at most every HANDSHAKE_LOG_INTERVAL_S."""
+        new = self.handshake_failures - self._failures_logged
+        now = time.monotonic()
+        if new == 0 or (self._last_failure_log is not None
+                        and now - self._last_failure_log < HANDSHAKE_LOG_INTERVAL_S):
+            return
+        self._last_failure_log = now
+        self._failures_logged = self.handshake_failures
+        print(f"tray: root: {self._failed_handshakes(new)} at {self.endpoint}; ignored (not a node of this job; "
+              f"{self.handshake_failures} so far)", file=sys.stderr, flush=True)
+
     # --- time -------------------------------------------------------------------------------------
     def _missing_nodes(self) -> str:
         return ",".join(str(n) for n in range(self.nnodes) if n not in self.nodes) or "none"
@@ -295,12 +326,18 @@ class Root:
             self._last_beat = now
             self._seq += 1
             self._broadcast(jobwire.Beat(token=self.token, node_rank=0, seq=self._seq))
+        self._log_handshake_failures()
         if self.stop is not None or self.ended:
             return
         if len(self.nodes) < self.nnodes and now - self.t_start > self.join_timeout_s:
-            self._stop(None, -1, f"node(s) {self._missing_nodes()} did not join the root at {self.job.endpoint} within "
-                       f"{self.join_timeout_s:.0f} s (not started, a wrong --rdzv-endpoint, or a firewall)",
-                       exit_code=EXIT_HANDSHAKE)
+            late = (f"node(s) {self._missing_nodes()} did not join the root at {self.job.endpoint} within "
+                    f"{self.join_timeout_s:g} s")
+            if self.handshake_failures:
+                why = (f"{self._failed_handshakes(self.handshake_failures)}: a head started with another "
+                       "TRAY_JOB_TOKEN? (every node needs the same one)")
+            else:
+                why = "not started, a wrong --rdzv-endpoint, or a firewall"
+            self._stop(None, -1, f"{late}; {why}", exit_code=EXIT_HANDSHAKE)
             return
         limit = self.job.node_heartbeat_timeout_s
         for n, state in sorted(self.nodes.items()):

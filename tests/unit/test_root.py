@@ -1,0 +1,88 @@
+"""The root's CURVE endpoint during the join: connections that fail the handshake are counted and
+logged, never a reason to stop the job; a join that times out says how many failed and from where."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import zmq
+
+from tray.launch.curve import job_keys, make_client
+from tray.launch.job import JobSpec
+from tray.launch.root import EXIT_HANDSHAKE, Root
+
+TOKEN = "f00dfeedf00dfeedf00dfeedf00dfeed"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stranger(ctx: zmq.Context, port: int, *, knows_root_key: bool) -> zmq.Socket:
+    """A CURVE client without the job's token: a head of another job (both keys wrong) or, knowing the
+    root's public key, one that ZAP refuses (the only kind whose address libzmq reports)."""
+    keys = job_keys("another-token-another-token-0000")
+    sock = make_client(ctx, keys)
+    if knows_root_key:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, job_keys(TOKEN).server_public)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send(b"let me in")
+    return sock
+
+
+def test_strangers_during_the_join_are_ignored_then_counted_in_the_timeout(capsys):
+    port = _free_port()
+    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=1, manifest="m" * 64, backend="host", groups={}, join_timeout_s=1.0)
+    strangers = [_stranger(ctx, port, knows_root_key=k) for k in (False, True)]
+    poller = zmq.Poller()
+    for s in root.sockets():
+        poller.register(s, zmq.POLLIN)
+    failures_before_timeout = 0
+    deadline = time.monotonic() + 10.0
+    try:
+        while root.stop is None and time.monotonic() < deadline:
+            for s, _ in poller.poll(20):
+                root.on_readable(s)
+            if time.monotonic() - root.t_start < root.join_timeout_s:
+                failures_before_timeout = root.handshake_failures
+            root.tick()
+    finally:
+        for s in strangers:
+            s.close()
+        root.close()
+        ctx.term()
+    # the strangers redialled and failed many times before the deadline, and none of it stopped the job
+    assert failures_before_timeout >= 2 and root.auth_failures >= 1
+    assert root.stop is not None and root.stop.exit_code == EXIT_HANDSHAKE
+    summary = root.stop.summary
+    assert summary.startswith(f"node(s) 0,1 did not join the root at 127.0.0.1:{port} within 1 s; "
+                              f"{root.handshake_failures} connections failed the CURVE handshake from 127.0.0.1 "
+                              "and from addresses libzmq does not report"), summary
+    assert summary.endswith("a head started with another TRAY_JOB_TOKEN? (every node needs the same one)"), summary
+    logged = [line for line in capsys.readouterr().err.splitlines() if "failed the CURVE handshake" in line]
+    assert len(logged) == 1, logged  # rate-limited: one line per interval, the first at once
+    assert logged[0].startswith("tray: root: ") and "ignored (not a node of this job" in logged[0], logged
+
+
+def test_a_join_timeout_without_failed_handshakes_keeps_its_hint():
+    port = _free_port()
+    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=1, manifest="m" * 64, backend="host", groups={}, join_timeout_s=0.0)
+    try:
+        time.sleep(0.01)
+        root.tick()
+    finally:
+        root.close()
+        ctx.term()
+    assert root.stop is not None
+    assert "within 0 s; not started, a wrong --rdzv-endpoint, or a firewall" in root.stop.summary
+    assert "CURVE" not in root.stop.summary
