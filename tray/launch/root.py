@@ -282,27 +282,26 @@ class Root:
                 self._send_bytes(self.nodes[n].ident, data)
 
     def _failed_handshakes(self, count: int) -> str:
-        """'3 connections failed the CURVE handshake from 10.0.0.7' (addresses as far as they are known)."""
-        text = f"{count} connection{'s' if count != 1 else ''} failed the CURVE handshake"
+        """'3 connections failed the CURVE handshake from 10.0.0.7', addresses as far as they are known:
+        ZAP gives the address of a refused key, but a peer without the root's key fails before ZAP."""
+        text = f"{count} connection{'s' if count != 1 else ''} failed the CURVE handshake from "
         known = ", ".join(self.zap.refused)
-        if known:
-            text += f" from {known}"
-        if self.handshake_failures > self.auth_failures:  # no ZAP request before the root's key is proven
-            text += (" and from addresses libzmq does not report (peers without the root's key)" if known else
-                     " (libzmq does not report the address of a peer without the root's key)")
-        return text
+        if self.handshake_failures > self.auth_failures:
+            return text + (f"{known} and " if known else "") + "addresses libzmq does not report"
+        return text + (known or "addresses libzmq does not report")
 
-    def _log_handshake_failures(self) -> None:
-        """One stderr line for the failures not yet logged, at most every HANDSHAKE_LOG_INTERVAL_S."""
+    def _log_handshake_failures(self, *, now: bool = False) -> None:
+        """One stderr line for the failures not yet logged, at most every HANDSHAKE_LOG_INTERVAL_S
+        (`now`: regardless of the interval, as the root closes)."""
         new = self.handshake_failures - self._failures_logged
-        now = time.monotonic()
-        if new == 0 or (self._last_failure_log is not None
-                        and now - self._last_failure_log < HANDSHAKE_LOG_INTERVAL_S):
+        t = time.monotonic()
+        if new == 0 or (not now and self._last_failure_log is not None
+                        and t - self._last_failure_log < HANDSHAKE_LOG_INTERVAL_S):
             return
-        self._last_failure_log = now
+        self._last_failure_log = t
         self._failures_logged = self.handshake_failures
-        print(f"tray: root: {self._failed_handshakes(new)} at {self.endpoint}; ignored (not a node of this job; "
-              f"{self.handshake_failures} so far)", file=sys.stderr, flush=True)
+        print(f"tray: root: ignored: {self._failed_handshakes(new)} (not nodes of this job; {self.handshake_failures} "
+              f"so far on {self.endpoint})", file=sys.stderr, flush=True)
 
     # --- time -------------------------------------------------------------------------------------
     def _missing_nodes(self) -> str:
@@ -378,6 +377,7 @@ class Root:
             pass
 
     def close(self) -> None:
+        self._log_handshake_failures(now=True)  # none goes unsaid
         for s in (getattr(self, "monitor", None), self.sock):
             if s is not None:
                 s.close()
