@@ -283,7 +283,8 @@ class Root:
 
     def _failed_handshakes(self, count: int) -> str:
         """'3 connections failed the CURVE handshake from 10.0.0.7', addresses as far as they are known:
-        ZAP gives the address of a refused key, but a peer without the root's key fails before ZAP."""
+        ZAP gives the address of a refused key, but a peer without the root's key fails before ZAP. The
+        addresses are all those known so far (`count` may be the latest few failures only)."""
         text = f"{count} connection{'s' if count != 1 else ''} failed the CURVE handshake from "
         known = ", ".join(self.zap.refused)
         if self.handshake_failures > self.auth_failures:
