@@ -10,9 +10,12 @@ thread while its modules import (`driver_warmup` is that thread's time, overlapp
 With torch importable and GPUs visible, the baseline runs in the same process: torch spawn ->
 init_process_group(nccl) -> first allreduce, with its `import torch` reported apart (`import_s`) and
 the time after it (`after_import_s`) beside tray's time after its imports. Writes JSON (with the
-environment) and prints the ratios.
+environment) and prints the ratios; a progress line per stage. With --plot, a PNG of the slowest rank's
+phases stacked (warm and cold kernel cache), the rest up to the first allreduce on top, and torch's spawn ->
+first allreduce beside them.
 
     python bench/startup.py -n 4 [--backend host|cuda] [--repeats 5] [--json bench/results/startup.json]
+                            [--plot bench/results/startup.png]
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tray.backend import detect_backend
-from tray.bench import median, ratio, write_report
+from tray.bench import median, plot_bars, ratio, require_plot, stage, write_report
+from tray.errors import UsageError
 from tray.launch import TraySpec, run_tray
 from tray.manifest.builtin import builtin_path
 
@@ -72,19 +77,60 @@ def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path) -> dict:
     }
 
 
-def main() -> int:
+BENCH = "startup"
+STAGES = 4
+# The head's phases in the order a rank passes them (its timeline), stacked bottom up in the plot.
+PHASES = ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join", "ready")
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Seconds from launch, stacked: per phase the slowest rank's time (warm: median of the repeats; cold:
+    the first run), then the rest up to the first allreduce (the collectives' join on first use); torch's
+    spawn + import and its init_process_group + first allreduce beside them when it ran."""
+    nan = float("nan")
+    warm, cold, base = report["tray"], report["cold"], report.get("torch")
+    categories = ["tray, warm cache", "tray, cold cache"]
+    runs = [(warm["phases_s"], warm["ready_s"], warm["first_allreduce_s"]),
+            (cold["phases"], cold["ready_s"], cold["first_allreduce_s"])]
+    series = {p: [phases.get(p, nan) for phases, _, _ in runs] for p in PHASES}
+    series["ready -> first allreduce"] = [first - ready for _, ready, first in runs]
+    if base:
+        categories.append("torch")
+        for values in series.values():
+            values.append(nan)
+        series["torch: spawn + import torch"] = [nan, nan, base["first_allreduce_s"] - base["after_import_s"]]
+        series["torch: init + first allreduce"] = [nan, nan, base["after_import_s"]]
+    plot_bars(path, categories, series, stacked=True, ylabel="s from launch (slowest rank per phase)",
+              title=f"startup: {report['nprocs']} ranks, {report['backend']} backend")
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=4)
     ap.add_argument("--backend", default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-baseline", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="the phases stacked, warm vs cold, torch beside them (the `plot` extra)")
+    args = ap.parse_args(argv)
+    try:
+        require_plot(args.plot)
+    except UsageError as exc:
+        ap.error(str(exc))
     backend = args.backend or detect_backend()
+    t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tray-startup-") as tmp:
         cache = Path(tmp) / "kernel-cache"  # empty: the first run compiles (cold), the others load (warm)
+        t0 = stage(BENCH, 1, STAGES, f"{args.n} ranks, {backend} backend: one run with an empty kernel cache")
         cold = tray_once(args.n, backend, Path(tmp), cache)
-        runs = [tray_once(args.n, backend, Path(tmp), cache) for _ in range(args.repeats)]
+        stage(BENCH, 2, STAGES, f"{args.repeats} runs with the kernel cache warm (previous stage "
+                                f"{time.monotonic() - t0:.1f} s)")
+        runs = []
+        for i in range(args.repeats):
+            t_run = time.monotonic()
+            runs.append(tray_once(args.n, backend, Path(tmp), cache))
+            print(f"{BENCH}: run {i + 1}/{args.repeats} in {time.monotonic() - t_run:.1f} s", flush=True)
     phases = sorted({p for r in runs for p in r["phases"]})
     summary = {
         "ready_s": median([r["ready_s"] for r in runs]),
@@ -97,7 +143,10 @@ def main() -> int:
     summary["after_import_s"] = summary["first_allreduce_s"] - summary["phases_s"].get("import", 0.0)
     report = {"bench": "startup", "nprocs": args.n, "backend": backend, "repeats": args.repeats, "tray": summary,
               "cold": {**cold, "kernel_cache": "cold"}, "runs": runs}
-    if backend == "cuda" and not args.no_baseline:
+    with_baseline = backend == "cuda" and not args.no_baseline
+    why_not = "--no-baseline" if args.no_baseline else f"the {backend} backend; it needs torch and GPUs"
+    t0 = stage(BENCH, 3, STAGES, "torch spawn -> first allreduce" if with_baseline else f"no torch baseline ({why_not})")
+    if with_baseline:
         from torch_baselines import torch_startup  # beside this script
 
         base = torch_startup(args.n, args.repeats)
@@ -105,13 +154,15 @@ def main() -> int:
             report["torch"] = base
             report["ratio_first_allreduce_vs_torch"] = ratio(summary["first_allreduce_s"], base["first_allreduce_s"])
             report["ratio_after_import_vs_torch"] = ratio(summary["after_import_s"], base["after_import_s"])
+        else:
+            print(f"{BENCH}: no torch baseline (torch is not importable or sees no GPU)", flush=True)
+    stage(BENCH, 4, STAGES, f"report{' and plot' if args.plot else ''} (previous stage {time.monotonic() - t0:.1f} s)")
     print(f"startup, {args.n} ranks, {backend} backend, median of {args.repeats} (warm kernel cache):")
     print(f"  launch -> all ready          {summary['ready_s']:.3f} s  (cold kernel cache: {cold['ready_s']:.3f} s)")
     print(f"  launch -> first allreduce    {summary['first_allreduce_s']:.3f} s  (of which the collectives' join "
           f"{summary['collectives_s']:.3f} s)")
     print(f"  driver warm-up on a thread   {summary['driver_warmup_s']:.3f} s  (overlaps the imports)")
-    for p in ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
-              "ready"):
+    for p in PHASES:
         if p in summary["phases_s"]:
             print(f"    {p:<14}{summary['phases_s'][p] * 1e3:8.1f} ms (slowest rank)")
     if "torch" in report:
@@ -122,6 +173,10 @@ def main() -> int:
         print(f"  after the imports: tray {summary['after_import_s']:.3f} s, torch {t['after_import_s']:.3f} s; "
               f"ratio {report['ratio_after_import_vs_torch']:.2f}")
     write_report(report, args.json)
+    if args.plot:
+        plot(report, args.plot)
+        print(f"{BENCH}: plot in {args.plot}", flush=True)
+    print(f"{BENCH}: done in {time.monotonic() - t_start:.1f} s", flush=True)
     return 0
 
 

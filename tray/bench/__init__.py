@@ -26,7 +26,7 @@ from tray.errors import UsageError
 
 __all__ = ["Row", "TrayFailed", "buffers_nbytes", "busbw_factor", "environment", "format_gbps", "format_table",
            "invoked_command",
-           "median", "plot_lines", "ratio", "require_plot", "run_rank_program", "stage", "write_report"]
+           "median", "plot_bars", "plot_lines", "ratio", "require_plot", "run_rank_program", "stage", "write_report"]
 
 PLOT_EXTRA = "plot"
 
@@ -211,6 +211,51 @@ def plot_lines(path: str, series: dict[str, tuple[Sequence[float], Sequence[floa
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_bars(path: str, categories: Sequence[str], series: dict[str, Sequence[float]], *, title: str,
+              ylabel: str, stacked: bool = False, log_y: bool = False) -> None:
+    """A PNG at `path`: one bar per (category, series name) side by side, or with `stacked` one bar per
+    category with the series piled in order. series: name -> one value per category (NaN: no bar, as for a
+    figure a run did not take). Needs matplotlib (see `require_plot`); raises ValueError when a series does
+    not have one value per category."""
+    require_plot(path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.0, 4.2))
+    # NOTE: tab10 repeats after ten series (a startup's phases are eleven); tab20 keeps every one apart
+    colors = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
+    xs = list(range(len(categories)))
+    width = 0.6 if stacked else 0.8 / max(1, len(series))
+    bottoms = [0.0] * len(categories)
+    for i, (label, values) in enumerate(series.items()):
+        heights = [float(v) for v in values]
+        if len(heights) != len(categories):
+            raise ValueError(f"series {label!r} has {len(heights)} values for {len(categories)} categories")
+        if stacked:
+            kept = [0.0 if math.isnan(h) else h for h in heights]
+            ax.bar(xs, kept, width, bottom=bottoms, label=label, color=colors[i % len(colors)])
+            bottoms = [b + h for b, h in zip(bottoms, kept, strict=True)]
+        else:
+            offset = (i - (len(series) - 1) / 2) * width
+            ax.bar([x + offset for x in xs], heights, width, label=label, color=colors[i % len(colors)])
+    ax.set_xticks(xs, list(categories))
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if stacked:  # the legend top-down as the pile
+        handles, labels = handles[::-1], labels[::-1]
+    ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
