@@ -133,8 +133,8 @@ for s in "${STAGES[@]}"; do
         ep-moe-nccl-graph-noreg) NCCL_GRAPH_REGISTER=0 TRAY_SYNC_TIMEOUT_S=30 stage_live ep_moe_nccl_graph_noreg 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --json "$OUT/ep_moe_nccl_graph_noreg.json" ;;
         tp) stage tp 300 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
-        bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" ;;
-        bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" ;;
+        bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" --plot "$OUT/peer_barrier.png" ;;
+        bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;
         torch) stage torch 240 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
         nodes2) stage nodes2 300 env OUT="$OUT" LOGS="$LOGS" N="$N" PY=$PY scripts/gpu-nodes2.sh ;;

@@ -1,0 +1,76 @@
+"""The bench scripts beside the figures (bench/peer_barrier.py, bench/startup.py) on host-backend trays:
+a progress line per stage, `--plot` writes a PNG, and without matplotlib `--plot` is a usage error."""
+
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import json
+import sys
+
+import pytest
+from conftest import REPO
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# script -> (its stage prefix, the stages it announces, tiny arguments for a 2-rank host tray)
+BENCHES = {
+    "peer_barrier": ("peer-barrier", 3, ["--iters", "20"]),
+    "startup": ("startup", 4, ["--repeats", "1"]),
+}
+
+
+def run_bench(tray_env, name: str, *extra: str):
+    prefix, stages, tiny = BENCHES[name]
+    run = tray_env.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "-n", "2", "--backend", "host",
+                        *tiny, *extra], timeout_s=120)
+    assert run.returncode == 0, run.output
+    lines = run.stdout.splitlines()
+    for i in range(1, stages + 1):
+        assert any(line.startswith(f"{prefix}: [{i}/{stages}] ") for line in lines), (i, run.stdout)
+    assert any(line.startswith(f"{prefix}: done in ") for line in lines), run.stdout
+    return run
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_a_bench_prints_a_line_per_stage_and_keeps_its_report(tray_env, tmp_path, name):
+    report_path = tmp_path / "report.json"
+    run_bench(tray_env, name, "--json", str(report_path))
+    report = json.loads(report_path.read_text())
+    if name == "peer_barrier":
+        assert report["passed"] and all(report[f"{m}_us"] > 0 for m in ("eager", "eager_sync", "captured"))
+    else:
+        assert report["tray"]["ready_s"] > 0 and report["cold"]["kernel_cache"] == "cold"
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib (the `plot` extra) is not installed")
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_plot_writes_a_png(tray_env, tmp_path, name):
+    png = tmp_path / "plots" / f"{name}.png"
+    run = run_bench(tray_env, name, "--plot", str(png))
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000, run.stdout
+    assert f"plot in {png}" in run.stdout
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_plot_without_matplotlib_is_a_usage_error_naming_the_extra(monkeypatch, capsys, tmp_path, name):
+    real_import = builtins.__import__
+
+    def no_matplotlib(module, *args, **kwargs):
+        if module == "matplotlib" or module.startswith("matplotlib."):
+            raise ImportError(f"No module named {module!r}")
+        return real_import(module, *args, **kwargs)
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the scripts import torch_baselines from beside them
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    png = tmp_path / "x.png"
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["-n", "2", "--backend", "host", "--plot", str(png)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "tray[plot]" in err and "matplotlib" in err, err
+    assert not png.exists()
