@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
               "cold": {**cold, "kernel_cache": "cold"}, "runs": runs}
     with_baseline = backend == "cuda" and not args.no_baseline
     why_not = "--no-baseline" if args.no_baseline else f"the {backend} backend; it needs torch and GPUs"
-    t0 = stage(BENCH, 3, STAGES, "torch spawn -> first allreduce" if with_baseline else f"no torch baseline ({why_not})")
+    what = "torch spawn -> first allreduce" if with_baseline else f"no torch baseline ({why_not})"
+    t0 = stage(BENCH, 3, STAGES, what)
     if with_baseline:
         from torch_baselines import torch_startup  # beside this script
 
