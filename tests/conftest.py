@@ -89,7 +89,9 @@ class Tray:
         return Run(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
 
     def leftovers(self) -> list[str]:
-        left = [f"process {p.pid}: {' '.join(p.cmdline())}" for p in _marked(self.marker)]
+        # NOTE: the command line read when the process was found: asking again races with its exit
+        # (a process that became a zombie in between raised ZombieProcess here).
+        left = [f"process {p.pid}: {' '.join(p.info['cmdline'] or [])}" for p in _marked(self.marker)]
         left += [f"job dir {d}" for d in self.jobs_root.iterdir()]
         if os.path.isdir("/dev/shm"):
             left += [f"shm {s}" for s in set(os.listdir("/dev/shm")) - self.shm_before]
