@@ -64,14 +64,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
                          "tray launch -n 4 -- CMD ARGS...")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    from tray.launch.output import Routing, check_streams, parse_ranks_filter
+    from tray.launch.output import Routing, parse_ranks_filter, parse_streams
 
     job = _job_of(args)
     if job is not None and args.max_restarts:
         raise UsageError("--max-restarts restarts one tray; a job of several nodes restarts as a whole, under its "
                          "scheduler (e.g. sbatch --requeue), so drop --max-restarts with --nnodes")
     backend, nprocs = _backend_and_n(args.backend, job.nproc_per_node if job else args.nprocs)
-    tee, redirects = check_streams("--tee", args.tee), check_streams("--redirects", args.redirects)
+    tee, redirects = parse_streams("--tee", args.tee, nprocs), parse_streams("--redirects", args.redirects, nprocs)
     ranks = parse_ranks_filter(args.local_ranks_filter, nprocs)
     Routing(log_dir=args.log_dir, tee=tee, redirects=redirects)  # refuses --tee/--redirects without --log-dir
     if args.barrier_timeout_s is not None and not 0 < args.barrier_timeout_s < float("inf"):
@@ -155,7 +155,8 @@ examples:
 output: every line a rank writes is printed as "[rank R] line". With --log-dir D, D/rank-R.log gets
 every line, stamped (ISO 8601, ms), and the error report of a rank that failed. --tee/--redirects take
 torchrun's numbers: 0 none, 1 stdout, 2 stderr, 3 both; --tee S: streams S go to the file and the
-terminal; --redirects S: streams S go to the file only. --log-dir alone is --tee 3.
+terminal; --redirects S: streams S go to the file only. S for every rank, or per local rank: --redirects
+0:3,1:2 (ranks not listed: 0). A rank given neither flag (or 0) gets --tee 3: --log-dir alone is --tee 3.
 
 exit codes: 0 every rank exited 0; 1 a rank failed (the root cause is printed first); 2 usage, setup or
 manifest error; 3 the handshake failed (offers disagree, a rank never offered); 130 interrupted.
@@ -200,10 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a manifest var (repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="no startup timeline (rank output and errors stay)")
     p.add_argument("--log-dir", default=None, metavar="DIR", help="keep one log file per rank here (rank-R.log)")
-    p.add_argument("--tee", type=int, default=0, metavar="{0,1,2,3}",
-                   help="streams to the log file AND the terminal: 0 none, 1 stdout, 2 stderr, 3 both")
-    p.add_argument("--redirects", type=int, default=0, metavar="{0,1,2,3}",
-                   help="streams to the log file ONLY: 0 none, 1 stdout, 2 stderr, 3 both")
+    p.add_argument("--tee", default="0", metavar="S|R:S,...",
+                   help="streams to the log file AND the terminal: 0 none, 1 stdout, 2 stderr, 3 both; for every "
+                        "rank, or per local rank as 0:3,1:2 (ranks not listed: 0)")
+    p.add_argument("--redirects", default="0", metavar="S|R:S,...",
+                   help="streams to the log file ONLY: 0 none, 1 stdout, 2 stderr, 3 both; for every rank, or per "
+                        "local rank as 0:3,1:2 (ranks not listed: 0)")
     p.add_argument("--local-ranks-filter", default=None, metavar="R[,R...]",
                    help="show only these ranks' output on the terminal (log files keep every rank's)")
     p.add_argument("--barrier-timeout-s", type=float, default=None, metavar="S",

@@ -1,5 +1,6 @@
-"""What `tray launch` prints and keeps: quiet mode, torchrun's --redirects and --local-ranks-filter, stamped
-log files that hold a failed rank's report, one traceback per failure, a slow rank named slow."""
+"""What `tray launch` prints and keeps: quiet mode, torchrun's --redirects (for every rank or per rank) and
+--local-ranks-filter, stamped log files that hold a failed rank's report, one traceback per failure, a slow
+rank named slow."""
 
 from __future__ import annotations
 
@@ -33,6 +34,22 @@ def test_quiet_redirects_filter_and_logs(tray_env, tmp_path):
     assert any('raise ValueError("boom at rank 1")' in line for line in log1)
     assert run.output.count("Traceback (most recent call last)") == 1, run.output  # printed once, by the head
     assert "FAILED: rank 1 reported ValueError: boom at rank 1" in run.stderr
+
+
+def test_redirects_per_local_rank(tray_env, tmp_path):
+    """--redirects 0:3: rank 0's lines go to its file only; rank 1, not listed, still reaches the terminal."""
+    logs = tmp_path / "logs"
+    body = """
+    with tray.init() as rank:
+        print("out", rank.rank)
+        print("err", rank.rank, file=sys.stderr)
+    """
+    run = tray_env.launch(2, body, "-q", "--log-dir", str(logs), "--redirects", "0:3")
+    assert run.returncode == 0, run.output
+    assert "[rank 0]" not in run.output, run.output
+    assert "[rank 1] out 1" in run.stdout and "[rank 1] err 1" in run.stderr, run.output
+    log0 = (logs / "rank-0.log").read_text()
+    assert "out 0" in log0 and "err 0" in log0, log0
 
 
 def test_a_slow_rank_is_named_slow_not_dead(tray_env):

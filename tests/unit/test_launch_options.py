@@ -10,7 +10,7 @@ import pytest
 
 from tray.cli import build_parser, main
 from tray.errors import BarrierTimeout, ManifestError, UsageError
-from tray.launch.output import BOTH, STDERR, STDOUT, Routing, check_streams, parse_ranks_filter, stamp
+from tray.launch.output import BOTH, STDERR, STDOUT, Routing, check_streams, parse_ranks_filter, parse_streams, stamp
 from tray.launch.pick import check_gpus, warn_if_oversubscribed
 from tray.manifest.load import parse_manifest
 from tray.rank.env import RankEnv
@@ -18,19 +18,59 @@ from tray.rank.env import RankEnv
 
 def test_routing_as_torchrun():
     plain = Routing()
-    assert plain.to_terminal(0, STDOUT) and not plain.to_log(STDOUT)
+    assert plain.to_terminal(0, STDOUT) and not plain.to_log(0, STDOUT)
     logged = Routing(log_dir="d")  # --log-dir alone: both streams to the file and the terminal
-    assert logged.to_log(STDOUT) and logged.to_log(STDERR) and logged.to_terminal(1, STDERR)
+    assert logged.to_log(0, STDOUT) and logged.to_log(1, STDERR) and logged.to_terminal(1, STDERR)
     redirected = Routing(log_dir="d", redirects=STDERR)
-    assert redirected.to_log(STDERR) and not redirected.to_terminal(0, STDERR)
-    assert redirected.to_terminal(0, STDOUT) and not redirected.to_log(STDOUT)
+    assert redirected.to_log(0, STDERR) and not redirected.to_terminal(0, STDERR)
+    assert redirected.to_terminal(0, STDOUT) and not redirected.to_log(0, STDOUT)
     teed = Routing(log_dir="d", tee=STDOUT)
-    assert teed.to_log(STDOUT) and teed.to_terminal(0, STDOUT) and not teed.to_log(STDERR)
+    assert teed.to_log(0, STDOUT) and teed.to_terminal(0, STDOUT) and not teed.to_log(0, STDERR)
     filtered = Routing(log_dir="d", ranks=(0,))
-    assert filtered.to_terminal(0, STDOUT) and not filtered.to_terminal(1, STDOUT) and filtered.to_log(STDOUT)
+    assert filtered.to_terminal(0, STDOUT) and not filtered.to_terminal(1, STDOUT) and filtered.to_log(1, STDOUT)
     assert not Routing(quiet=True).to_terminal(0, STDOUT)
     with pytest.raises(UsageError, match="--redirects needs --log-dir"):
         Routing(redirects=BOTH)
+
+
+def test_routing_per_local_rank():
+    # node 1 of a job with 2 ranks per node: global ranks 2, 3 are local ranks 0, 1
+    routing = Routing(log_dir="d", redirects=(BOTH, 0), tee=(0, STDERR), rank_base=2)
+    assert routing.to_log(2, STDOUT) and routing.to_log(2, STDERR)  # local 0: --redirects 3, the file only
+    assert not routing.to_terminal(2, STDOUT) and not routing.to_terminal(2, STDERR)
+    assert routing.to_log(3, STDERR) and routing.to_terminal(3, STDERR)  # local 1: --tee 2
+    assert not routing.to_log(3, STDOUT) and routing.to_terminal(3, STDOUT)
+    unnamed = Routing(log_dir="d", redirects=(STDOUT, 0))  # a rank given 0 in both: as --log-dir alone
+    assert unnamed.to_log(1, STDOUT) and unnamed.to_log(1, STDERR) and unnamed.to_terminal(1, STDOUT)
+    with pytest.raises(UsageError, match="--tee needs --log-dir"):
+        Routing(tee=(0, STDOUT))
+    Routing(tee=(0, 0), redirects=(0, 0))  # all zero: nothing asked of the files
+
+
+def test_streams_for_every_rank_or_per_local_rank():
+    assert parse_streams("--tee", "3", 4) == 3
+    assert parse_streams("--redirects", "0:3,1:2", 4) == (3, 2, 0, 0)
+    assert parse_streams("--redirects", " 2:1 , 0:0", 3) == (0, 0, 1)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("4", "--redirects expects 0 (none), 1 (stdout), 2 (stderr) or 3 (both), got 4"),
+    ("all", "--redirects expects 0 (none), 1 (stdout), 2 (stderr) or 3 (both) for every rank, or "
+            "LOCAL_RANK:VALUE,... like 0:3,1:2; got 'all'"),
+    ("0:3,1:4", "--redirects 0:3,1:4: local rank 1 is given 4; values are 0 (none)"),
+    ("0:-1", "--redirects 0:-1: local rank 0 is given -1; values are"),
+    ("2:3", "--redirects 2:3: local rank 2 is not one of 0..1 (-n 2)"),
+    ("-1:3", "--redirects -1:3: local rank -1 is not one of 0..1 (-n 2)"),
+    ("0:3,0:1", "--redirects 0:3,0:1: local rank 0 is listed twice"),
+    ("0:3,1", "LOCAL_RANK:VALUE,... like 0:3,1:2; got item '1' in '0:3,1'"),
+    ("0:3,", "got item '' in '0:3,'"),
+    ("0:3:1", "got item '0:3:1' in '0:3:1'"),
+    ("a:3", "got item 'a:3' in 'a:3'"),
+])
+def test_bad_streams_are_one_line_usage_errors(text, message):
+    with pytest.raises(UsageError) as err:
+        parse_streams("--redirects", text, 2)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_stream_numbers_and_rank_filters():
@@ -85,6 +125,8 @@ def test_version(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--tee", "1"], "--tee needs --log-dir"),
     (["--redirects", "5", "--log-dir", "d"], "--redirects expects 0 (none)"),
+    (["--tee", "0:3,2:1", "-n", "2", "--log-dir", "d"], "--tee 0:3,2:1: local rank 2 is not one of 0..1 (-n 2)"),
+    (["--redirects", "0:3", "-n", "2"], "--redirects needs --log-dir"),
     (["--local-ranks-filter", "7", "-n", "2"], "ranks are 0..1 with -n 2"),
     (["--barrier-timeout-s", "0"], "--barrier-timeout-s must be a number of seconds > 0"),
 ])

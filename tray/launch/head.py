@@ -109,7 +109,7 @@ class Head:
         self.resolved = self.manifest.resolve(self.world_size, dict(spec.vars))
         self.placements = placements or [placement_for(None)] * spec.nprocs
         self.routing = Routing(log_dir=spec.log_dir, tee=spec.tee, redirects=spec.redirects,
-                               ranks=spec.local_ranks_filter, quiet=spec.quiet)
+                               ranks=spec.local_ranks_filter, quiet=spec.quiet, rank_base=rank_base)
         self.token = secrets.token_hex(16)
         self.procs: list[RankProcess] = []
         self.offers: dict[int, wire.Offer] = {}

@@ -149,7 +149,7 @@ class OutputPump:
             for src, dst, which in ((proc.popen.stdout, sys.stdout, STDOUT), (proc.popen.stderr, sys.stderr, STDERR)):
                 if src is not None:
                     stream = _Stream(proc, src, dst if routing.to_terminal(proc.rank, which) else None,
-                                     log if routing.to_log(which) else None)
+                                     log if routing.to_log(proc.rank, which) else None)
                     self._sel.register(src.fileno(), selectors.EVENT_READ, stream)
         self._drain_until: float | None = None
         self._lock = threading.Lock()

@@ -30,9 +30,10 @@ class TraySpec:
     # after a failure (exit 1 or 3), tear down and start again up to this many times
     max_restarts: int = 0
     # which rank streams go to --log-dir files (bits: 1 stdout, 2 stderr), and which of those also to the
-    # terminal (tee) or only to the file (redirects); ranks whose output the terminal shows (None: all)
-    tee: int = 0
-    redirects: int = 0
+    # terminal (tee) or only to the file (redirects): one value for every rank, or a tuple with one per local
+    # rank (tray.launch.output.parse_streams); ranks whose output the terminal shows (None: all)
+    tee: int | tuple[int, ...] = 0
+    redirects: int | tuple[int, ...] = 0
     local_ranks_filter: tuple[int, ...] | None = None
     # the barrier timeout of the ranks' programs (TRAY_BARRIER_TIMEOUT_S); None: the manifest's or 2 s
     barrier_timeout_s: float | None = None
