@@ -4,6 +4,7 @@ host backend; the heads talk to node 0's root over TCP with CURVE."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -184,8 +185,9 @@ def test_a_killed_head_is_named_within_the_timeout(tray_env, victim):
 
 
 def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
-    """The head with the wrong token fails at once (its handshake with the root fails); node 0 waits for
-    the join deadline (a failed handshake may be a stranger's), then names the failed handshakes."""
+    """The head with the wrong token fails at once (its handshake with the root fails) and stops dialling;
+    node 0 waits for the join deadline (a failed handshake may be a stranger's), then names the failed
+    handshakes: one or two, not one per reconnect interval until node 1's ranks had stopped."""
     body = """
     with tray.init() as rank:
         rank.barrier()
@@ -201,6 +203,8 @@ def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
     cause = _root_cause(runs[0])
     assert "node(s) 1 did not join" in cause and "failed the CURVE handshake" in cause, runs[0].output
     assert "a head started with another TRAY_JOB_TOKEN?" in cause, runs[0].output
+    failed = re.search(r"; (\d+) connections? failed the CURVE handshake", cause)
+    assert failed and 1 <= int(failed.group(1)) <= 2, cause
 
 
 def test_a_stranger_dialling_the_root_during_the_join_does_not_stop_the_job(tray_env):

@@ -1,5 +1,6 @@
 """The root's CURVE endpoint during the join: connections that fail the handshake are counted and
-logged, never a reason to stop the job; a join that times out says how many failed and from where."""
+logged, never a reason to stop the job; a join that times out says how many failed and from where; a head
+with another token stops dialling at its first failed handshake."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import time
 import pytest
 import zmq
 
+from tray.handshake import jobwire
 from tray.launch.curve import job_keys, make_client
 from tray.launch.job import JobSpec
+from tray.launch.node import NodeLink
 from tray.launch.root import EXIT_HANDSHAKE, Root
 
 TOKEN = "f00dfeedf00dfeedf00dfeedf00dfeed"
@@ -92,3 +95,42 @@ def test_a_join_timeout_without_failed_handshakes_keeps_its_hint():
     assert root.stop is not None
     assert "within 0 s; not started, a wrong --rdzv-endpoint, or a firewall" in root.stop.summary
     assert "CURVE" not in root.stop.summary
+
+
+def test_a_head_with_another_token_stops_dialling_at_its_first_failed_handshake():
+    port = _free_port()
+    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    other = JobSpec(nnodes=2, node_rank=1, root_host="127.0.0.1", root_port=port, rdzv_id="test",
+                    token="another-token-another-token-0000", source="cli")
+    join = jobwire.NodeJoin(token=other.token, node_rank=1, nnodes=2, local_world_size=1, rdzv_id="test",
+                            hostname="h", pid=1, manifest="m" * 64, backend="host")
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=1, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
+    link = NodeLink(ctx, other, join, connect_timeout_s=30.0)
+    poller = zmq.Poller()
+    for s in (*root.sockets(), link.monitor):
+        poller.register(s, zmq.POLLIN)
+    # NOTE: the link redials every 100 ms (RECONNECT_IVL); 1 s after its refusal a head that kept
+    # dialling would have failed ~10 more handshakes at the root
+    refused_at = None
+    deadline = time.monotonic() + 10.0
+    try:
+        while time.monotonic() < deadline and (refused_at is None or time.monotonic() - refused_at < 1.0):
+            for s, _ in poller.poll(20):
+                if s is link.monitor:
+                    link.on_monitor()
+                else:
+                    root.on_readable(s)
+            root.tick()
+            if link.refused and refused_at is None:
+                refused_at = time.monotonic()
+                assert link.closed
+                poller.unregister(link.monitor)  # closed with the link
+    finally:
+        link.close()
+        root.close()
+        ctx.term()
+    assert refused_at is not None, "the link never saw its handshake fail"
+    assert "refused this node's CURVE handshake: TRAY_JOB_TOKEN differs" in (link.tick() or "")
+    assert 1 <= root.handshake_failures <= 2, root.handshake_failures

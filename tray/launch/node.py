@@ -97,6 +97,8 @@ class NodeLink:
         self.send(join)
 
     def send(self, msg: Any) -> None:
+        if self.closed:  # refused by the root: nothing sent can reach it
+            return
         try:
             self.sock.send(msg.to_msgpack(), zmq.NOBLOCK)
         except zmq.Again:  # not connected yet and the queue is full: heartbeats will tell
@@ -104,8 +106,8 @@ class NodeLink:
 
     def receive(self) -> list[Any]:
         """Every pending message from the root (malformed ones dropped: only the root can send here)."""
-        out = []
-        while self.sock.poll(0, zmq.POLLIN):
+        out: list[Any] = []
+        while not self.closed and self.sock.poll(0, zmq.POLLIN):
             data = self.sock.recv()
             self.last_heard = time.monotonic()
             try:
@@ -115,9 +117,17 @@ class NodeLink:
         return out
 
     def on_monitor(self) -> None:
-        while self.monitor.poll(0, zmq.POLLIN):
+        """Read the link's monitor events; at the first failed handshake, close the link (`refused`)."""
+        while not self.refused and self.monitor.poll(0, zmq.POLLIN):
             if recv_monitor_message(self.monitor)["event"] in _FAILED_HANDSHAKE:
                 self.refused = True
+                # NOTE: closed, not disconnected: libzmq 4.3 keeps redialling a disconnected endpoint until the
+                # socket closes, every 100 ms one more failed handshake at the root; a refusal stays a refusal.
+                self.close(linger_ms=0)
+
+    @property
+    def closed(self) -> bool:
+        return self.sock.closed
 
     def tick(self) -> str | None:
         """Send a heartbeat when due; the reason this node must stop, if the root is lost or refused it."""
@@ -127,7 +137,7 @@ class NodeLink:
             self._seq += 1
             self.send(jobwire.Beat(token=self.job.token, node_rank=self.job.node_rank, seq=self._seq))
         where = f"the root (node 0 at {self.job.endpoint})"
-        if self.refused and self.last_heard is None:
+        if self.refused:
             return (f"{where} refused this node's CURVE handshake: TRAY_JOB_TOKEN differs from node 0's (every node "
                     "needs the same token), or something else listens on that port")
         if self.last_heard is None:
@@ -141,10 +151,13 @@ class NodeLink:
                     "s): node 0's head was killed, its machine is down, or the network is cut")
         return None
 
-    def close(self) -> None:
+    def close(self, linger_ms: int | None = None) -> None:
+        """Close the link (again: nothing); `linger_ms` overrides the socket's LINGER."""
+        if self.closed:
+            return
         self.sock.disable_monitor()
         self.monitor.close()
-        self.sock.close()
+        self.sock.close(linger=linger_ms)
 
 
 class NodeHead(Head):
@@ -273,11 +286,13 @@ class NodeHead(Head):
         """After a local failure: keep serving the root and the link until the job's verdict arrives."""
         if self.failure is None or self.job_stop is not None or self.link is None or self._root_lost:
             return
+        if self.link.closed:  # refused by the root while the ranks were stopping: no verdict can come
+            return
         poller = zmq.Poller()
         for s in self._extra_sockets():
             poller.register(s, zmq.POLLIN)
         deadline = time.monotonic() + min(VERDICT_WAIT_S, self.job.node_heartbeat_timeout_s)
-        while self.job_stop is None and time.monotonic() < deadline:
+        while self.job_stop is None and not self.link.closed and time.monotonic() < deadline:
             for s, _ in poller.poll(20):
                 self._on_extra(s)
             if self.root is not None:
