@@ -156,7 +156,7 @@ output: every line a rank writes is printed as "[rank R] line". With --log-dir D
 every line, stamped (ISO 8601, ms), and the error report of a rank that failed. --tee/--redirects take
 torchrun's numbers: 0 none, 1 stdout, 2 stderr, 3 both; --tee S: streams S go to the file and the
 terminal; --redirects S: streams S go to the file only. S for every rank, or per local rank: --redirects
-0:3,1:2 (ranks not listed: 0). A rank given neither flag (or 0) gets --tee 3: --log-dir alone is --tee 3.
+0:3,1:2 (ranks not listed: 0). A rank given 0 by both flags gets --tee 3: --log-dir alone is --tee 3.
 
 exit codes: 0 every rank exited 0; 1 a rank failed (the root cause is printed first); 2 usage, setup or
 manifest error; 3 the handshake failed (offers disagree, a rank never offered); 130 interrupted.
