@@ -73,6 +73,8 @@ start_munge() {
     chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge
     chmod 400 /etc/munge/munge.key
     runuser -u munge -- munged
+    # NOTE: only a munged this script started is stopped by `stop` (one already running is someone's)
+    pgrep -n -u munge -x munged > "$D/munged.pid" || true
 }
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -100,7 +102,7 @@ start() {
 
 stop() {
     local pids=""
-    for f in "$D"/slurmd-*.pid "$D/slurmctld.pid"; do
+    for f in "$D"/slurmd-*.pid "$D/slurmctld.pid" "$D/munged.pid"; do
         [ -f "$f" ] && pids="$pids $(cat "$f")"
     done
     for p in $pids; do kill "$p" 2>/dev/null || true; done
