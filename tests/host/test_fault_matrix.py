@@ -219,12 +219,15 @@ with tray.init() as rank:
         if head.poll() is None:
             head.kill()
         head.stdout.close()
-    assert os.path.exists(f"/dev/shm/{name}")
-    assert len(list(tray_env.jobs_root.iterdir())) == 1
-    run = tray_env.launch(1, "pass")
-    assert run.returncode == 0, run.output
-    assert not os.path.exists(f"/dev/shm/{name}")
-    assert list(tray_env.jobs_root.iterdir()) == []
+    try:
+        assert os.path.exists(f"/dev/shm/{name}")
+        assert len(list(tray_env.jobs_root.iterdir())) == 1
+        run = tray_env.launch(1, "pass")
+        assert run.returncode == 0, run.output
+        assert not os.path.exists(f"/dev/shm/{name}")
+        assert list(tray_env.jobs_root.iterdir()) == []
+    finally:
+        Path("/dev/shm", name).unlink(missing_ok=True)  # a failed run must not leave the segment behind
 
 
 def test_sweep_spares_a_live_job_dir_whose_pid_it_cannot_see(tray_env):

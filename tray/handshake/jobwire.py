@@ -12,13 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeAlias
 
-import msgpack  # type: ignore[import-untyped]
-
 from tray.errors import WireError
 from tray.handshake import wire
 from tray.handshake.wire import (
-    _ENVELOPE,
-    MAX_MESSAGE_NBYTES,
     PROTOCOL_VERSION,
     Offer,
     _as_float,
@@ -28,11 +24,7 @@ from tray.handshake.wire import (
     _as_map,
     _as_plain,
     _as_str,
-    _check_token,
-    _check_version,
     _fields,
-    _show,
-    _unpack,
 )
 
 # (value, field path) -> checked value; `_offers` also takes the enclosing token
@@ -86,10 +78,10 @@ def _to_wire(value: Any) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class _JobMessage:
-    KIND: ClassVar[str]
+class _JobMessage(wire._Message):
+    """A head <-> root message: its fields and their checks in FIELDS; encoded as every wire message."""
+
     FIELDS: ClassVar[dict[str, Check]]
-    token: str
 
     def to_body(self) -> dict[str, Any]:
         body = {"kind": self.KIND, "v": PROTOCOL_VERSION, "token": self.token}
@@ -107,21 +99,6 @@ class _JobMessage:
             else:
                 values[name] = check(b[name], prefix + name)
         return cls(token=token, **values)
-
-    def to_msgpack(self) -> bytes:
-        """The wire bytes; raises WireError when the peer would refuse them (checked here first)."""
-        try:
-            body = self.to_body()
-            type(self).from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
-            data: bytes = msgpack.packb(body, use_bin_type=True)
-        except WireError as e:
-            raise WireError(f"cannot encode {self.KIND}: {e.reason}") from None
-        except (AttributeError, TypeError, ValueError, OverflowError) as e:
-            raise WireError(f"cannot encode {self.KIND}: {type(e).__name__}: {_show(str(e), 200)}") from None
-        if len(data) > MAX_MESSAGE_NBYTES:
-            raise WireError(f"cannot encode {self.KIND}: {len(data)} bytes exceeds the limit of "
-                            f"{MAX_MESSAGE_NBYTES} bytes")
-        return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +193,9 @@ _FAILURE_FIELDS: dict[str, Check] = {"node_rank": _int(-1), "rank": _int(-1), "s
 
 
 @dataclass(frozen=True, slots=True)
-class NodeFailure(_JobMessage):
-    """head -> root: the first failure on this node (`rank` -1: the node as a whole)."""
+class _FailureMessage(_JobMessage):
+    """A failure: on which node and rank (-1: the node as a whole), why, its report and last lines."""
 
-    KIND: ClassVar[str] = "node_failure"
     FIELDS: ClassVar[dict[str, Check]] = _FAILURE_FIELDS
     node_rank: int
     rank: int
@@ -230,17 +206,17 @@ class NodeFailure(_JobMessage):
 
 
 @dataclass(frozen=True, slots=True)
-class JobStop(_JobMessage):
+class NodeFailure(_FailureMessage):
+    """head -> root: the first failure on this node (`rank` -1: the node as a whole)."""
+
+    KIND: ClassVar[str] = "node_failure"
+
+
+@dataclass(frozen=True, slots=True)
+class JobStop(_FailureMessage):
     """root -> every head: the job's root cause (the first failure anywhere); stop every rank."""
 
     KIND: ClassVar[str] = "job_stop"
-    FIELDS: ClassVar[dict[str, Check]] = _FAILURE_FIELDS
-    node_rank: int
-    rank: int
-    summary: str
-    report: str
-    tail: tuple[str, ...]
-    exit_code: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,22 +256,4 @@ KINDS: dict[str, type[JobMessage]] = {cls.KIND: cls for cls in (
 
 def decode(data: bytes, *, token: str, sender: str | None = None) -> JobMessage:
     """Check and decode one job message; raises WireError (only) saying what was expected and seen."""
-    try:
-        if len(data) > MAX_MESSAGE_NBYTES:
-            raise WireError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_NBYTES} bytes")
-        body = _unpack(data)
-        if type(body) is not dict:
-            raise WireError(f"expected a map at top level, got {type(body).__name__}")
-        _check_version(body, sender)
-        kind = body.get("kind")
-        if type(kind) is not str or kind not in KINDS:
-            raise WireError(f"unknown kind {_show(kind)}; expected one of {', '.join(sorted(KINDS))}")
-        _check_token(body, token)
-        try:
-            return KINDS[kind].from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
-        except WireError as e:
-            raise WireError(f"{kind}: {e.reason}") from None
-    except WireError as e:
-        raise WireError(e.reason, sender) from None
-    except (ValueError, TypeError, OverflowError, RecursionError, UnicodeError, KeyError) as e:
-        raise WireError(f"malformed message ({type(e).__name__}: {_show(str(e), 200)})", sender) from None
+    return wire.decode_kinds(KINDS, data, token=token, sender=sender)  # type: ignore[no-any-return]

@@ -598,8 +598,14 @@ def decode(data: bytes, *, token: str | None, sender: str | None = None) -> Mess
     """Check and decode one message. `token`: the tray's token (None: accept any); `sender`: who sent
     it (e.g. "rank-3"), named in the error. Raises WireError (and nothing else) saying what was
     expected and what was seen; the token is never echoed."""
+    return decode_kinds(KINDS, data, token=token, sender=sender)  # type: ignore[no-any-return]
+
+
+def decode_kinds(kinds: dict[str, Any], data: bytes, *, token: str | None, sender: str | None = None) -> Any:
+    """`decode` over another protocol's message classes `kinds` (KIND -> class with from_body), e.g. the
+    head <-> root messages of tray.handshake.jobwire: the same envelope, limits and errors."""
     try:
-        return _decode(data, token, sender)
+        return _decode(data, token, sender, kinds)
     except WireError as e:
         raise WireError(e.reason, sender) from None
     except (ValueError, TypeError, OverflowError, RecursionError, UnicodeError, KeyError) as e:
@@ -607,7 +613,7 @@ def decode(data: bytes, *, token: str | None, sender: str | None = None) -> Mess
         raise WireError(f"malformed message ({type(e).__name__}: {_show(str(e), 200)})", sender) from None
 
 
-def _decode(data: bytes, token: str | None, sender: str | None) -> Message:
+def _decode(data: bytes, token: str | None, sender: str | None, kinds: dict[str, Any]) -> Any:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"expected bytes, got {_tn(data)}")
     nbytes = len(data)
@@ -620,11 +626,11 @@ def _decode(data: bytes, token: str | None, sender: str | None) -> Message:
     if "kind" not in body:
         raise WireError("missing field 'kind'")
     kind = body["kind"]
-    if type(kind) is not str or kind not in KINDS:
-        raise WireError(f"unknown kind {_show(kind)}; expected one of {', '.join(sorted(KINDS))}")
+    if type(kind) is not str or kind not in kinds:
+        raise WireError(f"unknown kind {_show(kind)}; expected one of {', '.join(sorted(kinds))}")
     _check_token(body, token)
     try:
-        return KINDS[kind].from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
+        return kinds[kind].from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
     except WireError as e:
         raise WireError(f"{kind}: {e.reason}") from None
 
