@@ -30,10 +30,16 @@ def test_layout_reports_drops_and_bad_ids_on_gpu(tray_env):
 
 
 @pytest.mark.parametrize(
-    "tokens, routing, capacity, gemm",
-    [("64,300", "uniform,zipf:1.5", "4", "masked"), ("64", "zipf", "worst", "masked"), ("64", "zipf", "4", "cublas")],
+    "tokens, routing, capacity, gemm, nccl_timing",
+    [
+        ("64,300", "uniform,zipf:1.5", "4", "masked", "eager"),
+        ("64", "zipf", "worst", "masked", "eager"),
+        ("64", "zipf", "4", "cublas", "eager"),
+        # NCCL captured in a graph registers the send/recv buffers (local ones included) with its peers
+        ("64", "uniform", "4", "masked", "captured"),
+    ],
 )
-def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, gemm):
+def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, gemm, nccl_timing):
     if visible_gpus() < 2:
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "ep.json"
@@ -48,7 +54,7 @@ def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, g
         "--backend",
         "cuda",
         "--tokens",
-        "64,300",
+        tokens,
         "--hidden",
         "1024",
         "--experts",
@@ -61,6 +67,10 @@ def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, g
         routing,
         "--capacity",
         capacity,
+        "--gemm",
+        gemm,
+        "--nccl-timing",
+        nccl_timing,
         "--sms",
         "all,8",
         "--repeats",

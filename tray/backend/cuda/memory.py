@@ -91,7 +91,11 @@ def allocate(name: str, nbytes: int, ordinal: int, stream: Any, export: bool, fa
     """
     if nbytes < 0:
         raise UsageError(f"buffer {name!r}: nbytes must be >= 0, got {nbytes}")
-    types = (drv.HANDLE_POSIX | (drv.HANDLE_FABRIC if fabric else 0)) if export else 0
+    # NOTE: local buffers ask for a POSIX handle too, though tray never exports them: NCCL's user-buffer
+    # registration (graph capture, ncclCommRegister) exports any cuMem allocation it is handed as a POSIX fd,
+    # and an allocation without a shareable type fails that export, after which NCCL 2.28.9's captured
+    # alltoall on 2x H200 never completed. No fd is created here unless `export`.
+    types = drv.HANDLE_POSIX | (drv.HANDLE_FABRIC if export and fabric else 0)
     granularity = drv.allocation_granularity(ordinal, types)
     size = round_up(nbytes, granularity)
     with ExitStack() as stack:
