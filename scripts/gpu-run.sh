@@ -8,6 +8,7 @@
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp park
 # bench-barrier bench-startup torch examples nodes2 perf
+# EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
@@ -119,9 +120,9 @@ for s in "${STAGES[@]}"; do
         # mean rows per expert (drops counted); peer kernels on every SM and on 24; expert GEMMs masked by the
         # device counts (ep-moe-cublas: a cuBLAS GEMM per expert over all cap rows instead)
         # (expected ~60 s at 2 ranks; bounded at 200 s). ep-moe-quick: 128 tokens/rank, every SM (expected ~30 s)
-        ep-moe) stage_live ep_moe 200 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
+        ep-moe) stage_live ep_moe 200 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked ${EP_ARGS:-} --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
         ep-moe-quick) stage_live ep_moe_quick 90 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm masked --json "$OUT/ep_moe_quick.json" ;;
-        ep-moe-cublas) stage_live ep_moe_cublas 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas --json "$OUT/ep_moe_cublas.json" ;;
+        ep-moe-cublas) stage_live ep_moe_cublas 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas ${EP_ARGS:-} --json "$OUT/ep_moe_cublas.json" ;;
         # the NCCL path at the peer path's small SM budget: NCCL limited to 24 CTAs (recorded in the JSON's sms.nccl)
         ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage_live ep_moe_nccl24 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;
         # the capacity a graph must allow with no drop at all (every token of every rank on one expert)
