@@ -9,9 +9,12 @@
 // checks); partial tiles in M and N are masked.
 //
 // Block: 128 threads = 4 warps in a 2 x 2 grid over a 64 x 128 tile of C; each warp owns 32 x 64 (2 x 8
-// mma tiles of 16 x 8). K advances 32 at a time through shared memory; the next tile's global loads are
-// issued into registers before the current tile is multiplied. Shared rows are padded to 40 bf16 (80 B),
-// so the fragment loads (8 rows x 4 words per warp) hit 32 distinct banks.
+// mma tiles of 16 x 8). K advances 32 at a time through a ring of GEMM_STAGES shared-memory stages filled
+// by cp.async (global -> shared without registers): while one stage is multiplied, the next
+// GEMM_STAGES - 1 are in flight. At decode sizes an expert has a few rows, so the kernel streams weights:
+// its speed is the bytes in flight per SM (3 stages x 12 KiB per block, up to 4 blocks per SM), not the
+// tensor cores. Shared rows are padded to 40 bf16 (80 B), so the fragment loads (8 rows x 4 words per
+// warp) hit 32 distinct banks; 3 stages x (64 + 128) rows x 80 B = 45 KiB, under the 48 KiB static limit.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16): lane = 4 g + t; A regs {row g, cols 2t..2t+1},
 // {row g+8, same cols}, {row g, cols 2t+8..}, {row g+8, cols 2t+8..}; B regs {k 2t..2t+1, col g},
@@ -23,6 +26,7 @@
 #define GEMM_BK 32
 #define GEMM_PAD 40
 #define GEMM_THREADS 128
+#define GEMM_STAGES 3
 
 __device__ __forceinline__ unsigned int gemm_f32_to_bf16(float f) {
     unsigned int u = __float_as_uint(f);
@@ -44,32 +48,47 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float* d, const unsigned int* 
 }
 #endif
 
-// Rows [row0, row0 + rows) of a [.][K] bf16 matrix, columns k0 .. k0 + 31, as 16-byte vectors: vector v
-// of this thread's `count` is row (tid + v * 128) / 4, columns k0 + 8 * ((tid + v * 128) % 4); rows at
-// or beyond `limit` load zeros.
-__device__ __forceinline__ void gemm_load(uint4* regs, int count, const uint4* src, long long row0, int limit,
-                                          int K, int k0, int tid) {
+// One 16-byte global -> shared copy in flight (cp.async.cg: cached in L2 only, the weights are read once);
+// `valid` false writes 16 zero bytes and reads nothing (src-size 0), so masked rows need no branch later.
+__device__ __forceinline__ void gemm_cp16(unsigned short* dst, const uint4* src, bool valid) {
+#ifdef TRAY_EMULATED
+    emu_cp_async(dst, src, valid ? 16 : 0);
+#else
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void gemm_cp_commit() {
+#ifdef TRAY_EMULATED
+    emu_cp_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Wait until at most GEMM_STAGES - 2 of this thread's committed groups are still in flight.
+__device__ __forceinline__ void gemm_cp_wait() {
+#ifdef TRAY_EMULATED
+    emu_cp_wait(GEMM_STAGES - 2);
+#else
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(GEMM_STAGES - 2) : "memory");
+#endif
+}
+
+// Rows [row0, row0 + limit) of a [.][K] bf16 matrix, columns k0 .. k0 + 31, into a padded shared tile of
+// `count` * 32 rows: vector v of this thread is tile row (tid + v * 128) / 4, columns 8 * ((tid + v * 128) % 4);
+// rows at or beyond `limit` are zero-filled (their source address stays row0's, which is in bounds).
+__device__ __forceinline__ void gemm_issue(unsigned short* tile, int count, const uint4* src, long long row0,
+                                           int limit, int K, int k0, int tid) {
 #pragma unroll
     for (int v = 0; v < count; ++v) {
         const int i = tid + v * GEMM_THREADS;
         const int r = i >> 2;
         const int c = (i & 3) * 8;
-        if (r < limit) {
-            regs[v] = src[((row0 + r) * K + k0 + c) / 8];
-        } else {
-            regs[v].x = 0u;
-            regs[v].y = 0u;
-            regs[v].z = 0u;
-            regs[v].w = 0u;
-        }
-    }
-}
-
-__device__ __forceinline__ void gemm_store(unsigned short* tile, const uint4* regs, int count, int tid) {
-#pragma unroll
-    for (int v = 0; v < count; ++v) {
-        const int i = tid + v * GEMM_THREADS;
-        *(uint4*)(tile + (i >> 2) * GEMM_PAD + (i & 3) * 8) = regs[v];
+        const bool valid = r < limit;
+        gemm_cp16(tile + r * GEMM_PAD + c, src + ((row0 + (valid ? r : 0)) * K + k0 + c) / 8, valid);
     }
 }
 
@@ -96,8 +115,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
     if (m0 >= present) {
         return;  // the whole block: no thread has reached a barrier
     }
-    __shared__ __align__(16) unsigned short As[GEMM_BM * GEMM_PAD];  // 16 B: tiles are stored as uint4
-    __shared__ __align__(16) unsigned short Bs[GEMM_BN * GEMM_PAD];
+    __shared__ __align__(16) unsigned short As[GEMM_STAGES][GEMM_BM * GEMM_PAD];  // 16 B: cp.async targets
+    __shared__ __align__(16) unsigned short Bs[GEMM_STAGES][GEMM_BN * GEMM_PAD];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -109,6 +128,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
     const long long b_row0 = (long long)e * N + n0;
     const int a_limit = present - m0;
     const int b_limit = N - n0;
+    const int k_tiles = K / GEMM_BK;
 
     float acc[2][8][4];
 #pragma unroll
@@ -121,26 +141,35 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
             }
         }
     }
-    uint4 a_regs[2];
-    uint4 b_regs[4];
-    gemm_load(a_regs, 2, A, a_row0, a_limit, K, 0, tid);
-    gemm_load(b_regs, 4, B, b_row0, b_limit, K, 0, tid);
-    gemm_store(As, a_regs, 2, tid);
-    gemm_store(Bs, b_regs, 4, tid);
-    __syncthreads();
-    for (int k0 = 0; k0 < K; k0 += GEMM_BK) {
-        const bool more = k0 + GEMM_BK < K;
-        if (more) {  // the next tile's loads are in flight while this one is multiplied
-            gemm_load(a_regs, 2, A, a_row0, a_limit, K, k0 + GEMM_BK, tid);
-            gemm_load(b_regs, 4, B, b_row0, b_limit, K, k0 + GEMM_BK, tid);
+    // Prologue: K tiles 0 .. GEMM_STAGES - 2 in flight. Every step commits one group, empty or not, so
+    // that "at most GEMM_STAGES - 2 groups pending" always means "K tile kt has landed" below.
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; ++s) {
+        if (s < k_tiles) {
+            gemm_issue(As[s], 2, A, a_row0, a_limit, K, s * GEMM_BK, tid);
+            gemm_issue(Bs[s], 4, B, b_row0, b_limit, K, s * GEMM_BK, tid);
         }
+        gemm_cp_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        gemm_cp_wait();    // this thread's copies of K tile kt have landed
+        __syncthreads();   // everyone's have; and every warp is done with K tile kt - 1, whose stage is refilled next
+        const int next = kt + GEMM_STAGES - 1;
+        if (next < k_tiles) {
+            const int s = next % GEMM_STAGES;
+            gemm_issue(As[s], 2, A, a_row0, a_limit, K, next * GEMM_BK, tid);
+            gemm_issue(Bs[s], 4, B, b_row0, b_limit, K, next * GEMM_BK, tid);
+        }
+        gemm_cp_commit();
+        const unsigned short* as = As[kt % GEMM_STAGES];
+        const unsigned short* bs = Bs[kt % GEMM_STAGES];
 #pragma unroll
         for (int kk = 0; kk < GEMM_BK; kk += 16) {
             unsigned int af[2][4];
             unsigned int bf[8][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                const unsigned short* p = As + (wm + mi * 16 + g) * GEMM_PAD + kk + 2 * t;
+                const unsigned short* p = as + (wm + mi * 16 + g) * GEMM_PAD + kk + 2 * t;
                 af[mi][0] = *(const unsigned int*)p;
                 af[mi][1] = *(const unsigned int*)(p + 8 * GEMM_PAD);
                 af[mi][2] = *(const unsigned int*)(p + 8);
@@ -148,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
             }
 #pragma unroll
             for (int ni = 0; ni < 8; ++ni) {
-                const unsigned short* p = Bs + (wn + ni * 8 + g) * GEMM_PAD + kk + 2 * t;
+                const unsigned short* p = bs + (wn + ni * 8 + g) * GEMM_PAD + kk + 2 * t;
                 bf[ni][0] = *(const unsigned int*)p;
                 bf[ni][1] = *(const unsigned int*)(p + 8);
             }
@@ -159,12 +188,6 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
                     mma_bf16_m16n8k16(acc[mi][ni], af[mi], bf[ni]);
                 }
             }
-        }
-        __syncthreads();  // every warp is done reading this tile
-        if (more) {
-            gemm_store(As, a_regs, 2, tid);
-            gemm_store(Bs, b_regs, 4, tid);
-            __syncthreads();
         }
     }
 #pragma unroll
