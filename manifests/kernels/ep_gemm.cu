@@ -92,6 +92,39 @@ __device__ __forceinline__ void gemm_issue(unsigned short* tile, int count, cons
     }
 }
 
+// One warp's share of a K tile: rows row0 .. row0 + 16 * MI, columns col0 .. col0 + 8 * NI of the block's
+// tile, from the shared stage (as, bs), accumulated into acc[mi][ni] (mma m16n8k16 tiles).
+template <int MI, int NI>
+__device__ __forceinline__ void gemm_warp_tile(float (*acc)[8][4], const unsigned short* as,
+                                               const unsigned short* bs, int row0, int col0, int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < GEMM_BK; kk += 16) {
+        unsigned int af[MI][4];
+        unsigned int bf[NI][2];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            const unsigned short* p = as + (row0 + mi * 16 + g) * GEMM_PAD + kk + 2 * t;
+            af[mi][0] = *(const unsigned int*)p;
+            af[mi][1] = *(const unsigned int*)(p + 8 * GEMM_PAD);
+            af[mi][2] = *(const unsigned int*)(p + 8);
+            af[mi][3] = *(const unsigned int*)(p + 8 * GEMM_PAD + 8);
+        }
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+            const unsigned short* p = bs + (col0 + ni * 8 + g) * GEMM_PAD + kk + 2 * t;
+            bf[ni][0] = *(const unsigned int*)p;
+            bf[ni][1] = *(const unsigned int*)(p + 8);
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                mma_bf16_m16n8k16(acc[mi][ni], af[mi], bf[ni]);
+            }
+        }
+    }
+}
+
 // masked_gemm: see the top of this file.
 //   A     [experts][cap][K] bf16       (the expert slab, or the activations)
 //   B     [experts][N][K] bf16         (the experts' weights)
@@ -120,8 +153,6 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int wm = (warp >> 1) * 32;
-    const int wn = (warp & 1) * 64;
     const int g = lane >> 2;
     const int t = lane & 3;
     const long long a_row0 = (long long)e * cap + m0;
@@ -129,6 +160,15 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
     const int a_limit = present - m0;
     const int b_limit = N - n0;
     const int k_tiles = K / GEMM_BK;
+    // The warps' share of the 64 x 128 tile follows the rows present (block-uniform), so an expert with a
+    // few rows costs the tensor cores a quarter or half of a full tile, not all of it: 1..16 rows: each warp
+    // 16 rows x 32 columns; 17..32: 32 x 32; more: 2 x 2 warps of 32 x 64. Every output element is the same
+    // sequence of mma over K in every shape, so the bytes do not depend on the shape.
+    const int shape = a_limit <= 16 ? 1 : a_limit <= 32 ? 2 : 3;
+    const int wm = shape == 3 ? (warp >> 1) * 32 : 0;
+    const int wn = shape == 3 ? (warp & 1) * 64 : warp * 32;
+    const int m_tiles = shape == 1 ? 1 : 2;
+    const int n_tiles = shape == 3 ? 8 : 4;
 
     float acc[2][8][4];
 #pragma unroll
@@ -163,37 +203,21 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
         gemm_cp_commit();
         const unsigned short* as = As[kt % GEMM_STAGES];
         const unsigned short* bs = Bs[kt % GEMM_STAGES];
-#pragma unroll
-        for (int kk = 0; kk < GEMM_BK; kk += 16) {
-            unsigned int af[2][4];
-            unsigned int bf[8][2];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                const unsigned short* p = as + (wm + mi * 16 + g) * GEMM_PAD + kk + 2 * t;
-                af[mi][0] = *(const unsigned int*)p;
-                af[mi][1] = *(const unsigned int*)(p + 8 * GEMM_PAD);
-                af[mi][2] = *(const unsigned int*)(p + 8);
-                af[mi][3] = *(const unsigned int*)(p + 8 * GEMM_PAD + 8);
-            }
-#pragma unroll
-            for (int ni = 0; ni < 8; ++ni) {
-                const unsigned short* p = bs + (wn + ni * 8 + g) * GEMM_PAD + kk + 2 * t;
-                bf[ni][0] = *(const unsigned int*)p;
-                bf[ni][1] = *(const unsigned int*)(p + 8);
-            }
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-                for (int ni = 0; ni < 8; ++ni) {
-                    mma_bf16_m16n8k16(acc[mi][ni], af[mi], bf[ni]);
-                }
-            }
+        if (shape == 1) {
+            gemm_warp_tile<1, 4>(acc, as, bs, wm, wn, g, t);
+        } else if (shape == 2) {
+            gemm_warp_tile<2, 4>(acc, as, bs, wm, wn, g, t);
+        } else {
+            gemm_warp_tile<2, 8>(acc, as, bs, wm, wn, g, t);
         }
     }
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni) {
+            if (mi >= m_tiles || ni >= n_tiles) {
+                continue;
+            }
             const int col = n0 + wn + ni * 8 + 2 * t;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {

@@ -694,11 +694,14 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     expert's row count write nothing. cap 70 and N 136: partial tiles in both; K 160: five K steps, so the
     ring of three cp.async stages wraps (a stage refilled too early or read before it landed shows here)."""
     rng = np.random.default_rng(5)
-    L, cap, n, n_factor, K = 3, 70, 68, 2, 160
+    L, cap, n, n_factor, K = 5, 70, 68, 2, 160
     N = n * n_factor
-    rows = np.array([70, 5, 0], np.int32)
+    rows = np.array([70, 5, 0, 27, 38], np.int32)  # tiles of 64, 6, 5, 27 and 38 rows: every warp shape
     a = bf16_random(rng, (L * cap, K))
     b = bf16_random(rng, (L * N, K))
+    for e in (1, 3, 4):  # expert 0's first rows with its weights, in the other shapes
+        a[e * cap : e * cap + rows[e]] = a[: rows[e]]
+        b[e * N : (e + 1) * N] = b[:N]
     poison = np.full((L * cap, N), 0x7FC0, np.uint16)
     c_cuda, c_twin = poison.copy(), poison.copy()
     fn = emulated.run3_ep_masked_gemm
@@ -718,6 +721,8 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
         # the two differ at most by the order of float32 sums: a bf16 ulp here and there
         x, y = f64(c_cuda[r]).astype(np.float64), f64(c_twin[r]).astype(np.float64)
         assert (np.abs(x - y) <= 2**-7 * np.abs(y) + 1e-6).all()
+    for e in (1, 3, 4):  # a row's bytes do not depend on how many rows its tile holds
+        assert np.array_equal(c_cuda[e * cap : e * cap + rows[e]], c_cuda[: rows[e]])
 
     F = 24
     arrays = {"h": bf16_random(rng, (L * cap, 2 * F), 4.0), "act": np.zeros((L * cap, F), np.uint16), "rows": rows}
