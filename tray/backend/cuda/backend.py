@@ -29,7 +29,7 @@ from tray.backend.base import (
 )
 from tray.backend.cuda import driver as drv
 from tray.backend.cuda import memory, nvrtc
-from tray.backend.cuda.barrier import BARRIER_ENTRY, BARRIER_SOURCE, CudaBarrier, kernel_dir
+from tray.backend.cuda.barrier import BARRIER_ENTRY, BARRIER_SOURCE, CudaBarrier, OwnCapture, kernel_dir
 from tray.backend.cuda.kernels import CudaKernel
 from tray.backend.wait import Pending
 from tray.errors import DeviceError, SyncTimeout, UsageError
@@ -52,12 +52,19 @@ class CudaTimer(Timer):
             drv.event_destroy(self._start)
             raise
         self._events: tuple[Any, Any] | None = (self._start, self._stop)
+        try:
+            # the records are on the timed path: their C arguments are converted once
+            self._record_start = drv.event_recorder(self._start, stream)
+            self._record_stop = drv.event_recorder(self._stop, stream)
+        except BaseException:
+            self.close()
+            raise
 
     def start(self) -> None:
-        drv.event_record(self._start, self._stream)
+        self._record_start()
 
     def stop(self) -> None:
-        drv.event_record(self._stop, self._stream)
+        self._record_stop()
 
     def elapsed_s(self) -> float:
         """Seconds between the recorded start and stop; waits for the stop event (SyncTimeout past
@@ -145,6 +152,7 @@ class CudaBackend(Backend):
         self._order_events: tuple[Any, Any] | None = None  # (caller -> rank stream, rank -> caller stream)
         self._closed = False
         self._timed_out = False  # a wait raised SyncTimeout
+        self._own_capture = OwnCapture()  # shared with the barriers: capture() sets it while it runs
 
     @classmethod
     def open(cls, ordinal: int) -> CudaBackend:
@@ -314,7 +322,7 @@ class CudaBackend(Backend):
         self.make_current()
         return self._track("barriers", CudaBarrier(group, flags, peer_flags, kernel, self.stream,
                                                     programmatic=self.capability >= (9, 0),
-                                                    pending=self.last_work))
+                                                    pending=self.last_work, own_capture=self._own_capture))
 
     def timer(self) -> CudaTimer:
         self.make_current()
@@ -328,12 +336,15 @@ class CudaBackend(Backend):
         self.make_current()
         drv.stream_begin_capture(self.stream)
         self.last_work.start_trail()
+        self._own_capture.active = True  # barriers launched meanwhile are kernel launches, which it records
         try:
             body()
         except BaseException:
             self.last_work.end_trail()
             self._abandon_capture()
             raise
+        finally:
+            self._own_capture.active = False
         holds = "; ".join(self.last_work.end_trail())
         graph = drv.stream_end_capture(self.stream)
         if graph is None:

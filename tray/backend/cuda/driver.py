@@ -306,6 +306,13 @@ def event_record(event: Any, stream: Any) -> None:
         check("cuEventRecord", (err,), f"stream {int(stream):#x}")
 
 
+def event_recorder(event: Any, stream: Any) -> Any:
+    """A no-argument function that records `event` on `stream` (cuEventRecord, arguments converted once):
+    the timer's hot path. A failure raises CudaError naming the call and the stream."""
+    c_args = (ctypes.c_void_p(int(event)), ctypes.c_void_p(int(stream)))
+    return prepared("cuEventRecord", c_args, f"stream {int(stream):#x}")
+
+
 def event_synchronize(event: Any) -> None:
     _drv("cuEventSynchronize", event)
 
@@ -332,29 +339,11 @@ def graph_instantiate(graph: Any) -> Any:
     return _drv("cuGraphInstantiate", graph, 0)
 
 
-_fast_graph_launch: Any = None
-
-
 def graph_launcher(graph_exec: Any, stream: Any) -> Any:
     """A no-argument function that launches `graph_exec` on `stream`, its C arguments converted once
     (the replay path of a graph launched many times from Python; a failure raises CudaError naming the call)."""
-    import ctypes
-
-    global _fast_graph_launch
-    if _fast_graph_launch is None:
-        _fast_graph_launch = _libcuda().cuGraphLaunch
-        _fast_graph_launch.restype = ctypes.c_int
-    fn = _fast_graph_launch
     c_args = (ctypes.c_void_p(int(graph_exec)), ctypes.c_void_p(int(stream)))
-    where = f"stream {int(stream):#x}"
-
-    def launch() -> None:
-        err = fn(*c_args)
-        if err != 0:
-            check("cuGraphLaunch", (cu.CUresult(err),), where)
-
-    launch.keep = c_args  # type: ignore[attr-defined]
-    return launch
+    return prepared("cuGraphLaunch", c_args, f"stream {int(stream):#x}")
 
 
 def graph_exec_destroy(graph_exec: Any) -> None:
@@ -567,65 +556,85 @@ def func_param_sizes(func: Any, entry: str) -> list[int]:
         sizes.append(int(size))
 
 
-_fast_launch: Any = None
-_fast_launch_ex: Any = None
-
 # NOTE: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h): the next kernel on the stream may
 # be scheduled before this one ends and waits in `griddepcontrol.wait` instead (hides launch latency).
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 5
 
+# libcuda's entry points resolved once, by name (`symbol`); a test may fill it with stand-ins.
+_symbols: dict[str, Any] = {}
+
 
 def _libcuda() -> Any:
-    import ctypes
-
     return ctypes.CDLL("libcuda.so.1")
+
+
+def symbol(name: str) -> Any:
+    """libcuda's `name` as a ctypes function returning a C int (a CUresult), resolved once.
+
+    Raises CudaError (LIBRARY_NOT_FOUND) when libcuda cannot be loaded or lacks the symbol."""
+    fn = _symbols.get(name)
+    if fn is None:
+        try:
+            fn = getattr(_libcuda(), name)
+        except (OSError, AttributeError) as exc:
+            raise CudaError(name, "", "LIBRARY_NOT_FOUND", str(exc).splitlines()[0]) from exc
+        fn.restype = ctypes.c_int
+        _symbols[name] = fn
+    return fn
+
+
+def _status(err: int) -> Any:
+    """The bindings' CUresult member for a raw status (its name and the driver's sentence), else the int."""
+    if cu is None:
+        return err
+    try:
+        return cu.CUresult(err)
+    except ValueError:  # a status newer than these bindings: the number is all there is
+        return err
+
+
+def prepared(call: str, c_args: tuple[Any, ...], where: str) -> Any:
+    """A no-argument function that calls libcuda's `call` with `c_args` (ctypes values converted once)
+    and raises CudaError(`call`, `where`, status name) when it returns anything but CUDA_SUCCESS.
+
+    The hot paths (kernel and graph launches, event records) are built from this: no argument is
+    converted and nothing allocated per call. `.keep` holds `c_args`, which C may point into."""
+    fn = symbol(call)
+
+    def run() -> None:
+        err = fn(*c_args)
+        if err != 0:
+            check(call, (_status(err),), where)
+
+    run.keep = c_args  # type: ignore[attr-defined]
+    return run
 
 
 def launcher(func: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shmem_nbytes: int,
              stream: Any, params_addr: int, entry: str = "", programmatic: bool = False) -> Any:
     """A no-argument function that launches `func` with every argument converted to C once.
 
-    The one launch path: every kernel launch goes through here. NOTE: measured on 4x H200, a launch
+    The one kernel launch path: every kernel launch goes through here. NOTE: measured on 4x H200, a launch
     costs the same through this path and through the bindings' wrapper (5.7 vs 5.6 us of Python per
-    barrier launch); this one also launches with attributes (cuLaunchKernelEx) at no extra cost. `programmatic`: with
-    programmatic stream serialization (cuLaunchKernelEx); the kernel must `griddepcontrol.wait` before it touches
-    memory the previous kernel wrote."""
-    import ctypes
-
-    global _fast_launch, _fast_launch_ex
+    barrier launch); this one also launches with attributes (cuLaunchKernelEx) at no extra cost. `programmatic`:
+    with programmatic stream serialization (cuLaunchKernelEx); the kernel must `griddepcontrol.wait` before it
+    touches memory the previous kernel wrote. `params_addr`: the address of the kernel's `void*[]` (0: none)."""
     where = f"{entry}, grid {grid}, block {block}, shmem {shmem_nbytes} B"
     f = ctypes.c_void_p(int(func))
     params = ctypes.c_void_p(params_addr or None)
-    config = attr = None
     if not programmatic:
-        if _fast_launch is None:
-            _fast_launch = _libcuda().cuLaunchKernel
-            _fast_launch.restype = ctypes.c_int
-        fn = _fast_launch
         c_args = (f, *(ctypes.c_uint(v) for v in (*grid, *block, shmem_nbytes)),
                   ctypes.c_void_p(int(stream)), params, ctypes.c_void_p(None))
-    else:
-        if _fast_launch_ex is None:
-            _fast_launch_ex = _libcuda().cuLaunchKernelEx
-            _fast_launch_ex.restype = ctypes.c_int
-        fn = _fast_launch_ex
-        attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attr.value[0] = 1
-        config = _LaunchConfig(*grid, *block, shmem_nbytes, int(stream), ctypes.pointer(attr), 1)
-        c_args = (ctypes.byref(config), f, params, ctypes.c_void_p(None))
-
-    def launch() -> None:
-        err = fn(*c_args)
-        if err != 0:
-            check("cuLaunchKernel" + ("Ex" if programmatic else ""), (cu.CUresult(err),), where)
-
-    launch.keep = (c_args, config, attr)  # type: ignore[attr-defined]  # the C side points into these
+        return prepared("cuLaunchKernel", c_args, where)
+    attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = _LaunchConfig(*grid, *block, shmem_nbytes, int(stream), ctypes.pointer(attr), 1)
+    launch = prepared("cuLaunchKernelEx", (ctypes.byref(config), f, params, ctypes.c_void_p(None)), where)
+    launch.structs = (config, attr)  # type: ignore[attr-defined]  # the config points at attr; C reads both
     return launch
 
 
 def _launch_structs() -> tuple[Any, Any]:
-    import ctypes
-
     class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad, 64-byte value union
         _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
 
