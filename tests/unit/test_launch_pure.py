@@ -1,0 +1,268 @@
+"""The prepared launch paths without a GPU: libcuda's entry points replaced by ctypes callbacks (what C
+receives, and how a bad status becomes a named CudaError), and the barrier's choice between a
+one-barrier graph and a kernel launch, over a fake driver."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tray.backend.base import GroupInfo
+from tray.backend.cuda import barrier as barrier_mod
+from tray.backend.cuda import driver
+from tray.backend.cuda.barrier import CudaBarrier, OwnCapture, launch_mode
+from tray.errors import UsageError
+
+ILLEGAL_ADDRESS = 700  # CUDA_ERROR_ILLEGAL_ADDRESS in cuda.h
+REAL_GRAPH_LAUNCHER = driver.graph_launcher  # the fake driver below replaces it; one test wants it back
+
+
+def expected_code(status: int, name: str) -> str:
+    """The code CudaError carries: the enum's name when the bindings are installed, else the number."""
+    return name if driver.cu is not None else str(status)
+
+
+@pytest.fixture
+def symbols(monkeypatch) -> dict[str, Any]:
+    """libcuda's symbols, filled per test with ctypes callbacks (kept alive by the dict)."""
+    table: dict[str, Any] = {}
+    monkeypatch.setattr(driver, "_symbols", table)
+    return table
+
+
+def test_prepared_passes_its_arguments_and_names_a_failure(symbols) -> None:
+    seen: list[tuple[int, int]] = []
+    status = [0]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    def fake(graph_exec: int, stream: int) -> int:
+        seen.append((graph_exec, stream))
+        return status[0]
+
+    symbols["cuGraphLaunch"] = fake
+    launch = driver.graph_launcher(0xABC, 0xDEF)
+    launch()
+    launch()
+    assert seen == [(0xABC, 0xDEF)] * 2
+    status[0] = ILLEGAL_ADDRESS
+    with pytest.raises(driver.CudaError) as info:
+        launch()
+    err = info.value
+    assert err.call == "cuGraphLaunch"
+    assert err.code == expected_code(ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS")
+    assert "stream 0xdef" in str(err)
+
+
+def test_event_recorder_records_on_its_stream(symbols) -> None:
+    seen: list[tuple[int, int]] = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    def fake(event: int, stream: int) -> int:
+        seen.append((event, stream))
+        return 0
+
+    symbols["cuEventRecord"] = fake
+    driver.event_recorder(0x10, 0x20)()
+    assert seen == [(0x10, 0x20)]
+
+
+def test_launcher_plain_passes_dims_stream_and_params(symbols) -> None:
+    seen: list[tuple[int, ...]] = []
+    uint = ctypes.c_uint
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, uint, uint, uint, uint, uint, uint, uint, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_void_p)
+    def fake(func, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) -> int:
+        seen.append((func, gx, gy, gz, bx, by, bz, shmem, stream, params, extra))
+        return 0
+
+    symbols["cuLaunchKernel"] = fake
+    driver.launcher(0x77, (3, 2, 1), (128, 1, 1), 64, 0x55, 0x9000, "k")()
+    assert seen == [(0x77, 3, 2, 1, 128, 1, 1, 64, 0x55, 0x9000, None)]
+
+
+def test_launcher_programmatic_passes_a_config_with_the_attribute(symbols) -> None:
+    seen: list[tuple[int, ...]] = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    def fake(config_addr, func, params, extra) -> int:
+        config = driver._LaunchConfig.from_address(config_addr)
+        attr = config.attrs[0]
+        seen.append((func, params, config.gridDimX, config.blockDimX, config.sharedMemBytes, config.hStream,
+                     config.numAttrs, attr.id, attr.value[0]))
+        return 1  # CUDA_ERROR_INVALID_VALUE
+
+    symbols["cuLaunchKernelEx"] = fake
+    launch = driver.launcher(0x77, (1, 1, 1), (32, 1, 1), 0, 0x55, 0x9000, "tray_peer_barrier", programmatic=True)
+    with pytest.raises(driver.CudaError) as info:
+        launch()
+    assert seen == [(0x77, 0x9000, 1, 32, 0, 0x55, 1, 5, 1)]
+    assert info.value.call == "cuLaunchKernelEx"
+    assert "tray_peer_barrier, grid (1, 1, 1), block (32, 1, 1)" in str(info.value)
+
+
+def test_symbol_missing_is_a_named_error(monkeypatch, symbols) -> None:
+    monkeypatch.setattr(driver, "_libcuda", lambda: SimpleNamespace())
+    with pytest.raises(driver.CudaError, match="LIBRARY_NOT_FOUND") as info:
+        driver.symbol("cuGraphLaunch")
+    assert info.value.call == "cuGraphLaunch"
+
+
+def test_launch_mode() -> None:
+    assert launch_mode(None) == launch_mode("") == launch_mode(" Graph ") == "graph"
+    assert launch_mode("kernel") == "kernel"
+    with pytest.raises(UsageError, match="TRAY_BARRIER_LAUNCH must be one of graph, kernel, got 'fast'"):
+        launch_mode("fast")
+
+
+# --- the barrier over a fake driver -------------------------------------------------------------------
+
+
+class FakeStream:
+    """What the fake driver knows of the rank's stream: whether a capture runs, and what was enqueued."""
+
+    def __init__(self) -> None:
+        self.capturing = False
+        self.captured: list[str] = []
+        self.ran: list[str] = []
+        self.graphs_destroyed = 0
+        self.execs_destroyed = 0
+
+
+class FakeLaunch:
+    def __init__(self, stream: FakeStream, tag: str) -> None:
+        self.stream, self.tag = stream, tag
+
+    def launch(self) -> None:
+        (self.stream.captured if self.stream.capturing else self.stream.ran).append(self.tag)
+
+
+class FakeKernel:
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.binds: list[tuple[Any, ...]] = []
+
+    def bind(self, grid, block, args, programmatic=False, stream=None) -> FakeLaunch:
+        self.binds.append((tuple(args), stream))
+        return FakeLaunch(self.stream, f"kernel(timeout_ns={args[-1]}, stream={stream})")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A CudaBarrier of two members on a fake driver; yields (barrier, stream, kernel, own_capture)."""
+    drv = barrier_mod.drv
+    stream = FakeStream()
+    host_word = ctypes.c_uint32(0)
+    graphs: list[list[str]] = []
+
+    def end_capture(_s):
+        stream.capturing = False
+        graphs.append(list(stream.captured))
+        stream.captured.clear()
+        return len(graphs) - 1
+
+    def graph_launcher(graph_exec, _s):
+        return lambda: stream.ran.append(f"graph{graph_exec}: " + ", ".join(graphs[graph_exec]))
+
+    for name, fn in {
+        "mem_alloc": lambda nbytes: 0x1000,
+        "memset_d8_async": lambda *a: None,
+        "stream_synchronize": lambda s: None,
+        "mem_host_alloc_mapped": lambda nbytes: (ctypes.addressof(host_word), 0x2000),
+        "mem_free": lambda p: None,
+        "mem_free_host": lambda p: None,
+        "as_stream": lambda handle: f"caller{handle}",
+        "stream_is_capturing": lambda s: stream.capturing,
+        "stream_begin_capture": lambda s: setattr(stream, "capturing", True),
+        "stream_end_capture": end_capture,
+        "graph_instantiate": lambda g: g,
+        "graph_launcher": graph_launcher,
+        "graph_exec_destroy": lambda e: setattr(stream, "execs_destroyed", stream.execs_destroyed + 1),
+        "graph_destroy": lambda g: setattr(stream, "graphs_destroyed", stream.graphs_destroyed + 1),
+    }.items():
+        monkeypatch.setattr(drv, name, fn)
+    monkeypatch.delenv("TRAY_BARRIER_LAUNCH", raising=False)
+    kernel = FakeKernel(stream)
+    own = OwnCapture()
+    flags = SimpleNamespace(ptr=0x3000, nbytes=16)
+    table = SimpleNamespace(ptr=0x4000, ptrs=[0x3000, 0x5000])
+    barrier = CudaBarrier(GroupInfo("world", (0, 1), 0), flags, table, kernel, "rank-stream", programmatic=True,
+                          own_capture=own)
+    yield barrier, stream, kernel, own
+    barrier.close()
+
+
+def test_eager_launches_replay_one_graph_per_timeout(fake) -> None:
+    barrier, stream, kernel, _own = fake
+    assert barrier.mode == "graph"
+    for _ in range(3):
+        barrier.launch(2.0)
+    barrier.launch(0.5)
+    assert stream.ran == ["graph0: kernel(timeout_ns=2000000000, stream=rank-stream)"] * 3 + [
+        "graph1: kernel(timeout_ns=500000000, stream=rank-stream)"]
+    assert len(kernel.binds) == 2, "arguments are packed once per timeout"
+    barrier.close()
+    assert (stream.graphs_destroyed, stream.execs_destroyed) == (2, 2)
+    with pytest.raises(UsageError, match="barrier world is closed"):
+        barrier.launch(2.0)
+
+
+def test_launches_during_the_backends_capture_are_kernel_launches(fake) -> None:
+    barrier, stream, _kernel, own = fake
+    own.active = True
+    stream.capturing = True
+    barrier.launch(2.0)
+    assert stream.captured == ["kernel(timeout_ns=2000000000, stream=rank-stream)"]
+    assert stream.ran == []
+    own.active = stream.capturing = False
+    stream.captured.clear()
+    barrier.launch(2.0)  # the same timeout eagerly: now through a graph, its kernel launch reused
+    assert stream.ran == ["graph0: kernel(timeout_ns=2000000000, stream=rank-stream)"]
+
+
+def test_a_callers_stream_and_kernel_mode_launch_the_kernel(fake, monkeypatch) -> None:
+    barrier, stream, _kernel, _own = fake
+    barrier.launch(2.0, stream=7)
+    barrier.mode = "kernel"
+    barrier.launch(2.0)
+    barrier.launch_kernel(1.0)
+    assert stream.ran == ["kernel(timeout_ns=2000000000, stream=caller7)",
+                          "kernel(timeout_ns=2000000000, stream=rank-stream)",
+                          "kernel(timeout_ns=1000000000, stream=rank-stream)"]
+    monkeypatch.setenv("TRAY_BARRIER_LAUNCH", "nope")
+    with pytest.raises(UsageError, match="TRAY_BARRIER_LAUNCH"):
+        CudaBarrier(barrier.group, barrier._flags, barrier._peer_flags, FakeKernel(stream), "s")
+
+
+def test_a_foreign_capture_of_the_rank_stream_is_refused_by_name(fake) -> None:
+    barrier, stream, _kernel, _own = fake
+    stream.capturing = True  # someone else captures the rank's stream: a graph launch must not be recorded
+    with pytest.raises(UsageError, match=r"barrier world: the rank's stream is being captured outside"):
+        barrier.launch(2.0)
+    assert stream.captured == [] and stream.ran == []
+
+
+def test_a_bad_timeout_is_refused_before_any_capture(fake) -> None:
+    barrier, stream, _kernel, _own = fake
+    with pytest.raises(UsageError, match="timeout_s must be > 0, got 0"):
+        barrier.launch(0)
+    assert not stream.capturing and stream.graphs_destroyed == 0
+
+
+def test_a_failed_graph_launch_is_a_named_error(fake, monkeypatch, symbols) -> None:
+    barrier, _stream, _kernel, _own = fake
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    def refuse(graph_exec: int, stream: int) -> int:
+        return ILLEGAL_ADDRESS
+
+    symbols["cuGraphLaunch"] = refuse
+    monkeypatch.setattr(barrier_mod.drv, "graph_launcher", lambda e, _s: REAL_GRAPH_LAUNCHER(e, 0x99))
+    with pytest.raises(driver.CudaError) as info:
+        barrier.launch(2.0)
+    assert info.value.call == "cuGraphLaunch"
+    assert info.value.code == expected_code(ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS")
+    assert "stream 0x99" in str(info.value)
