@@ -7,7 +7,9 @@
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp park
-# bench-barrier bench-startup torch examples nodes2 perf
+# bench-barrier bench-startup launch-cost torch examples nodes2 perf
+# `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
+# with torch's small-kernel launch beside it when this Python imports torch.
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
@@ -135,6 +137,7 @@ for s in "${STAGES[@]}"; do
         tp) stage tp 300 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" --plot "$OUT/peer_barrier.png" ;;
+        launch-cost) stage launch_cost 120 $PY bench/launch_cost.py --json "$OUT/launch_cost.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;
         torch) stage torch 240 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;

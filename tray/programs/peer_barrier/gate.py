@@ -91,7 +91,8 @@ def barrier_rows(report: dict[str, Any]) -> list[Row]:
     did not report)."""
     wrong = report["nprocs"] - len(report["per_rank"])
     return [Row(f"barrier {key[:-3]}", 0, 0, "none", report[key], wrong)
-            for key in ("eager_us", "eager_sync_us", "captured_us", "eager_graph_us") if report.get(key) is not None]
+            for key in ("eager_us", "eager_sync_us", "captured_us", "eager_graph_us", "eager_kernel_us")
+            if report.get(key) is not None]
 
 
 def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
@@ -114,7 +115,7 @@ def _report(args: GateArgs, result: Any, per_rank: list[dict]) -> dict:
         return report
     if args.drop is None:
         for key in ("eager_us", "eager_sync_us", "captured_us", "eager_graph_us", "eager_host_us",
-                    "eager_graph_host_us"):
+                    "eager_graph_host_us", "eager_kernel_us", "eager_kernel_host_us"):
             report[key] = _median(per_rank, key)
         report["passed"] = complete
         return report
@@ -151,7 +152,9 @@ def _print(report: dict) -> None:
             if r.get("eager_us") is None:
                 continue
             print(f"  {r['rank']:>4} {r['eager_us']:>10.2f} {r['eager_sync_us']:>11.2f} {r['captured_us']:>10.2f} "
-                  f"{r['eager_graph_us']:>12.2f} {r['eager_host_us']:>12.2f} {r['eager_graph_host_us']:>11.2f}")
+                  f"{r['eager_graph_us']:>12.2f} {r['eager_host_us']:>12.2f} {r['eager_graph_host_us']:>11.2f}"
+                  + (f"  kernel launches: {r['eager_kernel_us']:.2f} us, host {r['eager_kernel_host_us']:.2f} us"
+                     if r.get("eager_kernel_us") is not None else ""))
         if report.get("eager_us") is not None:
             print(format_table(barrier_rows(report)))
     else:

@@ -3,6 +3,8 @@ stress the barrier's ordering contract.
 
 Figures (docs/design.md section 6), µs per barrier, median over repeats:
   eager       K barriers launched back to back, timed by the backend's timer (device events), / K
+              (on the cuda backend each a launch of a one-barrier graph, unless TRAY_BARRIER_LAUNCH=kernel)
+  eager_kernel  the same, every barrier a kernel launch (cuLaunchKernelEx; cuda backend only)
   eager_sync  one barrier launched and synchronised, per barrier
   captured    a graph of K barriers, replayed, / K
   eager_graph K launches of a graph of one barrier from Python, / K (the other launch path an eager
@@ -28,13 +30,15 @@ WARMUP = 20
 REPEATS = 7
 
 
-def _eager(barrier, backend, iters: int, timeout_s: float) -> tuple[float, float]:
-    """(device µs per barrier, host µs per launch): when the two are equal the loop is host-bound."""
+def _eager(barrier, backend, iters: int, timeout_s: float, launch=None) -> tuple[float, float]:
+    """(device µs per barrier, host µs per launch) of `launch` (default: barrier.launch): when the two are
+    equal the loop is host-bound."""
+    launch = launch or barrier.launch
     timer = backend.timer()
     timer.start()
     t0 = time.perf_counter()
     for _ in range(iters):
-        barrier.launch(timeout_s)
+        launch(timeout_s)
     host_s = time.perf_counter() - t0
     timer.stop()
     elapsed = timer.elapsed_s()
@@ -84,6 +88,9 @@ def measure(rank, iters: int, timeout_s: float) -> dict:
         barrier.wait(timeout_s)
     eager_pairs = [_eager(barrier, backend, iters, timeout_s) for _ in range(REPEATS)]
     eager = [p[0] for p in eager_pairs]
+    launch_kernel = getattr(barrier, "launch_kernel", None)  # the cuda barrier's other eager path
+    kernel_pairs = [_eager(barrier, backend, iters, timeout_s, launch_kernel) for _ in range(REPEATS)] \
+        if launch_kernel is not None else []
     eager_sync = [_eager_sync(barrier, max(iters // 4, 10), timeout_s) for _ in range(REPEATS)]
     graph = backend.capture(lambda: [barrier.launch(timeout_s) for _ in range(iters)])
     try:
@@ -100,7 +107,9 @@ def measure(rank, iters: int, timeout_s: float) -> dict:
         graph_pairs = [_eager_graph(barrier, backend, single, iters) for _ in range(REPEATS)]
     finally:
         single.close()
-    return {"eager_us": statistics.median(eager), "eager_sync_us": statistics.median(eager_sync),
+    kernel = {"eager_kernel_us": statistics.median(p[0] for p in kernel_pairs),
+              "eager_kernel_host_us": statistics.median(p[1] for p in kernel_pairs)} if kernel_pairs else {}
+    return {**kernel, "eager_us": statistics.median(eager), "eager_sync_us": statistics.median(eager_sync),
             "captured_us": statistics.median(captured),
             "eager_graph_us": statistics.median(p[0] for p in graph_pairs),
             "eager_graph_host_us": statistics.median(p[1] for p in graph_pairs),

@@ -1,0 +1,178 @@
+"""Host cost of one launch from Python, per launch path, on one GPU (the cuda backend, device 0).
+
+    python bench/launch_cost.py --launches 1000 --repeats 7 --json launch_cost.json
+
+Each path is launched `--launches` times back to back, `--repeats` times; per path the median host µs per
+launch (time.perf_counter around the loop) and device µs per launch (events around the same loop). When the
+two are equal the loop is host-bound. Paths:
+  kernel           a one-thread kernel (an atomic increment) through drv.launcher: cuLaunchKernel
+  kernel_pdl       the same with programmatic stream serialization: cuLaunchKernelEx (the barrier's default)
+  graph            a one-node graph of that kernel, CudaGraph.replay(): cuGraphLaunch
+  barrier_kernel   the peer barrier of a one-member group, every launch a kernel launch (the old eager path)
+  barrier          barrier.launch(): the eager path (a one-barrier graph unless TRAY_BARRIER_LAUNCH=kernel)
+  event_record     timer.start(): cuEventRecord through its prepared call
+  torch_add        (torch importable) `x.add_(1)` on a one-element tensor: a small torch kernel launch
+  torch_graph      (torch importable) a torch CUDA graph of that add, replayed
+Correctness first: the increment counter, the barrier's epoch and the torch tensor must count every launch.
+Ratios are to `barrier_kernel`, the eager barrier launch before the graph path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from tray.backend.base import GroupInfo
+from tray.bench import write_report
+
+NOOP_SOURCE = r"""
+extern "C" __global__ void tray_launch_cost_tick(unsigned long long* count) {
+    atomicAdd(count, 1ull);  // atomic: programmatic launches may overlap the previous one
+}
+"""
+WARMUP = 50
+TIMEOUT_S = 2.0
+
+
+def _series(launch: Callable[[], None], n: int, repeats: int, timed: Callable[[Callable[[], None], int], Any]
+            ) -> dict[str, Any]:
+    for _ in range(WARMUP):
+        launch()
+    pairs = [timed(launch, n) for _ in range(repeats)]
+    host = [p[0] for p in pairs]
+    device = [p[1] for p in pairs]
+    return {"host_us": statistics.median(host), "device_us": statistics.median(device),
+            "host_us_all": host, "device_us_all": device}
+
+
+def _tray_timed(backend: Any) -> Callable[[Callable[[], None], int], tuple[float, float]]:
+    def timed(launch: Callable[[], None], n: int) -> tuple[float, float]:
+        backend.synchronize()
+        timer = backend.timer()
+        timer.start()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            launch()
+        host_s = time.perf_counter() - t0
+        timer.stop()
+        device_s = timer.elapsed_s()
+        timer.close()
+        return host_s / n * 1e6, device_s / n * 1e6
+
+    return timed
+
+
+def tray_paths(n: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """The tray launch paths on device 0; raises RuntimeError when a path miscounts its launches."""
+    from tray.backend.cuda import CudaBackend
+
+    paths: dict[str, dict[str, Any]] = {}
+    with CudaBackend.open(0) as backend:
+        timed = _tray_timed(backend)
+        count = backend.allocate("launch_cost_count", 8, export=False)
+        backend.write(count.ptr, np.zeros(1, np.uint64))
+        tick = backend.load_kernel("launch_cost_tick", NOOP_SOURCE.encode(), "tray_launch_cost_tick", [],
+                                   peers=False)
+        plain = tick.bind((1, 1, 1), (1, 1, 1), [count])
+        pdl = tick.bind((1, 1, 1), (1, 1, 1), [count], programmatic=backend.capability >= (9, 0))
+        graph = backend.capture(plain.launch)
+        flags = backend.allocate("launch_cost_flags", 8, export=True)
+        barrier = backend.barrier(GroupInfo("solo", (0,), 0), flags, backend.ptr_table([flags.ptr]))
+        event_timer = backend.timer()
+        ticks = 0
+        for name, launch, is_tick in (("kernel", plain.launch, True), ("kernel_pdl", pdl.launch, True),
+                                      ("graph", graph.replay, True),
+                                      ("barrier_kernel", partial(barrier.launch_kernel, TIMEOUT_S), False),
+                                      ("barrier", partial(barrier.launch, TIMEOUT_S), False),
+                                      ("event_record", event_timer.start, False)):
+            paths[name] = _series(launch, n, repeats, timed)
+            ticks += (WARMUP + n * repeats) if is_tick else 0
+        backend.synchronize()
+        barrier.check()
+        got = int(backend.read(count.ptr, 8).view(np.uint64)[0])
+        if got != ticks:
+            raise RuntimeError(f"the tick kernel counted {got} launches, {ticks} were made")
+        epoch, expected = barrier.epoch(), 2 * (WARMUP + n * repeats)
+        if epoch != expected:
+            raise RuntimeError(f"the barrier's epoch is {epoch} after {expected} launches")
+        paths["barrier"]["mode"] = barrier.mode
+    return paths
+
+
+def torch_paths(n: int, repeats: int) -> dict[str, dict[str, Any]] | str:
+    """torch's small-kernel launch and graph replay on device 0, or why they were not measured."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not importable: {exc}"
+    if not torch.cuda.is_available():
+        return "torch sees no GPU"
+    torch.cuda.set_device(0)
+    x = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def timed(launch: Callable[[], None], k: int) -> tuple[float, float]:
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            launch()
+        host_s = time.perf_counter() - t0
+        stop.record()
+        stop.synchronize()
+        return host_s / k * 1e6, start.elapsed_time(stop) / k * 1e3
+
+    paths = {"torch_add": _series(lambda: x.add_(1), n, repeats, timed)}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add_(1)  # NOTE: torch's own warm-up on the side stream before capture, as torch.cuda.graphs advises
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    paths["torch_graph"] = _series(graph.replay, n, repeats, timed)
+    torch.cuda.synchronize()
+    expected = 2 * (WARMUP + n * repeats) + 1
+    if int(x.item()) != expected:
+        raise RuntimeError(f"torch's tensor counted {int(x.item())} adds, {expected} were made")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/launch_cost.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--launches", type=int, default=1000, help="launches per timed loop (default 1000)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed loops per path (default 7)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch reference paths")
+    ap.add_argument("--json", default=None, help="write the report here")
+    args = ap.parse_args(argv)
+    if args.launches < 1 or args.repeats < 1:
+        ap.error(f"--launches and --repeats must be >= 1, got {args.launches} and {args.repeats}")
+    paths: dict[str, Any] = tray_paths(args.launches, args.repeats)
+    torch_note = "skipped (--no-torch)" if args.no_torch else torch_paths(args.launches, args.repeats)
+    if isinstance(torch_note, dict):
+        paths.update(torch_note)
+        torch_note = "measured"
+    base = paths["barrier_kernel"]["host_us"]
+    print(f"launch cost on device 0: {args.launches} launches x {args.repeats} repeats (µs per launch, median)")
+    print(f"  {'path':<16}{'host':>8}{'device':>9}{'host/barrier_kernel':>21}")
+    for name, p in paths.items():
+        p["host_ratio_to_barrier_kernel"] = p["host_us"] / base
+        print(f"  {name:<16}{p['host_us']:>8.2f}{p['device_us']:>9.2f}{p['host_ratio_to_barrier_kernel']:>21.2f}")
+    print(f"  torch: {torch_note}; barrier mode: {paths['barrier']['mode']}")
+    report = {"bench": "launch_cost", "launches": args.launches, "repeats": args.repeats, "paths": paths,
+              "torch": torch_note, "barrier_launch_env": os.environ.get("TRAY_BARRIER_LAUNCH")}
+    write_report(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
