@@ -39,6 +39,10 @@ extern "C" __global__ void tray_test_args(unsigned long long* out, int a, unsign
 }
 """
 
+TICK_KERNEL = r"""
+extern "C" __global__ void tray_test_tick(unsigned long long* count) { atomicAdd(count, 1ull); }
+"""
+
 MULTIMEM_KERNEL = r"""
 extern "C" __global__ void tray_test_multimem(unsigned int* p, unsigned int v) {
     asm volatile("multimem.st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
@@ -183,6 +187,56 @@ def test_barrier_of_one_eager_and_captured(backend) -> None:
     assert int(backend.read(flags.ptr, 8).view(np.uint64)[0]) == 1300
     graph.close()
     barrier.close()
+
+
+def test_barrier_eager_graph_and_kernel_launches_agree(backend, monkeypatch) -> None:
+    """Eager launches through the one-barrier graph and through cuLaunchKernelEx, alone and interleaved,
+    each take one epoch; inside backend.capture the launches are kernel launches the graph replays."""
+    monkeypatch.delenv("TRAY_BARRIER_LAUNCH", raising=False)
+    flags = backend.allocate("flags_paths", 8, export=True)
+    barrier = backend.barrier(GroupInfo("solo_paths", (0,), 0), flags, backend.ptr_table([flags.ptr]))
+    assert barrier.mode == "graph"
+    expected = 0
+    for launch in (barrier.launch, barrier.launch_kernel):
+        for _ in range(500):
+            launch(2.0)
+        expected += 500
+        barrier.synchronize()
+        barrier.check()
+        assert barrier.epoch() == expected
+    for i in range(100):
+        (barrier.launch if i % 2 else barrier.launch_kernel)(0.5 if i % 3 else 2.0)
+    expected += 100
+    graph = backend.capture(lambda: [barrier.launch(2.0) for _ in range(10)])
+    graph.replay()
+    graph.replay()
+    expected += 20
+    barrier.synchronize()
+    barrier.check()
+    assert barrier.epoch() == expected
+    assert int(backend.read(flags.ptr, 8).view(np.uint64)[0]) == expected
+    graph.close()
+    barrier.close()
+
+
+def test_a_refused_launch_is_a_named_error(backend) -> None:
+    """A block of 2048 threads (the limit is 1024): the driver refuses, CudaError names the call and kernel,
+    and the stream stays usable."""
+    from tray.backend.cuda.driver import CudaError
+
+    tick = backend.load_kernel("tick", TICK_KERNEL.encode(), "tray_test_tick", [], peers=False)
+    count = backend.allocate("ticks", 8, export=False)
+    backend.write(count.ptr, np.zeros(1, np.uint64))
+    for programmatic, call in ((False, "cuLaunchKernel"), (True, "cuLaunchKernelEx")):
+        bad = tick.bind((1, 1, 1), (2048, 1, 1), [count], programmatic=programmatic)
+        with pytest.raises(CudaError) as info:
+            bad.launch()
+        assert info.value.call == call
+        assert info.value.code in ("CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+        assert "tray_test_tick, grid (1, 1, 1), block (2048, 1, 1)" in str(info.value)
+    tick.bind((1, 1, 1), (1, 1, 1), [count]).launch()
+    backend.synchronize()
+    assert int(backend.read(count.ptr, 8).view(np.uint64)[0]) == 1
 
 
 def test_barrier_names_the_missing_member_then_stays_broken(backend) -> None:
