@@ -219,6 +219,35 @@ def test_barrier_eager_graph_and_kernel_launches_agree(backend, monkeypatch) -> 
     barrier.close()
 
 
+def test_barrier_joined_to_a_capturing_caller_stream_is_recorded(backend, monkeypatch) -> None:
+    """What `rank.run(program, stream=s)` does under a capture on `s` (torch.cuda.graph): the rank's stream
+    is pulled into the capture, so a barrier launched on it there must be recorded, not replay a graph."""
+    from tray.backend.cuda import driver as drv
+
+    monkeypatch.delenv("TRAY_BARRIER_LAUNCH", raising=False)
+    flags = backend.allocate("flags_joined", 8, export=True)
+    barrier = backend.barrier(GroupInfo("solo_joined", (0,), 0), flags, backend.ptr_table([flags.ptr]))
+    barrier.wait(2.0)  # the one-barrier graph exists before the capture
+    caller = drv.stream_create()
+    try:
+        drv.stream_begin_capture(caller)
+        with backend.joined(int(caller)):
+            for _ in range(5):
+                barrier.launch(2.0)
+        graph = drv.stream_end_capture(caller)
+        graph_exec = drv.graph_instantiate(graph)
+        for _ in range(3):
+            drv.graph_launcher(graph_exec, caller)()
+        drv.stream_synchronize(caller)
+        drv.graph_exec_destroy(graph_exec)
+        drv.graph_destroy(graph)
+    finally:
+        drv.stream_destroy(caller)
+    barrier.check()
+    assert barrier.epoch() == 1 + 15
+    barrier.close()
+
+
 def test_a_refused_launch_is_a_named_error(backend) -> None:
     """A block of 2048 threads (the limit is 1024): the driver refuses, CudaError names the call and kernel,
     and the stream stays usable."""

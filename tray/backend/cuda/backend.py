@@ -152,7 +152,7 @@ class CudaBackend(Backend):
         self._order_events: tuple[Any, Any] | None = None  # (caller -> rank stream, rank -> caller stream)
         self._closed = False
         self._timed_out = False  # a wait raised SyncTimeout
-        self._own_capture = OwnCapture()  # shared with the barriers: capture() sets it while it runs
+        self._own_capture = OwnCapture()  # shared with the barriers: set inside capture() and joined()
 
     @classmethod
     def open(cls, ordinal: int) -> CudaBackend:
@@ -336,7 +336,7 @@ class CudaBackend(Backend):
         self.make_current()
         drv.stream_begin_capture(self.stream)
         self.last_work.start_trail()
-        self._own_capture.active = True  # barriers launched meanwhile are kernel launches, which it records
+        outer, self._own_capture.active = self._own_capture.active, True  # barriers: kernel launches it records
         try:
             body()
         except BaseException:
@@ -344,7 +344,7 @@ class CudaBackend(Backend):
             self._abandon_capture()
             raise
         finally:
-            self._own_capture.active = False
+            self._own_capture.active = outer
         holds = "; ".join(self.last_work.end_trail())
         graph = drv.stream_end_capture(self.stream)
         if graph is None:
@@ -435,9 +435,12 @@ class CudaBackend(Backend):
         caller = drv.as_stream(stream)
         drv.event_record(into, caller)
         drv.stream_wait_event(self.stream, into)
+        # a capture on `stream` now records the rank's stream too: barriers must be kernel launches
+        outer, self._own_capture.active = self._own_capture.active, True
         try:
             yield
         finally:
+            self._own_capture.active = outer
             drv.event_record(back, self.stream)
             drv.stream_wait_event(caller, back)
 

@@ -9,8 +9,9 @@ Eager launches on the rank's own stream go through a graph of one barrier, captu
 launched with cuGraphLaunch: measured on 2x H200 the driver takes 1.8 us of host time per graph launch
 against 5.7 us per cuLaunchKernelEx of the same kernel, and a barrier issued that way completes in 4.5 us
 instead of 5.7 (tray gate peer-barrier: eager_graph vs eager). Launches on a caller's stream, and those
-made while the backend captures its own, stay kernel launches (a capture records them; a caller's stream
-may be capturing at any time). TRAY_BARRIER_LAUNCH=kernel makes every launch a kernel launch.
+made while the rank's stream may be recording (inside the backend's capture, or joined to a caller's
+stream for `rank.run(..., stream=)`), stay kernel launches (a capture records them; a caller's stream may
+be capturing at any time). TRAY_BARRIER_LAUNCH=kernel makes every launch a kernel launch.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def launch_mode(text: str | None) -> str:
 
 @dataclass
 class OwnCapture:
-    """Whether the backend is capturing its own stream now (set by CudaBackend.capture): barriers launched
-    on that stream meanwhile must be kernel launches, which the capture records."""
+    """Whether the rank's stream may be recording into a capture now: inside CudaBackend.capture(), and
+    while joined to a caller's stream (CudaBackend.joined: a capture there pulls the rank's stream in).
+    Barriers launched on the rank's stream meanwhile are kernel launches, which a capture records."""
 
     active: bool = False
 
@@ -88,7 +90,7 @@ def missing_members(members: tuple[int, ...], mask: int) -> list[int]:
 class CudaBarrier(Barrier):
     """One group's barrier. `flags` is this member's `u64[G]` (exported, zeroed); `peer_flags` holds
     every member's flags as mapped here, in member order (own slot = own address). `own_capture` says when
-    the backend captures `stream` (None: never); `mode` is the eager launch mode (None: TRAY_BARRIER_LAUNCH)."""
+    `stream` may be recording (None: never); `mode` is the eager launch mode (None: TRAY_BARRIER_LAUNCH)."""
 
     def __init__(self, group: GroupInfo, flags: DeviceBuffer, peer_flags: PtrTable, kernel: CudaKernel,
                  stream: Any, programmatic: bool = False, pending: Pending | None = None,
@@ -137,8 +139,8 @@ class CudaBarrier(Barrier):
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
         """Enqueue one barrier on the rank's stream or the caller's `stream` (an int handle); returns before
         it ends. Safe inside a capture (no sync, no device alloc): the epoch counter lives on the device,
-        so a captured barrier replays with fresh epochs. On the rank's stream, outside the backend's own
-        capture, it is a launch of a one-barrier graph (see the module docstring) unless `mode` is kernel."""
+        so a captured barrier replays with fresh epochs. On the rank's stream, while it cannot be recording
+        (OwnCapture), it is a launch of a one-barrier graph (see the module docstring) unless `mode` is kernel."""
         if stream is None and self.mode == "graph" and not self._own_capture.active:
             one = self._graphs.get(timeout_s)
             if one is None:
