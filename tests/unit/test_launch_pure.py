@@ -266,3 +266,49 @@ def test_a_failed_graph_launch_is_a_named_error(fake, monkeypatch, symbols) -> N
     assert info.value.call == "cuGraphLaunch"
     assert info.value.code == expected_code(ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS")
     assert "stream 0x99" in str(info.value)
+
+
+# --- when the backend tells its barriers that the rank's stream may be recording -----------------------
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """A CudaBackend over a fake driver (no device): enough for capture() and joined()."""
+    from tray.backend.base import DeviceInfo
+    from tray.backend.cuda.backend import CudaBackend
+
+    drv = barrier_mod.drv
+    for name, fn in {"ctx_set_current": lambda ctx, ordinal: None, "event_record": lambda e, s: None,
+                     "stream_wait_event": lambda s, e: None, "as_stream": lambda h: h,
+                     "stream_begin_capture": lambda s: None, "stream_end_capture": lambda s: "graph",
+                     "graph_instantiate": lambda g: 0x1, "graph_launcher": lambda e, s: (lambda: None),
+                     "graph_destroy": lambda g: None}.items():
+        monkeypatch.setattr(drv, name, fn)
+    backend = CudaBackend(DeviceInfo(0, "GPU-0", "0000:00:00.0", -1), 0, None, 0x55, (9, 0))
+    backend._order_events = ("into", "back")
+    return backend
+
+
+def test_capture_and_joined_mark_the_rank_stream_as_recording(fake_backend) -> None:
+    seen: list[bool] = []
+    flag = fake_backend._own_capture
+    fake_backend.capture(lambda: seen.append(flag.active))
+    with fake_backend.joined(0x99):
+        seen.append(flag.active)
+        fake_backend.capture(lambda: seen.append(flag.active))
+        seen.append(flag.active)  # still joined after the inner capture ended
+    with fake_backend.joined(None):  # no caller stream: nothing joins, nothing records
+        seen.append(flag.active)
+    assert seen == [True, True, True, True, False]
+    assert not flag.active
+
+
+def test_a_body_that_raises_clears_the_recording_mark(fake_backend) -> None:
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fake_backend.capture(boom)
+    with pytest.raises(RuntimeError, match="boom"), fake_backend.joined(0x99):
+        boom()
+    assert not fake_backend._own_capture.active
