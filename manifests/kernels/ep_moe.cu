@@ -5,9 +5,9 @@
 //               rank's receive buffer block `me`), and its routing (expert ids and weights, packed) goes
 //               to every rank; barrier
 //   layout      the receiver computes, from the routing of every source, where each (token, local
-//               expert) pair lands: counts and a block-wide prefix per expert, positions in global token
-//               order (source rank, then token); pairs beyond an expert's capacity are dropped and
-//               counted in err (never silently)
+//               expert) pair lands: counts per chunk of routing words, a prefix over chunks, positions in
+//               global token order (source rank, then token); pairs beyond an expert's capacity are
+//               dropped and counted in err (never silently)
 //   fanout      received rows are copied into the expert slab [local expert][cap][hidden]
 //   experts     GEMMs per local expert (cuBLAS, cap rows)
 //   combine     for every received token and every reduction group held here, the weighted sum of its
@@ -180,104 +180,145 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(const uint4* __res
     publish(lane);
 }
 
-// layout: where every pair of this rank's experts lands, from the routing words of every source. One
-// block per local expert el (grid-stride over experts); the block walks the G * tokens * topk words in
-// rounds of blockDim x per words (each thread a contiguous run of `per`, per = max(4, words / (8 x
-// blockDim)): at most 8 rounds), counts its expert's pairs, and turns the counts into positions with a
-// block-wide exclusive prefix (per warp, then over warps) that carries from round to round. So pairs are
-// numbered in global order (source, token, top-k slot), the order EP1 numbers them in.
+// layout: where every pair of this rank's experts lands, from the routing words of every source, in two
+// launches over chunks of LAYOUT_CHUNK consecutive words (chunk c: words c * LAYOUT_CHUNK ..; each block
+// walks chunks blockIdx.x, blockIdx.x + gridDim.x, ..., so any grid works; the manifest gives one block
+// per chunk). Both read the words coalesced, once (the old one-block-per-expert walk read every word once
+// per expert: 103 us at 4096 tokens).
+//   ep_layout_count  hist[c][el] = pairs of local expert el in chunk c (shared-memory atomics)
+//   ep_layout_place  base[el] = sum of hist[c'][el] over c' < c (the pairs of el in earlier chunks), then
+//                    the chunk in rounds of blockDim words, one per thread: lanes with the same expert
+//                    find each other (__match_any_sync), the lowest of them takes popc(peers) positions
+//                    from base[el], warp by warp in order (one __syncthreads per warp turn), and each lane
+//                    adds its rank among the lower lanes. So pairs are numbered in global order (source,
+//                    token, top-k slot), the order EP1 numbers them in. The block of the last chunk also
+//                    writes expert_rows and the drop report (it sees every chunk's counts).
 //   meta         [G * tokens][topk] u32   routing words of the receive block
+//   hist         [chunks][experts / G] i32, chunks = ceil(G * tokens * topk / LAYOUT_CHUNK)
 //   route_row    [G * tokens][topk] i32   el * cap + position for a pair of local expert el at position
 //                                         < cap; -1 for another rank's expert, NO_EXPERT, or a dropped pair
-//                                         (the block of el == 0 writes the -1 of other ranks' entries)
 //   expert_rows  [experts / G] i32        min(pairs, cap)
-//   err          u32[4] local: pairs beyond cap are dropped: err[0] |= 2, err[2] += dropped
-// blockDim.x: a multiple of 32, at most LAYOUT_THREADS.
+//   err          u32[4] local: pairs beyond cap are dropped: err[0] |= 2, err[2] += dropped; more than
+//                LAYOUT_MAX_LOCAL experts per rank (the host refuses it): err[0] |= 8 and nothing is laid out
+// blockDim.x: a multiple of 32, at most LAYOUT_THREADS (every thread of a block runs the same loop trips,
+// so each __syncthreads is reached by all of them).
 #define LAYOUT_THREADS 256
+#define LAYOUT_CHUNK 1024
+#define LAYOUT_MAX_LOCAL 4096
 
-extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ep_layout(const unsigned int* __restrict__ meta,
-                                                                      int* __restrict__ route_row,
-                                                                      int* __restrict__ expert_rows,
-                                                                      unsigned int* err,
-                                                                      int tokens,
-                                                                      int topk,
-                                                                      int experts,
-                                                                      int G,
-                                                                      int me,
-                                                                      int cap) {
-    __shared__ int counts[LAYOUT_THREADS];
-    __shared__ int warp_base[LAYOUT_THREADS / 32];
-    __shared__ long long round_base;
+extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ep_layout_count(const unsigned int* __restrict__ meta,
+                                                                            int* __restrict__ hist,
+                                                                            int tokens,
+                                                                            int topk,
+                                                                            int experts,
+                                                                            int G,
+                                                                            int me) {
+    __shared__ int counts[LAYOUT_MAX_LOCAL];
     const int local = experts / G;
+    if (local > LAYOUT_MAX_LOCAL) {
+        return;  // the same test in every thread: ep_layout_place reports it
+    }
     const unsigned int lo = (unsigned int)(me * local);
     const unsigned int hi = lo + (unsigned int)local;
     const long long words = (long long)G * tokens * topk;
+    const long long chunks = (words + LAYOUT_CHUNK - 1) / LAYOUT_CHUNK;
+    const int tid = threadIdx.x;
+    for (long long c = blockIdx.x; c < chunks; c += gridDim.x) {
+        for (int el = tid; el < local; el += blockDim.x) {
+            counts[el] = 0;
+        }
+        __syncthreads();
+        const long long first = c * LAYOUT_CHUNK;
+        const long long last = first + LAYOUT_CHUNK < words ? first + LAYOUT_CHUNK : words;
+        for (long long w = first + tid; w < last; w += blockDim.x) {
+            const unsigned int e = meta[w] & 0xFFFFu;
+            if (e >= lo && e < hi) {
+                atomicAdd(&counts[e - lo], 1);
+            }
+        }
+        __syncthreads();
+        for (int el = tid; el < local; el += blockDim.x) {
+            hist[c * local + el] = counts[el];
+        }
+        __syncthreads();  // counts is zeroed for the next chunk
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ep_layout_place(const unsigned int* __restrict__ meta,
+                                                                            const int* __restrict__ hist,
+                                                                            int* __restrict__ route_row,
+                                                                            int* __restrict__ expert_rows,
+                                                                            unsigned int* err,
+                                                                            int tokens,
+                                                                            int topk,
+                                                                            int experts,
+                                                                            int G,
+                                                                            int me,
+                                                                            int cap) {
+    __shared__ int base[LAYOUT_MAX_LOCAL];
+    const int local = experts / G;
+    if (local > LAYOUT_MAX_LOCAL) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
+            atomicOr(&err[0], 8u);
+        }
+        return;
+    }
+    const unsigned int lo = (unsigned int)(me * local);
+    const unsigned int hi = lo + (unsigned int)local;
+    const long long words = (long long)G * tokens * topk;
+    const long long chunks = (words + LAYOUT_CHUNK - 1) / LAYOUT_CHUNK;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int warps = blockDim.x >> 5;
-    long long per = (words + 8LL * blockDim.x - 1) / (8LL * blockDim.x);
-    per = per < 4 ? 4 : per;
-    const long long span = per * blockDim.x;
-    for (int el = blockIdx.x; el < local; el += gridDim.x) {
-        const unsigned int e = lo + (unsigned int)el;
-        long long run = 0;  // pairs of e before this round (the same value in every thread)
-        for (long long w0 = 0; w0 < words; w0 += span) {
-            const long long first = w0 + tid * per;
-            const long long last = first + per < words ? first + per : words;
-            int count = 0;
-            for (long long w = first; w < last; ++w) {
-                count += (meta[w] & 0xFFFFu) == e;
+    for (long long c = blockIdx.x; c < chunks; c += gridDim.x) {
+        for (int el = tid; el < local; el += blockDim.x) {
+            int sum = 0;
+#pragma unroll 8
+            for (long long b = 0; b < c; ++b) {
+                sum += hist[b * local + el];
             }
-            counts[tid] = count;
-            __syncthreads();
-            if (lane == 0) {
-                int sum = 0;
-                for (int l = 0; l < 32; ++l) {
-                    sum += counts[warp * 32 + l];
+            base[el] = sum;
+            if (c == chunks - 1) {
+                const int total = sum + hist[c * local + el];
+                expert_rows[el] = total < cap ? total : cap;
+                if (total > cap) {
+                    atomicOr(&err[0], 2u);
+                    atomicAdd(&err[2], (unsigned int)(total - cap));
                 }
-                warp_base[warp] = sum;
-            }
-            __syncthreads();
-            if (tid == 0) {
-                long long sum = run;
-                for (int w = 0; w < warps; ++w) {
-                    const int x = warp_base[w];
-                    warp_base[w] = (int)(sum - run);
-                    sum += x;
-                }
-                round_base = sum;
-            }
-            __syncthreads();
-            long long pos = run + warp_base[warp];
-            for (int l = 0; l < lane; ++l) {
-                pos += counts[warp * 32 + l];
-            }
-            for (long long w = first; w < last; ++w) {
-                const unsigned int we = meta[w] & 0xFFFFu;
-                if (we == e) {
-                    route_row[w] = pos < cap ? (int)((long long)el * cap + pos) : -1;
-                    ++pos;
-                } else if (el == 0 && (we < lo || we >= hi)) {
-                    route_row[w] = -1;
-                }
-            }
-            run = round_base;
-            __syncthreads();  // counts, warp_base and round_base are rewritten by the next round
-        }
-        if (tid == 0) {
-            expert_rows[el] = (int)(run < cap ? run : cap);
-            if (run > cap) {
-                atomicOr(&err[0], 2u);
-                atomicAdd(&err[2], (unsigned int)(run - cap));
             }
         }
+        __syncthreads();
+        const long long first = c * LAYOUT_CHUNK;
+        const long long last = first + LAYOUT_CHUNK < words ? first + LAYOUT_CHUNK : words;
+        for (long long r0 = first; r0 < last; r0 += blockDim.x) {
+            const long long w = r0 + tid;
+            const bool valid = w < last;
+            const unsigned int e = valid ? meta[w] & 0xFFFFu : 0xFFFFFFFFu;  // past the end: no word's key
+            const bool mine = e >= lo && e < hi;
+            const unsigned int peers = __match_any_sync(0xFFFFFFFFu, e);
+            const int leader = __ffs(peers) - 1;
+            int first_pos = 0;
+            for (int turn = 0; turn < warps; ++turn) {
+                if (turn == warp && mine && lane == leader) {
+                    first_pos = base[e - lo];
+                    base[e - lo] = first_pos + __popc(peers);
+                }
+                __syncthreads();
+            }
+            first_pos = __shfl_sync(0xFFFFFFFFu, first_pos, leader);
+            if (valid) {
+                const int pos = first_pos + __popc(peers & ((1u << lane) - 1u));
+                route_row[w] = mine && pos < cap ? (int)(e - lo) * cap + pos : -1;
+            }
+        }
+        __syncthreads();  // base is rewritten for the next chunk
     }
 }
 
 // fanout: every received row goes to the slab rows of its local experts (a local copy).
 //   recv       [G * tokens][hidden] bf16      received rows (global token order)
-//   route_row  [G * tokens][topk] i32         from layout_rows
+//   route_row  [G * tokens][topk] i32         from the layout
 //   slab       [local * cap][hidden] bf16
 extern "C" __global__ void __launch_bounds__(512) ep_fanout(const uint4* __restrict__ recv,
                                      const int* __restrict__ route_row,

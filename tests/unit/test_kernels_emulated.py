@@ -25,6 +25,7 @@ from tray.dtypes import f32_to_bf16_bits
 from tray.programs.ep_moe.twins import route_rows
 from tray.twins import lookup
 
+NO_EXPERT_ID = 1 << 20  # an id out of range of any expert count here
 CXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the CUDA sources for the CPU")
 
@@ -72,7 +73,7 @@ static inline void __syncwarp() {}
 #include <vector>
 namespace coop {
 enum { RUN, BLOCK_WAIT, WARP_WAIT, DONE };
-struct Lane { unsigned int a[4], b[2]; float d[4]; };
+struct Lane { unsigned int a[4], b[2]; float d[4]; unsigned int xv[2]; unsigned int seq; };
 static std::vector<ucontext_t> ctx;
 static std::vector<std::vector<char>> stacks;
 static std::vector<int> state;
@@ -166,6 +167,30 @@ static void run_block(unsigned int n, std::function<void()> fn) {
 }
 }  // namespace coop
 static inline void __syncthreads() { coop::wait(coop::BLOCK_WAIT); }
+// Warp-wide exchanges: each lane deposits a value and waits for the warp; after the release every lane reads
+// all 32. Two slots by exchange parity: a lane released first cannot overwrite a value others still read.
+static inline void warp_values(unsigned int v, unsigned int* all) {
+    const unsigned int s = coop::lanes[coop::cur].seq & 1u;
+    coop::lanes[coop::cur].xv[s] = v;
+    coop::wait(coop::WARP_WAIT);
+    const unsigned int base = coop::cur & ~31u;
+    for (int l = 0; l < 32; ++l) all[l] = coop::lanes[base + l].xv[s];
+    coop::lanes[coop::cur].seq += 1u;
+}
+static inline unsigned int __match_any_sync(unsigned int mask, unsigned int v) {
+    unsigned int all[32], peers = 0;
+    warp_values(v, all);
+    for (int l = 0; l < 32; ++l) peers |= (all[l] == v ? 1u : 0u) << l;
+    return peers & mask;
+}
+static inline int __shfl_sync(unsigned int, int v, int src) {
+    unsigned int all[32];
+    warp_values((unsigned int)v, all);
+    return (int)all[src & 31];
+}
+static inline int __popc(unsigned int v) { return __builtin_popcount(v); }
+static inline int __ffs(int v) { return __builtin_ffs(v); }
+static inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
 static inline void mma_bf16_m16n8k16(float* d, const unsigned int* a, const unsigned int* b) {
     coop::Lane& x = coop::lanes[coop::cur];
     for (int i = 0; i < 4; ++i) { x.a[i] = a[i]; x.d[i] = d[i]; }
@@ -199,8 +224,9 @@ KERNELS = {
         "ep_dispatch": "const uint4* x, const int* ti, const unsigned short* tw, unsigned char* const* rp, "
         "unsigned int* const* mp, unsigned char* send, unsigned int* sm, unsigned int* err, int tokens, "
         "int topk, int hidden, int experts, int G, int me",
-        "ep_layout": "const unsigned int* meta, int* rr, int* er, unsigned int* err, int tokens, int topk, "
-        "int experts, int G, int me, int cap",
+        "ep_layout_count": "const unsigned int* meta, int* hist, int tokens, int topk, int experts, int G, int me",
+        "ep_layout_place": "const unsigned int* meta, const int* hist, int* rr, int* er, unsigned int* err, "
+        "int tokens, int topk, int experts, int G, int me, int cap",
         "ep_fanout": "const uint4* recv, const int* rr, unsigned char* slab, int tokens, int topk, int hidden, int G",
         "ep_combine": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
         "unsigned char* send, int tokens, int topk, int hidden, int experts, int G, int me, int groups",
@@ -239,7 +265,7 @@ KERNELS["ep_gemm.cu"] = {
 }
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
-COOP = {"ep_layout", "ep_masked_gemm", "stress_produce", "peer_barrier"}
+COOP = {"ep_layout_count", "ep_layout_place", "ep_masked_gemm", "stress_produce", "peer_barrier"}
 # inline PTX has no CPU meaning: the clock read becomes the shim's clock, the barrier's sys-scope loads and
 # stores plain volatile ones (one thread runs at a time here: ordering is the GPU's to check, not this test's)
 PTX_ON_CPU = {
@@ -402,8 +428,54 @@ def tables(a, names):
     return np.array([ptr(a[n]) for n in names], np.uint64)
 
 
-# H 1040: rows of two 2 KiB chunks, the second partial; the layout on 1 block of 64 threads (every expert
-# in turn, one round of 4 words per thread) and on 4 blocks of 32 (an expert each, two rounds)
+def layout_both(emulated, meta, T, K, E, G, me, cap, grid, block, arrays):
+    """ep_layout_count then ep_layout_place, emulated and twin, each compared; returns the emulated arrays
+    (rr, er, err, hist)."""
+    L = E // G
+    chunks = -(-G * T * K // ep_twins.LAYOUT_CHUNK)
+    arrays = {**arrays, "hist": np.full((chunks, L), -5, np.int32)}
+    c, t = both(
+        emulated, "ep_layout_count", grid, block,
+        lambda a: [ptr(a["meta"]), ptr(a["hist"]), T, K, E, G, me], arrays,
+    )
+    assert np.array_equal(c["hist"], t["hist"])
+    assert np.array_equal(c["hist"], ep_twins.layout_hist(meta, me * L, L))
+    c, t = both(
+        emulated, "ep_layout_place", grid, block,
+        lambda a: [ptr(a["meta"]), ptr(a["hist"]), ptr(a["rr"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, me, cap],
+        {**arrays, "hist": c["hist"]},
+    )
+    for k in ("rr", "er", "err"):
+        assert np.array_equal(c[k], t[k]), k
+    return c
+
+
+# 2400 routing words: three chunks, the last partial; grids of one block (it walks every chunk) and of
+# two; a hot expert overflows cap, an id out of range reaches no expert
+@pytest.mark.parametrize("G, grid, block", [(2, 1, 64), (2, 2, 256), (1, 3, 96)])
+def test_layout_over_chunks_numbers_pairs_in_global_order(emulated, G, grid, block):
+    rng = np.random.default_rng(7)
+    T, K, E = 1200 // G, 2, 16
+    L, cap = E // G, 200
+    idx = skewed_routing(rng, G * T, E, K, hot=3)
+    idx[7, 1] = NO_EXPERT_ID
+    meta = ep_twins.pack_routing(idx, np.zeros_like(idx, np.uint16), E)
+    for me in range(G):
+        arrays = {
+            "meta": meta,
+            "rr": np.full((G * T, K), 7, np.int32),
+            "er": np.zeros(L, np.int32),
+            "err": np.zeros(4, np.uint32),
+        }
+        c = layout_both(emulated, meta, T, K, E, G, me, cap, grid, block, arrays)
+        want_rows, totals = route_rows(meta, me * L, L, cap)
+        assert np.array_equal(c["rr"], want_rows) and c["er"].tolist() == np.minimum(totals, cap).tolist()
+        dropped = int(np.maximum(totals - cap, 0).sum())
+        assert c["err"][2] == dropped and (dropped > 0) == (me == 3 // L), (me, totals)
+
+
+# H 1040: rows of two 2 KiB chunks, the second partial; the layout on 1 block of 64 threads (four rounds of
+# its one chunk) and on 4 blocks of 32 (three idle: one chunk)
 @pytest.mark.parametrize("H, grid, block", [(16, 1, 64), (1040, 4, 32)])
 def test_dispatch_layout_fanout_combine(emulated, H, grid, block):
     """The whole data path of two ranks, kernel by kernel: emulated CUDA == twin at every step."""
@@ -489,16 +561,7 @@ def test_dispatch_layout_fanout_combine(emulated, H, grid, block):
             "er": np.zeros(L, np.int32),
             "err": np.zeros(4, np.uint32),
         }
-        c, t = both(
-            emulated,
-            "ep_layout",
-            grid,
-            block,
-            lambda a, me=me: [ptr(a["meta"]), ptr(a["rr"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, me, cap],
-            arrays,
-        )
-        for k in ("rr", "er", "err"):
-            assert np.array_equal(c[k], t[k]), k
+        c = layout_both(emulated, meta[me], T, K, E, G, me, cap, grid, block, arrays)
         want_rows, totals = route_rows(meta[me], me * L, L, cap)
         assert np.array_equal(c["rr"], want_rows) and c["er"].tolist() == np.minimum(totals, cap).tolist()
         assert c["err"][2] == np.maximum(totals - cap, 0).sum() and (c["err"][0] == 2) == (totals > cap).any()
@@ -660,15 +723,15 @@ def test_ties_round_to_even(emulated):
 
 def test_a_wrong_position_is_caught(emulated, monkeypatch):
     """The comparison can fail: a layout twin that swaps the first two pairs of an expert differs."""
-    original = lookup("ep_layout")
+    original = lookup("ep_layout_place")
 
-    def swapped(backend, grid, block, meta, route_row, expert_rows, err, tokens, topk, experts, G, me, cap):
-        original(backend, grid, block, meta, route_row, expert_rows, err, tokens, topk, experts, G, me, cap)
+    def swapped(backend, grid, block, meta, hist, route_row, expert_rows, err, tokens, topk, experts, G, me, cap):
+        original(backend, grid, block, meta, hist, route_row, expert_rows, err, tokens, topk, experts, G, me, cap)
         rows = np.ctypeslib.as_array((ctypes.c_int32 * (G * tokens * topk)).from_address(route_row))
         first = np.flatnonzero((rows >= 0) & (rows < cap))[:2]  # expert 0's first two pairs
         rows[first] = rows[first[::-1]]
 
-    monkeypatch.setitem(tray.twins._TWINS, "ep_layout", swapped)
+    monkeypatch.setitem(tray.twins._TWINS, "ep_layout_place", swapped)
     rng = np.random.default_rng(4)
     G, T, K, E, cap = 1, 16, 2, 4, 16
     meta = skewed_routing(rng, T, E, K).astype(np.uint32)
@@ -677,13 +740,14 @@ def test_a_wrong_position_is_caught(emulated, monkeypatch):
         "rr": np.zeros((T, K), np.int32),
         "er": np.zeros(E, np.int32),
         "err": np.zeros(4, np.uint32),
+        "hist": ep_twins.layout_hist(meta, 0, E),
     }
     c, t = both(
         emulated,
-        "ep_layout",
+        "ep_layout_place",
         2,
         32,
-        lambda a: [ptr(a["meta"]), ptr(a["rr"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, 0, cap],
+        lambda a: [ptr(a["meta"]), ptr(a["hist"]), ptr(a["rr"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, 0, cap],
         arrays,
     )
     assert not np.array_equal(c["rr"], t["rr"])

@@ -4,7 +4,7 @@ Each twin computes the bytes its CUDA kernel writes: copies for the data movemen
 same float32 operations in the same order (numpy float32 ufuncs round to nearest even per operation and
 never fuse a multiply with an add, like the kernels' __fmul_rn/__fadd_rn). The pure functions here
 (`silu_mul_f32`, `fill_bits`, `reduce_groups_bits`, `route_rows`,
-`pack_routing`) are the specification the tests and benches check against.
+`layout_hist`, `pack_routing`) are the specification the tests and benches check against.
 """
 
 from __future__ import annotations
@@ -209,12 +209,42 @@ def ep_dispatch(
         dst[hit] = xs[hit]
 
 
-@twin("ep_layout")
-def ep_layout(
+# NOTE: ep_moe.cu's LAYOUT_CHUNK and LAYOUT_MAX_LOCAL
+LAYOUT_CHUNK = 1024
+LAYOUT_MAX_LOCAL = 4096
+
+
+def layout_hist(meta: np.ndarray, lo: int, local: int) -> np.ndarray:
+    """`ep_layout_count`: i32 [chunks, local], pairs of expert lo + el in each LAYOUT_CHUNK words of the
+    routing words `meta` (u32, any shape, read flat)."""
+    e = (np.asarray(meta, np.uint32).reshape(-1) & np.uint32(0xFFFF)).astype(np.int64)
+    chunks = -(-e.size // LAYOUT_CHUNK)
+    el = e - lo
+    mine = (el >= 0) & (el < local) & (e != NO_EXPERT)
+    which = np.arange(e.size) // LAYOUT_CHUNK
+    hist = np.zeros((chunks, local), np.int64)
+    np.add.at(hist, (which[mine], el[mine]), 1)
+    return hist.astype(np.int32)
+
+
+@twin("ep_layout_count")
+def ep_layout_count(
+    backend: Any, grid: Any, block: Any, meta: int, hist: int, tokens: int, topk: int, experts: int, G: int, me: int
+) -> None:
+    local, words = experts // G, G * tokens * topk
+    if local > LAYOUT_MAX_LOCAL:
+        return
+    h = layout_hist(_at(meta, words, np.uint32), me * local, local)
+    _at(hist, h.size, np.int32)[:] = h.reshape(-1)
+
+
+@twin("ep_layout_place")
+def ep_layout_place(
     backend: Any,
     grid: Any,
     block: Any,
     meta: int,
+    hist: int,
     route_row: int,
     expert_rows: int,
     err: int,
@@ -226,12 +256,15 @@ def ep_layout(
     cap: int,
 ) -> None:
     local, n = experts // G, G * tokens
+    errs = _at(err, 4, np.uint32)
+    if local > LAYOUT_MAX_LOCAL:
+        errs[0] |= 8
+        return
     rows, totals = route_rows(_at(meta, n * topk, np.uint32).reshape(n, topk), me * local, local, cap)
     _at(route_row, n * topk, np.int32)[:] = rows.reshape(-1)
     _at(expert_rows, local, np.int32)[:] = np.minimum(totals, cap)
     over = totals > cap
     if over.any():
-        errs = _at(err, 4, np.uint32)
         errs[0] |= 2
         errs[2] += np.uint32(int((totals[over] - cap).sum()) & 0xFFFFFFFF)
 
