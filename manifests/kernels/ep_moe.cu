@@ -121,20 +121,20 @@ __device__ __forceinline__ bool hits(const unsigned int* m, int topk, unsigned i
 //              and [G][tokens][topk] (block g goes to member g), used instead of the peer tables
 //   err        u32[4] local: err[0] |= 1 and err[1] += 1 per routing entry whose expert is out of range
 //              (it is sent as NO_EXPERT and reaches no expert)
-extern "C" __global__ void __launch_bounds__(512) ep_dispatch(const uint4* __restrict__ x,
-                                       const int* __restrict__ topk_idx,
-                                       const unsigned short* __restrict__ topk_w,
-                                       unsigned char* const* recv_peers,
-                                       unsigned int* const* meta_peers,
-                                       unsigned char* send,
-                                       unsigned int* send_meta,
-                                       unsigned int* err,
-                                       int tokens,
-                                       int topk,
-                                       int hidden,
-                                       int experts,
-                                       int G,
-                                       int me) {
+__device__ __forceinline__ void dispatch_rows(const uint4* __restrict__ x,
+                                              const int* __restrict__ topk_idx,
+                                              const unsigned short* __restrict__ topk_w,
+                                              unsigned char* const* recv_peers,
+                                              unsigned int* const* meta_peers,
+                                              unsigned char* send,
+                                              unsigned int* send_meta,
+                                              unsigned int* err,
+                                              int tokens,
+                                              int topk,
+                                              int hidden,
+                                              int experts,
+                                              int G,
+                                              int me) {
     const int nvec = hidden / 8;
     const size_t row_bytes = (size_t)hidden * 2;
     const long long words = (long long)tokens * topk;
@@ -177,7 +177,25 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(const uint4* __res
                                   : recv_peers[g] + ((size_t)me * tokens + t) * row_bytes;
         copy_chunk((uint4*)dst, x + (size_t)t * nvec, nvec, chunk, lane);
     }
-    publish(lane);
+}
+
+extern "C" __global__ void __launch_bounds__(512) ep_dispatch(const uint4* __restrict__ x,
+                                       const int* __restrict__ topk_idx,
+                                       const unsigned short* __restrict__ topk_w,
+                                       unsigned char* const* recv_peers,
+                                       unsigned int* const* meta_peers,
+                                       unsigned char* send,
+                                       unsigned int* send_meta,
+                                       unsigned int* err,
+                                       int tokens,
+                                       int topk,
+                                       int hidden,
+                                       int experts,
+                                       int G,
+                                       int me) {
+    dispatch_rows(x, topk_idx, topk_w, recv_peers, meta_peers, send, send_meta, err, tokens, topk, hidden, experts,
+                  G, me);
+    publish(threadIdx.x & 31);
 }
 
 // layout: where every pair of this rank's experts lands, from the routing words of every source, in two
@@ -355,18 +373,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_fanout(const uint4* __restr
 //   comb_peers u64[G]: member s's combine rows [groups][tokens][hidden] bf16
 //   send       0 on the peer path; on the NCCL path the local buffer [G][groups / G][tokens][hidden]
 //              (block s goes to member s)
-extern "C" __global__ void __launch_bounds__(512) ep_combine(const uint4* __restrict__ y,
-                                      const unsigned int* __restrict__ meta,
-                                      const int* __restrict__ route_row,
-                                      unsigned char* const* comb_peers,
-                                      unsigned char* send,
-                                      int tokens,
-                                      int topk,
-                                      int hidden,
-                                      int experts,
-                                      int G,
-                                      int me,
-                                      int groups) {
+__device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
+                                             const unsigned int* meta,
+                                             const int* route_row,
+                                             unsigned char* const* comb_peers,
+                                             unsigned char* send,
+                                             int tokens,
+                                             int topk,
+                                             int hidden,
+                                             int experts,
+                                             int G,
+                                             int me,
+                                             int groups) {
     const int nvec = hidden / 8;
     const size_t row_bytes = (size_t)hidden * 2;
     const int mine = groups / G;
@@ -432,7 +450,22 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine(const uint4* __rest
             }
         }
     }
-    publish(lane);
+}
+
+extern "C" __global__ void __launch_bounds__(512) ep_combine(const uint4* __restrict__ y,
+                                      const unsigned int* __restrict__ meta,
+                                      const int* __restrict__ route_row,
+                                      unsigned char* const* comb_peers,
+                                      unsigned char* send,
+                                      int tokens,
+                                      int topk,
+                                      int hidden,
+                                      int experts,
+                                      int G,
+                                      int me,
+                                      int groups) {
+    combine_rows(y, meta, route_row, comb_peers, send, tokens, topk, hidden, experts, G, me, groups);
+    publish(threadIdx.x & 31);
 }
 
 // peer_copy (the NVLink ceiling): every rank writes `rows` rows to each other member at once, the
@@ -460,4 +493,303 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
         copy_chunk(dst, src + (size_t)i * nvec, nvec, chunk, lane);
     }
     publish(lane);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Low-latency mode: one kernel per direction (small batches). ep_dispatch_ll is dispatch + layout + fanout,
+// ep_combine_ll is combine + reduce, with device-side flags where the standard path has kernel boundaries
+// and peer barriers. They write the same bytes as the standard kernels (the same device functions, the
+// same layout order, the same reduction order), so outputs stay byte-identical to EP1.
+//
+// Synchronisation, and why it cannot deadlock or reuse a stale flag:
+// - Grid barrier (grid_sync): each block's thread 0 adds 1 to a local u32 counter, block 0 adds
+//   0x80000000 - (gridDim.x - 1), so every barrier adds exactly 2^31: the top bit flips once all blocks
+//   arrived, whatever the grid, with no reset between barriers or launches. __threadfence before the add
+//   and after the wait (with __syncthreads around) orders the blocks' writes before what follows. It
+//   needs every block resident at once: the launch uses at most one block per SM (grid = the SM budget,
+//   at most the GPU's SM count, the bench checks it) and __launch_bounds__(512) with 512 threads, one
+//   block fits an otherwise idle SM (small static shared memory); nothing runs beside it on the GPU. Past
+//   LL_TIMEOUT_NS it gives up and reports err[0] |= 16 instead of hanging.
+// - Peer flags: ll_flags (u64[2][G], mapped into every member) holds in [0][s] / [1][s] the last
+//   dispatch / combine epoch member s announced to this rank. Epochs come from ll_state (u64[2], local;
+//   [0] dispatch, [1] combine), read by every block at entry and advanced by block 0 after the first grid
+//   barrier (every block read it before arriving): K launches in a captured graph get K fresh epochs, no
+//   host reset (buffers start zeroed; ranks run the same programs, so the counters advance in lockstep).
+//   Flags only grow, so `>= epoch` is never met by an older announcement.
+// - Release: every warp fences its peer stores at system scope (publish) before its block arrives at the
+//   grid barrier; then block 0's thread t < G runs fence.acq_rel.sys and stores the epoch into member
+//   t's flag (st.relaxed.sys): fence + store in one thread is a release, cumulative over the blocks'
+//   fenced stores it observed through the barrier.
+// - Acquire: in every block thread t < G polls its own flag from member t (relaxed), then one
+//   ld.acquire.sys pairs with that member's release; __syncthreads hands the acquired view to the block.
+//   Past LL_TIMEOUT_NS: err[0] |= 4, err[3] |= 1 << (t % 32) (the member that never announced), and
+//   the kernel goes on (its output is then wrong, and the err check says so) instead of hanging.
+// - Reuse of the receive buffers across launches: a member writes this rank's recv/meta for launch e + 1
+//   only after its own combine of launch e got every member's combine rows, which each member sends only
+//   after its dispatch of launch e ended (stream order); comb likewise. (Timing one direction alone
+//   back to back overlaps a launch's writes with the previous launch's reads of the same bytes; the
+//   bytes are equal, and the outputs are checked on whole layers.)
+// Buffers written by peers during the kernel (meta, recv, comb) are read through plain pointers (no
+// __restrict__/const: no non-coherent cache loads), only after the acquire.
+// blockDim.x: a multiple of 32, at least G, at most 512.
+#define LL_TIMEOUT_NS 10000000000ull
+#define LL_FULL 0xFFFFFFFFu
+
+__device__ __forceinline__ void st_relaxed_sys(unsigned long long* addr, unsigned long long value) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long* addr) {
+    unsigned long long value;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* addr) {
+    unsigned long long value;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+// Every block of the grid arrives before any block leaves (see above). Called by every thread.
+__device__ __forceinline__ void grid_sync(unsigned int* counter, unsigned int* err) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        __threadfence();
+        const unsigned int old = atomicAdd(counter, add);
+        if (((old ^ *(volatile unsigned int*)counter) & 0x80000000u) == 0u) {
+            const unsigned long long start = globaltimer_ns();
+            while (((old ^ *(volatile unsigned int*)counter) & 0x80000000u) == 0u) {
+                if (globaltimer_ns() - start > LL_TIMEOUT_NS) {
+                    atomicOr(&err[0], 16u);
+                    break;
+                }
+            }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// Block 0, after the grid barrier: announce `epoch` to every member t (its flags[slot + me]).
+__device__ __forceinline__ void announce(unsigned long long* const* flag_peers, int slot, unsigned long long epoch,
+                                         int G, int me) {
+    if (blockIdx.x == 0 && (int)threadIdx.x < G) {
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        st_relaxed_sys(flag_peers[threadIdx.x] + slot + me, epoch);
+    }
+}
+
+// Every block: wait until every member t announced `epoch` or later in flags[t]. Called by every thread.
+__device__ __forceinline__ void wait_members(const unsigned long long* flags, unsigned long long epoch, int G,
+                                             unsigned int* err) {
+    const int t = threadIdx.x;
+    if (t < G) {
+        const unsigned long long* flag = flags + t;
+        if (ld_relaxed_sys(flag) < epoch) {
+            const unsigned long long start = globaltimer_ns();
+            while (ld_relaxed_sys(flag) < epoch) {
+                if (globaltimer_ns() - start > LL_TIMEOUT_NS) {
+                    atomicOr(&err[0], 4u);
+                    atomicOr(&err[3], 1u << (t & 31));
+                    break;
+                }
+            }
+        }
+        (void)ld_acquire_sys(flag);  // pairs with member t's release: its stores to this rank are visible
+    }
+    __syncthreads();
+}
+
+// dispatch_ll: ep_dispatch, then (after every member's rows and routing arrived) the layout of ep_layout_*
+// and the fanout of ep_fanout, in one kernel. Arguments as those kernels', plus
+//   flag_peers  u64[G]: member g's ll_flags;  flags: this rank's ll_flags (u64[2 * G])
+//   state       u64[2] local (ll_state);       grid_counter: u32 local (ll_grid[0])
+//   meta, recv  this rank's receive buffers (what meta_peers / recv_peers map at index me)
+// Layout: block b lays out local experts b, b + gridDim.x, ...: it walks the G * tokens * topk words in
+// rounds of blockDim.x (one word a thread), and numbers its expert's pairs by a block-wide prefix of
+// per-warp ballots, round after round: global order (source, token, top-k slot), as ep_layout_place.
+// Every block also writes -1 for the words of other ranks' experts (a grid-stride share). A grid barrier
+// then makes route_row whole before the fanout reads it.
+extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __restrict__ x,
+                                                                const int* __restrict__ topk_idx,
+                                                                const unsigned short* __restrict__ topk_w,
+                                                                unsigned char* const* recv_peers,
+                                                                unsigned int* const* meta_peers,
+                                                                unsigned long long* const* flag_peers,
+                                                                unsigned long long* flags,
+                                                                unsigned long long* state,
+                                                                unsigned int* grid_counter,
+                                                                const unsigned int* meta,
+                                                                const uint4* recv,
+                                                                int* route_row,
+                                                                int* expert_rows,
+                                                                unsigned char* slab,
+                                                                unsigned int* err,
+                                                                int tokens,
+                                                                int topk,
+                                                                int hidden,
+                                                                int experts,
+                                                                int G,
+                                                                int me,
+                                                                int cap) {
+    __shared__ int wcount[16];
+    __shared__ unsigned long long epoch_s;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int warps = blockDim.x >> 5;
+    if (tid == 0) {
+        epoch_s = state[0] + 1ull;  // every block reads it before it arrives at the first grid barrier
+    }
+    dispatch_rows(x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden, experts, G, me);
+    publish(lane);
+    grid_sync(grid_counter, err);  // its __syncthreads also hands epoch_s to the block
+    const unsigned long long epoch = epoch_s;
+    if (blockIdx.x == 0 && tid == 0) {
+        state[0] = epoch;
+    }
+    announce(flag_peers, 0, epoch, G, me);
+    wait_members(flags, epoch, G, err);
+
+    const int local = experts / G;
+    const unsigned int lo = (unsigned int)(me * local);
+    const unsigned int hi = lo + (unsigned int)local;
+    const long long words = (long long)G * tokens * topk;
+    const long long gtid = (long long)blockIdx.x * blockDim.x + tid;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    for (long long w = gtid; w < words; w += nthreads) {
+        const unsigned int e = meta[w] & 0xFFFFu;
+        if (e < lo || e >= hi) {
+            route_row[w] = -1;
+        }
+    }
+    for (int el = blockIdx.x; el < local; el += gridDim.x) {
+        const unsigned int e = lo + (unsigned int)el;
+        int run = 0;  // pairs of e before this round (the same value in every thread)
+        for (long long r0 = 0; r0 < words; r0 += blockDim.x) {
+            const long long w = r0 + tid;
+            const bool hit = w < words && (meta[w] & 0xFFFFu) == e;
+            const unsigned int ballot = __ballot_sync(LL_FULL, hit);
+            if (lane == 0) {
+                wcount[warp] = __popc(ballot);
+            }
+            __syncthreads();
+            int before = run;
+            int total = run;
+            for (int i = 0; i < warps; ++i) {
+                const int c = wcount[i];
+                before += i < warp ? c : 0;
+                total += c;
+            }
+            if (hit) {
+                const int pos = before + __popc(ballot & ((1u << lane) - 1u));
+                route_row[w] = pos < cap ? el * cap + pos : -1;
+            }
+            run = total;
+            __syncthreads();  // wcount is rewritten by the next round
+        }
+        if (tid == 0) {
+            expert_rows[el] = run < cap ? run : cap;
+            if (run > cap) {
+                atomicOr(&err[0], 2u);
+                atomicAdd(&err[2], (unsigned int)(run - cap));
+            }
+        }
+    }
+    grid_sync(grid_counter, err);  // route_row is whole
+
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
+    const WarpItems it = warp_items(words, nvec);
+    for (long long item = it.first; item < it.count; item += it.stride) {
+        const long long w = item / it.chunks;
+        const int chunk = (int)(item - w * it.chunks);
+        const int row = route_row[w];
+        if (row < 0) {
+            continue;
+        }
+        copy_chunk((uint4*)(slab + (size_t)row * row_bytes), recv + (size_t)(w / topk) * nvec, nvec, chunk, lane);
+    }
+}
+
+// combine_ll: ep_combine, then (after every member's combine rows arrived) ep_reduce's sum, in one
+// kernel. Arguments as those kernels', plus flag_peers / flags / state / grid_counter as dispatch_ll's
+// (flags slot [1], state[1], ll_grid[1]) and `comb`, this rank's combine rows (what comb_peers maps at
+// index me). The reduce: out[t] = bf16(sum over the groups q the token uses, ascending, of comb[q][t]),
+// float32 from 0: ep_reduce's operations in ep_reduce's order.
+extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __restrict__ y,
+                                                               const unsigned int* meta,
+                                                               const int* route_row,
+                                                               unsigned char* const* comb_peers,
+                                                               unsigned long long* const* flag_peers,
+                                                               unsigned long long* flags,
+                                                               unsigned long long* state,
+                                                               unsigned int* grid_counter,
+                                                               const uint4* comb,
+                                                               const int* __restrict__ topk_idx,
+                                                               uint4* out,
+                                                               unsigned int* err,
+                                                               int tokens,
+                                                               int topk,
+                                                               int hidden,
+                                                               int experts,
+                                                               int G,
+                                                               int me,
+                                                               int groups) {
+    __shared__ unsigned long long epoch_s;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        epoch_s = state[1] + 1ull;  // every block reads it before it arrives at the grid barrier
+    }
+    combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups);
+    publish(tid & 31);
+    grid_sync(grid_counter, err);
+    const unsigned long long epoch = epoch_s;
+    if (blockIdx.x == 0 && tid == 0) {
+        state[1] = epoch;
+    }
+    announce(flag_peers, G, epoch, G, me);
+    wait_members(flags + G, epoch, G, err);
+
+    const long long nvec = hidden / 8;
+    const long long total = (long long)tokens * nvec;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const int per_group = experts / groups;
+    for (long long i = (long long)blockIdx.x * blockDim.x + tid; i < total; i += stride) {
+        const long long t = i / nvec;
+        const long long c = i - t * nvec;
+        u64 used = 0;
+        for (int kk = 0; kk < topk; ++kk) {
+            const int e = topk_idx[t * topk + kk];
+            if (e >= 0 && e < experts) {
+                used |= 1ull << (e / per_group);
+            }
+        }
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int q = 0; q < groups; ++q) {
+            if ((used >> q) & 1ull) {
+                const uint4 p = comb[((long long)q * tokens + t) * nvec + c];
+                const unsigned int wd[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_f32(wd[j] & 0xFFFFu));
+                    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_f32(wd[j] >> 16));
+                }
+            }
+        }
+        uint4 o;
+        o.x = f32_to_bf16(acc[0]) | (f32_to_bf16(acc[1]) << 16);
+        o.y = f32_to_bf16(acc[2]) | (f32_to_bf16(acc[3]) << 16);
+        o.z = f32_to_bf16(acc[4]) | (f32_to_bf16(acc[5]) << 16);
+        o.w = f32_to_bf16(acc[6]) | (f32_to_bf16(acc[7]) << 16);
+        out[i] = o;
+    }
 }

@@ -11,7 +11,8 @@ from conftest import MANIFESTS
 
 EP_MOE = str(MANIFESTS / "ep_moe.json")
 TINY = ["--hidden", "64", "--experts", "8", "--topk", "2", "--expert-dim", "32", "--repeats", "2"]
-PEER = {"dispatch", "dispatch_send", "layout", "fanout", "experts", "combine", "reduce", "layer"}
+PEER = {"dispatch", "dispatch_send", "layout", "fanout", "experts", "combine", "reduce", "layer", "dispatch_ll",
+        "combine_ll", "layer_ll"}
 NCCL = {"dispatch", "experts", "combine", "reduce", "layer"}
 
 
@@ -89,6 +90,8 @@ def test_bench_checks_pass_and_report(tray_env, tmp_path, n, tokens, routing, ge
     for r in report["runs"]:
         c = r["checks"]
         assert c["peer_rows_differ_from_ep1"] == 0 and c["nccl_rows_differ_from_ep1"] == 0, c
+        assert c["ll_rows_differ_from_ep1"] == 0 and c["ep1_ll_rows_differ_from_ep1"] == 0 and c["ll_equals_peer"], c
+        assert r["ratios"]["peer_ll_dispatch_combine_vs_nccl"] > 0
         assert c["ep1_vs_float64_rel_err"] < 1e-2 and c["layout_reports_ok"] and c["after_replay_equal"], c
         assert c["nan_rows"] == 0
         for path, phases in (("peer", PEER), ("nccl", NCCL), ("ep1", PEER)):
@@ -117,8 +120,10 @@ def test_a_small_capacity_drops_pairs_counted_and_ep1_still_matches(tray_env, tm
     r = json.loads(out.read_text())["runs"][0]
     assert r["dropped_pairs"] > 0 and r["max_rows_per_expert"] > r["cap"]
     assert r["checks"]["passed"] and r["checks"]["peer_rows_differ_from_ep1"] == 0
-    words = r["checks"]["err_words"]  # rank 0 peer, rank 0 NCCL, rank 1 peer, rank 1 NCCL, EP1
-    assert words[0][2] + words[2][2] == words[1][2] + words[3][2] == words[4][2] == r["dropped_pairs"]
+    words = r["checks"]["err_words"]  # rank 0 peer, low-latency, NCCL; rank 1 the same; EP1 peer, low-latency
+    assert r["checks"]["ll_rows_differ_from_ep1"] == 0
+    assert words[0][2] + words[3][2] == words[1][2] + words[4][2] == words[2][2] + words[5][2] == r["dropped_pairs"]
+    assert words[6][2] == words[7][2] == r["dropped_pairs"]
     bad = tray_env.run(
         [sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "host", "--capacity", "lots"]
     )
@@ -135,16 +140,20 @@ with tray.init() as rank:
     rank.write("topk_idx", idx)
     rank.write("topk_w", np.zeros(T * K, np.uint16))
     v = {"tokens": T, "cap": cap, "blocks": 2, "threads": 64}
-    for p in ("dispatch", "layout"):
-        rank.run(p, v)
-    rank.synchronize()
-    err = rank.read("err")
-    rows = rank.read("expert_rows")
-    if rank.rank == 0:
-        assert err[0] == 3 and err[1] == 1 and err[2] == 5 and rows.tolist() == [3, 0, 0, 0], (err, rows)
-    else:
-        assert err[0] == 3 and err[1] == 1 and err[2] == 3 and rows.tolist() == [0, 3, 0, 0], (err, rows)
-    print("layout reports")
+    # the standard dispatch + layout, then the low-latency dispatch (layout and fanout inside): same reports
+    for steps in (("dispatch", "layout"), ("dispatch_ll",)):
+        rank.write("err", np.zeros(4, np.uint32))
+        rank.write("expert_rows", np.full(4, -1, np.int32))
+        for p in steps:
+            rank.run(p, v)
+        rank.synchronize()
+        err = rank.read("err")
+        rows = rank.read("expert_rows")
+        if rank.rank == 0:
+            assert err.tolist() == [3, 1, 5, 0] and rows.tolist() == [3, 0, 0, 0], (steps, err, rows)
+        else:
+            assert err.tolist() == [3, 1, 3, 0] and rows.tolist() == [0, 3, 0, 0], (steps, err, rows)
+        print("layout reports")
 """
 
 
@@ -153,7 +162,7 @@ def test_layout_reports_drops_and_bad_ids(tray_env):
     args = [a for v in vars_ for a in ("--var", v)]
     run = tray_env.launch(2, LAYOUT_REPORTS, "--manifest", EP_MOE, *args)
     assert run.returncode == 0, run.output
-    assert run.stdout.count("layout reports") == 2
+    assert run.stdout.count("layout reports") == 4  # two ranks, the standard and the low-latency dispatch
 
 
 WEIGHTS_MANIFEST = {

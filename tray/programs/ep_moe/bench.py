@@ -25,6 +25,10 @@ What each figure (µs, captured graph replays, median, slowest rank) includes:
   combine        the combine kernel (a token's local expert outputs summed, one row per (token, rank) to its
                  origin) + peer barrier;  reduce: the origin's sum over ranks
   layer          all of the above in one graph
+  dispatch_ll, combine_ll, layer_ll   the low-latency mode: dispatch + layout + fanout in one kernel, and
+                 combine + reduce in one kernel, synchronised by device flags (no peer barrier, no kernel
+                 boundary between the steps); layer_ll = dispatch_ll + experts + combine_ll. Its outputs are
+                 checked against EP1 byte for byte like the others (EP1 runs the mode too)
 The NCCL path runs the same kernels with local send buffers and two all-to-alls (routing words, then rows:
 a fixed upper bound of tokens rows per (source, destination) pair, so no count reaches the host), and one
 all-to-all back. Bytes: logical = tokens x topk rows per rank each way; NVLink = the (token, other rank)
@@ -54,7 +58,10 @@ MANIFEST = "ep_moe"  # built-in (package data), see tray.manifest.builtin
 # NOTE: bf16 operands and four bf16 roundings on the way (h13, act, expert output, per-rank partial):
 # a few 1e-3 expected.
 REF_TOLERANCE = 2e-2
-PEER_PHASES = ("dispatch", "dispatch_send", "layout", "fanout", "experts", "combine", "reduce", "layer")
+PEER_PHASES = ("dispatch", "dispatch_send", "layout", "fanout", "experts", "combine", "reduce", "layer",
+               "dispatch_ll", "combine_ll", "layer_ll")
+# the paths whose outputs are compared with EP1 byte for byte ("ll": the peer path's low-latency mode)
+PATHS = ("peer", "ll", "nccl")
 NCCL_PHASES = {
     "dispatch": "dispatch_nccl",
     "experts": "experts",
@@ -263,27 +270,33 @@ def summarize_checks(
     rank_checks = [r["runs"][i]["checks"] for r in per_rank]
     c1 = e1["checks"]
     checks: dict[str, Any] = {"rows": int(ref_out.shape[0])}
-    for path in ("peer", "nccl"):
+    for path in PATHS:
         got = np.concatenate([np.load(work / "epn" / f"{label}_{path}_r{r}.npy") for r in range(G)])
         checks[f"{path}_rows_differ_from_ep1"] = int((got != ref_out).any(axis=1).sum())
+    checks["ep1_ll_rows_differ_from_ep1"] = int((np.load(work / "ep1" / f"{label}_ep1_ll.npy") != ref_out).any(axis=1).sum())
     ref = e1.get("reference", {})
     checks["ep1_vs_float64_rel_err"] = ref.get("rel_err")
     checks["ep1_ref_tokens"] = ref.get("ref_tokens")
     checks["ep1_ref_experts_covered"] = ref.get("experts_covered")
-    checks["err_words"] = [c[f"{p}_err_words"] for c in rank_checks for p in ("peer", "nccl")] + [c1["peer_err_words"]]
+    checks["err_words"] = [c[f"{p}_err_words"] for c in rank_checks for p in PATHS] + [
+        c1[f"{p}_err_words"] for p in ("peer", "ll")]
     checks["layout_reports_ok"] = all(
-        c[f"{p}_err_ok"] and c[f"{p}_expert_rows_ok"] for c in rank_checks for p in ("peer", "nccl")
-    ) and bool(c1["peer_err_ok"] and c1["peer_expert_rows_ok"])
-    checks["nan_rows"] = sum(c["peer_nan_rows"] + c["nccl_nan_rows"] for c in rank_checks) + c1["peer_nan_rows"]
-    checks["after_replay_equal"] = all(
-        c["peer_after_replay_equal"] and c["nccl_after_replay_equal"] for c in rank_checks
-    ) and bool(c1["peer_after_replay_equal"])
+        c[f"{p}_err_ok"] and c[f"{p}_expert_rows_ok"] for c in rank_checks for p in PATHS
+    ) and all(c1[f"{p}_err_ok"] and c1[f"{p}_expert_rows_ok"] for p in ("peer", "ll"))
+    checks["nan_rows"] = sum(c[f"{p}_nan_rows"] for c in rank_checks for p in PATHS) + c1["peer_nan_rows"] + c1[
+        "ll_nan_rows"]
+    checks["after_replay_equal"] = all(c[f"{p}_after_replay_equal"] for c in rank_checks for p in PATHS) and all(
+        c1[f"{p}_after_replay_equal"] for p in ("peer", "ll"))
+    checks["ll_equals_peer"] = all(c["ll_equals_peer"] for c in rank_checks) and bool(c1["ll_equals_peer"])
     hows = {c["nccl_after_replay_how"] for c in rank_checks if "nccl_after_replay_how" in c}
     if hows:  # NOTE: the NCCL path timed eagerly is checked by an eager rerun, not a replay: say so
         checks["nccl_after_replay_how"] = ", ".join(sorted(hows))
     rel = checks["ep1_vs_float64_rel_err"]
     checks["passed"] = bool(
         checks["peer_rows_differ_from_ep1"] == 0
+        and checks["ll_rows_differ_from_ep1"] == 0
+        and checks["ep1_ll_rows_differ_from_ep1"] == 0
+        and checks["ll_equals_peer"]
         and checks["nccl_rows_differ_from_ep1"] == 0
         and rel is not None
         and not math.isnan(rel)
@@ -328,15 +341,20 @@ def summarize(
             "ceiling": _gbps(ceiling_bytes, ceiling_us),
         }
         for key in [k for k in us if k.startswith("peer")] + ["nccl"]:
-            for phase in ("dispatch", "combine"):
+            for phase in ("dispatch", "combine", "dispatch_ll", "combine_ll"):
+                if phase not in us[key]:
+                    continue  # NOTE: the low-latency mode is a peer-path figure
                 t = us[key][phase]
                 gbps[f"{key}_{phase}_logical"] = _gbps(logical, t)
-                nv = physical if phase == "dispatch" else physical - (G - 1) * T * K * 4
+                nv = physical if phase.startswith("dispatch") else physical - (G - 1) * T * K * 4
                 gbps[f"{key}_{phase}_nvlink"] = _gbps(nv, t)
         gbps["peer_dispatch_send_nvlink_vs_ceiling"] = _gbps(physical, us["peer"]["dispatch_send"]) / gbps["ceiling"]
         dc = {k: us[k]["dispatch"] + us[k]["combine"] for k in us if k.startswith("peer") or k == "nccl"}
         ratios = {f"{k}_dispatch_combine_vs_nccl": v / dc["nccl"] for k, v in dc.items() if k != "nccl"}
+        for k in [k for k in us if k.startswith("peer")]:
+            ratios[f"{k}_ll_dispatch_combine_vs_nccl"] = (us[k]["dispatch_ll"] + us[k]["combine_ll"]) / dc["nccl"]
         ratios["peer_layer_vs_nccl_layer"] = us["peer"]["layer"] / us["nccl"]["layer"]
+        ratios["peer_layer_ll_vs_nccl_layer"] = us["peer"]["layer_ll"] / us["nccl"]["layer"]
         ratios["epn_layer_vs_ep1_layer"] = us["peer"]["layer"] / us["ep1"]["layer"]
         ratios["layout_share_of_dispatch"] = us["peer"]["layout"] / us["peer"]["dispatch"]
         sms = {("peer" if j == 0 else f"peer_{b}"): int(b[2:]) for j, b in enumerate(budgets)}
@@ -401,6 +419,13 @@ def print_report(report: dict[str, Any]) -> None:
             f"{r['epn_layer_vs_ep1_layer']:.2f}; peer layer / NCCL layer {r['peer_layer_vs_nccl_layer']:.2f}; "
             f"SMs {run['sms']}"
         )
+        for path, u in run["us"].items():
+            if path.startswith("peer") and "dispatch_ll" in u:
+                print(
+                    f"  {'':<16} low-latency mode ({path}): dispatch {u['dispatch_ll']:.1f} + combine "
+                    f"{u['combine_ll']:.1f} (reduce included) = {u['dispatch_ll'] + u['combine_ll']:.1f} us; "
+                    f"layer {u['layer_ll']:.1f} us"
+                )
         rel = c["ep1_vs_float64_rel_err"]
         rel_text = (
             "not checked"
@@ -409,6 +434,7 @@ def print_report(report: dict[str, Any]) -> None:
         )
         print(
             f"  {'':<16} checks: rows differing from EP1: peer {c['peer_rows_differ_from_ep1']}/{c['rows']}, "
+            f"low-latency {c['ll_rows_differ_from_ep1']}/{c['rows']} (EP1's own {c['ep1_ll_rows_differ_from_ep1']}), "
             f"NCCL {c['nccl_rows_differ_from_ep1']}/{c['rows']}; after replays equal {c['after_replay_equal']}; "
             f"layout reports {c['layout_reports_ok']}; EP1 vs float64 {rel_text}; "
             f"{'PASSED' if c['passed'] else 'FAILED'}"

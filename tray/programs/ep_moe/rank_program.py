@@ -3,7 +3,7 @@ tray launched with manifests/ep_moe.json (the bench, tray/programs/ep_moe/bench.
 rank's routing).
 
 Per run (token count, routing): upload the router's output (topk_idx, topk_w) and the tokens, run the
-layer eagerly over peer buffers and over NCCL, check what the device layout reports (rows per expert,
+layer eagerly over peer buffers (standard and low-latency mode) and over NCCL, check what the device layout reports (rows per expert,
 dropped pairs, bad ids) against the head's prediction, save the outputs (the head compares them with
 EP1 byte for byte); then time every phase captured, at each SM budget; then replay the captured layer
 once more and check its output equals the eager one. A 1-rank tray is EP1: the same programs (the
@@ -40,6 +40,8 @@ SEED_X, SEED_W13, SEED_W2 = 1, 2, 3
 # NOTE: threads per block of the data-movement kernels (their __launch_bounds__): with `blocks` blocks a
 # launch occupies at most `blocks` SMs, so blocks is the SM budget.
 MOVE_THREADS = 512
+# the program of a whole layer on each path ("ll": the low-latency mode, one kernel per direction)
+LAYER_OF = {"peer": "layer", "ll": "layer_ll", "nccl": "layer_nccl"}
 # the kernels of the device-count-driven expert phase (--gemm masked)
 MASKED_KERNELS = ("ep_masked_gemm", "ep_silu_mul_rows")
 
@@ -143,6 +145,10 @@ class MoeRank:
             "combine": [("combine", v)],
             "reduce": [("reduce", v)],
             "layer": [*arrive, *experts, ("combine", v), ("reduce", v)],
+            # the low-latency mode: one kernel per direction, the same bytes
+            "dispatch_ll": [("dispatch_ll", v)],
+            "combine_ll": [("combine_ll", v)],
+            "layer_ll": [("dispatch_ll", v), *experts, ("combine_ll", v)],
         }
         if not self.ep1:
             arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), ("fanout", v)]
@@ -187,17 +193,18 @@ class MoeRank:
         checks: dict[str, Any] = {}
         outputs: dict[str, np.ndarray] = {}
         want_err = [2 if int(inputs["dropped"]) else 0, 0, int(inputs["dropped"]), 0]
-        paths = ["peer"] if self.ep1 else ["peer", "nccl"]
+        paths = ["peer", "ll"] if self.ep1 else ["peer", "ll", "nccl"]
         for path in paths:
-            out, err = self.checked_run(tokens, progs["layer" if path == "peer" else "layer_nccl"])
+            out, err = self.checked_run(tokens, progs[LAYER_OF[path]])
             rows = self.rank.read("expert_rows")
             checks[f"{path}_err_words"] = err
             checks[f"{path}_err_ok"] = err == want_err
             checks[f"{path}_expert_rows_ok"] = bool(np.array_equal(rows, inputs["expert_rows"]))
             checks[f"{path}_nan_rows"] = nan_rows(out)
             outputs[path] = out
-            tag = "ep1" if self.ep1 else f"{path}_r{self.me}"
+            tag = ("ep1" if path == "peer" else f"ep1_{path}") if self.ep1 else f"{path}_r{self.me}"
             np.save(out_dir / f"{label}_{tag}.npy", out)
+        checks["ll_equals_peer"] = bool(np.array_equal(outputs["ll"], outputs["peer"]))
         if not self.ep1:
             checks["nccl_equals_peer"] = bool(np.array_equal(outputs["nccl"], outputs["peer"]))
         return checks, outputs
@@ -422,7 +429,7 @@ def run_all(rank: Any, moe: MoeRank, cfg: dict[str, Any], sampler: Any, budgets:
         rank.exchange("ep.timed", label)
         progress(f"{label}: timed", t_run)
         progs = moe.programs(v)
-        for p, name in (("peer", "layer"), ("nccl", "layer_nccl")):
+        for p, name in LAYER_OF.items():
             if p not in eager:
                 continue
             if p == "nccl" and nccl_timing == "eager":

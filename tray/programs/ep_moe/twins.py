@@ -9,6 +9,7 @@ never fuse a multiply with an add, like the kernels' __fmul_rn/__fadd_rn). The p
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -334,6 +335,117 @@ def ep_combine(
                 assert peers is not None
                 dst = _rows(int(peers[s]) + q * tokens * hidden * 2, tokens, hidden)
             dst[hit] = bits[u][hit]
+
+
+# --- low-latency mode (ep_dispatch_ll, ep_combine_ll): the standard twins in sequence, with the kernels'
+# epochs and flags between them. The flag protocol is the same bytes in the same buffers, so a host rank
+# waits for its peers (other processes, writing the shared buffers) exactly as a GPU rank does; x86 keeps
+# each process's stores in order, so a flag seen set means the rows before it are there.
+
+# NOTE: the kernels give up after 10 s (LL_TIMEOUT_NS); host ranks share a few cores and may lag far
+# more than GPUs do, so their twins wait longer before reporting a member missing.
+LL_TWIN_TIMEOUT_S = 120.0
+LL_GRID_FLIP = 0x80000000
+
+
+def _ll_epoch(state: int, which: int) -> int:
+    """Advance and return the launch epoch ll_state[which] (u64)."""
+    words = u64_at(state, 2)
+    words[which] += np.uint64(1)
+    return int(words[which])
+
+
+def _ll_grid(counter: int, barriers: int) -> None:
+    """The grid barriers' net effect on ll_grid: each adds 2^31 (mod 2^32)."""
+    c = _at(counter, 1, np.uint32)
+    c[0] = np.uint32((int(c[0]) + barriers * LL_GRID_FLIP) & 0xFFFFFFFF)
+
+
+def _ll_announce_and_wait(flag_peers: int, flags: int, slot: int, epoch: int, G: int, me: int, err: int) -> None:
+    """Store `epoch` into every member's flags[slot + me], then wait until every member t announced
+    `epoch` or later in this rank's flags[slot + t]; a member silent past LL_TWIN_TIMEOUT_S is recorded
+    as the kernel does (err[0] |= 4, err[3] |= 1 << (t % 32)) and the twin goes on."""
+    for p in u64_at(flag_peers, G):
+        u64_at(int(p) + (slot + me) * 8, 1)[0] = np.uint64(epoch)
+    own = u64_at(flags + slot * 8, G)
+    deadline = time.monotonic() + LL_TWIN_TIMEOUT_S
+    for t in range(G):
+        while int(own[t]) < epoch:
+            if time.monotonic() > deadline:
+                errs = _at(err, 4, np.uint32)
+                errs[0] |= 4
+                errs[3] |= np.uint32(1 << (t % 32))
+                break
+            time.sleep(20e-6)
+
+
+@twin("ep_dispatch_ll")
+def ep_dispatch_ll(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    x: int,
+    topk_idx: int,
+    topk_w: int,
+    recv_peers: int,
+    meta_peers: int,
+    flag_peers: int,
+    flags: int,
+    state: int,
+    grid_counter: int,
+    meta: int,
+    recv: int,
+    route_row: int,
+    expert_rows: int,
+    slab: int,
+    err: int,
+    tokens: int,
+    topk: int,
+    hidden: int,
+    experts: int,
+    G: int,
+    me: int,
+    cap: int,
+) -> None:
+    ep_dispatch(backend, grid, block, x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden,
+                experts, G, me)
+    epoch = _ll_epoch(state, 0)
+    _ll_grid(grid_counter, 2)
+    _ll_announce_and_wait(flag_peers, flags, 0, epoch, G, me, err)
+    ep_layout_place(backend, grid, block, meta, 0, route_row, expert_rows, err, tokens, topk, experts, G, me, cap)
+    ep_fanout(backend, grid, block, recv, route_row, slab, tokens, topk, hidden, G)
+
+
+@twin("ep_combine_ll")
+def ep_combine_ll(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    y: int,
+    meta: int,
+    route_row: int,
+    comb_peers: int,
+    flag_peers: int,
+    flags: int,
+    state: int,
+    grid_counter: int,
+    comb: int,
+    topk_idx: int,
+    out: int,
+    err: int,
+    tokens: int,
+    topk: int,
+    hidden: int,
+    experts: int,
+    G: int,
+    me: int,
+    groups: int,
+) -> None:
+    ep_combine(backend, grid, block, y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups)
+    epoch = _ll_epoch(state, 1)
+    _ll_grid(grid_counter, 1)
+    _ll_announce_and_wait(flag_peers, flags, G, epoch, G, me, err)
+    ep_reduce(backend, grid, block, comb, topk_idx, out, tokens, topk, hidden, experts, groups)
 
 
 @twin("ep_peer_copy")
