@@ -56,6 +56,7 @@ static inline u64_t atomicMax(u64_t* p, u64_t v) { u64_t o = *p; if (v > o) *p =
 static inline u64_t atomicCAS(u64_t* p, u64_t c, u64_t v) { u64_t o = *p; if (o == c) *p = v; return o; }
 static u64_t emu_clock_ns = 0;  // %globaltimer: advances 1 us per read, so every spin ends
 static inline void __threadfence_system() {}
+static inline void __threadfence() {}
 static inline void __syncwarp() {}
 #define LAUNCH(call) for (blockIdx.x = 0; blockIdx.x < gridDim.x; ++blockIdx.x) \
     for (threadIdx.x = 0; threadIdx.x < blockDim.x; ++threadIdx.x) { call; }
@@ -188,6 +189,12 @@ static inline int __shfl_sync(unsigned int, int v, int src) {
     warp_values((unsigned int)v, all);
     return (int)all[src & 31];
 }
+static inline unsigned int __ballot_sync(unsigned int mask, int p) {
+    unsigned int all[32], bits = 0;
+    warp_values(p ? 1u : 0u, all);
+    for (int l = 0; l < 32; ++l) bits |= all[l] << l;
+    return bits & mask;
+}
 static inline int __popc(unsigned int v) { return __builtin_popcount(v); }
 static inline int __ffs(int v) { return __builtin_ffs(v); }
 static inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
@@ -230,6 +237,14 @@ KERNELS = {
         "ep_fanout": "const uint4* recv, const int* rr, unsigned char* slab, int tokens, int topk, int hidden, int G",
         "ep_combine": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
         "unsigned char* send, int tokens, int topk, int hidden, int experts, int G, int me, int groups",
+        "ep_dispatch_ll": "const uint4* x, const int* ti, const unsigned short* tw, unsigned char* const* rp, "
+        "unsigned int* const* mp, unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, "
+        "unsigned int* gc, const unsigned int* meta, const uint4* recv, int* rr, int* er, unsigned char* slab, "
+        "unsigned int* err, int tokens, int topk, int hidden, int experts, int G, int me, int cap",
+        "ep_combine_ll": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
+        "unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, unsigned int* gc, "
+        "const uint4* comb, const int* ti, uint4* out, unsigned int* err, int tokens, int topk, int hidden, "
+        "int experts, int G, int me, int groups",
         "ep_peer_copy": "const uint4* src, unsigned char* const* dp, int rows, int hidden, int G, int me",
     },
     "ep_math.cu": {
@@ -265,7 +280,7 @@ KERNELS["ep_gemm.cu"] = {
 }
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
-COOP = {"ep_layout_count", "ep_layout_place", "ep_masked_gemm", "stress_produce", "peer_barrier"}
+COOP = {"ep_layout_count", "ep_layout_place", "ep_dispatch_ll", "ep_combine_ll", "ep_masked_gemm", "stress_produce", "peer_barrier"}
 # inline PTX has no CPU meaning: the clock read becomes the shim's clock, the barrier's sys-scope loads and
 # stores plain volatile ones (one thread runs at a time here: ordering is the GPU's to check, not this test's)
 PTX_ON_CPU = {
@@ -622,6 +637,122 @@ def test_dispatch_layout_fanout_combine(emulated, H, grid, block):
     for g in range(3):
         assert np.array_equal(c[f"d{g}"], t[f"d{g}"])
     assert not c["d1"].any() and c["d0"][T : 2 * T].any() and c["d2"][T : 2 * T].any()
+
+
+def ll_dispatch_args(me, G, T, K, H, E, cap):
+    def args(a):
+        a["rp"], a["mp"] = tables(a, [f"recv{g}" for g in range(G)]), tables(a, [f"meta{g}" for g in range(G)])
+        a["fp"] = tables(a, [f"flags{g}" for g in range(G)])
+        return [ptr(a["x"]), ptr(a["ti"]), ptr(a["tw"]), ptr(a["rp"]), ptr(a["mp"]), ptr(a["fp"]), ptr(a[f"flags{me}"]),
+                ptr(a["state"]), ptr(a["gc"]), ptr(a[f"meta{me}"]), ptr(a[f"recv{me}"]), ptr(a["rr"]), ptr(a["er"]),
+                ptr(a["slab"]), ptr(a["err"]), T, K, H, E, G, me, cap]
+    return args
+
+
+def ll_combine_args(me, G, T, K, H, E, R):
+    def args(a):
+        a["cp"], a["fp"] = tables(a, [f"comb{g}" for g in range(G)]), tables(a, [f"flags{g}" for g in range(G)])
+        return [ptr(a["y"]), ptr(a["meta"]), ptr(a["rr"]), ptr(a["cp"]), ptr(a["fp"]), ptr(a[f"flags{me}"]),
+                ptr(a["state"]), ptr(a["gc"]), ptr(a[f"comb{me}"]), ptr(a["ti"]), ptr(a["out"]), ptr(a["err"]),
+                T, K, H, E, G, me, R]
+    return args
+
+
+def assert_same(c, t, skip=("rp", "mp", "fp", "cp")):
+    for k in c:
+        if k not in skip:
+            assert np.array_equal(c[k], t[k]), k
+
+
+def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated):
+    """EP1 shape (G 1: the rank sends to itself, announces to itself), one block (the grid barrier's
+    single arrival flips it): dispatch_ll and combine_ll write what the standard kernels' twins write,
+    epochs advance by one per launch, the grid counter comes back to where it was."""
+    rng = np.random.default_rng(3)
+    G, T, K, E, R, H = 1, 40, 3, 8, 2, 1040
+    L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
+    idx = skewed_routing(rng, T, E, K)
+    idx[5, 2] = E + 3
+    arrays = {
+        "x": bf16_random(rng, (T, H)), "ti": idx, "tw": bf16_random(rng, (T, K)),
+        "recv0": np.zeros((T, H), np.uint16), "meta0": np.zeros((T, K), np.uint32),
+        "flags0": np.zeros(2 * G, np.uint64), "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
+        "rr": np.full((T, K), 7, np.int32), "er": np.zeros(L, np.int32), "slab": np.zeros((L * cap, H), np.uint16),
+        "err": np.zeros(4, np.uint32),
+    }
+    for launch in (1, 2):
+        arrays["err"][:] = 0
+        c, t = both(emulated, "ep_dispatch_ll", 1, 64, ll_dispatch_args(0, G, T, K, H, E, cap), arrays)
+        assert_same(c, t)
+        want_rows, totals = route_rows(c["meta0"], 0, L, cap)
+        assert np.array_equal(c["rr"], want_rows) and c["er"].tolist() == np.minimum(totals, cap).tolist()
+        assert c["err"].tolist() == [3, 1, int(np.maximum(totals - cap, 0).sum()), 0]
+        assert c["state"].tolist() == [launch, 0] and c["flags0"].tolist() == [launch, 0] and c["gc"][0] == 0
+        assert c["slab"].any()
+        arrays = {k: v for k, v in c.items() if k not in ("rp", "mp", "fp")}
+    comb = {
+        "y": bf16_wide(rng, (L * cap, H)), "meta": c["meta0"], "rr": c["rr"], "comb0": np.zeros((R * T, H), np.uint16),
+        "flags0": c["flags0"], "state": c["state"], "gc": np.zeros(1, np.uint32), "ti": idx,
+        "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
+    }
+    for launch in (1, 2):
+        c, t = both(emulated, "ep_combine_ll", 1, 64, ll_combine_args(0, G, T, K, H, E, R), comb)
+        assert_same(c, t)
+        assert c["state"].tolist() == [2, launch] and c["flags0"].tolist() == [2, launch]
+        assert c["gc"][0] == (0x80000000 if launch == 1 else 0) and c["err"].tolist() == [0, 0, 0, 0]
+        used = ep_twins.groups_used(idx, E, R)
+        want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), used)
+        assert np.array_equal(c["out"], want) and c["out"].any()
+        comb = {k: v for k, v in c.items() if k not in ("cp", "fp")}
+
+
+def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_their_twins(emulated):
+    """G 2, rank 0's kernels, its peer's part played first by the standard twins (rows, routing and its
+    announcement already in rank 0's buffers): rank 0 announces to the peer, passes its wait, lays out and
+    fans out both sources' pairs, and its combine reduces its own and the peer's rows."""
+    rng = np.random.default_rng(5)
+    G, T, K, E, R, H = 2, 24, 3, 8, 2, 16
+    L, cap = E // G, 30
+    idx = [skewed_routing(rng, T, E, K) for _ in range(G)]
+    xs = [bf16_random(rng, (T, H)) for _ in range(G)]
+    ws = [bf16_random(rng, (T, K)) for _ in range(G)]
+    recv = [np.zeros((G * T, H), np.uint16) for _ in range(G)]
+    meta = [np.zeros((G * T, K), np.uint32) for _ in range(G)]
+    host = HostBackend.open(0)
+    rp, mp = np.array([ptr(r) for r in recv], np.uint64), np.array([ptr(m) for m in meta], np.uint64)
+    peer_err = np.zeros(4, np.uint32)
+    lookup("ep_dispatch")(host, (1, 1, 1), (32, 1, 1), ptr(xs[1]), ptr(idx[1]), ptr(ws[1]), ptr(rp), ptr(mp), 0, 0,
+                          ptr(peer_err), T, K, H, E, G, 1)
+    flags = [np.zeros(2 * G, np.uint64) for _ in range(G)]
+    flags[0][1] = 1  # the peer's dispatch announcement
+    arrays = {
+        "x": xs[0], "ti": idx[0], "tw": ws[0], "recv0": recv[0], "recv1": recv[1], "meta0": meta[0], "meta1": meta[1],
+        "flags0": flags[0], "flags1": flags[1], "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
+        "rr": np.full((G * T, K), 7, np.int32), "er": np.zeros(L, np.int32), "slab": np.zeros((L * cap, H), np.uint16),
+        "err": np.zeros(4, np.uint32),
+    }
+    c, t = both(emulated, "ep_dispatch_ll", 1, 64, ll_dispatch_args(0, G, T, K, H, E, cap), arrays)
+    assert_same(c, t)
+    want_rows, totals = route_rows(c["meta0"], 0, L, cap)
+    dropped = int(np.maximum(totals - cap, 0).sum())  # the hot expert 0 is rank 0's
+    assert c["err"].tolist() == [2, 0, dropped, 0] and dropped > 0 and c["flags1"].tolist() == [1, 0, 0, 0]
+    assert c["meta0"][T:].any() and np.array_equal(c["meta0"][T:], meta[0][T:])  # the peer's block, untouched
+    assert np.array_equal(c["rr"], want_rows) and (want_rows[T:] >= 0).any()
+    y = bf16_wide(rng, (L * cap, H))
+    combs = [np.zeros((R * T, H), np.uint16) for _ in range(G)]
+    combs[0][T:] = bf16_random(rng, (T, H))  # group 1's rows of rank 0's tokens, from the peer
+    c["flags0"][G + 1] = 1  # the peer's combine announcement
+    comb = {
+        "y": y, "meta": c["meta0"], "rr": c["rr"], "comb0": combs[0], "comb1": combs[1], "flags0": c["flags0"],
+        "flags1": c["flags1"], "state": c["state"], "gc": np.zeros(1, np.uint32), "ti": idx[0],
+        "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
+    }
+    c, t = both(emulated, "ep_combine_ll", 1, 64, ll_combine_args(0, G, T, K, H, E, R), comb)
+    assert_same(c, t)
+    assert c["err"].tolist() == [0, 0, 0, 0] and c["flags1"].tolist() == [1, 0, 1, 0]
+    assert c["comb1"][:T].any() and c["comb0"][:T].any()  # group 0's rows to the peer and to itself
+    want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), ep_twins.groups_used(idx[0], E, R))
+    assert np.array_equal(c["out"], want) and c["out"].any()
 
 
 def test_a_wrong_twin_is_caught(emulated, monkeypatch):
