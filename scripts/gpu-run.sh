@@ -121,9 +121,11 @@ for s in "${STAGES[@]}"; do
         # 128 and 4096 tokens/rank, H 7168, top-8 of 256 experts, bf16; uniform and zipf routing; capacity 4x the
         # mean rows per expert (drops counted); peer kernels on every SM and on 24; expert GEMMs masked by the
         # device counts (ep-moe-cublas: a cuBLAS GEMM per expert over all cap rows instead)
-        # (expected ~60 s at 2 ranks; bounded at 200 s). ep-moe-quick: 128 tokens/rank, every SM (expected ~30 s)
-        ep-moe) stage_live ep_moe 200 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked ${EP_ARGS:-} --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
-        ep-moe-quick) stage_live ep_moe_quick 90 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm masked --json "$OUT/ep_moe_quick.json" ;;
+        # (expected ~70 s at 2 ranks; bounded at 240 s). ep-moe-quick: 128 tokens/rank, every SM (expected ~35 s).
+        # Every ep-moe stage also times and checks the low-latency mode (one kernel per direction): the keys
+        # dispatch_ll, combine_ll, layer_ll under runs[].us.peer*, checks ll_rows_differ_from_ep1, ll_equals_peer
+        ep-moe) stage_live ep_moe 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked ${EP_ARGS:-} --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
+        ep-moe-quick) stage_live ep_moe_quick 120 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm masked --json "$OUT/ep_moe_quick.json" ;;
         ep-moe-cublas) stage_live ep_moe_cublas 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas ${EP_ARGS:-} --json "$OUT/ep_moe_cublas.json" ;;
         # the NCCL path at the peer path's small SM budget: NCCL limited to 24 CTAs (recorded in the JSON's sms.nccl)
         ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage_live ep_moe_nccl24 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;

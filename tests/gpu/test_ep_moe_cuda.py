@@ -1,5 +1,6 @@
 """The EP MoE layer on GPUs: the device layout's reports, and the bench's checks (EP-N == EP1 byte for byte
-over peer buffers and over NCCL, after timed graph replays too; EP1 vs float64 over every expert)."""
+over peer buffers, in the low-latency mode and over NCCL, after timed graph replays too; EP1 vs float64 over
+every expert)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def test_layout_reports_drops_and_bad_ids_on_gpu(tray_env):
         ("64,300", "uniform,zipf:1.5", "4", "masked", "eager"),
         ("64", "zipf", "worst", "masked", "eager"),
         ("64", "zipf", "4", "cublas", "eager"),
+        # the low-latency mode's batch: 128 tokens per rank, hot experts overflowing the capacity
+        ("128", "zipf:1.5", "2", "masked", "eager"),
         # NCCL captured in a graph registers the send/recv buffers (local ones included) with its peers
         ("64", "uniform", "4", "masked", "captured"),
     ],
@@ -85,6 +88,10 @@ def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, g
         c = r["checks"]
         assert c["passed"] and c["after_replay_equal"] and c["layout_reports_ok"], c
         assert c["peer_rows_differ_from_ep1"] == 0 and c["nccl_rows_differ_from_ep1"] == 0, c
+        # the low-latency mode: EP2 and EP1 both equal EP1's standard path, after the timed replays too
+        assert c["ll_rows_differ_from_ep1"] == 0 and c["ep1_ll_rows_differ_from_ep1"] == 0 and c["ll_equals_peer"], c
+        assert all(w[3] == 0 and not w[0] & (4 | 8 | 16) for w in c["err_words"]), c["err_words"]  # no timeout
         assert all(v > 0 for v in r["us"]["peer"].values()) and "peer_sm8" in r["us"], r["us"]
+        assert {"dispatch_ll", "combine_ll", "layer_ll"} <= set(r["us"]["peer_sm8"]), r["us"]
         if capacity == "worst":
             assert r["dropped_pairs"] == 0

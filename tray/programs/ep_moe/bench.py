@@ -103,6 +103,7 @@ class EpBenchArgs:
 def validate(a: EpBenchArgs) -> None:
     """UsageError for shapes the kernels or the comparison cannot take."""
     from tray.programs.ep_moe.plan import capacity, parse_routing
+    from tray.programs.ep_moe.twins import LAYOUT_MAX_LOCAL
 
     if a.nprocs < 2:
         raise UsageError(f"ep-moe compares N ranks with EP1: -n must be at least 2, got {a.nprocs}")
@@ -110,8 +111,10 @@ def validate(a: EpBenchArgs) -> None:
         raise UsageError(f"--experts {a.experts} must divide over {a.nprocs} ranks")
     if a.nprocs > 64:
         raise UsageError(f"the reduce keeps one bit per rank: at most 64 ranks, got {a.nprocs}")
-    if a.experts >= 0xFFFF:
-        raise UsageError(f"routing words hold 16-bit expert ids: --experts must be below 65535, got {a.experts}")
+    if a.experts > LAYOUT_MAX_LOCAL:
+        # NOTE: EP1 holds every expert, and the layout keeps one shared-memory counter per local expert
+        raise UsageError(f"the device layout counts at most {LAYOUT_MAX_LOCAL} experts per rank (EP1 holds them all): "
+                         f"--experts must be at most {LAYOUT_MAX_LOCAL}, got {a.experts}")
     if a.hidden % 8 or a.expert_dim % 8:
         raise UsageError(
             f"--hidden ({a.hidden}) and --expert-dim ({a.expert_dim}) must be multiples of 8 "
@@ -273,7 +276,8 @@ def summarize_checks(
     for path in PATHS:
         got = np.concatenate([np.load(work / "epn" / f"{label}_{path}_r{r}.npy") for r in range(G)])
         checks[f"{path}_rows_differ_from_ep1"] = int((got != ref_out).any(axis=1).sum())
-    checks["ep1_ll_rows_differ_from_ep1"] = int((np.load(work / "ep1" / f"{label}_ep1_ll.npy") != ref_out).any(axis=1).sum())
+    ep1_ll = np.load(work / "ep1" / f"{label}_ep1_ll.npy")
+    checks["ep1_ll_rows_differ_from_ep1"] = int((ep1_ll != ref_out).any(axis=1).sum())
     ref = e1.get("reference", {})
     checks["ep1_vs_float64_rel_err"] = ref.get("rel_err")
     checks["ep1_ref_tokens"] = ref.get("ref_tokens")
