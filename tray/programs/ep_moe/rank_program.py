@@ -6,8 +6,9 @@ Per run (token count, routing): upload the router's output (topk_idx, topk_w) an
 layer eagerly over peer buffers (standard and low-latency mode) and over NCCL, check what the device
 layout reports (rows per expert, dropped pairs, bad ids) against the head's prediction, save the outputs
 (the head compares them with EP1 byte for byte); then time every phase captured, at each SM budget;
-then replay the captured layer once more and check its output equals the eager one. A 1-rank tray is EP1: the same programs (the
-dispatch is a local copy), no NCCL path, plus a float64 reference of sampled tokens.
+then replay the captured layer once more and check its output equals the eager one. A 1-rank tray is
+EP1: the same programs (the dispatch is a local copy), no NCCL path, plus a float64 reference of sampled
+tokens.
 
 The NCCL path's programs are timed as cfg["nccl_timing"] says: "eager" (default: launched from Python
 between an eager barrier and device events, the peer path's dispatch/combine/layer timed the same way
