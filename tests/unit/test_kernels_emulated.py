@@ -354,8 +354,20 @@ def emulated(tmp_path_factory):
 
 def both(emulated, name, grid, block, make_args, arrays):
     """Run the emulated CUDA kernel and the twin on copies of `arrays`; return both results."""
-    cuda_arrays = {k: v.copy() for k, v in arrays.items()}
+    cuda_arrays = emulate(emulated, name, grid, block, make_args, arrays)
     twin_arrays = {k: v.copy() for k, v in arrays.items()}
+    lookup(name)(
+        HostBackend.open(0),
+        (grid, 1, 1),
+        (block, 1, 1),
+        *[int(a.value) if isinstance(a, ctypes.c_void_p) else a for a in make_args(twin_arrays)],
+    )
+    return cuda_arrays, twin_arrays
+
+
+def emulate(emulated, name, grid, block, make_args, arrays):
+    """Run the emulated CUDA kernel on a copy of `arrays`; return it."""
+    cuda_arrays = {k: v.copy() for k, v in arrays.items()}
     fn = getattr(emulated, f"run_{name}")
     sig = KERNELS[next(f for f, ks in KERNELS.items() if name in ks)][name]
     types = []
@@ -376,13 +388,7 @@ def both(emulated, name, grid, block, make_args, arrays):
         )
     fn.argtypes = [ctypes.c_uint, ctypes.c_uint, *types]
     fn(grid, block, *make_args(cuda_arrays))
-    lookup(name)(
-        HostBackend.open(0),
-        (grid, 1, 1),
-        (block, 1, 1),
-        *[int(a.value) if isinstance(a, ctypes.c_void_p) else a for a in make_args(twin_arrays)],
-    )
-    return cuda_arrays, twin_arrays
+    return cuda_arrays
 
 
 def ptr(a):
@@ -754,6 +760,33 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     assert c["comb1"][:T].any() and c["comb0"][:T].any()  # group 0's rows to the peer and to itself
     want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), ep_twins.groups_used(idx[0], E, R))
     assert np.array_equal(c["out"], want) and c["out"].any()
+
+
+def test_low_latency_kernels_name_a_silent_peer_and_end(emulated):
+    """A peer that never announces: past the timeout (the emulated clock runs 1 us a read) the kernels
+    record the missing member (err[0] bit 4, err[3] bit 1) and return instead of hanging."""
+    G, T, K, E, R, H = 2, 4, 2, 4, 2, 16
+    L, cap = E // G, 8
+    arrays = {
+        "x": np.ones((T, H), np.uint16), "ti": np.tile(np.array([0, 3], np.int32), (T, 1)),
+        "tw": np.zeros((T, K), np.uint16), "recv0": np.zeros((G * T, H), np.uint16),
+        "recv1": np.zeros((G * T, H), np.uint16), "meta0": np.zeros((G * T, K), np.uint32),
+        "meta1": np.zeros((G * T, K), np.uint32), "flags0": np.zeros(2 * G, np.uint64),
+        "flags1": np.zeros(2 * G, np.uint64), "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
+        "rr": np.zeros((G * T, K), np.int32), "er": np.zeros(L, np.int32), "slab": np.zeros((L * cap, H), np.uint16),
+        "err": np.zeros(4, np.uint32),
+    }
+    c = emulate(emulated, "ep_dispatch_ll", 1, 32, ll_dispatch_args(0, G, T, K, H, E, cap), arrays)
+    # (the layout then counts the peer's never-written block too: whatever it reports besides is moot)
+    assert c["err"][0] & 4 and c["err"][3] == 2 and c["flags1"].tolist() == [1, 0, 0, 0]
+    comb = {
+        "y": np.zeros((L * cap, H), np.uint16), "meta": c["meta0"], "rr": c["rr"],
+        "comb0": np.zeros((R * T, H), np.uint16), "comb1": np.zeros((R * T, H), np.uint16), "flags0": c["flags0"],
+        "flags1": c["flags1"], "state": c["state"], "gc": np.zeros(1, np.uint32), "ti": arrays["ti"],
+        "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
+    }
+    c = emulate(emulated, "ep_combine_ll", 1, 32, ll_combine_args(0, G, T, K, H, E, R), comb)
+    assert c["err"].tolist() == [4, 0, 0, 2] and c["flags1"].tolist() == [1, 0, 1, 0]
 
 
 def test_a_wrong_twin_is_caught(emulated, monkeypatch):
