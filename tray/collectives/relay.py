@@ -55,6 +55,8 @@ class VoteStep:
 class RelayBarrier(Barrier):
     """A barrier over a spanning group; `before` runs first (the device's stream synchronised)."""
 
+    path = "relayed"
+
     def __init__(self, group: GroupInfo, step: Step, before: Callable[[], None] = lambda: None) -> None:
         self.group = group
         self.epoch = 0

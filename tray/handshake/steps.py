@@ -2,7 +2,9 @@
 
 A tray-wide step (`exchange`, park, wake) has every rank of the job as its voters. A group step (a
 barrier or collective over a group that spans nodes, relayed through the root) is named
-`tray:group:<name>@<member 0>:<what>`, and its voters are that instance's members, in member order.
+`tray:group:<name>@<member 0>:<what>`, and its voters are that instance's members, in member order;
+for `<what>` = "leaders" (the cross-node step of a hierarchical barrier) only the instance's first
+member on each node votes.
 Pure data: the head, the root and the rank all derive the same voters from the topic.
 """
 
@@ -18,20 +20,40 @@ def group_topic(group: str, members: Sequence[int], what: str) -> str:
     return f"{GROUP_PREFIX}{group}@{members[0]}:{what}"
 
 
-def step_voters(topic: str, world_size: int,
-                groups: Mapping[str, Sequence[Sequence[int]]]) -> tuple[int, ...] | None:
+LEADERS = "leaders"
+
+
+def step_voters(topic: str, world_size: int, groups: Mapping[str, Sequence[Sequence[int]]],
+                local_world_size: int | None = None) -> tuple[int, ...] | None:
     """The ranks that vote on `topic`, in the order their values are returned; None when the topic
-    names a group or an instance the manifest does not have."""
+    names a group or an instance the manifest does not have, or a leaders' step without
+    `local_world_size` (ranks per node) given."""
     if not topic.startswith(GROUP_PREFIX):
         return tuple(range(world_size))
-    name_at, _, _what = topic[len(GROUP_PREFIX):].rpartition(":")
+    name_at, _, what = topic[len(GROUP_PREFIX):].rpartition(":")
     name, _, leader = name_at.rpartition("@")
     if not leader.isdigit() or name not in groups:
         return None
     for members in groups[name]:
         if members and members[0] == int(leader):
-            return tuple(members)
+            if what != LEADERS:
+                return tuple(members)
+            return None if local_world_size is None else node_leaders(members, local_world_size)
     return None
+
+
+def node_parts(members: Sequence[int], local_world_size: int) -> tuple[tuple[int, ...], ...]:
+    """A group instance split by node (node of rank r = r // L): each node's members in member order,
+    nodes in the order of their first member. `node_parts((0, 2, 1, 3), 2) == ((0, 1), (2, 3))`."""
+    parts: dict[int, list[int]] = {}
+    for r in members:
+        parts.setdefault(r // local_world_size, []).append(r)
+    return tuple(tuple(p) for p in parts.values())
+
+
+def node_leaders(members: Sequence[int], local_world_size: int) -> tuple[int, ...]:
+    """The first member of a group instance on each node, in node_parts' order."""
+    return tuple(p[0] for p in node_parts(members, local_world_size))
 
 
 def spans_nodes(members: Sequence[int], local_world_size: int) -> bool:

@@ -247,7 +247,7 @@ class NodeHead(Head):
 
     def _on_vote(self, sock: zmq.Socket, vote: wire.Vote) -> None:
         assert self.link is not None
-        voters = step_voters(vote.topic, self.world_size, self.resolved.groups)
+        voters = step_voters(vote.topic, self.world_size, self.resolved.groups, self.spec.nprocs)
         if voters is None or vote.rank not in voters:
             reason = f"rank {vote.rank} voted on {vote.topic!r}, a step it takes no part in"
             self._reject_log(f"rank-{vote.rank}", reason)

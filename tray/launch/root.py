@@ -250,7 +250,7 @@ class Root:
             return
         step = self.steps.get(key)
         if step is None:
-            voters = step_voters(msg.topic, self.world_size, self.groups)
+            voters = step_voters(msg.topic, self.world_size, self.groups, self.local_world_size)
             if voters is None:
                 self._stop(node, msg.ranks[0] if msg.ranks else -1,
                            f"a vote on {msg.topic!r} names no group instance of the manifest", exit_code=EXIT_JOB)

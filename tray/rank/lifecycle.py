@@ -9,6 +9,7 @@ client, so the caller can report the failure to the head first.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,16 +17,19 @@ from typing import Any
 from tray import collectives
 from tray.backend import open_backend
 from tray.backend.base import Backend, Collectives, ExportedHandle, GroupInfo
-from tray.errors import HandshakeError
+from tray.errors import DeviceError, HandshakeError
 from tray.handshake import wire
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer, fetch_fds
-from tray.handshake.steps import spans_nodes
+from tray.handshake.steps import node_leaders, node_parts, spans_nodes
 from tray.manifest import builtin_manifest, load_manifest
 from tray.rank.wiring import (
     FLAGS_PREFIX,
     GROUP_BUFFER_PREFIX,
     INTERNAL_PREFIX,
+    LEADERS_PREFIX,
+    SPAN_BUFFER_PREFIX,
+    SPAN_FLAGS_PREFIX,
     LazyCollectives,
     Parts,
     PeerTable,
@@ -76,6 +80,7 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any
         _allocate(parts, backend, joiner, groups)
         # the collectives join on first use (LazyCollectives): their join info travels then, not here
         join_info = {g.name: b"" for g in groups.values() if g.index == 0}
+        join_info.update(_leaders_join_info(parts, joiner))
     with phases.timed("offer"):
         offer = _offer(parts, backend, host, join_info)
     client.send(offer)
@@ -126,6 +131,7 @@ def _allocate(parts: Parts, backend: Backend, joiner: collectives.Joiner, groups
         buffers[b.name] = backend.allocate(b.name, b.nbytes, b.export)
     for g in groups.values():
         if g.name in parts.spanning:
+            _allocate_spanning(parts, backend, g, local)
             continue
         # Flags are zeroed before the offer goes out: no peer writes into memory zeroed later.
         buffers[FLAGS_PREFIX + g.name] = backend.allocate(FLAGS_PREFIX + g.name, 8 * g.size, True)
@@ -134,21 +140,67 @@ def _allocate(parts: Parts, backend: Backend, joiner: collectives.Joiner, groups
             buffers[GROUP_BUFFER_PREFIX + g.name] = backend.allocate(GROUP_BUFFER_PREFIX + g.name, nbytes, True)
 
 
+def _allocate_spanning(parts: Parts, backend: Backend, g: GroupInfo, local_world_size: int) -> None:
+    """A spanning group's node-local part: the flags of its local barrier and its span buffer, both sized
+    for the whole group so that every rank exports the same bytes (the table checks)."""
+    from tray.collectives.span import span_nbytes
+
+    assert parts.buffers is not None
+    mine = next(p for p in node_parts(g.members, local_world_size) if parts.env.rank in p)
+    parts.span_local[g.name] = GroupInfo(name=g.name, members=mine, index=mine.index(parts.env.rank))
+    for name, nbytes in ((SPAN_FLAGS_PREFIX + g.name, 8 * g.size), (SPAN_BUFFER_PREFIX + g.name, span_nbytes(g.size))):
+        parts.buffers[name] = backend.allocate(name, nbytes, True)
+
+
+def _leaders_join_info(parts: Parts, joiner: collectives.Joiner) -> dict[str, bytes]:
+    """For each spanning group this rank leads (its member 0), the join info of the group's node leaders
+    (an NCCL id), where the joiner crosses nodes; none where it cannot make one (NCCL missing): then the
+    group's barrier is relayed through the root on every member (the table tells them)."""
+    if not joiner.crosses_nodes or parts.groups is None:
+        return {}
+    local = parts.env.local_world_size or parts.env.world_size
+    out = {}
+    for name in sorted(parts.spanning):
+        g = parts.groups[name]
+        if g.index != 0:
+            continue
+        leaders = node_leaders(g.members, local)
+        try:
+            out[LEADERS_PREFIX + name] = joiner.join_info(GroupInfo(LEADERS_PREFIX + name, leaders, 0))
+        except DeviceError as exc:
+            print(f"tray: rank {parts.env.rank}: barrier over {name!r} relayed through the root: {exc}",
+                  file=sys.stderr, flush=True)
+    return out
+
+
 def _exported(parts: Parts) -> list[str]:
     """The names of the buffers this rank exports: the exported manifest buffers and the tray's own,
-    less those of groups that span nodes (peer mappings stay within a node)."""
+    less those of groups that span nodes (peer mappings stay within a node; a spanning group's own
+    node-local buffers are mapped within its node)."""
     assert parts.resolved is not None and parts.buffers is not None
     export = {b.name for b in parts.resolved.buffers if b.export}
     return [n for n in parts.buffers if (n.startswith(INTERNAL_PREFIX) or n in export)
-            and _group_of_buffer(parts, n) not in parts.spanning]
+            and _mapping_group(parts, n) is not None]
 
 
 def _group_of_buffer(parts: Parts, name: str) -> str:
     assert parts.resolved is not None
-    for prefix in (FLAGS_PREFIX, GROUP_BUFFER_PREFIX):
+    for prefix in (FLAGS_PREFIX, GROUP_BUFFER_PREFIX, SPAN_FLAGS_PREFIX, SPAN_BUFFER_PREFIX):
         if name.startswith(prefix):
             return name[len(prefix):]
     return parts.resolved.buffer(name).group
+
+
+def _mapping_group(parts: Parts, name: str) -> GroupInfo | None:
+    """The members that map buffer `name`: its group, or the node's part of a spanning group for the
+    span buffers; None for other buffers of a spanning group (and groups this rank is not in)."""
+    assert parts.groups is not None
+    group = _group_of_buffer(parts, name)
+    if name.startswith((SPAN_FLAGS_PREFIX, SPAN_BUFFER_PREFIX)):
+        return parts.span_local.get(group)
+    if group in parts.spanning:
+        return None
+    return parts.groups.get(group)
 
 
 def _offer(parts: Parts, backend: Backend, host: str, join_info: dict[str, bytes]) -> wire.Offer:
@@ -177,7 +229,7 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
     exported = _exported(parts)
     wanted: dict[int, list[str]] = {}
     for name in exported:
-        g = parts.groups.get(_group_of_buffer(parts, name))
+        g = _mapping_group(parts, name)
         for peer in (g.members if g else ()):
             if peer != env.rank:
                 wanted.setdefault(peer, []).append(name)
@@ -203,7 +255,7 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
     ptr_tables = parts.ptr_tables = {}
     peer_tables = parts.peer_tables = {}
     for name in exported:
-        g = parts.groups.get(_group_of_buffer(parts, name))
+        g = _mapping_group(parts, name)
         if g is None:
             continue
         ptrs = [parts.buffers[name].ptr if m == env.rank else mapped.get((m, name), 0) for m in g.members]
@@ -215,14 +267,17 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
 
 
 def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table) -> None:
-    """Every group's barrier; its collectives are set up to join on first use (LazyCollectives)."""
+    """Every group's barrier; its collectives are set up to join on first use (LazyCollectives). The node
+    leaders of spanning groups join their cross-node collectives now, all in one call (their barrier
+    needs them from the first launch, which may be inside a capture)."""
     assert parts.buffers is not None and parts.groups is not None and parts.ptr_tables is not None
     barriers = parts.barriers = {}
     relayed: dict[str, Collectives] = {}
     joins = []
+    leader_joins: list[collectives.GroupJoin] = []
     for g in parts.groups.values():
         if g.name in parts.spanning:
-            _join_spanning(parts, backend, joiner, table, g, joins, relayed)
+            _join_spanning(parts, backend, joiner, table, g, joins, relayed, leader_joins)
             continue
         barriers[g.name] = backend.barrier(g, parts.buffers[FLAGS_PREFIX + g.name],
                                            parts.ptr_tables[FLAGS_PREFIX + g.name])
@@ -231,22 +286,70 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
             buffer=parts.buffers.get(GROUP_BUFFER_PREFIX + g.name),
             peer_buffers=parts.ptr_tables.get(GROUP_BUFFER_PREFIX + g.name)))
     parts.collectives = LazyCollectives(joiner, joins, parts.phases, ready=relayed)
+    if leader_joins:
+        _join_leaders(parts, backend, joiner, leader_joins)
 
 
 def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table, g: GroupInfo,
-                   joins: list[collectives.GroupJoin], relayed: dict[str, Collectives]) -> None:
-    """A group with members on other nodes: its barrier relayed through the root; its collectives
-    joined (on first use, like every group's) where the joiner crosses nodes (NCCL), relayed otherwise
-    (host: ready at once)."""
+                   joins: list[collectives.GroupJoin], relayed: dict[str, Collectives],
+                   leader_joins: list[collectives.GroupJoin]) -> None:
+    """A group with members on other nodes: its barrier is hierarchical (tray/collectives/span.py) where the
+    host backend relays the leaders' step or the group's member 0 offered the leaders' join info (NCCL), and
+    relayed through the root otherwise; its collectives joined (on first use, like every group's) where the
+    joiner crosses nodes (NCCL), relayed otherwise (host: ready at once)."""
     from tray.collectives.relay import RelayBarrier, RelayCollectives, VoteStep
+    from tray.collectives.span import HostSpanBarrier
 
-    assert parts.barriers is not None and parts.client is not None
+    assert parts.barriers is not None and parts.client is not None and parts.ptr_tables is not None
+    assert parts.buffers is not None
     step = VoteStep(parts.client, parts.env.token, parts.env.rank)
-    barrier = parts.barriers[g.name] = RelayBarrier(g, step, before=backend.synchronize)
+    relay = RelayBarrier(g, step, before=backend.synchronize)
+    parts.barriers[g.name] = relay
     if joiner.crosses_nodes:
-        joins.append(collectives.GroupJoin(group=g, join_info=b"", barrier=barrier))
+        joins.append(collectives.GroupJoin(group=g, join_info=b"", barrier=relay))
     else:
         relayed[g.name] = RelayCollectives(g, step)
+    local_group = parts.span_local[g.name]
+    local = backend.barrier(local_group, parts.buffers[SPAN_FLAGS_PREFIX + g.name],
+                            parts.ptr_tables[SPAN_FLAGS_PREFIX + g.name])
+    span = parts.buffers[SPAN_BUFFER_PREFIX + g.name]
+    leader_span_ptr = parts.ptr_tables[SPAN_BUFFER_PREFIX + g.name].ptrs[0]
+    node_of = parts.env.local_world_size or parts.env.world_size
+    node_members = node_parts(g.members, node_of)
+    if not joiner.crosses_nodes:
+        parts.barriers[g.name] = HostSpanBarrier(g, local_group, local, node_members, span, leader_span_ptr, step,
+                                                 relayed=relay)
+        return
+    info = table.offers[g.members[0]].groups.get(LEADERS_PREFIX + g.name, b"")
+    if not info:  # member 0 could not make the leaders' join info: relayed on every member
+        local.close()
+        return
+    # the barrier is made once the leaders joined (_join_leaders); until then the group's entry is `relay`
+    leaders = node_leaders(g.members, node_of)
+    me = parts.env.rank
+    group = GroupInfo(LEADERS_PREFIX + g.name, leaders, leaders.index(me)) if me in leaders else None
+    leader_joins.append(collectives.GroupJoin(group=group or local_group, join_info=bytes(info), barrier=local,
+                                              buffer=span if group is not None else None))
+
+
+def _join_leaders(parts: Parts, backend: Backend, joiner: collectives.Joiner,
+                  leader_joins: list[collectives.GroupJoin]) -> None:
+    """Join the leaders' collectives (this rank's: the entries whose group is a leaders' group) at once,
+    then make every spanning group's device barrier."""
+    from tray.collectives.span import DeviceSpanBarrier
+
+    assert parts.barriers is not None and parts.buffers is not None and parts.ptr_tables is not None
+    mine = [j for j in leader_joins if j.group.name.startswith(LEADERS_PREFIX)]
+    joined = joiner.join(mine) if mine else {}
+    node_of = parts.env.local_world_size or parts.env.world_size
+    for j in leader_joins:
+        name = j.group.name.removeprefix(LEADERS_PREFIX)
+        g = parts.groups[name]
+        local = j.barrier
+        parts.barriers[name] = DeviceSpanBarrier(
+            g, parts.span_local[name], local, node_parts(g.members, node_of), parts.buffers[SPAN_BUFFER_PREFIX + name],
+            parts.ptr_tables[SPAN_BUFFER_PREFIX + name].ptrs[0], backend, joined.get(j.group.name),
+            int(getattr(local, "err_ptr")), relayed=parts.barriers[name])
 
 
 __all__ = ["READY_TIMINGS", "boot_id", "start"]

@@ -22,6 +22,11 @@ from tray.rank.phases import PhaseClock
 INTERNAL_PREFIX = "tray:"
 FLAGS_PREFIX = "tray:barrier:"
 GROUP_BUFFER_PREFIX = "tray:collectives:"
+# a group that spans nodes (tray/collectives/span.py): the flags of its node-local barrier, the span buffer
+# (error words gathered across nodes), both mapped within the node only; and the join info of its leaders
+SPAN_FLAGS_PREFIX = "tray:span-barrier:"
+SPAN_BUFFER_PREFIX = "tray:span:"
+LEADERS_PREFIX = "tray:leaders:"
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,8 @@ class Parts:
     collectives: LazyCollectives | None = None
     mappings: dict[tuple[int, str], PeerMapping] | None = None
     spanning: set[str] = field(default_factory=set)  # groups with members on other nodes
+    # per spanning group: its members on this node (named as the group, in member order)
+    span_local: dict[str, GroupInfo] = field(default_factory=dict)
 
     def close(self) -> None:
         _release(self.collectives, self.barriers or {}, self.ptr_tables or {}, self.fd_server,
