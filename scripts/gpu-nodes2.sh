@@ -41,5 +41,11 @@ print(json.dumps({k: v for k, v in report.items() if k != "ranks"}))
 for r in ranks:
     print(f"rank {r['rank']} node {r['node_rank']}: barrier world {r['barrier_world_us']:.0f} us, "
           f"pairs {r['barrier_pairs_us']:.1f} us")
-sys.exit(0 if rc == 0 and len(ranks) == n else 1)
+    line = f"  spanning barrier: path {r['span_barrier_path']}, relayed {r['span_relayed_us']:.1f} us"
+    for key in ("eager", "eager_sync", "captured"):
+        if f"span_{key}_us" in r:
+            line += f"; {key} {r[f'span_{key}_us']:.1f} us (relayed / {key} = {r[f'span_relayed_over_{key}']:.1f}x)"
+    print(line)
+paths = sorted({r["span_barrier_path"] for r in ranks})
+sys.exit(0 if rc == 0 and len(ranks) == n and paths == ["hierarchical"] else 1)
 PY

@@ -1,6 +1,12 @@
 """A rank of the two-node GPU check (scripts/gpu-nodes2.sh): barriers over the job-wide group (it spans both
 nodes) and over the node-local pairs, an NCCL allreduce over the whole job, checked; writes rank-R.json.
 
+The spanning barrier is timed on the path it runs (`span_barrier_path`: "hierarchical", the node-local peer
+barrier + an NCCL step among the node leaders, or "relayed" through the root where no NCCL was offered):
+eager (K launches back to back, device events, / K), eager-sync (launch + synchronise, host clock) and
+captured (a graph of K, replayed), each next to the relayed barrier of the same group in the same run
+(`span_relayed_us`, host clock per barrier), as ratios relayed / path.
+
     tray launch --nnodes 2 ... --manifest manifests/peer_fill.json -- python scripts/nodes2_rank.py OUT_DIR
 """
 
@@ -16,6 +22,9 @@ import numpy as np
 import tray
 
 ITERS = 200
+SPAN_ITERS = 100   # barriers per eager loop and per graph
+SPAN_REPEATS = 5
+TIMEOUT_S = 2.0
 
 
 def timed(fn, iters: int) -> float:
@@ -26,6 +35,51 @@ def timed(fn, iters: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
+
+
+def device_us(rank, barrier, launch, iters: int) -> float:
+    """Device µs per barrier of `launch()` (which enqueues `iters` barriers), by the backend's timer."""
+    timer = rank.backend.timer()
+    timer.start()
+    launch()
+    timer.stop()
+    elapsed = timer.elapsed_s()
+    barrier.synchronize()
+    barrier.check()
+    return elapsed / iters * 1e6
+
+
+def span_figures(rank) -> dict:
+    """The spanning barrier ("world") on its path and relayed, same run; medians over SPAN_REPEATS."""
+    barrier = rank.barrier_of("world")
+    out: dict = {"span_barrier_path": barrier.path}
+    relayed = getattr(barrier, "relayed", None) or barrier
+    out["span_relayed_us"] = timed(lambda: relayed.wait(TIMEOUT_S), ITERS) * 1e6
+    if barrier.path != "hierarchical":
+        return out
+    for _ in range(20):
+        barrier.wait(TIMEOUT_S)
+
+    def burst() -> None:
+        for _ in range(SPAN_ITERS):
+            barrier.launch(TIMEOUT_S)
+
+    eager = [device_us(rank, barrier, burst, SPAN_ITERS) for _ in range(SPAN_REPEATS)]
+    eager_sync = timed(lambda: barrier.wait(TIMEOUT_S), ITERS) * 1e6
+    graph = rank.backend.capture(burst)
+    try:
+        graph.replay()  # warm: uploads the graph
+        barrier.synchronize()
+        barrier.check()
+        captured = [device_us(rank, barrier, graph.replay, SPAN_ITERS) for _ in range(SPAN_REPEATS)]
+    finally:
+        graph.close()
+    out.update({"span_eager_us": sorted(eager)[len(eager) // 2], "span_eager_sync_us": eager_sync,
+                "span_captured_us": sorted(captured)[len(captured) // 2],
+                "span_eager_us_all": eager, "span_captured_us_all": captured})
+    for key in ("eager", "eager_sync", "captured"):
+        out[f"span_relayed_over_{key}"] = out["span_relayed_us"] / out[f"span_{key}_us"]
+    return out
 
 
 def main() -> None:
@@ -49,6 +103,7 @@ def main() -> None:
             "barrier_world_us": timed(lambda: rank.barrier(), ITERS) * 1e6,
             "barrier_pairs_us": timed(lambda: rank.barrier("pairs"), ITERS) * 1e6,
         }
+        report.update(span_figures(rank))
         try:                                                  # a spanning group has no peer table
             rank.peers("fill")
             report["peers_world"] = "present"
