@@ -18,6 +18,7 @@ sticky: once a member was missed, every later barrier of the group reports it, a
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Backend, Barrier, Collectives, DeviceBuffer, GroupInfo
 from tray.backend.host import view
 from tray.collectives.relay import VERDICT_MARGIN_S, Step
-from tray.errors import BarrierTimeout, UsageError
+from tray.errors import BarrierTimeout, SyncTimeout, UsageError
 from tray.handshake.steps import LEADERS, group_topic
 
 # NOTE: the leaders' step may wait for a remote leader that itself waited the whole local timeout T, and
@@ -34,6 +35,9 @@ from tray.handshake.steps import LEADERS, group_topic
 CROSS_FACTOR = 2.0
 RELEASE_FACTOR = 3.0
 RELEASE_SLACK_S = 1.0
+# NOTE: on cuda `wait()` gives the device this long past the second local barrier's timeout: a leader whose
+# cross step waits for a leader that never comes (NCCL has no timeout) is named then instead of hanging.
+WAIT_SLACK_S = 1.0
 WORD_NBYTES = 16  # one node's error word: (epoch, missing mask over that node's members), u64 each
 # the per-rank span buffer: this node's error word to send, then every node's word as gathered
 SEND_OFFSET = 0
@@ -50,11 +54,16 @@ def release_timeout_s(timeout_s: float) -> float:
     return RELEASE_FACTOR * timeout_s + RELEASE_SLACK_S
 
 
+def span_epoch(local_epoch: int) -> int:
+    """The spanning barrier's epoch of its local barrier's epoch (two local barriers per spanning one)."""
+    return (local_epoch + 1) // 2
+
+
 def missing_from_words(words: np.ndarray, parts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
-    """(largest epoch, global ranks missing) from gathered words `u64[nnodes, 2]`, node j's mask over the
-    members `parts[j]` (bit i = parts[j][i])."""
+    """(largest epoch of the spanning barrier, global ranks missing) from gathered words `u64[nnodes, 2]`:
+    node j's (local barrier epoch that timed out, mask over the members `parts[j]`, bit i = parts[j][i])."""
     missing = [r for j, part in enumerate(parts) for i, r in enumerate(part) if int(words[j, 1]) >> i & 1]
-    return int(words[:, 0].max(initial=0)), missing
+    return span_epoch(int(words[:, 0].max(initial=0))), missing
 
 
 def mask_of(missing: Sequence[int], part: Sequence[int]) -> int:
@@ -94,10 +103,15 @@ class SpanBarrier(Barrier):
     def me(self) -> int:
         return self.group.members[self.group.index]
 
-    def _raise_gathered(self, words: np.ndarray) -> None:
+    def _raise_gathered(self, words: np.ndarray, waited_s: float | None = None) -> None:
         epoch, missing = missing_from_words(words, self.parts)
         if missing:
-            raise BarrierTimeout(self.group.name, epoch, self.me, missing, self._last_timeout_s)
+            raise BarrierTimeout(self.group.name, epoch, self.me, missing,
+                                 self._last_timeout_s if waited_s is None else waited_s)
+
+    def _as_span(self, exc: BarrierTimeout) -> BarrierTimeout:
+        """The local barrier's timeout, told as this barrier's (its epoch)."""
+        return BarrierTimeout(self.group.name, span_epoch(exc.epoch), self.me, exc.missing, exc.waited_s)
 
     def synchronize(self) -> None:
         self.local.synchronize()
@@ -118,6 +132,7 @@ class DeviceSpanBarrier(SpanBarrier):
         self._leaders = leaders
         self._err_ptr = err_ptr
         self._result = backend.pinned_host(WORD_NBYTES * len(self.parts))
+        self._broken: BarrierTimeout | None = None
         ctypes.memset(self._result.ptr, 0, WORD_NBYTES * len(self.parts))
 
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
@@ -125,6 +140,8 @@ class DeviceSpanBarrier(SpanBarrier):
         before the work on `stream` when given. No synchronisation, no allocation: capturable."""
         if not timeout_s > 0:
             raise UsageError(f"barrier {self.group.name}: timeout_s must be > 0, got {timeout_s}")
+        if self._broken is not None:
+            raise self._broken
         self.epoch += 1
         self._last_timeout_s = timeout_s
         nbytes = WORD_NBYTES * len(self.parts)
@@ -136,10 +153,32 @@ class DeviceSpanBarrier(SpanBarrier):
             self.local.launch(release_timeout_s(timeout_s))
             self._backend.copy(self._result.ptr, self._leader_span_ptr + GATHER_OFFSET, nbytes)
 
+    def wait(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        """One barrier, synchronised and checked, bounded: when the stream has not ended `release_timeout_s +
+        WAIT_SLACK_S` after the launch, the cross step is waiting for a leader that never came (NCCL waits
+        forever): BarrierTimeout names the other nodes' leaders (with two nodes, exactly the missing one),
+        and the barrier stays broken (the stream is left as it is: the rank should report and exit)."""
+        if self._broken is not None:
+            raise self._broken
+        self.launch(timeout_s)
+        try:
+            self.local.synchronize(timeout_s=release_timeout_s(timeout_s) + WAIT_SLACK_S)
+        except SyncTimeout as exc:
+            suspects = [p[0] for j, p in enumerate(self.parts) if j != self.node_index] if self.is_leader \
+                else [self.local_group.members[0]]
+            self._broken = BarrierTimeout(self.group.name, self.epoch, self.me, suspects, exc.waited_s)
+            raise self._broken from exc
+        self.check()
+
     def check(self) -> None:
         """After a synchronisation: BarrierTimeout naming this node's missing members (the local barrier's
         own word), else any node's (the gathered words)."""
-        self.local.check()
+        if self._broken is not None:
+            raise self._broken
+        try:
+            self.local.check()
+        except BarrierTimeout as exc:
+            raise self._as_span(exc) from None
         words = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * len(self.parts))).from_address(self._result.ptr))
         self._raise_gathered(words.reshape(len(self.parts), 2))
 
@@ -170,26 +209,27 @@ class HostSpanBarrier(SpanBarrier):
             raise self._broken
         self.epoch += 1
         self._last_timeout_s = timeout_s
+        t0 = time.perf_counter()
         first: BarrierTimeout | None = None
         try:
             self.local.launch(timeout_s)
         except BarrierTimeout as exc:  # the leader still takes the cross step: it carries who is missing
-            first = exc
+            first = self._as_span(exc)
             self._word = (exc.epoch, mask_of(exc.missing, self.local_group.members))
             if not self.is_leader:
-                self._broken = exc
-                raise
+                self._broken = first
+                raise first from None
         if self.is_leader:
             self._cross(timeout_s)
         try:
             self.local.launch(release_timeout_s(timeout_s))
         except BarrierTimeout as exc:
-            first = first or exc
+            first = first or self._as_span(exc)
         if first is not None:
             self._broken = first
             raise first
         try:
-            self._raise_gathered(self._gathered(self._leader_span_ptr))
+            self._raise_gathered(self._gathered(self._leader_span_ptr), time.perf_counter() - t0)
         except BarrierTimeout as exc:
             self._broken = exc
             raise
@@ -203,8 +243,8 @@ class HostSpanBarrier(SpanBarrier):
         for j, value in enumerate(values):
             if isinstance(value, dict) and isinstance(value.get("err"), list) and len(value["err"]) == 2:
                 words[j] = [int(value["err"][0]), int(value["err"][1])]
-            else:
-                words[j] = [self.epoch, 1]
+            else:  # the root named this leader: it never took the step (its stage-1 epoch, bit 0: itself)
+                words[j] = [2 * self.epoch - 1, 1]
 
     def check(self) -> None:
         if self._broken is not None:

@@ -238,8 +238,10 @@ class CudaBarrier(Barrier):
         drv.stream_wait(self._stream, f"barrier {self.group.name}: a read of its error word", self._pending)
         return out
 
-    def synchronize(self) -> None:
-        drv.stream_wait(self._stream, f"barrier {self.group.name}: the stream it was launched on", self._pending)
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Wait for the rank's stream; SyncTimeout after `timeout_s` (None: TRAY_SYNC_TIMEOUT_S, else 60 s)."""
+        drv.stream_wait(self._stream, f"barrier {self.group.name}: the stream it was launched on", self._pending,
+                        timeout_s)
 
     def close(self) -> None:
         state, self._state = self._state, None
