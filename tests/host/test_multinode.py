@@ -76,6 +76,10 @@ def test_two_nodes_exchange_barrier_collectives_peer_tables(tray_env):
         for _ in range(20):
             rank.barrier()
         world.relayed.wait(5.0)
+        graph = rank.backend.capture(lambda: [world.launch(5.0) for _ in range(3)])
+        graph.replay()
+        rank.synchronize()
+        assert world.epoch == 23, world.epoch             # 20, then 3 replayed
         # pairs {0,1} and {2,3} stay within a node: peer tables and the shared-memory barrier
         pair = rank.peers("pair")
         assert len(pair.ptrs) == 2 and pair.ptrs[me % 2] == rank.buffer("pair").ptr

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import zmq
+from conftest import MANIFESTS
 
 from tray.errors import UsageError
 from tray.launch.curve import ZapHandler, job_keys, make_client, make_server
@@ -222,11 +223,14 @@ def test_ops_that_cannot_span_nodes_are_named():
     doc = {"format": 1, "name": "span", "vars": {"words": 4},
            "groups": [{"name": "world", "ranks": "all"}, {"name": "pairs", "size": 2}],
            "buffers": [{"name": "fill", "dtype": "u32", "shape": ["world_size * words"], "export": True}],
+           "kernels": [{"name": "k", "source": "kernels/peer_fill.cu", "entry": "tray_peer_fill", "peers": True}],
            "programs": [{"name": "g", "graph": True, "ops": [{"op": "barrier", "group": "pairs"},
                                                             {"op": "barrier", "group": "world"}]},
-                        {"name": "eager", "ops": [{"op": "barrier", "group": "world"}]}]}
-    resolved = parse_manifest(doc, "<test>", ".").resolve(4)
+                        {"name": "fill", "ops": [{"op": "launch", "kernel": "k", "grid": [1, 1, 1],
+                                                  "block": [32, 1, 1], "args": ["peers:fill", 4]}]}]}
+    resolved = parse_manifest(doc, "<test>", str(MANIFESTS)).resolve(4)
     problems = spanning_problems(resolved, local_world_size=2)
-    assert [path for path, _ in problems] == ["$.programs[0].ops[1]"], problems
-    assert "group 'world', which spans nodes" in problems[0][1]
+    # a captured barrier over a spanning group is fine (hierarchical); a peers kernel on its table is not
+    assert [path for path, _ in problems] == ["$.programs[1].ops[0]"], problems
+    assert "whose group 'world' spans nodes" in problems[0][1]
     assert spanning_problems(resolved, local_world_size=4) == []   # one node: nothing spans

@@ -189,3 +189,23 @@ def test_a_follower_stuck_names_its_leader():
     with pytest.raises(BarrierTimeout) as info:
         follower.wait(0.5)
     assert info.value.missing == [2]
+
+
+def test_the_relayed_fallback_refuses_to_be_captured_and_names_who_is_missing():
+    from tray.collectives.relay import RelayBarrier
+    from tray.errors import UsageError
+
+    calls: list = []
+
+    def step(topic, value, wait_s):
+        calls.append(topic)
+        return [value, value, None, value]
+
+    barrier = RelayBarrier(GroupInfo("world", (0, 1, 2, 3), 0), step, capturing=lambda stream: stream == 7)
+    assert barrier.path == "relayed"
+    with pytest.raises(UsageError, match="cannot be captured"):
+        barrier.launch(1.0, stream=7)
+    assert calls == []
+    with pytest.raises(BarrierTimeout) as info:
+        barrier.launch(1.0)
+    assert info.value.missing == [2] and calls == [group_topic("world", (0, 1, 2, 3), "barrier")]

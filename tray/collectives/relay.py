@@ -53,21 +53,30 @@ class VoteStep:
 
 
 class RelayBarrier(Barrier):
-    """A barrier over a spanning group; `before` runs first (the device's stream synchronised)."""
+    """A barrier over a spanning group; `before` runs first (the device's stream synchronised).
+    `capturing(stream)` says whether the stream (None: the rank's) is being captured: a relayed barrier is
+    host work, so it refuses to be captured (UsageError) instead of breaking the capture."""
 
     path = "relayed"
 
-    def __init__(self, group: GroupInfo, step: Step, before: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, group: GroupInfo, step: Step, before: Callable[[], None] = lambda: None,
+                 capturing: Callable[[int | None], bool] = lambda stream: False) -> None:
         self.group = group
         self.epoch = 0
         self._step = step
         self._before = before
+        self._capturing = capturing
         self._topic = group_topic(group.name, group.members, "barrier")
         self._broken: BarrierTimeout | None = None
 
-    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+    def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
         if self._broken is not None:
             raise self._broken
+        if self._capturing(stream):
+            raise UsageError(f"barrier over group {self.group.name!r}: the group spans nodes and its barrier is "
+                             "relayed through the job's root (no NCCL among the node leaders), which is host work "
+                             "and cannot be captured into a graph: barrier outside the capture, drop \"graph\" "
+                             "from the program, or make NCCL available on every node (nccl4py)")
         self.epoch += 1
         self._before()
         values = self._step(self._topic, {"timeout_s": float(timeout_s)}, timeout_s + VERDICT_MARGIN_S)

@@ -28,7 +28,7 @@ from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
 from tray.launch.root import EXIT_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
 from tray.launch.spec import Failure, TraySpec
-from tray.manifest.schema import ResolvedBarrier, ResolvedLaunch, ResolvedManifest
+from tray.manifest.schema import ResolvedLaunch, ResolvedManifest
 from tray.numa import NumaPlacement
 
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
@@ -41,19 +41,13 @@ VERDICT_WAIT_S = 2.0
 def spanning_problems(resolved: ResolvedManifest, local_world_size: int) -> list[tuple[str, str]]:
     """Ops that cannot run when groups span nodes, as (JSON path of the op, what is wrong): launches of
     `"peers": true` kernels on the peer table of a buffer whose group spans nodes (peer tables exist only
-    within a node: no fabric handles between nodes), and barriers over such a group inside a captured
-    (`"graph": true`) program (the barrier is relayed through the root, on the host). Each problem names
-    the program, the group and what to change."""
+    within a node: no fabric handles between nodes). Each problem names the program, the group and what to
+    change. (A barrier over such a group is hierarchical, capturable; where it falls back to the relayed
+    barrier, a capture of it is refused when it is made: tray/collectives/relay.py.)"""
     problems = []
     kernels = {k.name: k for k in resolved.manifest.kernels}
     for program in resolved.programs.values():
         for op in program.ops:
-            if isinstance(op, ResolvedBarrier) and program.graph and \
-                    any(spans_nodes(m, local_world_size) for m in resolved.groups[op.group]):
-                problems.append((
-                    op.json_path, f"program {program.name!r} is captured as one graph (\"graph\": true), but its "
-                    f"barrier over group {op.group!r}, which spans nodes, is relayed through the job's root and "
-                    "cannot be captured: drop \"graph\", or barrier over a group within one node"))
             if not isinstance(op, ResolvedLaunch):
                 continue
             kernel = kernels.get(op.kernel)

@@ -303,7 +303,11 @@ def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, t
     assert parts.barriers is not None and parts.client is not None and parts.ptr_tables is not None
     assert parts.buffers is not None
     step = VoteStep(parts.client, parts.env.token, parts.env.rank)
-    relay = RelayBarrier(g, step, before=backend.synchronize)
+    def capturing(stream: int | None) -> bool:
+        handle = backend.cuda_stream if stream is None else stream
+        return handle is not None and backend.is_capturing(handle)
+
+    relay = RelayBarrier(g, step, before=backend.synchronize, capturing=capturing)
     parts.barriers[g.name] = relay
     if joiner.crosses_nodes:
         joins.append(collectives.GroupJoin(group=g, join_info=b"", barrier=relay))
@@ -349,7 +353,7 @@ def _join_leaders(parts: Parts, backend: Backend, joiner: collectives.Joiner,
         parts.barriers[name] = DeviceSpanBarrier(
             g, parts.span_local[name], local, node_parts(g.members, node_of), parts.buffers[SPAN_BUFFER_PREFIX + name],
             parts.ptr_tables[SPAN_BUFFER_PREFIX + name].ptrs[0], backend, joined.get(j.group.name),
-            int(getattr(local, "err_ptr")), relayed=parts.barriers[name])
+            int(local.err_ptr), relayed=parts.barriers[name])
 
 
 __all__ = ["READY_TIMINGS", "boot_id", "start"]
