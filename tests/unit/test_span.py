@@ -110,6 +110,9 @@ class FakeLeaders:
         for j, word in self.remote.items():
             out[2 * j:2 * j + 2] = word
 
+    def abort(self) -> None:
+        self.log.append(("abort-leaders",))
+
     def close(self) -> None:
         self.log.append(("close-leaders",))
 
@@ -176,7 +179,7 @@ def test_a_leader_stuck_in_the_cross_step_names_the_other_leaders_and_stays_brok
     with pytest.raises(BarrierTimeout) as info:
         barrier.wait(0.5)
     assert info.value.missing == [2], info.value
-    assert ("sync", release_timeout_s(0.5) + 1.0) in log
+    assert ("sync", release_timeout_s(0.5) + 1.0) in log and ("abort-leaders",) in log
     with pytest.raises(BarrierTimeout):
         barrier.launch(0.5)
     barrier.close()

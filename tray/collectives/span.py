@@ -17,6 +17,7 @@ sticky: once a member was missed, every later barrier of the group reports it, a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 from collections.abc import Sequence
@@ -167,6 +168,12 @@ class DeviceSpanBarrier(SpanBarrier):
             suspects = [p[0] for j, p in enumerate(self.parts) if j != self.node_index] if self.is_leader \
                 else [self.local_group.members[0]]
             self._broken = BarrierTimeout(self.group.name, self.epoch, self.me, suspects, exc.waited_s)
+            # the leaders' collective waits for a partner that never came: abort it (ncclCommAbort ends the
+            # waiting kernel), so that the stream drains and closing the rank does not hang on it
+            abort = getattr(self._leaders, "abort", None)
+            if abort is not None:
+                with contextlib.suppress(Exception):
+                    abort()
             raise self._broken from exc
         self.check()
 

@@ -1,0 +1,85 @@
+"""The hierarchical barrier over a group that spans nodes, on GPUs: two `tray launch --nnodes 2` over half the
+visible GPUs each (each with its own NCCL_HOSTID, so NCCL sees two hosts): eager, captured, and one rank
+out, named by every other rank within the bound."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import MANIFESTS, visible_gpus
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
+from test_multinode import TOKEN, finish, free_port
+
+pytestmark = pytest.mark.gpu
+FILL = str(MANIFESTS / "peer_fill.json")
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def start_cuda_job(tray_env, body: str, timeout_s: float) -> tuple[int, list[subprocess.Popen]]:
+    """Two nodes of L = (visible GPUs, at most 4) // 2 ranks each; (L, the heads)."""
+    gpus = min(4, visible_gpus())
+    if gpus < 2:
+        pytest.skip(f"two nodes of one GPU each need 2 GPUs; {gpus} visible")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ordinals = [d for d in visible.split(",") if d] or [str(i) for i in range(gpus)]
+    per_node = gpus // 2
+    port, prog = free_port(), tray_env.script(body)
+    procs = []
+    for node in (0, 1):
+        env = {**tray_env.env(), **NO_MULTICAST, "TRAY_JOB_TOKEN": TOKEN, "NCCL_HOSTID": f"tray-span-node-{node}",
+               "CUDA_VISIBLE_DEVICES": ",".join(ordinals[node * per_node:(node + 1) * per_node])}
+        cmd = [sys.executable, "-m", "tray", "launch", "-n", str(per_node), "--backend", "cuda", "--manifest", FILL,
+               "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--timeout-s", str(timeout_s), "--", sys.executable, str(prog), tray_env.marker]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=str(tray_env.tmp)))
+    return per_node, procs
+
+
+def test_spanning_barrier_is_hierarchical_eager_and_captured_and_names_a_dropped_rank(tray_env):
+    body = """
+    with tray.init() as rank:
+        me, n = rank.rank, rank.world_size
+        world = rank.barrier_of("world")
+        assert world.path == "hierarchical", world.path
+        for _ in range(50):
+            rank.barrier()
+        for _ in range(200):                      # eager: launched back to back, one synchronisation
+            world.launch(2.0)
+        rank.synchronize()
+        graph = rank.backend.capture(lambda: [world.launch(2.0) for _ in range(20)])
+        for _ in range(5):
+            graph.replay()
+        rank.synchronize()
+        graph.close()
+        stream = rank.backend.cuda_stream          # on a caller's stream: ordered, not synchronised
+        rank.barrier(stream=stream)
+        rank.synchronize()
+        print("span ok", me, flush=True)
+        if me != n - 1:
+            t = time.monotonic()
+            try:
+                rank.barrier(timeout_s=0.5)
+            except tray.BarrierTimeout as exc:
+                print("missing", exc.missing, round(time.monotonic() - t, 2), flush=True)
+        else:
+            time.sleep(6)
+    """
+    per_node, procs = start_cuda_job(tray_env, body, 120)
+    runs = finish(procs, timeout_s=240)
+    n = 2 * per_node
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, run.output
+        for r in range(node * per_node, (node + 1) * per_node):
+            assert f"[rank {r}] span ok {r}" in run.stdout, run.output
+    for r in range(n - 1):
+        found = re.search(rf"\[rank {r}\] missing \[{n - 1}\] ([0-9.]+)", runs[r // per_node].stdout)
+        assert found, runs[r // per_node].output
+        # a member of another node is named after the local timeout and the leaders' step; a leader (one GPU
+        # per node) by the bounded wait: 3 x 0.5 s + 1 s past the local barrier, + 1 s
+        assert float(found.group(1)) < 4.5, runs[r // per_node].output
