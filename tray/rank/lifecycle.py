@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tray import collectives
 from tray.backend import open_backend
-from tray.backend.base import Backend, Collectives, ExportedHandle, GroupInfo
+from tray.backend.base import Backend, Barrier, Collectives, ExportedHandle, GroupInfo
 from tray.errors import DeviceError, HandshakeError
 from tray.handshake import wire
 from tray.handshake.client import RendezvousClient
@@ -274,10 +275,10 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
     barriers = parts.barriers = {}
     relayed: dict[str, Collectives] = {}
     joins = []
-    leader_joins: list[collectives.GroupJoin] = []
+    pending: list[_SpanPending] = []
     for g in parts.groups.values():
         if g.name in parts.spanning:
-            _join_spanning(parts, backend, joiner, table, g, joins, relayed, leader_joins)
+            _join_spanning(parts, backend, joiner, table, g, joins, relayed, pending)
             continue
         barriers[g.name] = backend.barrier(g, parts.buffers[FLAGS_PREFIX + g.name],
                                            parts.ptr_tables[FLAGS_PREFIX + g.name])
@@ -286,13 +287,13 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
             buffer=parts.buffers.get(GROUP_BUFFER_PREFIX + g.name),
             peer_buffers=parts.ptr_tables.get(GROUP_BUFFER_PREFIX + g.name)))
     parts.collectives = LazyCollectives(joiner, joins, parts.phases, ready=relayed)
-    if leader_joins:
-        _join_leaders(parts, backend, joiner, leader_joins)
+    if pending:
+        _join_leaders(parts, backend, joiner, pending)
 
 
 def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table, g: GroupInfo,
                    joins: list[collectives.GroupJoin], relayed: dict[str, Collectives],
-                   leader_joins: list[collectives.GroupJoin]) -> None:
+                   pending: list[_SpanPending]) -> None:
     """A group with members on other nodes: its barrier is hierarchical (tray/collectives/span.py) where the
     host backend relays the leaders' step or the group's member 0 offered the leaders' join info (NCCL), and
     relayed through the root otherwise; its collectives joined (on first use, like every group's) where the
@@ -303,6 +304,7 @@ def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, t
     assert parts.barriers is not None and parts.client is not None and parts.ptr_tables is not None
     assert parts.buffers is not None
     step = VoteStep(parts.client, parts.env.token, parts.env.rank)
+
     def capturing(stream: int | None) -> bool:
         handle = backend.cuda_stream if stream is None else stream
         return handle is not None and backend.is_capturing(handle)
@@ -328,32 +330,42 @@ def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, t
     if not info:  # member 0 could not make the leaders' join info: relayed on every member
         local.close()
         return
-    # the barrier is made once the leaders joined (_join_leaders); until then the group's entry is `relay`
+    # the device barrier is made once the leaders joined (_join_leaders); until then the entry is `relay`
     leaders = node_leaders(g.members, node_of)
     me = parts.env.rank
-    group = GroupInfo(LEADERS_PREFIX + g.name, leaders, leaders.index(me)) if me in leaders else None
-    leader_joins.append(collectives.GroupJoin(group=group or local_group, join_info=bytes(info), barrier=local,
-                                              buffer=span if group is not None else None))
+    pending.append(_SpanPending(
+        group=g, local=local, join_info=bytes(info),
+        leaders=GroupInfo(LEADERS_PREFIX + g.name, leaders, leaders.index(me)) if me in leaders else None))
 
 
-def _join_leaders(parts: Parts, backend: Backend, joiner: collectives.Joiner,
-                  leader_joins: list[collectives.GroupJoin]) -> None:
-    """Join the leaders' collectives (this rank's: the entries whose group is a leaders' group) at once,
-    then make every spanning group's device barrier."""
+@dataclass(frozen=True)
+class _SpanPending:
+    """A spanning group whose device barrier waits for its leaders' collectives: `leaders` is the leaders'
+    group when this rank leads its node (None otherwise), `join_info` member 0's offer for it."""
+
+    group: GroupInfo
+    local: Barrier
+    join_info: bytes
+    leaders: GroupInfo | None
+
+
+def _join_leaders(parts: Parts, backend: Backend, joiner: collectives.Joiner, pending: list[_SpanPending]) -> None:
+    """Join this rank's leaders' collectives at once (one NCCL group call), then make every spanning
+    group's device barrier."""
     from tray.collectives.span import DeviceSpanBarrier
 
     assert parts.barriers is not None and parts.buffers is not None and parts.ptr_tables is not None
-    mine = [j for j in leader_joins if j.group.name.startswith(LEADERS_PREFIX)]
-    joined = joiner.join(mine) if mine else {}
+    joins = [collectives.GroupJoin(group=p.leaders, join_info=p.join_info, barrier=p.local)
+             for p in pending if p.leaders is not None]
+    joined = joiner.join(joins) if joins else {}
     node_of = parts.env.local_world_size or parts.env.world_size
-    for j in leader_joins:
-        name = j.group.name.removeprefix(LEADERS_PREFIX)
-        g = parts.groups[name]
-        local = j.barrier
+    for p in pending:
+        name = p.group.name
         parts.barriers[name] = DeviceSpanBarrier(
-            g, parts.span_local[name], local, node_parts(g.members, node_of), parts.buffers[SPAN_BUFFER_PREFIX + name],
-            parts.ptr_tables[SPAN_BUFFER_PREFIX + name].ptrs[0], backend, joined.get(j.group.name),
-            int(local.err_ptr), relayed=parts.barriers[name])
+            p.group, parts.span_local[name], p.local, node_parts(p.group.members, node_of),
+            parts.buffers[SPAN_BUFFER_PREFIX + name], parts.ptr_tables[SPAN_BUFFER_PREFIX + name].ptrs[0], backend,
+            joined[p.leaders.name] if p.leaders is not None else None, int(p.local.err_ptr),
+            relayed=parts.barriers[name])
 
 
 __all__ = ["READY_TIMINGS", "boot_id", "start"]
