@@ -106,6 +106,9 @@ class Barrier(abc.ABC):
     keeps itself, so a captured sequence replays with fresh epochs."""
 
     group: GroupInfo
+    # which barrier runs: "peer" (within one node), or over a group that spans nodes "hierarchical"
+    # (tray/collectives/span.py) or "relayed" (through the job's root, tray/collectives/relay.py)
+    path: str = "peer"
 
     @abc.abstractmethod
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:

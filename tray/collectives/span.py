@@ -21,8 +21,6 @@ import contextlib
 import ctypes
 import time
 from collections.abc import Sequence
-from typing import Any
-
 import numpy as np
 
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Backend, Barrier, Collectives, DeviceBuffer, GroupInfo
@@ -261,9 +259,4 @@ class HostSpanBarrier(SpanBarrier):
         self.local.close()
 
 
-def describe_path(barrier: Any) -> str:
-    """Which barrier a group runs: "peer" (within one node), "hierarchical" or "relayed" (spans nodes)."""
-    return str(getattr(barrier, "path", "peer"))
-
-
-__all__ = ["DeviceSpanBarrier", "HostSpanBarrier", "SpanBarrier", "describe_path", "span_nbytes"]
+__all__ = ["DeviceSpanBarrier", "HostSpanBarrier", "SpanBarrier", "span_nbytes"]
