@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import time
 from collections.abc import Sequence
+
 import numpy as np
 
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Backend, Barrier, Collectives, DeviceBuffer, GroupInfo
