@@ -170,7 +170,7 @@ def test_this_nodes_own_timeout_is_named_first():
     barrier.launch(0.5)
     with pytest.raises(BarrierTimeout) as info:
         barrier.check()
-    assert info.value.missing == [3]
+    assert info.value.missing == [3] and info.value.waited_s == 0.5 and info.value.epoch == 1
 
 
 def test_a_leader_stuck_in_the_cross_step_names_the_other_leaders_and_stays_broken():

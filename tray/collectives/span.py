@@ -109,9 +109,10 @@ class SpanBarrier(Barrier):
             raise BarrierTimeout(self.group.name, epoch, self.me, missing,
                                  self._last_timeout_s if waited_s is None else waited_s)
 
-    def _as_span(self, exc: BarrierTimeout) -> BarrierTimeout:
-        """The local barrier's timeout, told as this barrier's (its epoch)."""
-        return BarrierTimeout(self.group.name, span_epoch(exc.epoch), self.me, exc.missing, exc.waited_s)
+    def _as_span(self, exc: BarrierTimeout, waited_s: float | None = None) -> BarrierTimeout:
+        """The local barrier's timeout, told as this barrier's (its epoch; `waited_s` when given)."""
+        return BarrierTimeout(self.group.name, span_epoch(exc.epoch), self.me, exc.missing,
+                              exc.waited_s if waited_s is None else waited_s)
 
     def synchronize(self) -> None:
         self.local.synchronize()
@@ -184,7 +185,9 @@ class DeviceSpanBarrier(SpanBarrier):
         try:
             self.local.check()
         except BarrierTimeout as exc:
-            raise self._as_span(exc) from None
+            # odd local epochs are the first local barrier (timeout T), even ones the second (its own timeout)
+            t = self._last_timeout_s
+            raise self._as_span(exc, t if exc.epoch % 2 else release_timeout_s(t)) from None
         words = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * len(self.parts))).from_address(self._result.ptr))
         self._raise_gathered(words.reshape(len(self.parts), 2))
 
