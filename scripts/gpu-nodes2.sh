@@ -35,7 +35,9 @@ out, n, rc, logs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(s
 ranks = [json.loads(p.read_text()) for p in sorted((out / "nodes2").glob("rank-*.json"))]
 text = "".join(p.read_text(errors="replace") for p in logs.glob("nodes2-node*.log"))
 nnodes = sorted({int(m) for m in re.findall(r"nNodes (\d+)", text)})
-report = {"heads_rc": rc, "ranks_reported": len(ranks), "world_size": n, "nccl_nnodes_seen": nnodes, "ranks": ranks}
+from tray.envinfo import environment
+report = {"heads_rc": rc, "ranks_reported": len(ranks), "world_size": n, "nccl_nnodes_seen": nnodes,
+          "environment": environment(), "ranks": ranks}
 (out / "nodes2.json").write_text(json.dumps(report, indent=2) + "\n")
 print(json.dumps({k: v for k, v in report.items() if k != "ranks"}))
 for r in ranks:
