@@ -155,3 +155,203 @@ extern "C" __global__ void tp_ag_peers(uint4* const* outs, long long count, int 
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Low-latency one-shot (`tp_ll_allreduce`): the synchronisation rides with the data (LL protocol), one
+// kernel, no barrier launch, no host work between graph replays.
+//
+// A line is 4 bf16 of the message (8 bytes) sent as 16 bytes: two 64-bit words, each = 32 bits of data
+// (2 bf16) | 32-bit flag << 32, stored with one `st.volatile.v2.u64` (each 8-byte element is one
+// single-copy-atomic access, so a reader that sees the flag in a word sees that word's data).
+// Member `me` writes line l of its input into every other member's receive slot (parity p, source me),
+// then spins on its own slots (parity p, source g) until both words of line l carry the flag, sums the
+// members in member order 0..G-1 (its own line from its input), float32 adds from 0, rounded once to
+// bf16: the same bytes as `tp_sum_peers`, on every member. Then it zeroes the line in its slots.
+//
+//   in          [count] bf16, local: this member's partial
+//   out         [count] bf16, local: the sum
+//   recv_peers  u64[G]: member g's receive buffer (as mapped here), u64 words, laid out as
+//               [2 parities][G sources][slot_lines][2 words], slot_lines = max_count / 4
+//   state       u64[4] local, zero at allocation, touched only by this kernel:
+//               [0] launch tickets: 2^20 per launch (see below); [1] the epoch that timed out (max);
+//               [2] missing members (bit g: member g's lines did not arrive in time); [3] 1: a launch
+//               was refused (count > 4 * slot_lines, G outside 1..64, me outside 0..G-1, grid > 2^20)
+//   count       elements, 1 .. 4 * slot_lines; max_count sizes the slots (the manifest's ll_max_count)
+//   timeout_ns  how long a thread waits for a peer's line before it records the peer missing
+//
+// Epoch: every block takes a ticket with one atomicAdd on state[0]: block 0 adds 2^20 - (gridDim.x - 1),
+// every other block adds 1, so each launch adds exactly 2^20 and every ticket taken during launch E lies
+// in [E * 2^20, (E + 1) * 2^20): all blocks compute E = ticket >> 20 without any inter-block sync, and
+// launches with different grids keep counting. epoch = E + 1 (2^44 launches before the 64-bit ticket
+// wraps); parity p = epoch & 1; flag = 1 + epoch % (2^32 - 1), never 0. Every member launches the same
+// sequence (lockstep programs), so the members agree on the epoch of every launch.
+//
+// Why parity double-buffering is enough: member A's launch e+1 starts after its launch e ended, which
+// needed every other member B's lines of launch e, which B sends only after its launch e-1 ended
+// (stream order, or `griddepcontrol.wait` for a programmatic launch): B no longer reads parity
+// (e+1) & 1 == (e-1) & 1 when A writes there. And A cannot reach launch e+2 before B sent launch e+1.
+// Why a line never shows an old flag: the reader zeroes each line it consumed, and every line a member
+// writes is consumed (same count on every member); 0 is never a flag. So the 32-bit flag may wrap. The
+// zeroing store is local and lands before this launch ends, long before the writer's next store to the
+// same line (two launches later, after a round trip through this member's next launch).
+// Timeout: thread-local, from %globaltimer at the start; the thread records the missing member
+// (state[2] |= 1 << g, state[1] = max(epoch)) and returns. A later launch that finds state[2] != 0
+// returns at once (a broken allreduce stays broken; the host reads state after a sync and raises).
+// No early return before the only __syncthreads: every thread reaches it.
+
+#define TP_LL_TICKET_BITS 20
+
+__device__ __forceinline__ unsigned long long tp_ll_timer_ns() {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+__device__ __forceinline__ void tp_ll_store(unsigned long long* addr, unsigned long long w0, unsigned long long w1) {
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(addr), "l"(w0), "l"(w1) : "memory");
+}
+
+__device__ __forceinline__ void tp_ll_load(const unsigned long long* addr, unsigned long long& w0,
+                                           unsigned long long& w1) {
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(addr) : "memory");
+}
+
+// Line l of `p` (4 bf16 as two u32), zero-padded past `count`; 8-byte loads when `p` allows.
+__device__ __forceinline__ void tp_ll_read_line(const unsigned short* p, long long l, long long count, bool vec,
+                                                unsigned int& d0, unsigned int& d1) {
+    const long long e = l * 4;
+    if (vec && e + 4 <= count) {
+        const uint2 v = *(const uint2*)(p + e);
+        d0 = v.x;
+        d1 = v.y;
+        return;
+    }
+    unsigned int h[4] = {0u, 0u, 0u, 0u};
+    for (int j = 0; j < 4; ++j) {
+        if (e + j < count) {
+            h[j] = p[e + j];
+        }
+    }
+    d0 = h[0] | (h[1] << 16);
+    d1 = h[2] | (h[3] << 16);
+}
+
+__device__ __forceinline__ void tp_ll_write_line(unsigned short* p, long long l, long long count, bool vec,
+                                                 unsigned int d0, unsigned int d1) {
+    const long long e = l * 4;
+    if (vec && e + 4 <= count) {
+        uint2 v;
+        v.x = d0;
+        v.y = d1;
+        *(uint2*)(p + e) = v;
+        return;
+    }
+    const unsigned int h[4] = {d0 & 0xFFFFu, d0 >> 16, d1 & 0xFFFFu, d1 >> 16};
+    for (int j = 0; j < 4; ++j) {
+        if (e + j < count) {
+            p[e + j] = (unsigned short)h[j];
+        }
+    }
+}
+
+__device__ __forceinline__ void tp_ll_add(float* acc, unsigned int d0, unsigned int d1) {
+    acc[0] = __fadd_rn(acc[0], bf16_to_f32(d0 & 0xFFFFu));
+    acc[1] = __fadd_rn(acc[1], bf16_to_f32(d0 >> 16));
+    acc[2] = __fadd_rn(acc[2], bf16_to_f32(d1 & 0xFFFFu));
+    acc[3] = __fadd_rn(acc[3], bf16_to_f32(d1 >> 16));
+}
+
+extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned short* out,
+                                           unsigned long long* const* recv_peers, unsigned long long* state,
+                                           long long count, long long max_count, int G, int me,
+                                           unsigned long long timeout_ns) {
+    __shared__ unsigned long long s_epoch;
+    __shared__ int s_go;
+#if __CUDA_ARCH__ >= 900
+    // programmatic launch: the next launch may be scheduled now (all of this grid is resident by then);
+    // it waits in `griddepcontrol.wait` until this one ended and its memory operations are visible
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    const long long slot_lines = max_count / 4;
+    const long long lines = (count + 3) / 4;
+    // uniform over the grid and, in lockstep, over the members: every member refuses the same launch
+    const bool refused = count < 1 || lines > slot_lines || G < 1 || G > 64 || me < 0 || me >= G ||
+                         gridDim.x > (1u << TP_LL_TICKET_BITS);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool vec = ((((unsigned long long)in) | ((unsigned long long)out)) & 7ull) == 0ull;
+    // the first line's input load flies while thread 0 takes the ticket
+    unsigned int a0 = 0u, a1 = 0u;
+    if (!refused && first < lines) {
+        tp_ll_read_line(in, first, count, vec, a0, a1);
+    }
+    if (threadIdx.x == 0) {
+        s_go = 0;
+        if (refused) {
+            if (blockIdx.x == 0) {
+                *(volatile unsigned long long*)&state[3] = 1ull;
+            }
+        } else {
+            const unsigned long long add =
+                blockIdx.x == 0 ? (1ull << TP_LL_TICKET_BITS) - (unsigned long long)(gridDim.x - 1) : 1ull;
+            const unsigned long long missing = *(volatile unsigned long long*)&state[2];
+            const unsigned long long ticket = atomicAdd(&state[0], add);
+            s_epoch = (ticket >> TP_LL_TICKET_BITS) + 1ull;
+            s_go = missing == 0ull;
+        }
+    }
+    __syncthreads();
+    if (!s_go) {
+        return;
+    }
+    const unsigned long long epoch = s_epoch;
+    const unsigned long long flag = (unsigned long long)(1u + (unsigned int)(epoch % 0xFFFFFFFFull));
+    const long long parity = (long long)(epoch & 1ull);
+    const long long slot_words = slot_lines * 2;
+    // send: line l of the input into slot (parity, me) of every other member
+    for (long long l = first; l < lines; l += stride) {
+        unsigned int d0 = a0, d1 = a1;
+        if (l != first) {
+            tp_ll_read_line(in, l, count, vec, d0, d1);
+        }
+        const unsigned long long w0 = (unsigned long long)d0 | (flag << 32);
+        const unsigned long long w1 = (unsigned long long)d1 | (flag << 32);
+        for (int g = 0; g < G; ++g) {
+            if (g != me) {
+                tp_ll_store(recv_peers[g] + (parity * G + me) * slot_words + 2 * l, w0, w1);
+            }
+        }
+    }
+    // receive: wait for every member's line l, sum in member order, zero the consumed lines
+    unsigned long long* const own = recv_peers[me] + parity * G * slot_words;
+    const unsigned long long start = tp_ll_timer_ns();
+    for (long long l = first; l < lines; l += stride) {
+        unsigned int d0 = a0, d1 = a1;
+        if (l != first) {
+            tp_ll_read_line(in, l, count, vec, d0, d1);
+        }
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int g = 0; g < G; ++g) {
+            if (g == me) {
+                tp_ll_add(acc, d0, d1);
+                continue;
+            }
+            unsigned long long* const line = own + g * slot_words + 2 * l;
+            unsigned long long w0, w1;
+            tp_ll_load(line, w0, w1);
+            while ((w0 >> 32) != flag || (w1 >> 32) != flag) {
+                if (tp_ll_timer_ns() - start > timeout_ns) {
+                    atomicOr(&state[2], 1ull << g);
+                    atomicMax(&state[1], epoch);
+                    return;
+                }
+                tp_ll_load(line, w0, w1);
+            }
+            tp_ll_add(acc, (unsigned int)w0, (unsigned int)w1);
+            line[0] = 0ull;
+            line[1] = 0ull;
+        }
+        tp_ll_write_line(out, l, count, vec, pack2(acc[0], acc[1]), pack2(acc[2], acc[3]));
+    }
+}

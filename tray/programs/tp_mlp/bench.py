@@ -1,14 +1,17 @@
-"""`tray bench tp`: the peer allreduces (one-shot, two-shot) vs NCCL's, and a TP MLP layer through each.
+"""`tray bench tp`: the peer allreduces (low-latency, one-shot, two-shot) vs NCCL's, and a TP MLP layer.
 
     tray bench tp -n 4 [--sizes 8,16,...,67108864] [--tokens 1,4,...,4096] [--hidden 8192] [--ffn 28672]
-                  [--backend] [--json PATH] [--plot PNG]
+                  [--ll-max-bytes N] [--ll-sweep-bytes N] [--backend] [--json PATH] [--plot PNG]
 
 Two trays of manifests/tp_mlp.json running tray/programs/tp_mlp/rank_program.py: N ranks (the allreduce
 sweep, nccl-tests shaped: every path timed captured and checked on what its timed replays left; then the
 TP layer per token count), then 1 rank (the full layer on one GPU: the reference for the TP outputs and
-the TP-N vs one-GPU time). `ar_peer` per size is the faster of the two peer paths measured in this run
-(`ar_peer_path` says which; `crossover` gives the smallest size from which the two-shot wins at every
-larger size): the size table a runtime would pick by. `ar_tray` is what the tray's allreduce does with
+the TP-N vs one-GPU time). The low-latency one-shot (`ar_ll`, flags carried in the data) is timed at every
+size up to --ll-sweep-bytes, past the size the tray sends through it (manifest var ll_max_bytes), so the
+crossover is visible: `ll_wins_up_to_bytes` is the largest size up to which it beat both other peer paths
+at every size. `ar_peer` per size is the path the tray uses there (`ar_peer_path`): the low-latency one
+up to ll_max_bytes, above it the faster of the one-shot and the two-shot measured in this run
+(`crossover` gives the smallest size from which the two-shot wins at every larger size). `ar_tray` is what the tray's allreduce does with
 that table: the faster peer path, or NCCL at the sizes where NCCL measured faster (`ar_tray_path`), so it
 is never slower than NCCL by construction; the report lists those sizes. Exit 1 if a check fails.
 """
@@ -46,13 +49,15 @@ MANIFEST = "tp_mlp"  # built-in (package data), see tray.manifest.builtin
 # same flow at sizes that finish in well under a minute on 2 cores, a few MB per rank.
 DEFAULTS = {
     "cuda": {"sizes": tuple(8 << i for i in range(24)), "tokens": tuple(4**i for i in range(7)),
-             "hidden": 8192, "ffn": 28672, "repeats": 20},
+             "hidden": 8192, "ffn": 28672, "repeats": 20, "ll_sweep_bytes": 4 << 20},
     "host": {"sizes": tuple(8 << i for i in range(13)), "tokens": (1, 8, 64), "hidden": 256, "ffn": 1024,
-             "repeats": 3},
+             "repeats": 3, "ll_sweep_bytes": 32 << 10},
 }
+# NOTE: the low-latency path's slots hold 2x its bytes per member and parity: 4 MiB swept at 8 ranks is 128 MiB
 # NOTE: the TP partials are rounded to bf16 before the sum; one GPU rounds once: a few bf16 ulps apart.
 MLP_TOLERANCE = 2e-2
 PEER_PATHS = ("ar_oneshot", "ar_twoshot")
+LL_PATH = "ar_ll"
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class TpBenchArgs:
     log_dir: str | None = None
     keep: bool = False
     plot_path: str | None = None
+    ll_max_bytes: int | None = None  # None: the manifest's ll_max_bytes
+    ll_sweep_bytes: int | None = None  # None: DEFAULTS[backend]
 
     def resolved(self) -> TpBenchArgs:
         """Every None replaced by the backend's default."""
@@ -78,7 +85,8 @@ class TpBenchArgs:
             nprocs=self.nprocs, backend=self.backend, sizes=self.sizes or d["sizes"],
             tokens=self.tokens or d["tokens"], hidden=self.hidden or d["hidden"], ffn=self.ffn or d["ffn"],
             seed=self.seed, repeats=self.repeats or d["repeats"], warmup=self.warmup, json_path=self.json_path,
-            log_dir=self.log_dir, keep=self.keep, plot_path=self.plot_path)
+            log_dir=self.log_dir, keep=self.keep, plot_path=self.plot_path, ll_max_bytes=self.ll_max_bytes,
+            ll_sweep_bytes=self.ll_sweep_bytes or d["ll_sweep_bytes"])
 
 
 def baseline_name(backend: str) -> str:
@@ -100,6 +108,9 @@ def validate(a: TpBenchArgs) -> None:
         raise UsageError(f"--sizes must be whole bf16 elements (even byte counts >= 2), got {bad}")
     if any(t < 1 for t in a.tokens):
         raise UsageError(f"--tokens must be >= 1, got {list(a.tokens)}")
+    for flag, value in (("--ll-max-bytes", a.ll_max_bytes), ("--ll-sweep-bytes", a.ll_sweep_bytes)):
+        if value is not None and value < 0:
+            raise UsageError(f"{flag} must be >= 0 bytes, got {value}")
 
 
 def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str, Any]]:
@@ -124,8 +135,14 @@ def launch_vars(a: TpBenchArgs, nprocs: int) -> dict[str, int]:
     assert a.sizes is not None and a.tokens is not None and a.hidden is not None and a.ffn is not None
     max_tokens = max(a.tokens)
     max_count = max(max_tokens * a.hidden, *(s // 2 for s in a.sizes))
-    return {"hidden": a.hidden, "ffn_local": a.ffn // nprocs, "max_tokens": max_tokens, "tokens": max_tokens,
-            "max_count": max_count, "count": max_count}
+    # the low-latency slots: the largest swept size it is timed at, in whole lines of 4 elements
+    ll_sizes = [s for s in a.sizes if s <= (a.ll_sweep_bytes or 0)]
+    ll_max_count = -(-max(ll_sizes, default=8) // 8) * 4
+    out = {"hidden": a.hidden, "ffn_local": a.ffn // nprocs, "max_tokens": max_tokens, "tokens": max_tokens,
+           "max_count": max_count, "count": max_count, "ll_max_count": ll_max_count}
+    if a.ll_max_bytes is not None:
+        out["ll_max_bytes"] = a.ll_max_bytes
+    return out
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
@@ -138,21 +155,27 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per allreduce size: µs (slowest rank) per path, elements wrong (all ranks), the faster peer path."""
+    """Per allreduce size: µs (slowest rank) per path, elements wrong (all ranks), the path the tray uses
+    (the low-latency one up to the ranks' ll_max_bytes where it was timed, else the faster of the others)."""
     rows = []
+    ll_max_bytes = int(per_rank[0].get("ll_max_bytes", 0))
     for i, e0 in enumerate(per_rank[0]["sizes"]):
         entries = [r["sizes"][i] for r in per_rank]
         us = {k: max(e["us"][k] for e in entries) for k in e0["us"]}
         wrong = {k: sum(e["checks"]["wrong"][k] for e in entries) for k in e0["checks"]["wrong"]}
-        identical = all(e["checks"][f"{k}_identical_on_all_ranks"] for e in entries for k in PEER_PATHS)
+        timed = [k for k in (LL_PATH, *PEER_PATHS) if k in us]
+        identical = all(e["checks"][f"{k}_identical_on_all_ranks"] for e in entries for k in timed)
         path = min(PEER_PATHS, key=lambda k: us[k])
+        if LL_PATH in us and e0["bytes"] <= ll_max_bytes:
+            path = LL_PATH
         us["ar_peer"] = us[path]
         # the tray's allreduce: the faster peer path, or NCCL where NCCL measured faster at this size
         tray_path = path if us[path] <= us["ar_nccl"] else "ar_nccl"
         us["ar_tray"] = us[tray_path]
         rows.append({"bytes": e0["bytes"], "count": e0["count"], "us": us, "ar_peer_path": path,
                      "ar_tray_path": tray_path,
-                     "ratios": {"ar_peer_vs_nccl": us["ar_peer"] / us["ar_nccl"]},
+                     "ratios": {"ar_peer_vs_nccl": us["ar_peer"] / us["ar_nccl"],
+                                **({"ar_ll_vs_oneshot": us[LL_PATH] / us["ar_oneshot"]} if LL_PATH in us else {})},
                      "checks": {"wrong": wrong, "peer_identical_on_all_ranks": identical,
                                 "passed": identical and not any(wrong.values())}})
     return rows
@@ -167,6 +190,18 @@ def crossover(sizes: list[dict[str, Any]]) -> int | None:
         else:
             start = None
     return start
+
+
+def ll_wins_up_to(sizes: list[dict[str, Any]]) -> int | None:
+    """The largest size up to which the low-latency path beat both other peer paths at every timed size
+    (None: it lost at the smallest, or was not timed)."""
+    best = None
+    for r in sizes:
+        u = r["us"]
+        if LL_PATH not in u or u[LL_PATH] > min(u[k] for k in PEER_PATHS):
+            break
+        best = r["bytes"]
+    return best
 
 
 def summarize_tokens(a: TpBenchArgs, per_rank: list[dict[str, Any]], one: dict[str, Any], work: Path) -> list[dict]:
@@ -203,11 +238,18 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"tp: {report['nprocs']} ranks, {report['backend']} backend; µs per call, captured, slowest rank; "
           f"baseline {base} ({'NCCL' if base == 'nccl' else 'the host backend’s shared-memory collectives'})")
     print(format_table(allreduce_rows(report)))
-    print(f"  {'bytes':>9} {'one-shot':>9} {'two-shot':>9} {base:>9} {'peer/' + base:>9}  check")
+    print(f"  {'bytes':>9} {'low-lat':>9} {'one-shot':>9} {'two-shot':>9} {base:>9} {'peer/' + base:>9} "
+          f"{'peer path':>10}  check")
     for r in report["sizes"]:
         u = r["us"]
-        print(f"  {r['bytes']:>9} {u['ar_oneshot']:>9.2f} {u['ar_twoshot']:>9.2f} {u['ar_nccl']:>9.2f} "
-              f"{r['ratios']['ar_peer_vs_nccl']:>9.2f}  {'ok' if r['checks']['passed'] else 'FAILED'}")
+        ll = f"{u[LL_PATH]:>9.2f}" if LL_PATH in u else f"{'-':>9}"
+        print(f"  {r['bytes']:>9} {ll} {u['ar_oneshot']:>9.2f} {u['ar_twoshot']:>9.2f} {u['ar_nccl']:>9.2f} "
+              f"{r['ratios']['ar_peer_vs_nccl']:>9.2f} {r['ar_peer_path'][3:]:>10}  "
+              f"{'ok' if r['checks']['passed'] else 'FAILED'}")
+    wins = report["ll_wins_up_to_bytes"]
+    print(f"  low-latency path: the tray uses it up to {report['ll_max_bytes']} B (ll_max_bytes); measured: "
+          + (f"it beats both other peer paths at every size up to {wins} B" if wins else
+             "it does not beat the other peer paths at the smallest size"))
     print(f"  two-shot wins from {report['crossover_bytes']} B" if report["crossover_bytes"] else
           "  the two-shot does not win for good at any size")
     nccl_sizes = report["nccl_faster_bytes"]
@@ -227,10 +269,12 @@ def allreduce_rows(report: dict[str, Any]) -> list[Row]:
     """Every path per size as nccl-tests rows (bf16, busbw factor 2(n-1)/n; #wrong: elements that failed
     the check after the timed replays, summed over the ranks)."""
     rows = []
-    names = {"ar_oneshot": "allreduce one-shot", "ar_twoshot": "allreduce two-shot",
-             "ar_nccl": f"allreduce {baseline_name(report['backend'])}"}
+    names = {LL_PATH: "allreduce low-latency", "ar_oneshot": "allreduce one-shot",
+             "ar_twoshot": "allreduce two-shot", "ar_nccl": f"allreduce {baseline_name(report['backend'])}"}
     for r in report["sizes"]:
         for path, name in names.items():
+            if path not in r["us"]:
+                continue
             rows.append(Row(name, r["bytes"], r["count"], "bf16", r["us"][path], r["checks"]["wrong"][path],
                             "allreduce", report["nprocs"]))
     return rows
@@ -240,9 +284,10 @@ def plot(report: dict[str, Any], path: str) -> None:
     """Latency vs message size: the three allreduces, µs, log-log."""
     base = baseline_name(report["backend"])
     series: dict[str, tuple[list[float], list[float]]] = {}
-    for key, label in (("ar_oneshot", "allreduce one-shot"), ("ar_twoshot", "allreduce two-shot"),
-                       ("ar_nccl", f"allreduce {base}")):
-        series[label] = ([r["bytes"] for r in report["sizes"]], [r["us"][key] for r in report["sizes"]])
+    for key, label in ((LL_PATH, "allreduce low-latency"), ("ar_oneshot", "allreduce one-shot"),
+                       ("ar_twoshot", "allreduce two-shot"), ("ar_nccl", f"allreduce {base}")):
+        timed = [r for r in report["sizes"] if key in r["us"]]
+        series[label] = ([r["bytes"] for r in timed], [r["us"][key] for r in timed])
     plot_lines(path, series, title=f"tp: {report['nprocs']} ranks, {report['backend']} backend",
                xlabel="message size (bytes)", ylabel="µs per call")
 
@@ -258,7 +303,8 @@ def run_tp_bench(a: TpBenchArgs) -> int:
         try:
             mib = buffers_nbytes(str(builtin_path(MANIFEST)), a.nprocs, launch_vars(a, a.nprocs)) / (1 << 20)
             t0 = stage("tp", 1, 2, f"{a.nprocs} ranks: {len(a.sizes)} sizes, {a.sizes[0]} .. {a.sizes[-1]} B, then "
-                                   f"the layer at {len(a.tokens)} token counts, {a.repeats} repeats each, "
+                                   f"the layer at {len(a.tokens)} token counts, {a.repeats} repeats each, the "
+                                   f"low-latency path up to {a.ll_sweep_bytes} B, "
                                    f"{mib:.1f} MiB of buffers per rank (a line per size from rank 0)")
             per_rank = _launch(a, a.nprocs, work, "tp")
             t1 = stage("tp", 2, 2, f"1 rank: the full layer for the reference ({time.monotonic() - t0:.1f} s so far)")
@@ -284,6 +330,8 @@ def run_tp_bench(a: TpBenchArgs) -> int:
         "repeats": a.repeats,
         "sizes": sizes,
         "crossover_bytes": crossover(sizes),
+        "ll_max_bytes": int(per_rank[0]["ll_max_bytes"]),
+        "ll_wins_up_to_bytes": ll_wins_up_to(sizes),
         "nccl_faster_bytes": [r["bytes"] for r in sizes if r["ar_tray_path"] == "ar_nccl"],
         "tokens": tokens,
         "passed": all(s["checks"]["passed"] for s in sizes + tokens),

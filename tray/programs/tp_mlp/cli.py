@@ -15,6 +15,10 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--tokens", type=ints, default=None, help="MLP token counts (cuda: 1,4,..,4096)")
     b.add_argument("--hidden", type=int, default=None, help="MLP hidden size (cuda: 8192; host: 256)")
     b.add_argument("--ffn", type=int, default=None, help="MLP ffn size, split over the ranks (cuda: 28672)")
+    b.add_argument("--ll-max-bytes", type=int, default=None, metavar="N",
+                   help="largest message the tray sends through the low-latency path (default: the manifest's)")
+    b.add_argument("--ll-sweep-bytes", type=int, default=None, metavar="N",
+                   help="time the low-latency path up to N bytes (cuda: 4 MiB; host: 32 KiB)")
     b.add_argument("--plot", default=None, metavar="PNG", help="latency vs size as a PNG (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_tp)
 
@@ -45,6 +49,8 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
             json_path=args.json,
             log_dir=args.log_dir,
             keep=args.keep,
+            ll_max_bytes=args.ll_max_bytes,
+            ll_sweep_bytes=args.ll_sweep_bytes,
             **extra,
         )
     )

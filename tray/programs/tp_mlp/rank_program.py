@@ -2,10 +2,12 @@
 with manifests/tp_mlp.json (tray/programs/tp_mlp/bench.py writes CONFIG).
 
 Allreduce sweep, per message size S (bytes of bf16), each path timed captured and then checked on the
-outputs of its timed replays: the one-shot (`ar_one`) and the two-shot (`ar_two`) peer allreduces to the
-bit against the member-order float32 sum every rank computes on the host (and identical on every rank);
+outputs of its timed replays: the low-latency one-shot (`ar_ll`, at the sizes its receive slots hold:
+S <= 2 * ll_max_count), the one-shot (`ar_one`) and the two-shot (`ar_two`) peer allreduces to the bit
+against the member-order float32 sum every rank computes on the host (and identical on every rank);
 NCCL's (`ar_nccl`) element by element within bf16 tolerance of the float64 sum. `wrong` counts the
-elements that failed.
+elements that failed. After the low-latency path's replays its state words are read: a timeout raises
+LLTimeout naming the missing ranks, a refused launch UsageError.
 
 MLP, per token count T: the TP layer (x [T, hidden] replicated, w13 column-split, w2 row-split) through
 the one-shot, the two-shot and NCCL. The two peer paths must give identical bytes; rank 0 saves its
@@ -94,13 +96,19 @@ class TpRank:
         v = {"count": count}
         us: dict[str, float] = {}
         checks: dict[str, Any] = {"wrong": {}}
-        # ar_one reduces part0 then part1 (one barrier each, buffers alternate): what stays in `out` is part1's
-        for program, key, last in (("ar_one", "ar_oneshot", "part1"), ("ar_two", "ar_twoshot", "part0")):
+        # ar_ll and ar_one reduce part0 then part1 (buffers alternate): what stays in `out` is part1's
+        paths = [("ar_one", "ar_oneshot", "part1"), ("ar_two", "ar_twoshot", "part0")]
+        if count <= self.ll_max_count:
+            paths.insert(0, ("ar_ll", "ar_ll", "part1"))
+        for program, key, last in paths:
             self.poison("out", count * 2)
             rank.synchronize()
             rank.exchange("tp.poisoned", count)
-            divisor = 2 if program == "ar_one" else 1
+            divisor = 2 if program in ("ar_one", "ar_ll") else 1
             us[key] = sampler.us_per_call(lambda p=program: rank.run(p, v)) / divisor
+            if program == "ar_ll":
+                rank.synchronize()
+                self.check_ll()
             out = self.read_out("out", count)
             checks["wrong"][key] = int(np.count_nonzero(out != want[last]))
             digests = rank.exchange("tp.ar_digest", hashlib.sha256(out.tobytes()).hexdigest())
@@ -115,6 +123,19 @@ class TpRank:
             bad = ~(np.abs(got - exact) <= NCCL_REL_TOL * (np.abs(exact) + rms))
         checks["wrong"]["ar_nccl"] = int(np.count_nonzero(bad))
         return us, checks
+
+    @property
+    def ll_max_count(self) -> int:
+        """The largest count the low-latency path's receive slots hold (manifest var ll_max_count, floored to lines)."""
+        return int(self.rank.resolved.vars["ll_max_count"]) // 4 * 4
+
+    def check_ll(self) -> None:
+        """Raise what the low-latency allreduce recorded in ll_state (LLTimeout, UsageError); call after a sync."""
+        from tray.programs.tp_mlp.ll import check_state
+
+        g = self.rank.group("world")
+        check_state([int(w) for w in self.rank.read("ll_state")], g.name, g.members, g.index,
+                    int(self.rank.resolved.vars["ll_timeout_ns"]))
 
     # --- the MLP ------------------------------------------------------------------------------------------
     def mlp(self, sampler: Any, tokens: int, out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
@@ -168,7 +189,9 @@ def main(argv: list[str]) -> int:
         rank.exchange("tp.ready", setup_s)
         sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"])
         results: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size, "setup_s": setup_s,
-                                   "device": rank.backend.info.name, "sizes": [], "tokens": []}
+                                   "device": rank.backend.info.name, "sizes": [], "tokens": [],
+                                   "ll_max_bytes": int(rank.resolved.vars["ll_max_bytes"]),
+                                   "ll_max_count": tp.ll_max_count}
         t_start = time.perf_counter()
         sizes = cfg["sizes"] if tp.G > 1 else []
         for i, size in enumerate(sizes):

@@ -1,4 +1,4 @@
-"""Host twin of the TP allreduce kernel (manifests/kernels/tp_allreduce.cu), registered on import.
+"""Host twins of the TP allreduce kernels (manifests/kernels/tp_allreduce.cu), registered on import.
 
 The TP program also launches `ep_silu_mul`, `ep_fill` and `ep_zero32` (manifests/kernels/ep_math.cu);
 importing this module registers their twins too.
@@ -6,6 +6,8 @@ importing this module registers their twins too.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -54,3 +56,85 @@ def tp_ag_peers(backend: Any, grid: Any, block: Any, outs: int, count: int, G: i
     for g, p in enumerate(ptrs):
         if g != me:
             at(p + 2 * begin, n, np.uint16)[:] = mine
+
+
+# --- the low-latency one-shot (tp_ll_allreduce): the same protocol over mapped host memory -------------
+LL_TICKET_BITS = 20  # TP_LL_TICKET_BITS: every launch adds 2^20 to the ticket word
+LL_MAX_GROUP = 64  # the missing-member mask is one u64
+LL_REFUSED, LL_MISSING, LL_EPOCH = 3, 2, 1  # state words
+_LL_POLL_YIELD_S = 1e-3  # NOTE: spin with sched_yield for the first ms, then sleep: 2 cores host several ranks
+_LL_POLL_SLEEP_S = 50e-6
+
+
+def ll_flag(epoch: int) -> int:
+    """The 32-bit flag of launch `epoch` (1-based): 1 + epoch % (2^32 - 1), never 0."""
+    return 1 + epoch % 0xFFFFFFFF
+
+
+def ll_lines(count: int) -> int:
+    """Lines (4 bf16 each) of a `count`-element message."""
+    return -(-count // 4)
+
+
+def ll_pack(bits: np.ndarray, flag: int) -> np.ndarray:
+    """bf16 bits u16[count] -> the message's line words u64[lines * 2]: 2 bf16 | flag << 32 each."""
+    padded = np.zeros(ll_lines(bits.size) * 4, np.uint16)
+    padded[: bits.size] = bits
+    return padded.view(np.uint32).astype(np.uint64) | np.uint64(flag << 32)
+
+
+def ll_refused(count: int, max_count: int, G: int, me: int, blocks: int) -> bool:
+    """The launches the kernel refuses (state[3] = 1): count outside 1 .. 4 * (max_count // 4), bad G or me,
+    a grid above 2^20 blocks."""
+    return (count < 1 or ll_lines(count) > max_count // 4 or not 1 <= G <= LL_MAX_GROUP or not 0 <= me < G
+            or blocks > 1 << LL_TICKET_BITS)
+
+
+@twin("tp_ll_allreduce")
+def tp_ll_allreduce(backend: Any, grid: Any, block: Any, inp: int, out: int, recv_peers: int, state: int, count: int,
+                    max_count: int, G: int, me: int, timeout_ns: int) -> None:
+    """Writes what the kernel writes: this member's lines into every other member's slot (parity, me), the
+    member-order sum into `out`, zeroes over the consumed lines of its own slots, the ticket and the error
+    words in `state`. Polls its slots with a timeout (sched_yield, then short sleeps)."""
+    st = u64_at(state, 4)
+    blocks = int(grid[0]) if isinstance(grid, (tuple, list)) else int(grid)
+    if ll_refused(count, max_count, G, me, blocks):
+        st[LL_REFUSED] = 1
+        return
+    ticket = int(st[0])
+    st[0] = ticket + (1 << LL_TICKET_BITS)
+    if st[LL_MISSING]:
+        return  # broken: a member went missing in an earlier launch
+    epoch = (ticket >> LL_TICKET_BITS) + 1
+    flag, parity = ll_flag(epoch), epoch & 1
+    slot_words, lines = max_count // 4 * 2, ll_lines(count)
+    ptrs = [int(p) for p in u64_at(recv_peers, G)]
+    own_bits = at(inp, count, np.uint16).copy()
+    words = ll_pack(own_bits, flag)
+    for g, p in enumerate(ptrs):
+        if g != me:
+            u64_at(p + 8 * (parity * G + me) * slot_words, 2 * lines)[:] = words
+    own = ptrs[me] + 8 * parity * G * slot_words
+    got: dict[int, np.ndarray] = {}
+    t0 = time.perf_counter()
+    for g in range(G):
+        if g == me:
+            continue
+        slot = u64_at(own + 8 * g * slot_words, 2 * lines)
+        while True:
+            seen = slot.copy()  # each 8-byte word read once: its data and flag together
+            if np.all(seen >> np.uint64(32) == flag):
+                break
+            waited = time.perf_counter() - t0
+            if waited * 1e9 > timeout_ns:
+                st[LL_MISSING] = int(st[LL_MISSING]) | 1 << g
+                st[LL_EPOCH] = max(int(st[LL_EPOCH]), epoch)
+                return
+            if waited < _LL_POLL_YIELD_S:
+                os.sched_yield()
+            else:
+                time.sleep(_LL_POLL_SLEEP_S)
+        got[g] = (seen & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.uint16)[:count]
+        slot[:] = 0
+    parts = [own_bits if g == me else got[g] for g in range(G)]
+    at(out, count, np.uint16)[:] = sum_members_bits(parts)
