@@ -34,6 +34,7 @@ SHIM = r"""
 #include <cstring>
 #include <cstddef>
 struct uint4 { unsigned int x, y, z, w; } __attribute__((aligned(16)));
+struct uint2 { unsigned int x, y; } __attribute__((aligned(8)));
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
 static dim3 blockIdx, threadIdx, gridDim, blockDim;
 #define __global__
@@ -259,6 +260,9 @@ KERNELS = {
         "tp_sum_peers": "const uint4* const* peers, uint4* out, long long count, int G",
         "tp_rs_peers": "const uint4* const* peers, uint4* out, long long count, int G, int me",
         "tp_ag_peers": "uint4* const* outs, long long count, int G, int me",
+        "tp_ll_allreduce": "const unsigned short* in, unsigned short* out, unsigned long long* const* recv_peers, "
+        "unsigned long long* state, long long count, long long max_count, int G, int me, "
+        "unsigned long long timeout_ns",
     },
     "peer_stress.cu": {
         "stress_next": "unsigned long long* state",
@@ -281,7 +285,7 @@ KERNELS["ep_gemm.cu"] = {
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
 COOP = {"ep_layout_count", "ep_layout_place", "ep_dispatch_ll", "ep_combine_ll", "ep_masked_gemm", "stress_produce",
-        "peer_barrier"}
+        "peer_barrier", "tp_ll_allreduce"}
 # inline PTX has no CPU meaning: the clock read becomes the shim's clock, the barrier's sys-scope loads and
 # stores plain volatile ones (one thread runs at a time here: ordering is the GPU's to check, not this test's)
 PTX_ON_CPU = {
@@ -293,6 +297,10 @@ PTX_ON_CPU = {
     'asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");':
         "value = *(const volatile unsigned long long*)addr;",
     'asm volatile("fence.acq_rel.sys;" ::: "memory");': "__threadfence_system();",
+    'asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(addr), "l"(w0), "l"(w1) : "memory");':
+        "((volatile unsigned long long*)addr)[0] = w0; ((volatile unsigned long long*)addr)[1] = w1;",
+    'asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(addr) : "memory");':
+        "w0 = ((const volatile unsigned long long*)addr)[0]; w1 = ((const volatile unsigned long long*)addr)[1];",
 }
 ENTRY = {name: f"tray_{name}" for name in ("stress_next", "stress_produce", "stress_check", "peer_barrier")}
 
@@ -978,7 +986,7 @@ def _call(emulated, name, grid, block, *args):
     for p in sig.split(","):
         p = p.strip()
         kinds.append(ctypes.c_void_p if "*" in p else ctypes.c_ulonglong if p.startswith("unsigned long long")
-                     else ctypes.c_int)
+                     else ctypes.c_longlong if p.startswith("long long") else ctypes.c_int)
     fn.argtypes = [ctypes.c_uint, ctypes.c_uint, *kinds]
     fn(grid, block, *args)
 
@@ -1062,3 +1070,110 @@ def test_peer_barrier_kernel_announces_names_the_missing_and_stays_broken(emulat
     assert err.tolist() == [2, 1 << 2] and int(host_flag[0]) == 1
     launch()  # broken: no epoch, no announcement, the first timeout's record kept
     assert int(counter[0]) == 2 and [int(f[me]) for f in flags] == [2] * G and err.tolist() == [2, 1 << 2]
+
+
+# --- the low-latency one-shot: one member's launch, its peers' lines preset (one thread runs at a time) ---
+LL_G, LL_ME, LL_MAX = 3, 1, 16  # 4 lines per slot
+
+
+class _LLTray:
+    """Receive buffers of LL_G members, the peer table, member LL_ME's state, input and output; `preset(g, bits,
+    epoch)` writes member g's lines into LL_ME's slot as g's kernel would."""
+
+    def __init__(self, count: int, ticket_launches: int, offset: int = 0) -> None:
+        from tray.programs.tp_mlp.twins import ll_lines
+
+        self.count, self.offset = count, offset
+        self.slot_words = LL_MAX // 4 * 2
+        self.recv = [np.zeros(2 * LL_G * self.slot_words, np.uint64) for _ in range(LL_G)]
+        self.table = np.array([ptr(r) for r in self.recv], np.uint64)
+        self.state = np.array([ticket_launches << 20, 0, 0, 0], np.uint64)
+        self.inp = np.zeros(count + 8, np.uint16)
+        self.out = np.full(count + 8, 0xFFFF, np.uint16)
+        self.lines = ll_lines(count)
+
+    def words(self, member: int, parity: int, src: int) -> np.ndarray:
+        base = (parity * LL_G + src) * self.slot_words
+        return self.recv[member][base:base + self.slot_words]
+
+    def preset(self, src: int, bits: np.ndarray, epoch: int) -> None:
+        from tray.programs.tp_mlp.twins import ll_flag, ll_pack
+
+        self.words(LL_ME, epoch & 1, src)[: 2 * self.lines] = ll_pack(bits, ll_flag(epoch))
+
+    def args(self, count: int | None = None, timeout_ns: int = 50_000) -> list[int]:
+        return [ptr(self.inp) + 2 * self.offset, ptr(self.out) + 2 * self.offset, ptr(self.table), ptr(self.state),
+                self.count if count is None else count, LL_MAX, LL_G, LL_ME, timeout_ns]
+
+    def snapshot(self) -> list[np.ndarray]:
+        return [r.copy() for r in self.recv] + [self.state.copy(), self.out.copy()]
+
+
+@pytest.mark.parametrize("count, grid, block, offset", [(10, 1, 2, 0), (16, 2, 32, 0), (13, 1, 2, 1)])
+def test_tp_ll_allreduce_sends_sums_in_member_order_and_zeroes(emulated, count, grid, block, offset):
+    """grid 1 x 2 threads over 3-4 lines: a thread handles two lines (the second read in the loop); the tail
+    line pads with zeros; offset 1 element: in and out not 8-byte aligned (element loads). Emulated kernel and
+    twin write the same bytes: the lines in the peers' slots, the sum, the zeroed slots, the ticket."""
+    from tray.programs.tp_mlp.twins import ll_flag, ll_pack, sum_members_bits
+
+    rng = np.random.default_rng(7)
+    parts = [bf16_random(rng, count) for _ in range(LL_G)]
+    results = []
+    for kind in ("emu", "twin"):
+        t = _LLTray(count, ticket_launches=5, offset=offset)  # the 6th launch: epoch 6, parity 0
+        t.inp[offset:offset + count] = parts[LL_ME]
+        for g in (0, 2):
+            t.preset(g, parts[g], 6)
+        if kind == "emu":
+            _call(emulated, "tp_ll_allreduce", grid, block, *t.args())
+        else:
+            lookup("tp_ll_allreduce")(HostBackend.open(0), (grid, 1, 1), (block, 1, 1), *t.args())
+        assert np.array_equal(t.out[offset:offset + count], sum_members_bits(parts)), kind
+        assert (t.out[:offset] == 0xFFFF).all() and (t.out[offset + count:] == 0xFFFF).all(), kind
+        for g in (0, 2):
+            sent = t.words(g, 0, LL_ME)
+            assert np.array_equal(sent[: 2 * t.lines], ll_pack(parts[LL_ME], ll_flag(6))), kind
+            assert not sent[2 * t.lines:].any() and not t.words(LL_ME, 0, g).any(), kind  # consumed: zeroed
+        assert t.state.tolist() == [6 << 20, 0, 0, 0], kind
+        results.append(t.snapshot())
+    assert all(np.array_equal(a, b) for a, b in zip(*results))
+
+
+def test_tp_ll_allreduce_names_the_missing_member_stays_broken_and_refuses_big_counts(emulated):
+    """Member 2's lines never come: the wait ends (state[2] = bit 2, state[1] = the epoch); the next launch
+    takes its ticket, stores and waits for nothing; a count above the slots is refused before any ticket."""
+    from tray.programs.tp_mlp.twins import ll_flag, ll_pack
+
+    for kind in ("emu", "twin"):
+        t = _LLTray(8, ticket_launches=0)  # epoch 1, parity 1
+        t.inp[:8] = np.arange(1, 9, dtype=np.uint16)
+        t.preset(0, np.arange(8, dtype=np.uint16), 1)
+
+        def launch(**kw):
+            if kind == "emu":
+                _call(emulated, "tp_ll_allreduce", 1, 32, *t.args(**kw))
+            else:
+                lookup("tp_ll_allreduce")(HostBackend.open(0), (1, 1, 1), (32, 1, 1), *t.args(**kw))
+
+        launch(timeout_ns=20_000_000 if kind == "twin" else 50_000)
+        assert t.state.tolist() == [1 << 20, 1, 1 << 2, 0], kind
+        assert np.array_equal(t.words(0, 1, LL_ME)[:4], ll_pack(t.inp[:8], ll_flag(1))), kind  # sent first
+        launch()  # broken: epoch 2's parity-0 slots stay empty everywhere
+        assert t.state.tolist() == [2 << 20, 1, 1 << 2, 0] and not any(t.words(g, 0, LL_ME).any() for g in (0, 2))
+        t.state[:] = [2 << 20, 0, 0, 0]
+        launch(count=LL_MAX + 1)
+        assert t.state.tolist() == [2 << 20, 0, 0, 1], kind
+
+
+def test_tp_ll_ticket_gives_every_block_the_launch_number():
+    """Block 0 adds 2^20 - (grid - 1), the others 1: in any order every partial sum stays inside the launch's
+    2^20 range, so ticket >> 20 is the launch number for every block, and launches with other grids follow."""
+    rng = np.random.default_rng(0)
+    total = 0
+    for launch, grid in enumerate((1, 7, 300, 2, 1 << 20)):
+        adds = [(1 << 20) - (grid - 1)] + [1] * (grid - 1)
+        seen = set()
+        for b in rng.permutation(grid) if grid < 1000 else [0, *range(1, grid)]:
+            seen.add(total >> 20)
+            total += adds[b]
+        assert seen == {launch} and total == (launch + 1) << 20
