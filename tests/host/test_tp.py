@@ -1,4 +1,5 @@
-"""The TP bench on real host-backend trays: one-shot peer allreduce exact and identical on every rank."""
+"""The TP bench on real host-backend trays: the peer allreduces (low-latency, one-shot, two-shot) exact and
+identical on every rank; the low-latency one names a member that never sends."""
 
 from __future__ import annotations
 
@@ -6,22 +7,30 @@ import json
 import sys
 
 import pytest
+from conftest import MANIFESTS
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_bench_checks_pass(tray_env, tmp_path, n):
     out = tmp_path / "tp.json"
+    # the low-latency path is timed up to 1040 B and used up to 8 B
     run = tray_env.run([sys.executable, "-m", "tray", "bench", "tp", "-n", str(n), "--backend", "host", "--sizes",
                         "8,1040,4096", "--tokens", "1,3", "--hidden", "64", "--ffn", "128", "--repeats", "2",
-                        "--json", str(out)])
+                        "--ll-sweep-bytes", "1040", "--ll-max-bytes", "8", "--json", str(out)])
     assert run.returncode == 0, run.output
     report = json.loads(out.read_text())
     assert report["passed"]
     assert [s["bytes"] for s in report["sizes"]] == [8, 1040, 4096]
     for s in report["sizes"]:  # 8 B: 4 elements, all in the tail; 1040 B: 520 elements over n chunks
         c = s["checks"]
-        assert c["wrong"] == {"ar_oneshot": 0, "ar_twoshot": 0, "ar_nccl": 0} and c["peer_identical_on_all_ranks"]
-        assert s["us"]["ar_peer"] == min(s["us"]["ar_oneshot"], s["us"]["ar_twoshot"]) > 0 and s["us"]["ar_nccl"] > 0
+        ll = {"ar_ll": 0} if s["bytes"] <= 1040 else {}
+        assert c["wrong"] == {**ll, "ar_oneshot": 0, "ar_twoshot": 0, "ar_nccl": 0} and c["peer_identical_on_all_ranks"]
+        assert ("ar_ll" in s["us"]) == bool(ll) and s["us"]["ar_nccl"] > 0
+        if s["bytes"] == 8:
+            assert s["ar_peer_path"] == "ar_ll" and s["us"]["ar_peer"] == s["us"]["ar_ll"] > 0
+        else:
+            assert s["us"]["ar_peer"] == min(s["us"]["ar_oneshot"], s["us"]["ar_twoshot"]) > 0
+    assert report["ll_max_bytes"] == 8
     assert [t["tokens"] for t in report["tokens"]] == [1, 3]
     for t in report["tokens"]:
         c = t["checks"]
@@ -34,3 +43,29 @@ def test_tp_refuses_odd_byte_sizes(tray_env):
         [sys.executable, "-m", "tray", "bench", "tp", "-n", "2", "--backend", "host", "--sizes", "25"]
     )
     assert run.returncode == 2 and "even byte counts" in run.stderr, run.output
+
+
+LL_MISSING = """
+import tray.programs.tp_mlp.twins  # the host twins of the manifest's kernels, registered before init
+from tray.programs.tp_mlp.ll import LLTimeout, check_state
+with tray.init() as rank:
+    g = rank.group("world")
+    if rank.rank == 0:  # rank 1 never runs ar_ll: rank 0's wait for its lines must end, named
+        t0 = time.monotonic()
+        rank.run("ar_ll", {"count": 8})
+        rank.synchronize()
+        try:
+            check_state([int(w) for w in rank.read("ll_state")], g.name, g.members, g.index, 200_000_000)
+        except LLTimeout as exc:
+            print(f"named {exc.missing} after {time.monotonic() - t0:.1f} s: {exc}")
+    rank.exchange("done", 0)
+"""
+
+
+def test_ll_allreduce_names_a_member_that_never_sends(tray_env):
+    small = ["max_count=64", "count=64", "max_tokens=1", "tokens=1", "hidden=8", "ffn_local=8", "ll_max_count=64",
+             "ll_timeout_ns=200000000"]
+    run = tray_env.launch(2, LL_MISSING, "--manifest", str(MANIFESTS / "tp_mlp.json"),
+                          *[a for v in small for a in ("--var", v)])
+    assert run.returncode == 0, run.output
+    assert "named [1] after" in run.stdout and "rank 0 waited 0.20 s for rank 1" in run.stdout, run.output

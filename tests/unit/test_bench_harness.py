@@ -112,3 +112,40 @@ def test_tp_crossover_and_peer_pick():
     assert [r["ar_tray_path"] for r in rows] == ["ar_oneshot", "ar_twoshot", "ar_oneshot", "ar_twoshot"]
     slow = summarize_sizes([{"sizes": [entry(1 << 26, 300.0, 200.0, 190.0)]}])[0]
     assert slow["ar_tray_path"] == "ar_nccl" and slow["us"]["ar_tray"] == 190.0 and slow["us"]["ar_peer"] == 200.0
+
+
+def test_tp_low_latency_path_is_used_up_to_its_threshold_and_its_crossover_reported():
+    from tray.programs.tp_mlp.bench import ll_wins_up_to, summarize_sizes
+
+    def entry(nbytes, ll, one, two=50.0, nccl=9.0, ll_wrong=0):
+        us = {"ar_oneshot": one, "ar_twoshot": two, "ar_nccl": nccl} | ({} if ll is None else {"ar_ll": ll})
+        wrong = {k: 0 for k in us} | ({} if ll is None else {"ar_ll": ll_wrong})
+        return {"bytes": nbytes, "count": nbytes // 2, "us": us,
+                "checks": {"wrong": wrong, **{f"{k}_identical_on_all_ranks": True for k in us if k != "ar_nccl"}}}
+
+    sizes = [entry(8, 3.0, 4.7), entry(1 << 16, 3.5, 5.0), entry(1 << 18, 6.0, 5.5), entry(1 << 19, 5.0, 6.0),
+             entry(1 << 22, None, 17.0, ll_wrong=0)]
+    rows = summarize_sizes([{"ll_max_bytes": 1 << 18, "sizes": sizes}])
+    # up to the threshold the tray uses the low-latency path, measured faster or not; above it the faster other one
+    assert [r["ar_peer_path"] for r in rows] == ["ar_ll", "ar_ll", "ar_ll", "ar_oneshot", "ar_oneshot"]
+    assert rows[2]["us"]["ar_peer"] == 6.0 and rows[2]["ratios"]["ar_ll_vs_oneshot"] == 6.0 / 5.5
+    assert "ar_ll_vs_oneshot" not in rows[4]["ratios"] and rows[4]["checks"]["passed"]
+    assert ll_wins_up_to(rows) == 1 << 16  # lost at 256 KiB: a later win does not extend it
+    assert ll_wins_up_to(summarize_sizes([{"sizes": [entry(8, 5.0, 4.7)]}])) is None
+    bad = summarize_sizes([{"ll_max_bytes": 8, "sizes": [entry(8, 3.0, 4.7, ll_wrong=2)]}])[0]
+    assert not bad["checks"]["passed"] and bad["checks"]["wrong"]["ar_ll"] == 2
+
+
+def test_tp_ll_state_words_become_named_errors():
+    from tray.errors import PeerFailure, UsageError
+    from tray.programs.tp_mlp.ll import LLTimeout, check_state
+
+    check_state([5 << 20, 0, 0, 0], "world", (0, 1, 2, 3), 1, 10**9)  # healthy: nothing raised
+    with pytest.raises(LLTimeout) as info:
+        check_state([5 << 20, 4, 0b1010, 0], "tp", (4, 5, 6, 7), 0, 2 * 10**9)
+    assert isinstance(info.value, PeerFailure) and info.value.missing == [5, 7] and info.value.epoch == 4
+    assert "launch 4: rank 4 waited 2.00 s for rank 5,7" in str(info.value)
+    with pytest.raises(UsageError, match="ll_max_count"):
+        check_state([0, 0, 0, 1], "world", (0, 1), 0, 10**9)
+    with pytest.raises(UsageError, match="expected 4"):
+        check_state([0, 0], "world", (0, 1), 0, 10**9)

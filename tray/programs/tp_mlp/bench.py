@@ -253,7 +253,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  two-shot wins from {report['crossover_bytes']} B" if report["crossover_bytes"] else
           "  the two-shot does not win for good at any size")
     nccl_sizes = report["nccl_faster_bytes"]
-    print(f"  {base} faster than both peer paths at: {nccl_sizes} B (the tray's allreduce calls it there)"
+    print(f"  {base} faster than the peer path the tray uses at: {nccl_sizes} B (the tray's allreduce calls it there)"
           if nccl_sizes else f"  a peer path is at least as fast as {base} at every size")
     print(f"tp layer: hidden {report['hidden']}, ffn {report['ffn']} ({report['ffn'] // report['nprocs']} per rank)")
     print(f"  {'tokens':>7} {'one-shot':>10} {'two-shot':>10} {base:>10} {one:>10} {'peer/' + one:>11}  check")
