@@ -50,22 +50,26 @@ import tray.programs.tp_mlp.twins  # the host twins of the manifest's kernels, r
 from tray.programs.tp_mlp.ll import LLTimeout, check_state
 with tray.init() as rank:
     g = rank.group("world")
-    if rank.rank == 0:  # rank 1 never runs ar_ll: rank 0's wait for its lines must end, named
-        t0 = time.monotonic()
+    if rank.rank == 0:  # rank 1 never runs ar_ll: rank 0's wait for its lines must end, and name rank 1
         rank.run("ar_ll", {"count": 8})
         rank.synchronize()
         try:
             check_state([int(w) for w in rank.read("ll_state")], g.name, g.members, g.index, 200_000_000)
         except LLTimeout as exc:
-            print(f"named {exc.missing} after {time.monotonic() - t0:.1f} s: {exc}")
+            print(f"named {exc.missing}: {exc}")
+        rank.run("ar_ll", {"count": 8})  # 2 more launches (ar_ll reduces part0, part1): broken, nothing waited for
+        rank.synchronize()
+        words = [int(w) for w in rank.read("ll_state")]
+        print("broken state", words[1:], "launches", words[0] >> 20)
     rank.exchange("done", 0)
 """
+LL_MISSING_VARS = ["max_count=64", "count=64", "max_tokens=1", "tokens=1", "hidden=8", "ffn_local=8",
+                   "ll_max_count=64", "ll_timeout_ns=200000000"]
 
 
 def test_ll_allreduce_names_a_member_that_never_sends(tray_env):
-    small = ["max_count=64", "count=64", "max_tokens=1", "tokens=1", "hidden=8", "ffn_local=8", "ll_max_count=64",
-             "ll_timeout_ns=200000000"]
     run = tray_env.launch(2, LL_MISSING, "--manifest", str(MANIFESTS / "tp_mlp.json"),
-                          *[a for v in small for a in ("--var", v)])
+                          *[a for v in LL_MISSING_VARS for a in ("--var", v)])
     assert run.returncode == 0, run.output
-    assert "named [1] after" in run.stdout and "rank 0 waited 0.20 s for rank 1" in run.stdout, run.output
+    assert "named [1]: " in run.stdout and "rank 0 waited 0.20 s for rank 1" in run.stdout, run.output
+    assert "broken state [1, 2, 0] launches 4" in run.stdout, run.output

@@ -1,0 +1,50 @@
+"""The TP allreduces on GPUs: every peer path (low-latency, one-shot, two-shot) and NCCL checked after their timed
+graph replays, at 2 ranks (and 4 where visible), on small sizes; the low-latency kernel's bounded wait names a
+rank that never sends."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from conftest import MANIFESTS, visible_gpus
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
+
+pytestmark = pytest.mark.gpu
+PATHS = {"ar_ll", "ar_oneshot", "ar_twoshot", "ar_nccl"}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tp_bench_every_path_right_after_timed_replays(tray_env, tmp_path, n):
+    if visible_gpus() < n:
+        pytest.skip(f"needs {n} GPUs")
+    out = tmp_path / "tp.json"
+    # 8 B: one line, its tail padded; 1040 B: 520 elements, a partial last line and two-shot chunks; 64 KiB:
+    # 16 blocks of lines; 1 MiB: past the default threshold, still swept
+    sizes = "8,1040,65536,1048576"
+    run = tray_env.run([sys.executable, "-m", "tray", "bench", "tp", "-n", str(n), "--backend", "cuda", "--sizes",
+                        sizes, "--tokens", "1,16", "--hidden", "1024", "--ffn", "4096", "--repeats", "3",
+                        "--json", str(out)], timeout_s=300)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    assert report["passed"], run.output
+    for s in report["sizes"]:
+        assert set(s["checks"]["wrong"]) == PATHS and not any(s["checks"]["wrong"].values()), s
+        assert s["checks"]["peer_identical_on_all_ranks"] and s["us"]["ar_ll"] > 0, s
+        want = "ar_ll" if s["bytes"] <= report["ll_max_bytes"] else s["ar_peer_path"]
+        assert s["ar_peer_path"] == want and s["us"]["ar_peer"] == s["us"][want], s
+
+
+def test_ll_allreduce_wait_is_bounded_and_names_the_missing_rank(tray_env):
+    from test_tp import LL_MISSING, LL_MISSING_VARS
+
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    run = tray_env.launch(2, LL_MISSING, "--manifest", str(MANIFESTS / "tp_mlp.json"),
+                          *[a for v in LL_MISSING_VARS for a in ("--var", v)], backend="cuda", timeout_s=180)
+    assert run.returncode == 0, run.output
+    assert "named [1]: " in run.stdout and "rank 0 waited 0.20 s for rank 1" in run.stdout, run.output
+    assert "broken state [1, 2, 0] launches 4" in run.stdout, run.output
