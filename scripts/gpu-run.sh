@@ -6,7 +6,7 @@
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
-# ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp park
+# ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests park
 # bench-barrier bench-startup launch-cost torch examples nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
 # with torch's small-kernel launch beside it when this Python imports torch.
@@ -137,7 +137,10 @@ for s in "${STAGES[@]}"; do
         # receive buffers at capture. -noreg: the same with NCCL's graph registration off
         ep-moe-nccl-graph) TRAY_SYNC_TIMEOUT_S=30 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG stage_live ep_moe_nccl_graph 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --log-dir "$LOGS/ep_moe_nccl_graph" --json "$OUT/ep_moe_nccl_graph.json" ;;
         ep-moe-nccl-graph-noreg) NCCL_GRAPH_REGISTER=0 TRAY_SYNC_TIMEOUT_S=30 stage_live ep_moe_nccl_graph_noreg 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --json "$OUT/ep_moe_nccl_graph_noreg.json" ;;
-        tp) stage tp 300 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
+        # the sweep 8 B .. 64 MiB: low-latency (timed up to 4 MiB), one-shot, two-shot, NCCL; then the layer
+        tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
+        # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait
+        tp-tests) stage tp_tests 300 $PY -m pytest -q -m gpu tests/gpu/test_tp_cuda.py ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" --plot "$OUT/peer_barrier.png" ;;
         launch-cost) stage launch_cost 120 $PY bench/launch_cost.py --json "$OUT/launch_cost.json" ;;
