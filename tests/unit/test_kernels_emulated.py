@@ -1149,7 +1149,7 @@ def test_tp_ll_allreduce_names_the_missing_member_stays_broken_and_refuses_big_c
         t.inp[:8] = np.arange(1, 9, dtype=np.uint16)
         t.preset(0, np.arange(8, dtype=np.uint16), 1)
 
-        def launch(**kw):
+        def launch(t=t, kind=kind, **kw):
             if kind == "emu":
                 _call(emulated, "tp_ll_allreduce", 1, 32, *t.args(**kw))
             else:

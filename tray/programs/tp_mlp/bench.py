@@ -11,9 +11,10 @@ size up to --ll-sweep-bytes, past the size the tray sends through it (manifest v
 crossover is visible: `ll_wins_up_to_bytes` is the largest size up to which it beat both other peer paths
 at every size. `ar_peer` per size is the path the tray uses there (`ar_peer_path`): the low-latency one
 up to ll_max_bytes, above it the faster of the one-shot and the two-shot measured in this run
-(`crossover` gives the smallest size from which the two-shot wins at every larger size). `ar_tray` is what the tray's allreduce does with
-that table: the faster peer path, or NCCL at the sizes where NCCL measured faster (`ar_tray_path`), so it
-is never slower than NCCL by construction; the report lists those sizes. Exit 1 if a check fails.
+(`crossover` gives the smallest size from which the two-shot wins at every larger size). `ar_tray` is what
+the tray's allreduce does with that table: the peer path, or NCCL at the sizes where NCCL measured faster
+(`ar_tray_path`), so it is never slower than NCCL by construction; the report lists those sizes. Exit 1 if
+a check fails.
 """
 
 from __future__ import annotations
