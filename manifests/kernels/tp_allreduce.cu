@@ -194,10 +194,13 @@ extern "C" __global__ void tp_ag_peers(uint4* const* outs, long long count, int 
 // writes is consumed (same count on every member); 0 is never a flag. So the 32-bit flag may wrap. The
 // zeroing store is local and lands before this launch ends, long before the writer's next store to the
 // same line (two launches later, after a round trip through this member's next launch).
-// Timeout: thread-local, from %globaltimer at the start; the thread records the missing member
-// (state[2] |= 1 << g, state[1] = max(epoch)) and returns. A later launch that finds state[2] != 0
-// returns at once (a broken allreduce stays broken; the host reads state after a sync and raises).
-// No early return before the only __syncthreads: every thread reaches it.
+// Receive: a thread issues the loads of line l from up to TP_LOADS members at once and re-polls only those
+// whose flag has not arrived, so the members' lines are awaited together, not one after the other.
+// Timeout: thread-local, from %globaltimer after its sends; the thread records the members still missing
+// (state[2] |= their bits, state[1] = max(epoch)) and returns. A later launch that finds state[2] != 0
+// takes its ticket (the count stays whole) and returns (a broken allreduce stays broken; the host reads
+// state after a sync and raises). A refused launch takes no ticket, on every member alike.
+// No return before the second __syncthreads: every thread reaches both.
 
 #define TP_LL_TICKET_BITS 20
 
@@ -261,44 +264,97 @@ __device__ __forceinline__ void tp_ll_add(float* acc, unsigned int d0, unsigned 
     acc[3] = __fadd_rn(acc[3], bf16_to_f32(d1 >> 16));
 }
 
+// Waits for member g0 + u's line l (u < TP_LOADS, every u at once: their loads fly together), then adds
+// the chunk's lines to acc in member order (member me: its own line d0, d1) and zeroes the consumed lines.
+// Returns false after recording the members still missing at the timeout.
+__device__ __forceinline__ bool tp_ll_gather(float* acc, unsigned long long* own, long long slot_words, long long l,
+                                             int g0, int G, int me, unsigned int d0, unsigned int d1,
+                                             unsigned long long flag, unsigned long long epoch,
+                                             unsigned long long start, unsigned long long timeout_ns,
+                                             unsigned long long* state) {
+    unsigned long long w0[TP_LOADS], w1[TP_LOADS];
+    unsigned int pending = 0u;
+#pragma unroll
+    for (int u = 0; u < TP_LOADS; ++u) {
+        w0[u] = 0ull;
+        w1[u] = 0ull;
+        if (g0 + u < G && g0 + u != me) {
+            pending |= 1u << u;
+        }
+    }
+    while (pending != 0u) {
+#pragma unroll
+        for (int u = 0; u < TP_LOADS; ++u) {
+            if (pending >> u & 1u) {
+                tp_ll_load(own + (g0 + u) * slot_words + 2 * l, w0[u], w1[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < TP_LOADS; ++u) {
+            if ((pending >> u & 1u) && (w0[u] >> 32) == flag && (w1[u] >> 32) == flag) {
+                pending &= ~(1u << u);
+            }
+        }
+        if (pending != 0u && tp_ll_timer_ns() - start > timeout_ns) {
+            atomicOr(&state[2], (unsigned long long)pending << g0);
+            atomicMax(&state[1], epoch);
+            return false;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < TP_LOADS; ++u) {
+        if (g0 + u < G) {
+            if (g0 + u == me) {
+                tp_ll_add(acc, d0, d1);
+            } else {
+                tp_ll_add(acc, (unsigned int)w0[u], (unsigned int)w1[u]);
+                tp_ll_store(own + (g0 + u) * slot_words + 2 * l, 0ull, 0ull);
+            }
+        }
+    }
+    return true;
+}
+
 extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned short* out,
                                            unsigned long long* const* recv_peers, unsigned long long* state,
                                            long long count, long long max_count, int G, int me,
                                            unsigned long long timeout_ns) {
     __shared__ unsigned long long s_epoch;
     __shared__ int s_go;
-#if __CUDA_ARCH__ >= 900
-    // programmatic launch: the next launch may be scheduled now (all of this grid is resident by then);
-    // it waits in `griddepcontrol.wait` until this one ended and its memory operations are visible
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
     const long long slot_lines = max_count / 4;
     const long long lines = (count + 3) / 4;
     // uniform over the grid and, in lockstep, over the members: every member refuses the same launch
     const bool refused = count < 1 || lines > slot_lines || G < 1 || G > 64 || me < 0 || me >= G ||
                          gridDim.x > (1u << TP_LL_TICKET_BITS);
+    // The ticket is taken before `griddepcontrol.wait`, while the previous kernel may still run: it needs
+    // only that the previous launch's blocks took theirs, and they did before they let this grid start
+    // (`launch_dependents` below comes after the block's ticket, and a grid without it starts after the
+    // previous one ended).
+    if (threadIdx.x == 0 && !refused) {
+        const unsigned long long add =
+            blockIdx.x == 0 ? (1ull << TP_LL_TICKET_BITS) - (unsigned long long)(gridDim.x - 1) : 1ull;
+        s_epoch = (atomicAdd(&state[0], add) >> TP_LL_TICKET_BITS) + 1ull;
+    }
+    __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    // programmatic launch: the next launch may be scheduled now (every block of this grid is resident and
+    // has its ticket); it waits in `griddepcontrol.wait` until this one ended and its memory operations
+    // are visible. This grid waits the same way for the kernel before it (its input, its sends).
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool vec = ((((unsigned long long)in) | ((unsigned long long)out)) & 7ull) == 0ull;
-    // the first line's input load flies while thread 0 takes the ticket
+    // the first line's input load flies while thread 0 reads the error words
     unsigned int a0 = 0u, a1 = 0u;
     if (!refused && first < lines) {
         tp_ll_read_line(in, first, count, vec, a0, a1);
     }
     if (threadIdx.x == 0) {
-        s_go = 0;
-        if (refused) {
-            if (blockIdx.x == 0) {
-                *(volatile unsigned long long*)&state[3] = 1ull;
-            }
-        } else {
-            const unsigned long long add =
-                blockIdx.x == 0 ? (1ull << TP_LL_TICKET_BITS) - (unsigned long long)(gridDim.x - 1) : 1ull;
-            const unsigned long long missing = *(volatile unsigned long long*)&state[2];
-            const unsigned long long ticket = atomicAdd(&state[0], add);
-            s_epoch = (ticket >> TP_LL_TICKET_BITS) + 1ull;
-            s_go = missing == 0ull;
+        s_go = !refused && *(volatile unsigned long long*)&state[2] == 0ull;
+        if (refused && blockIdx.x == 0) {
+            *(volatile unsigned long long*)&state[3] = 1ull;
         }
     }
     __syncthreads();
@@ -332,25 +388,10 @@ extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned sh
             tp_ll_read_line(in, l, count, vec, d0, d1);
         }
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int g = 0; g < G; ++g) {
-            if (g == me) {
-                tp_ll_add(acc, d0, d1);
-                continue;
+        for (int g0 = 0; g0 < G; g0 += TP_LOADS) {
+            if (!tp_ll_gather(acc, own, slot_words, l, g0, G, me, d0, d1, flag, epoch, start, timeout_ns, state)) {
+                return;
             }
-            unsigned long long* const line = own + g * slot_words + 2 * l;
-            unsigned long long w0, w1;
-            tp_ll_load(line, w0, w1);
-            while ((w0 >> 32) != flag || (w1 >> 32) != flag) {
-                if (tp_ll_timer_ns() - start > timeout_ns) {
-                    atomicOr(&state[2], 1ull << g);
-                    atomicMax(&state[1], epoch);
-                    return;
-                }
-                tp_ll_load(line, w0, w1);
-            }
-            tp_ll_add(acc, (unsigned int)w0, (unsigned int)w1);
-            line[0] = 0ull;
-            line[1] = 0ull;
         }
         tp_ll_write_line(out, l, count, vec, pack2(acc[0], acc[1]), pack2(acc[2], acc[3]));
     }
