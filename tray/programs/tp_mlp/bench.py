@@ -87,7 +87,7 @@ class TpBenchArgs:
             tokens=self.tokens or d["tokens"], hidden=self.hidden or d["hidden"], ffn=self.ffn or d["ffn"],
             seed=self.seed, repeats=self.repeats or d["repeats"], warmup=self.warmup, json_path=self.json_path,
             log_dir=self.log_dir, keep=self.keep, plot_path=self.plot_path, ll_max_bytes=self.ll_max_bytes,
-            ll_sweep_bytes=self.ll_sweep_bytes or d["ll_sweep_bytes"])
+            ll_sweep_bytes=d["ll_sweep_bytes"] if self.ll_sweep_bytes is None else self.ll_sweep_bytes)
 
 
 def baseline_name(backend: str) -> str:
@@ -126,6 +126,7 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "repeats": a.repeats,
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
+        "ll_sweep_bytes": a.ll_sweep_bytes,
     }
     return run_rank_program(name, "tray.programs.tp_mlp.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
                             manifest=str(builtin_path(MANIFEST)), vars=launch_vars(a, nprocs), log_dir=a.log_dir)
@@ -248,8 +249,10 @@ def print_report(report: dict[str, Any]) -> None:
               f"{r['ratios']['ar_peer_vs_nccl']:>9.2f} {r['ar_peer_path'][3:]:>10}  "
               f"{'ok' if r['checks']['passed'] else 'FAILED'}")
     wins = report["ll_wins_up_to_bytes"]
+    timed = any(LL_PATH in r["us"] for r in report["sizes"])
     print(f"  low-latency path: the tray uses it up to {report['ll_max_bytes']} B (ll_max_bytes); measured: "
-          + (f"it beats both other peer paths at every size up to {wins} B" if wins else
+          + ("not timed (--ll-sweep-bytes)" if not timed else
+             f"it beats both other peer paths at every size up to {wins} B" if wins else
              "it does not beat the other peer paths at the smallest size"))
     print(f"  two-shot wins from {report['crossover_bytes']} B" if report["crossover_bytes"] else
           "  the two-shot does not win for good at any size")

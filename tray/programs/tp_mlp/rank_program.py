@@ -2,8 +2,8 @@
 with manifests/tp_mlp.json (tray/programs/tp_mlp/bench.py writes CONFIG).
 
 Allreduce sweep, per message size S (bytes of bf16), each path timed captured and then checked on the
-outputs of its timed replays: the low-latency one-shot (`ar_ll`, at the sizes its receive slots hold:
-S <= 2 * ll_max_count), the one-shot (`ar_one`) and the two-shot (`ar_two`) peer allreduces to the bit
+outputs of its timed replays: the low-latency one-shot (`ar_ll`, at the sizes up to the config's
+ll_sweep_bytes that its receive slots hold: S <= 2 * ll_max_count), the one-shot (`ar_one`) and the two-shot (`ar_two`) peer allreduces to the bit
 against the member-order float32 sum every rank computes on the host (and identical on every rank);
 NCCL's (`ar_nccl`) element by element within bf16 tolerance of the float64 sum. `wrong` counts the
 elements that failed. After the low-latency path's replays its state words are read: a timeout raises
@@ -98,7 +98,7 @@ class TpRank:
         checks: dict[str, Any] = {"wrong": {}}
         # ar_ll and ar_one reduce part0 then part1 (buffers alternate): what stays in `out` is part1's
         paths = [("ar_one", "ar_oneshot", "part1"), ("ar_two", "ar_twoshot", "part0")]
-        if count <= self.ll_max_count:
+        if 2 * count <= self.cfg.get("ll_sweep_bytes", 2 * count) and count <= self.ll_max_count:
             paths.insert(0, ("ar_ll", "ar_ll", "part1"))
         for program, key, last in paths:
             self.poison("out", count * 2)
