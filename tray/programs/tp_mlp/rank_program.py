@@ -3,8 +3,9 @@ with manifests/tp_mlp.json (tray/programs/tp_mlp/bench.py writes CONFIG).
 
 Allreduce sweep, per message size S (bytes of bf16), each path timed captured and then checked on the
 outputs of its timed replays: the low-latency one-shot (`ar_ll`, at the sizes up to the config's
-ll_sweep_bytes that its receive slots hold: S <= 2 * ll_max_count), the one-shot (`ar_one`) and the two-shot (`ar_two`) peer allreduces to the bit
-against the member-order float32 sum every rank computes on the host (and identical on every rank);
+ll_sweep_bytes that its receive slots hold: S <= 2 * ll_max_count), the one-shot (`ar_one`) and the
+two-shot (`ar_two`) peer allreduces to the bit against the member-order float32 sum every rank computes
+on the host (and identical on every rank);
 NCCL's (`ar_nccl`) element by element within bf16 tolerance of the float64 sum. `wrong` counts the
 elements that failed. After the low-latency path's replays its state words are read: a timeout raises
 LLTimeout naming the missing ranks, a refused launch UsageError.
