@@ -36,6 +36,8 @@ def test_tp_bench_every_path_right_after_timed_replays(tray_env, tmp_path, n):
         assert s["checks"]["peer_identical_on_all_ranks"] and s["us"]["ar_ll"] > 0, s
         want = "ar_ll" if s["bytes"] <= report["ll_max_bytes"] else s["ar_peer_path"]
         assert s["ar_peer_path"] == want and s["us"]["ar_peer"] == s["us"][want], s
+    for t in report["tokens"]:  # the layer's 2 and 32 KiB outputs reduced by the low-latency path too
+        assert t["checks"]["ll_equals_one_shot"] and t["us"]["mlp_ll"] > 0, t
 
 
 def test_ll_allreduce_wait_is_bounded_and_names_the_missing_rank(tray_env):

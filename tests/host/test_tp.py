@@ -35,6 +35,7 @@ def test_tp_bench_checks_pass(tray_env, tmp_path, n):
     for t in report["tokens"]:
         c = t["checks"]
         assert c["mlp_peer_vs_one_gpu_rel_err"] < 1e-2 and c["two_shot_equals_one_shot"], c
+        assert c["ll_equals_one_shot"] and "mlp_ll" in t["us"], t  # the layer's 128 and 384 B within the sweep
         assert t["us"]["mlp_one_gpu"] > 0
 
 

@@ -137,8 +137,10 @@ def launch_vars(a: TpBenchArgs, nprocs: int) -> dict[str, int]:
     assert a.sizes is not None and a.tokens is not None and a.hidden is not None and a.ffn is not None
     max_tokens = max(a.tokens)
     max_count = max(max_tokens * a.hidden, *(s // 2 for s in a.sizes))
-    # the low-latency slots: the largest swept size it is timed at, in whole lines of 4 elements
-    ll_sizes = [s for s in a.sizes if s <= (a.ll_sweep_bytes or 0)]
+    # the low-latency slots: the largest message it is timed at (sweep sizes and layer outputs within
+    # --ll-sweep-bytes), in whole lines of 4 elements
+    layer_bytes = [t * a.hidden * 2 for t in a.tokens]
+    ll_sizes = [s for s in (*a.sizes, *layer_bytes) if s <= (a.ll_sweep_bytes or 0)]
     ll_max_count = -(-max(ll_sizes, default=8) // 8) * 4
     out = {"hidden": a.hidden, "ffn_local": a.ffn // nprocs, "max_tokens": max_tokens, "tokens": max_tokens,
            "max_count": max_count, "count": max_count, "ll_max_count": ll_max_count}
@@ -213,7 +215,10 @@ def summarize_tokens(a: TpBenchArgs, per_rank: list[dict[str, Any]], one: dict[s
         entries = [r["tokens"][i] for r in per_rank]
         t = e0["tokens"]
         us = {k: max(e["us"][k] for e in entries) for k in e0["us"]}
+        # the path the tray uses: the low-latency one up to ll_max_bytes where timed, else the faster other one
         us["mlp_peer"] = min(us["mlp_one"], us["mlp_two"])
+        if "mlp_ll" in us and t * (a.hidden or 0) * 2 <= int(per_rank[0].get("ll_max_bytes", 0)):
+            us["mlp_peer"] = us["mlp_ll"]
         us["mlp_one_gpu"] = one["tokens"][i]["us"]["mlp_one"]
         ref = np.load(work / "one" / f"T{t}_peer.npy")
         checks: dict[str, Any] = {
@@ -221,10 +226,12 @@ def summarize_tokens(a: TpBenchArgs, per_rank: list[dict[str, Any]], one: dict[s
             "mlp_nccl_vs_one_gpu_rel_err": _rel(np.load(work / "tp" / f"T{t}_nccl.npy"), ref),
             "peer_identical_on_all_ranks": all(e["checks"]["peer_identical_on_all_ranks"] for e in entries),
             "two_shot_equals_one_shot": all(e["checks"]["two_shot_equals_one_shot"] for e in entries),
+            "ll_equals_one_shot": all(e["checks"].get("ll_equals_one_shot", True) for e in entries),
             "nan_rows": sum(e["checks"]["nan_rows"] for e in entries) + one["tokens"][i]["checks"]["nan_rows"],
         }
         checks["passed"] = bool(
-            checks["peer_identical_on_all_ranks"] and checks["two_shot_equals_one_shot"] and checks["nan_rows"] == 0
+            checks["peer_identical_on_all_ranks"] and checks["two_shot_equals_one_shot"]
+            and checks["ll_equals_one_shot"] and checks["nan_rows"] == 0
             and all(not math.isnan(checks[k]) and checks[k] <= MLP_TOLERANCE
                     for k in ("mlp_peer_vs_one_gpu_rel_err", "mlp_nccl_vs_one_gpu_rel_err")))
         rows.append({"tokens": t, "bytes": t * (a.hidden or 0) * 2, "us": us,
@@ -260,10 +267,12 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  {base} faster than the peer path the tray uses at: {nccl_sizes} B (the tray's allreduce calls it there)"
           if nccl_sizes else f"  a peer path is at least as fast as {base} at every size")
     print(f"tp layer: hidden {report['hidden']}, ffn {report['ffn']} ({report['ffn'] // report['nprocs']} per rank)")
-    print(f"  {'tokens':>7} {'one-shot':>10} {'two-shot':>10} {base:>10} {one:>10} {'peer/' + one:>11}  check")
+    print(f"  {'tokens':>7} {'low-lat':>10} {'one-shot':>10} {'two-shot':>10} {base:>10} {one:>10} {'peer/' + one:>11}"
+          "  check")
     for r in report["tokens"]:
         u = r["us"]
-        print(f"  {r['tokens']:>7} {u['mlp_one']:>10.1f} {u['mlp_two']:>10.1f} {u['mlp_nccl']:>10.1f} "
+        ll = f"{u['mlp_ll']:>10.1f}" if "mlp_ll" in u else f"{'-':>10}"
+        print(f"  {r['tokens']:>7} {ll} {u['mlp_one']:>10.1f} {u['mlp_two']:>10.1f} {u['mlp_nccl']:>10.1f} "
               f"{u['mlp_one_gpu']:>10.1f} {r['ratios']['mlp_peer_vs_one_gpu']:>11.2f}  "
               f"{'ok' if r['checks']['passed'] else 'FAILED'}")
     print("PASSED" if report["passed"] else "FAILED")

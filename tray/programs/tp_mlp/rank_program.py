@@ -11,7 +11,8 @@ elements that failed. After the low-latency path's replays its state words are r
 LLTimeout naming the missing ranks, a refused launch UsageError.
 
 MLP, per token count T: the TP layer (x [T, hidden] replicated, w13 column-split, w2 row-split) through
-the one-shot, the two-shot and NCCL. The two peer paths must give identical bytes; rank 0 saves its
+the one-shot, the low-latency one-shot (where timed), the two-shot and NCCL. The peer paths must give
+identical bytes; rank 0 saves its
 outputs for the head to check against a 1-rank tray's full layer.
 """
 
@@ -99,7 +100,7 @@ class TpRank:
         checks: dict[str, Any] = {"wrong": {}}
         # ar_ll and ar_one reduce part0 then part1 (buffers alternate): what stays in `out` is part1's
         paths = [("ar_one", "ar_oneshot", "part1"), ("ar_two", "ar_twoshot", "part0")]
-        if 2 * count <= self.cfg.get("ll_sweep_bytes", 2 * count) and count <= self.ll_max_count:
+        if self.ll_timed(count):
             paths.insert(0, ("ar_ll", "ar_ll", "part1"))
         for program, key, last in paths:
             self.poison("out", count * 2)
@@ -125,6 +126,11 @@ class TpRank:
         checks["wrong"]["ar_nccl"] = int(np.count_nonzero(bad))
         return us, checks
 
+    def ll_timed(self, count: int) -> bool:
+        """Whether the low-latency path is timed at `count` elements: within the config's ll_sweep_bytes and
+        the receive slots."""
+        return 2 * count <= self.cfg.get("ll_sweep_bytes", 2 * count) and count <= self.ll_max_count
+
     @property
     def ll_max_count(self) -> int:
         """The largest count the low-latency path's receive slots hold (manifest var ll_max_count, floored to lines)."""
@@ -147,17 +153,23 @@ class TpRank:
         us: dict[str, float] = {}
         outs: dict[str, np.ndarray] = {}
         paths = [("mlp_one", "out", 2)] + ([("mlp_two", "out", 1), ("mlp_nccl", "out_nccl", 1)] if self.G > 1 else [])
+        if self.G > 1 and self.ll_timed(tokens * H):
+            paths.insert(1, ("mlp_ll", "out", 2))
         for program, buf, divisor in paths:
             self.poison(buf, tokens * H * 2)
             rank.synchronize()
             rank.exchange("tp.mlp_poisoned", tokens)
             us[program] = sampler.us_per_call(lambda p=program: rank.run(p, v)) / divisor
             outs[program] = self.read_out(buf, tokens * H).reshape(tokens, H)
+            if program == "mlp_ll":
+                self.check_ll()
         checks: dict[str, Any] = {"nan_rows": sum(nan_rows(o) for o in outs.values())}
         digests = rank.exchange("tp.mlp_digest", hashlib.sha256(outs["mlp_one"].tobytes()).hexdigest())
         checks["peer_identical_on_all_ranks"] = len(set(digests)) == 1
         if "mlp_two" in outs:
             checks["two_shot_equals_one_shot"] = bool(np.array_equal(outs["mlp_two"], outs["mlp_one"]))
+        if "mlp_ll" in outs:
+            checks["ll_equals_one_shot"] = bool(np.array_equal(outs["mlp_ll"], outs["mlp_one"]))
         if self.me == 0:
             np.save(out_dir / f"T{tokens}_peer.npy", outs["mlp_one"])
             if "mlp_nccl" in outs:
