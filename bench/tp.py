@@ -1,4 +1,4 @@
-"""Peer allreduce (one-shot, two-shot) vs NCCL, 8 B .. 64 MiB, and a TP MLP layer (same as `tray bench tp`).
+"""Peer allreduce (low-latency, one-shot, two-shot) vs NCCL, 8 B .. 64 MiB, and a TP MLP layer (`tray bench tp`).
 
     python bench/tp.py -n 4 [--sizes 8,4096] [--tokens 1,64] [--backend cuda] [--json bench/results/tp.json]
 

@@ -23,8 +23,9 @@ def test_tp_bench_every_path_right_after_timed_replays(tray_env, tmp_path, n):
         pytest.skip(f"needs {n} GPUs")
     out = tmp_path / "tp.json"
     # 8 B: one line, its tail padded; 1040 B: 520 elements, a partial last line and two-shot chunks; 64 KiB:
-    # 16 blocks of lines; 1 MiB: past the default threshold, still swept
-    sizes = "8,1040,65536,1048576"
+    # 32 blocks of lines; 4 MiB: 2048 blocks (more than are resident at once), past the default threshold,
+    # still swept
+    sizes = "8,1040,65536,4194304"
     run = tray_env.run([sys.executable, "-m", "tray", "bench", "tp", "-n", str(n), "--backend", "cuda", "--sizes",
                         sizes, "--tokens", "1,16", "--hidden", "1024", "--ffn", "4096", "--repeats", "3",
                         "--json", str(out)], timeout_s=300)
@@ -37,7 +38,8 @@ def test_tp_bench_every_path_right_after_timed_replays(tray_env, tmp_path, n):
         want = "ar_ll" if s["bytes"] <= report["ll_max_bytes"] else s["ar_peer_path"]
         assert s["ar_peer_path"] == want and s["us"]["ar_peer"] == s["us"][want], s
     for t in report["tokens"]:  # the layer's 2 and 32 KiB outputs reduced by the low-latency path too
-        assert t["checks"]["ll_equals_one_shot"] and t["us"]["mlp_ll"] > 0, t
+        assert t["checks"]["ll_equals_one_shot"] and t["checks"]["two_shot_equals_one_shot"], t
+        assert t["us"]["mlp_ll"] > 0, t
 
 
 def test_ll_allreduce_wait_is_bounded_and_names_the_missing_rank(tray_env):

@@ -3,7 +3,7 @@ its kernels and its bench. The infrastructure (backend, collectives, handshake, 
 manifest, numa) never imports from here.
 
     ep_moe/        expert-parallel MoE layer: routing plans, rank program, twins, `tray bench ep-moe`
-    tp_mlp/        tensor-parallel MLP with a one-shot peer allreduce, `tray bench tp`
+    tp_mlp/        tensor-parallel MLP with peer allreduces (low-latency, one-shot, two-shot), `tray bench tp`
     peer_barrier/  the peer-barrier gate (`tray gate peer-barrier`) and its rank program
     park/          park/wake throughput, `tray bench park`
 """
