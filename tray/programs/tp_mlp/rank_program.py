@@ -5,15 +5,13 @@ Allreduce sweep, per message size S (bytes of bf16), each path timed captured an
 outputs of its timed replays: the low-latency one-shot (`ar_ll`, at the sizes up to the config's
 ll_sweep_bytes that its receive slots hold: S <= 2 * ll_max_count), the one-shot (`ar_one`) and the
 two-shot (`ar_two`) peer allreduces to the bit against the member-order float32 sum every rank computes
-on the host (and identical on every rank);
-NCCL's (`ar_nccl`) element by element within bf16 tolerance of the float64 sum. `wrong` counts the
-elements that failed. After the low-latency path's replays its state words are read: a timeout raises
+on the host (and identical on every rank); NCCL's (`ar_nccl`) element by element within bf16 tolerance of
+the float64 sum. `wrong` counts the elements that failed. After the low-latency path's replays its state words are read: a timeout raises
 LLTimeout naming the missing ranks, a refused launch UsageError.
 
 MLP, per token count T: the TP layer (x [T, hidden] replicated, w13 column-split, w2 row-split) through
 the one-shot, the low-latency one-shot (where timed), the two-shot and NCCL. The peer paths must give
-identical bytes; rank 0 saves its
-outputs for the head to check against a 1-rank tray's full layer.
+identical bytes; rank 0 saves its outputs for the head to check against a 1-rank tray's full layer.
 """
 
 from __future__ import annotations
