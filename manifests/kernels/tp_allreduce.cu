@@ -396,3 +396,47 @@ extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned sh
         tp_ll_write_line(out, l, count, vec, pack2(acc[0], acc[1]), pack2(acc[2], acc[3]));
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Stress of tp_ll_allreduce (checked, not timed): rounds of different inputs through the same slots, so a
+// line read from the wrong launch (a parity reused too early, an old flag taken for new) shows as a wrong
+// sum. Round r = stress[0] (local u64[4]: [0] round, [1] wrong elements summed over rounds).
+//   tp_ll_stress_step: (r > 0) checks `out` against the sum of round r-1's inputs, adds the mismatches to
+//                      stress[1]; writes round r's input into `in`. Any grid.
+//   tp_ll_stress_next: one thread: round r+1; member r % G then holds its stream for skew_ns, so the others
+//                      run ahead into the next launch and wait there.
+// Inputs are small integers (-8 .. 8): every member-order float32 sum is exact and so is its bf16.
+
+__device__ __forceinline__ int tp_ll_stress_value(unsigned long long r, int g, long long i) {
+    return (int)((r * 131ull + (unsigned long long)g * 31ull + (unsigned long long)i * 7ull) % 17ull) - 8;
+}
+
+extern "C" __global__ void tp_ll_stress_step(unsigned short* in, const unsigned short* out,
+                                             unsigned long long* stress, long long count, int G, int me) {
+    const unsigned long long r = stress[0];
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned long long wrong = 0ull;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+        if (r > 0ull) {
+            int want = 0;
+            for (int g = 0; g < G; ++g) {
+                want += tp_ll_stress_value(r - 1ull, g, i);
+            }
+            wrong += out[i] != (unsigned short)f32_to_bf16((float)want) ? 1ull : 0ull;
+        }
+        in[i] = (unsigned short)f32_to_bf16((float)tp_ll_stress_value(r, me, i));
+    }
+    if (wrong != 0ull) {
+        atomicAdd(&stress[1], wrong);
+    }
+}
+
+extern "C" __global__ void tp_ll_stress_next(unsigned long long* stress, int G, int me, unsigned long long skew_ns) {
+    const unsigned long long r = stress[0];
+    stress[0] = r + 1ull;
+    if ((int)(r % (unsigned long long)G) == me && skew_ns != 0ull) {
+        const unsigned long long start = tp_ll_timer_ns();
+        while (tp_ll_timer_ns() - start < skew_ns) {
+        }
+    }
+}

@@ -52,3 +52,20 @@ def test_ll_allreduce_wait_is_bounded_and_names_the_missing_rank(tray_env):
     assert run.returncode == 0, run.output
     assert "named [1]: " in run.stdout and "rank 0 waited 0.20 s for rank 1" in run.stdout, run.output
     assert "broken state [1, 2, 0] launches 4" in run.stdout, run.output
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("count", [4, 32768, 2097152])
+def test_ll_allreduce_stress_every_round_right(tray_env, n, count):
+    """Rounds of different inputs through the low-latency slots from a graph of 8 rounds replayed 25 times
+    without a host sync, member r % G held back 20 µs in round r: every round's sum checked on the device
+    (4 elements: one line; 64 KiB: 32 blocks; 4 MiB: 2048 blocks, more than are resident at once, so the
+    last blocks of one rank still read while its peers' next launch writes the other parity)."""
+    from test_tp import LL_STRESS, ll_stress_vars
+
+    if visible_gpus() < n:
+        pytest.skip(f"needs {n} GPUs")
+    run = tray_env.run(tray_env.command(n, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
+                                        *ll_stress_vars(count), backend="cuda") + ["8", "25"], timeout_s=180)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("stress rounds 201 wrong 0") == n, run.output

@@ -74,3 +74,45 @@ def test_ll_allreduce_names_a_member_that_never_sends(tray_env):
     assert run.returncode == 0, run.output
     assert "named [1]: " in run.stdout and "rank 0 waited 0.20 s for rank 1" in run.stdout, run.output
     assert "broken state [1, 2, 0] launches 4" in run.stdout, run.output
+
+
+LL_STRESS = """
+import tray.programs.tp_mlp.twins  # the host twins of the manifest's kernels, registered before init
+from tray.programs.tp_mlp.ll import check_state
+K, R = int(sys.argv[2]), int(sys.argv[3])
+with tray.init() as rank:
+    g = rank.group("world")
+    v = {"count": rank.resolved.vars["count"]}
+    rank.run("ll_stress", v)  # eagerly once (round 0): plans built outside the capture
+    rank.synchronize()
+    graph = rank.backend.capture(lambda: [rank.run("ll_stress", v) for _ in range(K)])
+    try:
+        for _ in range(R):  # no host sync between replays: the ranks drift, member r % G held back each round
+            graph.replay()
+        rank.run("ll_stress_check", v)
+        rank.synchronize()
+    finally:
+        graph.close()
+    check_state([int(w) for w in rank.read("ll_state")], g.name, g.members, g.index,
+                rank.resolved.vars["ll_timeout_ns"])
+    st = rank.read("ll_stress")
+    print(f"stress rounds {int(st[0])} wrong {int(st[1])}")
+    rank.exchange("done", 0)
+"""
+
+
+def ll_stress_vars(count: int) -> list[str]:
+    """Launch arguments of LL_STRESS: buffers for `count` elements, the layer's buffers minimal."""
+    small = [f"max_count={count}", f"count={count}", "max_tokens=1", "tokens=1", "hidden=8", "ffn_local=8",
+             f"ll_max_count={count}"]
+    return [a for v in small for a in ("--var", v)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ll_allreduce_stress_every_round_right(tray_env, n):
+    """Rounds of different inputs through the low-latency slots, replayed from a graph with a skewed member per
+    round: every round's sum checked on every rank (1 eager round + 4 x 5 replayed)."""
+    run = tray_env.run(tray_env.command(n, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
+                                        *ll_stress_vars(1040)) + ["4", "5"], timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("stress rounds 21 wrong 0") == n, run.output

@@ -263,6 +263,9 @@ KERNELS = {
         "tp_ll_allreduce": "const unsigned short* in, unsigned short* out, unsigned long long* const* recv_peers, "
         "unsigned long long* state, long long count, long long max_count, int G, int me, "
         "unsigned long long timeout_ns",
+        "tp_ll_stress_step": "unsigned short* in, const unsigned short* out, unsigned long long* stress, "
+        "long long count, int G, int me",
+        "tp_ll_stress_next": "unsigned long long* stress, int G, int me, unsigned long long skew_ns",
     },
     "peer_stress.cu": {
         "stress_next": "unsigned long long* state",
@@ -1177,3 +1180,41 @@ def test_tp_ll_ticket_gives_every_block_the_launch_number():
             seen.add(total >> 20)
             total += adds[b]
         assert seen == {launch} and total == (launch + 1) << 20
+
+
+def test_tp_ll_stress_kernels_check_each_round_and_advance(emulated):
+    """Round 0 only fills; round 1 checks out against round 0's sum: a right sum counts nothing, one flipped
+    element counts one; next advances the round and the skewed member (r % G) spins until its time is up."""
+    from tray.programs.tp_mlp.twins import ll_stress_values
+
+    G, me, count = 3, 1, 37
+    for kind in ("emu", "twin"):
+        inp, out = np.zeros(count, np.uint16), np.zeros(count, np.uint16)
+        stress = np.zeros(4, np.uint64)
+
+        def step(kind=kind, inp=inp, out=out, stress=stress):
+            args = [ptr(inp), ptr(out), ptr(stress), count, G, me]
+            if kind == "emu":
+                _call(emulated, "tp_ll_stress_step", 2, 8, *args)
+            else:
+                lookup("tp_ll_stress_step")(HostBackend.open(0), (2, 1, 1), (8, 1, 1), *args)
+
+        def advance(kind=kind, stress=stress):
+            if kind == "emu":
+                _call(emulated, "tp_ll_stress_next", 1, 1, ptr(stress), G, me, 3000)
+            else:
+                lookup("tp_ll_stress_next")(HostBackend.open(0), (1, 1, 1), (1, 1, 1), ptr(stress), G, me, 3000)
+
+        step()
+        assert stress.tolist() == [0, 0, 0, 0] and np.array_equal(inp, f32_to_bf16_bits(
+            ll_stress_values(0, me, count).astype(np.float32))), kind
+        sums = sum(ll_stress_values(0, g, count) for g in range(G))
+        out[:] = f32_to_bf16_bits(sums.astype(np.float32))
+        advance()
+        step()
+        assert stress.tolist() == [1, 0, 0, 0], kind
+        out[5] ^= 0x8000
+        step()
+        assert stress.tolist() == [1, 1, 0, 0], kind
+        advance()  # round 1: member 1 (r % G) is skewed
+        assert int(stress[0]) == 2, kind

@@ -138,3 +138,34 @@ def tp_ll_allreduce(backend: Any, grid: Any, block: Any, inp: int, out: int, rec
         slot[:] = 0
     parts = [own_bits if g == me else got[g] for g in range(G)]
     at(out, count, np.uint16)[:] = sum_members_bits(parts)
+
+
+# --- the stress of the low-latency path (tp_ll_stress_step, tp_ll_stress_next) ----------------------------
+def ll_stress_values(r: int, g: int, count: int) -> np.ndarray:
+    """Member g's input of stress round r: int64[count], small integers -8 .. 8."""
+    i = np.arange(count, dtype=np.uint64)
+    return ((np.uint64(r * 131 + g * 31) + i * np.uint64(7)) % np.uint64(17)).astype(np.int64) - 8
+
+
+def _ints_to_bf16_bits(v: np.ndarray) -> np.ndarray:
+    return f32_to_bf16_bits(v.astype(np.float32))
+
+
+@twin("tp_ll_stress_step")
+def tp_ll_stress_step(backend: Any, grid: Any, block: Any, inp: int, out: int, stress: int, count: int, G: int,
+                      me: int) -> None:
+    st = u64_at(stress, 4)
+    r = int(st[0])
+    if r > 0:
+        want = sum(ll_stress_values(r - 1, g, count) for g in range(G))
+        st[1] = int(st[1]) + int(np.count_nonzero(at(out, count, np.uint16) != _ints_to_bf16_bits(want)))
+    at(inp, count, np.uint16)[:] = _ints_to_bf16_bits(ll_stress_values(r, me, count))
+
+
+@twin("tp_ll_stress_next")
+def tp_ll_stress_next(backend: Any, grid: Any, block: Any, stress: int, G: int, me: int, skew_ns: int) -> None:
+    st = u64_at(stress, 4)
+    r = int(st[0])
+    st[0] = r + 1
+    if r % G == me and skew_ns:
+        time.sleep(skew_ns / 1e9)
