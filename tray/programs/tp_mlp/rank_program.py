@@ -6,8 +6,8 @@ outputs of its timed replays: the low-latency one-shot (`ar_ll`, at the sizes up
 ll_sweep_bytes that its receive slots hold: S <= 2 * ll_max_count), the one-shot (`ar_one`) and the
 two-shot (`ar_two`) peer allreduces to the bit against the member-order float32 sum every rank computes
 on the host (and identical on every rank); NCCL's (`ar_nccl`) element by element within bf16 tolerance of
-the float64 sum. `wrong` counts the elements that failed. After the low-latency path's replays its state words are read: a timeout raises
-LLTimeout naming the missing ranks, a refused launch UsageError.
+the float64 sum. `wrong` counts the elements that failed. After the low-latency path's replays its state
+words are read: a timeout raises LLTimeout naming the missing ranks, a refused launch UsageError.
 
 MLP, per token count T: the TP layer (x [T, hidden] replicated, w13 column-split, w2 row-split) through
 the one-shot, the low-latency one-shot (where timed), the two-shot and NCCL. The peer paths must give
