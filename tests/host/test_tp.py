@@ -83,6 +83,9 @@ K, R = int(sys.argv[2]), int(sys.argv[3])
 with tray.init() as rank:
     g = rank.group("world")
     v = {"count": rank.resolved.vars["count"]}
+    for k in ("tp_ll_stress_step", "tp_ll_stress_next", "tp_ll_allreduce"):
+        rank.kernel(k)  # compiled (cuda) before any rank waits for another in the allreduce
+    rank.exchange("compiled", 0)
     rank.run("ll_stress", v)  # eagerly once (round 0): plans built outside the capture
     rank.synchronize()
     graph = rank.backend.capture(lambda: [rank.run("ll_stress", v) for _ in range(K)])
