@@ -15,6 +15,9 @@
 // own `out`; barrier; all-gather: member me writes its range of `out` into every other member's `out`
 // (peer writes); barrier. Moves 2 (G - 1) / G * S bytes per member: the bandwidth path.
 //
+// Low-latency one-shot (`tp_ll_allreduce`, below): one kernel, no barrier; the flags ride in the data.
+// The same sum, the same bytes.
+//
 // The manifest launches these with programmatic stream serialization: a kernel may be scheduled while the
 // barrier before it still waits, and holds in `griddepcontrol.wait` until that barrier has ended and its
 // memory operations are visible (the same guarantee as a kernel boundary, without the launch gap).
