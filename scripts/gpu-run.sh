@@ -140,7 +140,7 @@ for s in "${STAGES[@]}"; do
         # the sweep 8 B .. 64 MiB: low-latency (timed up to 4 MiB), one-shot, two-shot, NCCL; then the layer
         tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait
-        tp-tests) stage tp_tests 300 $PY -m pytest -q -m gpu tests/gpu/test_tp_cuda.py ;;
+        tp-tests) stage tp_tests 540 $PY -m pytest -q -m gpu tests/gpu/test_tp_cuda.py ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" --plot "$OUT/peer_barrier.png" ;;
         launch-cost) stage launch_cost 120 $PY bench/launch_cost.py --json "$OUT/launch_cost.json" ;;
