@@ -106,7 +106,7 @@ with tray.init() as rank:
 
 def ll_stress_vars(count: int) -> list[str]:
     """Launch arguments of LL_STRESS: buffers for `count` elements, the layer's buffers minimal."""
-    small = [f"max_count={count}", f"count={count}", "max_tokens=1", "tokens=1", "hidden=8", "ffn_local=8",
+    small = [f"max_count={max(count, 8)}", f"count={count}", "max_tokens=1", "tokens=1", "hidden=8", "ffn_local=8",
              f"ll_max_count={count}"]
     return [a for v in small for a in ("--var", v)]
 
