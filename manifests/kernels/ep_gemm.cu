@@ -1,12 +1,17 @@
 // ep_gemm: the experts' GEMMs driven by the device's row counts (manifests/ep_moe.json, "experts_masked").
 //
-// One launch computes every local expert: C[e][r][n] = bf16( sum_k A[e][r][k] * B[e][n][k] ) for the
-// rows r < rows[e] the layout put there (ep_layout_scan's expert_rows), every n < N. Tiles of rows at or
+// One launch computes every local expert: C[e][r][n] = bf16( sum_k A_e[r][k] * B[e][n][k] ) for the
+// rows r < rows[e] the layout counted (ep_layout_place's expert_rows), every n < N. Tiles of rows at or
 // beyond rows[e] exit before loading anything, so the capacity a graph must allow costs a block launch per
-// unused tile, not its arithmetic. Row-major A [experts][cap][K], B [experts][N][K] (nn.Linear weights),
-// C [experts][cap][N], bf16 in and out, float32 accumulation on the tensor cores (mma.sync m16n8k16),
-// one round to nearest even at the end (the recipe of ep_math.cu). K % 32 == 0, N % 2 == 0 (the bench
-// checks); partial tiles in M and N are masked.
+// unused tile, not its arithmetic. B [experts][N][K] (nn.Linear weights), C [experts][cap][N], bf16 in and
+// out, float32 accumulation on the tensor cores (mma.sync m16n8k16), one round to nearest even at the end
+// (the recipe of ep_math.cu). K % 32 == 0, N % 2 == 0 (the bench checks); partial tiles in M and N are
+// masked. Where A_e's rows come from is the only difference between the two entries:
+//   ep_masked_gemm         A_e[r] = A[e * cap + r]: a dense [experts][cap][K] operand (the activations)
+//   ep_masked_gemm_gather  A_e[r] = A[a_index[e * cap + r]]: the received rows read in place, through the
+//                          index the layout wrote per expert slot, so no copy into a per-expert slab
+// Every output element is the same sequence of mma over the same K values in both, so the gather's bytes
+// equal the dense kernel's over the slab the index describes.
 //
 // Block: 128 threads = 4 warps in a 2 x 2 grid over a 64 x 128 tile of C; each warp owns 32 x 64 (2 x 8
 // mma tiles of 16 x 8). K advances 32 at a time through a ring of GEMM_STAGES shared-memory stages filled
@@ -80,6 +85,7 @@ __device__ __forceinline__ void gemm_cp_wait() {
 // Rows [row0, row0 + limit) of a [.][K] bf16 matrix, columns k0 .. k0 + 31, into a padded shared tile of
 // `count` * 32 rows: vector v of this thread is tile row (tid + v * 128) / 4, columns 8 * ((tid + v * 128) % 4);
 // rows at or beyond `limit` are zero-filled (their source address stays row0's, which is in bounds).
+// (B's tiles; A's go through gemm_issue_rows, whose rows may come from anywhere.)
 __device__ __forceinline__ void gemm_issue(unsigned short* tile, int count, const uint4* src, long long row0,
                                            int limit, int K, int k0, int tid) {
 #pragma unroll
@@ -89,6 +95,18 @@ __device__ __forceinline__ void gemm_issue(unsigned short* tile, int count, cons
         const int c = (i & 3) * 8;
         const bool valid = r < limit;
         gemm_cp16(tile + r * GEMM_PAD + c, src + ((row0 + (valid ? r : 0)) * K + k0 + c) / 8, valid);
+    }
+}
+
+// A's tile: this thread's GEMM_BM * 4 / GEMM_THREADS = 2 vectors, tile rows (tid / 4) and (tid / 4) + 32,
+// columns 8 * (tid % 4), from row pointers fixed for the whole K loop (src[v]: the row's first vector of
+// this thread's columns; valid[v] false: zero-filled, src[v] still in bounds).
+__device__ __forceinline__ void gemm_issue_rows(unsigned short* tile, const uint4* const* src, const bool* valid,
+                                                int k0, int tid) {
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+        const int r = (tid >> 2) + v * (GEMM_THREADS / 4);
+        gemm_cp16(tile + r * GEMM_PAD + (tid & 3) * 8, src[v] + k0 / 8, valid[v]);
     }
 }
 
@@ -126,20 +144,23 @@ __device__ __forceinline__ void gemm_warp_tile(float (*acc)[8][4], const unsigne
 }
 
 // masked_gemm: see the top of this file.
-//   A     [experts][cap][K] bf16       (the expert slab, or the activations)
-//   B     [experts][N][K] bf16         (the experts' weights)
-//   C     [experts][cap][N] bf16
-//   rows  [experts] i32                rows present per expert (<= cap)
+//   A        [.][K] bf16          the received rows (a_index given) or [experts][cap][K] (a_index null)
+//   a_index  [experts][cap] i32   row of A for each slot r < rows[e] (ep_layout_place's slot_src), or null;
+//                                 slots at or beyond rows[e] are never read
+//   B        [experts][N][K] bf16 (the experts' weights)
+//   C        [experts][cap][N] bf16
+//   rows     [experts] i32        rows present per expert (<= cap)
 //   N = n * n_factor (a manifest passes vars, not expressions: w13 has 2 * ffn rows)
 // grid (ceil(N / 128), ceil(cap / 64), experts), block 128.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const uint4* __restrict__ A,
-                                                                         const uint4* __restrict__ B,
-                                                                         unsigned int* __restrict__ C,
-                                                                         const int* __restrict__ rows,
-                                                                         int cap,
-                                                                         int n,
-                                                                         int n_factor,
-                                                                         int K) {
+__device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
+                                            const int* __restrict__ a_index,
+                                            const uint4* __restrict__ B,
+                                            unsigned int* __restrict__ C,
+                                            const int* __restrict__ rows,
+                                            int cap,
+                                            int n,
+                                            int n_factor,
+                                            int K) {
     const int N = n * n_factor;
     const int e = blockIdx.z;
     const int m0 = blockIdx.y * GEMM_BM;
@@ -155,9 +176,21 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
     const int warp = tid >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const long long a_row0 = (long long)e * cap + m0;
+    const long long a_slot0 = (long long)e * cap + m0;
     const long long b_row0 = (long long)e * N + n0;
     const int a_limit = present - m0;
+    // This thread's A rows, once: a slot past the rows present keeps an in-bounds address (A's row 0 when
+    // gathering, the tile's first row otherwise) and copies nothing.
+    const uint4* a_src[2];
+    bool a_valid[2];
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+        const int r = (tid >> 2) + v * (GEMM_THREADS / 4);
+        a_valid[v] = r < a_limit;
+        const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
+                                      : a_slot0 + (a_valid[v] ? r : 0);
+        a_src[v] = A + (row * K + (tid & 3) * 8) / 8;
+    }
     const int b_limit = N - n0;
     const int k_tiles = K / GEMM_BK;
     // The warps' share of the 64 x 128 tile follows the rows present (block-uniform), so an expert with a
@@ -186,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; ++s) {
         if (s < k_tiles) {
-            gemm_issue(As[s], 2, A, a_row0, a_limit, K, s * GEMM_BK, tid);
+            gemm_issue_rows(As[s], a_src, a_valid, s * GEMM_BK, tid);
             gemm_issue(Bs[s], 4, B, b_row0, b_limit, K, s * GEMM_BK, tid);
         }
         gemm_cp_commit();
@@ -197,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
         const int next = kt + GEMM_STAGES - 1;
         if (next < k_tiles) {
             const int s = next % GEMM_STAGES;
-            gemm_issue(As[s], 2, A, a_row0, a_limit, K, next * GEMM_BK, tid);
+            gemm_issue_rows(As[s], a_src, a_valid, next * GEMM_BK, tid);
             gemm_issue(Bs[s], 4, B, b_row0, b_limit, K, next * GEMM_BK, tid);
         }
         gemm_cp_commit();
@@ -230,4 +263,27 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const 
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm(const uint4* __restrict__ A,
+                                                                         const uint4* __restrict__ B,
+                                                                         unsigned int* __restrict__ C,
+                                                                         const int* __restrict__ rows,
+                                                                         int cap,
+                                                                         int n,
+                                                                         int n_factor,
+                                                                         int K) {
+    masked_gemm(A, 0, B, C, rows, cap, n, n_factor, K);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) ep_masked_gemm_gather(const uint4* __restrict__ A,
+                                                                                const int* __restrict__ a_index,
+                                                                                const uint4* __restrict__ B,
+                                                                                unsigned int* __restrict__ C,
+                                                                                const int* __restrict__ rows,
+                                                                                int cap,
+                                                                                int n,
+                                                                                int n_factor,
+                                                                                int K) {
+    masked_gemm(A, a_index, B, C, rows, cap, n, n_factor, K);
 }

@@ -8,8 +8,11 @@
 //               expert) pair lands: counts per chunk of routing words, a prefix over chunks, positions in
 //               global token order (source rank, then token); pairs beyond an expert's capacity are
 //               dropped and counted in err (never silently)
-//   fanout      received rows are copied into the expert slab [local expert][cap][hidden]
-//   experts     GEMMs per local expert (cuBLAS, cap rows)
+//               and, per expert slot, which received row it holds (slot_src)
+//   experts     GEMMs per local expert over the rows the layout counted, reading the received rows in
+//               place through slot_src (ep_gemm.cu's ep_masked_gemm_gather); the cuBLAS baseline instead
+//               runs the fanout (received rows copied into the expert slab [local expert][cap][hidden])
+//               and a GEMM per expert over all cap rows of it
 //   combine     for every received token and every reduction group held here, the weighted sum of its
 //               expert outputs in that group (top-k slot order, float32, one bf16 rounding) goes back
 //               as one row to the origin: comb[group][token]; barrier
@@ -215,6 +218,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch(const uint4* __res
 //   hist         [chunks][experts / G] i32, chunks = ceil(G * tokens * topk / LAYOUT_CHUNK)
 //   route_row    [G * tokens][topk] i32   el * cap + position for a pair of local expert el at position
 //                                         < cap; -1 for another rank's expert, NO_EXPERT, or a dropped pair
+//   slot_src     [experts / G][cap] i32   the inverse: for the slot el * cap + position of every pair kept,
+//                                         the received row (source * tokens + token) it holds; slots at or
+//                                         beyond expert_rows[el] are left as they were (never read)
 //   expert_rows  [experts / G] i32        min(pairs, cap)
 //   err          u32[4] local: pairs beyond cap are dropped: err[0] |= 2, err[2] += dropped; more than
 //                LAYOUT_MAX_LOCAL experts per rank (the host refuses it): err[0] |= 8 and nothing is laid out
@@ -265,6 +271,7 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ep_layout_count(con
 extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ep_layout_place(const unsigned int* __restrict__ meta,
                                                                             const int* __restrict__ hist,
                                                                             int* __restrict__ route_row,
+                                                                            int* __restrict__ slot_src,
                                                                             int* __restrict__ expert_rows,
                                                                             unsigned int* err,
                                                                             int tokens,
@@ -327,14 +334,19 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS) ep_layout_place(con
             first_pos = __shfl_sync(0xFFFFFFFFu, first_pos, leader);
             if (valid) {
                 const int pos = first_pos + __popc(peers & ((1u << lane) - 1u));
-                route_row[w] = mine && pos < cap ? (int)(e - lo) * cap + pos : -1;
+                const bool kept = mine && pos < cap;
+                route_row[w] = kept ? (int)(e - lo) * cap + pos : -1;
+                if (kept) {
+                    slot_src[(int)(e - lo) * cap + pos] = (int)(w / topk);
+                }
             }
         }
         __syncthreads();  // base is rewritten for the next chunk
     }
 }
 
-// fanout: every received row goes to the slab rows of its local experts (a local copy).
+// fanout: every received row goes to the slab rows of its local experts (a local copy): only for the
+// cuBLAS baseline's dense per-expert GEMMs; the masked GEMMs read recv in place through slot_src.
 //   recv       [G * tokens][hidden] bf16      received rows (global token order)
 //   route_row  [G * tokens][topk] i32         from the layout
 //   slab       [local * cap][hidden] bf16
@@ -496,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Low-latency mode: one kernel per direction (small batches). ep_dispatch_ll is dispatch + layout + fanout,
+// Low-latency mode: one kernel per direction (small batches). ep_dispatch_ll is dispatch + layout (+ fanout),
 // ep_combine_ll is combine + reduce, with device-side flags where the standard path has kernel boundaries
 // and peer barriers. They write the same bytes as the standard kernels (the same device functions, the
 // same layout order, the same reduction order), so outputs stay byte-identical to EP1.
@@ -526,7 +538,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 //   the kernel goes on (its output is then wrong, and the err check says so) instead of hanging.
 // - Reuse of the receive buffers across launches: a member writes this rank's recv/meta for launch e + 1
 //   only after its own combine of launch e got every member's combine rows, which each member sends only
-//   after its dispatch of launch e ended (stream order); comb likewise. (Timing one direction alone
+//   after its dispatch and its expert GEMMs (which read recv in place) of launch e ended (stream order);
+//   comb likewise. (Timing one direction alone
 //   back to back overlaps a launch's writes with the previous launch's reads of the same bytes; the
 //   bytes are equal, and the outputs are checked on whole layers.)
 // Buffers written by peers during the kernel (meta, recv, comb) are read through plain pointers (no
@@ -609,10 +622,13 @@ __device__ __forceinline__ void wait_members(const unsigned long long* flags, un
 }
 
 // dispatch_ll: ep_dispatch, then (after every member's rows and routing arrived) the layout of ep_layout_*
-// and the fanout of ep_fanout, in one kernel. Arguments as those kernels', plus
+// (route_row, slot_src, expert_rows, err), and with a slab (the cuBLAS baseline) the fanout of ep_fanout,
+// in one kernel. Arguments as those kernels', plus
 //   flag_peers  u64[G]: member g's ll_flags;  flags: this rank's ll_flags (u64[2 * G])
 //   state       u64[2] local (ll_state);       grid_counter: u32 local (ll_grid[0])
 //   meta, recv  this rank's receive buffers (what meta_peers / recv_peers map at index me)
+//   slab        null: no fanout (the masked GEMMs gather through slot_src), and the kernel ends after the
+//               layout (one grid barrier); else the fanout follows a second grid barrier
 // Layout: block b lays out local experts b, b + gridDim.x, ...: it walks the G * tokens * topk words in
 // rounds of blockDim.x (one word a thread), and numbers its expert's pairs by a block-wide prefix of
 // per-warp ballots, round after round: global order (source, token, top-k slot), as ep_layout_place.
@@ -630,6 +646,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
                                                                 const unsigned int* meta,
                                                                 const uint4* recv,
                                                                 int* route_row,
+                                                                int* slot_src,
                                                                 int* expert_rows,
                                                                 unsigned char* slab,
                                                                 unsigned int* err,
@@ -692,6 +709,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
             if (hit) {
                 const int pos = before + __popc(ballot & ((1u << lane) - 1u));
                 route_row[w] = pos < cap ? el * cap + pos : -1;
+                if (pos < cap) {
+                    slot_src[el * cap + pos] = (int)(w / topk);
+                }
             }
             run = total;
             __syncthreads();  // wcount is rewritten by the next round
@@ -703,6 +723,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
                 atomicAdd(&err[2], (unsigned int)(run - cap));
             }
         }
+    }
+    if (!slab) {
+        return;  // the kernel boundary publishes the layout to the expert GEMMs
     }
     grid_sync(grid_counter, err);  // route_row is whole
 

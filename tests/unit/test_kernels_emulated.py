@@ -233,14 +233,14 @@ KERNELS = {
         "unsigned int* const* mp, unsigned char* send, unsigned int* sm, unsigned int* err, int tokens, "
         "int topk, int hidden, int experts, int G, int me",
         "ep_layout_count": "const unsigned int* meta, int* hist, int tokens, int topk, int experts, int G, int me",
-        "ep_layout_place": "const unsigned int* meta, const int* hist, int* rr, int* er, unsigned int* err, "
+        "ep_layout_place": "const unsigned int* meta, const int* hist, int* rr, int* ss, int* er, unsigned int* err, "
         "int tokens, int topk, int experts, int G, int me, int cap",
         "ep_fanout": "const uint4* recv, const int* rr, unsigned char* slab, int tokens, int topk, int hidden, int G",
         "ep_combine": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
         "unsigned char* send, int tokens, int topk, int hidden, int experts, int G, int me, int groups",
         "ep_dispatch_ll": "const uint4* x, const int* ti, const unsigned short* tw, unsigned char* const* rp, "
         "unsigned int* const* mp, unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, "
-        "unsigned int* gc, const unsigned int* meta, const uint4* recv, int* rr, int* er, unsigned char* slab, "
+        "unsigned int* gc, const unsigned int* meta, const uint4* recv, int* rr, int* ss, int* er, unsigned char* slab, "
         "unsigned int* err, int tokens, int topk, int hidden, int experts, int G, int me, int cap",
         "ep_combine_ll": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
         "unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, unsigned int* gc, "
@@ -283,12 +283,14 @@ _SILU_ROWS = "const uint4* h13, uint4* act, const int* rows, int all_experts, in
 KERNELS["ep_math.cu"]["ep_silu_mul_rows"] = _SILU_ROWS
 KERNELS["ep_gemm.cu"] = {
     "ep_masked_gemm": "const uint4* A, const uint4* B, unsigned int* C, const int* rows, int cap, int n, int n_factor, "
-    "int K"
+    "int K",
+    "ep_masked_gemm_gather": "const uint4* A, const int* a_index, const uint4* B, unsigned int* C, const int* rows, "
+    "int cap, int n, int n_factor, int K",
 }
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
-COOP = {"ep_layout_count", "ep_layout_place", "ep_dispatch_ll", "ep_combine_ll", "ep_masked_gemm", "stress_produce",
-        "peer_barrier", "tp_ll_allreduce"}
+COOP = {"ep_layout_count", "ep_layout_place", "ep_dispatch_ll", "ep_combine_ll", "ep_masked_gemm",
+        "ep_masked_gemm_gather", "stress_produce", "peer_barrier", "tp_ll_allreduce"}
 # inline PTX has no CPU meaning: the clock read becomes the shim's clock, the barrier's sys-scope loads and
 # stores plain volatile ones (one thread runs at a time here: ordering is the GPU's to check, not this test's)
 PTX_ON_CPU = {
@@ -463,10 +465,10 @@ def tables(a, names):
 
 def layout_both(emulated, meta, T, K, E, G, me, cap, grid, block, arrays):
     """ep_layout_count then ep_layout_place, emulated and twin, each compared; returns the emulated arrays
-    (rr, er, err, hist)."""
+    (rr, ss, er, err, hist). slot_src (ss) starts at -1: the slots of no pair kept must stay so."""
     L = E // G
     chunks = -(-G * T * K // ep_twins.LAYOUT_CHUNK)
-    arrays = {**arrays, "hist": np.full((chunks, L), -5, np.int32)}
+    arrays = {**arrays, "hist": np.full((chunks, L), -5, np.int32), "ss": np.full(L * cap, -1, np.int32)}
     c, t = both(
         emulated, "ep_layout_count", grid, block,
         lambda a: [ptr(a["meta"]), ptr(a["hist"]), T, K, E, G, me], arrays,
@@ -475,12 +477,26 @@ def layout_both(emulated, meta, T, K, E, G, me, cap, grid, block, arrays):
     assert np.array_equal(c["hist"], ep_twins.layout_hist(meta, me * L, L))
     c, t = both(
         emulated, "ep_layout_place", grid, block,
-        lambda a: [ptr(a["meta"]), ptr(a["hist"]), ptr(a["rr"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, me, cap],
+        lambda a: [ptr(a["meta"]), ptr(a["hist"]), ptr(a["rr"]), ptr(a["ss"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G,
+                   me, cap],
         {**arrays, "hist": c["hist"]},
     )
-    for k in ("rr", "er", "err"):
+    for k in ("rr", "ss", "er", "err"):
         assert np.array_equal(c[k], t[k]), k
+    assert_slots_invert_rows(c["ss"], c["rr"], c["er"], K, cap)
     return c
+
+
+def assert_slots_invert_rows(ss, rr, er, K, cap):
+    """slot_src is route_row's inverse: slot el * cap + p (p < expert_rows[el]) holds the received row of the
+    pair placed there, every other slot is untouched (-1)."""
+    rows = rr.reshape(-1)
+    want = np.full(ss.size, -1, np.int64)
+    kept = np.flatnonzero(rows >= 0)
+    want[rows[kept]] = kept // K
+    assert np.array_equal(ss, want)
+    filled = (np.arange(cap)[None, :] < er[:, None]).reshape(-1)
+    assert (ss[filled] >= 0).all() and (ss[~filled] == -1).all()
 
 
 # 2400 routing words: three chunks, the last partial; grids of one block (it walks every chunk) and of
@@ -594,7 +610,7 @@ def test_dispatch_layout_fanout_combine(emulated, H, grid, block):
             "er": np.zeros(L, np.int32),
             "err": np.zeros(4, np.uint32),
         }
-        c = layout_both(emulated, meta[me], T, K, E, G, me, cap, grid, block, arrays)
+        c = layout = layout_both(emulated, meta[me], T, K, E, G, me, cap, grid, block, arrays)
         want_rows, totals = route_rows(meta[me], me * L, L, cap)
         assert np.array_equal(c["rr"], want_rows) and c["er"].tolist() == np.minimum(totals, cap).tolist()
         assert c["err"][2] == np.maximum(totals - cap, 0).sum() and (c["err"][0] == 2) == (totals > cap).any()
@@ -604,6 +620,9 @@ def test_dispatch_layout_fanout_combine(emulated, H, grid, block):
             emulated, "ep_fanout", 2, 64, lambda a: [ptr(a["recv"]), ptr(a["rr"]), ptr(a["slab"]), T, K, H, G], arrays
         )
         assert np.array_equal(c["slab"], t["slab"]) and c["slab"].any()
+        # what the fanout copies into slot s is received row slot_src[s]: the gather GEMM's rows
+        ss = layout["ss"]
+        assert np.array_equal(c["slab"][ss >= 0], recv[me][ss[ss >= 0]])
 
         y = bf16_wide(rng, (L * cap, H))
         arrays = {
@@ -657,13 +676,14 @@ def test_dispatch_layout_fanout_combine(emulated, H, grid, block):
     assert not c["d1"].any() and c["d0"][T : 2 * T].any() and c["d2"][T : 2 * T].any()
 
 
-def ll_dispatch_args(me, G, T, K, H, E, cap):
+def ll_dispatch_args(me, G, T, K, H, E, cap, fanout=True):
+    """ep_dispatch_ll's arguments; fanout False passes no slab (the masked GEMMs' dispatch)."""
     def args(a):
         a["rp"], a["mp"] = tables(a, [f"recv{g}" for g in range(G)]), tables(a, [f"meta{g}" for g in range(G)])
         a["fp"] = tables(a, [f"flags{g}" for g in range(G)])
         return [ptr(a["x"]), ptr(a["ti"]), ptr(a["tw"]), ptr(a["rp"]), ptr(a["mp"]), ptr(a["fp"]), ptr(a[f"flags{me}"]),
-                ptr(a["state"]), ptr(a["gc"]), ptr(a[f"meta{me}"]), ptr(a[f"recv{me}"]), ptr(a["rr"]), ptr(a["er"]),
-                ptr(a["slab"]), ptr(a["err"]), T, K, H, E, G, me, cap]
+                ptr(a["state"]), ptr(a["gc"]), ptr(a[f"meta{me}"]), ptr(a[f"recv{me}"]), ptr(a["rr"]), ptr(a["ss"]),
+                ptr(a["er"]), ptr(a["slab"]) if fanout else 0, ptr(a["err"]), T, K, H, E, G, me, cap]
     return args
 
 
@@ -682,10 +702,12 @@ def assert_same(c, t, skip=("rp", "mp", "fp", "cp")):
             assert np.array_equal(c[k], t[k]), k
 
 
-def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated):
+@pytest.mark.parametrize("fanout", [True, False])
+def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated, fanout):
     """EP1 shape (G 1: the rank sends to itself, announces to itself), one block (the grid barrier's
     single arrival flips it): dispatch_ll and combine_ll write what the standard kernels' twins write,
-    epochs advance by one per launch, the grid counter comes back to where it was."""
+    epochs advance by one per launch, the grid counter flips once per grid barrier (two with the fanout,
+    one without: then the slab is never written)."""
     rng = np.random.default_rng(3)
     G, T, K, E, R, H = 1, 40, 3, 8, 2, 1040
     L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
@@ -695,18 +717,23 @@ def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(e
         "x": bf16_random(rng, (T, H)), "ti": idx, "tw": bf16_random(rng, (T, K)),
         "recv0": np.zeros((T, H), np.uint16), "meta0": np.zeros((T, K), np.uint32),
         "flags0": np.zeros(2 * G, np.uint64), "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
-        "rr": np.full((T, K), 7, np.int32), "er": np.zeros(L, np.int32), "slab": np.zeros((L * cap, H), np.uint16),
-        "err": np.zeros(4, np.uint32),
+        "rr": np.full((T, K), 7, np.int32), "ss": np.full(L * cap, -1, np.int32), "er": np.zeros(L, np.int32),
+        "slab": np.zeros((L * cap, H), np.uint16), "err": np.zeros(4, np.uint32),
     }
     for launch in (1, 2):
         arrays["err"][:] = 0
-        c, t = both(emulated, "ep_dispatch_ll", 1, 64, ll_dispatch_args(0, G, T, K, H, E, cap), arrays)
+        c, t = both(emulated, "ep_dispatch_ll", 1, 64, ll_dispatch_args(0, G, T, K, H, E, cap, fanout), arrays)
         assert_same(c, t)
         want_rows, totals = route_rows(c["meta0"], 0, L, cap)
         assert np.array_equal(c["rr"], want_rows) and c["er"].tolist() == np.minimum(totals, cap).tolist()
+        assert_slots_invert_rows(c["ss"], c["rr"], c["er"], K, cap)
         assert c["err"].tolist() == [3, 1, int(np.maximum(totals - cap, 0).sum()), 0]
-        assert c["state"].tolist() == [launch, 0] and c["flags0"].tolist() == [launch, 0] and c["gc"][0] == 0
-        assert c["slab"].any()
+        assert c["state"].tolist() == [launch, 0] and c["flags0"].tolist() == [launch, 0]
+        assert c["gc"][0] == (0 if fanout or launch == 2 else 0x80000000)
+        filled = c["ss"] >= 0
+        assert c["slab"].any() == fanout and c["slab"][~filled].sum() == 0
+        if fanout:
+            assert np.array_equal(c["slab"][filled], c["recv0"][c["ss"][filled]])
         arrays = {k: v for k, v in c.items() if k not in ("rp", "mp", "fp")}
     comb = {
         "y": bf16_wide(rng, (L * cap, H)), "meta": c["meta0"], "rr": c["rr"], "comb0": np.zeros((R * T, H), np.uint16),
@@ -746,8 +773,8 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     arrays = {
         "x": xs[0], "ti": idx[0], "tw": ws[0], "recv0": recv[0], "recv1": recv[1], "meta0": meta[0], "meta1": meta[1],
         "flags0": flags[0], "flags1": flags[1], "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
-        "rr": np.full((G * T, K), 7, np.int32), "er": np.zeros(L, np.int32), "slab": np.zeros((L * cap, H), np.uint16),
-        "err": np.zeros(4, np.uint32),
+        "rr": np.full((G * T, K), 7, np.int32), "ss": np.full(L * cap, -1, np.int32), "er": np.zeros(L, np.int32),
+        "slab": np.zeros((L * cap, H), np.uint16), "err": np.zeros(4, np.uint32),
     }
     c, t = both(emulated, "ep_dispatch_ll", 1, 64, ll_dispatch_args(0, G, T, K, H, E, cap), arrays)
     assert_same(c, t)
@@ -784,8 +811,8 @@ def test_low_latency_kernels_name_a_silent_peer_and_end(emulated):
         "recv1": np.zeros((G * T, H), np.uint16), "meta0": np.zeros((G * T, K), np.uint32),
         "meta1": np.zeros((G * T, K), np.uint32), "flags0": np.zeros(2 * G, np.uint64),
         "flags1": np.zeros(2 * G, np.uint64), "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
-        "rr": np.zeros((G * T, K), np.int32), "er": np.zeros(L, np.int32), "slab": np.zeros((L * cap, H), np.uint16),
-        "err": np.zeros(4, np.uint32),
+        "rr": np.zeros((G * T, K), np.int32), "ss": np.zeros(L * cap, np.int32), "er": np.zeros(L, np.int32),
+        "slab": np.zeros((L * cap, H), np.uint16), "err": np.zeros(4, np.uint32),
     }
     c = emulate(emulated, "ep_dispatch_ll", 1, 32, ll_dispatch_args(0, G, T, K, H, E, cap), arrays)
     # (the layout then counts the peer's never-written block too: whatever it reports besides is moot)
@@ -901,8 +928,10 @@ def test_a_wrong_position_is_caught(emulated, monkeypatch):
     """The comparison can fail: a layout twin that swaps the first two pairs of an expert differs."""
     original = lookup("ep_layout_place")
 
-    def swapped(backend, grid, block, meta, hist, route_row, expert_rows, err, tokens, topk, experts, G, me, cap):
-        original(backend, grid, block, meta, hist, route_row, expert_rows, err, tokens, topk, experts, G, me, cap)
+    def swapped(backend, grid, block, meta, hist, route_row, slot_src, expert_rows, err, tokens, topk, experts, G, me,
+                cap):
+        original(backend, grid, block, meta, hist, route_row, slot_src, expert_rows, err, tokens, topk, experts, G, me,
+                 cap)
         rows = np.ctypeslib.as_array((ctypes.c_int32 * (G * tokens * topk)).from_address(route_row))
         first = np.flatnonzero((rows >= 0) & (rows < cap))[:2]  # expert 0's first two pairs
         rows[first] = rows[first[::-1]]
@@ -914,6 +943,7 @@ def test_a_wrong_position_is_caught(emulated, monkeypatch):
     arrays = {
         "meta": meta,
         "rr": np.zeros((T, K), np.int32),
+        "ss": np.zeros(E * cap, np.int32),
         "er": np.zeros(E, np.int32),
         "err": np.zeros(4, np.uint32),
         "hist": ep_twins.layout_hist(meta, 0, E),
@@ -923,7 +953,8 @@ def test_a_wrong_position_is_caught(emulated, monkeypatch):
         "ep_layout_place",
         2,
         32,
-        lambda a: [ptr(a["meta"]), ptr(a["hist"]), ptr(a["rr"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, 0, cap],
+        lambda a: [ptr(a["meta"]), ptr(a["hist"]), ptr(a["rr"]), ptr(a["ss"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, 0,
+                   cap],
         arrays,
     )
     assert not np.array_equal(c["rr"], t["rr"])
@@ -979,6 +1010,54 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     for e in range(L):
         filled[e * cap : e * cap + rows[e]] = True
     assert c["act"][filled].any() and not c["act"][~filled].any()
+
+
+def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None):
+    """The emulated ep_masked_gemm (a_index None) or ep_masked_gemm_gather over experts = rows.size."""
+    name = "ep_masked_gemm" if a_index is None else "ep_masked_gemm_gather"
+    fn = getattr(emulated, f"run3_{name}")
+    pointers = [a, b, c, rows] if a_index is None else [a, a_index, b, c, rows]
+    fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p] * len(pointers) + [ctypes.c_int] * 4
+    fn(-(-n * n_factor // 128), -(-cap // 64), rows.size, 128, *[ptr(x) for x in pointers], cap, n, n_factor, K)
+
+
+def test_masked_gemm_gather_reads_each_slot_from_the_row_its_index_names(emulated):
+    """The gather GEMM over received rows and a slot index (shuffled, repeated: a token used by several
+    experts, or twice) writes the dense GEMM's bytes over the slab the index describes, emulated and twin;
+    the slots at or beyond an expert's rows hold -1 and are never read. The same rows read without the
+    index (A[e * cap + r], what a kernel ignoring it would do) give other bytes, so the index is tested."""
+    rng = np.random.default_rng(6)
+    L, cap, n, n_factor, K = 5, 70, 68, 2, 160
+    N = n * n_factor
+    rows = np.array([70, 5, 0, 27, 38], np.int32)
+    recv = bf16_random(rng, (L * cap + 9, K))  # more rows than slots: an ignored index still reads in bounds
+    index = np.full(L * cap, -1, np.int32)
+    slab = np.zeros((L * cap, K), np.uint16)
+    for e in range(L):
+        src = rng.integers(0, recv.shape[0], rows[e]).astype(np.int32)
+        src[: rows[e] // 4] = src[rows[e] // 4 : 2 * (rows[e] // 4)]  # some rows twice in one expert
+        index[e * cap : e * cap + rows[e]] = src
+        slab[e * cap : e * cap + rows[e]] = recv[src]
+    b = bf16_random(rng, (L * N, K))
+    poison = np.full((L * cap, N), 0x7FC0, np.uint16)
+    dense, gathered, ignored = poison.copy(), poison.copy(), poison.copy()
+    run_masked_gemm(emulated, slab, b, dense, rows, cap, n, n_factor, K)
+    run_masked_gemm(emulated, recv, b, gathered, rows, cap, n, n_factor, K, a_index=index)
+    run_masked_gemm(emulated, recv, b, ignored, rows, cap, n, n_factor, K)
+    assert np.array_equal(gathered, dense)
+    kept = np.flatnonzero(index >= 0)
+    assert not (gathered[kept] == ignored[kept]).all(axis=1).any()  # every row present differs
+    assert (gathered[index < 0] == 0x7FC0).all()
+    grid, block = (-(-N // 128), -(-cap // 64), L), (128, 1, 1)
+    twin_dense, twin_gathered = poison.copy(), poison.copy()
+    lookup("ep_masked_gemm")(None, grid, block, ptr(slab), ptr(b), ptr(twin_dense), ptr(rows), cap, n, n_factor, K)
+    lookup("ep_masked_gemm_gather")(
+        None, grid, block, ptr(recv), ptr(index), ptr(b), ptr(twin_gathered), ptr(rows), cap, n, n_factor, K
+    )
+    assert np.array_equal(twin_gathered, twin_dense)
+    f32 = ep_twins.bf16_bits_to_f32
+    x, y = f32(gathered[kept]).astype(np.float64), f32(twin_gathered[kept]).astype(np.float64)
+    assert (np.abs(x - y) <= 2**-7 * np.abs(y) + 1e-6).all()  # the twin sums in another order
 
 
 def _call(emulated, name, grid, block, *args):

@@ -17,15 +17,18 @@ covering every expert, the layout's reports, no NaN. Exit 1 if a check fails.
 
 What each figure (µs, captured graph replays, median, slowest rank) includes:
   dispatch       dispatch kernel (routing words to every rank, each token once per destination rank) +
-                 peer barrier + layout (counts and positions per expert) + fanout into the expert slab:
-                 everything between the router's output and the experts
-  dispatch_send  the dispatch kernel + barrier alone; layout, fanout: those kernels alone
+                 peer barrier + layout (counts and positions per expert, and which received row each expert
+                 slot holds) [+ fanout into the expert slab, cublas only]: everything between the router's
+                 output and the experts
+  dispatch_send  the dispatch kernel + barrier alone; layout, fanout: those kernels alone (fanout: cublas
+                 only; the masked GEMMs read the received rows in place, there is nothing to copy)
   experts        gate/up GEMM, SiLU*up, down GEMM of every local expert (masked: one launch each over the
-                 rows the layout counted; cublas: one cuBLAS GEMM per expert over all cap rows)
+                 rows the layout counted, the gate/up GEMM gathering its rows from the receive buffer;
+                 cublas: one cuBLAS GEMM per expert over all cap rows of the slab)
   combine        the combine kernel (a token's local expert outputs summed, one row per (token, rank) to its
                  origin) + peer barrier;  reduce: the origin's sum over ranks
   layer          all of the above in one graph
-  dispatch_ll, combine_ll, layer_ll   the low-latency mode: dispatch + layout + fanout in one kernel, and
+  dispatch_ll, combine_ll, layer_ll   the low-latency mode: dispatch + layout (+ fanout) in one kernel, and
                  combine + reduce in one kernel, synchronised by device flags (no peer barrier, no kernel
                  boundary between the steps); layer_ll = dispatch_ll + experts + combine_ll. Its outputs are
                  checked against EP1 byte for byte like the others (EP1 runs the mode too)
@@ -60,6 +63,8 @@ MANIFEST = "ep_moe"  # built-in (package data), see tray.manifest.builtin
 REF_TOLERANCE = 2e-2
 PEER_PHASES = ("dispatch", "dispatch_send", "layout", "fanout", "experts", "combine", "reduce", "layer",
                "dispatch_ll", "combine_ll", "layer_ll")
+# phases only some expert paths have: the fanout exists for the cuBLAS GEMMs' dense slab alone
+PHASE_GEMMS = {"fanout": ("cublas",)}
 # the paths whose outputs are compared with EP1 byte for byte ("ll": the peer path's low-latency mode)
 PATHS = ("peer", "ll", "nccl")
 NCCL_PHASES = {
@@ -139,6 +144,11 @@ def validate(a: EpBenchArgs) -> None:
     for b in a.budgets:
         if b != "all" and not (b.isdigit() and int(b) >= 1):
             raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
+
+
+def peer_phases(gemm: str) -> tuple[str, ...]:
+    """The peer path's (and EP1's) timed phases with expert GEMMs `gemm` ("masked" | "cublas")."""
+    return tuple(p for p in PEER_PHASES if gemm in PHASE_GEMMS.get(p, (gemm,)))
 
 
 def label_of(routing: str, tokens: int) -> str:
@@ -325,12 +335,13 @@ def summarize(
         T = f["tokens_per_rank"]
         e1 = ep1["runs"][i]
         us: dict[str, Any] = {}
+        phases = peer_phases(a.gemm)
         for j, b in enumerate(budgets):
             key = "peer" if j == 0 else f"peer_{b}"
-            us[key] = {p: _slowest(per_rank, i, b, p) for p in PEER_PHASES}
+            us[key] = {p: _slowest(per_rank, i, b, p) for p in phases}
         us["nccl"] = {p: _slowest(per_rank, i, budgets[0], k) for p, k in NCCL_PHASES.items()}
         e1_us = e1["us"][next(iter(e1["us"]))]
-        us["ep1"] = {p: e1_us[p] for p in PEER_PHASES}
+        us["ep1"] = {p: e1_us[p] for p in phases}
         us["ceiling_kernel"] = _slowest(per_rank, i, budgets[0], "ceiling")
         us["ceiling_ce"] = _slowest(per_rank, i, budgets[0], "ceiling_ce")
         row = 2 * H

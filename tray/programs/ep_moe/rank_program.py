@@ -44,7 +44,7 @@ MOVE_THREADS = 512
 # the program of a whole layer on each path ("ll": the low-latency mode, one kernel per direction)
 LAYER_OF = {"peer": "layer", "ll": "layer_ll", "nccl": "layer_nccl"}
 # the kernels of the device-count-driven expert phase (--gemm masked)
-MASKED_KERNELS = ("ep_masked_gemm", "ep_silu_mul_rows")
+MASKED_KERNELS = ("ep_masked_gemm", "ep_masked_gemm_gather", "ep_silu_mul_rows")
 
 
 def nan_rows(bits: np.ndarray) -> int:
@@ -131,28 +131,35 @@ class MoeRank:
         self.backend.synchronize()
 
     def programs(self, v: dict[str, int]) -> dict[str, Steps]:
-        """name -> programs, for the run vars `v` (tokens, cap, blocks, threads)."""
-        if self.cfg["gemm"] == "masked":
+        """name -> programs, for the run vars `v` (tokens, cap, blocks, threads). With --gemm masked the
+        experts read the received rows in place (the layout's slot_src), so nothing is copied between the
+        layout and them; --gemm cublas runs dense per-expert GEMMs over the slab the fanout fills, and its
+        dispatch figures include the fanout ("fanout": that kernel alone)."""
+        masked = self.cfg["gemm"] == "masked"
+        if masked:
             experts: Steps = [("experts_masked", v)]
+            fanout: Steps = []
         else:
             experts = [("expert", {**v, "e": e}) for e in range(self.local)]
-        arrive: Steps = [("dispatch", v), ("layout", v), ("fanout", v)]
+            fanout = [("fanout", v)]
+        dispatch_ll: Steps = [("dispatch_ll" if masked else "dispatch_ll_fanout", v)]
+        arrive: Steps = [("dispatch", v), ("layout", v), *fanout]
         out = {
             "dispatch": arrive,
             "dispatch_send": [("dispatch", v)],
             "layout": [("layout", v)],
-            "fanout": [("fanout", v)],
+            **({} if masked else {"fanout": fanout}),
             "experts": experts,
             "combine": [("combine", v)],
             "reduce": [("reduce", v)],
             "layer": [*arrive, *experts, ("combine", v), ("reduce", v)],
             # the low-latency mode: one kernel per direction, the same bytes
-            "dispatch_ll": [("dispatch_ll", v)],
+            "dispatch_ll": dispatch_ll,
             "combine_ll": [("combine_ll", v)],
-            "layer_ll": [("dispatch_ll", v), *experts, ("combine_ll", v)],
+            "layer_ll": [*dispatch_ll, *experts, ("combine_ll", v)],
         }
         if not self.ep1:
-            arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), ("fanout", v)]
+            arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), *fanout]
             out.update(
                 {
                     "dispatch_nccl": arrive_nccl,

@@ -3,13 +3,14 @@
 Each twin computes the bytes its CUDA kernel writes: copies for the data movement, and for the math the
 same float32 operations in the same order (numpy float32 ufuncs round to nearest even per operation and
 never fuse a multiply with an add, like the kernels' __fmul_rn/__fadd_rn). The pure functions here
-(`silu_mul_f32`, `fill_bits`, `reduce_groups_bits`, `route_rows`,
+(`silu_mul_f32`, `fill_bits`, `reduce_groups_bits`, `route_rows`, `slot_sources`,
 `layout_hist`, `pack_routing`) are the specification the tests and benches check against.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -166,6 +167,17 @@ def route_rows(meta: np.ndarray, lo: int, local: int, cap: int) -> tuple[np.ndar
     return rows.reshape(np.shape(meta)), totals
 
 
+def slot_sources(route_row: np.ndarray, topk: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of `route_rows`' rows (i32 [num_tokens, topk], el * cap + position or -1) for `slots`
+    expert slots: (i64 slot numbers written, i64 the received row each holds, i.e. its token index).
+    Every other slot is left alone by the layout."""
+    flat = np.asarray(route_row, np.int64).reshape(-1)
+    kept = np.flatnonzero(flat >= 0)
+    if kept.size and int(flat[kept].max()) >= slots:
+        raise ValueError(f"route_row names slot {int(flat[kept].max())}, beyond the {slots} slots given")
+    return flat[kept], kept // topk
+
+
 @twin("ep_dispatch")
 def ep_dispatch(
     backend: Any,
@@ -247,6 +259,7 @@ def ep_layout_place(
     meta: int,
     hist: int,
     route_row: int,
+    slot_src: int,
     expert_rows: int,
     err: int,
     tokens: int,
@@ -263,6 +276,8 @@ def ep_layout_place(
         return
     rows, totals = route_rows(_at(meta, n * topk, np.uint32).reshape(n, topk), me * local, local, cap)
     _at(route_row, n * topk, np.int32)[:] = rows.reshape(-1)
+    slots, sources = slot_sources(rows, topk, local * cap)
+    _at(slot_src, local * cap, np.int32)[slots] = sources.astype(np.int32)
     _at(expert_rows, local, np.int32)[:] = np.minimum(totals, cap)
     over = totals > cap
     if over.any():
@@ -396,6 +411,7 @@ def ep_dispatch_ll(
     meta: int,
     recv: int,
     route_row: int,
+    slot_src: int,
     expert_rows: int,
     slab: int,
     err: int,
@@ -410,10 +426,12 @@ def ep_dispatch_ll(
     ep_dispatch(backend, grid, block, x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden,
                 experts, G, me)
     epoch = _ll_epoch(state, 0)
-    _ll_grid(grid_counter, 2)
+    _ll_grid(grid_counter, 2 if slab else 1)  # the second grid barrier comes before the fanout only
     _ll_announce_and_wait(flag_peers, flags, 0, epoch, G, me, err)
-    ep_layout_place(backend, grid, block, meta, 0, route_row, expert_rows, err, tokens, topk, experts, G, me, cap)
-    ep_fanout(backend, grid, block, recv, route_row, slab, tokens, topk, hidden, G)
+    ep_layout_place(backend, grid, block, meta, 0, route_row, slot_src, expert_rows, err, tokens, topk, experts, G,
+                    me, cap)
+    if slab:
+        ep_fanout(backend, grid, block, recv, route_row, slab, tokens, topk, hidden, G)
 
 
 @twin("ep_combine_ll")
@@ -488,6 +506,20 @@ def ep_silu_mul_rows(
         a[r] = silu_mul_bits(h[r], ffn)
 
 
+def _masked_gemm(
+    a_rows: Callable[[int, int], np.ndarray], b: int, c: int, present: np.ndarray, cap: int, n: int, k: int
+) -> None:
+    """C rows e * cap .. e * cap + present[e] - 1 = bf16(A_e @ B[e].T) for every expert e with rows, where
+    a_rows(e, count) gives A_e: expert e's first `count` A rows, u16 [count, k] (bf16 bits)."""
+    experts = present.size
+    b_rows = _rows(b, experts * n, k)
+    c_rows = _rows(c, experts * cap, n)
+    for e in np.flatnonzero(present > 0):
+        count = int(present[e])
+        w = bf16_bits_to_f32(b_rows[e * n : (e + 1) * n])
+        c_rows[e * cap : e * cap + count] = f32_to_bf16_bits(bf16_bits_to_f32(a_rows(e, count)) @ w.T)
+
+
 @twin("ep_masked_gemm")
 def ep_masked_gemm(
     backend: Any,
@@ -505,15 +537,35 @@ def ep_masked_gemm(
     """The rows present of every expert (grid z = experts): float32 products and sums, rounded once (the
     host backend's gemm; the tensor cores' summation order differs, so GPU results match within bf16
     rounding, not bit for bit)."""
-    experts, n = int(grid[2]), n_units * n_factor
+    experts = int(grid[2])
     present = np.minimum(_at(rows, experts, np.int32), cap)
-    a_rows = _rows(a, experts * cap, k)
-    b_rows = _rows(b, experts * n, k)
-    c_rows = _rows(c, experts * cap, n)
-    for e in np.flatnonzero(present > 0):
-        r = slice(e * cap, e * cap + int(present[e]))
-        w = bf16_bits_to_f32(b_rows[e * n : (e + 1) * n])
-        c_rows[r] = f32_to_bf16_bits(bf16_bits_to_f32(a_rows[r]) @ w.T)
+    a_all = _rows(a, experts * cap, k)
+    _masked_gemm(lambda e, count: a_all[e * cap : e * cap + count], b, c, present, cap, n_units * n_factor, k)
+
+
+@twin("ep_masked_gemm_gather")
+def ep_masked_gemm_gather(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    a: int,
+    a_index: int,
+    b: int,
+    c: int,
+    rows: int,
+    cap: int,
+    n_units: int,
+    n_factor: int,
+    k: int,
+) -> None:
+    """ep_masked_gemm with expert e's row r read from A row a_index[e * cap + r] (the layout's slot_src):
+    the same arithmetic on the same values, so the bytes equal ep_masked_gemm's over the gathered slab."""
+    experts = int(grid[2])
+    present = np.minimum(_at(rows, experts, np.int32), cap)
+    index = _at(a_index, experts * cap, np.int32).astype(np.int64)
+    read = (np.arange(cap)[None, :] < present[:, None]).reshape(-1)  # the slots below each expert's rows
+    a_all = _rows(a, int(index[read].max(initial=-1)) + 1, k)
+    _masked_gemm(lambda e, count: a_all[index[e * cap : e * cap + count]], b, c, present, cap, n_units * n_factor, k)
 
 
 @twin("ep_reduce")
