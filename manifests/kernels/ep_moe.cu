@@ -6,9 +6,9 @@
 //               to every rank; barrier
 //   layout      the receiver computes, from the routing of every source, where each (token, local
 //               expert) pair lands: counts per chunk of routing words, a prefix over chunks, positions in
-//               global token order (source rank, then token); pairs beyond an expert's capacity are
-//               dropped and counted in err (never silently)
-//               and, per expert slot, which received row it holds (slot_src)
+//               global token order (source rank, then token), and per expert slot the received row it
+//               holds (slot_src); pairs beyond an expert's capacity are dropped and counted in err (never
+//               silently)
 //   experts     GEMMs per local expert over the rows the layout counted, reading the received rows in
 //               place through slot_src (ep_gemm.cu's ep_masked_gemm_gather); the cuBLAS baseline instead
 //               runs the fanout (received rows copied into the expert slab [local expert][cap][hidden])

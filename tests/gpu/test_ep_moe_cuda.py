@@ -30,6 +30,23 @@ def test_layout_reports_drops_and_bad_ids_on_gpu(tray_env):
     assert run.stdout.count("layout reports") == 4  # two ranks, the standard and the low-latency dispatch
 
 
+def test_gather_gemm_equals_the_dense_gemm_over_the_fanned_out_slab_on_gpu(tray_env):
+    """The tensor-core GEMM reading received rows through the layout's slot index writes the bytes the dense
+    GEMM writes over the slab the fanout filled (real cp.async, not the CPU emulation's)."""
+    from test_ep_moe import GATHER_EQUALS_SLAB
+
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    vars_ = ["hidden=64", "experts=8", "topk=2", "ffn=32", "max_tokens=16", "tokens=16", "max_cap=16", "cap=16",
+             "groups=2"]
+    args = [a for v in vars_ for a in ("--var", v)]
+    run = tray_env.launch(
+        2, GATHER_EQUALS_SLAB, "--manifest", str(MANIFESTS / "ep_moe.json"), *args, backend="cuda", timeout_s=180
+    )
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("gather equals slab") == 2
+
+
 @pytest.mark.parametrize(
     "tokens, routing, capacity, gemm, nccl_timing",
     [
@@ -93,5 +110,7 @@ def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, g
         assert all(w[3] == 0 and not w[0] & (4 | 8 | 16) for w in c["err_words"]), c["err_words"]  # no timeout
         assert all(v > 0 for v in r["us"]["peer"].values()) and "peer_sm8" in r["us"], r["us"]
         assert {"dispatch_ll", "combine_ll", "layer_ll"} <= set(r["us"]["peer_sm8"]), r["us"]
+        # the masked GEMMs read the received rows in place: only the cuBLAS baseline copies them (fanout)
+        assert ("fanout" in r["us"]["peer"]) == (gemm == "cublas"), r["us"]["peer"]
         if capacity == "worst":
             assert r["dropped_pairs"] == 0

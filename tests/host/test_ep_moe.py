@@ -172,6 +172,46 @@ def test_layout_reports_drops_and_bad_ids(tray_env):
     assert run.stdout.count("layout reports") == 4  # two ranks, the standard and the low-latency dispatch
 
 
+GATHER_EQUALS_SLAB = """
+import tray.programs.ep_moe.twins  # the host twins of the manifest's kernels, registered before init
+with tray.init() as rank:
+    T, K, E, H, F, cap = 16, 2, 8, 64, 32, 16
+    L = E // rank.world_size
+    rng = np.random.default_rng(rank.rank)
+    idx = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)  # K distinct experts per token
+    rank.write("topk_idx", idx)
+    rank.write("topk_w", np.zeros(T * K, np.uint16))
+    rank.write("x", (rng.integers(0, 1 << 15, (T, H)) & 0xBFFF).astype(np.uint16))  # finite bf16 of both signs
+    rank.write("w13", (rng.integers(0, 1 << 15, (L, 2 * F, H)) & 0xBFFF).astype(np.uint16))
+    v = {"tokens": T, "cap": cap, "blocks": 2, "threads": 64}
+    for p in ("dispatch", "layout", "fanout"):
+        rank.run(p, v)
+    buf = {n: rank.buffer(n).ptr for n in ("slab", "recv", "slot_src", "w13", "h13", "expert_rows")}
+    grid, block = ((2 * F + 127) // 128, (cap + 63) // 64, L), (128, 1, 1)
+    outputs = []
+    for name, a in (("ep_masked_gemm", [buf["slab"]]), ("ep_masked_gemm_gather", [buf["recv"], buf["slot_src"]])):
+        rank.write("h13", np.full((L * cap, 2 * F), 0x7FC0, np.uint16))
+        rank.kernel(name).launch(grid, block, [*a, buf["w13"], buf["h13"], buf["expert_rows"], cap, F, 2, H])
+        rank.synchronize()
+        outputs.append(rank.read("h13").view(np.uint16).reshape(L, cap, 2 * F).copy())
+    dense, gathered = outputs
+    rows = rank.read("expert_rows")
+    present = np.arange(cap)[None, :] < rows[:, None]
+    assert rows.sum() > 0 and (dense[present] != 0x7FC0).any() and (dense[~present] == 0x7FC0).all()
+    assert np.array_equal(gathered, dense), "the gather GEMM differs from the dense one over the fanned-out slab"
+    print("gather equals slab")
+"""
+
+
+def test_gather_gemm_equals_the_dense_gemm_over_the_fanned_out_slab(tray_env):
+    vars_ = ["hidden=64", "experts=8", "topk=2", "ffn=32", "max_tokens=16", "tokens=16", "max_cap=16", "cap=16",
+             "groups=2"]
+    args = [a for v in vars_ for a in ("--var", v)]
+    run = tray_env.launch(2, GATHER_EQUALS_SLAB, "--manifest", EP_MOE, *args)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("gather equals slab") == 2
+
+
 WEIGHTS_MANIFEST = {
     "format": 1,
     "name": "expert_weights",

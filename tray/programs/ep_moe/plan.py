@@ -1,7 +1,7 @@
 """Routings of the EP MoE layer and what the device layout must make of them, computed on the host.
 
 Pure numpy, shared by the bench and the tests. The layer itself lays the routing out on the device
-(manifests/kernels/ep_moe.cu: dispatch, layout, fanout): the host draws a routing (the router's output),
+(manifests/kernels/ep_moe.cu: dispatch, layout): the host draws a routing (the router's output),
 sizes the capacity from a declared rule (never from the routing being timed), and predicts what the
 device must report (rows per expert, dropped pairs, bytes that cross NVLink) so the bench can check it.
 
