@@ -240,8 +240,8 @@ KERNELS = {
         "unsigned char* send, int tokens, int topk, int hidden, int experts, int G, int me, int groups",
         "ep_dispatch_ll": "const uint4* x, const int* ti, const unsigned short* tw, unsigned char* const* rp, "
         "unsigned int* const* mp, unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, "
-        "unsigned int* gc, const unsigned int* meta, const uint4* recv, int* rr, int* ss, int* er, unsigned char* slab, "
-        "unsigned int* err, int tokens, int topk, int hidden, int experts, int G, int me, int cap",
+        "unsigned int* gc, const unsigned int* meta, const uint4* recv, int* rr, int* ss, int* er, "
+        "unsigned char* slab, unsigned int* err, int tokens, int topk, int hidden, int experts, int G, int me, int cap",
         "ep_combine_ll": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
         "unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, unsigned int* gc, "
         "const uint4* comb, const int* ti, uint4* out, unsigned int* err, int tokens, int topk, int hidden, "
@@ -953,8 +953,8 @@ def test_a_wrong_position_is_caught(emulated, monkeypatch):
         "ep_layout_place",
         2,
         32,
-        lambda a: [ptr(a["meta"]), ptr(a["hist"]), ptr(a["rr"]), ptr(a["ss"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G, 0,
-                   cap],
+        lambda a: [ptr(a["meta"]), ptr(a["hist"]), ptr(a["rr"]), ptr(a["ss"]), ptr(a["er"]), ptr(a["err"]), T, K, E, G,
+                   0, cap],
         arrays,
     )
     assert not np.array_equal(c["rr"], t["rr"])
