@@ -111,6 +111,12 @@ class Root:
         self.sock = make_server(ctx, keys)
         self.sock.setsockopt(zmq.LINGER, 1000)  # a JobStop/JobEnd must leave before the head exits
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # NOTE: the monitor is attached before the bind: a head that dials while the root binds may fail its
+        # handshake at once, and an event raised before the monitor exists is lost, so the root could not
+        # say why that node never joined.
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self.endpoint = bind_address(job.root_host, job.root_port)
         try:
             self.sock.bind(self.endpoint)
@@ -121,9 +127,6 @@ class Root:
                                  "--rdzv-endpoint HOST:PORT (the same on every node)") from None
             raise UsageError(f"node 0 cannot listen on {self.endpoint} ({job.root_host}): {exc.strerror}; run node 0 "
                              "on the host the endpoint names") from None
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.sock, self.zap.socket, self.monitor]
