@@ -217,8 +217,8 @@ def test_curve_client_knowing_the_server_key_but_not_the_token_is_refused():
 
 
 def test_ops_that_cannot_span_nodes_are_named():
-    from tray.launch.node import spanning_problems
     from tray.manifest import parse_manifest
+    from tray.rank.executor import spanning_problems
 
     doc = {"format": 1, "name": "span", "vars": {"words": 4},
            "groups": [{"name": "world", "ranks": "all"}, {"name": "pairs", "size": 2}],
@@ -234,3 +234,5 @@ def test_ops_that_cannot_span_nodes_are_named():
     assert [path for path, _ in problems] == ["$.programs[1].ops[0]"], problems
     assert "whose group 'world' spans nodes" in problems[0][1]
     assert spanning_problems(resolved, local_world_size=4) == []   # one node: nothing spans
+    # bound one program at a time: the barrier program over the spanning group alone has nothing to refuse
+    assert spanning_problems(resolved, 2, (resolved.program("g"),)) == []

@@ -20,15 +20,14 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tray.errors import ManifestError, WireError
+from tray.errors import WireError
 from tray.handshake import jobwire, wire
-from tray.handshake.steps import GROUP_PREFIX, spans_nodes, step_voters
+from tray.handshake.steps import GROUP_PREFIX, step_voters
 from tray.launch.curve import job_keys, make_client
 from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
 from tray.launch.root import EXIT_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
 from tray.launch.spec import Failure, TraySpec
-from tray.manifest.schema import ResolvedLaunch, ResolvedManifest
 from tray.numa import NumaPlacement
 
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
@@ -36,35 +35,6 @@ _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FA
 # NOTE: after a local failure the head waits this long for the root's verdict (the job's root cause may
 # be an earlier failure elsewhere) before it tears down with its own.
 VERDICT_WAIT_S = 2.0
-
-
-def spanning_problems(resolved: ResolvedManifest, local_world_size: int) -> list[tuple[str, str]]:
-    """Ops that cannot run when groups span nodes, as (JSON path of the op, what is wrong): launches of
-    `"peers": true` kernels on the peer table of a buffer whose group spans nodes (peer tables exist only
-    within a node: no fabric handles between nodes). Each problem names the program, the group and what to
-    change. (A barrier over such a group is hierarchical, capturable; where it falls back to the relayed
-    barrier, a capture of it is refused when it is made: tray/collectives/relay.py.)"""
-    problems = []
-    kernels = {k.name: k for k in resolved.manifest.kernels}
-    for program in resolved.programs.values():
-        for op in program.ops:
-            if not isinstance(op, ResolvedLaunch):
-                continue
-            kernel = kernels.get(op.kernel)
-            if kernel is None or not kernel.peers:
-                continue
-            for arg in op.args:
-                if arg.kind != "peers" or arg.name is None:
-                    continue
-                group = resolved.buffer(arg.name).group
-                spanning = [m for m in resolved.groups[group] if spans_nodes(m, local_world_size)]
-                if spanning:
-                    problems.append((
-                        op.json_path, f"program {program.name!r} launches peers kernel {kernel.name!r} on the peer "
-                        f"table of {arg.name!r}, whose group {group!r} spans nodes (instance {list(spanning[0])} with "
-                        f"{local_world_size} ranks per node); peer tables exist only within a node: give the buffer a "
-                        "group that stays within one node, or use a collective"))
-    return problems
 
 
 class NodeLink:
@@ -164,9 +134,6 @@ class NodeHead(Head):
         if spec.local_ranks_filter is not None:  # local ranks, as torchrun's flag; the output names global ranks
             self.routing = dataclasses.replace(
                 self.routing, ranks=tuple(self.rank_base + r for r in spec.local_ranks_filter))
-        problems = spanning_problems(self.resolved, spec.nprocs)
-        if problems:
-            raise ManifestError(self.manifest.path, problems[0][0], "\n  ".join(why for _, why in problems))
         self.root: Root | None = None
         self.link: NodeLink | None = None
         self.job_stop: jobwire.JobStop | None = None

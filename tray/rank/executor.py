@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Graph
 from tray.backend.wait import Pending
-from tray.errors import UsageError
+from tray.errors import ManifestError, UsageError
+from tray.handshake.steps import spans_nodes
 from tray.manifest.schema import (
     BufferRef,
     ResolvedArg,
@@ -21,6 +22,7 @@ from tray.manifest.schema import (
     ResolvedCopy,
     ResolvedGemm,
     ResolvedLaunch,
+    ResolvedManifest,
     ResolvedOp,
     ResolvedProgram,
 )
@@ -50,6 +52,38 @@ def describe_program(program: str, vars: dict[str, int], ops: tuple[ResolvedOp, 
     """`program 'dispatch_nccl' (tokens=128): launch ep_dispatch, nccl alltoall on group 'world' (...)`"""
     shown = ", ".join(f"{k}={v}" for k, v in sorted(vars.items()))
     return f"program {program!r}" + (f" ({shown})" if shown else "") + ": " + ", ".join(describe_op(o) for o in ops)
+
+
+def spanning_problems(resolved: ResolvedManifest, local_world_size: int,
+                      programs: tuple[ResolvedProgram, ...] | None = None) -> list[tuple[str, str]]:
+    """Ops of `programs` (default: every program of `resolved`) that cannot run when groups span nodes, as
+    (JSON path of the op, what is wrong): launches of `"peers": true` kernels on the peer table of a buffer
+    whose group spans nodes (peer tables exist only within a node: no fabric handles between nodes). Each
+    problem names the program, the group and what to change. A program is checked when it is bound (its
+    first run), so a manifest whose other programs run over such a group (a collective path) still
+    launches. (A barrier over such a group is hierarchical, capturable; where it falls back to the relayed
+    barrier, a capture of it is refused when it is made: tray/collectives/relay.py.)"""
+    problems = []
+    kernels = {k.name: k for k in resolved.manifest.kernels}
+    for program in resolved.programs.values() if programs is None else programs:
+        for op in program.ops:
+            if not isinstance(op, ResolvedLaunch):
+                continue
+            kernel = kernels.get(op.kernel)
+            if kernel is None or not kernel.peers:
+                continue
+            for arg in op.args:
+                if arg.kind != "peers" or arg.name is None:
+                    continue
+                group = resolved.buffer(arg.name).group
+                spanning = [m for m in resolved.groups[group] if spans_nodes(m, local_world_size)]
+                if spanning:
+                    problems.append((
+                        op.json_path, f"program {program.name!r} launches peers kernel {kernel.name!r} on the peer "
+                        f"table of {arg.name!r}, whose group {group!r} spans nodes (instance {list(spanning[0])} with "
+                        f"{local_world_size} ranks per node); peer tables exist only within a node: give the buffer a "
+                        "group that stays within one node, or use a collective"))
+    return problems
 
 
 @dataclass
@@ -117,7 +151,14 @@ class Executor:
         return resolved.program(program)
 
     def _build(self, program: str, vars: dict[str, int]) -> Plan:
+        """Resolve and bind `program`. Raises ManifestError (before any op runs) where it launches a peers
+        kernel over a group that spans nodes (spanning_problems)."""
         resolved = self._resolved_program(program, vars)
+        env = self.wiring.env
+        if self.wiring.spanning:
+            problems = spanning_problems(self.ctx.resolved, env.local_world_size or env.world_size, (resolved,))
+            if problems:
+                raise ManifestError(self.ctx.manifest.path, problems[0][0], "\n  ".join(w for _, w in problems))
         steps = [self._step(op) for op in resolved.ops]
         plan = Plan(program=program, steps=steps, describe=describe_program(program, vars, resolved.ops),
                     pending=self.ctx.backend.last_work)

@@ -2,7 +2,7 @@
 
     tray bench ep-moe -n 4 [--tokens 128,4096] [--routing uniform,zipf] [--capacity 4|worst]
                       [--sms all,24] [--hidden 7168] [--experts 256] [--topk 8] [--expert-dim 2048]
-                      [--backend cuda|host] [--json PATH] [--plot PATH]
+                      [--backend cuda|host] [--json PATH] [--plot PATH] [--nnodes N]
 
 The head (this module) draws a routing per (routing kind, token count) from a seed: the router's output,
 topk_idx and topk_weights, which each rank uploads as device buffers. Everything after that happens on
@@ -37,6 +37,13 @@ a fixed upper bound of tokens rows per (source, destination) pair, so no count r
 all-to-all back. Bytes: logical = tokens x topk rows per rank each way; NVLink = the (token, other rank)
 rows actually sent (+ routing words on dispatch); the ceiling is every rank writing tokens rows to each
 other rank at once (copy engines and a kernel; the faster counts).
+
+With --nnodes N (N >= 2) the EP-N tray is a job of N nodes on this machine (tray/bench/nodes.py: one
+`tray launch --nnodes N` per node, -n / N ranks each, on cuda its share of the GPUs and its own
+NCCL_HOSTID, so NCCL crosses between the nodes over its network transport). Peer tables exist only
+within a node, so across nodes the whole exchange runs the NCCL path (dispatch and combine kernels into
+local send buffers, all-to-alls over the world group that spans the nodes); that path's rows are checked
+against EP1 (one tray, as always) byte for byte, and the report says `"cross_node_path": "nccl"`.
 """
 
 from __future__ import annotations
@@ -103,6 +110,12 @@ class EpBenchArgs:
     log_dir: str | None = None
     keep: bool = False
     nccl_timing: str = "eager"
+    nnodes: int = 1
+
+
+def paths_of(a: EpBenchArgs) -> tuple[str, ...]:
+    """The EP-N paths checked against EP1: all on one node; the NCCL path alone across nodes."""
+    return PATHS if a.nnodes == 1 else ("nccl",)
 
 
 def validate(a: EpBenchArgs) -> None:
@@ -114,6 +127,9 @@ def validate(a: EpBenchArgs) -> None:
         raise UsageError(f"ep-moe compares N ranks with EP1: -n must be at least 2, got {a.nprocs}")
     if a.experts % a.nprocs:
         raise UsageError(f"--experts {a.experts} must divide over {a.nprocs} ranks")
+    if a.nnodes < 1 or a.nprocs % a.nnodes:
+        raise UsageError(f"--nnodes {a.nnodes} must be at least 1 and divide -n {a.nprocs} (every node runs the "
+                         "same number of ranks)")
     if a.nprocs > 64:
         raise UsageError(f"the reduce keeps one bit per rank: at most 64 ranks, got {a.nprocs}")
     if a.experts > LAYOUT_MAX_LOCAL:
@@ -141,6 +157,9 @@ def validate(a: EpBenchArgs) -> None:
     for r in a.routings:
         parse_routing(r)
     capacity(a.capacity, a.nprocs, 1, a.topk, a.experts)
+    if a.nnodes > 1 and a.plot_path:
+        raise UsageError("--plot draws the peer path against NCCL; a job of several nodes runs the NCCL path alone: "
+                         "leave out --plot or --nnodes")
     for b in a.budgets:
         if b != "all" and not (b.isdigit() and int(b) >= 1):
             raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
@@ -239,7 +258,8 @@ def launch(
         "gemm": a.gemm,
         "seed": a.seed,
         "backend": a.backend,
-        "budgets": list(a.budgets) if nprocs > 1 else ["all"],
+        # NOTE: the SM budgets apply to the peer kernels, which a job of several nodes does not run
+        "budgets": list(a.budgets) if nprocs > 1 and a.nnodes == 1 else ["all"],
         "repeats": a.repeats,
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
@@ -251,6 +271,12 @@ def launch(
     # cuda the only BLAS work is EP1's float64 reference, which runs experts on its own threads
     # (tray/programs/ep_moe/reference.py): a threaded BLAS under each would oversubscribe the cores.
     env = {k: os.environ.get(k, "1") for k in BLAS_THREAD_ENV}
+    if nprocs > 1 and a.nnodes > 1:
+        from tray.bench.nodes import NodeJob, run_rank_program_nodes
+
+        job = NodeJob(name=name, module="tray.programs.ep_moe.rank_program", nnodes=a.nnodes, nprocs=nprocs,
+                      backend=a.backend, manifest=str(builtin_path(MANIFEST)), vars=vars_, log_dir=a.log_dir, env=env)
+        return run_rank_program_nodes(job, cfg, work)
     return run_rank_program(
         name,
         "tray.programs.ep_moe.rank_program",
@@ -279,11 +305,12 @@ def summarize_checks(
     a: EpBenchArgs, per_rank: list[dict[str, Any]], e1: dict[str, Any], i: int, label: str, work: Path
 ) -> dict[str, Any]:
     G = a.nprocs
+    paths = paths_of(a)
     ref_out = np.load(work / "ep1" / f"{label}_ep1.npy")
     rank_checks = [r["runs"][i]["checks"] for r in per_rank]
     c1 = e1["checks"]
     checks: dict[str, Any] = {"rows": int(ref_out.shape[0])}
-    for path in PATHS:
+    for path in paths:
         got = np.concatenate([np.load(work / "epn" / f"{label}_{path}_r{r}.npy") for r in range(G)])
         checks[f"{path}_rows_differ_from_ep1"] = int((got != ref_out).any(axis=1).sum())
     ep1_ll = np.load(work / "ep1" / f"{label}_ep1_ll.npy")
@@ -292,33 +319,31 @@ def summarize_checks(
     checks["ep1_vs_float64_rel_err"] = ref.get("rel_err")
     checks["ep1_ref_tokens"] = ref.get("ref_tokens")
     checks["ep1_ref_experts_covered"] = ref.get("experts_covered")
-    checks["err_words"] = [c[f"{p}_err_words"] for c in rank_checks for p in PATHS] + [
+    checks["err_words"] = [c[f"{p}_err_words"] for c in rank_checks for p in paths] + [
         c1[f"{p}_err_words"] for p in ("peer", "ll")]
     checks["layout_reports_ok"] = all(
-        c[f"{p}_err_ok"] and c[f"{p}_expert_rows_ok"] for c in rank_checks for p in PATHS
+        c[f"{p}_err_ok"] and c[f"{p}_expert_rows_ok"] for c in rank_checks for p in paths
     ) and all(c1[f"{p}_err_ok"] and c1[f"{p}_expert_rows_ok"] for p in ("peer", "ll"))
-    checks["nan_rows"] = sum(c[f"{p}_nan_rows"] for c in rank_checks for p in PATHS) + c1["peer_nan_rows"] + c1[
+    checks["nan_rows"] = sum(c[f"{p}_nan_rows"] for c in rank_checks for p in paths) + c1["peer_nan_rows"] + c1[
         "ll_nan_rows"]
-    checks["after_replay_equal"] = all(c[f"{p}_after_replay_equal"] for c in rank_checks for p in PATHS) and all(
+    checks["after_replay_equal"] = all(c[f"{p}_after_replay_equal"] for c in rank_checks for p in paths) and all(
         c1[f"{p}_after_replay_equal"] for p in ("peer", "ll"))
-    checks["ll_equals_peer"] = all(c["ll_equals_peer"] for c in rank_checks) and bool(c1["ll_equals_peer"])
+    checks["ll_equals_peer"] = all(c.get("ll_equals_peer", True) for c in rank_checks) and bool(c1["ll_equals_peer"])
     hows = {c["nccl_after_replay_how"] for c in rank_checks if "nccl_after_replay_how" in c}
     if hows:  # NOTE: the NCCL path timed eagerly is checked by an eager rerun, not a replay: say so
         checks["nccl_after_replay_how"] = ", ".join(sorted(hows))
     rel = checks["ep1_vs_float64_rel_err"]
     checks["passed"] = bool(
-        checks["peer_rows_differ_from_ep1"] == 0
-        and checks["ll_rows_differ_from_ep1"] == 0
+        all(checks[f"{p}_rows_differ_from_ep1"] == 0 for p in paths)
         and checks["ep1_ll_rows_differ_from_ep1"] == 0
         and checks["ll_equals_peer"]
-        and checks["nccl_rows_differ_from_ep1"] == 0
         and rel is not None
         and not math.isnan(rel)
         and rel <= REF_TOLERANCE
         and checks["layout_reports_ok"]
         and checks["nan_rows"] == 0
         and checks["after_replay_equal"]
-        and all(c["nccl_equals_peer"] for c in rank_checks)
+        and all(c.get("nccl_equals_peer", True) for c in rank_checks)
     )
     return checks
 
@@ -400,6 +425,53 @@ def summarize(
             }
         )
     return runs
+
+
+def summarize_nodes(
+    a: EpBenchArgs, per_rank: list[dict[str, Any]], ep1: dict[str, Any], facts: dict[str, Any], work: Path
+) -> list[dict[str, Any]]:
+    """The runs of a job of several nodes: the NCCL path (the one that crosses nodes) against EP1, checks
+    and µs (slowest rank), and the ratio of its layer to EP1's."""
+    budget = list(per_rank[0]["runs"][0]["us"])[0]
+    phases = peer_phases(a.gemm)
+    runs = []
+    for i, r0 in enumerate(per_rank[0]["runs"]):
+        label = r0["label"]
+        e1 = ep1["runs"][i]
+        e1_us = e1["us"][next(iter(e1["us"]))]
+        us = {"nccl": {p: _slowest(per_rank, i, budget, k) for p, k in NCCL_PHASES.items()},
+              "ep1": {p: e1_us[p] for p in phases}}
+        timing = dict(r0.get("timing", {}))
+        runs.append({
+            "label": label,
+            **facts[label],
+            "timing": {"nccl": {p: timing.get(k, "captured") for p, k in NCCL_PHASES.items()}, "ep1": "captured"},
+            "global_tokens": a.nprocs * facts[label]["tokens_per_rank"],
+            "checks": summarize_checks(a, per_rank, e1, i, label, work),
+            "us": us,
+            "ratios": {"nccl_layer_vs_ep1_layer": us["nccl"]["layer"] / us["ep1"]["layer"]},
+        })
+    return runs
+
+
+def print_report_nodes(report: dict[str, Any]) -> None:
+    """The short table of a job of several nodes (the NCCL path and EP1)."""
+    s, G, nn = report["shape"], report["nprocs"], report["nnodes"]
+    print(f"ep-moe: {G} ranks on {nn} nodes ({G // nn} per node), {report['backend']} backend; hidden {s['hidden']}, "
+          f"{s['experts']} experts, top-{s['topk']}, expert dim {s['ffn']}; across nodes the exchange runs the "
+          f"{report['cross_node_path']} path; µs, slowest rank")
+    head = ("dispatch", "experts", "combine", "reduce", "layer")
+    print(f"  {'run':<16} {'path':<12} " + " ".join(f"{h:>9}" for h in head))
+    for run in report["runs"]:
+        for path, u in run["us"].items():
+            name = f"EP{G} {path}" if path == "nccl" else path
+            print(f"  {run['label']:<16} {name:<12} " + " ".join(f"{u.get(h, float('nan')):>9.1f}" for h in head))
+        c = run["checks"]
+        rel = c["ep1_vs_float64_rel_err"]
+        print(f"  {'':<16} NCCL rows differing from EP1: {c['nccl_rows_differ_from_ep1']}/{c['rows']}; after "
+              f"rerun equal {c['after_replay_equal']}; layout reports {c['layout_reports_ok']}; EP1 vs float64 "
+              f"{'not checked' if rel is None else f'{rel:.2e}'}; {'PASSED' if c['passed'] else 'FAILED'}")
+    print("PASSED" if report["passed"] else "FAILED")
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -544,7 +616,9 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         max_cap = max(r["cap"] for r in runs_n)
         done(f"{len(runs_n)} runs prepared")
         try:
-            stage("ep-moe", 2, 4, f"EP{a.nprocs} tray: {len(runs_n)} runs x SM budgets {','.join(a.budgets)}")
+            where = (f"tray: {len(runs_n)} runs x SM budgets {','.join(a.budgets)}" if a.nnodes == 1 else
+                     f"job of {a.nnodes} nodes ({a.nprocs // a.nnodes} ranks each): {len(runs_n)} runs, NCCL path")
+            stage("ep-moe", 2, 4, f"EP{a.nprocs} {where}")
             per_rank = launch(a, a.nprocs, runs_n, launch_vars(a, max(a.tokens), max_cap), work, "epn")
             done(f"EP{a.nprocs} done")
             stage("ep-moe", 3, 4, f"EP1 tray: {len(runs_1)} runs and the float64 reference")
@@ -555,7 +629,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
             salvage(a, work, str(exc), time.perf_counter() - t0)
             return 1
         stage("ep-moe", 4, 4, "EP-N vs EP1 byte for byte, reports")
-        runs = summarize(a, per_rank, ep1, facts, work)
+        runs = (summarize if a.nnodes == 1 else summarize_nodes)(a, per_rank, ep1, facts, work)
         done("checks summarized")
     finally:
         if a.keep:
@@ -565,6 +639,9 @@ def run_ep_bench(a: EpBenchArgs) -> int:
     report = {
         "bench": "ep-moe",
         "nprocs": a.nprocs,
+        "nnodes": a.nnodes,
+        # across nodes: which path carried the exchange between them (peer tables stay within a node)
+        "cross_node_path": "nccl" if a.nnodes > 1 else None,
         "backend": a.backend,
         "shape": {"hidden": a.hidden, "experts": a.experts, "topk": a.topk, "ffn": a.expert_dim},
         "capacity": a.capacity,
@@ -578,7 +655,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "wall_s": time.perf_counter() - t0,
     }
     write_report(report, a.json_path, {"device": per_rank[0].get("device"), "sms": per_rank[0].get("sms")})
-    print_report(report)
+    (print_report if a.nnodes == 1 else print_report_nodes)(report)
     if a.plot_path:
         plot(report, a.plot_path)
     return 0 if report["passed"] else 1

@@ -39,6 +39,10 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
                    help="how the NCCL path's programs are timed: 'eager' (launched from Python between an eager "
                    "barrier and device events; the peer path's dispatch/combine/layer are also timed so, as "
                    "peer_eager; default) or 'captured' (graph replays, as the peer path)")
+    b.add_argument("--nnodes", type=int, default=1,
+                   help="run the EP-N tray as a job of this many nodes on this machine (-n / N ranks each; cuda: "
+                   "each its share of the GPUs and its own NCCL_HOSTID); across nodes the exchange runs the NCCL "
+                   "path, checked against EP1 byte for byte (default 1)")
     b.add_argument("--plot", default=None, help="PNG of latency vs tokens per rank (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_ep_moe)
 
@@ -79,6 +83,7 @@ def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
             log_dir=args.log_dir,
             keep=args.keep,
             nccl_timing=args.nccl_timing,
+            nnodes=args.nnodes,
             **extra,
         )
     )

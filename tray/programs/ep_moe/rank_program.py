@@ -8,7 +8,9 @@ layout reports (rows per expert, dropped pairs, bad ids) against the head's pred
 (the head compares them with EP1 byte for byte); then time every phase captured, at each SM budget;
 then replay the captured layer once more and check its output equals the eager one. A 1-rank tray is
 EP1: the same programs (the dispatch is a local copy), no NCCL path, plus a float64 reference of sampled
-tokens.
+tokens. In a job of several nodes (world spanning nodes: no peer tables across them) the whole exchange
+runs the NCCL path (its dispatch and combine kernels write local send buffers, the all-to-alls cross the
+nodes); the peer programs are never bound there (they would be refused, naming the group).
 
 The NCCL path's programs are timed as cfg["nccl_timing"] says: "eager" (default: launched from Python
 between an eager barrier and device events, the peer path's dispatch/combine/layer timed the same way
@@ -82,8 +84,18 @@ class MoeRank:
         self.local = self.experts // self.world
         self.groups = cfg["groups"]
         self.ep1 = self.world == 1
+        # nodes of the job (rank // local_world_size = node): with more than one, world spans nodes
+        self.nnodes = self.world // (rank.env.local_world_size or self.world)
         self.sms = sm_count(rank, cfg["backend"])
         self.ref_slots: list[Any] = []  # pinned host buffers of the float64 reference, kept from run to run
+
+    @property
+    def paths(self) -> list[str]:
+        """The paths this tray checks against EP1: EP1 runs the peer path and its low-latency mode (local
+        copies), one node all three, a job of several nodes the NCCL path alone."""
+        if self.ep1:
+            return ["peer", "ll"]
+        return ["nccl"] if self.nnodes > 1 else ["peer", "ll", "nccl"]
 
     # --- device setup ---------------------------------------------------------------------------------------
     def launch(self, kernel: str, total: int, args: list[Any]) -> None:
@@ -144,6 +156,20 @@ class MoeRank:
             fanout = [("fanout", v)]
         dispatch_ll: Steps = [("dispatch_ll" if masked else "dispatch_ll_fanout", v)]
         arrive: Steps = [("dispatch", v), ("layout", v), *fanout]
+        local: dict[str, Steps] = {
+            "layout": [("layout", v)],
+            **({} if masked else {"fanout": fanout}),
+            "experts": experts,
+            "reduce": [("reduce", v)],
+        }
+        arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), *fanout]
+        nccl: dict[str, Steps] = {
+            "dispatch_nccl": arrive_nccl,
+            "combine_nccl": [("combine_nccl", v)],
+            "layer_nccl": [*arrive_nccl, *experts, ("combine_nccl", v), ("reduce", v)],
+        }
+        if "peer" not in self.paths:
+            return {**local, **nccl}
         out = {
             "dispatch": arrive,
             "dispatch_send": [("dispatch", v)],
@@ -158,16 +184,8 @@ class MoeRank:
             "combine_ll": [("combine_ll", v)],
             "layer_ll": [*dispatch_ll, *experts, ("combine_ll", v)],
         }
-        if not self.ep1:
-            arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), *fanout]
-            out.update(
-                {
-                    "dispatch_nccl": arrive_nccl,
-                    "combine_nccl": [("combine_nccl", v)],
-                    "layer_nccl": [*arrive_nccl, *experts, ("combine_nccl", v), ("reduce", v)],
-                    "ceiling": [("ceiling", v)],
-                }
-            )
+        if "nccl" in self.paths:
+            out.update({**nccl, "ceiling": [("ceiling", v)]})
         return out
 
     def budget_vars(self, run: dict[str, Any], sms: int) -> dict[str, int]:
@@ -201,8 +219,7 @@ class MoeRank:
         checks: dict[str, Any] = {}
         outputs: dict[str, np.ndarray] = {}
         want_err = [2 if int(inputs["dropped"]) else 0, 0, int(inputs["dropped"]), 0]
-        paths = ["peer", "ll"] if self.ep1 else ["peer", "ll", "nccl"]
-        for path in paths:
+        for path in self.paths:
             out, err = self.checked_run(tokens, progs[LAYER_OF[path]])
             rows = self.rank.read("expert_rows")
             checks[f"{path}_err_words"] = err
@@ -212,8 +229,9 @@ class MoeRank:
             outputs[path] = out
             tag = ("ep1" if path == "peer" else f"ep1_{path}") if self.ep1 else f"{path}_r{self.me}"
             np.save(out_dir / f"{label}_{tag}.npy", out)
-        checks["ll_equals_peer"] = bool(np.array_equal(outputs["ll"], outputs["peer"]))
-        if not self.ep1:
+        if "peer" in outputs:
+            checks["ll_equals_peer"] = bool(np.array_equal(outputs["ll"], outputs["peer"]))
+        if "peer" in outputs and "nccl" in outputs:
             checks["nccl_equals_peer"] = bool(np.array_equal(outputs["nccl"], outputs["peer"]))
         return checks, outputs
 
@@ -267,12 +285,12 @@ class MoeRank:
                 if i > 0 and (name.endswith("_nccl") or name in ("experts", "reduce")):
                     continue  # no SM budget applies: cuBLAS, NCCL, and the local reduce
                 take(figures, name, steps, nccl_timing if name.endswith("_nccl") else "captured", sms)
-            if i == 0 and not self.ep1 and nccl_timing == "eager":
+            if i == 0 and "peer" in self.paths and "nccl" in self.paths and nccl_timing == "eager":
                 # NOTE: the NCCL figures include Python's launch cost: the peer path timed the same way is
                 # the fair comparison, reported beside the captured figures, never instead of them
                 for name in ("dispatch", "combine", "layer"):
                     take(figures, f"eager_{name}", progs[name], "eager", sms)
-            if not self.ep1:
+            if "ceiling" in progs:
                 figures["ceiling_ce"] = self.copy_engine_ceiling(sampler, run["tokens"]) if i == 0 else float("nan")
                 save()
         return out
