@@ -3,6 +3,7 @@ host backend; the heads talk to node 0's root over TCP with CURVE."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -268,7 +269,7 @@ def test_missing_token_is_a_usage_error(tray_env):
     assert proc.returncode == 2 and "TRAY_JOB_TOKEN" in proc.stderr, proc.stderr
 
 
-def test_peers_kernel_over_a_spanning_group_is_refused_at_bind(tray_env, tmp_path):
+def test_peers_kernel_over_a_spanning_group_is_refused_when_its_program_is_bound(tray_env, tmp_path):
     manifest = tmp_path / "span.json"
     kernel = MANIFESTS / "kernels" / "peer_fill.cu"
     manifest.write_text(f"""{{"format": 1, "name": "span", "vars": {{"words": 64}},
@@ -276,14 +277,40 @@ def test_peers_kernel_over_a_spanning_group_is_refused_at_bind(tray_env, tmp_pat
       "buffers": [{{"name": "fill", "dtype": "u32", "shape": ["world_size * words"], "export": true}}],
       "kernels": [{{"name": "peer_fill", "source": "{kernel}", "entry": "tray_peer_fill", "peers": true}}],
       "programs": [{{"name": "fill", "ops": [{{"op": "launch", "kernel": "peer_fill", "grid": [1, 1, 1],
-        "block": [32, 1, 1], "args": ["peers:fill", "world_size", "rank", "words", 7]}}]}}]}}""")
-    env = tray_env.env()
-    env["TRAY_JOB_TOKEN"] = TOKEN
-    cmd = launch_cmd("--manifest", str(manifest), "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
-                     "127.0.0.1:1", "--", "true")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
-    assert proc.returncode == 2, proc.stderr
-    assert "group 'world' spans nodes" in proc.stderr and "peer_fill" in proc.stderr, proc.stderr
+        "block": [32, 1, 1], "args": ["peers:fill", "world_size", "rank", "words", 7]}}]}},
+        {{"name": "sync", "ops": [{{"op": "barrier", "group": "world"}}]}}]}}""")
+    # the manifest launches (its barrier program runs over the spanning group); the peers program is refused
+    # when a rank binds it, before any op runs, and every head names it as the job's root cause
+    body = """
+    with tray.init() as rank:
+        rank.run("sync")
+        print("sync ran", rank.rank, flush=True)
+        rank.run("fill")
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", str(manifest)), timeout_s=40)
+    assert "[rank 0] sync ran 0" in runs[0].stdout and "[rank 3] sync ran 3" in runs[1].stdout, runs[0].output
+    for run in runs:
+        assert run.returncode != 0, run.output
+        cause = _root_cause(run)
+        assert "ManifestError" in cause, run.output
+        assert "group 'world' spans nodes" in run.stderr and "peer_fill" in run.stderr, run.output
+
+
+def test_ep_moe_bench_across_two_nodes_equals_ep1(tray_env, tmp_path):
+    out = tmp_path / "ep.json"
+    run = tray_env.run([sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "4", "--nnodes", "2", "--backend", "host",
+                        "--hidden", "256", "--experts", "16", "--topk", "4", "--expert-dim", "256", "--tokens", "16",
+                        "--routing", "uniform", "--repeats", "1", "--json", str(out)], timeout_s=120)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    assert report["nnodes"] == 2 and report["cross_node_path"] == "nccl" and report["passed"], report
+    assert report["ranks_nnodes"] == [2], report        # every EP-N rank ran in a job of two nodes
+    (r,) = report["runs"]
+    c = r["checks"]
+    assert c["rows"] == 64 and c["nccl_rows_differ_from_ep1"] == 0 and c["nan_rows"] == 0, c
+    assert c["layout_reports_ok"] and c["after_replay_equal"], c
+    assert set(r["us"]) == {"nccl", "ep1"} and all(v > 0 for v in r["us"]["nccl"].values()), r["us"]
+    assert "2 nodes (2 per node)" in run.stdout and "PASSED" in run.stdout, run.output
 
 
 def test_nodes_with_different_rank_counts_are_refused_by_name(tray_env):

@@ -642,6 +642,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "nnodes": a.nnodes,
         # across nodes: which path carried the exchange between them (peer tables stay within a node)
         "cross_node_path": "nccl" if a.nnodes > 1 else None,
+        "ranks_nnodes": sorted({r.get("nnodes", 1) for r in per_rank}),  # the node counts the EP-N ranks saw
         "backend": a.backend,
         "shape": {"hidden": a.hidden, "experts": a.experts, "topk": a.topk, "ffn": a.expert_dim},
         "capacity": a.capacity,

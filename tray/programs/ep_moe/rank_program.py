@@ -403,6 +403,8 @@ def main(argv: list[str]) -> int:
         results: dict[str, Any] = {
             "rank": rank.rank,
             "world_size": rank.world_size,
+            "nnodes": moe.nnodes,
+            "paths": moe.paths,
             "setup_s": setup_s,
             "device": rank.backend.info.name,
             "sms": moe.sms,
