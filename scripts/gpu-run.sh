@@ -7,12 +7,15 @@
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests park
-# bench-barrier bench-startup launch-cost torch examples nodes2 perf
+# bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
 # with torch's small-kernel launch beside it when this Python imports torch.
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json:
 # the spanning barrier hierarchical, eager / eager-sync / captured, next to the relayed barrier of the same run).
+# `ep-nodes2` runs `tray bench ep-moe -n 2 --nnodes 2` on GPUs 0 and 1 as two one-GPU nodes (each its own
+# NCCL_HOSTID): the exchange crosses the nodes on the NCCL path, checked against EP1 byte for byte
+# ($OUT/ep_moe_nodes2.json with the environment); the NCCL node counts the ranks logged are printed after it.
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds, the tail of a failure; the environment). Bounded:
@@ -147,6 +150,8 @@ for s in "${STAGES[@]}"; do
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;
         torch) stage torch 240 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
+        ep-nodes2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT stage_live ep_moe_nodes2 300 $PY -m tray bench ep-moe -n 2 --nnodes 2 --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --gemm masked --json "$OUT/ep_moe_nodes2.json"
+            echo "NCCL as logged by rank 0 (count, ranks, nodes):"; grep -ho "nRanks [0-9]* nNodes [0-9]*" "$LOGS/ep_moe_nodes2.log" | sort | uniq -c ;;
         nodes2) stage nodes2 300 env OUT="$OUT" LOGS="$LOGS" N="$N" PY=$PY scripts/gpu-nodes2.sh ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac
