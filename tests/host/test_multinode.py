@@ -299,8 +299,9 @@ def test_peers_kernel_over_a_spanning_group_is_refused_when_its_program_is_bound
 def test_ep_moe_bench_across_two_nodes_equals_ep1(tray_env, tmp_path):
     out = tmp_path / "ep.json"
     run = tray_env.run([sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "4", "--nnodes", "2",
-                        "--backend", "host", "--hidden", "256", "--experts", "16", "--topk", "4", "--expert-dim", "256", "--tokens", "16",
-                        "--routing", "uniform", "--repeats", "1", "--json", str(out)], timeout_s=120)
+                        "--backend", "host", "--hidden", "256", "--experts", "16", "--topk", "4",
+                        "--expert-dim", "256", "--tokens", "16", "--routing", "uniform", "--repeats", "1",
+                        "--json", str(out)], timeout_s=120)
     assert run.returncode == 0, run.output
     report = json.loads(out.read_text())
     assert report["nnodes"] == 2 and report["cross_node_path"] == "nccl" and report["passed"], report
