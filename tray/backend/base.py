@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tray.backend.wait import Pending
+from tray.errors import UsageError
 
 # NOTE: the barrier's default wait; the gate and docs/design.md section 6 use 2 s.
 DEFAULT_BARRIER_TIMEOUT_S = 2.0
@@ -187,6 +188,15 @@ class Collectives(abc.ABC):
     def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
                  stream: int | None = None) -> None:
         """Send `count` elements to member `peer_index` and receive as many from it."""
+
+    def alltoall_among(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, members: Sequence[int],
+                       stream: int | None = None) -> None:
+        """alltoall's blocks between this rank and the member indices `members` only (every one of them
+        names this rank in its own call): send block i to member i, receive member i's block into
+        recv block i; the other blocks are left as they are. Raises UsageError where the collectives
+        cannot (the groups within one node: their peer kernels write there directly)."""
+        raise UsageError(f"group {self.group.name!r}: the collectives of this group cannot move a subset of an "
+                         "alltoall (only those of a group spanning nodes can)")
 
     @abc.abstractmethod
     def close(self) -> None: ...

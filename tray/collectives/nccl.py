@@ -330,6 +330,20 @@ class NcclGroup(Collectives):
                 self._call("ncclRecv", _RECV, self._mod.recv,
                            recv_ptr + peer * chunk, count, dt, peer, self.comm, self._stream(stream))
 
+    def alltoall_among(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, members: Sequence[int],
+                       stream: int | None = None) -> None:
+        """alltoall's blocks with the members `members` only: one NCCL group of a send and a recv of
+        `count` elements per listed member."""
+        self._live("alltoall")
+        dt = nccl_dtype(dtype)
+        chunk = count * itemsize(dtype)
+        with self.batch():
+            for peer in members:
+                self._call("ncclSend", _SEND, self._mod.send,
+                           send_ptr + peer * chunk, count, dt, self._peer(peer), self.comm, self._stream(stream))
+                self._call("ncclRecv", _RECV, self._mod.recv,
+                           recv_ptr + peer * chunk, count, dt, self._peer(peer), self.comm, self._stream(stream))
+
     def send(self, ptr: int, count: int, dtype: str, peer_index: int, stream: int | None = None) -> None:
         """Send `count` elements to member `peer_index`, which must post the matching recv (pair
         them inside `batch()` when both sides send and receive)."""

@@ -8,7 +8,7 @@ root bounds the step by the caller's timeout and names the members that never ar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -151,6 +151,15 @@ class RelayCollectives(Collectives):
         parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
         me = self.group.index
         self._out(recv_ptr, np.concatenate([self._typed(p, dtype)[me * count:(me + 1) * count] for p in parts]))
+
+    def alltoall_among(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, members: Sequence[int],
+                       stream: int | None = None) -> None:
+        # NOTE: every member of the group takes part in the relayed step (its voters are the instance), so
+        # this rank's whole send buffer travels; only the listed members' blocks are written
+        parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
+        me, nbytes = self.group.index, count * numpy_dtype(dtype).itemsize
+        for i in members:
+            view(recv_ptr + i * nbytes, nbytes)[:] = np.frombuffer(parts[i], np.uint8)[me * nbytes:(me + 1) * nbytes]
 
     def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
         parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)

@@ -25,6 +25,7 @@ from tray.manifest.expr import (
     split_ref,
 )
 from tray.manifest.schema import (
+    ACROSS,
     COLLECTIVES,
     DTYPE_ITEMSIZE,
     FORMAT_VERSION,
@@ -47,6 +48,7 @@ from tray.manifest.schema import (
     OpSpec,
     ProgramSpec,
     Ranks,
+    StageSpec,
     StateSpec,
 )
 
@@ -72,9 +74,9 @@ KERNEL_KEYS = ("name", "source", "entry", "options", "peers", "programmatic")
 PROGRAM_KEYS = ("name", "graph", "ops")
 # op type -> (allowed keys, required keys)
 OP_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "launch": (("op", "kernel", "grid", "block", "shmem", "args"), ("kernel", "grid", "block")),
+    "launch": (("op", "kernel", "grid", "block", "shmem", "args", "stage"), ("kernel", "grid", "block")),
     "nccl": (
-        ("op", "collective", "group", "send", "recv", "count", "dtype", "peer"),
+        ("op", "collective", "group", "send", "recv", "count", "dtype", "peer", "across"),
         ("collective", "group", "send", "recv", "count", "dtype"),
     ),
     "gemm": (
@@ -542,17 +544,22 @@ class _Parser:
                 block, block_paths = self.dim3(spec["block"], child(jp, "block"))
                 ajp = child(jp, "args")
                 args = self.list_(spec.get("args", []), ajp, "kernel arguments")
+                parsed = tuple(self.launch_arg(a, child(ajp, k)) for k, a in enumerate(args))
+                stage = self.stage(spec["stage"], child(jp, "stage"), parsed) if "stage" in spec else ()
                 return LaunchSpec(
-                    kernel, grid, block, ints.get("shmem", 0),
-                    tuple(self.launch_arg(a, child(ajp, k)) for k, a in enumerate(args)), jp,
-                    grid_paths + block_paths,
+                    kernel, grid, block, ints.get("shmem", 0), parsed, jp, grid_paths + block_paths, stage,
                 )  # fmt: skip
             case "nccl":
                 collective = self.ref(spec["collective"], child(jp, "collective"), "collective", COLLECTIVES)
                 if (collective == "sendrecv") != ("peer" in spec):
                     self.fail(jp, "'peer' is required for collective sendrecv and allowed only there")
+                across = ""
+                if "across" in spec:
+                    across = self.ref(spec["across"], child(jp, "across"), "across", ACROSS)
+                    if collective != "alltoall":
+                        self.fail(child(jp, "across"), f"'across' is for collective alltoall only, got {collective}")
                 return CollectiveSpec(
-                    collective, group, refs["send"], refs["recv"], ints["count"], dtype, ints.get("peer"), jp
+                    collective, group, refs["send"], refs["recv"], ints["count"], dtype, ints.get("peer"), jp, across
                 )
             case "gemm":
                 accumulate = self.bool_(spec.get("accumulate", False), child(jp, "accumulate"))
@@ -575,6 +582,23 @@ class _Parser:
             dims = [self.expr(d, child(jp, k), 1) for k, d in enumerate(raw)] + [1] * (3 - len(raw))
             return (dims[0], dims[1], dims[2]), (child(jp, 0), child(jp, 1), child(jp, 2))
         return (self.expr(raw, jp, 1), 1, 1), (jp, jp, jp)
+
+    def stage(self, raw: object, jp: str, args: tuple[str | int | float, ...]) -> tuple[StageSpec, ...]:
+        """`{"<buffer>": {"buffer": "<buffer ref>", "block": <bytes>}, ...}`: each key a `peers:<buffer>`
+        argument of the launch (StageSpec says what it means)."""
+        if not isinstance(raw, dict):
+            self.fail(jp, f"expected an object (peer table -> staging), got {show(raw)}")
+        tables = [a[len(PEERS_PREFIX):] for a in args if isinstance(a, str) and a.startswith(PEERS_PREFIX)]
+        out = []
+        for name, item in raw.items():
+            sjp = child(jp, name)
+            if name not in tables:
+                self.fail(sjp, f"'{cut(name)}' is not a peer table of this launch; its peers: arguments: "
+                          f"{', '.join(tables) or 'none'}")
+            spec = self.obj(item, sjp, "staging", ("buffer", "block"), ("buffer", "block"))
+            out.append(StageSpec(name, self.buffer_ref(spec["buffer"], child(sjp, "buffer")),
+                                 self.expr(spec["block"], child(sjp, "block"), 1), sjp))
+        return tuple(out)
 
     def buffer_ref(self, raw: object, jp: str) -> str:
         """`"buf"` or `"buf@offset_expr"` (bytes); the buffer must be declared."""

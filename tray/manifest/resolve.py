@@ -41,7 +41,9 @@ from tray.manifest.schema import (
     ResolvedManifest,
     ResolvedOp,
     ResolvedProgram,
+    ResolvedStage,
     ResolvedState,
+    StageSpec,
 )
 
 Instances = tuple[tuple[int, ...], ...]
@@ -175,6 +177,7 @@ class _Resolver:
                     self.int_(spec.shmem, f"{jp}.shmem", 0),
                     tuple(self.arg(a, f"{jp}.args[{k}]") for k, a in enumerate(spec.args)),
                     jp,
+                    tuple(self.stage(s) for s in spec.stage),
                 )
             case CollectiveSpec():
                 return self.collective(spec)
@@ -211,7 +214,15 @@ class _Resolver:
         what = f"{coll} of count {count} {spec.dtype} over group '{spec.group}' ({group_size} ranks)"
         send = self.room(spec.send, f"{jp}.send", send_elems * item, what)
         recv = self.room(spec.recv, f"{jp}.recv", recv_elems * item, what)
-        return ResolvedCollective(coll, spec.group, send, recv, count, spec.dtype, peer, jp)
+        return ResolvedCollective(coll, spec.group, send, recv, count, spec.dtype, peer, jp, spec.across)
+
+    def stage(self, spec: StageSpec) -> ResolvedStage:
+        """A staging buffer holds one block per member of the peer table's group (the largest instance)."""
+        block = self.int_(spec.block, f"{spec.json_path}.block", 1)
+        group = self.buffers[spec.peers].group
+        size = max(len(inst) for inst in self.groups[group])
+        what = f"staging of peers:{spec.peers} ({size} members x {block} B)"
+        return ResolvedStage(spec.peers, self.room(spec.buffer, f"{spec.json_path}.buffer", size * block, what), block)
 
     def ref(self, text: str, jp: str) -> BufferRef:
         name, offset_expr = split_ref(text)

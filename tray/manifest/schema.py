@@ -19,6 +19,8 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 
 OP_TYPES = ("launch", "nccl", "gemm", "barrier", "copy")
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
+# `nccl` ops' "across": which blocks of an alltoall move ("nodes": only those between nodes)
+ACROSS = ("nodes",)
 WORLD = "world"
 WORLD_SIZE_VAR = "world_size"
 # Launch arguments that differ per rank (everything else is the same on every rank):
@@ -90,9 +92,24 @@ LaunchArg = str | int | float
 
 
 @dataclass(frozen=True)
+class StageSpec:
+    """Where a launch's peer table of buffer `peers` points for members on another node (a group that
+    spans nodes: no peer mapping between nodes): at `buffer` (a buffer reference on this rank), block by
+    block. The kernel writes block `me` of member g's buffer (`block` bytes at me * block); for g on
+    another node its table entry is buffer + (g - me) * block, so that write lands in block g of the
+    staging buffer, from where a `nccl` alltoall with `"across": "nodes"` carries it to member g."""
+
+    peers: str
+    buffer: str
+    block: IntOrExpr
+    json_path: str
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """`launch`: kernel `kernel` on `grid` x `block` (missing trailing dims are 1) with `shmem` bytes of
-    dynamic shared memory. `dim_paths` holds the JSON path of each grid then block dimension."""
+    dynamic shared memory. `dim_paths` holds the JSON path of each grid then block dimension. `stage`:
+    the staging of its peer tables for members on other nodes (StageSpec), by peer-table buffer."""
 
     op: ClassVar[str] = "launch"  # the JSON name of the op kind
 
@@ -103,12 +120,14 @@ class LaunchSpec:
     args: tuple[LaunchArg, ...]
     json_path: str
     dim_paths: tuple[str, ...] = field(default=(), compare=False)
+    stage: tuple[StageSpec, ...] = ()
 
 
 @dataclass(frozen=True)
 class CollectiveSpec:
     """`nccl` (the collectives of a group): `count` elements of `dtype` per rank; `peer` (a member
-    index) only for sendrecv."""
+    index) only for sendrecv. `across` "nodes" (alltoall only): only the blocks between members on
+    different nodes move (within a node, peer kernels wrote them already); on one node nothing runs."""
 
     op: ClassVar[str] = "nccl"  # the JSON name of the op kind
 
@@ -120,6 +139,7 @@ class CollectiveSpec:
     dtype: str
     peer: IntOrExpr | None
     json_path: str
+    across: str = ""
 
 
 @dataclass(frozen=True)
@@ -284,6 +304,15 @@ class ResolvedArg:
 
 
 @dataclass(frozen=True)
+class ResolvedStage:
+    """StageSpec resolved: peer table of `peers`, members on other nodes at `buffer` + (g - me) * `block`."""
+
+    peers: str
+    buffer: BufferRef
+    block: int
+
+
+@dataclass(frozen=True)
 class ResolvedLaunch:
     op: ClassVar[str] = "launch"  # the JSON name of the op kind
 
@@ -293,6 +322,11 @@ class ResolvedLaunch:
     shmem: int
     args: tuple[ResolvedArg, ...]
     json_path: str
+    stage: tuple[ResolvedStage, ...] = ()
+
+    def staged(self, peers: str) -> ResolvedStage | None:
+        """The staging of peer table `peers`, None when the op stages none."""
+        return next((s for s in self.stage if s.peers == peers), None)
 
 
 @dataclass(frozen=True)
@@ -309,6 +343,7 @@ class ResolvedCollective:
     dtype: str
     peer: int | None
     json_path: str
+    across: str = ""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Graph
+from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Graph, PtrTable
 from tray.backend.wait import Pending
 from tray.errors import ManifestError, UsageError
 from tray.handshake.steps import spans_nodes
@@ -25,6 +25,7 @@ from tray.manifest.schema import (
     ResolvedManifest,
     ResolvedOp,
     ResolvedProgram,
+    ResolvedStage,
 )
 from tray.rank.wiring import RankContext
 
@@ -58,11 +59,12 @@ def spanning_problems(resolved: ResolvedManifest, local_world_size: int,
                       programs: tuple[ResolvedProgram, ...] | None = None) -> list[tuple[str, str]]:
     """Ops of `programs` (default: every program of `resolved`) that cannot run when groups span nodes, as
     (JSON path of the op, what is wrong): launches of `"peers": true` kernels on the peer table of a buffer
-    whose group spans nodes (peer tables exist only within a node: no fabric handles between nodes). Each
-    problem names the program, the group and what to change. A program is checked when it is bound (its
-    first run), so a manifest whose other programs run over such a group (a collective path) still
-    launches. (A barrier over such a group is hierarchical, capturable; where it falls back to the relayed
-    barrier, a capture of it is refused when it is made: tray/collectives/relay.py.)"""
+    whose group spans nodes (peer tables exist only within a node: no fabric handles between nodes), unless
+    the launch stages that table (its "stage": members on other nodes written to a local buffer, carried
+    by an alltoall "across": "nodes"). Each problem names the program, the group and what to change. A
+    program is checked when it is bound (its first run), so a manifest whose other programs run over such
+    a group still launches. (A barrier over such a group is hierarchical, capturable; where it falls back
+    to the relayed barrier, a capture of it is refused when it is made: tray/collectives/relay.py.)"""
     problems = []
     kernels = {k.name: k for k in resolved.manifest.kernels}
     for program in resolved.programs.values() if programs is None else programs:
@@ -73,7 +75,7 @@ def spanning_problems(resolved: ResolvedManifest, local_world_size: int,
             if kernel is None or not kernel.peers:
                 continue
             for arg in op.args:
-                if arg.kind != "peers" or arg.name is None:
+                if arg.kind != "peers" or arg.name is None or op.staged(arg.name) is not None:
                     continue
                 group = resolved.buffer(arg.name).group
                 spanning = [m for m in resolved.groups[group] if spans_nodes(m, local_world_size)]
@@ -82,7 +84,8 @@ def spanning_problems(resolved: ResolvedManifest, local_world_size: int,
                         op.json_path, f"program {program.name!r} launches peers kernel {kernel.name!r} on the peer "
                         f"table of {arg.name!r}, whose group {group!r} spans nodes (instance {list(spanning[0])} with "
                         f"{local_world_size} ranks per node); peer tables exist only within a node: give the buffer a "
-                        "group that stays within one node, or use a collective"))
+                        "group that stays within one node, stage the table for the other nodes (\"stage\" on the "
+                        "launch, then an alltoall with \"across\": \"nodes\"), or use a collective"))
     return problems
 
 
@@ -120,6 +123,7 @@ class Executor:
         self.wiring = ctx.wiring
         self.barrier_timeout_s = barrier_timeout_s
         self._plans: dict[tuple[str, tuple[tuple[str, int], ...]], Plan] = {}
+        self._tables: list[PtrTable] = []  # staged peer tables of the plans, closed with them
         self._programmatic = {k.name: k.programmatic for k in ctx.manifest.kernels}
 
     def run(self, program: str, vars: dict[str, int]) -> None:
@@ -180,7 +184,7 @@ class Executor:
             case ResolvedLaunch():
                 kernel = self.ctx.kernel(op.kernel)
                 programmatic = self._programmatic.get(op.kernel, False)
-                return kernel.bind(op.grid, op.block, [self._arg(a) for a in op.args], op.shmem,
+                return kernel.bind(op.grid, op.block, [self._arg(a, op) for a in op.args], op.shmem,
                                    programmatic=programmatic).launch
             case ResolvedCollective():
                 return self._collective(op)
@@ -198,12 +202,15 @@ class Executor:
                 src, dst, nbytes = self._ptr(op.src), self._ptr(op.dst), op.nbytes
                 return lambda: backend.copy(dst, src, nbytes)
 
-    def _arg(self, arg: ResolvedArg) -> int | float:
+    def _arg(self, arg: ResolvedArg, op: ResolvedLaunch) -> int | float:
         if arg.kind == "buffer":
             assert arg.name is not None
             return self.wiring.buffers[arg.name].ptr + arg.offset
         if arg.kind == "peers":
             assert arg.name is not None
+            stage = op.staged(arg.name)
+            if stage is not None and self.wiring.spec(arg.name).group in self.wiring.spanning:
+                return self._staged_table(stage)
             return self.wiring.peers(arg.name).table_ptr
         if arg.kind == "rank":
             return self.ctx.rank
@@ -212,9 +219,32 @@ class Executor:
             return self.wiring.group(arg.name).index
         return arg.value
 
+    def _staged_table(self, stage: ResolvedStage) -> int:
+        """The peer table of `stage.peers` (group spanning nodes) for one launch: this node's members at
+        their mappings, each member g on another node at staging + (g - me) * block (ResolvedStage). Made
+        once per plan, on the device; closed with the executor."""
+        group = self.wiring.group(self.wiring.spec(stage.peers).group)
+        node = self.wiring.peer_tables[stage.peers]  # the node's part of the group (lifecycle._mapping_group)
+        mapped = dict(zip(node.group.members, node.ptrs))
+        base = self._ptr(stage.buffer)
+        ptrs = [mapped.get(m, base + (i - group.index) * stage.block) for i, m in enumerate(group.members)]
+        table = self.ctx.backend.ptr_table(ptrs)
+        self._tables.append(table)
+        return table.ptr
+
     def _collective(self, op: ResolvedCollective) -> Step:
-        coll = self.wiring.collectives_of(op.group, self.ctx.exchange)
         send, recv, count, dtype = self._ptr(op.send), self._ptr(op.recv), op.count, op.dtype
+        if op.across == "nodes":
+            # only the blocks of members on other nodes move; on one node nothing runs (and nothing joins)
+            env = self.wiring.env
+            per_node = env.local_world_size or env.world_size
+            members = [i for i, m in enumerate(self.wiring.group(op.group).members)
+                       if m // per_node != env.rank // per_node]
+            if not members:
+                return lambda: None
+            among = self.wiring.collectives_of(op.group, self.ctx.exchange)
+            return lambda: among.alltoall_among(send, recv, count, dtype, members)
+        coll = self.wiring.collectives_of(op.group, self.ctx.exchange)
         if op.peer is not None:
             peer = op.peer
             return lambda: coll.sendrecv(send, recv, count, dtype, peer)
@@ -225,3 +255,5 @@ class Executor:
         for plan in self._plans.values():
             plan.close()
         self._plans.clear()
+        while self._tables:
+            self._tables.pop().close()

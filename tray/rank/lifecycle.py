@@ -175,9 +175,9 @@ def _leaders_join_info(parts: Parts, joiner: collectives.Joiner) -> dict[str, by
 
 
 def _exported(parts: Parts) -> list[str]:
-    """The names of the buffers this rank exports: the exported manifest buffers and the tray's own,
-    less those of groups that span nodes (peer mappings stay within a node; a spanning group's own
-    node-local buffers are mapped within its node)."""
+    """The names of the buffers this rank exports: the exported manifest buffers and the tray's own. Those
+    of a group that spans nodes are mapped within this node only (peer mappings stay within a node): their
+    node tables serve launches that stage the other nodes' members (tray/rank/executor.py)."""
     assert parts.resolved is not None and parts.buffers is not None
     export = {b.name for b in parts.resolved.buffers if b.export}
     return [n for n in parts.buffers if (n.startswith(INTERNAL_PREFIX) or n in export)
@@ -193,14 +193,12 @@ def _group_of_buffer(parts: Parts, name: str) -> str:
 
 
 def _mapping_group(parts: Parts, name: str) -> GroupInfo | None:
-    """The members that map buffer `name`: its group, or the node's part of a spanning group for the
-    span buffers; None for other buffers of a spanning group (and groups this rank is not in)."""
+    """The members that map buffer `name`: its group, or the node's part of a group that spans nodes
+    (None for groups this rank is not in)."""
     assert parts.groups is not None
     group = _group_of_buffer(parts, name)
-    if name.startswith((SPAN_FLAGS_PREFIX, SPAN_BUFFER_PREFIX)):
+    if name.startswith((SPAN_FLAGS_PREFIX, SPAN_BUFFER_PREFIX)) or group in parts.spanning:
         return parts.span_local.get(group)
-    if group in parts.spanning:
-        return None
     return parts.groups.get(group)
 
 

@@ -40,10 +40,12 @@ other rank at once (copy engines and a kernel; the faster counts).
 
 With --nnodes N (N >= 2) the EP-N tray is a job of N nodes on this machine (tray/bench/nodes.py: one
 `tray launch --nnodes N` per node, -n / N ranks each, on cuda its share of the GPUs and its own
-NCCL_HOSTID, so NCCL crosses between the nodes over its network transport). Peer tables exist only
-within a node, so across nodes the whole exchange runs the NCCL path (dispatch and combine kernels into
-local send buffers, all-to-alls over the world group that spans the nodes); that path's rows are checked
-against EP1 (one tray, as always) byte for byte, and the report says `"cross_node_path": "nccl"`.
+NCCL_HOSTID, so NCCL crosses between the nodes over its network transport). Peer mappings exist only
+within a node: the peer path's dispatch and combine kernels write this node's members through the peer
+tables and the other nodes' rows into local staging blocks, which one all-to-all across nodes carries
+(NCCL); the NCCL path runs beside it. Both are checked against EP1 (one tray, as always) byte for byte;
+the low-latency mode and the ceiling need peer mappings to every member and are not run. The report
+says `"nnodes"` and `"cross_node_path"`.
 """
 
 from __future__ import annotations
@@ -113,9 +115,14 @@ class EpBenchArgs:
     nnodes: int = 1
 
 
+# what carries the rows between nodes in a job of several (DESIGN section 10: peer tables within a node)
+CROSS_NODE_PATH = "peer path within a node, its rows for other nodes staged and carried by an NCCL all-to-all"
+
+
 def paths_of(a: EpBenchArgs) -> tuple[str, ...]:
-    """The EP-N paths checked against EP1: all on one node; the NCCL path alone across nodes."""
-    return PATHS if a.nnodes == 1 else ("nccl",)
+    """The EP-N paths checked against EP1: all on one node; across nodes the peer path (staged between
+    nodes) and the NCCL path (the low-latency mode waits on every member's flags: within a node only)."""
+    return PATHS if a.nnodes == 1 else ("peer", "nccl")
 
 
 def validate(a: EpBenchArgs) -> None:
@@ -158,8 +165,8 @@ def validate(a: EpBenchArgs) -> None:
         parse_routing(r)
     capacity(a.capacity, a.nprocs, 1, a.topk, a.experts)
     if a.nnodes > 1 and a.plot_path:
-        raise UsageError("--plot draws the peer path against NCCL; a job of several nodes runs the NCCL path alone: "
-                         "leave out --plot or --nnodes")
+        raise UsageError("--plot draws the one-node figures (the low-latency mode among them); leave out --plot or "
+                         "--nnodes")
     for b in a.budgets:
         if b != "all" and not (b.isdigit() and int(b) >= 1):
             raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
@@ -258,7 +265,7 @@ def launch(
         "gemm": a.gemm,
         "seed": a.seed,
         "backend": a.backend,
-        # NOTE: the SM budgets apply to the peer kernels, which a job of several nodes does not run
+        # NOTE: across nodes one budget (the whole GPU): the figure there is the exchange between nodes
         "budgets": list(a.budgets) if nprocs > 1 and a.nnodes == 1 else ["all"],
         "repeats": a.repeats,
         "warmup": a.warmup,
@@ -430,8 +437,8 @@ def summarize(
 def summarize_nodes(
     a: EpBenchArgs, per_rank: list[dict[str, Any]], ep1: dict[str, Any], facts: dict[str, Any], work: Path
 ) -> list[dict[str, Any]]:
-    """The runs of a job of several nodes: the NCCL path (the one that crosses nodes) against EP1, checks
-    and µs (slowest rank), and the ratio of its layer to EP1's."""
+    """The runs of a job of several nodes: the peer path (staged between nodes) and the NCCL path against
+    EP1, checks and µs (slowest rank), and the ratios of the layers."""
     budget = list(per_rank[0]["runs"][0]["us"])[0]
     phases = peer_phases(a.gemm)
     runs = []
@@ -439,38 +446,47 @@ def summarize_nodes(
         label = r0["label"]
         e1 = ep1["runs"][i]
         e1_us = e1["us"][next(iter(e1["us"]))]
-        us = {"nccl": {p: _slowest(per_rank, i, budget, k) for p, k in NCCL_PHASES.items()},
+        us = {"peer": {p: _slowest(per_rank, i, budget, p) for p in phases if not p.endswith("_ll")},
+              "nccl": {p: _slowest(per_rank, i, budget, k) for p, k in NCCL_PHASES.items()},
               "ep1": {p: e1_us[p] for p in phases}}
         timing = dict(r0.get("timing", {}))
+        dc = {k: us[k]["dispatch"] + us[k]["combine"] for k in ("peer", "nccl")}
         runs.append({
             "label": label,
             **facts[label],
-            "timing": {"nccl": {p: timing.get(k, "captured") for p, k in NCCL_PHASES.items()}, "ep1": "captured"},
+            "timing": {"peer": "captured", "nccl": {p: timing.get(k, "captured") for p, k in NCCL_PHASES.items()},
+                       "ep1": "captured"},
             "global_tokens": a.nprocs * facts[label]["tokens_per_rank"],
             "checks": summarize_checks(a, per_rank, e1, i, label, work),
             "us": us,
-            "ratios": {"nccl_layer_vs_ep1_layer": us["nccl"]["layer"] / us["ep1"]["layer"]},
+            "ratios": {"peer_dispatch_combine_vs_nccl": dc["peer"] / dc["nccl"],
+                       "peer_layer_vs_nccl_layer": us["peer"]["layer"] / us["nccl"]["layer"],
+                       "epn_layer_vs_ep1_layer": us["peer"]["layer"] / us["ep1"]["layer"]},
         })
     return runs
 
 
 def print_report_nodes(report: dict[str, Any]) -> None:
-    """The short table of a job of several nodes (the NCCL path and EP1)."""
+    """The short table of a job of several nodes (peer path staged between nodes, NCCL path, EP1)."""
     s, G, nn = report["shape"], report["nprocs"], report["nnodes"]
     print(f"ep-moe: {G} ranks on {nn} nodes ({G // nn} per node), {report['backend']} backend; hidden {s['hidden']}, "
-          f"{s['experts']} experts, top-{s['topk']}, expert dim {s['ffn']}; across nodes the exchange runs the "
-          f"{report['cross_node_path']} path; µs, slowest rank")
+          f"{s['experts']} experts, top-{s['topk']}, expert dim {s['ffn']}; between nodes: "
+          f"{report['cross_node_path']}; µs, slowest rank")
     head = ("dispatch", "experts", "combine", "reduce", "layer")
     print(f"  {'run':<16} {'path':<12} " + " ".join(f"{h:>9}" for h in head))
     for run in report["runs"]:
         for path, u in run["us"].items():
-            name = f"EP{G} {path}" if path == "nccl" else path
+            name = path if path == "ep1" else f"EP{G} {path}"
             print(f"  {run['label']:<16} {name:<12} " + " ".join(f"{u.get(h, float('nan')):>9.1f}" for h in head))
         c = run["checks"]
         rel = c["ep1_vs_float64_rel_err"]
-        print(f"  {'':<16} NCCL rows differing from EP1: {c['nccl_rows_differ_from_ep1']}/{c['rows']}; after "
-              f"rerun equal {c['after_replay_equal']}; layout reports {c['layout_reports_ok']}; EP1 vs float64 "
-              f"{'not checked' if rel is None else f'{rel:.2e}'}; {'PASSED' if c['passed'] else 'FAILED'}")
+        r = run["ratios"]
+        print(f"  {'':<16} peer d+c / NCCL d+c {r['peer_dispatch_combine_vs_nccl']:.2f}; peer layer / NCCL layer "
+              f"{r['peer_layer_vs_nccl_layer']:.2f}; EP{G} layer / EP1 layer {r['epn_layer_vs_ep1_layer']:.2f}")
+        print(f"  {'':<16} rows differing from EP1: peer {c['peer_rows_differ_from_ep1']}/{c['rows']}, NCCL "
+              f"{c['nccl_rows_differ_from_ep1']}/{c['rows']}; after replays equal {c['after_replay_equal']}; layout "
+              f"reports {c['layout_reports_ok']}; EP1 vs float64 {'not checked' if rel is None else f'{rel:.2e}'}; "
+              f"{'PASSED' if c['passed'] else 'FAILED'}")
     print("PASSED" if report["passed"] else "FAILED")
 
 
@@ -617,7 +633,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         done(f"{len(runs_n)} runs prepared")
         try:
             where = (f"tray: {len(runs_n)} runs x SM budgets {','.join(a.budgets)}" if a.nnodes == 1 else
-                     f"job of {a.nnodes} nodes ({a.nprocs // a.nnodes} ranks each): {len(runs_n)} runs, NCCL path")
+                     f"job of {a.nnodes} nodes ({a.nprocs // a.nnodes} ranks each): {len(runs_n)} runs, peer and NCCL")
             stage("ep-moe", 2, 4, f"EP{a.nprocs} {where}")
             per_rank = launch(a, a.nprocs, runs_n, launch_vars(a, max(a.tokens), max_cap), work, "epn")
             done(f"EP{a.nprocs} done")
@@ -641,7 +657,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "nprocs": a.nprocs,
         "nnodes": a.nnodes,
         # across nodes: which path carried the exchange between them (peer tables stay within a node)
-        "cross_node_path": "nccl" if a.nnodes > 1 else None,
+        "cross_node_path": CROSS_NODE_PATH if a.nnodes > 1 else None,
         "ranks_nnodes": sorted({r.get("nnodes", 1) for r in per_rank}),  # the node counts the EP-N ranks saw
         "backend": a.backend,
         "shape": {"hidden": a.hidden, "experts": a.experts, "topk": a.topk, "ffn": a.expert_dim},

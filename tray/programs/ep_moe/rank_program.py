@@ -8,9 +8,10 @@ layout reports (rows per expert, dropped pairs, bad ids) against the head's pred
 (the head compares them with EP1 byte for byte); then time every phase captured, at each SM budget;
 then replay the captured layer once more and check its output equals the eager one. A 1-rank tray is
 EP1: the same programs (the dispatch is a local copy), no NCCL path, plus a float64 reference of sampled
-tokens. In a job of several nodes (world spanning nodes: no peer tables across them) the whole exchange
-runs the NCCL path (its dispatch and combine kernels write local send buffers, the all-to-alls cross the
-nodes); the peer programs are never bound there (they would be refused, naming the group).
+tokens. In a job of several nodes (world spanning nodes: no peer mappings across them) the peer path's
+dispatch and combine write this node's members through the peer tables and stage the other nodes' rows
+locally, and an all-to-all across nodes carries those (manifests/ep_moe.json, "stage" and "across"); the
+NCCL path runs as on one node; the low-latency mode and the ceiling (peer-only) are not run there.
 
 The NCCL path's programs are timed as cfg["nccl_timing"] says: "eager" (default: launched from Python
 between an eager barrier and device events, the peer path's dispatch/combine/layer timed the same way
@@ -92,10 +93,12 @@ class MoeRank:
     @property
     def paths(self) -> list[str]:
         """The paths this tray checks against EP1: EP1 runs the peer path and its low-latency mode (local
-        copies), one node all three, a job of several nodes the NCCL path alone."""
+        copies), one node all three; a job of several nodes the peer path (peer tables within a node, the
+        other nodes' rows staged and carried by all-to-alls across nodes) and the NCCL path. The low-latency
+        mode waits on device flags of every member: within a node only."""
         if self.ep1:
             return ["peer", "ll"]
-        return ["nccl"] if self.nnodes > 1 else ["peer", "ll", "nccl"]
+        return ["peer", "nccl"] if self.nnodes > 1 else ["peer", "ll", "nccl"]
 
     # --- device setup ---------------------------------------------------------------------------------------
     def launch(self, kernel: str, total: int, args: list[Any]) -> None:
@@ -156,21 +159,7 @@ class MoeRank:
             fanout = [("fanout", v)]
         dispatch_ll: Steps = [("dispatch_ll" if masked else "dispatch_ll_fanout", v)]
         arrive: Steps = [("dispatch", v), ("layout", v), *fanout]
-        local: dict[str, Steps] = {
-            "layout": [("layout", v)],
-            **({} if masked else {"fanout": fanout}),
-            "experts": experts,
-            "reduce": [("reduce", v)],
-        }
-        arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), *fanout]
-        nccl: dict[str, Steps] = {
-            "dispatch_nccl": arrive_nccl,
-            "combine_nccl": [("combine_nccl", v)],
-            "layer_nccl": [*arrive_nccl, *experts, ("combine_nccl", v), ("reduce", v)],
-        }
-        if "peer" not in self.paths:
-            return {**local, **nccl}
-        out = {
+        out: dict[str, Steps] = {
             "dispatch": arrive,
             "dispatch_send": [("dispatch", v)],
             "layout": [("layout", v)],
@@ -179,13 +168,22 @@ class MoeRank:
             "combine": [("combine", v)],
             "reduce": [("reduce", v)],
             "layer": [*arrive, *experts, ("combine", v), ("reduce", v)],
-            # the low-latency mode: one kernel per direction, the same bytes
-            "dispatch_ll": dispatch_ll,
-            "combine_ll": [("combine_ll", v)],
-            "layer_ll": [*dispatch_ll, *experts, ("combine_ll", v)],
         }
+        if "ll" in self.paths:  # the low-latency mode: one kernel per direction, the same bytes
+            out.update({
+                "dispatch_ll": dispatch_ll,
+                "combine_ll": [("combine_ll", v)],
+                "layer_ll": [*dispatch_ll, *experts, ("combine_ll", v)],
+            })
         if "nccl" in self.paths:
-            out.update({**nccl, "ceiling": [("ceiling", v)]})
+            arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), *fanout]
+            out.update({
+                "dispatch_nccl": arrive_nccl,
+                "combine_nccl": [("combine_nccl", v)],
+                "layer_nccl": [*arrive_nccl, *experts, ("combine_nccl", v), ("reduce", v)],
+            })
+        if self.nnodes == 1 and not self.ep1:  # the NVLink ceiling: peer copies to every member
+            out["ceiling"] = [("ceiling", v)]
         return out
 
     def budget_vars(self, run: dict[str, Any], sms: int) -> dict[str, int]:
@@ -229,7 +227,7 @@ class MoeRank:
             outputs[path] = out
             tag = ("ep1" if path == "peer" else f"ep1_{path}") if self.ep1 else f"{path}_r{self.me}"
             np.save(out_dir / f"{label}_{tag}.npy", out)
-        if "peer" in outputs:
+        if "ll" in outputs:
             checks["ll_equals_peer"] = bool(np.array_equal(outputs["ll"], outputs["peer"]))
         if "peer" in outputs and "nccl" in outputs:
             checks["nccl_equals_peer"] = bool(np.array_equal(outputs["nccl"], outputs["peer"]))
