@@ -288,12 +288,56 @@ def test_peers_kernel_over_a_spanning_group_is_refused_when_its_program_is_bound
         rank.run("fill")
     """
     runs = finish(start_job(tray_env, body, "--manifest", str(manifest)), timeout_s=40)
-    assert "[rank 0] sync ran 0" in runs[0].stdout and "[rank 3] sync ran 3" in runs[1].stdout, runs[0].output
+    # the job formed, and a rank ran the barrier program before it bound the peers one
+    assert all("every node is ready" in run.stderr for run in runs), runs[0].output
+    assert any("sync ran" in run.output for run in runs), runs[0].output
     for run in runs:
         assert run.returncode != 0, run.output
         cause = _root_cause(run)
         assert "ManifestError" in cause, run.output
         assert "group 'world' spans nodes" in run.stderr and "peer_fill" in run.stderr, run.output
+
+
+def test_a_staged_peers_kernel_spans_nodes(tray_env, tmp_path):
+    manifest = tmp_path / "staged.json"
+    kernel = MANIFESTS / "kernels" / "peer_fill.cu"
+    manifest.write_text(f"""{{"format": 1, "name": "staged", "vars": {{"words": 64}},
+      "groups": [{{"name": "world", "ranks": "all"}}],
+      "buffers": [{{"name": "fill", "dtype": "u32", "shape": ["world_size * words"], "export": true}},
+                  {{"name": "stage", "dtype": "u32", "shape": ["world_size * words"]}}],
+      "kernels": [{{"name": "peer_fill", "source": "{kernel}", "entry": "tray_peer_fill", "peers": true}}],
+      "programs": [{{"name": "fill", "ops": [
+        {{"op": "launch", "kernel": "peer_fill", "grid": [2, 1, 1], "block": [32, 1, 1],
+          "args": ["peers:fill", "world_size", "rank", "words", 7],
+          "stage": {{"fill": {{"buffer": "stage", "block": "words * 4"}}}}}},
+        {{"op": "nccl", "collective": "alltoall", "group": "world", "send": "stage", "recv": "fill",
+          "count": "words", "dtype": "u32", "across": "nodes"}},
+        {{"op": "barrier", "group": "world"}}]}}]}}""")
+    body = """
+    words = 64
+    def pattern(writer, owner):
+        return ((7 * 0x9E3779B1) & 0xFFFFFFFF) ^ (writer << 24) ^ (owner << 16) ^ np.arange(words, dtype=np.uint32)
+    with tray.init() as rank:
+        me = rank.rank
+        rank.write("fill", np.zeros(4 * words, np.uint32))
+        rank.write("stage", np.zeros(4 * words, np.uint32))
+        rank.barrier()
+        for _ in range(2):                                  # the plan (and its staged table) replayed
+            rank.run("fill")
+        fill = rank.read("fill").reshape(4, words)
+        for s in range(4):                                  # slot s: writer s's pattern for this rank
+            assert np.array_equal(fill[s], pattern(s, me).astype(np.uint32)), (s, fill[s][:4])
+        stage = rank.read("stage").reshape(4, words)
+        for g in range(4):                                  # staged: the other node's members only
+            want = pattern(me, g).astype(np.uint32) if g // 2 != me // 2 else np.zeros(words, np.uint32)
+            assert np.array_equal(stage[g], want), (g, stage[g][:4])
+        print("staged ok", me, flush=True)
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", str(manifest)), timeout_s=40)
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, run.output
+        for r in (2 * node, 2 * node + 1):
+            assert f"[rank {r}] staged ok {r}" in run.stdout, run.output
 
 
 def test_ep_moe_bench_across_two_nodes_equals_ep1(tray_env, tmp_path):
@@ -304,13 +348,15 @@ def test_ep_moe_bench_across_two_nodes_equals_ep1(tray_env, tmp_path):
                         "--json", str(out)], timeout_s=120)
     assert run.returncode == 0, run.output
     report = json.loads(out.read_text())
-    assert report["nnodes"] == 2 and report["cross_node_path"] == "nccl" and report["passed"], report
+    assert report["nnodes"] == 2 and "staged" in report["cross_node_path"] and report["passed"], report
     assert report["ranks_nnodes"] == [2], report        # every EP-N rank ran in a job of two nodes
     (r,) = report["runs"]
     c = r["checks"]
-    assert c["rows"] == 64 and c["nccl_rows_differ_from_ep1"] == 0 and c["nan_rows"] == 0, c
-    assert c["layout_reports_ok"] and c["after_replay_equal"], c
-    assert set(r["us"]) == {"nccl", "ep1"} and all(v > 0 for v in r["us"]["nccl"].values()), r["us"]
+    # the peer path (staged between the nodes) and the NCCL path, each row equal to EP1's
+    assert c["rows"] == 64 and c["peer_rows_differ_from_ep1"] == 0 and c["nccl_rows_differ_from_ep1"] == 0, c
+    assert c["nan_rows"] == 0 and c["layout_reports_ok"] and c["after_replay_equal"], c
+    assert set(r["us"]) == {"peer", "nccl", "ep1"} and "dispatch_ll" not in r["us"]["peer"], r["us"]
+    assert all(v > 0 for p in ("peer", "nccl") for v in r["us"][p].values()), r["us"]
     assert "2 nodes (2 per node)" in run.stdout and "PASSED" in run.stdout, run.output
 
 

@@ -129,7 +129,9 @@ def test_programs_are_described_with_their_collectives() -> None:
                     "nccl alltoall on group 'world' (8 x u32 per member), "
                     "nccl alltoall on group 'world' (256 x bf16 per member)")
     combine = m.resolve(2, vars_).program("combine")
-    assert describe_program("combine", {}, combine.ops) == "program 'combine': launch ep_combine, barrier 'world'"
+    assert describe_program("combine", {}, combine.ops) == (
+        "program 'combine': launch ep_combine, nccl alltoall across nodes on group 'world' (256 x bf16 per member), "
+        "barrier 'world'")
 
 
 # --- the facade's polling waits, on a fake driver ------------------------------------------------------

@@ -40,7 +40,8 @@ def describe_op(op: ResolvedOp) -> str:
         case ResolvedCollective():
             per = " per member" if op.collective in ("allgather", "reducescatter", "alltoall") else ""
             peer = f" with member {op.peer}" if op.peer is not None else ""
-            return f"nccl {op.collective} on group {op.group!r}{peer} ({op.count} x {op.dtype}{per})"
+            across = f" across {op.across}" if op.across else ""
+            return f"nccl {op.collective}{across} on group {op.group!r}{peer} ({op.count} x {op.dtype}{per})"
         case ResolvedGemm():
             return f"gemm {op.m}x{op.n}x{op.k}"
         case ResolvedBarrier():
