@@ -227,10 +227,14 @@ def test_ops_that_cannot_span_nodes_are_named():
            "programs": [{"name": "g", "graph": True, "ops": [{"op": "barrier", "group": "pairs"},
                                                             {"op": "barrier", "group": "world"}]},
                         {"name": "fill", "ops": [{"op": "launch", "kernel": "k", "grid": [1, 1, 1],
-                                                  "block": [32, 1, 1], "args": ["peers:fill", 4]}]}]}
+                                                  "block": [32, 1, 1], "args": ["peers:fill", 4]}]},
+                        {"name": "staged", "ops": [{"op": "launch", "kernel": "k", "grid": [1, 1, 1],
+                                                    "block": [32, 1, 1], "args": ["peers:fill", 4],
+                                                    "stage": {"fill": {"buffer": "fill", "block": "words * 4"}}}]}]}
     resolved = parse_manifest(doc, "<test>", str(MANIFESTS)).resolve(4)
     problems = spanning_problems(resolved, local_world_size=2)
     # a captured barrier over a spanning group is fine (hierarchical); a peers kernel on its table is not
+    # (nor one that stages the table for the other nodes)
     assert [path for path, _ in problems] == ["$.programs[1].ops[0]"], problems
     assert "whose group 'world' spans nodes" in problems[0][1]
     assert spanning_problems(resolved, local_world_size=4) == []   # one node: nothing spans

@@ -493,6 +493,17 @@ LOAD_ERRORS = [
     (_set((*OPS, 4, "dst"), 7), "$.programs[0].ops[4].dst", ["expected a string"]),
     (_set((*OPS, 4), "copy"), "$.programs[0].ops[4]", ['expected an object (op), got "copy"']),
     (_set(("buffers", 0, "bind"), {"a": float("inf")}), "$.buffers[0].bind.a", ["finite number"]),
+    (_set((*OPS, 0, "stage"), [1]), "$.programs[0].ops[0].stage", ["expected an object"]),
+    (
+        _set((*OPS, 0, "stage"), {"y": {"buffer": "y", "block": 4}}),
+        "$.programs[0].ops[0].stage.y",
+        ["'y' is not a peer table of this launch", "its peers: arguments: x"],
+    ),
+    (_set((*OPS, 0, "stage"), {"x": {"buffer": "y"}}), "$.programs[0].ops[0].stage.x", ["missing key 'block'"]),
+    (_set((*OPS, 0, "stage"), {"x": {"buffer": "q", "block": 4}}), "$.programs[0].ops[0].stage.x.buffer",
+     ["unknown buffer 'q'"]),
+    (_set((*OPS, 1, "across"), "nodes"), "$.programs[0].ops[1].across", ["'across' is for collective alltoall only"]),
+    (_set((*OPS, 1, "across"), "node"), "$.programs[0].ops[1].across", ["did you mean 'nodes'"]),
 ]
 
 
@@ -504,6 +515,25 @@ def test_load_errors_name_file_and_json_path(
     mutate(doc)
     path, exc = load_error(root, doc)
     assert_error(path, exc, json_path, *fragments)
+
+
+def test_staged_launch_and_alltoall_across_nodes_resolve(root: Path) -> None:
+    doc = full_doc()
+    ops = doc["programs"][0]["ops"]
+    ops[0]["stage"] = {"x": {"buffer": "y", "block": "tokens * hidden * 2"}}
+    ops.append({"op": "nccl", "collective": "alltoall", "group": "world", "send": "y", "recv": "y",
+                "count": "tokens * hidden // world_size", "dtype": "bf16", "across": "nodes"})
+    m = load_manifest(write(root, doc))
+    r = m.resolve(4)
+    launch, coll = r.program("step").ops[0], r.program("step").ops[-1]
+    assert isinstance(launch, ResolvedLaunch) and isinstance(coll, ResolvedCollective)
+    stage = launch.staged("x")
+    assert stage is not None and stage.buffer == BufferRef("y") and stage.block == 128 * 7168 * 2
+    assert launch.staged("y") is None and coll.across == "nodes"
+    # the staging buffer must hold one block per member of the table's group
+    ops[0]["stage"]["x"]["buffer"] = "x"
+    with pytest.raises(ManifestError, match=r"stage\.x\.buffer: staging of peers:x \(4 members x 1835008 B\) needs"):
+        load_manifest(write(root, doc)).resolve(4)
 
 
 def test_missing_kernel_source_names_the_path(root: Path) -> None:
