@@ -14,8 +14,9 @@
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json:
 # the spanning barrier hierarchical, eager / eager-sync / captured, next to the relayed barrier of the same run).
 # `ep-nodes2` runs `tray bench ep-moe -n 2 --nnodes 2` on GPUs 0 and 1 as two one-GPU nodes (each its own
-# NCCL_HOSTID): the exchange crosses the nodes on the NCCL path, checked against EP1 byte for byte
-# ($OUT/ep_moe_nodes2.json with the environment); the NCCL node counts the ranks logged are printed after it.
+# NCCL_HOSTID): the peer path (each node's rows through its peer tables, the other node's staged and carried
+# by an NCCL all-to-all across nodes) and the NCCL path, both checked against EP1 byte for byte
+# ($OUT/ep_moe_nodes2.json with the environment); the NCCL node counts rank 0 logged are printed after it.
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds, the tail of a failure; the environment). Bounded:

@@ -13,14 +13,14 @@ import pytest
 from conftest import MANIFESTS, visible_gpus
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
-from test_multinode import TOKEN, finish, free_port
+from test_multinode import STAGED_BODY, TOKEN, finish, free_port, staged_fill_manifest
 
 pytestmark = pytest.mark.gpu
 FILL = str(MANIFESTS / "peer_fill.json")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def start_cuda_job(tray_env, body: str, timeout_s: float) -> tuple[int, list[subprocess.Popen]]:
+def start_cuda_job(tray_env, body: str, timeout_s: float, manifest: str = FILL) -> tuple[int, list[subprocess.Popen]]:
     """Two nodes of L = (visible GPUs, at most 4) // 2 ranks each; (L, the heads)."""
     gpus = min(4, visible_gpus())
     if gpus < 2:
@@ -33,7 +33,7 @@ def start_cuda_job(tray_env, body: str, timeout_s: float) -> tuple[int, list[sub
     for node in (0, 1):
         env = {**tray_env.env(), **NO_MULTICAST, "TRAY_JOB_TOKEN": TOKEN, "NCCL_HOSTID": f"tray-span-node-{node}",
                "CUDA_VISIBLE_DEVICES": ",".join(ordinals[node * per_node:(node + 1) * per_node])}
-        cmd = [sys.executable, "-m", "tray", "launch", "-n", str(per_node), "--backend", "cuda", "--manifest", FILL,
+        cmd = [sys.executable, "-m", "tray", "launch", "-n", str(per_node), "--backend", "cuda", "--manifest", manifest,
                "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--timeout-s", str(timeout_s), "--", sys.executable, str(prog), tray_env.marker]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -83,3 +83,15 @@ def test_spanning_barrier_is_hierarchical_eager_and_captured_and_names_a_dropped
         # a member of another node is named after the local timeout and the leaders' step; a leader (one GPU
         # per node) by the bounded wait: 3 x 0.5 s + 1 s past the local barrier, + 1 s
         assert float(found.group(1)) < 4.5, runs[r // per_node].output
+
+
+def test_a_staged_peers_kernel_spans_nodes_on_gpus(tray_env, tmp_path):
+    """peer_fill over world: within a node through the peer mappings (with 4 GPUs, 2 per node), to the other
+    node through the staged table and an NCCL alltoall across nodes; every rank checks every slot."""
+    manifest = staged_fill_manifest(tmp_path / "staged.json", MANIFESTS / "kernels" / "peer_fill.cu")
+    per_node, procs = start_cuda_job(tray_env, STAGED_BODY, 60.0, manifest)
+    runs = finish(procs, timeout_s=120)
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, run.output
+        for r in range(node * per_node, (node + 1) * per_node):
+            assert f"[rank {r}] staged ok {r}" in run.stdout, run.output

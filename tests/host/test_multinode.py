@@ -298,10 +298,10 @@ def test_peers_kernel_over_a_spanning_group_is_refused_when_its_program_is_bound
         assert "group 'world' spans nodes" in run.stderr and "peer_fill" in run.stderr, run.output
 
 
-def test_a_staged_peers_kernel_spans_nodes(tray_env, tmp_path):
-    manifest = tmp_path / "staged.json"
-    kernel = MANIFESTS / "kernels" / "peer_fill.cu"
-    manifest.write_text(f"""{{"format": 1, "name": "staged", "vars": {{"words": 64}},
+def staged_fill_manifest(path, kernel) -> str:
+    """A manifest whose program `fill` runs peer_fill over world with its table staged for the other nodes,
+    then an alltoall across nodes and a barrier; written to `path`."""
+    path.write_text(f"""{{"format": 1, "name": "staged", "vars": {{"words": 64}},
       "groups": [{{"name": "world", "ranks": "all"}}],
       "buffers": [{{"name": "fill", "dtype": "u32", "shape": ["world_size * words"], "export": true}},
                   {{"name": "stage", "dtype": "u32", "shape": ["world_size * words"]}}],
@@ -313,27 +313,37 @@ def test_a_staged_peers_kernel_spans_nodes(tray_env, tmp_path):
         {{"op": "nccl", "collective": "alltoall", "group": "world", "send": "stage", "recv": "fill",
           "count": "words", "dtype": "u32", "across": "nodes"}},
         {{"op": "barrier", "group": "world"}}]}}]}}""")
-    body = """
+    return str(path)
+
+
+# every rank: run the staged program twice; its buffer holds every writer's pattern, and its staging
+# buffer the blocks of the other nodes' members only (this node's were written through the mappings)
+STAGED_BODY = """
     words = 64
     def pattern(writer, owner):
         return ((7 * 0x9E3779B1) & 0xFFFFFFFF) ^ (writer << 24) ^ (owner << 16) ^ np.arange(words, dtype=np.uint32)
     with tray.init() as rank:
-        me = rank.rank
-        rank.write("fill", np.zeros(4 * words, np.uint32))
-        rank.write("stage", np.zeros(4 * words, np.uint32))
+        me, n, per = rank.rank, rank.world_size, int(os.environ["LOCAL_WORLD_SIZE"])
+        rank.write("fill", np.zeros(n * words, np.uint32))
+        rank.write("stage", np.zeros(n * words, np.uint32))
         rank.barrier()
         for _ in range(2):                                  # the plan (and its staged table) replayed
             rank.run("fill")
-        fill = rank.read("fill").reshape(4, words)
-        for s in range(4):                                  # slot s: writer s's pattern for this rank
+        rank.synchronize()
+        fill = rank.read("fill").reshape(n, words)
+        for s in range(n):                                  # slot s: writer s's pattern for this rank
             assert np.array_equal(fill[s], pattern(s, me).astype(np.uint32)), (s, fill[s][:4])
-        stage = rank.read("stage").reshape(4, words)
-        for g in range(4):                                  # staged: the other node's members only
-            want = pattern(me, g).astype(np.uint32) if g // 2 != me // 2 else np.zeros(words, np.uint32)
+        stage = rank.read("stage").reshape(n, words)
+        for g in range(n):
+            want = pattern(me, g).astype(np.uint32) if g // per != me // per else np.zeros(words, np.uint32)
             assert np.array_equal(stage[g], want), (g, stage[g][:4])
         print("staged ok", me, flush=True)
     """
-    runs = finish(start_job(tray_env, body, "--manifest", str(manifest)), timeout_s=40)
+
+
+def test_a_staged_peers_kernel_spans_nodes(tray_env, tmp_path):
+    manifest = staged_fill_manifest(tmp_path / "staged.json", MANIFESTS / "kernels" / "peer_fill.cu")
+    runs = finish(start_job(tray_env, STAGED_BODY, "--manifest", manifest), timeout_s=40)
     for node, run in enumerate(runs):
         assert run.returncode == 0, run.output
         for r in (2 * node, 2 * node + 1):
