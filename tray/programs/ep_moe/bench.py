@@ -336,9 +336,10 @@ def summarize_checks(
     checks["after_replay_equal"] = all(c[f"{p}_after_replay_equal"] for c in rank_checks for p in paths) and all(
         c1[f"{p}_after_replay_equal"] for p in ("peer", "ll"))
     checks["ll_equals_peer"] = all(c.get("ll_equals_peer", True) for c in rank_checks) and bool(c1["ll_equals_peer"])
-    hows = {c["nccl_after_replay_how"] for c in rank_checks if "nccl_after_replay_how" in c}
-    if hows:  # NOTE: the NCCL path timed eagerly is checked by an eager rerun, not a replay: say so
-        checks["nccl_after_replay_how"] = ", ".join(sorted(hows))
+    for p in paths:
+        hows = {c[f"{p}_after_replay_how"] for c in rank_checks if f"{p}_after_replay_how" in c}
+        if hows:  # NOTE: a path with NCCL timed eagerly is checked by an eager rerun, not a replay: say so
+            checks[f"{p}_after_replay_how"] = ", ".join(sorted(hows))
     rel = checks["ep1_vs_float64_rel_err"]
     checks["passed"] = bool(
         all(checks[f"{p}_rows_differ_from_ep1"] == 0 for p in paths)
@@ -454,8 +455,8 @@ def summarize_nodes(
         runs.append({
             "label": label,
             **facts[label],
-            "timing": {"peer": "captured", "nccl": {p: timing.get(k, "captured") for p, k in NCCL_PHASES.items()},
-                       "ep1": "captured"},
+            "timing": {"peer": {p: timing.get(p, "captured") for p in us["peer"]},
+                       "nccl": {p: timing.get(k, "captured") for p, k in NCCL_PHASES.items()}, "ep1": "captured"},
             "global_tokens": a.nprocs * facts[label]["tokens_per_rank"],
             "checks": summarize_checks(a, per_rank, e1, i, label, work),
             "us": us,
@@ -471,7 +472,8 @@ def print_report_nodes(report: dict[str, Any]) -> None:
     s, G, nn = report["shape"], report["nprocs"], report["nnodes"]
     print(f"ep-moe: {G} ranks on {nn} nodes ({G // nn} per node), {report['backend']} backend; hidden {s['hidden']}, "
           f"{s['experts']} experts, top-{s['topk']}, expert dim {s['ffn']}; between nodes: "
-          f"{report['cross_node_path']}; µs, slowest rank")
+          f"{report['cross_node_path']}; µs, slowest rank (programs that run NCCL timed {report['nccl_timing']}, the "
+          "rest captured)")
     head = ("dispatch", "experts", "combine", "reduce", "layer")
     print(f"  {'run':<16} {'path':<12} " + " ".join(f"{h:>9}" for h in head))
     for run in report["runs"]:

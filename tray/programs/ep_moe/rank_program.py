@@ -186,6 +186,11 @@ class MoeRank:
             out["ceiling"] = [("ceiling", v)]
         return out
 
+    def has_nccl(self, name: str) -> bool:
+        """Whether figure `name` of programs() runs NCCL: the NCCL path's, and across nodes the peer path's
+        programs that carry rows between nodes (those are timed and rechecked as --nccl-timing says)."""
+        return name.endswith("_nccl") or (self.nnodes > 1 and name in ("dispatch", "dispatch_send", "combine", "layer"))
+
     def budget_vars(self, run: dict[str, Any], sms: int) -> dict[str, int]:
         """Run vars: tokens and cap from the head, and the SM budget."""
         return {"tokens": run["tokens"], "cap": run["cap"], "blocks": sms, "threads": MOVE_THREADS}
@@ -282,8 +287,8 @@ class MoeRank:
             for name, steps in progs.items():
                 if i > 0 and (name.endswith("_nccl") or name in ("experts", "reduce")):
                     continue  # no SM budget applies: cuBLAS, NCCL, and the local reduce
-                take(figures, name, steps, nccl_timing if name.endswith("_nccl") else "captured", sms)
-            if i == 0 and "peer" in self.paths and "nccl" in self.paths and nccl_timing == "eager":
+                take(figures, name, steps, nccl_timing if self.has_nccl(name) else "captured", sms)
+            if i == 0 and self.nnodes == 1 and "nccl" in self.paths and nccl_timing == "eager":
                 # NOTE: the NCCL figures include Python's launch cost: the peer path timed the same way is
                 # the fair comparison, reported beside the captured figures, never instead of them
                 for name in ("dispatch", "combine", "layer"):
@@ -458,11 +463,11 @@ def run_all(rank: Any, moe: MoeRank, cfg: dict[str, Any], sampler: Any, budgets:
         for p, name in LAYER_OF.items():
             if p not in eager:
                 continue
-            if p == "nccl" and nccl_timing == "eager":
-                # NOTE: the NCCL path is never captured in this mode: its check after the timed runs is an
-                # eager rerun, said so in the checks
-                entry["checks"]["nccl_after_replay_how"] = "eager rerun"
-                entry["checks"]["nccl_after_replay_equal"] = moe.rerun_equal(tokens, progs[name], eager[p])
+            if moe.has_nccl(name) and nccl_timing == "eager":
+                # NOTE: NCCL is never captured in this mode: the check after the timed runs of a layer that
+                # runs it (the NCCL path; across nodes also the peer path) is an eager rerun, said so
+                entry["checks"][f"{p}_after_replay_how"] = "eager rerun"
+                entry["checks"][f"{p}_after_replay_equal"] = moe.rerun_equal(tokens, progs[name], eager[p])
             else:
                 entry["checks"][f"{p}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[p])
             save()
