@@ -179,7 +179,8 @@ class Wiring:
     barriers: Mapping[str, Barrier]
     collectives: LazyCollectives
     mappings: Mapping[tuple[int, str], PeerMapping] = field(default_factory=dict)  # (peer, buffer) -> mapping
-    # groups with members on other nodes (a job of several trays): no peer tables; steps relayed
+    # groups with members on other nodes (a job of several trays): their buffers' peer tables hold this node's
+    # members only (peers() refuses them; launches that stage the other nodes use them: rank/executor.py)
     spanning: frozenset[str] = frozenset()
 
     @property
