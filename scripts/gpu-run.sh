@@ -17,6 +17,7 @@
 # NCCL_HOSTID): the peer path (each node's rows through its peer tables, the other node's staged and carried
 # by an NCCL all-to-all across nodes) and the NCCL path, both checked against EP1 byte for byte
 # ($OUT/ep_moe_nodes2.json with the environment); the NCCL node counts rank 0 logged are printed after it.
+# EP_NODES_N=4 (4 GPUs): two nodes of two, so the peer path also writes within each node through its mappings.
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds, the tail of a failure; the environment). Bounded:
@@ -151,7 +152,7 @@ for s in "${STAGES[@]}"; do
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;
         torch) stage torch 240 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
-        ep-nodes2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT stage_live ep_moe_nodes2 300 $PY -m tray bench ep-moe -n 2 --nnodes 2 --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --gemm masked --json "$OUT/ep_moe_nodes2.json"
+        ep-nodes2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT stage_live ep_moe_nodes2 300 $PY -m tray bench ep-moe -n "${EP_NODES_N:-2}" --nnodes 2 --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --gemm masked --json "$OUT/ep_moe_nodes2.json"
             echo "NCCL as logged by rank 0 (count, ranks, nodes):"; grep -ho "nRanks [0-9]* nNodes [0-9]*" "$LOGS/ep_moe_nodes2.log" | sort | uniq -c ;;
         nodes2) stage nodes2 300 env OUT="$OUT" LOGS="$LOGS" N="$N" PY=$PY scripts/gpu-nodes2.sh ;;
         *) echo "unknown stage $s"; exit 2 ;;
