@@ -152,7 +152,7 @@ for s in "${STAGES[@]}"; do
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;
         torch) stage torch 240 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
-        ep-nodes2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT stage_live ep_moe_nodes2 300 $PY -m tray bench ep-moe -n "${EP_NODES_N:-2}" --nnodes 2 --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --gemm masked --json "$OUT/ep_moe_nodes2.json"
+        ep-nodes2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT stage_live ep_moe_nodes2 300 $PY -m tray bench ep-moe -n "${EP_NODES_N:-2}" --nnodes 2 --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --gemm masked --sms all ${EP_ARGS:-} --json "$OUT/ep_moe_nodes2.json"
             echo "NCCL as logged by rank 0 (count, ranks, nodes):"; grep -ho "nRanks [0-9]* nNodes [0-9]*" "$LOGS/ep_moe_nodes2.log" | sort | uniq -c ;;
         nodes2) stage nodes2 300 env OUT="$OUT" LOGS="$LOGS" N="$N" PY=$PY scripts/gpu-nodes2.sh ;;
         *) echo "unknown stage $s"; exit 2 ;;
