@@ -4,14 +4,17 @@ Each variant is timed (`tray gate peer-barrier`) and then stressed (`--stress`: 
 consumer rounds through peer pointers, checked on the device): a variant is correct only when its stress
 finds no wrong word. `v4_nofence` drops the release fence on purpose: its stress should fail.
 `prev_production` is the kernel the production one replaced (thread 0 fences, then stores to every member),
-timed again beside it; v4_nofence..v7 are variants of that kernel, v9 of the production one.
+timed again beside it; v4_nofence..v7 are variants of that kernel, v9..v13 of the production one: v9 polls
+with `ld.acquire.sys`, v10 hands the epoch out by `__shfl_sync` (no shared memory, no `__syncthreads`), v11
+stores the flag with `st.release.sys` (no separate fence), v12 is v10 with v9's polling, v13 lets the next
+barrier in (`griddepcontrol.launch_dependents`) after the flag store instead of at the top.
 
 Each variant is the production kernel (manifests/kernels/peer_barrier.cu, read from the installed package)
 with a unified diff from barrier_variants/<name>.diff applied at run time: every hunk must match the
 production source exactly once, so a variant that no longer fits the kernel is an error, never a stale
 copy. The gate runs with TRAY_KERNEL_DIR pointing at the generated source.
 
-    python bench/barrier_variants.py -n 4 [--json PATH]
+    python bench/barrier_variants.py -n 4 [--only production,v9_parallel_acqpoll,...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ VARIANTS = (
     Variant("v6_fencefirst", "v6_fencefirst.diff", True),
     Variant("v7_fencefirst_acqpoll", "v7_fencefirst_acqpoll.diff", True),
     Variant("v9_parallel_acqpoll", "v9_parallel_acqpoll.diff", True),
+    Variant("v10_shfl", "v10_shfl.diff", True),
+    Variant("v11_strelease", "v11_strelease.diff", True),
+    Variant("v12_shfl_acqpoll", "v12_shfl_acqpoll.diff", True),
+    Variant("v13_late_dependents", "v13_late_dependents.diff", True),
 )
 
 
@@ -104,16 +111,35 @@ def variant_source(v: Variant) -> str:
     return apply_diff(production, (PATCHES / v.diff).read_text(), v.diff)
 
 
+def select(only: str | None) -> tuple[Variant, ...]:
+    """The variants named in `only` (comma-separated, in VARIANTS order; None: all). Raises ValueError
+    naming the unknown names and the known ones."""
+    if only is None:
+        return VARIANTS
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    known = [v.name for v in VARIANTS]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--only {only!r}: unknown variant(s) {unknown}; expected names among {known}")
+    return tuple(v for v in VARIANTS if v.name in names)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=4)
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help="comma-separated variant names to run (default: every variant)")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--stress-rounds", type=int, default=1000, help="rounds per stress graph (0: no stress)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    try:
+        chosen = select(args.only)
+    except ValueError as exc:
+        ap.error(str(exc))
     results = {}
     with tempfile.TemporaryDirectory(prefix="tray-barrier-variants-") as tmp:
-        for v in VARIANTS:
+        for v in chosen:
             kdir = Path(tmp) / v.name
             kdir.mkdir()
             (kdir / BARRIER_SOURCE).write_text(variant_source(v))

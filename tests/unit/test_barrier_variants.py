@@ -48,6 +48,15 @@ def test_a_diff_that_no_longer_fits_is_refused(variants):
         variants.apply_diff(changed, diff, "v4_nofence.diff")
 
 
+def test_only_selects_in_catalogue_order_and_names_unknown_variants(variants):
+    assert [v.name for v in variants.select("v10_shfl, production")] == ["production", "v10_shfl"]
+    assert variants.select(None) == variants.VARIANTS
+    with pytest.raises(ValueError, match=r"unknown variant\(s\) \['v99'\]; expected names among"):
+        variants.select("production,v99")
+    with pytest.raises(ValueError, match="unknown variant"):
+        variants.select(",")
+
+
 # --- the release/acquire pattern, read off each variant's PTX ----------------------------------------------
 
 NVCC = shutil.which("nvcc")
