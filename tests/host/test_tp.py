@@ -10,20 +10,24 @@ import pytest
 from conftest import MANIFESTS
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_tp_bench_checks_pass(tray_env, tmp_path, n):
+SHAPES = ["ar_ll[t256,l2]", "ar_ll[t512,l1]", "ar_ll[t512,l2]"]  # threads=256,512;lines=1,2 less the manifest's
+
+
+@pytest.mark.parametrize("n, shapes", [(2, "threads=256,512;lines=1,2"), (4, None)])
+def test_tp_bench_checks_pass(tray_env, tmp_path, n, shapes):
     out = tmp_path / "tp.json"
-    # the low-latency path is timed up to 1040 B and used up to 8 B
+    # the low-latency path is timed up to 1040 B (at every launch shape asked for) and used up to 8 B
     run = tray_env.run([sys.executable, "-m", "tray", "bench", "tp", "-n", str(n), "--backend", "host", "--sizes",
                         "8,1040,4096", "--tokens", "1,3", "--hidden", "64", "--ffn", "128", "--repeats", "2",
-                        "--ll-sweep-bytes", "1040", "--ll-max-bytes", "8", "--json", str(out)])
+                        "--ll-sweep-bytes", "1040", "--ll-max-bytes", "8", "--json", str(out)]
+                       + (["--ll-shapes", shapes] if shapes else []))
     assert run.returncode == 0, run.output
     report = json.loads(out.read_text())
     assert report["passed"]
     assert [s["bytes"] for s in report["sizes"]] == [8, 1040, 4096]
     for s in report["sizes"]:  # 8 B: 4 elements, all in the tail; 1040 B: 520 elements over n chunks
         c = s["checks"]
-        ll = {"ar_ll": 0} if s["bytes"] <= 1040 else {}
+        ll = {k: 0 for k in ["ar_ll", *(SHAPES if shapes else [])]} if s["bytes"] <= 1040 else {}
         assert c["wrong"] == {**ll, "ar_oneshot": 0, "ar_twoshot": 0, "ar_nccl": 0} and c["peer_identical_on_all_ranks"]
         assert ("ar_ll" in s["us"]) == bool(ll) and s["us"]["ar_nccl"] > 0
         if s["bytes"] == 8:
@@ -31,6 +35,14 @@ def test_tp_bench_checks_pass(tray_env, tmp_path, n):
         else:
             assert s["us"]["ar_peer"] == min(s["us"]["ar_oneshot"], s["us"]["ar_twoshot"]) > 0
     assert report["ll_max_bytes"] == 8
+    if shapes:
+        best = report["ll_shapes"]["best_per_size"]
+        assert report["ll_shapes"]["default"] == "ar_ll[t256,l1]" and [b["bytes"] for b in best] == [8, 1040]
+        for b, s in zip(best, report["sizes"]):
+            key = "ar_ll" if b["best"] == "ar_ll[t256,l1]" else b["best"]
+            assert b["us"] == s["us"][key] == min(s["us"][k] for k in ["ar_ll", *SHAPES]), b
+    else:
+        assert "ll_shapes" not in report
     assert [t["tokens"] for t in report["tokens"]] == [1, 3]
     for t in report["tokens"]:
         c = t["checks"]

@@ -1,7 +1,7 @@
 """`tray bench tp`: the peer allreduces (low-latency, one-shot, two-shot) vs NCCL's, and a TP MLP layer.
 
     tray bench tp -n 4 [--sizes 8,16,...,67108864] [--tokens 1,4,...,4096] [--hidden 8192] [--ffn 28672]
-                  [--ll-max-bytes N] [--ll-sweep-bytes N] [--backend] [--json PATH] [--plot PNG]
+                  [--ll-max-bytes N] [--ll-sweep-bytes N] [--ll-shapes SPEC] [--backend] [--json PATH] [--plot PNG]
 
 Two trays of manifests/tp_mlp.json running tray/programs/tp_mlp/rank_program.py: N ranks (the allreduce
 sweep, nccl-tests shaped: every path timed captured and checked on what its timed replays left; then the
@@ -13,8 +13,10 @@ at every size. `ar_peer` per size is the path the tray uses there (`ar_peer_path
 up to ll_max_bytes, above it the faster of the one-shot and the two-shot measured in this run
 (`crossover` gives the smallest size from which the two-shot wins at every larger size). `ar_tray` is what
 the tray's allreduce does with that table: the peer path, or NCCL at the sizes where NCCL measured faster
-(`ar_tray_path`), so it is never slower than NCCL by construction; the report lists those sizes. Exit 1 if
-a check fails.
+(`ar_tray_path`), so it is never slower than NCCL by construction; the report lists those sizes. With
+--ll-shapes, the low-latency path is also timed at each other launch shape (threads per block, lines per
+thread; `ar_ll` is the manifest's shape) wherever it is timed: keys `ar_ll[t512,l2]` in us and checks.wrong,
+and `ll_shapes` names the fastest shape per size. Exit 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from tray.bench import (
 )
 from tray.errors import UsageError
 from tray.manifest.builtin import builtin_path
+from tray.programs.tp_mlp.ll import LLShape
 
 MANIFEST = "tp_mlp"  # built-in (package data), see tray.manifest.builtin
 # NOTE: the nccl-tests range 8 B .. 64 MiB on a GPU; the layer of a 70B-class model (hidden 8192, ffn
@@ -78,6 +81,7 @@ class TpBenchArgs:
     plot_path: str | None = None
     ll_max_bytes: int | None = None  # None: the manifest's ll_max_bytes
     ll_sweep_bytes: int | None = None  # None: DEFAULTS[backend]
+    ll_shapes: tuple[LLShape, ...] = ()  # launch shapes of the low-latency path timed beside the manifest's
 
     def resolved(self) -> TpBenchArgs:
         """Every None replaced by the backend's default."""
@@ -87,7 +91,8 @@ class TpBenchArgs:
             tokens=self.tokens or d["tokens"], hidden=self.hidden or d["hidden"], ffn=self.ffn or d["ffn"],
             seed=self.seed, repeats=self.repeats or d["repeats"], warmup=self.warmup, json_path=self.json_path,
             log_dir=self.log_dir, keep=self.keep, plot_path=self.plot_path, ll_max_bytes=self.ll_max_bytes,
-            ll_sweep_bytes=d["ll_sweep_bytes"] if self.ll_sweep_bytes is None else self.ll_sweep_bytes)
+            ll_sweep_bytes=d["ll_sweep_bytes"] if self.ll_sweep_bytes is None else self.ll_sweep_bytes,
+            ll_shapes=self.ll_shapes)
 
 
 def baseline_name(backend: str) -> str:
@@ -127,6 +132,7 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
         "ll_sweep_bytes": a.ll_sweep_bytes,
+        "ll_shapes": [[s.threads, s.lines] for s in a.ll_shapes],
     }
     return run_rank_program(name, "tray.programs.tp_mlp.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
                             manifest=str(builtin_path(MANIFEST)), vars=launch_vars(a, nprocs), log_dir=a.log_dir)
@@ -167,7 +173,7 @@ def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         entries = [r["sizes"][i] for r in per_rank]
         us = {k: max(e["us"][k] for e in entries) for k in e0["us"]}
         wrong = {k: sum(e["checks"]["wrong"][k] for e in entries) for k in e0["checks"]["wrong"]}
-        timed = [k for k in (LL_PATH, *PEER_PATHS) if k in us]
+        timed = [k for k in (LL_PATH, *PEER_PATHS) if k in us] + [k for k in us if is_shape_key(k)]
         identical = all(e["checks"][f"{k}_identical_on_all_ranks"] for e in entries for k in timed)
         path = min(PEER_PATHS, key=lambda k: us[k])
         if LL_PATH in us and e0["bytes"] <= ll_max_bytes:
@@ -182,6 +188,26 @@ def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 **({"ar_ll_vs_oneshot": us[LL_PATH] / us["ar_oneshot"]} if LL_PATH in us else {})},
                      "checks": {"wrong": wrong, "peer_identical_on_all_ranks": identical,
                                 "passed": identical and not any(wrong.values())}})
+    return rows
+
+
+def is_shape_key(key: str) -> bool:
+    """Whether `key` times the low-latency path at a launch shape other than the manifest's (`ar_ll[t512,l2]`)."""
+    return key.startswith(LL_PATH + "[")
+
+
+def ll_shapes_summary(sizes: list[dict[str, Any]], default_shape: str) -> list[dict[str, Any]]:
+    """Per size where more than one low-latency shape was timed: the fastest shape's key, its µs, and its µs
+    over the manifest shape's (`ar_ll`, named `default_shape`)."""
+    rows = []
+    for r in sizes:
+        u = r["us"]
+        keys = [k for k in u if is_shape_key(k)]
+        if LL_PATH not in u or not keys:
+            continue
+        best = min([LL_PATH, *keys], key=lambda k: u[k])
+        rows.append({"bytes": r["bytes"], "best": default_shape if best == LL_PATH else best, "us": u[best],
+                     "vs_default": u[best] / u[LL_PATH]})
     return rows
 
 
@@ -263,6 +289,10 @@ def print_report(report: dict[str, Any]) -> None:
              "it does not beat the other peer paths at the smallest size"))
     print(f"  two-shot wins from {report['crossover_bytes']} B" if report["crossover_bytes"] else
           "  the two-shot does not win for good at any size")
+    if "ll_shapes" in report:
+        print(f"  low-latency launch shapes (ar_ll = {report['ll_shapes']['default']}): the fastest per size")
+        for r in report["ll_shapes"]["best_per_size"]:
+            print(f"  {r['bytes']:>9} {r['best']:>22} {r['us']:>9.2f} µs  {r['vs_default']:.2f}x ar_ll")
     nccl_sizes = report["nccl_faster_bytes"]
     print(f"  {base} faster than the peer path the tray uses at: {nccl_sizes} B (the tray's allreduce calls it there)"
           if nccl_sizes else f"  a peer path is at least as fast as {base} at every size")
@@ -305,6 +335,12 @@ def plot(report: dict[str, Any], path: str) -> None:
                xlabel="message size (bytes)", ylabel="µs per call")
 
 
+def ll_default_key(result: dict[str, Any]) -> str:
+    """The key the manifest's own low-latency shape would have in a sweep (`ar_ll` times it)."""
+    threads, lines = result["ll_shape"]
+    return LLShape(threads, lines).key
+
+
 def run_tp_bench(a: TpBenchArgs) -> int:
     """Check, time, print, write JSON. Returns the exit code: 0 passed, 1 failed."""
     a = a.resolved()
@@ -345,6 +381,9 @@ def run_tp_bench(a: TpBenchArgs) -> int:
         "crossover_bytes": crossover(sizes),
         "ll_max_bytes": int(per_rank[0]["ll_max_bytes"]),
         "ll_wins_up_to_bytes": ll_wins_up_to(sizes),
+        **({"ll_shapes": {"default": ll_default_key(per_rank[0]),
+                          "best_per_size": ll_shapes_summary(sizes, ll_default_key(per_rank[0]))}}
+           if a.ll_shapes else {}),
         "nccl_faster_bytes": [r["bytes"] for r in sizes if r["ar_tray_path"] == "ar_nccl"],
         "tokens": tokens,
         "passed": all(s["checks"]["passed"] for s in sizes + tokens),

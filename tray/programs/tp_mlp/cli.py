@@ -19,6 +19,9 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
                    help="largest message the tray sends through the low-latency path (default: the manifest's)")
     b.add_argument("--ll-sweep-bytes", type=int, default=None, metavar="N",
                    help="time the low-latency path up to N bytes (cuda: 4 MiB; host: 32 KiB)")
+    b.add_argument("--ll-shapes", default=None, metavar="SPEC",
+                   help="also time the low-latency path at these launch shapes, e.g. 'threads=256,512;lines=1,2' "
+                        "(keys ar_ll[t512,l2] per size, each checked after its timed replays)")
     b.add_argument("--plot", default=None, metavar="PNG", help="latency vs size as a PNG (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_tp)
 
@@ -26,10 +29,13 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
 def cmd_bench_tp(args: argparse.Namespace) -> int:
     from tray.bench import require_plot
     from tray.programs.tp_mlp.bench import DEFAULTS, TpBenchArgs, run_tp_bench
+    from tray.programs.tp_mlp.ll import parse_ll_shapes
 
     backend, nprocs = backend_and_nprocs(args)
     require_plot(args.plot)
     extra: dict = {"plot_path": args.plot}
+    if args.ll_shapes is not None:
+        extra["ll_shapes"] = parse_ll_shapes(args.ll_shapes)
     if args.repeats is not None:
         extra["repeats"] = args.repeats
     if backend == "host" and None in (args.sizes, args.tokens, args.repeats):

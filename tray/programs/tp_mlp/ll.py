@@ -1,9 +1,10 @@
 """The host side of the low-latency one-shot allreduce (`tp_ll_allreduce`): its state words, read after a sync,
-turned into named errors."""
+turned into named errors; its launch shapes (threads per block, lines per thread) as the bench sweeps them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tray.errors import PeerFailure, UsageError
 
@@ -42,3 +43,53 @@ def check_state(words: Sequence[int], group: str, members: Sequence[int], index:
     if mask:
         missing = [rank for i, rank in enumerate(members) if mask >> i & 1]
         raise LLTimeout(group, int(words[1]), members[index], missing, timeout_ns / 1e9)
+
+
+# NOTE: the launch shape of `tp_ll_allreduce` (manifest vars ll_threads, ll_lines): a block of ll_threads threads,
+# each sending and summing ll_lines lines of 4 bf16, so grid = ceil(count / (4 * ll_threads * ll_lines)).
+MAX_BLOCK_THREADS = 1024
+MAX_LINES_PER_THREAD = 64
+
+
+@dataclass(frozen=True)
+class LLShape:
+    """A launch shape of the low-latency allreduce: `threads` per block (a multiple of 32, <= 1024) and `lines`
+    of 4 bf16 per thread (1 .. 64)."""
+
+    threads: int
+    lines: int
+
+    @property
+    def key(self) -> str:
+        """The bench's key for this shape: `ar_ll[t512,l2]`."""
+        return f"ar_ll[t{self.threads},l{self.lines}]"
+
+    def vars(self) -> dict[str, int]:
+        """The manifest vars that launch this shape."""
+        return {"ll_threads": self.threads, "ll_lines": self.lines}
+
+
+def parse_ll_shapes(text: str) -> tuple[LLShape, ...]:
+    """`threads=256,512;lines=1,2` -> every (threads, lines) pair, threads-major. A missing axis is the
+    manifest default's (threads 256 or lines 1). Raises UsageError naming what is wrong."""
+    axes: dict[str, list[int]] = {}
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        name, eq, values = part.partition("=")
+        name = name.strip()
+        if not eq or name not in ("threads", "lines") or name in axes:
+            raise UsageError(f"--ll-shapes {text!r}: expected 'threads=N,N;lines=N,N' (each axis once), got {part!r}")
+        try:
+            axes[name] = [int(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise UsageError(f"--ll-shapes {text!r}: {name} must be comma-separated integers, got {values!r}") from None
+        if not axes[name]:
+            raise UsageError(f"--ll-shapes {text!r}: {name} lists no value")
+    threads, lines = axes.get("threads", [256]), axes.get("lines", [1])
+    bad_t = [t for t in threads if t < 32 or t > MAX_BLOCK_THREADS or t % 32]
+    bad_l = [n for n in lines if not 1 <= n <= MAX_LINES_PER_THREAD]
+    if bad_t or bad_l:
+        raise UsageError(f"--ll-shapes {text!r}: threads must be multiples of 32 in 32 .. {MAX_BLOCK_THREADS} (got "
+                         f"{bad_t or 'ok'}), lines 1 .. {MAX_LINES_PER_THREAD} (got {bad_l or 'ok'})")
+    return tuple(dict.fromkeys(LLShape(t, n) for t in threads for n in lines))

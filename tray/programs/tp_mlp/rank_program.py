@@ -3,7 +3,8 @@ with manifests/tp_mlp.json (tray/programs/tp_mlp/bench.py writes CONFIG).
 
 Allreduce sweep, per message size S (bytes of bf16), each path timed captured and then checked on the
 outputs of its timed replays: the low-latency one-shot (`ar_ll`, at the sizes up to the config's
-ll_sweep_bytes that its receive slots hold: S <= 2 * ll_max_count), the one-shot (`ar_one`) and the
+ll_sweep_bytes that its receive slots hold: S <= 2 * ll_max_count; also at the config's other launch
+shapes, keys `ar_ll[t512,l2]`), the one-shot (`ar_one`) and the
 two-shot (`ar_two`) peer allreduces to the bit against the member-order float32 sum every rank computes
 on the host (and identical on every rank); NCCL's (`ar_nccl`) element by element within bf16 tolerance of
 the float64 sum. `wrong` counts the elements that failed. After the low-latency path's replays its state
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tray.programs.ep_moe.rank_program import FILL_BLOCK, MAX_FILL_GRID, POISON_WORD, fill_scale, nan_rows
+from tray.programs.tp_mlp.ll import LLShape
 
 SEED_X, SEED_W13, SEED_W2, SEED_P0, SEED_P1 = 11, 12, 13, 14, 15
 # NOTE: NCCL sums bf16 in its own order with bf16 intermediates: a few bf16 ulps of the exact sum. An
@@ -98,14 +100,19 @@ class TpRank:
         checks: dict[str, Any] = {"wrong": {}}
         # ar_ll and ar_one reduce part0 then part1 (buffers alternate): what stays in `out` is part1's
         paths = [("ar_one", "ar_oneshot", "part1"), ("ar_two", "ar_twoshot", "part0")]
+        shapes: dict[str, dict[str, int]] = {}  # key -> the vars of a launch shape other than the manifest's
         if self.ll_timed(count):
             paths.insert(0, ("ar_ll", "ar_ll", "part1"))
+            for shape in self.ll_shapes:
+                paths.insert(len(shapes) + 1, ("ar_ll", shape.key, "part1"))
+                shapes[shape.key] = shape.vars()
         for program, key, last in paths:
             self.poison("out", count * 2)
             rank.synchronize()
             rank.exchange("tp.poisoned", count)
             divisor = 2 if program in ("ar_one", "ar_ll") else 1
-            us[key] = sampler.us_per_call(lambda p=program: rank.run(p, v)) / divisor
+            pv = {**v, **shapes.get(key, {})}
+            us[key] = sampler.us_per_call(lambda p=program, pv=pv: rank.run(p, pv)) / divisor
             if program == "ar_ll":
                 rank.synchronize()
                 self.check_ll()
@@ -128,6 +135,16 @@ class TpRank:
         """Whether the low-latency path is timed at `count` elements: within the config's ll_sweep_bytes and
         the receive slots."""
         return 2 * count <= self.cfg.get("ll_sweep_bytes", 2 * count) and count <= self.ll_max_count
+
+    @property
+    def ll_shape(self) -> LLShape:
+        """The manifest's launch shape of the low-latency path (vars ll_threads, ll_lines)."""
+        return LLShape(int(self.rank.resolved.vars["ll_threads"]), int(self.rank.resolved.vars["ll_lines"]))
+
+    @property
+    def ll_shapes(self) -> list[LLShape]:
+        """The config's other launch shapes of the low-latency path (the manifest's own left out: `ar_ll` times it)."""
+        return [s for s in (LLShape(t, n) for t, n in self.cfg.get("ll_shapes", [])) if s != self.ll_shape]
 
     @property
     def ll_max_count(self) -> int:
@@ -202,7 +219,8 @@ def main(argv: list[str]) -> int:
         results: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size, "setup_s": setup_s,
                                    "device": rank.backend.info.name, "sizes": [], "tokens": [],
                                    "ll_max_bytes": int(rank.resolved.vars["ll_max_bytes"]),
-                                   "ll_max_count": tp.ll_max_count}
+                                   "ll_max_count": tp.ll_max_count,
+                                   "ll_shape": [tp.ll_shape.threads, tp.ll_shape.lines]}
         t_start = time.perf_counter()
         sizes = cfg["sizes"] if tp.G > 1 else []
         for i, size in enumerate(sizes):
