@@ -137,7 +137,8 @@ def main() -> int:
         chosen = select(args.only)
     except ValueError as exc:
         ap.error(str(exc))
-    results = {}
+    results: dict[str, dict] = {}
+    report = {"variants": results}
     with tempfile.TemporaryDirectory(prefix="tray-barrier-variants-") as tmp:
         for v in chosen:
             kdir = Path(tmp) / v.name
@@ -162,6 +163,7 @@ def main() -> int:
                 r["stress_mismatches"] = report.get("mismatches")
                 r["stress_passed"] = bool(report.get("passed"))
             results[v.name] = r
+            write_report(report, args.json)  # after every variant: a run stopped from outside keeps what it measured
     for key in ("TRAY_KERNEL_DIR", "TRAY_BARRIER_PDL"):
         os.environ.pop(key, None)
     print(f"{'variant':<22}{'eager':>9}{'host':>9}{'sync':>9}{'captured':>10}  stress (wrong words)")
@@ -174,7 +176,6 @@ def main() -> int:
                   f"{r['captured_us']:>10.2f}  {verdict}")
         else:
             print(f"{name:<22} failed (exit {r['exit_code']})  {verdict}")
-    write_report({"variants": results}, args.json)
     return 0
 
 

@@ -6,7 +6,7 @@
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
-# ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests park
+# ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
 # with torch's small-kernel launch beside it when this Python imports torch.
@@ -18,6 +18,9 @@
 # by an NCCL all-to-all across nodes) and the NCCL path, both checked against EP1 byte for byte
 # ($OUT/ep_moe_nodes2.json with the environment); the NCCL node counts rank 0 logged are printed after it.
 # EP_NODES_N=4 (4 GPUs): two nodes of two, so the peer path also writes within each node through its mappings.
+# `tune` (~2 min at 2 ranks, bounded at 190 s; one log and two JSON files): the barrier variants aimed at the captured
+# figure, timed and stressed ($OUT/tune_variants.json), then the low-latency allreduce at 12 launch shapes (threads
+# per block x lines per thread) over 8 B .. 256 KiB, each checked after its timed replays ($OUT/tune_tp.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds, the tail of a failure; the environment). Bounded:
@@ -83,6 +86,20 @@ PYEOF
 export -f torch_stage
 export TORCH_PY LOGS OUT
 
+tune_stage() {  # the barrier variants aimed at the captured figure, then the low-latency allreduce's launch shapes
+    timeout -k 5 85 $PY bench/barrier_variants.py -n "$N" --json "$OUT/tune_variants.json" \
+        --only production,v9_parallel_acqpoll,v10_shfl,v11_strelease,v12_shfl_acqpoll,v13_late_dependents
+    local v=$?
+    timeout -k 5 95 $PY -m tray bench tp -n "$N" --backend cuda --sizes 8,64,512,2048,8192,16384,32768,65536,131072,262144 \
+        --tokens 1 --repeats 10 --ll-sweep-bytes 262144 --ll-shapes 'threads=64,128,256,512;lines=1,2,4' \
+        --json "$OUT/tune_tp.json"
+    local t=$?
+    echo "tune: barrier variants rc=$v, tp rc=$t"
+    [ "$v" -eq 0 ] && [ "$t" -eq 0 ]
+}
+export -f tune_stage
+export PY N
+
 stage() {  # stage NAME TIMEOUT_S CMD...
     local name=$1 t=$2; shift 2
     echo "=== $name ($(date +%T))"
@@ -146,6 +163,7 @@ for s in "${STAGES[@]}"; do
         tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait
         tp-tests) stage tp_tests 540 $PY -m pytest -q -m gpu tests/gpu/test_tp_cuda.py ;;
+        tune) stage tune 190 bash -c tune_stage ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" --plot "$OUT/peer_barrier.png" ;;
         launch-cost) stage launch_cost 120 $PY bench/launch_cost.py --json "$OUT/launch_cost.json" ;;

@@ -46,14 +46,16 @@ def check_state(words: Sequence[int], group: str, members: Sequence[int], index:
 
 
 # NOTE: the launch shape of `tp_ll_allreduce` (manifest vars ll_threads, ll_lines): a block of ll_threads threads,
-# each sending and summing ll_lines lines of 4 bf16, so grid = ceil(count / (4 * ll_threads * ll_lines)).
-MAX_BLOCK_THREADS = 1024
+# each sending and summing ll_lines lines of 4 bf16, so grid = ceil(count / (4 * ll_threads * ll_lines)). The
+# kernel takes 82 registers per thread for sm_90 (NVRTC 12.9): a block of 1024 would need 84k of an SM's 64k
+# registers and cannot launch, 512 fits.
+MAX_BLOCK_THREADS = 512
 MAX_LINES_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
 class LLShape:
-    """A launch shape of the low-latency allreduce: `threads` per block (a multiple of 32, <= 1024) and `lines`
+    """A launch shape of the low-latency allreduce: `threads` per block (a multiple of 32, <= 512) and `lines`
     of 4 bf16 per thread (1 .. 64)."""
 
     threads: int
