@@ -19,7 +19,7 @@
 # ($OUT/ep_moe_nodes2.json with the environment); the NCCL node counts rank 0 logged are printed after it.
 # EP_NODES_N=4 (4 GPUs): two nodes of two, so the peer path also writes within each node through its mappings.
 # `tune` (~2 min at 2 ranks, bounded at 190 s; one log and two JSON files): the barrier variants aimed at the captured
-# figure, timed and stressed ($OUT/tune_variants.json), then the low-latency allreduce at 12 launch shapes (threads
+# figure, timed and stressed ($OUT/tune_variants.json), then the low-latency allreduce at 15 launch shapes (threads
 # per block x lines per thread) over 8 B .. 256 KiB, each checked after its timed replays ($OUT/tune_tp.json).
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
@@ -91,7 +91,7 @@ tune_stage() {  # the barrier variants aimed at the captured figure, then the lo
         --only production,v9_parallel_acqpoll,v10_shfl,v11_strelease,v12_shfl_acqpoll,v13_late_dependents
     local v=$?
     timeout -k 5 95 $PY -m tray bench tp -n "$N" --backend cuda --sizes 8,64,512,2048,8192,16384,32768,65536,131072,262144 \
-        --tokens 1 --repeats 10 --ll-sweep-bytes 262144 --ll-shapes 'threads=64,128,256,512;lines=1,2,4' \
+        --tokens 1 --repeats 10 --ll-sweep-bytes 262144 --ll-shapes 'threads=32,64,128,256,512;lines=1,2,4' \
         --json "$OUT/tune_tp.json"
     local t=$?
     echo "tune: barrier variants rc=$v, tp rc=$t"

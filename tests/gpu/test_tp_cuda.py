@@ -69,3 +69,20 @@ def test_ll_allreduce_stress_every_round_right(tray_env, n, count):
                                         *ll_stress_vars(count), backend="cuda") + ["8", "25"], timeout_s=180)
     assert run.returncode == 0, run.output
     assert run.stdout.count("stress rounds 201 wrong 0") == n, run.output
+
+
+@pytest.mark.parametrize("threads, lines", [(32, 1), (512, 4)])
+def test_ll_allreduce_stress_at_other_launch_shapes(tray_env, threads, lines):
+    """The stress of the low-latency path at launch shapes the tune sweep times (manifest vars ll_threads,
+    ll_lines) on 4 MiB: 32 threads x 1 line is 16384 blocks of one warp, 512 x 4 is 256 blocks whose threads
+    each send and sum 4 lines; every round right on both ranks."""
+    from test_tp import LL_STRESS, ll_stress_vars
+
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    shape = ["--var", f"ll_threads={threads}", "--var", f"ll_lines={lines}"]
+    run = tray_env.run(tray_env.command(2, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
+                                        *ll_stress_vars(2097152), *shape, backend="cuda") + ["8", "25"],
+                       timeout_s=180)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("stress rounds 201 wrong 0") == 2, run.output

@@ -131,3 +131,12 @@ def test_ll_allreduce_stress_every_round_right(tray_env, n):
                                         *ll_stress_vars(1040)) + ["4", "5"], timeout_s=120)
     assert run.returncode == 0, run.output
     assert run.stdout.count("stress rounds 21 wrong 0") == n, run.output
+
+
+def test_ll_allreduce_stress_at_another_launch_shape(tray_env):
+    """The same stress with the low-latency launch shape set by manifest vars (64 threads, 2 lines each)."""
+    shape = ["--var", "ll_threads=64", "--var", "ll_lines=2"]
+    run = tray_env.run(tray_env.command(2, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
+                                        *ll_stress_vars(1040), *shape) + ["4", "5"], timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("stress rounds 21 wrong 0") == 2, run.output
