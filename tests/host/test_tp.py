@@ -9,7 +9,6 @@ import sys
 import pytest
 from conftest import MANIFESTS
 
-
 SHAPES = ["ar_ll[t256,l2]", "ar_ll[t512,l1]", "ar_ll[t512,l2]"]  # threads=256,512;lines=1,2 less the manifest's
 
 
