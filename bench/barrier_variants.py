@@ -149,19 +149,19 @@ def main() -> int:
             out = kdir / "gate.json"
             code = run_gate(GateArgs(nprocs=args.n, backend="cuda", iters=args.iters, json_path=str(out),
                                      quiet=True))
-            report = json.loads(out.read_text()) if out.exists() else {}
-            r = {k: report.get(k) for k in ("eager_us", "eager_sync_us", "captured_us", "passed")}
-            per_rank = report.get("per_rank") or []
+            gate = json.loads(out.read_text()) if out.exists() else {}
+            r = {k: gate.get(k) for k in ("eager_us", "eager_sync_us", "captured_us", "passed")}
+            per_rank = gate.get("per_rank") or []
             r["eager_host_us"] = median([p["eager_host_us"] for p in per_rank]) if per_rank else None
             r["exit_code"] = code
             if args.stress_rounds:
                 out = kdir / "stress.json"
                 code = run_gate(GateArgs(nprocs=args.n, backend="cuda", iters=args.stress_rounds, json_path=str(out),
                                          quiet=True, stress=True))
-                report = json.loads(out.read_text()) if out.exists() else {}
+                stress = json.loads(out.read_text()) if out.exists() else {}
                 r["stress_exit_code"] = code
-                r["stress_mismatches"] = report.get("mismatches")
-                r["stress_passed"] = bool(report.get("passed"))
+                r["stress_mismatches"] = stress.get("mismatches")
+                r["stress_passed"] = bool(stress.get("passed"))
             results[v.name] = r
             write_report(report, args.json)  # after every variant: a run stopped from outside keeps what it measured
     for key in ("TRAY_KERNEL_DIR", "TRAY_BARRIER_PDL"):
