@@ -180,7 +180,8 @@ def test_full_manifest_loads(root: Path) -> None:
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_full_manifest_resolves(root: Path, world_size: int) -> None:
     r = load_manifest(write(root, full_doc())).resolve(world_size)
-    assert r.vars == {"tokens": 128, "hidden": 7168, "experts": 8, "world_size": world_size}
+    assert r.vars == {"tokens": 128, "hidden": 7168, "experts": 8, "world_size": world_size,
+                      "local_world_size": world_size}
     assert r.groups["world"] == (tuple(range(world_size)),)
     assert r.groups["tp"] == tuple((i, i + 1) for i in range(0, world_size, 2))
     assert r.groups["pairs"] == ((0, 1), (2, 3))
@@ -218,6 +219,75 @@ def test_scalable_manifest_resolves(root: Path, world_size: int) -> None:
     assert [b.shape for b in r.buffers] == [(4, 256), (4 * world_size, 256)]
     assert [b.nbytes for b in r.buffers] == [4 * 256 * 2, 4 * world_size * 256 * 4]
     assert (r.states[0].page_nbytes, r.states[0].pages) == (1024, 8 * world_size)
+
+
+def node_doc() -> dict[str, Any]:
+    """TP within each node: a group of the ranks of each node, its peer buffer, barrier and allreduce."""
+    return {
+        "format": 1,
+        "name": "per_node",
+        "vars": {"count": 64},
+        "groups": [{"name": "node", "ranks": "node"}],
+        "buffers": [
+            {"name": "part", "dtype": "bf16", "shape": ["count"], "export": True, "group": "node"},
+            {"name": "slots", "dtype": "u32", "shape": ["8 * local_world_size"], "export": True, "group": "node"},
+            {"name": "out", "dtype": "bf16", "shape": ["count"]},
+        ],
+        "programs": [
+            {"name": "ar", "ops": [
+                {"op": "barrier", "group": "node"},
+                {"op": "nccl", "collective": "allreduce", "group": "node", "send": "part", "recv": "out",
+                 "count": "count", "dtype": "bf16"},
+            ]},
+        ],
+    }
+
+
+@pytest.mark.parametrize(("world_size", "local", "instances"), [
+    (4, None, ((0, 1, 2, 3),)),  # one node: the same as world
+    (4, 4, ((0, 1, 2, 3),)),
+    (4, 2, ((0, 1), (2, 3))),
+    (6, 3, ((0, 1, 2), (3, 4, 5))),
+    (3, 1, ((0,), (1,), (2,))),
+])
+def test_node_group_resolves_to_the_ranks_of_each_node(root: Path, world_size: int, local: int | None,
+                                                      instances: tuple[tuple[int, ...], ...]) -> None:
+    m = load_manifest(write(root, node_doc()))
+    assert m.group("node").ranks == "node"
+    r = m.resolve(world_size, None, local)
+    per = local or world_size
+    assert r.groups["node"] == instances
+    assert r.groups["world"] == (tuple(range(world_size)),)
+    assert r.vars["local_world_size"] == per and r.vars["world_size"] == world_size
+    assert r.group_of("node", world_size - 1) == instances[-1]
+    assert r.buffer("slots").shape == (8 * per,)  # sized by the node's ranks, not the job's
+    ar = r.program("ar").ops[1]
+    assert isinstance(ar, ResolvedCollective) and ar.group == "node"
+
+
+def test_node_group_errors(root: Path) -> None:
+    m = load_manifest(write(root, node_doc()))
+    with pytest.raises(UsageError, match=r"local_world_size \(ranks per node\) must be an int >= 1 that divides "
+                                         r"world_size 4, got 3"):
+        m.resolve(4, None, 3)
+    with pytest.raises(UsageError, match="got -2"):
+        m.resolve(4, None, -2)
+    with pytest.raises(UsageError, match="'local_world_size' cannot be overridden"):
+        m.resolve(4, {"local_world_size": 2})
+    # a launch arg and an expression may name it; an unknown name lists it among the known
+    doc = node_doc()
+    doc["kernels"] = [{"name": "k", "source": "k.cu"}]
+    (root / "k.cu").write_text('extern "C" __global__ void k() {}\n')
+    doc["programs"][0]["ops"].append({"op": "launch", "kernel": "k", "grid": "local_world_size", "block": 32,
+                                      "args": ["local_world_size", "index:node", "world_sz"]})
+    with pytest.raises(ManifestError) as info:
+        load_manifest(write(root, doc))
+    assert_error(str(root / "m.json"), info.value, "$.programs[0].ops[2].args[2]", "local_world_size",
+                 "did you mean 'world_size'")
+    doc["programs"][0]["ops"][2]["args"][2] = "world_size"
+    launch = load_manifest(write(root, doc)).resolve(4, None, 2).program("ar").ops[2]
+    assert isinstance(launch, ResolvedLaunch) and launch.grid == (2, 1, 1)
+    assert launch.args[:2] == (ResolvedArg("int", name="local_world_size", value=2), ResolvedArg("index", name="node"))
 
 
 def test_overrides(root: Path) -> None:
@@ -373,6 +443,7 @@ LOAD_ERRORS = [
     (_set(("name",), "bad name"), "$.name", ["invalid manifest name"]),
     (_set(("vars",), []), "$.vars", ["expected an object"]),
     (_set(("vars", "world_size"), 4), "$.vars.world_size", ["reserved"]),
+    (_set(("vars", "local_world_size"), 4), "$.vars.local_world_size", ["reserved", "ranks per node", "rename"]),
     (_set(("vars", "if"), 4), "$.vars.if", ["invalid var name"]),
     (_set(("vars", "tokens"), "128"), "$.vars.tokens", ['expected an int, got "128"']),
     (_set(("vars", "x"), 1), "$.buffers[0].name", ["buffer 'x' has the name of a var"]),
@@ -385,7 +456,7 @@ LOAD_ERRORS = [
     ),
     (_set(("groups", 1, "ranks"), [[0, -1]]), "$.groups[1].ranks[0][1]", ["must be >= 0, got -1"]),
     (_set(("groups", 1, "ranks"), [[]]), "$.groups[1].ranks[0]", ["non-empty list"]),
-    (_set(("groups", 1, "ranks"), "some"), "$.groups[1].ranks", ['expected "all"']),
+    (_set(("groups", 1, "ranks"), "some"), "$.groups[1].ranks", ['expected "all" (every rank), "node"', 'got "some"']),
     (
         _set(("groups", 1, "name"), "tp"),
         "$.groups[1].name",
@@ -412,7 +483,7 @@ LOAD_ERRORS = [
     (
         _set(("buffers", 0, "shape", 1), "hiden"),
         "$.buffers[0].shape[1]",
-        ["unknown name 'hiden'", "known: experts, hidden, tokens, world_size", "did you mean 'hidden'"],
+        ["unknown name 'hiden'", "known: experts, hidden, local_world_size, tokens, world_size", "did you mean 'hidden'"],
     ),
     (
         _set(("buffers", 0, "shape", 1), "hidden ** 2"),

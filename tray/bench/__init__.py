@@ -61,12 +61,13 @@ def run_rank_program(name: str, module: str, cfg: dict[str, Any], work: Path, *,
     return [json.loads(f.read_text()) for f in sorted(out.glob("result_*.json"))]
 
 
-def buffers_nbytes(manifest: str, nprocs: int, vars: dict[str, int]) -> int:
-    """Bytes of device buffers one rank of `manifest` allocates at `nprocs` ranks with `vars` (states and the
-    tray's own barrier flags and group buffers aside): what a bench states as its memory per rank."""
+def buffers_nbytes(manifest: str, nprocs: int, vars: dict[str, int], local_world_size: int | None = None) -> int:
+    """Bytes of device buffers one rank of `manifest` allocates at `nprocs` ranks (`local_world_size` per node;
+    None: one node) with `vars` (states and the tray's own barrier flags and group buffers aside): what a bench
+    states as its memory per rank."""
     from tray.manifest import load_manifest
 
-    resolved = load_manifest(manifest).resolve(nprocs, vars)
+    resolved = load_manifest(manifest).resolve(nprocs, vars, local_world_size)
     return sum(b.nbytes for b in resolved.buffers)
 
 

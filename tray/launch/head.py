@@ -106,7 +106,8 @@ class Head:
         self.rank_base = rank_base
         self.world_size = world_size or spec.nprocs
         self.manifest: Manifest = load_manifest(spec.manifest) if spec.manifest else builtin_manifest()
-        self.resolved = self.manifest.resolve(self.world_size, dict(spec.vars))
+        # this head's ranks are one node of the job: its nprocs is the job's local world size
+        self.resolved = self.manifest.resolve(self.world_size, dict(spec.vars), spec.nprocs)
         self.placements = placements or [placement_for(None)] * spec.nprocs
         self.routing = Routing(log_dir=spec.log_dir, tee=spec.tee, redirects=spec.redirects,
                                ranks=spec.local_ranks_filter, quiet=spec.quiet, rank_base=rank_base)

@@ -30,8 +30,11 @@ from tray.manifest.schema import (
     DTYPE_ITEMSIZE,
     FORMAT_VERSION,
     INDEX_PREFIX,
+    LOCAL_WORLD_SIZE_VAR,
+    NODE_RANKS,
     OP_TYPES,
     RANK_ARG,
+    RESERVED_VARS,
     WORLD,
     WORLD_SIZE_VAR,
     BarrierSpec,
@@ -302,7 +305,7 @@ class _Parser:
         """An int (checked against `minimum` now) or an expression over vars (checked at resolve)."""
         if isinstance(value, str):
             try:
-                check_expr(value, [*self.vars, WORLD_SIZE_VAR])
+                check_expr(value, [*self.vars, *RESERVED_VARS])
                 # a constant ("-4", "64*1024") can be judged now, as a literal int is
                 constant = None if expr_names(value) else eval_expr(value, {})
             except ExprError as exc:
@@ -379,8 +382,11 @@ class _Parser:
                 self.fail(
                     jp, f"invalid var name {show(key)}: use letters, digits and _ (not a Python keyword)"
                 )
-            if key == WORLD_SIZE_VAR:
-                self.fail(jp, f"'{WORLD_SIZE_VAR}' is reserved: the tray sets it to the number of ranks")
+            if key in RESERVED_VARS:
+                self.fail(
+                    jp, f"'{key}' is reserved: the tray sets it ({WORLD_SIZE_VAR}: the number of ranks, "
+                    f"{LOCAL_WORLD_SIZE_VAR}: the ranks per node); rename the var"
+                )
             self.vars[key] = self.int_(value, jp)
 
     def parse_groups(self, raw: object) -> tuple[GroupSpec, ...]:
@@ -410,9 +416,13 @@ class _Parser:
     def parse_ranks(self, raw: object, jp: str) -> Ranks:
         if raw == "all":
             return "all"
+        if raw == NODE_RANKS:
+            return NODE_RANKS
         if not isinstance(raw, list) or not raw:
             self.fail(
-                jp, f'expected "all" or a non-empty list of rank lists like [[0,1],[2,3]], got {show(raw)}'
+                jp,
+                f'expected "all" (every rank), "{NODE_RANKS}" (the ranks of each node of the job) or a non-empty '
+                f"list of rank lists like [[0,1],[2,3]], got {show(raw)}",
             )
         seen: dict[int, str] = {}
         instances: list[tuple[int, ...]] = []
@@ -622,7 +632,7 @@ class _Parser:
             if not self.buffers[name].export:
                 self.fail(jp, f"'{raw}' needs buffer '{name}' to be exported: add \"export\": true to it")
             return raw
-        if raw in self.vars or raw == WORLD_SIZE_VAR or raw == RANK_ARG:
+        if raw in self.vars or raw in RESERVED_VARS or raw == RANK_ARG:
             return raw
         if raw.startswith(INDEX_PREFIX):
             self.ref(raw[len(INDEX_PREFIX) :], jp, "group", [*self.groups, "world"])
@@ -631,7 +641,7 @@ class _Parser:
         if name in self.buffers:
             return self.buffer_ref(raw, jp)
         names = [*self.buffers, *(PEERS_PREFIX + b.name for b in self.buffers.values() if b.export)]
-        names += [*self.vars, WORLD_SIZE_VAR, RANK_ARG, INDEX_PREFIX + "<group>"]
+        names += [*self.vars, *RESERVED_VARS, RANK_ARG, INDEX_PREFIX + "<group>"]
         self.fail(
             jp,
             f"'{raw}' names no buffer, peers:<exported buffer> or var; known: {known_list(names)}"

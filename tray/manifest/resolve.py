@@ -19,7 +19,10 @@ from tray.manifest.expr import (
 from tray.manifest.schema import (
     DTYPE_ITEMSIZE,
     INDEX_PREFIX,
+    LOCAL_WORLD_SIZE_VAR,
+    NODE_RANKS,
     RANK_ARG,
+    RESERVED_VARS,
     WORLD_SIZE_VAR,
     BarrierSpec,
     BufferRef,
@@ -50,21 +53,33 @@ Instances = tuple[tuple[int, ...], ...]
 
 
 def resolve_manifest(
-    manifest: Manifest, world_size: int, overrides: dict[str, int] | None = None
+    manifest: Manifest, world_size: int, overrides: dict[str, int] | None = None, local_world_size: int | None = None
 ) -> ResolvedManifest:
     """See Manifest.resolve."""
-    env = resolve_vars(manifest, world_size, overrides)
+    env = resolve_vars(manifest, world_size, overrides, local_world_size)
     return _Resolver(manifest, env).run()
 
 
-def resolve_vars(manifest: Manifest, world_size: int, overrides: dict[str, int] | None) -> dict[str, int]:
-    """Defaults, then overrides, then world_size. Raises UsageError for bad values or unknown names."""
+def resolve_vars(
+    manifest: Manifest, world_size: int, overrides: dict[str, int] | None, local_world_size: int | None = None
+) -> dict[str, int]:
+    """Defaults, then overrides, then world_size and local_world_size (ranks per node; None or 0: one node,
+    world_size). Raises UsageError for bad values or unknown names."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"world_size must be an int >= 1, got {world_size!r}")
+    local = local_world_size or world_size
+    if isinstance(local, bool) or not isinstance(local, int) or local < 1 or world_size % local:
+        raise UsageError(
+            f"local_world_size (ranks per node) must be an int >= 1 that divides world_size {world_size}, "
+            f"got {local_world_size!r}"
+        )
     env = dict(manifest.vars)
     for name, value in (overrides or {}).items():
-        if name == WORLD_SIZE_VAR:
-            raise UsageError(f"'{WORLD_SIZE_VAR}' cannot be overridden: it is the number of ranks")
+        if name in RESERVED_VARS:
+            raise UsageError(
+                f"'{name}' cannot be overridden: the tray sets it ({WORLD_SIZE_VAR}: the number of ranks, "
+                f"{LOCAL_WORLD_SIZE_VAR}: the ranks per node)"
+            )
         if name not in manifest.vars:
             raise UsageError(
                 f"unknown var '{name}' for manifest {manifest.name} ({manifest.path}); "
@@ -74,6 +89,7 @@ def resolve_vars(manifest: Manifest, world_size: int, overrides: dict[str, int] 
             raise UsageError(f"var '{name}' must be an int (|value| < 2**63), got {value!r}")
         env[name] = value
     env[WORLD_SIZE_VAR] = world_size
+    env[LOCAL_WORLD_SIZE_VAR] = local
     return env
 
 
@@ -141,6 +157,10 @@ class _Resolver:
         jp = spec.json_path
         if spec.ranks == "all":
             return (tuple(range(n)),)
+        if spec.ranks == NODE_RANKS:
+            # one instance per node: global rank = node rank x L + local rank (resolve_vars checked L | n)
+            per = self.env[LOCAL_WORLD_SIZE_VAR]
+            return tuple(tuple(range(start, start + per)) for start in range(0, n, per))
         if spec.ranks is not None:
             for j, inst in enumerate(spec.ranks):
                 for k, rank in enumerate(inst):

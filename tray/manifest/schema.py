@@ -23,19 +23,23 @@ COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv"
 ACROSS = ("nodes",)
 WORLD = "world"
 WORLD_SIZE_VAR = "world_size"
+LOCAL_WORLD_SIZE_VAR = "local_world_size"  # ranks per node of the job (world_size on one node)
+RESERVED_VARS = (WORLD_SIZE_VAR, LOCAL_WORLD_SIZE_VAR)
+NODE_RANKS = "node"  # a group's "ranks": "node": one instance per node of the job, its ranks in order
 # Launch arguments that differ per rank (everything else is the same on every rank):
 RANK_ARG = "rank"  # this rank's global rank
 INDEX_PREFIX = "index:"  # "index:<group>": this rank's member index in its instance of <group>
 
 IntOrExpr = int | str
-Ranks = Literal["all"] | tuple[tuple[int, ...], ...]
+Ranks = Literal["all", "node"] | tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """A topology group: exactly one of `ranks` ("all" or explicit instances) and `size` is set.
+    """A topology group: exactly one of `ranks` ("all", "node" or explicit instances) and `size` is set.
 
     `size` splits the world into contiguous blocks of that many ranks; world_size must divide by it.
+    "node" splits it into the ranks of each node of the job (blocks of local_world_size, known at launch).
     """
 
     name: str
@@ -228,16 +232,19 @@ class Manifest:
         """The program named `name`. Raises UsageError naming the known programs."""
         return _lookup("program", name, {p.name: p for p in self.programs})
 
-    def resolve(self, world_size: int, overrides: dict[str, int] | None = None) -> ResolvedManifest:
-        """Evaluate every expression for `world_size` ranks and `overrides` of the var defaults.
+    def resolve(self, world_size: int, overrides: dict[str, int] | None = None,
+                local_world_size: int | None = None) -> ResolvedManifest:
+        """Evaluate every expression for `world_size` ranks and `overrides` of the var defaults, in a job of
+        `local_world_size` ranks per node (None: one node, world_size).
 
-        Raises UsageError for a bad world size or override (unknown var, non-int value), and
+        Raises UsageError for a bad world size, local world size (not dividing world_size) or override
+        (unknown or reserved var, non-int value), and
         ManifestError (with the JSON path) for expressions that fail, non-positive dims, groups that
         do not fit the world, and ops whose sizes overrun their buffers.
         """
         from tray.manifest.resolve import resolve_manifest  # here: resolve.py imports this module
 
-        return resolve_manifest(self, world_size, overrides)
+        return resolve_manifest(self, world_size, overrides, local_world_size)
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class Executor:
             return ctx.resolved.program(program)
         merged = dict(ctx.wiring.env.vars)
         merged.update(vars)
-        resolved = ctx.manifest.resolve(ctx.world_size, merged)
+        resolved = ctx.manifest.resolve(ctx.world_size, merged, ctx.wiring.env.local_world_size or None)
         for b in resolved.buffers:
             if b.nbytes != ctx.resolved.buffer(b.name).nbytes:
                 changed = ", ".join(f"{k}={v}" for k, v in vars.items())

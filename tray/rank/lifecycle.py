@@ -65,7 +65,7 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any
 
     with phases.timed("manifest"):
         manifest = parts.manifest = load_manifest(manifest_path) if manifest_path else builtin_manifest()
-        resolved = parts.resolved = manifest.resolve(env.world_size, dict(env.vars))
+        resolved = parts.resolved = manifest.resolve(env.world_size, dict(env.vars), env.local_world_size or None)
     with phases.timed("device"):
         host = boot_id()
         try:

@@ -1,7 +1,8 @@
 """`tray bench tp`: the peer allreduces (low-latency, one-shot, two-shot) vs NCCL's, and a TP MLP layer.
 
     tray bench tp -n 4 [--sizes 8,16,...,67108864] [--tokens 1,4,...,4096] [--hidden 8192] [--ffn 28672]
-                  [--ll-max-bytes N] [--ll-sweep-bytes N] [--ll-shapes SPEC] [--backend] [--json PATH] [--plot PNG]
+                  [--ll-max-bytes N] [--ll-sweep-bytes N] [--ll-shapes SPEC] [--nnodes K] [--backend] [--json PATH]
+                  [--plot PNG]
 
 Two trays of manifests/tp_mlp.json running tray/programs/tp_mlp/rank_program.py: N ranks (the allreduce
 sweep, nccl-tests shaped: every path timed captured and checked on what its timed replays left; then the
@@ -17,6 +18,13 @@ the tray's allreduce does with that table: the peer path, or NCCL at the sizes w
 --ll-shapes, the low-latency path is also timed at each other launch shape (threads per block, lines per
 thread; `ar_ll` is the manifest's shape) wherever it is timed: keys `ar_ll[t512,l2]` in us and checks.wrong,
 and `ll_shapes` names the fastest shape per size. Exit 1 if a check fails.
+
+With --nnodes K (K >= 2) the N-rank tray is a job of K nodes on this machine (tray/bench/nodes.py: one
+`tray launch --nnodes K` per node, N / K ranks each, on cuda its share of the GPUs and its own NCCL_HOSTID).
+TP runs within each node (the manifest's group `node`): every node is one TP group of N / K ranks (ffn split
+N / K ways) whose peer mappings, barriers and NCCL baseline never leave the node; every node computes the
+same layer, so the checks are those of one node, on every rank of the job, plus `tp_within_nodes`: every
+rank's TP group was the ranks of its node. The report says `"nnodes"` and `"tp_size"`.
 """
 
 from __future__ import annotations
@@ -82,6 +90,12 @@ class TpBenchArgs:
     ll_max_bytes: int | None = None  # None: the manifest's ll_max_bytes
     ll_sweep_bytes: int | None = None  # None: DEFAULTS[backend]
     ll_shapes: tuple[LLShape, ...] = ()  # launch shapes of the low-latency path timed beside the manifest's
+    nnodes: int = 1  # nodes of the N-rank job (TP within each node: nprocs // nnodes ranks per TP group)
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks per TP group: the ranks of one node."""
+        return self.nprocs // self.nnodes
 
     def resolved(self) -> TpBenchArgs:
         """Every None replaced by the backend's default."""
@@ -92,7 +106,7 @@ class TpBenchArgs:
             seed=self.seed, repeats=self.repeats or d["repeats"], warmup=self.warmup, json_path=self.json_path,
             log_dir=self.log_dir, keep=self.keep, plot_path=self.plot_path, ll_max_bytes=self.ll_max_bytes,
             ll_sweep_bytes=d["ll_sweep_bytes"] if self.ll_sweep_bytes is None else self.ll_sweep_bytes,
-            ll_shapes=self.ll_shapes)
+            ll_shapes=self.ll_shapes, nnodes=self.nnodes)
 
 
 def baseline_name(backend: str) -> str:
@@ -102,12 +116,18 @@ def baseline_name(backend: str) -> str:
 
 def validate(a: TpBenchArgs) -> None:
     assert a.sizes is not None and a.tokens is not None and a.hidden is not None and a.ffn is not None
-    if a.nprocs < 2:
-        raise UsageError(f"tp compares N ranks with one: -n must be at least 2, got {a.nprocs}")
-    if a.ffn % (8 * a.nprocs) or a.hidden % 8:
+    if a.nnodes < 1 or a.nprocs % a.nnodes:
+        raise UsageError(f"--nnodes {a.nnodes} must be at least 1 and divide -n {a.nprocs} (every node runs the "
+                         "same number of ranks)")
+    if a.tp_size < 2:
+        raise UsageError(f"tp compares a TP group of the ranks of a node with one rank: -n / --nnodes must be at "
+                         f"least 2, got -n {a.nprocs} over {a.nnodes} node(s)")
+    if a.nnodes > 1 and a.plot_path:
+        raise UsageError("--plot draws one tray's sweep; run without --nnodes to plot")
+    if a.ffn % (8 * a.tp_size) or a.hidden % 8:
         raise UsageError(
-            f"--ffn ({a.ffn}) must split into {a.nprocs} shards of a multiple of 8 and --hidden "
-            f"({a.hidden}) be a multiple of 8 (16-byte vectors)"
+            f"--ffn ({a.ffn}) must split into {a.tp_size} shards (the ranks of a node) of a multiple of 8 and "
+            f"--hidden ({a.hidden}) be a multiple of 8 (16-byte vectors)"
         )
     bad = [s for s in a.sizes if s < 2 or s % 2]
     if bad:
@@ -134,12 +154,20 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "ll_sweep_bytes": a.ll_sweep_bytes,
         "ll_shapes": [[s.threads, s.lines] for s in a.ll_shapes],
     }
+    if nprocs > 1 and a.nnodes > 1:
+        from tray.bench.nodes import NodeJob, run_rank_program_nodes
+
+        job = NodeJob(name=name, module="tray.programs.tp_mlp.rank_program", nnodes=a.nnodes, nprocs=nprocs,
+                      backend=a.backend, manifest=str(builtin_path(MANIFEST)), vars=launch_vars(a, a.tp_size),
+                      log_dir=a.log_dir)
+        return run_rank_program_nodes(job, cfg, work)
     return run_rank_program(name, "tray.programs.tp_mlp.rank_program", cfg, work, nprocs=nprocs, backend=a.backend,
                             manifest=str(builtin_path(MANIFEST)), vars=launch_vars(a, nprocs), log_dir=a.log_dir)
 
 
 def launch_vars(a: TpBenchArgs, nprocs: int) -> dict[str, int]:
-    """The manifest vars of a tray of `nprocs` ranks: buffers sized for the largest message and token count."""
+    """The manifest vars of a TP group of `nprocs` ranks (the ranks of a node): buffers sized for the largest
+    message and token count, ffn split `nprocs` ways."""
     assert a.sizes is not None and a.tokens is not None and a.hidden is not None and a.ffn is not None
     max_tokens = max(a.tokens)
     max_count = max(max_tokens * a.hidden, *(s // 2 for s in a.sizes))
@@ -189,6 +217,16 @@ def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "checks": {"wrong": wrong, "peer_identical_on_all_ranks": identical,
                                 "passed": identical and not any(wrong.values())}})
     return rows
+
+
+def tp_within_nodes(per_rank: list[dict[str, Any]], per_node: int) -> bool:
+    """Whether every rank reported and its TP group was the ranks of its node (global rank = node rank x
+    `per_node` + local rank)."""
+    ranks = sorted(r["rank"] for r in per_rank)
+    if ranks != list(range(len(per_rank))) or len(ranks) % per_node:
+        return False
+    return all(r["tp_group"] == list(range(r["rank"] // per_node * per_node, (r["rank"] // per_node + 1) * per_node))
+               for r in per_rank)
 
 
 def is_shape_key(key: str) -> bool:
@@ -270,7 +308,10 @@ def summarize_tokens(a: TpBenchArgs, per_rank: list[dict[str, Any]], one: dict[s
 def print_report(report: dict[str, Any]) -> None:
     base = baseline_name(report["backend"])
     one = "1 gpu" if report["backend"] == "cuda" else "1 rank"
-    print(f"tp: {report['nprocs']} ranks, {report['backend']} backend; µs per call, captured, slowest rank; "
+    nn, tp = report.get("nnodes", 1), report.get("tp_size", report["nprocs"])
+    where = "" if nn == 1 else (f" as a job of {nn} nodes of {tp} ranks, TP within each node (every node one TP "
+                                f"group: {'ok' if report['tp_within_nodes'] else 'FAILED'})")
+    print(f"tp: {report['nprocs']} ranks{where}, {report['backend']} backend; µs per call, captured, slowest rank; "
           f"baseline {base} ({'NCCL' if base == 'nccl' else 'the host backend’s shared-memory collectives'})")
     print(format_table(allreduce_rows(report)))
     print(f"  {'bytes':>9} {'low-lat':>9} {'one-shot':>9} {'two-shot':>9} {base:>9} {'peer/' + base:>9} "
@@ -296,7 +337,7 @@ def print_report(report: dict[str, Any]) -> None:
     nccl_sizes = report["nccl_faster_bytes"]
     print(f"  {base} faster than the peer path the tray uses at: {nccl_sizes} B (the tray's allreduce calls it there)"
           if nccl_sizes else f"  a peer path is at least as fast as {base} at every size")
-    print(f"tp layer: hidden {report['hidden']}, ffn {report['ffn']} ({report['ffn'] // report['nprocs']} per rank)")
+    print(f"tp layer: hidden {report['hidden']}, ffn {report['ffn']} ({report['ffn'] // tp} per rank)")
     print(f"  {'tokens':>7} {'low-lat':>10} {'one-shot':>10} {'two-shot':>10} {base:>10} {one:>10} {'peer/' + one:>11}"
           "  check")
     for r in report["tokens"]:
@@ -309,8 +350,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def allreduce_rows(report: dict[str, Any]) -> list[Row]:
-    """Every path per size as nccl-tests rows (bf16, busbw factor 2(n-1)/n; #wrong: elements that failed
-    the check after the timed replays, summed over the ranks)."""
+    """Every path per size as nccl-tests rows (bf16, busbw factor 2(n-1)/n over the n ranks of a TP group;
+    #wrong: elements that failed the check after the timed replays, summed over the ranks)."""
     rows = []
     names = {LL_PATH: "allreduce low-latency", "ar_oneshot": "allreduce one-shot",
              "ar_twoshot": "allreduce two-shot", "ar_nccl": f"allreduce {baseline_name(report['backend'])}"}
@@ -319,7 +360,7 @@ def allreduce_rows(report: dict[str, Any]) -> list[Row]:
             if path not in r["us"]:
                 continue
             rows.append(Row(name, r["bytes"], r["count"], "bf16", r["us"][path], r["checks"]["wrong"][path],
-                            "allreduce", report["nprocs"]))
+                            "allreduce", report.get("tp_size", report["nprocs"])))
     return rows
 
 
@@ -350,8 +391,10 @@ def run_tp_bench(a: TpBenchArgs) -> int:
     work = Path(tempfile.mkdtemp(prefix="tray-tp-"))
     try:
         try:
-            mib = buffers_nbytes(str(builtin_path(MANIFEST)), a.nprocs, launch_vars(a, a.nprocs)) / (1 << 20)
-            t0 = stage("tp", 1, 2, f"{a.nprocs} ranks: {len(a.sizes)} sizes, {a.sizes[0]} .. {a.sizes[-1]} B, then "
+            mib = buffers_nbytes(str(builtin_path(MANIFEST)), a.nprocs, launch_vars(a, a.tp_size),
+                                 a.tp_size) / (1 << 20)
+            where = "" if a.nnodes == 1 else f" as {a.nnodes} nodes of {a.tp_size} (TP within each node)"
+            t0 = stage("tp", 1, 2, f"{a.nprocs} ranks{where}: {len(a.sizes)} sizes, {a.sizes[0]} .. {a.sizes[-1]} B, then "
                                    f"the layer at {len(a.tokens)} token counts, {a.repeats} repeats each, the "
                                    f"low-latency path up to {a.ll_sweep_bytes} B, "
                                    f"{mib:.1f} MiB of buffers per rank (a line per size from rank 0)")
@@ -372,6 +415,9 @@ def run_tp_bench(a: TpBenchArgs) -> int:
     report = {
         "bench": "tp",
         "nprocs": a.nprocs,
+        "nnodes": a.nnodes,
+        "tp_size": a.tp_size,
+        "tp_within_nodes": tp_within_nodes(per_rank, a.tp_size),
         "backend": a.backend,
         "hidden": a.hidden,
         "ffn": a.ffn,
@@ -386,7 +432,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
            if a.ll_shapes else {}),
         "nccl_faster_bytes": [r["bytes"] for r in sizes if r["ar_tray_path"] == "ar_nccl"],
         "tokens": tokens,
-        "passed": all(s["checks"]["passed"] for s in sizes + tokens),
+        "passed": all(s["checks"]["passed"] for s in sizes + tokens) and tp_within_nodes(per_rank, a.tp_size),
         "setup_s": max(r["setup_s"] for r in per_rank),
     }
     print_report(report)

@@ -22,6 +22,9 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--ll-shapes", default=None, metavar="SPEC",
                    help="also time the low-latency path at these launch shapes, e.g. 'threads=256,512;lines=1,2' "
                         "(keys ar_ll[t512,l2] per size, each checked after its timed replays)")
+    b.add_argument("--nnodes", type=int, default=1, metavar="K",
+                   help="run the N-rank tray as a job of K nodes on this machine (N / K ranks each; cuda: each its "
+                   "share of the GPUs and its own NCCL_HOSTID); TP runs within each node (default 1)")
     b.add_argument("--plot", default=None, metavar="PNG", help="latency vs size as a PNG (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_tp)
 
@@ -57,6 +60,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
             keep=args.keep,
             ll_max_bytes=args.ll_max_bytes,
             ll_sweep_bytes=args.ll_sweep_bytes,
+            nnodes=args.nnodes,
             **extra,
         )
     )

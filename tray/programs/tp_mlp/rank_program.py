@@ -13,6 +13,10 @@ words are read: a timeout raises LLTimeout naming the missing ranks, a refused l
 MLP, per token count T: the TP layer (x [T, hidden] replicated, w13 column-split, w2 row-split) through
 the one-shot, the low-latency one-shot (where timed), the two-shot and NCCL. The peer paths must give
 identical bytes; rank 0 saves its outputs for the head to check against a 1-rank tray's full layer.
+
+TP runs within each node of the job (the manifest's group `node`): G is the node's rank count and `me` this
+rank's index among them; on a job of several nodes every node computes the same layer and allreduces on its
+own, so every rank's outputs are the same bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ SEED_X, SEED_W13, SEED_W2, SEED_P0, SEED_P1 = 11, 12, 13, 14, 15
 # NOTE: NCCL sums bf16 in its own order with bf16 intermediates: a few bf16 ulps of the exact sum. An
 # element is wrong when it is off by more than 2^-5 of its magnitude plus 2^-5 of the message's rms.
 NCCL_REL_TOL = 2.0**-5
+TP_GROUP = "node"  # the manifest's group of the TP programs: the ranks of each node
 
 
 class TpRank:
@@ -41,8 +46,9 @@ class TpRank:
         self.rank = rank
         self.cfg = cfg
         self.backend = rank.backend
-        self.G = rank.world_size
-        self.me = rank.rank
+        tp = rank.group(TP_GROUP)
+        self.G = tp.size
+        self.me = tp.index
         self.H, self.F = cfg["hidden"], cfg["ffn"]
         self.FL = self.F // self.G
 
@@ -155,7 +161,7 @@ class TpRank:
         """Raise what the low-latency allreduce recorded in ll_state (LLTimeout, UsageError); call after a sync."""
         from tray.programs.tp_mlp.ll import check_state
 
-        g = self.rank.group("world")
+        g = self.rank.group(TP_GROUP)
         check_state([int(w) for w in self.rank.read("ll_state")], g.name, g.members, g.index,
                     int(self.rank.resolved.vars["ll_timeout_ns"]))
 
@@ -185,7 +191,7 @@ class TpRank:
             checks["two_shot_equals_one_shot"] = bool(np.array_equal(outs["mlp_two"], outs["mlp_one"]))
         if "mlp_ll" in outs:
             checks["ll_equals_one_shot"] = bool(np.array_equal(outs["mlp_ll"], outs["mlp_one"]))
-        if self.me == 0:
+        if rank.rank == 0:  # one copy: on a job of several nodes every node's member 0 holds the same bytes
             np.save(out_dir / f"T{tokens}_peer.npy", outs["mlp_one"])
             if "mlp_nccl" in outs:
                 np.save(out_dir / f"T{tokens}_nccl.npy", outs["mlp_nccl"])
@@ -216,7 +222,8 @@ def main(argv: list[str]) -> int:
         setup_s = time.perf_counter() - t0
         rank.exchange("tp.ready", setup_s)
         sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"])
-        results: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size, "setup_s": setup_s,
+        results: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size, "tp_size": tp.G,
+                                   "tp_group": list(rank.group(TP_GROUP).members), "setup_s": setup_s,
                                    "device": rank.backend.info.name, "sizes": [], "tokens": [],
                                    "ll_max_bytes": int(rank.resolved.vars["ll_max_bytes"]),
                                    "ll_max_count": tp.ll_max_count,
