@@ -50,6 +50,27 @@ def test_tp_bench_checks_pass(tray_env, tmp_path, n, shapes):
         assert t["us"]["mlp_one_gpu"] > 0
 
 
+def test_tp_bench_within_each_node_of_a_two_node_job(tray_env, tmp_path):
+    """2 nodes x 2 ranks on this machine: every node one TP group of its 2 ranks, every path exact."""
+    out = tmp_path / "tp.json"
+    run = tray_env.run([sys.executable, "-m", "tray", "bench", "tp", "-n", "4", "--nnodes", "2", "--backend", "host",
+                        "--sizes", "8,1040", "--tokens", "3", "--hidden", "64", "--ffn", "128", "--repeats", "1",
+                        "--ll-sweep-bytes", "1040", "--ll-max-bytes", "8", "--json", str(out)], timeout_s=120)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["nnodes"] == 2 and report["tp_size"] == 2, report
+    assert report["tp_within_nodes"] and report["tp_groups"] == [[0, 1], [2, 3]], report
+    assert [s["bytes"] for s in report["sizes"]] == [8, 1040]
+    for s in report["sizes"]:
+        c = s["checks"]
+        assert c["wrong"] == {"ar_ll": 0, "ar_oneshot": 0, "ar_twoshot": 0, "ar_nccl": 0}, c
+        assert c["peer_identical_on_all_ranks"] and c["passed"], c
+    (t,) = report["tokens"]
+    assert t["checks"]["passed"] and t["checks"]["mlp_peer_vs_one_gpu_rel_err"] < 1e-2, t
+    assert "as a job of 2 nodes of 2 ranks, TP within each node" in run.stdout and "ffn 128 (64 per rank)" in run.stdout
+    assert "PASSED" in run.stdout, run.output
+
+
 def test_tp_refuses_odd_byte_sizes(tray_env):
     run = tray_env.run(
         [sys.executable, "-m", "tray", "bench", "tp", "-n", "2", "--backend", "host", "--sizes", "25"]
@@ -61,7 +82,7 @@ LL_MISSING = """
 import tray.programs.tp_mlp.twins  # the host twins of the manifest's kernels, registered before init
 from tray.programs.tp_mlp.ll import LLTimeout, check_state
 with tray.init() as rank:
-    g = rank.group("world")
+    g = rank.group("node")
     if rank.rank == 0:  # rank 1 never runs ar_ll: rank 0's wait for its lines must end, and name rank 1
         rank.run("ar_ll", {"count": 8})
         rank.synchronize()
@@ -92,7 +113,7 @@ import tray.programs.tp_mlp.twins  # the host twins of the manifest's kernels, r
 from tray.programs.tp_mlp.ll import check_state
 K, R = int(sys.argv[2]), int(sys.argv[3])
 with tray.init() as rank:
-    g = rank.group("world")
+    g = rank.group("node")
     v = {"count": rank.resolved.vars["count"]}
     for k in ("tp_ll_stress_step", "tp_ll_stress_next", "tp_ll_allreduce"):
         rank.kernel(k)  # compiled (cuda) before any rank waits for another in the allreduce

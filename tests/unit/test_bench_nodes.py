@@ -1,5 +1,5 @@
 """A bench's job of several nodes on one machine (tray/bench/nodes.py): each node's share of the GPUs and
-its command line; the EP bench's --nnodes checks."""
+its command line; the EP and TP benches' --nnodes checks."""
 
 from __future__ import annotations
 
@@ -39,3 +39,26 @@ def test_ep_bench_nnodes_must_divide_the_ranks():
     with pytest.raises(UsageError, match="--nnodes 3 must be at least 1 and divide -n 4"):
         validate(EpBenchArgs(nprocs=4, backend="host", experts=16, topk=4, hidden=256, expert_dim=256, nnodes=3))
     validate(EpBenchArgs(nprocs=4, backend="host", experts=16, topk=4, hidden=256, expert_dim=256, nnodes=2))
+
+
+def test_tp_bench_nnodes_checks_and_a_tp_group_per_node():
+    from tray.programs.tp_mlp.bench import TpBenchArgs, launch_vars, tp_within_nodes, validate
+
+    def args(**kw):
+        return TpBenchArgs(**{"nprocs": 4, "backend": "host", "sizes": (8,), "tokens": (1,), "hidden": 64,
+                              "ffn": 128, **kw})
+
+    with pytest.raises(UsageError, match="--nnodes 3 must be at least 1 and divide -n 4"):
+        validate(args(nnodes=3))
+    with pytest.raises(UsageError, match="-n / --nnodes must be at least 2, got -n 4 over 4 node"):
+        validate(args(nnodes=4))
+    with pytest.raises(UsageError, match="2 shards \\(the ranks of a node\\)"):
+        validate(args(nnodes=2, ffn=24))  # 24 splits into 2 shards of 12: not a multiple of 8
+    validate(args(nnodes=2, ffn=16))  # 4 shards of 4 would fail on one node; 2 of 8 is whole vectors
+    a = args(nnodes=2)
+    assert a.tp_size == 2 and launch_vars(a, a.tp_size)["ffn_local"] == 64  # ffn split over a node's ranks
+    group = [{"rank": r, "tp_group": [r // 2 * 2, r // 2 * 2 + 1]} for r in range(4)]
+    assert tp_within_nodes(group, 2)
+    assert not tp_within_nodes(group, 4)  # the whole job as one group was not asked for
+    assert not tp_within_nodes([{**g, "tp_group": [0, 1, 2, 3]} for g in group], 2)  # TP spanning the nodes
+    assert not tp_within_nodes(group[:3], 2)  # a rank that never reported

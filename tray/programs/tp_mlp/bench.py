@@ -24,7 +24,7 @@ With --nnodes K (K >= 2) the N-rank tray is a job of K nodes on this machine (tr
 TP runs within each node (the manifest's group `node`): every node is one TP group of N / K ranks (ffn split
 N / K ways) whose peer mappings, barriers and NCCL baseline never leave the node; every node computes the
 same layer, so the checks are those of one node, on every rank of the job, plus `tp_within_nodes`: every
-rank's TP group was the ranks of its node. The report says `"nnodes"` and `"tp_size"`.
+rank's TP group was the ranks of its node. The report says `"nnodes"`, `"tp_size"` and `"tp_groups"`.
 """
 
 from __future__ import annotations
@@ -418,6 +418,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
         "nnodes": a.nnodes,
         "tp_size": a.tp_size,
         "tp_within_nodes": tp_within_nodes(per_rank, a.tp_size),
+        "tp_groups": sorted({tuple(r["tp_group"]) for r in per_rank}),  # the TP groups the ranks ran in
         "backend": a.backend,
         "hidden": a.hidden,
         "ffn": a.ffn,
