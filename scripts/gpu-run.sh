@@ -7,7 +7,7 @@
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tune park
-# bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 perf
+# bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
 # with torch's small-kernel launch beside it when this Python imports torch.
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
@@ -18,6 +18,10 @@
 # by an NCCL all-to-all across nodes) and the NCCL path, both checked against EP1 byte for byte
 # ($OUT/ep_moe_nodes2.json with the environment); the NCCL node counts rank 0 logged are printed after it.
 # EP_NODES_N=4 (4 GPUs): two nodes of two, so the peer path also writes within each node through its mappings.
+# `tp-nodes2` runs `tray bench tp -n 4 --nnodes 2` (4 GPUs; TP_NODES_N to change) as two nodes of two GPUs, each
+# its own NCCL_HOSTID: TP within each node (peer mappings, barriers and the NCCL baseline never leave it), every
+# path checked after its timed replays on every rank ($OUT/tp_nodes2.json); the NCCL communicators rank 0 logged
+# are printed after it (nNodes 1: the baseline stayed within the node).
 # `tune` (~2 min at 2 ranks, bounded at 190 s; one log and two JSON files): the barrier variants aimed at the captured
 # figure, timed and stressed ($OUT/tune_variants.json), then the low-latency allreduce at 15 launch shapes (threads
 # per block x lines per thread) over 8 B .. 256 KiB, each checked after its timed replays ($OUT/tune_tp.json).
@@ -115,7 +119,7 @@ stage_live() {  # stage_live NAME TIMEOUT_S CMD...: as stage, and the bench's pr
     local name=$1 t=$2; shift 2
     echo "=== $name ($(date +%T))"
     local t0=$SECONDS
-    timeout -k 10 "$t" "$@" 2>&1 | tee "$LOGS/$name.log" | grep --line-buffered -E '^(ep-moe: |\[rank 0\] [^ ])'
+    timeout -k 10 "$t" "$@" 2>&1 | tee "$LOGS/$name.log" | grep --line-buffered -E '^((ep-moe|tp): |\[rank 0\] [^ ])'
     local rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 0 ]; then
         tail -n 25 "$LOGS/$name.log"
@@ -172,6 +176,8 @@ for s in "${STAGES[@]}"; do
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
         ep-nodes2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT stage_live ep_moe_nodes2 300 $PY -m tray bench ep-moe -n "${EP_NODES_N:-2}" --nnodes 2 --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --gemm masked --sms all ${EP_ARGS:-} --json "$OUT/ep_moe_nodes2.json"
             echo "NCCL as logged by rank 0 (count, ranks, nodes):"; grep -ho "nRanks [0-9]* nNodes [0-9]*" "$LOGS/ep_moe_nodes2.log" | sort | uniq -c ;;
+        tp-nodes2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT stage_live tp_nodes2 400 $PY -m tray bench tp -n "${TP_NODES_N:-4}" --nnodes 2 --backend cuda --json "$OUT/tp_nodes2.json"
+            echo "NCCL as logged by rank 0 (count, ranks, nodes):"; grep -ho "nRanks [0-9]* nNodes [0-9]*" "$LOGS/tp_nodes2.log" | sort | uniq -c ;;
         nodes2) stage nodes2 300 env OUT="$OUT" LOGS="$LOGS" N="$N" PY=$PY scripts/gpu-nodes2.sh ;;
         *) echo "unknown stage $s"; exit 2 ;;
     esac

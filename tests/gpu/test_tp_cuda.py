@@ -1,6 +1,6 @@
 """The TP allreduces on GPUs: every peer path (low-latency, one-shot, two-shot) and NCCL checked after their timed
-graph replays, at 2 ranks (and 4 where visible), on small sizes; the low-latency kernel's bounded wait names a
-rank that never sends."""
+graph replays, at 2 ranks (and 4 where visible; and as two nodes of two GPUs, TP within each), on small sizes; the
+low-latency kernel's bounded wait names a rank that never sends."""
 
 from __future__ import annotations
 
@@ -40,6 +40,25 @@ def test_tp_bench_every_path_right_after_timed_replays(tray_env, tmp_path, n):
     for t in report["tokens"]:  # the layer's 2 and 32 KiB outputs reduced by the low-latency path too
         assert t["checks"]["ll_equals_one_shot"] and t["checks"]["two_shot_equals_one_shot"], t
         assert t["us"]["mlp_ll"] > 0, t
+
+
+def test_tp_bench_within_each_node_of_a_two_node_job(tray_env, tmp_path):
+    """Two nodes of two GPUs (each its own NCCL_HOSTID): every node one TP group, every path right on every rank."""
+    if visible_gpus() < 4:
+        pytest.skip("needs 4 GPUs")
+    out = tmp_path / "tp.json"
+    run = tray_env.run([sys.executable, "-m", "tray", "bench", "tp", "-n", "4", "--nnodes", "2", "--backend", "cuda",
+                        "--sizes", "8,1040,65536,4194304", "--tokens", "1,16", "--hidden", "1024", "--ffn", "4096",
+                        "--repeats", "3", "--json", str(out)], timeout_s=300)
+    assert run.returncode == 0, run.output
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["nnodes"] == 2 and report["tp_size"] == 2, run.output
+    assert report["tp_within_nodes"] and report["tp_groups"] == [[0, 1], [2, 3]], report
+    for s in report["sizes"]:
+        assert set(s["checks"]["wrong"]) == PATHS and not any(s["checks"]["wrong"].values()), s
+        assert s["checks"]["peer_identical_on_all_ranks"], s
+    for t in report["tokens"]:
+        assert t["checks"]["passed"] and t["checks"]["ll_equals_one_shot"], t
 
 
 def test_ll_allreduce_wait_is_bounded_and_names_the_missing_rank(tray_env):

@@ -483,7 +483,11 @@ LOAD_ERRORS = [
     (
         _set(("buffers", 0, "shape", 1), "hiden"),
         "$.buffers[0].shape[1]",
-        ["unknown name 'hiden'", "known: experts, hidden, local_world_size, tokens, world_size", "did you mean 'hidden'"],
+        [
+            "unknown name 'hiden'",
+            "known: experts, hidden, local_world_size, tokens, world_size",
+            "did you mean 'hidden'",
+        ],
     ),
     (
         _set(("buffers", 0, "shape", 1), "hidden ** 2"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Final, Literal, TypeVar
 
 from tray.errors import ManifestError, UsageError
 from tray.manifest.expr import ExprError, did_you_mean, eval_expr, known_list
@@ -25,7 +25,7 @@ WORLD = "world"
 WORLD_SIZE_VAR = "world_size"
 LOCAL_WORLD_SIZE_VAR = "local_world_size"  # ranks per node of the job (world_size on one node)
 RESERVED_VARS = (WORLD_SIZE_VAR, LOCAL_WORLD_SIZE_VAR)
-NODE_RANKS = "node"  # a group's "ranks": "node": one instance per node of the job, its ranks in order
+NODE_RANKS: Final = "node"  # a group's "ranks": "node": one instance per node of the job, its ranks in order
 # Launch arguments that differ per rank (everything else is the same on every rank):
 RANK_ARG = "rank"  # this rank's global rank
 INDEX_PREFIX = "index:"  # "index:<group>": this rank's member index in its instance of <group>

@@ -394,8 +394,8 @@ def run_tp_bench(a: TpBenchArgs) -> int:
             mib = buffers_nbytes(str(builtin_path(MANIFEST)), a.nprocs, launch_vars(a, a.tp_size),
                                  a.tp_size) / (1 << 20)
             where = "" if a.nnodes == 1 else f" as {a.nnodes} nodes of {a.tp_size} (TP within each node)"
-            t0 = stage("tp", 1, 2, f"{a.nprocs} ranks{where}: {len(a.sizes)} sizes, {a.sizes[0]} .. {a.sizes[-1]} B, then "
-                                   f"the layer at {len(a.tokens)} token counts, {a.repeats} repeats each, the "
+            t0 = stage("tp", 1, 2, f"{a.nprocs} ranks{where}: {len(a.sizes)} sizes, {a.sizes[0]} .. {a.sizes[-1]} "
+                                   f"B, then the layer at {len(a.tokens)} token counts, {a.repeats} repeats each, the "
                                    f"low-latency path up to {a.ll_sweep_bytes} B, "
                                    f"{mib:.1f} MiB of buffers per rank (a line per size from rank 0)")
             per_rank = _launch(a, a.nprocs, work, "tp")

@@ -221,7 +221,9 @@ def main(argv: list[str]) -> int:
         rank.synchronize()
         setup_s = time.perf_counter() - t0
         rank.exchange("tp.ready", setup_s)
-        sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"])
+        # each sample starts after an eager barrier of the node's ranks: the TP group, never a barrier across nodes
+        sampler = Sampler(rank, repeats=cfg["repeats"], warmup=cfg["warmup"], target_s=cfg["target_s"],
+                          group=TP_GROUP)
         results: dict[str, Any] = {"rank": rank.rank, "world_size": rank.world_size, "tp_size": tp.G,
                                    "tp_group": list(rank.group(TP_GROUP).members), "setup_s": setup_s,
                                    "device": rank.backend.info.name, "sizes": [], "tokens": [],
