@@ -24,6 +24,7 @@ from tray.manifest import (
     GemmSpec,
     LaunchSpec,
     ResolvedArg,
+    ResolvedBarrier,
     ResolvedCollective,
     ResolvedCopy,
     ResolvedLaunch,
@@ -725,6 +726,31 @@ def test_builtin_manifest() -> None:
     assert m.buffers == () and m.kernels == () and m.programs == ()
     assert builtin_manifest().digest == m.digest
     assert m.resolve(3).groups == {"world": ((0, 1, 2),)}
+
+
+@pytest.mark.parametrize(("world_size", "local"), [(4, None), (4, 2), (6, 3)])
+def test_tp_manifest_runs_tp_within_each_node(world_size: int, local: int | None) -> None:
+    """Every TP op of tp_mlp.json is over the node group and its kernels get the node's size and index: on one
+    node the same as world, on several one TP group per node."""
+    from tray.manifest.builtin import builtin_path
+
+    r = load_manifest(builtin_path("tp_mlp")).resolve(world_size, {"ll_max_count": 64}, local)
+    per = local or world_size
+    assert r.groups["node"] == tuple(tuple(range(s, s + per)) for s in range(0, world_size, per))
+    assert all(b.group == "node" for b in r.buffers if b.export)
+    assert r.buffer("ll_recv").shape == (8 * per * 16,)
+    kinds = set()
+    for program in r.programs.values():
+        for op in program.ops:
+            if isinstance(op, (ResolvedCollective, ResolvedBarrier)):
+                assert op.group == "node", (program.name, op)
+                kinds.add(type(op).__name__)
+            if isinstance(op, ResolvedLaunch):
+                assert ResolvedArg("int", name="world_size", value=world_size) not in op.args, (program.name, op)
+                assert all(a.name != "world" for a in op.args if a.kind == "index"), (program.name, op)
+                if op.kernel.startswith("tp_"):
+                    assert ResolvedArg("int", name="local_world_size", value=per) in op.args, (program.name, op)
+    assert kinds == {"ResolvedCollective", "ResolvedBarrier"}
 
 
 def test_peer_barrier_manifest_loads() -> None:
