@@ -21,7 +21,8 @@
 # `tp-nodes2` runs `tray bench tp -n 4 --nnodes 2` (4 GPUs; TP_NODES_N to change) as two nodes of two GPUs, each
 # its own NCCL_HOSTID: TP within each node (peer mappings, barriers and the NCCL baseline never leave it), every
 # path checked after its timed replays on every rank ($OUT/tp_nodes2.json); the NCCL communicators rank 0 logged
-# are printed after it (nNodes 1: the baseline stayed within the node).
+# are printed after it: the baseline's (group node) nRanks 2 nNodes 1; the world group's and its node leaders',
+# joined with every group though TP never uses them, span the 2 nodes.
 # `tune` (~2 min at 2 ranks, bounded at 190 s; one log and two JSON files): the barrier variants aimed at the captured
 # figure, timed and stressed ($OUT/tune_variants.json), then the low-latency allreduce at 15 launch shapes (threads
 # per block x lines per thread) over 8 B .. 256 KiB, each checked after its timed replays ($OUT/tune_tp.json).
