@@ -816,3 +816,163 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
         out[i] = o;
     }
 }
+
+// --- FP8 dispatch (e4m3, one float32 scale per 128 values) --------------------------------------------------
+// ep_dispatch_fp8 sends what ep_dispatch sends (routing words to every member; each token once to every member
+// owning one of its experts), the row quantized: each 128-value block b of a row goes as 128 e4m3 bytes
+// (recv8[row][b * 128 ..]) and one float32 scale (recv8_scale[row][b]), scale = amax / 448 of the block (1 for
+// an all-zero block), byte = e4m3(x / scale) rounded to nearest even and saturated to +-448 (a NaN input goes
+// as the e4m3 NaN 0x7F, sign kept). ep_dequant_fp8 then rebuilds, on the receiver, recv = bf16(e4m3 * scale)
+// for the rows the routing words say were sent here, so layout, experts and combine run unchanged. hidden must
+// be a multiple of 128 (the host checks it). The conversions are written out in integer and IEEE float
+// operations (no cuda_fp8.h), so the CPU build of this file computes the same bytes.
+
+#define FP8_BLOCK 128
+#define FP8_MAX 448.0f
+
+// float32 -> e4m3fn bits: round to nearest even, saturating to +-448 (0x7E); NaN -> 0x7F with the sign.
+__device__ __forceinline__ unsigned int f32_to_e4m3(float f) {
+    const unsigned int u = __float_as_uint(f);
+    const unsigned int sign = (u >> 24) & 0x80u;
+    const unsigned int a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) {
+        return sign | 0x7Fu;
+    }
+    if (a < 0x3C800000u) {  // below 2^-6, the smallest normal: multiples of 2^-9 (8 * 2^-9 is 2^-6: code 0x08)
+        return sign | (unsigned int)__float2int_rn(__fmul_rn(__uint_as_float(a), 512.0f));
+    }
+    // keep 3 of the 23 mantissa bits, nearest even (a carry into the exponent is the right result)
+    const unsigned int r = (a + 0x7FFFFu + ((a >> 20) & 1u)) & ~0xFFFFFu;
+    const int e = (int)(r >> 23) - 127;
+    const unsigned int m = (r >> 20) & 7u;
+    if (e > 8 || (e == 8 && m == 7u)) {  // above 448 (e 8, m 7 is the NaN code)
+        return sign | 0x7Eu;
+    }
+    return sign | ((unsigned int)(e + 7) << 3) | m;
+}
+
+// e4m3fn bits -> float32, exactly (0x7F / 0xFF: NaN).
+__device__ __forceinline__ float e4m3_to_f32(unsigned int c) {
+    const unsigned int sign = (c & 0x80u) << 24;
+    const unsigned int e = (c >> 3) & 15u;
+    const unsigned int m = c & 7u;
+    if (e == 15u && m == 7u) {
+        return __uint_as_float(0x7FC00000u);
+    }
+    if (e == 0u) {  // subnormal: m * 2^-9
+        return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)m, 0.001953125f)));
+    }
+    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+//   x          [tokens][hidden] bf16 (u16 bits)     this rank's tokens
+//   topk_idx, topk_w, meta_peers, err               as ep_dispatch
+//   recv8_peers  u64[G]: member g's [G][tokens][hidden] e4m3 bytes; this rank writes block `me`
+//   scale_peers  u64[G]: member g's [G][tokens][hidden / 128] f32 scales; this rank writes block `me`
+// Work item: one 128-value block of one (token, member) row, one thread (blocks of a row on adjacent threads).
+extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned short* __restrict__ x,
+                                       const int* __restrict__ topk_idx,
+                                       const unsigned short* __restrict__ topk_w,
+                                       unsigned char* const* recv8_peers,
+                                       float* const* scale_peers,
+                                       unsigned int* const* meta_peers,
+                                       unsigned int* err,
+                                       int tokens,
+                                       int topk,
+                                       int hidden,
+                                       int experts,
+                                       int G,
+                                       int me) {
+    const long long words = (long long)tokens * topk;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    for (long long i = tid; i < words * G; i += nthreads) {  // the routing words, as ep_dispatch sends them
+        const long long g = i / words;
+        const long long j = i - g * words;
+        const int e = topk_idx[j];
+        const bool bad = e < 0 || e >= experts;
+        if (bad && g == 0) {
+            atomicOr(&err[0], 1u);
+            atomicAdd(&err[1], 1u);
+        }
+        meta_peers[g][(long long)me * words + j] = ((unsigned int)topk_w[j] << 16) | (bad ? NO_EXPERT : (unsigned int)e);
+    }
+    const int local = experts / G;
+    const int nblk = hidden / FP8_BLOCK;
+    const long long items = (long long)tokens * G * nblk;
+    for (long long i = tid; i < items; i += nthreads) {
+        const long long r = i / nblk;
+        const int b = (int)(i - r * nblk);
+        const long long t = r / G;
+        const int g = (int)(r - t * G);
+        bool hit = false;
+        for (int kk = 0; kk < topk; ++kk) {
+            const int e = topk_idx[t * topk + kk];
+            hit = hit || (e >= g * local && e < (g + 1) * local);
+        }
+        if (!hit) {
+            continue;
+        }
+        const unsigned short* src = x + (size_t)t * hidden + (size_t)b * FP8_BLOCK;
+        float amax = 0.0f;
+        for (int k = 0; k < FP8_BLOCK; ++k) {
+            const float a = __uint_as_float(((unsigned int)src[k] & 0x7FFFu) << 16);
+            amax = a > amax ? a : amax;  // NaN never wins: it goes as 0x7F, the others keep their scale
+        }
+        const float scale = amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f;
+        const size_t row = (size_t)me * tokens + t;
+        uint4* dst = (uint4*)(recv8_peers[g] + row * hidden + (size_t)b * FP8_BLOCK);
+        for (int v = 0; v < FP8_BLOCK / 16; ++v) {
+            unsigned int w[4];
+            for (int q = 0; q < 4; ++q) {
+                unsigned int word = 0;
+                for (int k = 0; k < 4; ++k) {
+                    const float xv = bf16_to_f32(src[v * 16 + q * 4 + k]);
+                    word |= f32_to_e4m3(__fdiv_rn(xv, scale)) << (8 * k);
+                }
+                w[q] = word;
+            }
+            uint4 o;
+            o.x = w[0];
+            o.y = w[1];
+            o.z = w[2];
+            o.w = w[3];
+            dst[v] = o;
+        }
+        scale_peers[g][row * nblk + b] = scale;
+    }
+    publish(threadIdx.x & 31);
+}
+
+//   recv8      [G][tokens][hidden] e4m3 bytes, recv8_scale [G][tokens][hidden / 128] f32   received here
+//   meta       [G][tokens][topk] u32 routing words received here (which rows were sent)
+//   recv       [G][tokens][hidden] bf16 (u16 bits): row s * tokens + t rewritten when token t of member s has
+//              an expert of this rank; the other rows are left alone, as ep_dispatch leaves them
+extern "C" __global__ void __launch_bounds__(512) ep_dequant_fp8(const unsigned char* __restrict__ recv8,
+                                       const float* __restrict__ recv8_scale,
+                                       const unsigned int* __restrict__ meta,
+                                       unsigned short* __restrict__ recv,
+                                       int tokens,
+                                       int topk,
+                                       int hidden,
+                                       int experts,
+                                       int G,
+                                       int me) {
+    const unsigned int local = (unsigned int)(experts / G);
+    const int nblk = hidden / FP8_BLOCK;
+    const long long items = (long long)G * tokens * nblk;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    for (long long i = tid; i < items; i += nthreads) {
+        const long long r = i / nblk;
+        const int b = (int)(i - r * nblk);
+        if (!hits(meta + r * topk, topk, (unsigned int)me * local, (unsigned int)(me + 1) * local)) {
+            continue;
+        }
+        const float scale = recv8_scale[r * nblk + b];
+        const size_t base = (size_t)r * hidden + (size_t)b * FP8_BLOCK;
+        for (int k = 0; k < FP8_BLOCK; ++k) {
+            recv[base + k] = (unsigned short)f32_to_bf16(__fmul_rn(e4m3_to_f32(recv8[base + k]), scale));
+        }
+    }
+}

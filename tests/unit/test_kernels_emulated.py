@@ -13,6 +13,7 @@ import ctypes
 import shutil
 import subprocess
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import MANIFESTS
@@ -247,6 +248,11 @@ KERNELS = {
         "const uint4* comb, const int* ti, uint4* out, unsigned int* err, int tokens, int topk, int hidden, "
         "int experts, int G, int me, int groups",
         "ep_peer_copy": "const uint4* src, unsigned char* const* dp, int rows, int hidden, int G, int me",
+        "ep_dispatch_fp8": "const unsigned short* x, const int* ti, const unsigned short* tw, unsigned char* const* qp, "
+        "float* const* sp, unsigned int* const* mp, unsigned int* err, int tokens, int topk, int hidden, int experts, "
+        "int G, int me",
+        "ep_dequant_fp8": "const unsigned char* q, const float* s, const unsigned int* meta, unsigned short* recv, "
+        "int tokens, int topk, int hidden, int experts, int G, int me",
     },
     "ep_math.cu": {
         "ep_silu_mul": "const uint4* h13, uint4* act, int rows, int ffn",
@@ -1297,3 +1303,97 @@ def test_tp_ll_stress_kernels_check_each_round_and_advance(emulated):
         assert stress.tolist() == [1, 1, 0, 0], kind
         advance()  # round 1: member 1 (r % G) is skewed
         assert int(stress[0]) == 2, kind
+
+
+def fp8_rows(rng, T, H):
+    """bf16 rows whose 128-value blocks cover what the e4m3 recipe must get right: ordinary values of both
+    signs, an all-zero block, a block of bf16 subnormals, a block with one large value (most of the rest
+    fall to e4m3 subnormals or zero), exact ties, and the largest finite bf16 (its scale saturates nothing)."""
+    x = rng.standard_normal((T, H)).astype(np.float32) * np.exp2(rng.integers(-8, 8, (T, 1))).astype(np.float32)
+    x[1, :128] = 0.0
+    x[2, 128:256] = rng.choice([-1, 1], 128) * np.exp2(rng.integers(-133, -127, 128)).astype(np.float32)
+    x[3, :128] = rng.standard_normal(128) * 1e-3
+    x[3, 7] = -1e4
+    x[4, :128] = 448.0 * (1 + 2 * rng.integers(0, 8, 128)) / 16  # ties between e4m3 neighbours after scaling
+    x[4, 0] = 448.0
+    x[5, 128:256] = 3.3895314e38 * rng.choice([-1, 1], 128)
+    return f32_to_bf16_bits(x)
+
+
+def test_e4m3_recipe_matches_ml_dtypes_in_range_and_saturates_beyond():
+    """The twin's e4m3 conversion is ml_dtypes' float8_e4m3fn (nearest even) on every finite value within
+    +-464 (the last value that rounds to 448), and +-448 beyond it where ml_dtypes gives NaN; decoding every
+    code gives ml_dtypes' value."""
+    rng = np.random.default_rng(9)
+    f = np.concatenate([
+        rng.standard_normal(20000).astype(np.float32) * np.exp2(rng.integers(-14, 9, 20000)).astype(np.float32),
+        np.arange(-464, 465, 0.0625, dtype=np.float32),
+        (np.arange(0, 64) * 2.0**-10).astype(np.float32),
+    ])
+    f = f[np.abs(f) <= 464]
+    want = f.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert np.array_equal(ep_twins.f32_to_e4m3_bits(f), want)
+    big = np.array([465, 480, 1e6, np.inf, -500, -np.inf], np.float32)
+    assert ep_twins.f32_to_e4m3_bits(big).tolist() == [0x7E] * 4 + [0xFE] * 2
+    assert ep_twins.f32_to_e4m3_bits(np.array([np.nan, -np.nan], np.float32)).tolist() == [0x7F, 0xFF]
+    codes = np.arange(256, dtype=np.uint8)
+    got, ref = ep_twins.e4m3_bits_to_f32(codes), codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = ~np.isnan(ref)  # NOTE: both NaN codes decode to the one NaN the bf16 recipe keeps (0x7FC0)
+    assert np.array_equal(got, ref, equal_nan=True) and np.array_equal(np.signbit(got[finite]), np.signbit(ref[finite]))
+
+
+def test_fp8_dispatch_and_dequant_equal_their_twins(emulated):
+    """Two ranks, each rank's ep_dispatch_fp8 then each receiver's ep_dequant_fp8, emulated CUDA == twin
+    byte for byte: e4m3 rows, scales, routing words, err, and the bf16 rows rebuilt (rows of tokens with no
+    expert on a rank stay as they were); the rebuilt rows are within e4m3's half step (2^-4 relative, of the
+    block's amax for values near zero) of the bf16 rows sent."""
+    rng = np.random.default_rng(11)
+    G, T, K, E, H = 2, 12, 2, 8, 256
+    L, nblk = E // G, H // 128
+    idx = [skewed_routing(rng, T, E, K) for _ in range(G)]
+    idx[1][5, 1] = E + 3  # an id out of range: flagged, sent as no expert
+    for i in idx:  # token 0 goes to rank 1 alone, token 2 to rank 0 alone
+        i[0], i[2] = [L + 1, L + 2], [0, 1]
+    xs = [fp8_rows(rng, T, H) for _ in range(G)]
+    ws = [bf16_random(rng, (T, K)) for _ in range(G)]
+    q = [np.full((G * T, H), 0xAB, np.uint8) for _ in range(G)]
+    sc = [np.full((G * T, nblk), -1.0, np.float32) for _ in range(G)]
+    meta = [np.zeros((G * T, K), np.uint32) for _ in range(G)]
+    for me in range(G):
+        arrays = {"x": xs[me], "ti": idx[me], "tw": ws[me], "err": np.zeros(4, np.uint32),
+                  **{f"q{g}": q[g] for g in range(G)}, **{f"s{g}": sc[g] for g in range(G)},
+                  **{f"m{g}": meta[g] for g in range(G)}}
+
+        def args(a, me=me):
+            a["qp"], a["sp"], a["mp"] = (tables(a, [f"{n}{g}" for g in range(G)]) for n in "qsm")
+            return [ptr(a["x"]), ptr(a["ti"]), ptr(a["tw"]), ptr(a["qp"]), ptr(a["sp"]), ptr(a["mp"]), ptr(a["err"]),
+                    T, K, H, E, G, me]
+
+        c, t = both(emulated, "ep_dispatch_fp8", 3, 64, args, arrays)
+        assert_same(c, t, skip=("qp", "sp", "mp"))
+        assert c["err"].tolist() == ([0, 0, 0, 0] if me == 0 else [1, 1, 0, 0])
+        q, sc, meta = [c[f"q{g}"] for g in range(G)], [c[f"s{g}"] for g in range(G)], [c[f"m{g}"] for g in range(G)]
+    # what the bf16 dispatch sends alongside: the same routing words
+    assert np.array_equal(meta[0][T:], ep_twins.pack_routing(idx[1], ws[1], E).reshape(T, K))
+    for g in range(G):  # token 1's zero block goes as zero bytes with scale 1 wherever it goes
+        if ((idx[0][1] >= g * L) & (idx[0][1] < (g + 1) * L)).any():
+            assert (q[g][1, :128] == 0).all() and sc[g][1, 0] == 1.0
+    assert {0x7E, 0xFE} <= set(np.unique(np.concatenate([q[g] for g in range(G)])).tolist())  # +-448 reached
+    for me in range(G):
+        recv = np.full((G * T, H), 0x1234, np.uint16)
+        arrays = {"q": q[me], "s": sc[me], "meta": meta[me], "recv": recv}
+        c, t = both(emulated, "ep_dequant_fp8", 2, 64,
+                    lambda a, me=me: [ptr(a["q"]), ptr(a["s"]), ptr(a["meta"]), ptr(a["recv"]), T, K, H, E, G, me],
+                    arrays)
+        assert np.array_equal(c["recv"], t["recv"])
+        sent = np.concatenate([((i >= me * L) & (i < (me + 1) * L)).any(axis=1) for i in idx])
+        assert sent.any() and not sent.all()
+        assert (c["recv"][~sent] == 0x1234).all() and not (c["recv"][sent] == 0x1234).all()
+        x = np.concatenate([ep_twins.bf16_bits_to_f32(xi) for xi in xs])[sent].reshape(-1, nblk, 128)
+        got = ep_twins.bf16_bits_to_f32(c["recv"][sent]).reshape(-1, nblk, 128)
+        scale = np.abs(x).max(axis=2, keepdims=True) / 448
+        err = np.abs(got - x)
+        # e4m3's half step (2^-4 relative; 2^-10 * scale among its subnormals), bf16's own rounding of the
+        # result (2^-8 relative, 2^-134 among bf16 subnormals)
+        assert (err <= np.abs(x) * (2.0**-4 + 2.0**-8) + scale * 2.0**-10 * 1.01 + 2.0**-134).all()
+        assert err.max() > 0

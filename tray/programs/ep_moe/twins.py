@@ -222,6 +222,130 @@ def ep_dispatch(
         dst[hit] = xs[hit]
 
 
+# --- FP8 dispatch: e4m3 bytes and a float32 scale per 128 values (ep_moe.cu's ep_dispatch_fp8) ---------------
+
+FP8_BLOCK = 128  # NOTE: ep_moe.cu's FP8_BLOCK: values per scale
+FP8_MAX = _F32(448.0)  # the largest finite e4m3fn value
+
+
+def f32_to_e4m3_bits(f: np.ndarray) -> np.ndarray:
+    """float32 [...] -> e4m3fn bits u8 [...]: round to nearest even, saturating to +-448 (0x7E, 0xFE); NaN ->
+    0x7F with its sign. (ml_dtypes' float8_e4m3fn turns values beyond 448 into NaN instead; this is the
+    kernel's recipe, bit by bit.)"""
+    u = np.ascontiguousarray(f, _F32).view(np.uint32)
+    sign = ((u >> np.uint32(24)) & np.uint32(0x80)).astype(np.uint32)
+    a = u & np.uint32(0x7FFFFFFF)
+    with np.errstate(all="ignore"):
+        sub = np.rint(a.view(_F32) * _F32(512.0)).astype(np.int64).astype(np.uint32)  # multiples of 2^-9
+    r = (a + np.uint32(0x7FFFF) + ((a >> np.uint32(20)) & np.uint32(1))) & np.uint32(0xFFF00000)
+    e = (r >> np.uint32(23)).astype(np.int64) - 127
+    m = (r >> np.uint32(20)) & np.uint32(7)
+    normal = (((e + 7) << 3).astype(np.uint32) & np.uint32(0xFF)) | m
+    code = np.where(a < np.uint32(0x3C800000), sub, normal)
+    code = np.where((e > 8) | ((e == 8) & (m == 7)), np.uint32(0x7E), code)
+    code = np.where(a > np.uint32(0x7F800000), np.uint32(0x7F), code)
+    return (sign | code).astype(np.uint8)
+
+
+def e4m3_bits_to_f32(c: np.ndarray) -> np.ndarray:
+    """e4m3fn bits u8 [...] -> float32 [...], exactly (0x7F, 0xFF: NaN)."""
+    c = np.asarray(c, np.uint32)
+    sign = (c & np.uint32(0x80)) << np.uint32(24)
+    e, m = (c >> np.uint32(3)) & np.uint32(15), c & np.uint32(7)
+    sub = (m.astype(_F32) * _F32(2.0**-9)).view(np.uint32)
+    bits = np.where(e == 0, sub, ((e + np.uint32(120)) << np.uint32(23)) | (m << np.uint32(20)))
+    bits = np.where((e == 15) & (m == 7), np.uint32(0x7FC00000), bits | sign)
+    return bits.view(_F32)
+
+
+def quantize_fp8(x_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 rows u16 [rows, hidden] (hidden % 128 == 0) -> (e4m3 bits u8 [rows, hidden], f32 scales
+    [rows, hidden // 128]): per 128-value block scale = amax / 448 (1 for an all-zero block; NaN never
+    counts as the amax), byte = e4m3(x / scale)."""
+    rows, hidden = x_bits.shape
+    if hidden % FP8_BLOCK:
+        raise ValueError(f"FP8 rows need hidden % {FP8_BLOCK} == 0, got hidden {hidden}")
+    x = bf16_bits_to_f32(x_bits).reshape(rows, hidden // FP8_BLOCK, FP8_BLOCK)
+    with np.errstate(all="ignore"):
+        amax = np.max(np.where(np.isnan(x), _F32(0), np.abs(x)), axis=2)
+        scale = np.where(amax > 0, amax / FP8_MAX, _F32(1.0)).astype(_F32)
+        q = f32_to_e4m3_bits(x / scale[:, :, None])
+    return q.reshape(rows, hidden), scale
+
+
+def dequantize_fp8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """(e4m3 bits u8 [rows, hidden], f32 [rows, hidden // 128]) -> bf16 bits u16 [rows, hidden]:
+    bf16(e4m3 * scale), float32 product rounded once to nearest even."""
+    rows, hidden = q.shape
+    f = e4m3_bits_to_f32(q).reshape(rows, hidden // FP8_BLOCK, FP8_BLOCK)
+    with np.errstate(all="ignore"):
+        return f32_to_bf16_bits(f * np.asarray(scale, _F32)[:, :, None]).reshape(rows, hidden)
+
+
+@twin("ep_dispatch_fp8")
+def ep_dispatch_fp8(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    x: int,
+    topk_idx: int,
+    topk_w: int,
+    recv8_peers: int,
+    scale_peers: int,
+    meta_peers: int,
+    err: int,
+    tokens: int,
+    topk: int,
+    hidden: int,
+    experts: int,
+    G: int,
+    me: int,
+) -> None:
+    words = tokens * topk
+    idx = _at(topk_idx, words, np.int32)
+    bad = int(((idx < 0) | (idx >= experts)).sum())
+    if bad:
+        errs = _at(err, 4, np.uint32)
+        errs[0] |= 1
+        errs[1] += bad
+    packed = pack_routing(idx, _at(topk_w, words, np.uint16), experts)
+    q, scale = quantize_fp8(_rows(x, tokens, hidden))
+    nblk = hidden // FP8_BLOCK
+    local = experts // G
+    idx2 = idx.reshape(tokens, topk).astype(np.int64)
+    for g in range(G):
+        hit = ((idx2 >= g * local) & (idx2 < (g + 1) * local)).any(axis=1)
+        _at(int(u64_at(meta_peers, G)[g]) + me * words * 4, words, np.uint32)[:] = packed
+        dst = _at(int(u64_at(recv8_peers, G)[g]) + me * tokens * hidden, tokens * hidden, np.uint8)
+        dst.reshape(tokens, hidden)[hit] = q[hit]
+        dst_s = _at(int(u64_at(scale_peers, G)[g]) + me * tokens * nblk * 4, tokens * nblk, np.float32)
+        dst_s.reshape(tokens, nblk)[hit] = scale[hit]
+
+
+@twin("ep_dequant_fp8")
+def ep_dequant_fp8(
+    backend: Any,
+    grid: Any,
+    block: Any,
+    recv8: int,
+    recv8_scale: int,
+    meta: int,
+    recv: int,
+    tokens: int,
+    topk: int,
+    hidden: int,
+    experts: int,
+    G: int,
+    me: int,
+) -> None:
+    rows, nblk, local = G * tokens, hidden // FP8_BLOCK, experts // G
+    e = (_at(meta, rows * topk, np.uint32) & np.uint32(0xFFFF)).astype(np.int64).reshape(rows, topk)
+    hit = ((e != NO_EXPERT) & (e >= me * local) & (e < (me + 1) * local)).any(axis=1)
+    q = _at(recv8, rows * hidden, np.uint8).reshape(rows, hidden)[hit]
+    scale = _at(recv8_scale, rows * nblk, np.float32).reshape(rows, nblk)[hit]
+    _rows(recv, rows, hidden)[hit] = dequantize_fp8(q, scale)
+
+
 # NOTE: ep_moe.cu's LAYOUT_CHUNK and LAYOUT_MAX_LOCAL
 LAYOUT_CHUNK = 1024
 LAYOUT_MAX_LOCAL = 4096
