@@ -87,6 +87,14 @@ BLAS_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # NOTE: "eager" is the default because captured replays of the NCCL path hung on 2x H200 (rank 0 silent
 # after the peer figures) while eager runs of the same programs completed; "captured" stays selectable.
 NCCL_TIMINGS = ("eager", "captured")
+# --dispatch: bf16 (every run: the baseline) and fp8 (e4m3 rows + a float32 scale per 128 values, dequantized to
+# bf16 on the receiver; its figures dispatch_fp8 and layer_fp8, its outputs checked against EP1's FP8 path)
+DISPATCHES = ("bf16", "fp8")
+FP8_BLOCK = 128  # NOTE: values per float32 scale (ep_moe.cu's FP8_BLOCK)
+FP8_PHASES = ("dispatch_fp8", "layer_fp8")
+# NOTE: e4m3 keeps 3 mantissa bits (2^-4 relative half step): with per-128 scales the layer's output moves by
+# a few percent of its norm; beyond this the quantization is broken, not merely coarse.
+FP8_TOLERANCE = 0.1
 NCCL_CTA_ENV = ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS")
 
 
@@ -113,6 +121,7 @@ class EpBenchArgs:
     keep: bool = False
     nccl_timing: str = "eager"
     nnodes: int = 1
+    dispatch: tuple[str, ...] = ("bf16",)
 
 
 # what carries the rows between nodes in a job of several (DESIGN section 10: peer tables within a node)
@@ -167,14 +176,22 @@ def validate(a: EpBenchArgs) -> None:
     if a.nnodes > 1 and a.plot_path:
         raise UsageError("--plot draws the one-node figures (the low-latency mode among them); leave out --plot or "
                          "--nnodes")
+    if "bf16" not in a.dispatch or not set(a.dispatch) <= set(DISPATCHES):
+        raise UsageError(f"--dispatch takes bf16 (the baseline every run checks) and optionally fp8, e.g. bf16,fp8; "
+                         f"got {','.join(a.dispatch)}")
+    if "fp8" in a.dispatch and (a.hidden % FP8_BLOCK or a.nnodes > 1):
+        raise UsageError(f"--dispatch fp8 needs --hidden a multiple of {FP8_BLOCK} (one scale per {FP8_BLOCK} values; "
+                         f"got {a.hidden}) and one node (got --nnodes {a.nnodes})")
     for b in a.budgets:
         if b != "all" and not (b.isdigit() and int(b) >= 1):
             raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
 
 
-def peer_phases(gemm: str) -> tuple[str, ...]:
-    """The peer path's (and EP1's) timed phases with expert GEMMs `gemm` ("masked" | "cublas")."""
-    return tuple(p for p in PEER_PHASES if gemm in PHASE_GEMMS.get(p, (gemm,)))
+def peer_phases(gemm: str, dispatch: tuple[str, ...] = ("bf16",)) -> tuple[str, ...]:
+    """The peer path's (and EP1's) timed phases with expert GEMMs `gemm` ("masked" | "cublas"), and the FP8
+    dispatch's when `dispatch` names it."""
+    fp8 = FP8_PHASES if "fp8" in dispatch else ()
+    return tuple(p for p in PEER_PHASES if gemm in PHASE_GEMMS.get(p, (gemm,))) + fp8
 
 
 def label_of(routing: str, tokens: int) -> str:
@@ -271,6 +288,7 @@ def launch(
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
         "nccl_timing": a.nccl_timing,
+        "dispatch": list(a.dispatch),
         "runs": runs,
     }
     # NOTE: a host rank is one CPU worker: with the BLAS's default of a thread per core, N ranks spin
@@ -341,8 +359,12 @@ def summarize_checks(
         if hows:  # NOTE: a path with NCCL timed eagerly is checked by an eager rerun, not a replay: say so
             checks[f"{p}_after_replay_how"] = ", ".join(sorted(hows))
     rel = checks["ep1_vs_float64_rel_err"]
+    fp8_ok = True
+    if "fp8" in a.dispatch:
+        fp8_ok = fp8_checks(checks, per_rank, e1, i, label, work, ref_out)
     checks["passed"] = bool(
-        all(checks[f"{p}_rows_differ_from_ep1"] == 0 for p in paths)
+        fp8_ok
+        and all(checks[f"{p}_rows_differ_from_ep1"] == 0 for p in paths)
         and checks["ep1_ll_rows_differ_from_ep1"] == 0
         and checks["ll_equals_peer"]
         and rel is not None
@@ -354,6 +376,42 @@ def summarize_checks(
         and all(c.get("nccl_equals_peer", True) for c in rank_checks)
     )
     return checks
+
+
+def fp8_checks(checks: dict[str, Any], per_rank: list[dict[str, Any]], e1: dict[str, Any], i: int, label: str,
+               work: Path, ref_out: np.ndarray) -> bool:
+    """The FP8 dispatch's checks, into `checks`: EP-N's FP8 outputs against EP1's FP8 outputs byte for byte (EP1
+    quantizes the same rows the same way), layout reports, NaN rows, the check after a replay, and its
+    accuracy: the relative error (Frobenius norm over all rows) of EP1's FP8 output against EP1's bf16 output
+    `ref_out` (u16 [rows, hidden]), and on the sampled tokens against float64. Returns whether they pass."""
+    from tray.dtypes import bf16_bits_to_f32
+
+    G = len(per_rank)
+    ep1_fp8 = np.load(work / "ep1" / f"{label}_ep1_fp8.npy")
+    got = np.concatenate([np.load(work / "epn" / f"{label}_fp8_r{r}.npy") for r in range(G)])
+    checks["fp8_rows_differ_from_ep1_fp8"] = int((got != ep1_fp8).any(axis=1).sum())
+    rank_checks = [r["runs"][i]["checks"] for r in per_rank] + [e1["checks"]]
+    layout_ok = all(c["fp8_err_ok"] and c["fp8_expert_rows_ok"] for c in rank_checks)
+    nan_rows = sum(c["fp8_nan_rows"] for c in rank_checks)
+    replay_ok = all(c["fp8_after_replay_equal"] for c in rank_checks)
+    q, b = bf16_bits_to_f32(ep1_fp8).astype(np.float64), bf16_bits_to_f32(ref_out).astype(np.float64)
+    rel_bf16 = float(np.linalg.norm(q - b) / max(np.linalg.norm(b), 1e-30)) if np.isfinite(q).all() else float("nan")
+    rel_f64 = e1.get("reference", {}).get("rel_err_fp8")
+    checks["fp8_vs_bf16_rel_err"] = rel_bf16
+    checks["fp8_vs_float64_rel_err"] = rel_f64
+    checks["fp8_tolerance"] = FP8_TOLERANCE
+    checks["fp8_layout_reports_ok"] = layout_ok
+    checks["fp8_nan_rows"] = nan_rows
+    checks["fp8_after_replay_equal"] = replay_ok
+    return bool(
+        checks["fp8_rows_differ_from_ep1_fp8"] == 0
+        and layout_ok
+        and nan_rows == 0
+        and replay_ok
+        and 0 < rel_bf16 <= FP8_TOLERANCE
+        and rel_f64 is not None
+        and 0 < rel_f64 <= FP8_TOLERANCE
+    )
 
 
 def summarize(
@@ -368,7 +426,7 @@ def summarize(
         T = f["tokens_per_rank"]
         e1 = ep1["runs"][i]
         us: dict[str, Any] = {}
-        phases = peer_phases(a.gemm)
+        phases = peer_phases(a.gemm, a.dispatch)
         for j, b in enumerate(budgets):
             key = "peer" if j == 0 else f"peer_{b}"
             us[key] = {p: _slowest(per_rank, i, b, p) for p in phases}
@@ -396,6 +454,11 @@ def summarize(
                 gbps[f"{key}_{phase}_logical"] = _gbps(logical, t)
                 nv = physical if phase.startswith("dispatch") else physical - (G - 1) * T * K * 4
                 gbps[f"{key}_{phase}_nvlink"] = _gbps(nv, t)
+        if "fp8" in a.dispatch:  # e4m3 bytes and a float32 scale per 128 values per row sent, + routing words
+            row8 = H + H // FP8_BLOCK * 4
+            gbps["nvlink_bytes_per_rank_fp8"] = float(np.mean(f["nvlink_rows_per_rank"])) * row8 + (G - 1) * T * K * 4
+            for key in [k for k in us if k.startswith("peer")]:
+                gbps[f"{key}_dispatch_fp8_nvlink"] = _gbps(gbps["nvlink_bytes_per_rank_fp8"], us[key]["dispatch_fp8"])
         gbps["peer_dispatch_send_nvlink_vs_ceiling"] = _gbps(physical, us["peer"]["dispatch_send"]) / gbps["ceiling"]
         dc = {k: us[k]["dispatch"] + us[k]["combine"] for k in us if k.startswith("peer") or k == "nccl"}
         ratios = {f"{k}_dispatch_combine_vs_nccl": v / dc["nccl"] for k, v in dc.items() if k != "nccl"}
@@ -531,6 +594,21 @@ def print_report(report: dict[str, Any]) -> None:
                     f"{u['combine_ll']:.1f} (reduce included) = {u['dispatch_ll'] + u['combine_ll']:.1f} us; "
                     f"layer {u['layer_ll']:.1f} us"
                 )
+        if "dispatch_fp8" in run["us"]["peer"]:
+            u = run["us"]["peer"]
+            print(
+                f"  {'':<16} FP8 dispatch (e4m3, a scale per {FP8_BLOCK}): dispatch {u['dispatch_fp8']:.1f} us "
+                f"(bf16 {u['dispatch']:.1f}), layer {u['layer_fp8']:.1f} us (bf16 {u['layer']:.1f}); NVLink bytes/rank "
+                f"{g['nvlink_bytes_per_rank_fp8']:.0f} (bf16 {g['nvlink_bytes_per_rank']:.0f}), "
+                f"{g['peer_dispatch_fp8_nvlink']:.1f} GB/s"
+            )
+            f64 = c["fp8_vs_float64_rel_err"]
+            print(
+                f"  {'':<16} FP8 accuracy: layer output vs bf16 dispatch {c['fp8_vs_bf16_rel_err']:.2e} (all "
+                f"{c['rows']} rows), vs float64 {'not checked' if f64 is None else f'{f64:.2e}'} (sampled tokens); "
+                f"bound {c['fp8_tolerance']}; EP{G} FP8 rows differing from EP1 FP8 "
+                f"{c['fp8_rows_differ_from_ep1_fp8']}/{c['rows']}; after replays equal {c['fp8_after_replay_equal']}"
+            )
         rel = c["ep1_vs_float64_rel_err"]
         rel_text = (
             "not checked"
@@ -666,6 +744,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "capacity": a.capacity,
         "gemm": a.gemm,
         "nccl_timing": a.nccl_timing,
+        "dispatch": list(a.dispatch),
         "seed": a.seed,
         "repeats": a.repeats,
         "runs": runs,

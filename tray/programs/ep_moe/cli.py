@@ -43,6 +43,10 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
                    help="run the EP-N tray as a job of this many nodes on this machine (-n / N ranks each; cuda: "
                    "each its share of the GPUs and its own NCCL_HOSTID); across nodes the exchange runs the NCCL "
                    "path, checked against EP1 byte for byte (default 1)")
+    b.add_argument("--dispatch", type=words, default=("bf16",),
+                   help="dispatch formats, comma-separated: bf16 (the baseline, always) and fp8 (e4m3 rows with a "
+                   "float32 scale per 128 values, dequantized on the receiver: timed as dispatch_fp8 and layer_fp8, "
+                   "checked against EP1's FP8 path, its error against bf16 and float64 reported; default bf16)")
     b.add_argument("--plot", default=None, help="PNG of latency vs tokens per rank (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_ep_moe)
 
@@ -84,6 +88,7 @@ def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
             keep=args.keep,
             nccl_timing=args.nccl_timing,
             nnodes=args.nnodes,
+            dispatch=args.dispatch,
             **extra,
         )
     )

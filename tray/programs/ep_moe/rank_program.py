@@ -45,7 +45,8 @@ SEED_X, SEED_W13, SEED_W2 = 1, 2, 3
 # launch occupies at most `blocks` SMs, so blocks is the SM budget.
 MOVE_THREADS = 512
 # the program of a whole layer on each path ("ll": the low-latency mode, one kernel per direction)
-LAYER_OF = {"peer": "layer", "ll": "layer_ll", "nccl": "layer_nccl"}
+# ("fp8": the peer path with the FP8 dispatch, --dispatch bf16,fp8)
+LAYER_OF = {"peer": "layer", "ll": "layer_ll", "nccl": "layer_nccl", "fp8": "layer_fp8"}
 # the kernels of the device-count-driven expert phase (--gemm masked)
 MASKED_KERNELS = ("ep_masked_gemm", "ep_masked_gemm_gather", "ep_silu_mul_rows")
 
@@ -95,10 +96,12 @@ class MoeRank:
         """The paths this tray checks against EP1: EP1 runs the peer path and its low-latency mode (local
         copies), one node all three; a job of several nodes the peer path (peer tables within a node, the
         other nodes' rows staged and carried by all-to-alls across nodes) and the NCCL path. The low-latency
-        mode waits on device flags of every member: within a node only."""
+        mode waits on device flags of every member: within a node only. With cfg["dispatch"] naming "fp8"
+        (one node) the peer path with the FP8 dispatch too, checked against EP1's FP8 path."""
+        fp8 = ["fp8"] if "fp8" in self.cfg.get("dispatch", ("bf16",)) else []
         if self.ep1:
-            return ["peer", "ll"]
-        return ["peer", "nccl"] if self.nnodes > 1 else ["peer", "ll", "nccl"]
+            return ["peer", "ll", *fp8]
+        return ["peer", "nccl"] if self.nnodes > 1 else ["peer", "ll", "nccl", *fp8]
 
     # --- device setup ---------------------------------------------------------------------------------------
     def launch(self, kernel: str, total: int, args: list[Any]) -> None:
@@ -174,6 +177,12 @@ class MoeRank:
                 "dispatch_ll": dispatch_ll,
                 "combine_ll": [("combine_ll", v)],
                 "layer_ll": [*dispatch_ll, *experts, ("combine_ll", v)],
+            })
+        if "fp8" in self.paths:  # rows sent as e4m3 + scales, rebuilt as bf16 in recv: the rest unchanged
+            arrive_fp8: Steps = [("dispatch_fp8", v), ("layout", v), *fanout]
+            out.update({
+                "dispatch_fp8": arrive_fp8,
+                "layer_fp8": [*arrive_fp8, *experts, ("combine", v), ("reduce", v)],
             })
         if "nccl" in self.paths:
             arrive_nccl: Steps = [("dispatch_nccl", v), ("layout", v), *fanout]
@@ -320,8 +329,10 @@ class MoeRank:
             return float("nan")
 
     # --- EP1 only: float64 reference ---------------------------------------------------------------------
-    def reference(self, tokens: int, inputs: dict[str, np.ndarray], ref_tokens: list[int]) -> dict[str, Any]:
-        """Rows `ref_tokens` of EP1's output against float64 on the same bf16 inputs and weights (see
+    def reference(self, tokens: int, inputs: dict[str, np.ndarray], ref_tokens: list[int],
+                  outs: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Rows `ref_tokens` of EP1's outputs `outs` (path -> u16 [tokens, hidden]: "peer", and "fp8" when
+        run; rel_err is the peer path's, rel_err_fp8 the FP8 dispatch's) against float64 on the same bf16 inputs and weights (see
         tray/programs/ep_moe/reference.py); pairs the capacity dropped (inputs["kept"] false) contribute
         nothing, as in the layer. Each expert's weights are read back once (into a ring of pinned buffers,
         one per reference thread and one more: no page faults, full copy speed) while earlier ones compute.
@@ -332,7 +343,6 @@ class MoeRank:
 
         H, F = self.hidden, self.ffn
         x = self.rank.read("x").view(np.uint16).reshape(-1, H)[:tokens]
-        out = self.rank.read("out").view(np.uint16).reshape(-1, H)[:tokens]
         w13, w2 = self.rank.buffer("w13"), self.rank.buffer("w2")
         n13, n2 = 2 * F * H, H * F  # elements of one expert's w13 and w2
         threads = max(1, min(workers(), np.unique(inputs["topk_idx"][ref_tokens]).size))
@@ -353,15 +363,21 @@ class MoeRank:
 
         ref, covered = reference_rows(x, inputs["topk_idx"], inputs["topk_w"], inputs["kept"], ref_tokens,
                                       expert_weights, threads=threads)
-        got = bf16_bits_to_f32(out[ref_tokens]).astype(np.float64)
-        rel = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-        finite = bool(np.isfinite(got).all())
-        return {
+        def rel_err(out: np.ndarray) -> float:
+            got = bf16_bits_to_f32(out[ref_tokens]).astype(np.float64)
+            if not np.isfinite(got).all():
+                return float("nan")
+            return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+        result: dict[str, Any] = {
             "ref_tokens": len(ref_tokens),
-            "rel_err": rel if finite else float("nan"),
-            "finite": finite,
+            "rel_err": rel_err(outs["peer"]),
             "experts_covered": covered,
         }
+        result["finite"] = not math.isnan(result["rel_err"])
+        if "fp8" in outs:
+            result["rel_err_fp8"] = rel_err(outs["fp8"])
+        return result
 
 
     def close_reference(self) -> None:
@@ -474,7 +490,7 @@ def run_all(rank: Any, moe: MoeRank, cfg: dict[str, Any], sampler: Any, budgets:
         progress(f"{label}: outputs after a replay checked", t_run)
         if moe.ep1 and run.get("ref_tokens"):
             t_ref = time.perf_counter()
-            ref = entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"])
+            ref = entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"], eager)
             progress(f"{label}: float64 reference of {ref['ref_tokens']} tokens, {ref['experts_covered']} experts",
                      t_ref)
         rank.exchange("ep.done", label)
