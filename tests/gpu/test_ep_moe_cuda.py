@@ -47,6 +47,41 @@ def test_gather_gemm_equals_the_dense_gemm_over_the_fanned_out_slab_on_gpu(tray_
     assert run.stdout.count("gather equals slab") == 2
 
 
+def test_fp8_dispatch_writes_the_twin_recipe_bytes_on_gpu(tray_env):
+    """The CUDA ep_dispatch_fp8 / ep_dequant_fp8 over two GPUs write, byte for byte, the e4m3 bytes, scales and
+    rebuilt bf16 rows of the host recipe (tray/programs/ep_moe/twins.py), subnormals and saturation included."""
+    from test_ep_moe import FP8_EQUALS_TWIN
+
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    vars_ = ["hidden=256", "experts=8", "topk=2", "ffn=32", "max_tokens=6", "tokens=6", "max_cap=8", "cap=8",
+             "groups=2"]
+    args = [a for v in vars_ for a in ("--var", v)]
+    run = tray_env.launch(
+        2, FP8_EQUALS_TWIN, "--manifest", str(MANIFESTS / "ep_moe.json"), *args, backend="cuda", timeout_s=180
+    )
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("fp8 equals twin") == 2
+
+
+def test_fp8_dispatch_bench_passes_on_gpu(tray_env, tmp_path):
+    """--dispatch bf16,fp8: EP2's FP8 outputs equal EP1's byte for byte (after the timed replays too), and the
+    FP8 layer's error against the bf16 layer and float64 is above zero and within e4m3's few percent."""
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "ep.json"
+    cmd = [sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "cuda", "--tokens", "64",
+           "--hidden", "1024", "--experts", "32", "--topk", "4", "--expert-dim", "512", "--routing", "uniform,zipf",
+           "--sms", "all,8", "--repeats", "3", "--dispatch", "bf16,fp8", "--json", str(out)]
+    run = tray_env.run(cmd, timeout_s=600)
+    assert run.returncode == 0, run.output
+    for r in json.loads(out.read_text())["runs"]:
+        c = r["checks"]
+        assert c["passed"] and c["fp8_rows_differ_from_ep1_fp8"] == 0 and c["fp8_after_replay_equal"], c
+        assert 1e-3 < c["fp8_vs_bf16_rel_err"] < 0.08 and 1e-3 < c["fp8_vs_float64_rel_err"] < 0.08, c
+        assert r["us"]["peer"]["dispatch_fp8"] > 0 and r["us"]["peer_sm8"]["dispatch_fp8"] > 0, r["us"]
+
+
 @pytest.mark.parametrize(
     "tokens, routing, capacity, gemm, nccl_timing",
     [

@@ -132,6 +132,93 @@ def test_a_small_capacity_drops_pairs_counted_and_ep1_still_matches(tray_env, tm
     assert bad.returncode == 2 and "--capacity is 'worst' or a positive factor" in bad.stderr
 
 
+def test_fp8_dispatch_is_timed_matches_ep1_fp8_and_states_its_error(tray_env, tmp_path):
+    """--dispatch bf16,fp8: dispatch_fp8 and layer_fp8 timed beside the bf16 figures (which keep their keys),
+    EP2's FP8 outputs equal EP1's byte for byte, and the FP8 layer's error against the bf16 layer and float64
+    is stated: above zero (the rows really went through e4m3) and below e4m3's few percent."""
+    out = tmp_path / "ep.json"
+    shape = ["--hidden", "256", "--experts", "8", "--topk", "2", "--expert-dim", "32", "--repeats", "2"]
+    args = ["--tokens", "8", "--routing", "zipf", *shape, "--sms", "all", "--dispatch", "bf16,fp8", "--json", str(out)]
+    run = tray_env.run([sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "host", *args])
+    assert run.returncode == 0, run.output
+    assert "FP8 accuracy: layer output vs bf16 dispatch" in run.stdout
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["dispatch"] == ["bf16", "fp8"]
+    r = report["runs"][0]
+    c = r["checks"]
+    assert c["fp8_rows_differ_from_ep1_fp8"] == 0 and c["fp8_after_replay_equal"] and c["fp8_layout_reports_ok"], c
+    assert c["fp8_nan_rows"] == 0 and c["peer_rows_differ_from_ep1"] == 0, c
+    assert 1e-3 < c["fp8_vs_bf16_rel_err"] < 0.08 and 1e-3 < c["fp8_vs_float64_rel_err"] < 0.08, c
+    for path in ("peer", "ep1"):
+        assert set(r["us"][path]) == PEER - {"fanout"} | {"dispatch_fp8", "layer_fp8"}
+        assert r["us"][path]["dispatch_fp8"] > 0 and r["us"][path]["layer_fp8"] > 0
+    # e4m3 bytes + a float32 scale per 128 values: (256 + 8) / 512 of the bf16 row bytes, routing words alike
+    g = r["gbps"]
+    assert g["nvlink_bytes_per_rank_fp8"] < 0.6 * g["nvlink_bytes_per_rank"] and g["peer_dispatch_fp8_nvlink"] > 0
+    bad = tray_env.run([sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "host",
+                        *TINY, "--dispatch", "bf16,fp8"])
+    assert bad.returncode == 2 and "--dispatch fp8 needs --hidden a multiple of 128" in bad.stderr, bad.output
+
+
+FP8_EQUALS_TWIN = """
+from tray.dtypes import f32_to_bf16_bits
+from tray.programs.ep_moe.twins import dequantize_fp8, pack_routing, quantize_fp8
+with tray.init() as rank:
+    T, K, H, E, G = 6, 2, 256, 8, rank.world_size
+    L = E // G
+
+    def inputs(r):  # every rank's tokens and routing, from its rank number: each rank knows what it gets
+        rng = np.random.default_rng(r)
+        x = rng.standard_normal((T, H)).astype(np.float32) * np.float32(2.0 ** (r - 3))
+        x[0, :128] = 0.0                                         # a zero block: scale 1, zero bytes
+        x[1, 128:] = np.exp2(rng.integers(-133, -127, 128)) * rng.choice([-1, 1], 128)  # bf16 subnormals
+        x[2, :128] *= 1e-4
+        x[2, 5] = -3e4                                           # one large value: the rest near zero
+        x[3, 128:] = 3.3895314e38 * rng.choice([-1, 1], 128)     # the largest finite bf16
+        idx = np.array([[t % E, (t + 3) % E] for t in range(T)], np.int32)
+        return f32_to_bf16_bits(x), idx, rng.integers(0, 1 << 16, (T, K)).astype(np.uint16)
+
+    x, idx, w = inputs(rank.rank)
+    rank.write("x", x)
+    rank.write("topk_idx", idx)
+    rank.write("topk_w", w)
+    rank.write("err", np.zeros(4, np.uint32))
+    rank.write("recv", np.full((G * T, H), 0x1234, np.uint16))
+    rank.synchronize()
+    rank.barrier_of("world").launch()
+    rank.run("dispatch_fp8", {"tokens": T, "cap": 8, "blocks": 3, "threads": 64})
+    rank.synchronize()
+    q8 = rank.read("recv8").reshape(-1, H)[: G * T]
+    sc = rank.read("recv8_scale").reshape(-1, H // 128)[: G * T]
+    recv = rank.read("recv").view(np.uint16).reshape(-1, H)[: G * T]
+    meta = rank.read("meta").reshape(-1, K)[: G * T]
+    for s in range(G):
+        xs, idxs, ws = inputs(s)
+        rows = slice(s * T, (s + 1) * T)
+        sent = ((idxs >= rank.rank * L) & (idxs < (rank.rank + 1) * L)).any(axis=1)
+        want_q, want_sc = quantize_fp8(xs)
+        assert sent.any() and not sent.all(), sent
+        assert np.array_equal(meta[rows], pack_routing(idxs, ws, E)), (s, "meta")
+        assert np.array_equal(q8[rows][sent], want_q[sent]), (s, "e4m3 bytes")
+        assert np.array_equal(sc[rows][sent].view(np.uint32), want_sc[sent].view(np.uint32)), (s, "scales")
+        assert np.array_equal(recv[rows][sent], dequantize_fp8(want_q[sent], want_sc[sent])), (s, "rebuilt rows")
+        assert (recv[rows][~sent] == 0x1234).all(), (s, "rows not sent here")
+    assert rank.read("err").tolist() == [0, 0, 0, 0]
+    print("fp8 equals twin")
+"""
+
+
+def test_fp8_dispatch_program_writes_the_twin_recipe_bytes(tray_env):
+    """dispatch_fp8 over two ranks' peer buffers: each receiver holds every source's e4m3 bytes and scales for
+    the tokens routed to it, the bf16 rows rebuilt from them, and nothing else (on the host backend the twins
+    run; tests/gpu runs the same body on the CUDA kernels)."""
+    vars_ = ["hidden=256", "experts=8", "topk=2", "ffn=32", "max_tokens=6", "tokens=6", "max_cap=8", "cap=8",
+             "groups=2"]
+    run = tray_env.launch(2, FP8_EQUALS_TWIN, "--manifest", EP_MOE, *[a for v in vars_ for a in ("--var", v)])
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("fp8 equals twin") == 2
+
+
 LAYOUT_REPORTS = """
 import tray.programs.ep_moe.twins  # the host twins of the manifest's kernels, registered before init
 with tray.init() as rank:

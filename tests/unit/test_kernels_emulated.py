@@ -248,9 +248,9 @@ KERNELS = {
         "const uint4* comb, const int* ti, uint4* out, unsigned int* err, int tokens, int topk, int hidden, "
         "int experts, int G, int me, int groups",
         "ep_peer_copy": "const uint4* src, unsigned char* const* dp, int rows, int hidden, int G, int me",
-        "ep_dispatch_fp8": "const unsigned short* x, const int* ti, const unsigned short* tw, unsigned char* const* qp, "
-        "float* const* sp, unsigned int* const* mp, unsigned int* err, int tokens, int topk, int hidden, int experts, "
-        "int G, int me",
+        "ep_dispatch_fp8": "const unsigned short* x, const int* ti, const unsigned short* tw, "
+        "unsigned char* const* qp, float* const* sp, unsigned int* const* mp, unsigned int* err, int tokens, "
+        "int topk, int hidden, int experts, int G, int me",
         "ep_dequant_fp8": "const unsigned char* q, const float* s, const unsigned int* meta, unsigned short* recv, "
         "int tokens, int topk, int hidden, int experts, int G, int me",
     },

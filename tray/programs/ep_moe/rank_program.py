@@ -332,11 +332,12 @@ class MoeRank:
     def reference(self, tokens: int, inputs: dict[str, np.ndarray], ref_tokens: list[int],
                   outs: dict[str, np.ndarray]) -> dict[str, Any]:
         """Rows `ref_tokens` of EP1's outputs `outs` (path -> u16 [tokens, hidden]: "peer", and "fp8" when
-        run; rel_err is the peer path's, rel_err_fp8 the FP8 dispatch's) against float64 on the same bf16 inputs and weights (see
-        tray/programs/ep_moe/reference.py); pairs the capacity dropped (inputs["kept"] false) contribute
-        nothing, as in the layer. Each expert's weights are read back once (into a ring of pinned buffers,
-        one per reference thread and one more: no page faults, full copy speed) while earlier ones compute.
-        The ring stays allocated for the next run (close_reference frees it)."""
+        run; rel_err is the peer path's, rel_err_fp8 the FP8 dispatch's) against float64 on the same bf16
+        inputs and weights (see tray/programs/ep_moe/reference.py); pairs the capacity dropped
+        (inputs["kept"] false) contribute nothing, as in the layer. Each expert's weights are read back once
+        (into a ring of pinned buffers, one per reference thread and one more: no page faults, full copy
+        speed) while earlier ones compute. The ring stays allocated for the next run (close_reference frees
+        it)."""
         from tray.dtypes import bf16_bits_to_f32
         from tray.programs.ep_moe.reference import reference_rows, workers
         from tray.twins import at
