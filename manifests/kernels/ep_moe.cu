@@ -112,6 +112,51 @@ __device__ __forceinline__ bool hits(const unsigned int* m, int topk, unsigned i
     return false;
 }
 
+// The routing words (u32[tokens * topk]: weight bits << 16 | expert, NO_EXPERT for an id out of range,
+// counted in err[0..1] once) to every member g: into send_meta block g on the NCCL path (send_meta not 0),
+// else into block `me` of member g's meta. Grid-stride over every (member, word).
+__device__ __forceinline__ void send_routing(const int* __restrict__ topk_idx,
+                                             const unsigned short* __restrict__ topk_w,
+                                             unsigned int* const* meta_peers,
+                                             unsigned int* send_meta,
+                                             unsigned int* err,
+                                             int tokens,
+                                             int topk,
+                                             int experts,
+                                             int G,
+                                             int me) {
+    const long long words = (long long)tokens * topk;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    for (long long i = tid; i < words * G; i += nthreads) {
+        const long long g = i / words;
+        const long long j = i - g * words;
+        const int e = topk_idx[j];
+        const bool bad = e < 0 || e >= experts;
+        if (bad && g == 0) {
+            atomicOr(&err[0], 1u);
+            atomicAdd(&err[1], 1u);
+        }
+        const unsigned int word = ((unsigned int)topk_w[j] << 16) | (bad ? NO_EXPERT : (unsigned int)e);
+        if (send_meta) {
+            send_meta[g * words + j] = word;
+        } else {
+            meta_peers[g][(long long)me * words + j] = word;
+        }
+    }
+}
+
+// Whether token t picked one of member g's experts [g * local, (g + 1) * local): it is sent there once.
+__device__ __forceinline__ bool token_goes_to(const int* __restrict__ topk_idx, long long t, int topk, int g,
+                                              int local) {
+    bool hit = false;
+    for (int kk = 0; kk < topk; ++kk) {
+        const int e = topk_idx[t * topk + kk];
+        hit = hit || (e >= g * local && e < (g + 1) * local);
+    }
+    return hit;
+}
+
 // dispatch: this rank's routing goes to every member, and each token once to every member that owns one
 // of its experts (members own experts / G consecutive experts each).
 //
@@ -140,25 +185,7 @@ __device__ __forceinline__ void dispatch_rows(const uint4* __restrict__ x,
                                               int me) {
     const int nvec = hidden / 8;
     const size_t row_bytes = (size_t)hidden * 2;
-    const long long words = (long long)tokens * topk;
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long nthreads = (long long)gridDim.x * blockDim.x;
-    for (long long i = tid; i < words * G; i += nthreads) {
-        const long long g = i / words;
-        const long long j = i - g * words;
-        const int e = topk_idx[j];
-        const bool bad = e < 0 || e >= experts;
-        if (bad && g == 0) {
-            atomicOr(&err[0], 1u);
-            atomicAdd(&err[1], 1u);
-        }
-        const unsigned int word = ((unsigned int)topk_w[j] << 16) | (bad ? NO_EXPERT : (unsigned int)e);
-        if (send_meta) {
-            send_meta[g * words + j] = word;
-        } else {
-            meta_peers[g][(long long)me * words + j] = word;
-        }
-    }
+    send_routing(topk_idx, topk_w, meta_peers, send_meta, err, tokens, topk, experts, G, me);
     const int local = experts / G;
     const int lane = threadIdx.x & 31;
     // items: (token, member, chunk) with the member fastest, so every link carries traffic at once
@@ -168,12 +195,7 @@ __device__ __forceinline__ void dispatch_rows(const uint4* __restrict__ x,
         const int chunk = (int)(item - r * it.chunks);
         const long long t = r / G;
         const int g = (int)(r - t * G);
-        bool hit = false;
-        for (int kk = 0; kk < topk; ++kk) {
-            const int e = topk_idx[t * topk + kk];
-            hit = hit || (e >= g * local && e < (g + 1) * local);
-        }
-        if (!hit) {
+        if (!token_goes_to(topk_idx, t, topk, g, local)) {
             continue;
         }
         unsigned char* dst = send ? send + ((size_t)g * tokens + t) * row_bytes
@@ -883,20 +905,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned
                                        int experts,
                                        int G,
                                        int me) {
-    const long long words = (long long)tokens * topk;
+    send_routing(topk_idx, topk_w, meta_peers, 0, err, tokens, topk, experts, G, me);  // as ep_dispatch does
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nthreads = (long long)gridDim.x * blockDim.x;
-    for (long long i = tid; i < words * G; i += nthreads) {  // the routing words, as ep_dispatch sends them
-        const long long g = i / words;
-        const long long j = i - g * words;
-        const int e = topk_idx[j];
-        const bool bad = e < 0 || e >= experts;
-        if (bad && g == 0) {
-            atomicOr(&err[0], 1u);
-            atomicAdd(&err[1], 1u);
-        }
-        meta_peers[g][(long long)me * words + j] = ((unsigned int)topk_w[j] << 16) | (bad ? NO_EXPERT : (unsigned int)e);
-    }
     const int local = experts / G;
     const int nblk = hidden / FP8_BLOCK;
     const long long items = (long long)tokens * G * nblk;
@@ -905,12 +916,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned
         const int b = (int)(i - r * nblk);
         const long long t = r / G;
         const int g = (int)(r - t * G);
-        bool hit = false;
-        for (int kk = 0; kk < topk; ++kk) {
-            const int e = topk_idx[t * topk + kk];
-            hit = hit || (e >= g * local && e < (g + 1) * local);
-        }
-        if (!hit) {
+        if (!token_goes_to(topk_idx, t, topk, g, local)) {
             continue;
         }
         const unsigned short* src = x + (size_t)t * hidden + (size_t)b * FP8_BLOCK;

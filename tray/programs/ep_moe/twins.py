@@ -178,6 +178,22 @@ def slot_sources(route_row: np.ndarray, topk: int, slots: int) -> tuple[np.ndarr
     return flat[kept], kept // topk
 
 
+def _dispatch_routing(topk_idx: int, topk_w: int, err: int, tokens: int, topk: int, experts: int,
+                      G: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """What both dispatch kernels do before moving rows: count out-of-range experts into err[0..1], pack
+    the routing words (u32[tokens * topk]), and say which tokens each member g receives (bool[tokens])."""
+    idx = _at(topk_idx, tokens * topk, np.int32)
+    bad = int(((idx < 0) | (idx >= experts)).sum())
+    if bad:
+        errs = _at(err, 4, np.uint32)
+        errs[0] |= 1
+        errs[1] += bad
+    packed = pack_routing(idx, _at(topk_w, tokens * topk, np.uint16), experts)
+    local = experts // G
+    idx2 = idx.reshape(tokens, topk).astype(np.int64)
+    return packed, [((idx2 >= g * local) & (idx2 < (g + 1) * local)).any(axis=1) for g in range(G)]
+
+
 @twin("ep_dispatch")
 def ep_dispatch(
     backend: Any,
@@ -199,18 +215,9 @@ def ep_dispatch(
     me: int,
 ) -> None:
     words = tokens * topk
-    idx = _at(topk_idx, words, np.int32)
-    bad = int(((idx < 0) | (idx >= experts)).sum())
-    if bad:
-        errs = _at(err, 4, np.uint32)
-        errs[0] |= 1
-        errs[1] += bad
-    packed = pack_routing(idx, _at(topk_w, words, np.uint16), experts)
+    packed, hits = _dispatch_routing(topk_idx, topk_w, err, tokens, topk, experts, G)
     xs = _rows(x, tokens, hidden)
-    local = experts // G
-    idx2 = idx.reshape(tokens, topk).astype(np.int64)
-    for g in range(G):
-        hit = ((idx2 >= g * local) & (idx2 < (g + 1) * local)).any(axis=1)
+    for g, hit in enumerate(hits):
         if send_meta:
             _at(send_meta, G * words, np.uint32)[g * words : (g + 1) * words] = packed
         else:
@@ -302,19 +309,10 @@ def ep_dispatch_fp8(
     me: int,
 ) -> None:
     words = tokens * topk
-    idx = _at(topk_idx, words, np.int32)
-    bad = int(((idx < 0) | (idx >= experts)).sum())
-    if bad:
-        errs = _at(err, 4, np.uint32)
-        errs[0] |= 1
-        errs[1] += bad
-    packed = pack_routing(idx, _at(topk_w, words, np.uint16), experts)
+    packed, hits = _dispatch_routing(topk_idx, topk_w, err, tokens, topk, experts, G)
     q, scale = quantize_fp8(_rows(x, tokens, hidden))
     nblk = hidden // FP8_BLOCK
-    local = experts // G
-    idx2 = idx.reshape(tokens, topk).astype(np.int64)
-    for g in range(G):
-        hit = ((idx2 >= g * local) & (idx2 < (g + 1) * local)).any(axis=1)
+    for g, hit in enumerate(hits):
         _at(int(u64_at(meta_peers, G)[g]) + me * words * 4, words, np.uint32)[:] = packed
         dst = _at(int(u64_at(recv8_peers, G)[g]) + me * tokens * hidden, tokens * hidden, np.uint8)
         dst.reshape(tokens, hidden)[hit] = q[hit]
