@@ -43,22 +43,30 @@ class PeerFailure(TrayError):
     """Operations must act: a rank or GPU died or stalled."""
 
 
-class BarrierTimeout(PeerFailure):
-    """A barrier waited past its timeout; names the group, epoch, waiting and missing ranks."""
+class WaitedForRanks(PeerFailure):
+    """A device-side wait of `rank` on the members of `group` passed its timeout at `epoch`; `missing` never
+    arrived. The message reads "<where>: rank R waited S s for rank M,.. (<why>)", which `BarrierTimeout.
+    missing_in` parses back."""
 
-    def __init__(
-        self, group: str, epoch: int, rank: int, missing: list[int], waited_s: float
-    ) -> None:
+    def __init__(self, where: str, group: str, epoch: int, rank: int, missing: list[int], waited_s: float,
+                 why: str) -> None:
         self.group = group
         self.epoch = epoch
         self.rank = rank
         self.missing = list(missing)
         self.waited_s = waited_s
         who = ",".join(str(m) for m in self.missing)
-        super().__init__(
-            f"barrier {group} epoch {epoch}: rank {rank} waited {waited_s:.2f} s for rank {who}"
-            f" (rank {who} missing: it died, hangs, or never entered this barrier)"
-        )
+        super().__init__(f"{where}: rank {rank} waited {waited_s:.2f} s for rank {who} ({why.format(who=who)})")
+
+
+class BarrierTimeout(WaitedForRanks):
+    """A barrier waited past its timeout; names the group, epoch, waiting and missing ranks."""
+
+    def __init__(
+        self, group: str, epoch: int, rank: int, missing: list[int], waited_s: float
+    ) -> None:
+        super().__init__(f"barrier {group} epoch {epoch}", group, epoch, rank, missing, waited_s,
+                         "rank {who} missing: it died, hangs, or never entered this barrier")
 
     @staticmethod
     def missing_in(message: str) -> list[int]:

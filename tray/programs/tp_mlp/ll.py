@@ -6,26 +6,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tray.errors import PeerFailure, UsageError
+from tray.errors import UsageError, WaitedForRanks
 
 STATE_WORDS = 4  # ll_state u64[4]: tickets, timed-out epoch, missing mask, refused
 
 
-class LLTimeout(PeerFailure):
+class LLTimeout(WaitedForRanks):
     """A low-latency allreduce waited past its timeout for a member's lines; names the group, the epoch (launch
     number), the waiting rank and the missing ranks."""
 
     def __init__(self, group: str, epoch: int, rank: int, missing: list[int], waited_s: float) -> None:
-        self.group = group
-        self.epoch = epoch
-        self.rank = rank
-        self.missing = list(missing)
-        self.waited_s = waited_s
-        who = ",".join(str(m) for m in self.missing)
-        super().__init__(
-            f"low-latency allreduce on group {group}, launch {epoch}: rank {rank} waited {waited_s:.2f} s for rank "
-            f"{who} (its lines never arrived: it died, hangs, ran another program, or was given another count)"
-        )
+        super().__init__(f"low-latency allreduce on group {group}, launch {epoch}", group, epoch, rank, missing,
+                         waited_s, "its lines never arrived: it died, hangs, ran another program, or was given "
+                         "another count")
 
 
 def check_state(words: Sequence[int], group: str, members: Sequence[int], index: int, timeout_ns: int) -> None:
