@@ -6,11 +6,13 @@
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
-# ep-moe-fp8
+# ep-moe-fp8 expert-gemm
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
 # with torch's small-kernel launch beside it when this Python imports torch.
+# `expert-gemm` (one GPU, ~3 min): the experts' masked GEMMs at the EP2 rank's shapes, every tile shape of
+# bench/expert_gemm.py beside cuBLAS per expert and the GPU's read rate over the same weights ($OUT/expert_gemm.json).
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json:
 # the spanning barrier hierarchical, eager / eager-sync / captured, next to the relayed barrier of the same run).
@@ -170,6 +172,7 @@ for s in "${STAGES[@]}"; do
         # receive buffers at capture. -noreg: the same with NCCL's graph registration off
         ep-moe-nccl-graph) TRAY_SYNC_TIMEOUT_S=30 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG stage_live ep_moe_nccl_graph 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --log-dir "$LOGS/ep_moe_nccl_graph" --json "$OUT/ep_moe_nccl_graph.json" ;;
         ep-moe-nccl-graph-noreg) NCCL_GRAPH_REGISTER=0 TRAY_SYNC_TIMEOUT_S=30 stage_live ep_moe_nccl_graph_noreg 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --json "$OUT/ep_moe_nccl_graph_noreg.json" ;;
+        expert-gemm) stage expert_gemm 420 $PY bench/expert_gemm.py ${GEMM_ARGS:-} --json "$OUT/expert_gemm.json" ;;
         # the sweep 8 B .. 64 MiB: low-latency (timed up to 4 MiB), one-shot, two-shot, NCCL; then the layer
         tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait

@@ -13,25 +13,62 @@
 // Every output element is the same sequence of mma over the same K values in both, so the gather's bytes
 // equal the dense kernel's over the slab the index describes.
 //
-// Block: 128 threads = 4 warps in a 2 x 2 grid over a 64 x 128 tile of C; each warp owns 32 x 64 (2 x 8
-// mma tiles of 16 x 8). K advances 32 at a time through a ring of GEMM_STAGES shared-memory stages filled
-// by cp.async (global -> shared without registers): while one stage is multiplied, the next
-// GEMM_STAGES - 1 are in flight. At decode sizes an expert has a few rows, so the kernel streams weights:
-// its speed is the bytes in flight per SM (3 stages x 12 KiB per block, up to 4 blocks per SM), not the
-// tensor cores. Shared rows are padded to 40 bf16 (80 B), so the fragment loads (8 rows x 4 words per
-// warp) hit 32 distinct banks; 3 stages x (64 + 128) rows x 80 B = 45 KiB, under the 48 KiB static limit.
+// Block: 128 threads = 4 warps over a GEMM_BM x GEMM_BN tile of C (defaults 64 x 128). K advances GEMM_BK
+// at a time through a ring of GEMM_STAGES shared-memory stages filled by cp.async (global -> shared without
+// registers): while one stage is multiplied, the next GEMM_STAGES - 1 are in flight. At decode sizes an
+// expert has a few rows, so the kernel streams weights: its speed is the bytes in flight per SM and how
+// long a run of each weight row one copy reads (GEMM_BK * 2 bytes per row per stage), not the tensor cores.
+// GEMM_PREFETCH (0, 64, 128 or 256) asks L2 to fetch that many bytes around each weight copy, so the next
+// stages of a row are read from DRAM in longer bursts. Shared rows are padded to GEMM_BK + 8 bf16, so the
+// fragment loads (8 rows x 4 words per warp) hit 32 distinct banks. The tile shape is fixed when the source
+// is compiled (manifest "options", e.g. -DGEMM_BK=64); a ring over 48 KiB lives in dynamic shared memory,
+// whose size the launch passes (GEMM_SMEM_BYTES, checked by the kernel: a short launch writes nothing and
+// flags err[0]... see masked_gemm). Every configuration sums each output element in the same order (mma
+// over K in steps of 16, from k = 0 up), so the bytes do not depend on the tile shape.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16): lane = 4 g + t; A regs {row g, cols 2t..2t+1},
 // {row g+8, same cols}, {row g, cols 2t+8..}, {row g+8, cols 2t+8..}; B regs {k 2t..2t+1, col g},
 // {k 2t+8.., col g}, which is B[n = g][k ..] in nn.Linear layout; C regs {row g, cols 2t, 2t+1},
 // {row g+8, cols 2t, 2t+1}.
 
+#ifndef GEMM_BM
 #define GEMM_BM 64
+#endif
+#ifndef GEMM_BN
 #define GEMM_BN 128
+#endif
+#ifndef GEMM_BK
 #define GEMM_BK 32
-#define GEMM_PAD 40
-#define GEMM_THREADS 128
+#endif
+#ifndef GEMM_STAGES
 #define GEMM_STAGES 3
+#endif
+#ifndef GEMM_PREFETCH
+#define GEMM_PREFETCH 0
+#endif
+#define GEMM_PAD (GEMM_BK + 8)
+#define GEMM_THREADS 128
+#define GEMM_VPR (GEMM_BK / 8)                             // 16-byte vectors per tile row and stage
+#define GEMM_A_VECS (GEMM_BM * GEMM_VPR / GEMM_THREADS)    // A vectors per thread and stage
+#define GEMM_B_VECS (GEMM_BN * GEMM_VPR / GEMM_THREADS)    // B vectors per thread and stage
+#define GEMM_SMEM_BYTES (GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_PAD * 2)
+#define GEMM_STATIC_SMEM_MAX 49152                         // the static shared-memory limit per block
+#if GEMM_BM != 32 && GEMM_BM != 64
+#error "GEMM_BM must be 32 or 64 (the warp shapes below)"
+#endif
+#if GEMM_BN != 32 && GEMM_BN != 64 && GEMM_BN != 128
+#error "GEMM_BN must be 32, 64 or 128"
+#endif
+#if GEMM_BK % 16 != 0 || GEMM_A_VECS < 1 || GEMM_A_VECS * GEMM_THREADS != GEMM_BM * GEMM_VPR || \
+    GEMM_B_VECS < 1 || GEMM_B_VECS * GEMM_THREADS != GEMM_BN * GEMM_VPR
+#error "GEMM_BK must be a multiple of 16 with whole 16-byte vectors per thread for A and B tiles"
+#endif
+#if GEMM_STAGES < 2
+#error "GEMM_STAGES must be at least 2"
+#endif
+#if GEMM_PREFETCH != 0 && GEMM_PREFETCH != 64 && GEMM_PREFETCH != 128 && GEMM_PREFETCH != 256
+#error "GEMM_PREFETCH must be 0, 64, 128 or 256"
+#endif
 
 __device__ __forceinline__ unsigned int gemm_f32_to_bf16(float f) {
     unsigned int u = __float_as_uint(f);
@@ -55,11 +92,30 @@ __device__ __forceinline__ void mma_bf16_m16n8k16(float* d, const unsigned int* 
 
 // One 16-byte global -> shared copy in flight (cp.async.cg: cached in L2 only, the weights are read once);
 // `valid` false writes 16 zero bytes and reads nothing (src-size 0), so masked rows need no branch later.
-__device__ __forceinline__ void gemm_cp16(unsigned short* dst, const uint4* src, bool valid) {
+// `prefetch`: the weight copies carry the L2 prefetch hint GEMM_PREFETCH (see the top of this file).
+__device__ __forceinline__ void gemm_cp16(unsigned short* dst, const uint4* src, bool valid, bool prefetch) {
 #ifdef TRAY_EMULATED
+    (void)prefetch;
     emu_cp_async(dst, src, valid ? 16 : 0);
 #else
     const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+#if GEMM_PREFETCH != 0
+    if (prefetch) {
+#if GEMM_PREFETCH == 64
+        asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                     "r"(valid ? 16 : 0) : "memory");
+#elif GEMM_PREFETCH == 128
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                     "r"(valid ? 16 : 0) : "memory");
+#else
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                     "r"(valid ? 16 : 0) : "memory");
+#endif
+        return;
+    }
+#else
+    (void)prefetch;
+#endif
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 #endif
@@ -82,38 +138,38 @@ __device__ __forceinline__ void gemm_cp_wait() {
 #endif
 }
 
-// Rows [row0, row0 + limit) of a [.][K] bf16 matrix, columns k0 .. k0 + 31, into a padded shared tile of
-// `count` * 32 rows: vector v of this thread is tile row (tid + v * 128) / 4, columns 8 * ((tid + v * 128) % 4);
-// rows at or beyond `limit` are zero-filled (their source address stays row0's, which is in bounds).
-// (B's tiles; A's go through gemm_issue_rows, whose rows may come from anywhere.)
-__device__ __forceinline__ void gemm_issue(unsigned short* tile, int count, const uint4* src, long long row0,
-                                           int limit, int K, int k0, int tid) {
+// B's tile: rows [row0, row0 + limit) of the [.][K] bf16 weights, columns k0 .. k0 + GEMM_BK - 1, into a
+// padded shared tile of GEMM_BN rows: vector v of this thread is tile row (tid + v * 128) / GEMM_VPR,
+// columns 8 * ((tid + v * 128) % GEMM_VPR); rows at or beyond `limit` are zero-filled (their source address
+// stays row0's, which is in bounds).
+__device__ __forceinline__ void gemm_issue(unsigned short* tile, const uint4* src, long long row0, int limit,
+                                           int K, int k0, int tid) {
 #pragma unroll
-    for (int v = 0; v < count; ++v) {
+    for (int v = 0; v < GEMM_B_VECS; ++v) {
         const int i = tid + v * GEMM_THREADS;
-        const int r = i >> 2;
-        const int c = (i & 3) * 8;
+        const int r = i / GEMM_VPR;
+        const int c = (i % GEMM_VPR) * 8;
         const bool valid = r < limit;
-        gemm_cp16(tile + r * GEMM_PAD + c, src + ((row0 + (valid ? r : 0)) * K + k0 + c) / 8, valid);
+        gemm_cp16(tile + r * GEMM_PAD + c, src + ((row0 + (valid ? r : 0)) * K + k0 + c) / 8, valid, true);
     }
 }
 
-// A's tile: this thread's GEMM_BM * 4 / GEMM_THREADS = 2 vectors, tile rows (tid / 4) and (tid / 4) + 32,
-// columns 8 * (tid % 4), from row pointers fixed for the whole K loop (src[v]: the row's first vector of
-// this thread's columns; valid[v] false: zero-filled, src[v] still in bounds).
+// A's tile: this thread's GEMM_A_VECS vectors, tile rows tid / GEMM_VPR + v * (128 / GEMM_VPR), columns
+// 8 * (tid % GEMM_VPR), from row pointers fixed for the whole K loop (src[v]: the row's first vector of this
+// thread's columns; valid[v] false: zero-filled, src[v] still in bounds).
 __device__ __forceinline__ void gemm_issue_rows(unsigned short* tile, const uint4* const* src, const bool* valid,
                                                 int k0, int tid) {
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-        const int r = (tid >> 2) + v * (GEMM_THREADS / 4);
-        gemm_cp16(tile + r * GEMM_PAD + (tid & 3) * 8, src[v] + k0 / 8, valid[v]);
+    for (int v = 0; v < GEMM_A_VECS; ++v) {
+        const int r = tid / GEMM_VPR + v * (GEMM_THREADS / GEMM_VPR);
+        gemm_cp16(tile + r * GEMM_PAD + (tid % GEMM_VPR) * 8, src[v] + k0 / 8, valid[v], false);
     }
 }
 
 // One warp's share of a K tile: rows row0 .. row0 + 16 * MI, columns col0 .. col0 + 8 * NI of the block's
 // tile, from the shared stage (as, bs), accumulated into acc[mi][ni] (mma m16n8k16 tiles).
 template <int MI, int NI>
-__device__ __forceinline__ void gemm_warp_tile(float (*acc)[8][4], const unsigned short* as,
+__device__ __forceinline__ void gemm_warp_tile(float (*acc)[GEMM_BN / 16][4], const unsigned short* as,
                                                const unsigned short* bs, int row0, int col0, int g, int t) {
 #pragma unroll
     for (int kk = 0; kk < GEMM_BK; kk += 16) {
@@ -143,6 +199,15 @@ __device__ __forceinline__ void gemm_warp_tile(float (*acc)[8][4], const unsigne
     }
 }
 
+#if GEMM_SMEM_BYTES > GEMM_STATIC_SMEM_MAX && !defined(TRAY_EMULATED)
+// The ring in dynamic shared memory: the launch must pass GEMM_SMEM_BYTES (manifest "shmem").
+__device__ __forceinline__ unsigned int gemm_dynamic_smem_bytes() {
+    unsigned int n;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+#endif
+
 // masked_gemm: see the top of this file.
 //   A        [.][K] bf16          the received rows (a_index given) or [experts][cap][K] (a_index null)
 //   a_index  [experts][cap] i32   row of A for each slot r < rows[e] (ep_layout_place's slot_src), or null;
@@ -150,8 +215,9 @@ __device__ __forceinline__ void gemm_warp_tile(float (*acc)[8][4], const unsigne
 //   B        [experts][N][K] bf16 (the experts' weights)
 //   C        [experts][cap][N] bf16
 //   rows     [experts] i32        rows present per expert (<= cap)
-//   N = n * n_factor (a manifest passes vars, not expressions: w13 has 2 * ffn rows)
-// grid (ceil(N / 128), ceil(cap / 64), experts), block 128.
+//   N = n * n_factor (a manifest passes vars, not expressions: w13 has 2 * ffn rows); K % GEMM_BK == 0
+// grid (ceil(N / GEMM_BN), ceil(cap / GEMM_BM), experts), block 128, dynamic shared memory GEMM_SMEM_BYTES
+// when that is over 48 KiB (a launch with less traps: the tile shape and the manifest disagree).
 __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
                                             const int* __restrict__ a_index,
                                             const uint4* __restrict__ B,
@@ -169,8 +235,22 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
     if (m0 >= present) {
         return;  // the whole block: no thread has reached a barrier
     }
+#if GEMM_SMEM_BYTES > GEMM_STATIC_SMEM_MAX
+#ifdef TRAY_EMULATED
+    __shared__ __align__(16) unsigned short gemm_smem[GEMM_SMEM_BYTES / 2];  // stands for the launch's
+#else
+    if (gemm_dynamic_smem_bytes() < GEMM_SMEM_BYTES) {
+        __trap();  // the ring would overrun the block's shared memory
+    }
+    extern __shared__ __align__(16) unsigned short gemm_smem[];
+#endif
+    unsigned short (*As)[GEMM_BM * GEMM_PAD] = (unsigned short (*)[GEMM_BM * GEMM_PAD])gemm_smem;
+    unsigned short (*Bs)[GEMM_BN * GEMM_PAD] =
+        (unsigned short (*)[GEMM_BN * GEMM_PAD])(gemm_smem + GEMM_STAGES * GEMM_BM * GEMM_PAD);
+#else
     __shared__ __align__(16) unsigned short As[GEMM_STAGES][GEMM_BM * GEMM_PAD];  // 16 B: cp.async targets
     __shared__ __align__(16) unsigned short Bs[GEMM_STAGES][GEMM_BN * GEMM_PAD];
+#endif
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -181,33 +261,35 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
     const int a_limit = present - m0;
     // This thread's A rows, once: a slot past the rows present keeps an in-bounds address (A's row 0 when
     // gathering, the tile's first row otherwise) and copies nothing.
-    const uint4* a_src[2];
-    bool a_valid[2];
+    const uint4* a_src[GEMM_A_VECS];
+    bool a_valid[GEMM_A_VECS];
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-        const int r = (tid >> 2) + v * (GEMM_THREADS / 4);
+    for (int v = 0; v < GEMM_A_VECS; ++v) {
+        const int r = tid / GEMM_VPR + v * (GEMM_THREADS / GEMM_VPR);
         a_valid[v] = r < a_limit;
         const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
                                       : a_slot0 + (a_valid[v] ? r : 0);
-        a_src[v] = A + (row * K + (tid & 3) * 8) / 8;
+        a_src[v] = A + (row * K + (tid % GEMM_VPR) * 8) / 8;
     }
     const int b_limit = N - n0;
     const int k_tiles = K / GEMM_BK;
-    // The warps' share of the 64 x 128 tile follows the rows present (block-uniform), so an expert with a
-    // few rows costs the tensor cores a quarter or half of a full tile, not all of it: 1..16 rows: each warp
-    // 16 rows x 32 columns; 17..32: 32 x 32; more: 2 x 2 warps of 32 x 64. Every output element is the same
-    // sequence of mma over K in every shape, so the bytes do not depend on the shape.
-    const int shape = a_limit <= 16 ? 1 : a_limit <= 32 ? 2 : 3;
+    // The warps' share of the tile follows the rows present (block-uniform), so an expert with a few rows
+    // costs the tensor cores a quarter or half of a full tile, not all of it: 1..16 rows: 4 warps side by
+    // side, each 16 rows x GEMM_BN / 4 columns; 17..32: 32 x GEMM_BN / 4; more (GEMM_BM 64 only): 2 x 2
+    // warps of 32 x GEMM_BN / 2. Every output element is the same sequence of mma over K in every shape,
+    // so the bytes do not depend on the shape.
+    constexpr int NQ = GEMM_BN / 32;  // mma tiles of 8 columns per warp in the first two shapes
+    const int shape = a_limit <= 16 ? 1 : (a_limit <= 32 || GEMM_BM == 32) ? 2 : 3;
     const int wm = shape == 3 ? (warp >> 1) * 32 : 0;
-    const int wn = shape == 3 ? (warp & 1) * 64 : warp * 32;
+    const int wn = shape == 3 ? (warp & 1) * (GEMM_BN / 2) : warp * (GEMM_BN / 4);
     const int m_tiles = shape == 1 ? 1 : 2;
-    const int n_tiles = shape == 3 ? 8 : 4;
+    const int n_tiles = shape == 3 ? 2 * NQ : NQ;
 
-    float acc[2][8][4];
+    float acc[2][GEMM_BN / 16][4];
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni) {
+        for (int ni = 0; ni < GEMM_BN / 16; ++ni) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 acc[mi][ni][j] = 0.0f;
@@ -220,7 +302,7 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
     for (int s = 0; s < GEMM_STAGES - 1; ++s) {
         if (s < k_tiles) {
             gemm_issue_rows(As[s], a_src, a_valid, s * GEMM_BK, tid);
-            gemm_issue(Bs[s], 4, B, b_row0, b_limit, K, s * GEMM_BK, tid);
+            gemm_issue(Bs[s], B, b_row0, b_limit, K, s * GEMM_BK, tid);
         }
         gemm_cp_commit();
     }
@@ -231,23 +313,23 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
         if (next < k_tiles) {
             const int s = next % GEMM_STAGES;
             gemm_issue_rows(As[s], a_src, a_valid, next * GEMM_BK, tid);
-            gemm_issue(Bs[s], 4, B, b_row0, b_limit, K, next * GEMM_BK, tid);
+            gemm_issue(Bs[s], B, b_row0, b_limit, K, next * GEMM_BK, tid);
         }
         gemm_cp_commit();
         const unsigned short* as = As[kt % GEMM_STAGES];
         const unsigned short* bs = Bs[kt % GEMM_STAGES];
         if (shape == 1) {
-            gemm_warp_tile<1, 4>(acc, as, bs, wm, wn, g, t);
+            gemm_warp_tile<1, NQ>(acc, as, bs, wm, wn, g, t);
         } else if (shape == 2) {
-            gemm_warp_tile<2, 4>(acc, as, bs, wm, wn, g, t);
+            gemm_warp_tile<2, NQ>(acc, as, bs, wm, wn, g, t);
         } else {
-            gemm_warp_tile<2, 8>(acc, as, bs, wm, wn, g, t);
+            gemm_warp_tile<2, 2 * NQ>(acc, as, bs, wm, wn, g, t);
         }
     }
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni) {
+        for (int ni = 0; ni < GEMM_BN / 16; ++ni) {
             if (mi >= m_tiles || ni >= n_tiles) {
                 continue;
             }

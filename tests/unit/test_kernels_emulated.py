@@ -320,11 +320,11 @@ def _names(params: str) -> str:
     return ", ".join(p.strip().split()[-1].lstrip("*") for p in params.split(","))
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    d = tmp_path_factory.mktemp("emu")
-    src = [SHIM]
-    for file, kernels in KERNELS.items():
+def build(d, kernels_by_file, defines=()):
+    """Compile the kernels of `kernels_by_file` ({file: {name: params}}) for the CPU into d/emu.so, with the
+    preprocessor `defines` (NAME=VALUE) placed before the sources; return the loaded library."""
+    src = [SHIM, *(f"#define {name} {value}" for name, value in (x.split("=", 1) for x in defines))]
+    for file, kernels in kernels_by_file.items():
         code = (MANIFESTS / "kernels" / file).read_text()
         for ptx, cpu in PTX_ON_CPU.items():
             code = code.replace(ptx, cpu)
@@ -369,6 +369,11 @@ def emulated(tmp_path_factory):
         capture_output=True,
     )
     return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("emu"), KERNELS)
 
 
 def both(emulated, name, grid, block, make_args, arrays):
@@ -1018,13 +1023,61 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     assert c["act"][filled].any() and not c["act"][~filled].any()
 
 
-def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None):
-    """The emulated ep_masked_gemm (a_index None) or ep_masked_gemm_gather over experts = rows.size."""
+def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None, bm=64, bn=128):
+    """The emulated ep_masked_gemm (a_index None) or ep_masked_gemm_gather over experts = rows.size, built
+    with tiles of bm x bn."""
     name = "ep_masked_gemm" if a_index is None else "ep_masked_gemm_gather"
     fn = getattr(emulated, f"run3_{name}")
     pointers = [a, b, c, rows] if a_index is None else [a, a_index, b, c, rows]
     fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p] * len(pointers) + [ctypes.c_int] * 4
-    fn(-(-n * n_factor // 128), -(-cap // 64), rows.size, 128, *[ptr(x) for x in pointers], cap, n, n_factor, K)
+    fn(-(-n * n_factor // bn), -(-cap // bm), rows.size, 128, *[ptr(x) for x in pointers], cap, n, n_factor, K)
+
+
+# (GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH): the default, then shapes that change every loop
+# bound of the tile loads and warp tiles (vectors per row, rows per thread, mma tiles per warp, ring depth)
+GEMM_SHAPES = [(64, 128, 32, 3, 0), (32, 64, 64, 4, 256), (64, 32, 128, 2, 128), (64, 64, 64, 3, 0)]
+
+
+@pytest.fixture(scope="module")
+def gemm_shapes(tmp_path_factory):
+    """One CPU build of ep_gemm.cu per GEMM_SHAPES entry."""
+    out = {}
+    for shape in GEMM_SHAPES:
+        names = ("GEMM_BM", "GEMM_BN", "GEMM_BK", "GEMM_STAGES", "GEMM_PREFETCH")
+        defines = [f"{k}={v}" for k, v in zip(names, shape, strict=True)]
+        out[shape] = build(tmp_path_factory.mktemp("gemm"), {"ep_gemm.cu": KERNELS["ep_gemm.cu"]}, defines)
+    return out
+
+
+def test_masked_gemm_bytes_do_not_depend_on_the_tile_shape(gemm_shapes):
+    """Every compiled tile shape writes the same bytes (each output element is the same mma sequence over
+    K), touches only the rows present, and follows the slot index; K 384 is 12, 6 or 3 K tiles, so every
+    ring wraps. A shape whose loads or warp tiles were wrong would differ from the default here."""
+    rng = np.random.default_rng(7)
+    L, cap, n, n_factor, K = 4, 70, 68, 2, 384
+    N = n * n_factor
+    rows = np.array([70, 9, 0, 33], np.int32)  # 2 row tiles of 64, or 3 of 32; 1..16, 17..32, more rows
+    recv = bf16_random(rng, (L * cap + 3, K))
+    index = np.full(L * cap, -1, np.int32)
+    for e in range(L):
+        index[e * cap : e * cap + rows[e]] = rng.integers(0, recv.shape[0], rows[e])
+    b = bf16_random(rng, (L * N, K))
+    outs = {}
+    for shape, lib in gemm_shapes.items():
+        c = np.full((L * cap, N), 0x7FC0, np.uint16)
+        run_masked_gemm(lib, recv, b, c, rows, cap, n, n_factor, K, a_index=index, bm=shape[0], bn=shape[1])
+        outs[shape] = c
+    base = outs[GEMM_SHAPES[0]]
+    kept = np.flatnonzero(index >= 0)
+    assert (base[index < 0] == 0x7FC0).all() and not (base[kept] == 0x7FC0).all(axis=1).any()
+    f32 = ep_twins.bf16_bits_to_f32
+    want = np.zeros((L * cap, N))
+    for e in range(L):
+        r = slice(e * cap, e * cap + rows[e])
+        want[r] = f32(recv[index[r]]).astype(np.float64) @ f32(b[e * N : (e + 1) * N]).astype(np.float64).T
+    assert np.allclose(f32(base[kept]), want[kept], rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    for shape, c in outs.items():
+        assert np.array_equal(c, base), f"tile shape {shape} wrote other bytes than {GEMM_SHAPES[0]}"
 
 
 def test_masked_gemm_gather_reads_each_slot_from_the_row_its_index_names(emulated):

@@ -556,6 +556,12 @@ def func_param_sizes(func: Any, entry: str) -> list[int]:
         sizes.append(int(size))
 
 
+def func_set_max_dynamic_smem(func: Any, nbytes: int, entry: str) -> None:
+    """Let `func` launch with up to `nbytes` of dynamic shared memory (over 48 KiB needs this opt-in)."""
+    attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _drv("cuFuncSetAttribute", func, attr, int(nbytes), what=f"{entry}, {fmt_bytes(nbytes)} of dynamic shared memory")
+
+
 # NOTE: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h): the next kernel on the stream may
 # be scheduled before this one ends and waits in `griddepcontrol.wait` instead (hides launch latency).
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 5

@@ -19,6 +19,8 @@ from tray.errors import UsageError
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _FLOATS = {2: np.float16, 4: np.float32, 8: np.float64}
+# NOTE: a block may use 48 KiB of dynamic shared memory without opting in (cuFuncSetAttribute) first
+STATIC_SMEM_LIMIT = 48 << 10
 
 
 def _int_dtype(value: int, size: int, where: str) -> np.dtype:
@@ -129,11 +131,15 @@ class CudaKernel(Kernel):
         self.function = function
         self._stream = stream
         self.param_sizes = drv.func_param_sizes(function, entry)
+        self._smem_opt_in = 0  # the dynamic shared memory this function was allowed (cuFuncSetAttribute)
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
              shmem_nbytes: int = 0, programmatic: bool = False, stream: Any = None) -> CudaLaunch:
         """Pack `args` once; launches go to `stream` (a binding stream or an int handle; default: the
         backend's). Raises UsageError if the arguments do not match the kernel's parameters."""
         plan = pack_plan(self.param_sizes, args, self.name)
+        if shmem_nbytes > max(self._smem_opt_in, STATIC_SMEM_LIMIT):
+            drv.func_set_max_dynamic_smem(self.function, shmem_nbytes, self.entry)
+            self._smem_opt_in = int(shmem_nbytes)
         return CudaLaunch(self, _dims(grid, "grid", self.name), _dims(block, "block", self.name),
                           int(shmem_nbytes), self._stream if stream is None else stream, plan, programmatic)

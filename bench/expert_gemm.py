@@ -1,0 +1,410 @@
+"""The experts' masked GEMMs on one GPU: tile shapes of manifests/kernels/ep_gemm.cu against cuBLAS and the
+GPU's own read bandwidth, at the EP layer's shapes.
+
+    python bench/expert_gemm.py [--experts 128] [--tokens 256,8192] [--routing uniform,zipf] [--json PATH]
+
+One rank's experts of an EP MoE layer (default: 128 of 256 experts, hidden 7168, expert dim 2048, top-8: the
+EP2 rank of the ep-moe bench): routing drawn as the ep-moe bench draws it (`tray/programs/ep_moe/plan.py`)
+over `--tokens` global tokens, the rows that land on this rank's experts counted per expert (at most the
+capacity a graph must allow, `--capacity` x the mean), and each expert's rows read in place from the
+token rows through a slot index, as the layer's `experts_masked` program reads the received rows.
+
+Timed per case, median of `--repeats` graph replays after a warm-up (device events):
+  <variant>        ep_masked_gemm_gather (w13, gate and up) + ep_masked_gemm (w2, down) compiled with that
+                   variant's tile shape (-DGEMM_BM.. options); `production` is the manifest's own options
+  cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
+                   (the in-graph baseline: the counts live on the device)
+  cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
+                   inside a captured layer, the floor cuBLAS could reach with a host round trip)
+  read_ceiling     a kernel that reads the same weight bytes once (16-byte loads, every SM), the GPU's
+                   streaming-read rate for them: the GEMMs' floor at decode sizes, where weights dominate
+Correctness first: every variant's h13 and y bytes must equal production's (the tile shape never changes a
+sum's order), production's rows must match float64 over sampled experts (every routed row of 8 experts),
+and cuBLAS's within bf16 rounding. A failed check fails the run (exit 1).
+Bytes: the weight bytes of the experts with rows (w13 + w2), plus the A rows read and C rows written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tray.bench import median, write_report
+from tray.errors import UsageError
+from tray.manifest.builtin import builtin_dir, kernel_dir
+from tray.programs.ep_moe.plan import capacity, parse_routing, random_routing
+
+WARMUP = 3
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A tile shape of ep_gemm.cu: (GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH)."""
+
+    name: str
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    prefetch: int
+
+    @property
+    def options(self) -> list[str]:
+        return [f"-DGEMM_BM={self.bm}", f"-DGEMM_BN={self.bn}", f"-DGEMM_BK={self.bk}",
+                f"-DGEMM_STAGES={self.stages}", f"-DGEMM_PREFETCH={self.prefetch}"]
+
+    @property
+    def smem(self) -> int:
+        """GEMM_SMEM_BYTES; passed as dynamic shared memory when over 48 KiB (the kernel's own rule)."""
+        return self.stages * (self.bm + self.bn) * (self.bk + 8) * 2
+
+    @property
+    def dynamic_smem(self) -> int:
+        return self.smem if self.smem > 48 << 10 else 0
+
+
+VARIANTS = (
+    Variant("t64x128k32s3", 64, 128, 32, 3, 0),
+    Variant("t64x128k32s3p256", 64, 128, 32, 3, 256),
+    Variant("t64x128k32s4p256", 64, 128, 32, 4, 256),
+    Variant("t64x128k64s3", 64, 128, 64, 3, 0),
+    Variant("t64x128k64s4", 64, 128, 64, 4, 0),
+    Variant("t64x128k64s3p256", 64, 128, 64, 3, 256),
+    Variant("t64x64k128s3", 64, 64, 128, 3, 0),
+    Variant("t64x64k128s4", 64, 64, 128, 4, 0),
+    Variant("t32x128k64s4", 32, 128, 64, 4, 0),
+    Variant("t32x64k128s4", 32, 64, 128, 4, 0),
+    Variant("t32x64k64s6", 32, 64, 64, 6, 0),
+    Variant("t32x32k128s6", 32, 32, 128, 6, 0),
+    Variant("t64x64k64s4", 64, 64, 64, 4, 0),
+)
+
+READ_SOURCE = r"""
+// Reads `words` 16-byte vectors once (grid-stride, every SM) and folds them into one word per block, so the
+// loads cannot be dropped; the folded words are written where the host never reads them for timing.
+extern "C" __global__ void expert_gemm_read(const uint4* __restrict__ src, long long words, unsigned int* out) {
+    unsigned int acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) {
+        const uint4 v = src[i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9E3779B9u) {
+        out[blockIdx.x] = acc;  // practically never: the fold only has to be live
+    }
+}
+"""
+
+
+def production_variant() -> Variant:
+    """The tile shape the ep_moe manifest compiles ep_masked_gemm with (its "options"; defaults otherwise)."""
+    manifest = json.loads((builtin_dir() / "ep_moe.json").read_text())
+    spec = next(k for k in manifest["kernels"] if k["entry"] == "ep_masked_gemm_gather")
+    values = {"GEMM_BM": 64, "GEMM_BN": 128, "GEMM_BK": 32, "GEMM_STAGES": 3, "GEMM_PREFETCH": 0}
+    for opt in spec.get("options", []):
+        if opt.startswith("-D") and "=" in opt:
+            name, value = opt[2:].split("=", 1)
+            if name in values:
+                values[name] = int(value)
+    return Variant("production", *values.values())
+
+
+class Case:
+    """One routing on one GPU: the buffers, the counts and the index, and the launches over them."""
+
+    def __init__(self, backend: Any, a: argparse.Namespace, tokens: int, routing: str, w13: Any, w2: Any) -> None:
+        self.backend = backend
+        self.E, self.H, self.F = a.experts, a.hidden, a.expert_dim
+        world = a.all_experts // a.experts
+        self.cap = capacity(a.capacity, world, max(tokens // world, 1), a.topk, a.all_experts)
+        r = random_routing(tokens, a.all_experts, a.topk, a.seed, parse_routing(routing))
+        self.label = f"{routing}_T{tokens}"
+        self.tokens = tokens
+        # the rows of this rank's experts (0 .. E-1), in token order, as the layout fills the slots
+        rows = np.zeros(self.E, np.int32)
+        index = np.full(self.E * self.cap, -1, np.int32)
+        dropped = 0
+        for t, e in zip(*np.nonzero(r.experts < self.E), strict=True):
+            expert = int(r.experts[t, e])
+            if rows[expert] < self.cap:
+                index[expert * self.cap + rows[expert]] = t
+                rows[expert] += 1
+            else:
+                dropped += 1
+        self.rows, self.index, self.dropped = rows, index, dropped
+        b = backend
+        self.x = b.allocate("eg_x", tokens * self.H * 2, export=False)
+        self.rows_buf = b.allocate("eg_rows", rows.nbytes, export=False)
+        self.index_buf = b.allocate("eg_index", index.nbytes, export=False)
+        self.h13 = b.allocate("eg_h13", self.E * self.cap * 2 * self.F * 2, export=False)
+        self.act = b.allocate("eg_act", self.E * self.cap * self.F * 2, export=False)
+        self.y = b.allocate("eg_y", self.E * self.cap * self.H * 2, export=False)
+        self.slab = b.allocate("eg_slab", self.E * self.cap * self.H * 2, export=False)
+        rng = np.random.default_rng(a.seed + 1)
+        from tray.dtypes import f32_to_bf16_bits
+
+        self.x_host = f32_to_bf16_bits(rng.standard_normal((tokens, self.H)).astype(np.float32))
+        b.write(self.x.ptr, self.x_host)
+        b.write(self.rows_buf.ptr, rows)
+        b.write(self.index_buf.ptr, index)
+        slab = np.zeros((self.E * self.cap, self.H), np.uint16)
+        kept = index >= 0
+        slab[kept] = self.x_host[index[kept]]
+        b.write(self.slab.ptr, slab)
+        self.w13, self.w2 = w13, w2
+        present = rows > 0
+        self.weight_bytes = int(present.sum()) * 3 * self.F * self.H * 2
+        self.row_bytes = int(rows.sum()) * (self.H + 2 * self.F + self.F + self.H) * 2  # A in, C out, both GEMMs
+
+    def close(self) -> None:
+        for buf in (self.x, self.rows_buf, self.index_buf, self.h13, self.act, self.y, self.slab):
+            buf.close()
+
+
+def _time(backend: Any, launches: list[Any], repeats: int) -> float:
+    """Median µs of one replay of a graph of `launches` (callables), after WARMUP replays."""
+    graph = backend.capture(lambda: [launch() for launch in launches])
+    for _ in range(WARMUP):
+        graph.replay()
+    samples = []
+    for _ in range(repeats):
+        timer = backend.timer()
+        timer.start()
+        graph.replay()
+        timer.stop()
+        samples.append(timer.elapsed_s() * 1e6)
+        timer.close()
+    graph.close()
+    return median(samples)
+
+
+def _masked(backend: Any, case: Case, v: Variant) -> tuple[Any, Any]:
+    source = (kernel_dir() / "ep_gemm.cu").read_bytes()
+    gather = backend.load_kernel(f"ep_masked_gemm_gather[{v.name}]", source, "ep_masked_gemm_gather",
+                                 v.options, peers=False, filename="ep_gemm.cu")
+    dense = backend.load_kernel(f"ep_masked_gemm[{v.name}]", source, "ep_masked_gemm", v.options, peers=False,
+                                filename="ep_gemm.cu")
+    E, H, F, cap = case.E, case.H, case.F, case.cap
+    w13 = gather.bind((-(-2 * F // v.bn), -(-cap // v.bm), E), (128, 1, 1),
+                      [case.x.ptr, case.index_buf.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H],
+                      shmem_nbytes=v.dynamic_smem)
+    w2 = dense.bind((-(-H // v.bn), -(-cap // v.bm), E), (128, 1, 1),
+                    [case.act.ptr, case.w2.ptr, case.y.ptr, case.rows_buf.ptr, cap, H, 1, F],
+                    shmem_nbytes=v.dynamic_smem)
+    return w13, w2
+
+
+def _rows_of(backend: Any, buf: Any, case: Case, width: int) -> np.ndarray:
+    """The rows present of a [E][cap][width] bf16 buffer, expert-major (u16 [sum(rows), width])."""
+    allrows = backend.read(buf.ptr, case.E * case.cap * width * 2).view(np.uint16).reshape(case.E, case.cap, width)
+    return np.concatenate([allrows[e, : case.rows[e]] for e in range(case.E)])
+
+
+def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Variant], silu_kernel: Any,
+             read_kernel: Any) -> dict[str, Any]:
+    from tray.dtypes import bf16_bits_to_f32
+
+    E, H, F, cap = case.E, case.H, case.F, case.cap
+    silu = silu_kernel.bind(((E * cap * F // 8 + 255) // 256, 1, 1), (256, 1, 1),
+                            [case.h13.ptr, case.act.ptr, case.rows_buf.ptr, E, 1, cap, F])
+    out: dict[str, Any] = {"label": case.label, "tokens": case.tokens, "cap": cap, "dropped_pairs": case.dropped,
+                           "rows_total": int(case.rows.sum()), "rows_max": int(case.rows.max()),
+                           "experts_with_rows": int((case.rows > 0).sum()), "weight_bytes": case.weight_bytes,
+                           "row_bytes": case.row_bytes, "us": {}, "checks": {}}
+    base_h13 = base_y = None
+    failed: list[str] = []
+    for v in variants:
+        w13, w2 = _masked(backend, case, v)
+        w13.launch()
+        silu.launch()
+        w2.launch()
+        backend.synchronize()
+        h13, y = _rows_of(backend, case.h13, case, 2 * F), _rows_of(backend, case.y, case, H)
+        if base_h13 is None:
+            base_h13, base_y = h13, y
+            ok = True
+        else:
+            ok = bool(np.array_equal(h13, base_h13) and np.array_equal(y, base_y))
+        out["checks"][f"{v.name}_equals_production"] = ok
+        if not ok:
+            failed.append(f"{v.name}: bytes differ from production")
+        t13 = _time(backend, [w13.launch], a.repeats)
+        t2 = _time(backend, [w2.launch], a.repeats)
+        tall = _time(backend, [w13.launch, silu.launch, w2.launch], a.repeats)
+        out["us"][v.name] = {"w13": t13, "w2": t2, "experts": tall, "smem": v.smem, "options": v.options}
+        print(f"  {case.label:<16} {v.name:<20} w13 {t13:9.1f}  w2 {t2:9.1f}  experts {tall:9.1f} µs  "
+              f"{case.weight_bytes / tall / 1e6:6.2f} TB/s of weights  {'ok' if ok else 'DIFFERS'}", flush=True)
+    # float64 over every row of 8 sampled experts (those with the most rows first, then spread)
+    order = np.argsort(-case.rows, kind="stable")
+    sample = sorted(set(order[:4].tolist()) | set(np.flatnonzero(case.rows > 0)[:: max(E // 4, 1)][:4].tolist()))
+    errs = []
+    starts = np.concatenate([[0], np.cumsum(case.rows)])
+    for e in sample:
+        if case.rows[e] == 0:
+            continue
+        w13e = bf16_bits_to_f32(backend.read(case.w13.ptr + e * 2 * F * H * 2, 2 * F * H * 2).view(np.uint16)
+                                .reshape(2 * F, H)).astype(np.float64)
+        xe = bf16_bits_to_f32(case.x_host[case.index[e * cap : e * cap + case.rows[e]]]).astype(np.float64)
+        want = xe @ w13e.T
+        got = bf16_bits_to_f32(base_h13[starts[e] : starts[e + 1]]).astype(np.float64)
+        errs.append(float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)))
+    out["checks"]["production_h13_vs_float64_max_rel"] = max(errs) if errs else float("nan")
+    out["checks"]["float64_experts"] = [int(e) for e in sample]
+    if not errs or max(errs) > 1e-2:
+        failed.append(f"production h13 vs float64: max relative error {max(errs) if errs else 'none'}")
+    # cuBLAS per expert on the dense slab: cap rows (graph-valid) and exactly the rows present (host counts)
+    def cublas(m_of: Any) -> list[Any]:
+        calls = []
+        for e in range(E):
+            m = m_of(e)
+            if m == 0:
+                continue
+            calls.append(lambda e=e, m=m: backend.gemm(case.slab.ptr + e * cap * H * 2,
+                                                       case.w13.ptr + e * 2 * F * H * 2,
+                                                       case.h13.ptr + e * cap * 2 * F * 2, m, 2 * F, H))
+        return calls
+
+    def cublas_w2(m_of: Any) -> list[Any]:
+        calls = []
+        for e in range(E):
+            m = m_of(e)
+            if m == 0:
+                continue
+            calls.append(lambda e=e, m=m: backend.gemm(case.act.ptr + e * cap * F * 2, case.w2.ptr + e * H * F * 2,
+                                                       case.y.ptr + e * cap * H * 2, m, H, F))
+        return calls
+
+    for name, m_of in (("cublas_cap", lambda e: cap), ("cublas_rows", lambda e: int(case.rows[e]))):
+        g13, g2 = cublas(m_of), cublas_w2(m_of)
+        for c in g13:
+            c()
+        silu.launch()
+        for c in g2:
+            c()
+        backend.synchronize()
+        h13 = _rows_of(backend, case.h13, case, 2 * F)
+        close = bf16_bits_to_f32(h13).astype(np.float64)
+        ref = bf16_bits_to_f32(base_h13).astype(np.float64)
+        ok = bool(np.allclose(close, ref, rtol=2**-6, atol=2**-6 * np.abs(ref).max()))
+        out["checks"][f"{name}_close_to_production"] = ok
+        if not ok:
+            failed.append(f"{name}: h13 not within bf16 rounding of production")
+        t13 = _time(backend, g13, a.repeats)
+        t2 = _time(backend, g2, a.repeats)
+        tall = _time(backend, [*g13, silu.launch, *g2], a.repeats)
+        out["us"][name] = {"w13": t13, "w2": t2, "experts": tall}
+        print(f"  {case.label:<16} {name:<20} w13 {t13:9.1f}  w2 {t2:9.1f}  experts {tall:9.1f} µs  "
+              f"{case.weight_bytes / tall / 1e6:6.2f} TB/s of weights", flush=True)
+    # the read ceiling over the same weight bytes (the experts with rows, w13 then w2)
+    from tray.backend.cuda import driver as drv
+
+    sms = drv.device_attribute(backend.device, "MULTIPROCESSOR_COUNT")
+    sink = backend.allocate("eg_sink", 4 * sms * 8, export=False)
+    reads = []
+    for buf, per in ((case.w13, 2 * F * H * 2), (case.w2, H * F * 2)):
+        # experts with rows are read; a run of consecutive experts is one launch
+        e = 0
+        while e < E:
+            if case.rows[e] == 0:
+                e += 1
+                continue
+            f = e
+            while f < E and case.rows[f] > 0:
+                f += 1
+            args = [buf.ptr + e * per, (f - e) * per // 16, sink.ptr]
+            reads.append(read_kernel.bind((sms * 8, 1, 1), (512, 1, 1), args))
+            e = f
+    t_read = _time(backend, [r.launch for r in reads], a.repeats)
+    sink.close()
+    out["us"]["read_ceiling"] = {"experts": t_read}
+    out["tbps"] = {k: case.weight_bytes / v["experts"] / 1e6 for k, v in out["us"].items()}
+    prod = out["us"][variants[0].name]["experts"]
+    out["ratios"] = {
+        **{f"{k}_vs_production": v["experts"] / prod for k, v in out["us"].items() if k != variants[0].name},
+        "production_vs_read_ceiling": prod / t_read,
+        "production_vs_cublas_cap": prod / out["us"]["cublas_cap"]["experts"],
+        "production_vs_cublas_rows": prod / out["us"]["cublas_rows"]["experts"],
+    }
+    best = min((v.name for v in variants), key=lambda n: out["us"][n]["experts"])
+    out["best_variant"] = best
+    out["failed"] = failed
+    print(f"  {case.label:<16} read_ceiling {t_read:9.1f} µs ({case.weight_bytes / t_read / 1e6:.2f} TB/s); "
+          f"best variant {best} {out['us'][best]['experts']:.1f} µs", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/expert_gemm.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128, help="this rank's experts (default 128: EP2 of 256)")
+    ap.add_argument("--all-experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--expert-dim", type=int, default=2048)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--tokens", default="256,8192", help="global tokens per case (default 256,8192: EP2 at "
+                    "128 and 4096 tokens per rank)")
+    ap.add_argument("--routing", default="uniform,zipf")
+    ap.add_argument("--capacity", default="4")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--only", default="", help="comma-separated variant names (production always runs)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    routings = a.routing.split(",")
+    if a.all_experts % a.experts:
+        raise UsageError(f"--experts {a.experts} must divide --all-experts {a.all_experts}")
+    for r in routings:
+        parse_routing(r)
+    production = production_variant()
+    variants = [production] + [v for v in VARIANTS if not a.only or v.name in a.only.split(",")]
+    for v in variants:
+        if a.hidden % v.bk or a.expert_dim % v.bk:
+            raise UsageError(f"variant {v.name} steps K by {v.bk}: --hidden and --expert-dim must be multiples")
+    from tray.backend.cuda import CudaBackend
+
+    t0 = time.perf_counter()
+    runs = []
+    with CudaBackend.open(0) as backend:
+        E, H, F = a.experts, a.hidden, a.expert_dim
+        w13 = backend.allocate("eg_w13", E * 2 * F * H * 2, export=False)
+        w2 = backend.allocate("eg_w2", E * H * F * 2, export=False)
+        math_src = (kernel_dir() / "ep_math.cu").read_bytes()
+        fill = backend.load_kernel("ep_fill", math_src, "ep_fill", [], peers=False, filename="ep_math.cu")
+        silu = backend.load_kernel("ep_silu_mul_rows", math_src, "ep_silu_mul_rows", [], peers=False,
+                                   filename="ep_math.cu")
+        read = backend.load_kernel("expert_gemm_read", READ_SOURCE.encode(), "expert_gemm_read", [], peers=False)
+        # weights ~ N(0, 1/K)-sized values so h13 and y stay in a sane range
+        fill.bind((4096, 1, 1), (256, 1, 1), [w13.ptr, E * 2 * F, H, H, 0, 0, 0, 11, float(H) ** -0.5 / 2**22]).launch()
+        fill.bind((4096, 1, 1), (256, 1, 1), [w2.ptr, E * H, F, F, 0, 0, 0, 12, float(F) ** -0.5 / 2**22]).launch()
+        backend.synchronize()
+        print(f"expert GEMMs on device 0: {E} experts, hidden {H}, expert dim {F}, top-{a.topk} of "
+              f"{a.all_experts}; variants {[v.name for v in variants]}", flush=True)
+        for t in tokens:
+            for r in routings:
+                case = Case(backend, a, t, r, w13, w2)
+                try:
+                    runs.append(run_case(backend, a, case, variants, silu, read))
+                finally:
+                    case.close()
+        w13.close()
+        w2.close()
+    failed = [f"{r['label']}: {f}" for r in runs for f in r["failed"]]
+    report = {"bench": "expert_gemm", "shape": {"experts": a.experts, "all_experts": a.all_experts, "hidden": a.hidden,
+                                               "expert_dim": a.expert_dim, "topk": a.topk},
+              "capacity": a.capacity, "repeats": a.repeats, "seed": a.seed,
+              "variants": {v.name: v.options for v in variants}, "runs": runs, "passed": not failed,
+              "failed": failed, "wall_s": time.perf_counter() - t0}
+    write_report(report, a.json)
+    for f in failed:
+        print(f"FAILED {f}", file=sys.stderr)
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
