@@ -11,7 +11,8 @@ token rows through a slot index, as the layer's `experts_masked` program reads t
 
 Timed per case, median of `--repeats` graph replays after a warm-up (device events):
   <variant>        ep_masked_gemm_gather (w13, gate and up) + ep_masked_gemm (w2, down) compiled with that
-                   variant's tile shape (-DGEMM_BM.. options); `production` is the manifest's own options
+                   variant's tile shape (-DGEMM_BM.. options, named t<BM>x<BN>k<BK>s<stages>[p<L2 prefetch
+                   bytes>][L: fragments by ldmatrix]); `production` is the manifest's own options
   cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
                    (the in-graph baseline: the counts live on the device)
   cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
@@ -45,7 +46,7 @@ WARMUP = 3
 
 @dataclass(frozen=True)
 class Variant:
-    """A tile shape of ep_gemm.cu: (GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH)."""
+    """A tile shape of ep_gemm.cu: GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH, GEMM_LDMATRIX."""
 
     name: str
     bm: int
@@ -53,11 +54,13 @@ class Variant:
     bk: int
     stages: int
     prefetch: int
+    ldmatrix: int = 0
 
     @property
     def options(self) -> list[str]:
         return [f"-DGEMM_BM={self.bm}", f"-DGEMM_BN={self.bn}", f"-DGEMM_BK={self.bk}",
-                f"-DGEMM_STAGES={self.stages}", f"-DGEMM_PREFETCH={self.prefetch}"]
+                f"-DGEMM_STAGES={self.stages}", f"-DGEMM_PREFETCH={self.prefetch}",
+                f"-DGEMM_LDMATRIX={self.ldmatrix}"]
 
     @property
     def smem(self) -> int:
@@ -69,22 +72,21 @@ class Variant:
         return self.smem if self.smem > 48 << 10 else 0
 
 
+# names: t<BM>x<BN>k<BK>s<stages>[p<prefetch bytes>][L: ldmatrix]
 VARIANTS = (
     Variant("t64x128k32s3", 64, 128, 32, 3, 0),
-    Variant("t64x128k32s3p256", 64, 128, 32, 3, 256),
-    Variant("t64x128k32s4p256", 64, 128, 32, 4, 256),
+    Variant("t32x64k128s4p256", 32, 64, 128, 4, 256),
     Variant("t64x128k64s3", 64, 128, 64, 3, 0),
-    Variant("t64x128k64s4", 64, 128, 64, 4, 0),
     Variant("t64x128k64s3p256", 64, 128, 64, 3, 256),
-    Variant("t64x64k128s3", 64, 64, 128, 3, 0),
-    Variant("t64x64k128s4", 64, 64, 128, 4, 0),
-    Variant("t32x128k64s4", 32, 128, 64, 4, 0),
-    Variant("t32x64k128s4", 32, 64, 128, 4, 0),
-    Variant("t32x64k64s6", 32, 64, 64, 6, 0),
-    Variant("t32x32k128s6", 32, 32, 128, 6, 0),
-    Variant("t64x64k64s4", 64, 64, 64, 4, 0),
+    Variant("t64x128k64s3p256L", 64, 128, 64, 3, 256, 1),
+    Variant("t64x128k64s4p256L", 64, 128, 64, 4, 256, 1),
+    Variant("t64x128k32s4p256L", 64, 128, 32, 4, 256, 1),
+    Variant("t64x64k128s3p256L", 64, 64, 128, 3, 256, 1),
+    Variant("t128x128k64s3p256L", 128, 128, 64, 3, 256, 1),
+    Variant("t128x128k32s4p256L", 128, 128, 32, 4, 256, 1),
+    Variant("t128x128k32s3p256L", 128, 128, 32, 3, 256, 1),
+    Variant("t128x64k64s3p256L", 128, 64, 64, 3, 256, 1),
 )
-
 READ_SOURCE = r"""
 // Reads `words` 16-byte vectors once (grid-stride, every SM) and folds them into one word per block, so the
 // loads cannot be dropped; the folded words are written where the host never reads them for timing.
@@ -106,7 +108,7 @@ def production_variant() -> Variant:
     """The tile shape the ep_moe manifest compiles ep_masked_gemm with (its "options"; defaults otherwise)."""
     manifest = json.loads((builtin_dir() / "ep_moe.json").read_text())
     spec = next(k for k in manifest["kernels"] if k["entry"] == "ep_masked_gemm_gather")
-    values = {"GEMM_BM": 64, "GEMM_BN": 128, "GEMM_BK": 32, "GEMM_STAGES": 3, "GEMM_PREFETCH": 0}
+    values = {"GEMM_BM": 64, "GEMM_BN": 128, "GEMM_BK": 32, "GEMM_STAGES": 3, "GEMM_PREFETCH": 0, "GEMM_LDMATRIX": 0}
     for opt in spec.get("options", []):
         if opt.startswith("-D") and "=" in opt:
             name, value = opt[2:].split("=", 1)

@@ -18,8 +18,10 @@
 // registers): while one stage is multiplied, the next GEMM_STAGES - 1 are in flight. At decode sizes an
 // expert has a few rows, so the kernel streams weights: its speed is the bytes in flight per SM and how
 // long a run of each weight row one copy reads (GEMM_BK * 2 bytes per row per stage), not the tensor cores.
-// GEMM_PREFETCH (0, 64, 128 or 256) asks L2 to fetch that many bytes around each weight copy, so the next
-// stages of a row are read from DRAM in longer bursts. Shared rows are padded to GEMM_BK + 8 bf16, so the
+// GEMM_PREFETCH (0, 64, 128 or 256) asks L2 to fetch that many bytes around each weight copy of a block with
+// at most 32 rows, so the next stages of a row are read from DRAM in longer bursts (blocks with more rows are
+// bound by the tensor cores, where the hint measured slower). GEMM_LDMATRIX 1 loads the mma fragments from
+// shared memory with ldmatrix instead of 32-bit loads. Shared rows are padded to GEMM_BK + 8 bf16, so the
 // fragment loads (8 rows x 4 words per warp) hit 32 distinct banks. The tile shape is fixed when the source
 // is compiled (manifest "options", e.g. -DGEMM_BK=64); a ring over 48 KiB lives in dynamic shared memory,
 // whose size the launch passes (GEMM_SMEM_BYTES, checked by the kernel: a short launch writes nothing and
@@ -46,6 +48,9 @@
 #ifndef GEMM_PREFETCH
 #define GEMM_PREFETCH 0
 #endif
+#ifndef GEMM_LDMATRIX
+#define GEMM_LDMATRIX 0
+#endif
 #define GEMM_PAD (GEMM_BK + 8)
 #define GEMM_THREADS 128
 #define GEMM_VPR (GEMM_BK / 8)                             // 16-byte vectors per tile row and stage
@@ -53,8 +58,9 @@
 #define GEMM_B_VECS (GEMM_BN * GEMM_VPR / GEMM_THREADS)    // B vectors per thread and stage
 #define GEMM_SMEM_BYTES (GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_PAD * 2)
 #define GEMM_STATIC_SMEM_MAX 49152                         // the static shared-memory limit per block
-#if GEMM_BM != 32 && GEMM_BM != 64
-#error "GEMM_BM must be 32 or 64 (the warp shapes below)"
+#define GEMM_MI_MAX (GEMM_BM == 128 ? 4 : 2)                // mma tiles of 16 rows per warp, at most
+#if GEMM_BM != 32 && GEMM_BM != 64 && GEMM_BM != 128
+#error "GEMM_BM must be 32, 64 or 128 (the warp shapes below)"
 #endif
 #if GEMM_BN != 32 && GEMM_BN != 64 && GEMM_BN != 128
 #error "GEMM_BN must be 32, 64 or 128"
@@ -143,14 +149,14 @@ __device__ __forceinline__ void gemm_cp_wait() {
 // columns 8 * ((tid + v * 128) % GEMM_VPR); rows at or beyond `limit` are zero-filled (their source address
 // stays row0's, which is in bounds).
 __device__ __forceinline__ void gemm_issue(unsigned short* tile, const uint4* src, long long row0, int limit,
-                                           int K, int k0, int tid) {
+                                           int K, int k0, int tid, bool prefetch) {
 #pragma unroll
     for (int v = 0; v < GEMM_B_VECS; ++v) {
         const int i = tid + v * GEMM_THREADS;
         const int r = i / GEMM_VPR;
         const int c = (i % GEMM_VPR) * 8;
         const bool valid = r < limit;
-        gemm_cp16(tile + r * GEMM_PAD + c, src + ((row0 + (valid ? r : 0)) * K + k0 + c) / 8, valid, true);
+        gemm_cp16(tile + r * GEMM_PAD + c, src + ((row0 + (valid ? r : 0)) * K + k0 + c) / 8, valid, prefetch);
     }
 }
 
@@ -166,15 +172,64 @@ __device__ __forceinline__ void gemm_issue_rows(unsigned short* tile, const uint
     }
 }
 
+// ldmatrix: 4 (x4) or 2 (x2) 8 x 8 bf16 matrices from shared memory in one warp-wide load; lane l gives
+// the address of row l % 8 of matrix l / 8, and receives in r[m] the word (row l / 4, columns 2 (l % 4) ..)
+// of matrix m: the fragment layout of mma.m16n8k16, so each matrix is one fragment register.
+__device__ __forceinline__ void gemm_ldsm_x4(unsigned int* r, const unsigned short* p) {
+#ifdef TRAY_EMULATED
+    emu_ldmatrix(r, p, 4);
+#else
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#endif
+}
+
+__device__ __forceinline__ void gemm_ldsm_x2(unsigned int* r, const unsigned short* p) {
+#ifdef TRAY_EMULATED
+    emu_ldmatrix(r, p, 2);
+#else
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+#endif
+}
+
 // One warp's share of a K tile: rows row0 .. row0 + 16 * MI, columns col0 .. col0 + 8 * NI of the block's
-// tile, from the shared stage (as, bs), accumulated into acc[mi][ni] (mma m16n8k16 tiles).
+// tile, from the shared stage (as, bs), accumulated into acc[mi][ni] (mma m16n8k16 tiles). The fragments
+// come by ldmatrix (GEMM_LDMATRIX 1: one shared load per two fragments of B, one per fragment of A) or by
+// 32-bit shared loads; the registers hold the same values either way.
 template <int MI, int NI>
 __device__ __forceinline__ void gemm_warp_tile(float (*acc)[GEMM_BN / 16][4], const unsigned short* as,
                                                const unsigned short* bs, int row0, int col0, int g, int t) {
+#if GEMM_LDMATRIX
+    const int m = (4 * g + t) >> 3;  // the matrix this lane addresses a row of
+    const int r = (4 * g + t) & 7;
+#endif
 #pragma unroll
     for (int kk = 0; kk < GEMM_BK; kk += 16) {
         unsigned int af[MI][4];
         unsigned int bf[NI][2];
+#if GEMM_LDMATRIX
+        // A: matrices (rows +0, k +0), (rows +8, k +0), (rows +0, k +8), (rows +8, k +8) = a0..a3
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            gemm_ldsm_x4(af[mi], as + (row0 + mi * 16 + r + (m & 1) * 8) * GEMM_PAD + kk + (m >> 1) * 8);
+        }
+        // B ([n][k] rows): matrices (n +0, k +0), (n +0, k +8), (n +8, k +0), (n +8, k +8) = b[ni], b[ni + 1]
+#pragma unroll
+        for (int ni = 0; ni < NI; ni += 2) {
+            if (ni + 1 < NI) {
+                unsigned int q[4];
+                gemm_ldsm_x4(q, bs + (col0 + ni * 8 + r + (m >> 1) * 8) * GEMM_PAD + kk + (m & 1) * 8);
+                bf[ni][0] = q[0];
+                bf[ni][1] = q[1];
+                bf[ni + 1][0] = q[2];
+                bf[ni + 1][1] = q[3];
+            } else {
+                gemm_ldsm_x2(bf[ni], bs + (col0 + ni * 8 + r) * GEMM_PAD + kk + (m & 1) * 8);
+            }
+        }
+#else
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
             const unsigned short* p = as + (row0 + mi * 16 + g) * GEMM_PAD + kk + 2 * t;
@@ -189,6 +244,7 @@ __device__ __forceinline__ void gemm_warp_tile(float (*acc)[GEMM_BN / 16][4], co
             bf[ni][0] = *(const unsigned int*)p;
             bf[ni][1] = *(const unsigned int*)(p + 8);
         }
+#endif
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -275,19 +331,21 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
     const int k_tiles = K / GEMM_BK;
     // The warps' share of the tile follows the rows present (block-uniform), so an expert with a few rows
     // costs the tensor cores a quarter or half of a full tile, not all of it: 1..16 rows: 4 warps side by
-    // side, each 16 rows x GEMM_BN / 4 columns; 17..32: 32 x GEMM_BN / 4; more (GEMM_BM 64 only): 2 x 2
-    // warps of 32 x GEMM_BN / 2. Every output element is the same sequence of mma over K in every shape,
-    // so the bytes do not depend on the shape.
+    // side, each 16 rows x GEMM_BN / 4 columns; 17..32: 32 x GEMM_BN / 4; 33..64 (GEMM_BM 64, 128): 2 x 2
+    // warps of 32 x GEMM_BN / 2; more (GEMM_BM 128): 2 x 2 warps of 64 x GEMM_BN / 2. Every output element
+    // is the same sequence of mma over K in every shape, so the bytes do not depend on the shape. Only the
+    // first two shapes ask L2 to prefetch (GEMM_PREFETCH): they stream weights, the others reuse them.
     constexpr int NQ = GEMM_BN / 32;  // mma tiles of 8 columns per warp in the first two shapes
-    const int shape = a_limit <= 16 ? 1 : (a_limit <= 32 || GEMM_BM == 32) ? 2 : 3;
-    const int wm = shape == 3 ? (warp >> 1) * 32 : 0;
-    const int wn = shape == 3 ? (warp & 1) * (GEMM_BN / 2) : warp * (GEMM_BN / 4);
-    const int m_tiles = shape == 1 ? 1 : 2;
-    const int n_tiles = shape == 3 ? 2 * NQ : NQ;
+    const int shape = a_limit <= 16 ? 1 : (a_limit <= 32 || GEMM_BM == 32) ? 2 : (a_limit <= 64 || GEMM_BM == 64) ? 3 : 4;
+    const int wm = shape == 4 ? (warp >> 1) * 64 : shape == 3 ? (warp >> 1) * 32 : 0;
+    const int wn = shape >= 3 ? (warp & 1) * (GEMM_BN / 2) : warp * (GEMM_BN / 4);
+    const int m_tiles = shape == 1 ? 1 : shape == 4 ? 4 : 2;
+    const int n_tiles = shape >= 3 ? 2 * NQ : NQ;
+    const bool prefetch = shape <= 2;
 
-    float acc[2][GEMM_BN / 16][4];
+    float acc[GEMM_MI_MAX][GEMM_BN / 16][4];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int mi = 0; mi < GEMM_MI_MAX; ++mi) {
 #pragma unroll
         for (int ni = 0; ni < GEMM_BN / 16; ++ni) {
 #pragma unroll
@@ -302,7 +360,7 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
     for (int s = 0; s < GEMM_STAGES - 1; ++s) {
         if (s < k_tiles) {
             gemm_issue_rows(As[s], a_src, a_valid, s * GEMM_BK, tid);
-            gemm_issue(Bs[s], B, b_row0, b_limit, K, s * GEMM_BK, tid);
+            gemm_issue(Bs[s], B, b_row0, b_limit, K, s * GEMM_BK, tid, prefetch);
         }
         gemm_cp_commit();
     }
@@ -313,7 +371,7 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
         if (next < k_tiles) {
             const int s = next % GEMM_STAGES;
             gemm_issue_rows(As[s], a_src, a_valid, next * GEMM_BK, tid);
-            gemm_issue(Bs[s], B, b_row0, b_limit, K, next * GEMM_BK, tid);
+            gemm_issue(Bs[s], B, b_row0, b_limit, K, next * GEMM_BK, tid, prefetch);
         }
         gemm_cp_commit();
         const unsigned short* as = As[kt % GEMM_STAGES];
@@ -322,12 +380,17 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
             gemm_warp_tile<1, NQ>(acc, as, bs, wm, wn, g, t);
         } else if (shape == 2) {
             gemm_warp_tile<2, NQ>(acc, as, bs, wm, wn, g, t);
-        } else {
+        } else if (shape == 3) {
             gemm_warp_tile<2, 2 * NQ>(acc, as, bs, wm, wn, g, t);
         }
+#if GEMM_BM == 128
+        else {
+            gemm_warp_tile<4, 2 * NQ>(acc, as, bs, wm, wn, g, t);
+        }
+#endif
     }
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int mi = 0; mi < GEMM_MI_MAX; ++mi) {
 #pragma unroll
         for (int ni = 0; ni < GEMM_BN / 16; ++ni) {
             if (mi >= m_tiles || ni >= n_tiles) {

@@ -197,6 +197,20 @@ static inline unsigned int __ballot_sync(unsigned int mask, int p) {
     for (int l = 0; l < 32; ++l) bits |= all[l] << l;
     return bits & mask;
 }
+// ldmatrix (m8n8, b16): lane l gives the address of row l % 8 of matrix l / 8 and receives the word (row l / 4,
+// columns 2 (l % 4), 2 (l % 4) + 1) of each matrix
+static inline void emu_ldmatrix(unsigned int* r, const unsigned short* p, int count) {
+    unsigned int lo[32], hi[32];
+    const unsigned long long a = (unsigned long long)p;
+    warp_values((unsigned int)a, lo);
+    warp_values((unsigned int)(a >> 32), hi);
+    const unsigned int lane = coop::cur & 31u;
+    for (int m = 0; m < count; ++m) {
+        const unsigned int src = m * 8 + lane / 4;
+        const unsigned short* row = (const unsigned short*)(((unsigned long long)hi[src] << 32) | lo[src]);
+        r[m] = row[2 * (lane % 4)] | ((unsigned int)row[2 * (lane % 4) + 1] << 16);
+    }
+}
 static inline int __popc(unsigned int v) { return __builtin_popcount(v); }
 static inline int __ffs(int v) { return __builtin_ffs(v); }
 static inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
@@ -358,6 +372,9 @@ def build(d, kernels_by_file, defines=()):
             "-fPIC",
             "-ffp-contract=off",
             "-fno-fast-math",
+            # NOTE: a function's static locals (the kernels' __shared__ arrays) are otherwise one object per
+            # process across every build loaded (STB_GNU_UNIQUE), sized by whichever build came first
+            "-fno-gnu-unique",
             "-w",
             "-x",
             "c++",
@@ -1033,9 +1050,11 @@ def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None, 
     fn(-(-n * n_factor // bn), -(-cap // bm), rows.size, 128, *[ptr(x) for x in pointers], cap, n, n_factor, K)
 
 
-# (GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH): the default, then shapes that change every loop
-# bound of the tile loads and warp tiles (vectors per row, rows per thread, mma tiles per warp, ring depth)
-GEMM_SHAPES = [(64, 128, 32, 3, 0), (32, 64, 64, 4, 256), (64, 32, 128, 2, 128), (64, 64, 64, 3, 0)]
+# (GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH, GEMM_LDMATRIX): the default, then shapes that change
+# every loop bound of the tile loads and warp tiles (vectors per row, rows per thread, mma tiles per warp, ring
+# depth), fragments by ldmatrix (x4 pairs and the x2 of an odd count), 128-row tiles (the 64 x 64 warp shape)
+GEMM_SHAPES = [(64, 128, 32, 3, 0, 0), (32, 64, 64, 4, 256, 0), (64, 32, 128, 2, 128, 0), (64, 64, 64, 3, 0, 0),
+               (64, 128, 64, 3, 256, 1), (32, 32, 64, 3, 0, 1), (128, 128, 32, 3, 0, 1), (128, 64, 64, 2, 0, 0)]
 
 
 @pytest.fixture(scope="module")
@@ -1043,7 +1062,7 @@ def gemm_shapes(tmp_path_factory):
     """One CPU build of ep_gemm.cu per GEMM_SHAPES entry."""
     out = {}
     for shape in GEMM_SHAPES:
-        names = ("GEMM_BM", "GEMM_BN", "GEMM_BK", "GEMM_STAGES", "GEMM_PREFETCH")
+        names = ("GEMM_BM", "GEMM_BN", "GEMM_BK", "GEMM_STAGES", "GEMM_PREFETCH", "GEMM_LDMATRIX")
         defines = [f"{k}={v}" for k, v in zip(names, shape, strict=True)]
         out[shape] = build(tmp_path_factory.mktemp("gemm"), {"ep_gemm.cu": KERNELS["ep_gemm.cu"]}, defines)
     return out
