@@ -28,7 +28,6 @@ Bytes: the weight bytes of the experts with rows (w13 + w2), plus the A rows rea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +37,8 @@ import numpy as np
 
 from tray.bench import median, write_report
 from tray.errors import UsageError
-from tray.manifest.builtin import builtin_dir, kernel_dir
+from tray.manifest.builtin import kernel_dir
+from tray.programs.ep_moe.gemm_tile import masked_tile
 from tray.programs.ep_moe.plan import capacity, parse_routing, random_routing
 
 WARMUP = 3
@@ -105,16 +105,8 @@ extern "C" __global__ void expert_gemm_read(const uint4* __restrict__ src, long 
 
 
 def production_variant() -> Variant:
-    """The tile shape the ep_moe manifest compiles ep_masked_gemm with (its "options"; defaults otherwise)."""
-    manifest = json.loads((builtin_dir() / "ep_moe.json").read_text())
-    spec = next(k for k in manifest["kernels"] if k["entry"] == "ep_masked_gemm_gather")
-    values = {"GEMM_BM": 64, "GEMM_BN": 128, "GEMM_BK": 32, "GEMM_STAGES": 3, "GEMM_PREFETCH": 0, "GEMM_LDMATRIX": 0}
-    for opt in spec.get("options", []):
-        if opt.startswith("-D") and "=" in opt:
-            name, value = opt[2:].split("=", 1)
-            if name in values:
-                values[name] = int(value)
-    return Variant("production", *values.values())
+    """The tile shape the ep_moe manifest compiles the masked GEMMs with (the kernel's defaults and its options)."""
+    return Variant("production", *masked_tile().values())
 
 
 class Case:

@@ -6,7 +6,7 @@
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
-# ep-moe-fp8 ep-moe-fp8-tests expert-gemm
+# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
@@ -167,6 +167,7 @@ for s in "${STAGES[@]}"; do
         # fp8_vs_bf16_rel_err, fp8_vs_float64_rel_err; then the kernels against the host recipe byte for byte
         ep-moe-fp8) stage_live ep_moe_fp8 300 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked --dispatch bf16,fp8 --json "$OUT/ep_moe_fp8.json"
             stage ep_moe_fp8_tests 300 $PY -m pytest -q -m gpu tests/gpu/test_ep_moe_cuda.py -k fp8 ;;
+        ep-tests) stage ep_tests 300 $PY -m pytest -q -m gpu tests/gpu/test_ep_moe_cuda.py ;;
         ep-moe-fp8-tests) stage ep_moe_fp8_tests 300 $PY -m pytest -q -m gpu tests/gpu/test_ep_moe_cuda.py -k fp8 ;;
         # the NCCL path timed as captured graphs (the default times it eagerly): a hang must end in a SyncTimeout
         # naming the pending program after 30 s; NCCL's registration log shows whether it registered the exported

@@ -5,15 +5,16 @@
 // beyond rows[e] exit before loading anything, so the capacity a graph must allow costs a block launch per
 // unused tile, not its arithmetic. B [experts][N][K] (nn.Linear weights), C [experts][cap][N], bf16 in and
 // out, float32 accumulation on the tensor cores (mma.sync m16n8k16), one round to nearest even at the end
-// (the recipe of ep_math.cu). K % 32 == 0, N % 2 == 0 (the bench checks); partial tiles in M and N are
-// masked. Where A_e's rows come from is the only difference between the two entries:
+// (the recipe of ep_math.cu). K % 8 == 0, N % 2 == 0 (the bench checks); partial tiles in M, N and K are
+// masked (columns of a K tile past K hold zeros, whose products add exactly nothing). Where A_e's rows come
+// from is the only difference between the two entries:
 //   ep_masked_gemm         A_e[r] = A[e * cap + r]: a dense [experts][cap][K] operand (the activations)
 //   ep_masked_gemm_gather  A_e[r] = A[a_index[e * cap + r]]: the received rows read in place, through the
 //                          index the layout wrote per expert slot, so no copy into a per-expert slab
 // Every output element is the same sequence of mma over the same K values in both, so the gather's bytes
 // equal the dense kernel's over the slab the index describes.
 //
-// Block: 128 threads = 4 warps over a GEMM_BM x GEMM_BN tile of C (defaults 64 x 128). K advances GEMM_BK
+// Block: 128 threads = 4 warps over a GEMM_BM x GEMM_BN tile of C (default 128 x 128). K advances GEMM_BK
 // at a time through a ring of GEMM_STAGES shared-memory stages filled by cp.async (global -> shared without
 // registers): while one stage is multiplied, the next GEMM_STAGES - 1 are in flight. At decode sizes an
 // expert has a few rows, so the kernel streams weights: its speed is the bytes in flight per SM and how
@@ -34,22 +35,22 @@
 // {row g+8, cols 2t, 2t+1}.
 
 #ifndef GEMM_BM
-#define GEMM_BM 64
+#define GEMM_BM 128
 #endif
 #ifndef GEMM_BN
 #define GEMM_BN 128
 #endif
 #ifndef GEMM_BK
-#define GEMM_BK 32
+#define GEMM_BK 64
 #endif
 #ifndef GEMM_STAGES
 #define GEMM_STAGES 3
 #endif
 #ifndef GEMM_PREFETCH
-#define GEMM_PREFETCH 0
+#define GEMM_PREFETCH 256
 #endif
 #ifndef GEMM_LDMATRIX
-#define GEMM_LDMATRIX 0
+#define GEMM_LDMATRIX 1
 #endif
 #define GEMM_PAD (GEMM_BK + 8)
 #define GEMM_THREADS 128
@@ -155,20 +156,23 @@ __device__ __forceinline__ void gemm_issue(unsigned short* tile, const uint4* sr
         const int i = tid + v * GEMM_THREADS;
         const int r = i / GEMM_VPR;
         const int c = (i % GEMM_VPR) * 8;
-        const bool valid = r < limit;
-        gemm_cp16(tile + r * GEMM_PAD + c, src + ((row0 + (valid ? r : 0)) * K + k0 + c) / 8, valid, prefetch);
+        const bool valid = r < limit && k0 + c < K;
+        gemm_cp16(tile + r * GEMM_PAD + c, src + ((row0 + (valid ? r : 0)) * K + (valid ? k0 + c : 0)) / 8, valid,
+                  prefetch);
     }
 }
 
 // A's tile: this thread's GEMM_A_VECS vectors, tile rows tid / GEMM_VPR + v * (128 / GEMM_VPR), columns
 // 8 * (tid % GEMM_VPR), from row pointers fixed for the whole K loop (src[v]: the row's first vector of this
-// thread's columns; valid[v] false: zero-filled, src[v] still in bounds).
+// thread's columns; valid[v] false, or columns past K: zero-filled, the address still in bounds).
 __device__ __forceinline__ void gemm_issue_rows(unsigned short* tile, const uint4* const* src, const bool* valid,
-                                                int k0, int tid) {
+                                                int K, int k0, int tid) {
+    const int c = (tid % GEMM_VPR) * 8;
+    const bool in_k = k0 + c < K;
 #pragma unroll
     for (int v = 0; v < GEMM_A_VECS; ++v) {
         const int r = tid / GEMM_VPR + v * (GEMM_THREADS / GEMM_VPR);
-        gemm_cp16(tile + r * GEMM_PAD + (tid % GEMM_VPR) * 8, src[v] + k0 / 8, valid[v], false);
+        gemm_cp16(tile + r * GEMM_PAD + c, src[v] + (in_k ? k0 / 8 : 0), valid[v] && in_k, false);
     }
 }
 
@@ -271,7 +275,7 @@ __device__ __forceinline__ unsigned int gemm_dynamic_smem_bytes() {
 //   B        [experts][N][K] bf16 (the experts' weights)
 //   C        [experts][cap][N] bf16
 //   rows     [experts] i32        rows present per expert (<= cap)
-//   N = n * n_factor (a manifest passes vars, not expressions: w13 has 2 * ffn rows); K % GEMM_BK == 0
+//   N = n * n_factor (a manifest passes vars, not expressions: w13 has 2 * ffn rows); K % 8 == 0
 // grid (ceil(N / GEMM_BN), ceil(cap / GEMM_BM), experts), block 128, dynamic shared memory GEMM_SMEM_BYTES
 // when that is over 48 KiB (a launch with less traps: the tile shape and the manifest disagree).
 __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
@@ -328,7 +332,7 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
         a_src[v] = A + (row * K + (tid % GEMM_VPR) * 8) / 8;
     }
     const int b_limit = N - n0;
-    const int k_tiles = K / GEMM_BK;
+    const int k_tiles = (K + GEMM_BK - 1) / GEMM_BK;  // the last may be partial: its columns past K are zeros
     // The warps' share of the tile follows the rows present (block-uniform), so an expert with a few rows
     // costs the tensor cores a quarter or half of a full tile, not all of it: 1..16 rows: 4 warps side by
     // side, each 16 rows x GEMM_BN / 4 columns; 17..32: 32 x GEMM_BN / 4; 33..64 (GEMM_BM 64, 128): 2 x 2
@@ -359,7 +363,7 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; ++s) {
         if (s < k_tiles) {
-            gemm_issue_rows(As[s], a_src, a_valid, s * GEMM_BK, tid);
+            gemm_issue_rows(As[s], a_src, a_valid, K, s * GEMM_BK, tid);
             gemm_issue(Bs[s], B, b_row0, b_limit, K, s * GEMM_BK, tid, prefetch);
         }
         gemm_cp_commit();
@@ -370,7 +374,7 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
         const int next = kt + GEMM_STAGES - 1;
         if (next < k_tiles) {
             const int s = next % GEMM_STAGES;
-            gemm_issue_rows(As[s], a_src, a_valid, next * GEMM_BK, tid);
+            gemm_issue_rows(As[s], a_src, a_valid, K, next * GEMM_BK, tid);
             gemm_issue(Bs[s], B, b_row0, b_limit, K, next * GEMM_BK, tid, prefetch);
         }
         gemm_cp_commit();

@@ -261,6 +261,7 @@ def test_layout_reports_drops_and_bad_ids(tray_env):
 
 GATHER_EQUALS_SLAB = """
 import tray.programs.ep_moe.twins  # the host twins of the manifest's kernels, registered before init
+from tray.programs.ep_moe.gemm_tile import masked_tile
 with tray.init() as rank:
     T, K, E, H, F, cap = 16, 2, 8, 64, 32, 16
     L = E // rank.world_size
@@ -274,11 +275,13 @@ with tray.init() as rank:
     for p in ("dispatch", "layout", "fanout"):
         rank.run(p, v)
     buf = {n: rank.buffer(n).ptr for n in ("slab", "recv", "slot_src", "w13", "h13", "expert_rows")}
-    grid, block = ((2 * F + 127) // 128, (cap + 63) // 64, L), (128, 1, 1)
+    tile = masked_tile()  # the manifest's tile shape: its grid and the ring's dynamic shared memory
+    grid, block = (-(-2 * F // tile.bn), -(-cap // tile.bm), L), (128, 1, 1)
     outputs = []
     for name, a in (("ep_masked_gemm", [buf["slab"]]), ("ep_masked_gemm_gather", [buf["recv"], buf["slot_src"]])):
         rank.write("h13", np.full((L * cap, 2 * F), 0x7FC0, np.uint16))
-        rank.kernel(name).launch(grid, block, [*a, buf["w13"], buf["h13"], buf["expert_rows"], cap, F, 2, H])
+        rank.kernel(name).launch(grid, block, [*a, buf["w13"], buf["h13"], buf["expert_rows"], cap, F, 2, H],
+                                 tile.dynamic_smem)
         rank.synchronize()
         outputs.append(rank.read("h13").view(np.uint16).reshape(L, cap, 2 * F).copy())
     dense, gathered = outputs

@@ -23,10 +23,12 @@ import tray.programs.tp_mlp.twins
 import tray.twins
 from tray.backend.host import HostBackend
 from tray.dtypes import f32_to_bf16_bits
+from tray.programs.ep_moe.gemm_tile import tile_of
 from tray.programs.ep_moe.twins import route_rows
 from tray.twins import lookup
 
-NO_EXPERT_ID = 1 << 20  # an id out of range of any expert count here
+NO_EXPERT_ID = 1 << 20
+TILE = tile_of((MANIFESTS / "kernels" / "ep_gemm.cu").read_text())  # the masked GEMM's default tile shape  # an id out of range of any expert count here
 CXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the CUDA sources for the CPU")
 
@@ -990,12 +992,12 @@ def test_a_wrong_position_is_caught(emulated, monkeypatch):
 
 def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     """Tensor-core tiles (emulated lane by lane) against float64 and the twin; tiles at or beyond an
-    expert's row count write nothing. cap 70 and N 136: partial tiles in both; K 160: five K steps, so the
-    ring of three cp.async stages wraps (a stage refilled too early or read before it landed shows here)."""
+    expert's row count write nothing. cap 70 and N 136: partial tiles in both; K: five K steps, so the
+    ring of cp.async stages wraps (a stage refilled too early or read before it landed shows here)."""
     rng = np.random.default_rng(5)
-    L, cap, n, n_factor, K = 5, 70, 68, 2, 160
+    L, cap, n, n_factor, K = 5, 70, 68, 2, 5 * TILE.bk
     N = n * n_factor
-    rows = np.array([70, 5, 0, 27, 38], np.int32)  # tiles of 64, 6, 5, 27 and 38 rows: every warp shape
+    rows = np.array([70, 5, 0, 27, 38], np.int32)  # 1..16, 17..32, 33..64, more rows: every warp shape
     a = bf16_random(rng, (L * cap, K))
     b = bf16_random(rng, (L * N, K))
     for e in (1, 3, 4):  # expert 0's first rows with its weights, in the other shapes
@@ -1005,9 +1007,9 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     c_cuda, c_twin = poison.copy(), poison.copy()
     fn = emulated.run3_ep_masked_gemm
     fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    fn(-(-N // 128), -(-cap // 64), L, 128, ptr(a), ptr(b), ptr(c_cuda), ptr(rows), cap, n, n_factor, K)
+    fn(-(-N // TILE.bn), -(-cap // TILE.bm), L, 128, ptr(a), ptr(b), ptr(c_cuda), ptr(rows), cap, n, n_factor, K)
     lookup("ep_masked_gemm")(
-        None, (-(-N // 128), -(-cap // 64), L), (128, 1, 1), ptr(a), ptr(b), ptr(c_twin), ptr(rows), cap, n, n_factor, K
+        None, (-(-N // TILE.bn), -(-cap // TILE.bm), L), (128, 1, 1), ptr(a), ptr(b), ptr(c_twin), ptr(rows), cap, n, n_factor, K
     )
     f64 = ep_twins.bf16_bits_to_f32
     for e in range(L):
@@ -1040,7 +1042,7 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     assert c["act"][filled].any() and not c["act"][~filled].any()
 
 
-def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None, bm=64, bn=128):
+def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None, bm=TILE.bm, bn=TILE.bn):
     """The emulated ep_masked_gemm (a_index None) or ep_masked_gemm_gather over experts = rows.size, built
     with tiles of bm x bn."""
     name = "ep_masked_gemm" if a_index is None else "ep_masked_gemm_gather"
@@ -1053,8 +1055,8 @@ def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None, 
 # (GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH, GEMM_LDMATRIX): the default, then shapes that change
 # every loop bound of the tile loads and warp tiles (vectors per row, rows per thread, mma tiles per warp, ring
 # depth), fragments by ldmatrix (x4 pairs and the x2 of an odd count), 128-row tiles (the 64 x 64 warp shape)
-GEMM_SHAPES = [(64, 128, 32, 3, 0, 0), (32, 64, 64, 4, 256, 0), (64, 32, 128, 2, 128, 0), (64, 64, 64, 3, 0, 0),
-               (64, 128, 64, 3, 256, 1), (32, 32, 64, 3, 0, 1), (128, 128, 32, 3, 0, 1), (128, 64, 64, 2, 0, 0)]
+GEMM_SHAPES = [TILE.values(), (64, 128, 32, 3, 0, 0), (32, 64, 64, 4, 256, 0), (64, 32, 128, 2, 128, 0),
+               (64, 64, 64, 3, 0, 0), (64, 128, 64, 3, 256, 1), (32, 32, 64, 3, 0, 1), (128, 64, 64, 2, 0, 0)]
 
 
 @pytest.fixture(scope="module")
@@ -1070,10 +1072,11 @@ def gemm_shapes(tmp_path_factory):
 
 def test_masked_gemm_bytes_do_not_depend_on_the_tile_shape(gemm_shapes):
     """Every compiled tile shape writes the same bytes (each output element is the same mma sequence over
-    K), touches only the rows present, and follows the slot index; K 384 is 12, 6 or 3 K tiles, so every
-    ring wraps. A shape whose loads or warp tiles were wrong would differ from the default here."""
+    K), touches only the rows present, and follows the slot index; K 392 is 13, 7 or 4 K tiles, the last
+    partial (8 columns, half an mma step), so every ring wraps and every K tail is masked. A shape whose
+    loads or warp tiles were wrong would differ from the default here."""
     rng = np.random.default_rng(7)
-    L, cap, n, n_factor, K = 4, 70, 68, 2, 384
+    L, cap, n, n_factor, K = 4, 70, 68, 2, 392
     N = n * n_factor
     rows = np.array([70, 9, 0, 33], np.int32)  # 2 row tiles of 64, or 3 of 32; 1..16, 17..32, more rows
     recv = bf16_random(rng, (L * cap + 3, K))
@@ -1103,9 +1106,10 @@ def test_masked_gemm_gather_reads_each_slot_from_the_row_its_index_names(emulate
     """The gather GEMM over received rows and a slot index (shuffled, repeated: a token used by several
     experts, or twice) writes the dense GEMM's bytes over the slab the index describes, emulated and twin;
     the slots at or beyond an expert's rows hold -1 and are never read. The same rows read without the
-    index (A[e * cap + r], what a kernel ignoring it would do) give other bytes, so the index is tested."""
+    index (A[e * cap + r], what a kernel ignoring it would do) give other bytes wherever the index names
+    another row, so the index is tested."""
     rng = np.random.default_rng(6)
-    L, cap, n, n_factor, K = 5, 70, 68, 2, 160
+    L, cap, n, n_factor, K = 5, 70, 68, 2, 3 * TILE.bk
     N = n * n_factor
     rows = np.array([70, 5, 0, 27, 38], np.int32)
     recv = bf16_random(rng, (L * cap + 9, K))  # more rows than slots: an ignored index still reads in bounds
@@ -1124,9 +1128,10 @@ def test_masked_gemm_gather_reads_each_slot_from_the_row_its_index_names(emulate
     run_masked_gemm(emulated, recv, b, ignored, rows, cap, n, n_factor, K)
     assert np.array_equal(gathered, dense)
     kept = np.flatnonzero(index >= 0)
-    assert not (gathered[kept] == ignored[kept]).all(axis=1).any()  # every row present differs
+    moved = kept[index[kept] != kept]  # slots whose index names another row than the slot's own position
+    assert moved.size > kept.size // 2 and not (gathered[moved] == ignored[moved]).all(axis=1).any()
     assert (gathered[index < 0] == 0x7FC0).all()
-    grid, block = (-(-N // 128), -(-cap // 64), L), (128, 1, 1)
+    grid, block = (-(-N // TILE.bn), -(-cap // TILE.bm), L), (128, 1, 1)
     twin_dense, twin_gathered = poison.copy(), poison.copy()
     lookup("ep_masked_gemm")(None, grid, block, ptr(slab), ptr(b), ptr(twin_dense), ptr(rows), cap, n, n_factor, K)
     lookup("ep_masked_gemm_gather")(
