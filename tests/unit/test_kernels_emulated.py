@@ -27,8 +27,8 @@ from tray.programs.ep_moe.gemm_tile import tile_of
 from tray.programs.ep_moe.twins import route_rows
 from tray.twins import lookup
 
-NO_EXPERT_ID = 1 << 20
-TILE = tile_of((MANIFESTS / "kernels" / "ep_gemm.cu").read_text())  # the masked GEMM's default tile shape  # an id out of range of any expert count here
+NO_EXPERT_ID = 1 << 20  # an id out of range of any expert count here
+TILE = tile_of((MANIFESTS / "kernels" / "ep_gemm.cu").read_text())  # the masked GEMM's default tile shape
 CXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler to build the CUDA sources for the CPU")
 
@@ -1009,7 +1009,8 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     fn(-(-N // TILE.bn), -(-cap // TILE.bm), L, 128, ptr(a), ptr(b), ptr(c_cuda), ptr(rows), cap, n, n_factor, K)
     lookup("ep_masked_gemm")(
-        None, (-(-N // TILE.bn), -(-cap // TILE.bm), L), (128, 1, 1), ptr(a), ptr(b), ptr(c_twin), ptr(rows), cap, n, n_factor, K
+        None, (-(-N // TILE.bn), -(-cap // TILE.bm), L), (128, 1, 1), ptr(a), ptr(b), ptr(c_twin), ptr(rows), cap, n,
+        n_factor, K,
     )
     f64 = ep_twins.bf16_bits_to_f32
     for e in range(L):
