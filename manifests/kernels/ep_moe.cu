@@ -891,7 +891,11 @@ __device__ __forceinline__ float e4m3_to_f32(unsigned int c) {
 //   topk_idx, topk_w, meta_peers, err               as ep_dispatch
 //   recv8_peers  u64[G]: member g's [G][tokens][hidden] e4m3 bytes; this rank writes block `me`
 //   scale_peers  u64[G]: member g's [G][tokens][hidden / 128] f32 scales; this rank writes block `me`
-// Work item: one 128-value block of one (token, member) row, one thread (blocks of a row on adjacent threads).
+// Work item: one 128-value block of one (token, member) row, one warp: lane l holds values 4 l .. 4 l + 3
+// (one 8-byte load), the block's amax is a warp max over the lanes' (integer compares of the magnitudes'
+// bits, which order non-negative floats as float compares do; a NaN counts as 0 so it never wins), and
+// lane l writes bytes 4 l .. 4 l + 3 of the block (one 4-byte store): the warp stores 128 contiguous bytes.
+// The block count must be a multiple of 32 threads (warps whole; the manifest's "threads" are).
 extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned short* __restrict__ x,
                                        const int* __restrict__ topk_idx,
                                        const unsigned short* __restrict__ topk_w,
@@ -906,12 +910,13 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned
                                        int G,
                                        int me) {
     send_routing(topk_idx, topk_w, meta_peers, 0, err, tokens, topk, experts, G, me);  // as ep_dispatch does
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    const int lane = threadIdx.x & 31;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
     const int local = experts / G;
     const int nblk = hidden / FP8_BLOCK;
     const long long items = (long long)tokens * G * nblk;
-    for (long long i = tid; i < items; i += nthreads) {
+    for (long long i = warp; i < items; i += nwarps) {  // warp-uniform: every lane takes the same items
         const long long r = i / nblk;
         const int b = (int)(i - r * nblk);
         const long long t = r / G;
@@ -919,41 +924,39 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned
         if (!token_goes_to(topk_idx, t, topk, g, local)) {
             continue;
         }
-        const unsigned short* src = x + (size_t)t * hidden + (size_t)b * FP8_BLOCK;
-        float amax = 0.0f;
-        for (int k = 0; k < FP8_BLOCK; ++k) {
-            const float a = __uint_as_float(((unsigned int)src[k] & 0x7FFFu) << 16);
-            amax = a > amax ? a : amax;  // NaN never wins: it goes as 0x7F, the others keep their scale
+        const uint2 in = *(const uint2*)(x + (size_t)t * hidden + (size_t)b * FP8_BLOCK + 4 * lane);
+        const unsigned int v[4] = {in.x & 0xFFFFu, in.x >> 16, in.y & 0xFFFFu, in.y >> 16};
+        unsigned int amax_bits = 0;  // of the magnitudes as float32 bits
+        for (int k = 0; k < 4; ++k) {
+            const unsigned int a = (v[k] & 0x7FFFu) << 16;
+            const unsigned int kept = a > 0x7F800000u ? 0u : a;  // NaN never wins
+            amax_bits = kept > amax_bits ? kept : amax_bits;
         }
+        for (int d = 16; d >= 1; d >>= 1) {
+            const unsigned int other = (unsigned int)__shfl_sync(0xFFFFFFFFu, (int)amax_bits, lane ^ d);
+            amax_bits = other > amax_bits ? other : amax_bits;
+        }
+        const float amax = __uint_as_float(amax_bits);
         const float scale = amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f;
-        const size_t row = (size_t)me * tokens + t;
-        uint4* dst = (uint4*)(recv8_peers[g] + row * hidden + (size_t)b * FP8_BLOCK);
-        for (int v = 0; v < FP8_BLOCK / 16; ++v) {
-            unsigned int w[4];
-            for (int q = 0; q < 4; ++q) {
-                unsigned int word = 0;
-                for (int k = 0; k < 4; ++k) {
-                    const float xv = bf16_to_f32(src[v * 16 + q * 4 + k]);
-                    word |= f32_to_e4m3(__fdiv_rn(xv, scale)) << (8 * k);
-                }
-                w[q] = word;
-            }
-            uint4 o;
-            o.x = w[0];
-            o.y = w[1];
-            o.z = w[2];
-            o.w = w[3];
-            dst[v] = o;
+        unsigned int word = 0;
+        for (int k = 0; k < 4; ++k) {
+            word |= f32_to_e4m3(__fdiv_rn(bf16_to_f32(v[k]), scale)) << (8 * k);
         }
-        scale_peers[g][row * nblk + b] = scale;
+        const size_t row = (size_t)me * tokens + t;
+        *(unsigned int*)(recv8_peers[g] + row * hidden + (size_t)b * FP8_BLOCK + 4 * lane) = word;
+        if (lane == 0) {
+            scale_peers[g][row * nblk + b] = scale;
+        }
     }
-    publish(threadIdx.x & 31);
+    publish(lane);
 }
 
 //   recv8      [G][tokens][hidden] e4m3 bytes, recv8_scale [G][tokens][hidden / 128] f32   received here
 //   meta       [G][tokens][topk] u32 routing words received here (which rows were sent)
 //   recv       [G][tokens][hidden] bf16 (u16 bits): row s * tokens + t rewritten when token t of member s has
 //              an expert of this rank; the other rows are left alone, as ep_dispatch leaves them
+// Work item: one 128-value block of one row, one warp: lane l turns bytes 4 l .. 4 l + 3 (one 4-byte load)
+// into values 4 l .. 4 l + 3 (one 8-byte store). The block count must be a multiple of 32 threads.
 extern "C" __global__ void __launch_bounds__(512) ep_dequant_fp8(const unsigned char* __restrict__ recv8,
                                        const float* __restrict__ recv8_scale,
                                        const unsigned int* __restrict__ meta,
@@ -967,18 +970,25 @@ extern "C" __global__ void __launch_bounds__(512) ep_dequant_fp8(const unsigned 
     const unsigned int local = (unsigned int)(experts / G);
     const int nblk = hidden / FP8_BLOCK;
     const long long items = (long long)G * tokens * nblk;
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long nthreads = (long long)gridDim.x * blockDim.x;
-    for (long long i = tid; i < items; i += nthreads) {
+    const int lane = threadIdx.x & 31;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long i = warp; i < items; i += nwarps) {
         const long long r = i / nblk;
         const int b = (int)(i - r * nblk);
         if (!hits(meta + r * topk, topk, (unsigned int)me * local, (unsigned int)(me + 1) * local)) {
             continue;
         }
         const float scale = recv8_scale[r * nblk + b];
-        const size_t base = (size_t)r * hidden + (size_t)b * FP8_BLOCK;
-        for (int k = 0; k < FP8_BLOCK; ++k) {
-            recv[base + k] = (unsigned short)f32_to_bf16(__fmul_rn(e4m3_to_f32(recv8[base + k]), scale));
+        const size_t base = (size_t)r * hidden + (size_t)b * FP8_BLOCK + 4 * lane;
+        const unsigned int q = *(const unsigned int*)(recv8 + base);
+        unsigned int h[4];
+        for (int k = 0; k < 4; ++k) {
+            h[k] = f32_to_bf16(__fmul_rn(e4m3_to_f32((q >> (8 * k)) & 0xFFu), scale));
         }
+        uint2 out;
+        out.x = h[0] | (h[1] << 16);
+        out.y = h[2] | (h[3] << 16);
+        *(uint2*)(recv + base) = out;
     }
 }

@@ -312,7 +312,8 @@ KERNELS["ep_gemm.cu"] = {
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
 COOP = {"ep_layout_count", "ep_layout_place", "ep_dispatch_ll", "ep_combine_ll", "ep_masked_gemm",
-        "ep_masked_gemm_gather", "stress_produce", "peer_barrier", "tp_ll_allreduce"}
+        "ep_masked_gemm_gather", "stress_produce", "peer_barrier", "tp_ll_allreduce", "ep_dispatch_fp8",
+        "ep_dequant_fp8"}
 # inline PTX has no CPU meaning: the clock read becomes the shim's clock, the barrier's sys-scope loads and
 # stores plain volatile ones (one thread runs at a time here: ordering is the GPU's to check, not this test's)
 PTX_ON_CPU = {
