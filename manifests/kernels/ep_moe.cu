@@ -891,11 +891,14 @@ __device__ __forceinline__ float e4m3_to_f32(unsigned int c) {
 //   topk_idx, topk_w, meta_peers, err               as ep_dispatch
 //   recv8_peers  u64[G]: member g's [G][tokens][hidden] e4m3 bytes; this rank writes block `me`
 //   scale_peers  u64[G]: member g's [G][tokens][hidden / 128] f32 scales; this rank writes block `me`
-// Work item: one 128-value block of one (token, member) row, one warp: lane l holds values 4 l .. 4 l + 3
-// (one 8-byte load), the block's amax is a warp max over the lanes' (integer compares of the magnitudes'
-// bits, which order non-negative floats as float compares do; a NaN counts as 0 so it never wins), and
-// lane l writes bytes 4 l .. 4 l + 3 of the block (one 4-byte store): the warp stores 128 contiguous bytes.
-// The block count must be a multiple of 32 threads (warps whole; the manifest's "threads" are).
+// Work item: FP8_UNROLL consecutive 128-value blocks of one token, one warp, quantized once and stored to every
+// member the token goes to. In each block lane l holds values 4 l .. 4 l + 3 (one 8-byte load; the item's
+// loads are all issued before any is used, so several are in flight per warp), the block's amax is a warp
+// max over the lanes' (integer compares of the magnitudes' bits, which order non-negative floats as float
+// compares do; a NaN counts as 0 so it never wins), and lane l writes bytes 4 l .. 4 l + 3 of the block (one
+// 4-byte store): the warp stores 128 contiguous bytes per block. Block counts must be multiples of 32 threads
+// (warps whole; the manifest's "threads" are).
+#define FP8_UNROLL 4
 extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned short* __restrict__ x,
                                        const int* __restrict__ topk_idx,
                                        const unsigned short* __restrict__ topk_w,
@@ -915,37 +918,57 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned
     const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
     const int local = experts / G;
     const int nblk = hidden / FP8_BLOCK;
-    const long long items = (long long)tokens * G * nblk;
+    const int groups = (nblk + FP8_UNROLL - 1) / FP8_UNROLL;
+    const long long items = (long long)tokens * groups;
     for (long long i = warp; i < items; i += nwarps) {  // warp-uniform: every lane takes the same items
-        const long long r = i / nblk;
-        const int b = (int)(i - r * nblk);
-        const long long t = r / G;
-        const int g = (int)(r - t * G);
-        if (!token_goes_to(topk_idx, t, topk, g, local)) {
-            continue;
+        const long long t = i / groups;
+        const int b0 = (int)(i - t * groups) * FP8_UNROLL;
+        const int nb = nblk - b0 < FP8_UNROLL ? nblk - b0 : FP8_UNROLL;
+        const unsigned short* src = x + (size_t)t * hidden + (size_t)b0 * FP8_BLOCK + 4 * lane;
+        uint2 in[FP8_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; ++u) {
+            if (u < nb) {
+                in[u] = *(const uint2*)(src + u * FP8_BLOCK);
+            }
         }
-        const uint2 in = *(const uint2*)(x + (size_t)t * hidden + (size_t)b * FP8_BLOCK + 4 * lane);
-        const unsigned int v[4] = {in.x & 0xFFFFu, in.x >> 16, in.y & 0xFFFFu, in.y >> 16};
-        unsigned int amax_bits = 0;  // of the magnitudes as float32 bits
-        for (int k = 0; k < 4; ++k) {
-            const unsigned int a = (v[k] & 0x7FFFu) << 16;
-            const unsigned int kept = a > 0x7F800000u ? 0u : a;  // NaN never wins
-            amax_bits = kept > amax_bits ? kept : amax_bits;
-        }
-        for (int d = 16; d >= 1; d >>= 1) {
-            const unsigned int other = (unsigned int)__shfl_sync(0xFFFFFFFFu, (int)amax_bits, lane ^ d);
-            amax_bits = other > amax_bits ? other : amax_bits;
-        }
-        const float amax = __uint_as_float(amax_bits);
-        const float scale = amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f;
-        unsigned int word = 0;
-        for (int k = 0; k < 4; ++k) {
-            word |= f32_to_e4m3(__fdiv_rn(bf16_to_f32(v[k]), scale)) << (8 * k);
+        unsigned int word[FP8_UNROLL];
+        float scale[FP8_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; ++u) {
+            const unsigned int v[4] = {in[u].x & 0xFFFFu, in[u].x >> 16, in[u].y & 0xFFFFu, in[u].y >> 16};
+            unsigned int amax_bits = 0;  // of the magnitudes as float32 bits
+            for (int k = 0; k < 4; ++k) {
+                const unsigned int a = (v[k] & 0x7FFFu) << 16;
+                const unsigned int kept = a > 0x7F800000u ? 0u : a;  // NaN never wins
+                amax_bits = kept > amax_bits ? kept : amax_bits;
+            }
+            for (int d = 16; d >= 1; d >>= 1) {
+                const unsigned int other = (unsigned int)__shfl_sync(0xFFFFFFFFu, (int)amax_bits, lane ^ d);
+                amax_bits = other > amax_bits ? other : amax_bits;
+            }
+            const float amax = __uint_as_float(amax_bits);
+            scale[u] = amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f;
+            word[u] = 0;
+            for (int k = 0; k < 4; ++k) {
+                word[u] |= f32_to_e4m3(__fdiv_rn(bf16_to_f32(v[k]), scale[u])) << (8 * k);
+            }
         }
         const size_t row = (size_t)me * tokens + t;
-        *(unsigned int*)(recv8_peers[g] + row * hidden + (size_t)b * FP8_BLOCK + 4 * lane) = word;
-        if (lane == 0) {
-            scale_peers[g][row * nblk + b] = scale;
+        for (int g = 0; g < G; ++g) {
+            if (!token_goes_to(topk_idx, t, topk, g, local)) {
+                continue;
+            }
+            unsigned char* dst = recv8_peers[g] + row * hidden + (size_t)b0 * FP8_BLOCK + 4 * lane;
+#pragma unroll
+            for (int u = 0; u < FP8_UNROLL; ++u) {
+                if (u < nb) {
+                    *(unsigned int*)(dst + u * FP8_BLOCK) = word[u];
+                    if (lane == u) {
+                        scale_peers[g][row * nblk + b0 + u] = scale[u];
+                    }
+                }
+            }
         }
     }
     publish(lane);
@@ -955,8 +978,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned
 //   meta       [G][tokens][topk] u32 routing words received here (which rows were sent)
 //   recv       [G][tokens][hidden] bf16 (u16 bits): row s * tokens + t rewritten when token t of member s has
 //              an expert of this rank; the other rows are left alone, as ep_dispatch leaves them
-// Work item: one 128-value block of one row, one warp: lane l turns bytes 4 l .. 4 l + 3 (one 4-byte load)
-// into values 4 l .. 4 l + 3 (one 8-byte store). The block count must be a multiple of 32 threads.
+// Work item: FP8_UNROLL consecutive 128-value blocks of one row, one warp: lane l turns bytes 4 l .. 4 l + 3
+// of each block (one 4-byte load, all the item's loads issued first) into values 4 l .. 4 l + 3 (one 8-byte
+// store). Block counts must be multiples of 32 threads.
 extern "C" __global__ void __launch_bounds__(512) ep_dequant_fp8(const unsigned char* __restrict__ recv8,
                                        const float* __restrict__ recv8_scale,
                                        const unsigned int* __restrict__ meta,
@@ -969,26 +993,40 @@ extern "C" __global__ void __launch_bounds__(512) ep_dequant_fp8(const unsigned 
                                        int me) {
     const unsigned int local = (unsigned int)(experts / G);
     const int nblk = hidden / FP8_BLOCK;
-    const long long items = (long long)G * tokens * nblk;
+    const int groups = (nblk + FP8_UNROLL - 1) / FP8_UNROLL;
+    const long long items = (long long)G * tokens * groups;
     const int lane = threadIdx.x & 31;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
     for (long long i = warp; i < items; i += nwarps) {
-        const long long r = i / nblk;
-        const int b = (int)(i - r * nblk);
+        const long long r = i / groups;
+        const int b0 = (int)(i - r * groups) * FP8_UNROLL;
+        const int nb = nblk - b0 < FP8_UNROLL ? nblk - b0 : FP8_UNROLL;
         if (!hits(meta + r * topk, topk, (unsigned int)me * local, (unsigned int)(me + 1) * local)) {
             continue;
         }
-        const float scale = recv8_scale[r * nblk + b];
-        const size_t base = (size_t)r * hidden + (size_t)b * FP8_BLOCK + 4 * lane;
-        const unsigned int q = *(const unsigned int*)(recv8 + base);
-        unsigned int h[4];
-        for (int k = 0; k < 4; ++k) {
-            h[k] = f32_to_bf16(__fmul_rn(e4m3_to_f32((q >> (8 * k)) & 0xFFu), scale));
+        const size_t base = (size_t)r * hidden + (size_t)b0 * FP8_BLOCK + 4 * lane;
+        unsigned int q[FP8_UNROLL];
+        float scale[FP8_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; ++u) {
+            if (u < nb) {
+                q[u] = *(const unsigned int*)(recv8 + base + u * FP8_BLOCK);
+                scale[u] = recv8_scale[r * nblk + b0 + u];
+            }
         }
-        uint2 out;
-        out.x = h[0] | (h[1] << 16);
-        out.y = h[2] | (h[3] << 16);
-        *(uint2*)(recv + base) = out;
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; ++u) {
+            if (u < nb) {
+                unsigned int h[4];
+                for (int k = 0; k < 4; ++k) {
+                    h[k] = f32_to_bf16(__fmul_rn(e4m3_to_f32((q[u] >> (8 * k)) & 0xFFu), scale[u]));
+                }
+                uint2 out;
+                out.x = h[0] | (h[1] << 16);
+                out.y = h[2] | (h[3] << 16);
+                *(uint2*)(recv + base + u * FP8_BLOCK) = out;
+            }
+        }
     }
 }

@@ -1427,7 +1427,7 @@ def test_fp8_dispatch_and_dequant_equal_their_twins(emulated):
     expert on a rank stay as they were); the rebuilt rows are within e4m3's half step (2^-4 relative, of the
     block's amax for values near zero) of the bf16 rows sent."""
     rng = np.random.default_rng(11)
-    G, T, K, E, H = 2, 12, 2, 8, 256
+    G, T, K, E, H = 2, 12, 2, 8, 640  # 5 blocks of 128 per row: a whole group of 4 per warp and a partial one
     L, nblk = E // G, H // 128
     idx = [skewed_routing(rng, T, E, K) for _ in range(G)]
     idx[1][5, 1] = E + 3  # an id out of range: flagged, sent as no expert
