@@ -119,7 +119,7 @@ class EpBenchArgs:
     plot_path: str | None = None
     log_dir: str | None = None
     keep: bool = False
-    nccl_timing: str = "eager"
+    nccl_timing: str = "captured"
     nnodes: int = 1
     dispatch: tuple[str, ...] = ("bf16",)
 

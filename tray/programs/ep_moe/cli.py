@@ -35,10 +35,10 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--ref-tokens", type=int, default=8,
                    help="evenly spaced tokens of each run checked against float64 (plus, on the first token count "
                    "of each routing, tokens covering every expert)")
-    b.add_argument("--nccl-timing", choices=("eager", "captured"), default="eager",
-                   help="how the NCCL path's programs are timed: 'eager' (launched from Python between an eager "
-                   "barrier and device events; the peer path's dispatch/combine/layer are also timed so, as "
-                   "peer_eager; default) or 'captured' (graph replays, as the peer path)")
+    b.add_argument("--nccl-timing", choices=("eager", "captured"), default="captured",
+                   help="how the NCCL path's programs are timed: 'captured' (graph replays, as the peer path; "
+                   "default) or 'eager' (launched from Python between an eager barrier and device events; the "
+                   "peer path's dispatch/combine/layer are also timed so, as peer_eager)")
     b.add_argument("--nnodes", type=int, default=1,
                    help="run the EP-N tray as a job of this many nodes on this machine (-n / N ranks each; cuda: "
                    "each its share of the GPUs and its own NCCL_HOSTID); across nodes the exchange runs the NCCL "

@@ -13,10 +13,10 @@ dispatch and combine write this node's members through the peer tables and stage
 locally, and an all-to-all across nodes carries those (manifests/ep_moe.json, "stage" and "across"); the
 NCCL path runs as on one node; the low-latency mode and the ceiling (peer-only) are not run there.
 
-The NCCL path's programs are timed as cfg["nccl_timing"] says: "eager" (default: launched from Python
-between an eager barrier and device events, the peer path's dispatch/combine/layer timed the same way
-beside them as `eager_*`, and its after-the-timing check an eager rerun) or "captured" (graphs, as the
-peer path). Each figure's timing is recorded in the run's `timing`. After every figure this rank's
+The NCCL path's programs are timed as cfg["nccl_timing"] says: "captured" (default: graphs, as the peer
+path) or "eager" (launched from Python between an eager barrier and device events, the peer path's
+dispatch/combine/layer timed the same way beside them as `eager_*`, and its after-the-timing check an
+eager rerun). Each figure's timing is recorded in the run's `timing`. After every figure this rank's
 result file is rewritten (`"complete": false` until the end), and the sampler appends each figure to
 `samples_<tag>.jsonl`, so a run that hangs or dies keeps what was measured before it.
 """
