@@ -12,7 +12,7 @@ token rows through a slot index, as the layer's `experts_masked` program reads t
 Timed per case, median of `--repeats` graph replays after a warm-up (device events):
   <variant>        ep_masked_gemm_gather (w13, gate and up) + ep_masked_gemm (w2, down) compiled with that
                    variant's tile shape (-DGEMM_BM.. options, named t<BM>x<BN>k<BK>s<stages>[p<L2 prefetch
-                   bytes>][L: fragments by ldmatrix]); `production` is the manifest's own options
+                   bytes>][L: fragments by ldmatrix][P: a step ahead]); `production` is the manifest's own options
   cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
                    (the in-graph baseline: the counts live on the device)
   cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
@@ -46,7 +46,7 @@ WARMUP = 3
 
 @dataclass(frozen=True)
 class Variant:
-    """A tile shape of ep_gemm.cu: GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH, GEMM_LDMATRIX."""
+    """A tile shape of ep_gemm.cu: GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH, GEMM_LDMATRIX, GEMM_PIPE."""
 
     name: str
     bm: int
@@ -55,12 +55,13 @@ class Variant:
     stages: int
     prefetch: int
     ldmatrix: int = 0
+    pipe: int = 0
 
     @property
     def options(self) -> list[str]:
         return [f"-DGEMM_BM={self.bm}", f"-DGEMM_BN={self.bn}", f"-DGEMM_BK={self.bk}",
                 f"-DGEMM_STAGES={self.stages}", f"-DGEMM_PREFETCH={self.prefetch}",
-                f"-DGEMM_LDMATRIX={self.ldmatrix}"]
+                f"-DGEMM_LDMATRIX={self.ldmatrix}", f"-DGEMM_PIPE={self.pipe}"]
 
     @property
     def smem(self) -> int:
@@ -72,20 +73,16 @@ class Variant:
         return self.smem if self.smem > 48 << 10 else 0
 
 
-# names: t<BM>x<BN>k<BK>s<stages>[p<prefetch bytes>][L: ldmatrix]
+# names: t<BM>x<BN>k<BK>s<stages>[p<prefetch bytes>][L: ldmatrix][P: fragments a step ahead]
 VARIANTS = (
     Variant("t64x128k32s3", 64, 128, 32, 3, 0),
-    Variant("t32x64k128s4p256", 32, 64, 128, 4, 256),
-    Variant("t64x128k64s3", 64, 128, 64, 3, 0),
-    Variant("t64x128k64s3p256", 64, 128, 64, 3, 256),
-    Variant("t64x128k64s3p256L", 64, 128, 64, 3, 256, 1),
-    Variant("t64x128k64s4p256L", 64, 128, 64, 4, 256, 1),
-    Variant("t64x128k32s4p256L", 64, 128, 32, 4, 256, 1),
-    Variant("t64x64k128s3p256L", 64, 64, 128, 3, 256, 1),
     Variant("t128x128k64s3p256L", 128, 128, 64, 3, 256, 1),
-    Variant("t128x128k32s4p256L", 128, 128, 32, 4, 256, 1),
-    Variant("t128x128k32s3p256L", 128, 128, 32, 3, 256, 1),
-    Variant("t128x64k64s3p256L", 128, 64, 64, 3, 256, 1),
+    Variant("t128x128k64s3p256LP", 128, 128, 64, 3, 256, 1, 1),
+    Variant("t128x128k32s4p256LP", 128, 128, 32, 4, 256, 1, 1),
+    Variant("t64x128k64s4p256L", 64, 128, 64, 4, 256, 1),
+    Variant("t64x128k64s4p256LP", 64, 128, 64, 4, 256, 1, 1),
+    Variant("t128x64k64s4p256LP", 128, 64, 64, 4, 256, 1, 1),
+    Variant("t128x128k64s2p256LP", 128, 128, 64, 2, 256, 1, 1),
 )
 READ_SOURCE = r"""
 // Reads `words` 16-byte vectors once (grid-stride, every SM) and folds them into one word per block, so the

@@ -22,12 +22,13 @@
 // GEMM_PREFETCH (0, 64, 128 or 256) asks L2 to fetch that many bytes around each weight copy of a block with
 // at most 32 rows, so the next stages of a row are read from DRAM in longer bursts (blocks with more rows are
 // bound by the tensor cores, where the hint measured slower). GEMM_LDMATRIX 1 loads the mma fragments from
-// shared memory with ldmatrix instead of 32-bit loads. Shared rows are padded to GEMM_BK + 8 bf16, so the
-// fragment loads (8 rows x 4 words per warp) hit 32 distinct banks. The tile shape is fixed when the source
-// is compiled (manifest "options", e.g. -DGEMM_BK=64); a ring over 48 KiB lives in dynamic shared memory,
-// whose size the launch passes (GEMM_SMEM_BYTES, checked by the kernel: a short launch writes nothing and
-// flags err[0]... see masked_gemm). Every configuration sums each output element in the same order (mma
-// over K in steps of 16, from k = 0 up), so the bytes do not depend on the tile shape.
+// shared memory with ldmatrix instead of 32-bit loads; GEMM_PIPE 1 loads a K step's fragments while the
+// previous step's mma run. Shared rows are padded to GEMM_BK + 8 bf16, so the fragment loads (8 rows x 4
+// words per warp) hit 32 distinct banks. The tile shape is fixed when the source is compiled (manifest
+// "options", e.g. -DGEMM_BK=64); a ring over 48 KiB lives in dynamic shared memory, whose size the launch
+// passes (GEMM_SMEM_BYTES; a launch with less traps, see masked_gemm). Every configuration sums each output
+// element in the same order (mma over K in steps of 16, from k = 0 up), so the bytes do not depend on the
+// tile shape.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16): lane = 4 g + t; A regs {row g, cols 2t..2t+1},
 // {row g+8, same cols}, {row g, cols 2t+8..}, {row g+8, cols 2t+8..}; B regs {k 2t..2t+1, col g},
@@ -51,6 +52,9 @@
 #endif
 #ifndef GEMM_LDMATRIX
 #define GEMM_LDMATRIX 1
+#endif
+#ifndef GEMM_PIPE
+#define GEMM_PIPE 0
 #endif
 #define GEMM_PAD (GEMM_BK + 8)
 #define GEMM_THREADS 128
@@ -198,57 +202,82 @@ __device__ __forceinline__ void gemm_ldsm_x2(unsigned int* r, const unsigned sho
 #endif
 }
 
-// One warp's share of a K tile: rows row0 .. row0 + 16 * MI, columns col0 .. col0 + 8 * NI of the block's
-// tile, from the shared stage (as, bs), accumulated into acc[mi][ni] (mma m16n8k16 tiles). The fragments
-// come by ldmatrix (GEMM_LDMATRIX 1: one shared load per two fragments of B, one per fragment of A) or by
-// 32-bit shared loads; the registers hold the same values either way.
+// One warp's fragments of the 16-wide K step at kk: A rows row0 .. row0 + 16 * MI, B columns col0 ..
+// col0 + 8 * NI of the shared stage (as, bs). By ldmatrix (GEMM_LDMATRIX 1: one shared load per two fragments
+// of B, one per fragment of A) or by 32-bit shared loads; the registers hold the same values either way.
 template <int MI, int NI>
-__device__ __forceinline__ void gemm_warp_tile(float (*acc)[GEMM_BN / 16][4], const unsigned short* as,
-                                               const unsigned short* bs, int row0, int col0, int g, int t) {
+__device__ __forceinline__ void gemm_frags(unsigned int (*af)[4], unsigned int (*bf)[2], const unsigned short* as,
+                                           const unsigned short* bs, int row0, int col0, int kk, int g, int t) {
 #if GEMM_LDMATRIX
     const int m = (4 * g + t) >> 3;  // the matrix this lane addresses a row of
     const int r = (4 * g + t) & 7;
+    // A: matrices (rows +0, k +0), (rows +8, k +0), (rows +0, k +8), (rows +8, k +8) = a0..a3
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+        gemm_ldsm_x4(af[mi], as + (row0 + mi * 16 + r + (m & 1) * 8) * GEMM_PAD + kk + (m >> 1) * 8);
+    }
+    // B ([n][k] rows): matrices (n +0, k +0), (n +0, k +8), (n +8, k +0), (n +8, k +8) = b[ni], b[ni + 1]
+#pragma unroll
+    for (int ni = 0; ni < NI; ni += 2) {
+        if (ni + 1 < NI) {
+            unsigned int q[4];
+            gemm_ldsm_x4(q, bs + (col0 + ni * 8 + r + (m >> 1) * 8) * GEMM_PAD + kk + (m & 1) * 8);
+            bf[ni][0] = q[0];
+            bf[ni][1] = q[1];
+            bf[ni + 1][0] = q[2];
+            bf[ni + 1][1] = q[3];
+        } else {
+            gemm_ldsm_x2(bf[ni], bs + (col0 + ni * 8 + r) * GEMM_PAD + kk + (m & 1) * 8);
+        }
+    }
+#else
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+        const unsigned short* p = as + (row0 + mi * 16 + g) * GEMM_PAD + kk + 2 * t;
+        af[mi][0] = *(const unsigned int*)p;
+        af[mi][1] = *(const unsigned int*)(p + 8 * GEMM_PAD);
+        af[mi][2] = *(const unsigned int*)(p + 8);
+        af[mi][3] = *(const unsigned int*)(p + 8 * GEMM_PAD + 8);
+    }
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+        const unsigned short* p = bs + (col0 + ni * 8 + g) * GEMM_PAD + kk + 2 * t;
+        bf[ni][0] = *(const unsigned int*)p;
+        bf[ni][1] = *(const unsigned int*)(p + 8);
+    }
 #endif
+}
+
+// One warp's share of a K tile: rows row0 .. row0 + 16 * MI, columns col0 .. col0 + 8 * NI of the block's
+// tile, accumulated into acc[mi][ni] (mma m16n8k16 tiles), K steps of 16 in order. GEMM_PIPE 1 loads the
+// next step's fragments before the current step's mma are issued (two fragment sets), so the shared loads
+// overlap the tensor-core work instead of waiting for it (both are issued in program order).
+template <int MI, int NI>
+__device__ __forceinline__ void gemm_warp_tile(float (*acc)[GEMM_BN / 16][4], const unsigned short* as,
+                                               const unsigned short* bs, int row0, int col0, int g, int t) {
+#if GEMM_PIPE
+    unsigned int af[2][MI][4];
+    unsigned int bf[2][NI][2];
+    gemm_frags<MI, NI>(af[0], bf[0], as, bs, row0, col0, 0, g, t);
+#pragma unroll
+    for (int step = 0; step < GEMM_BK / 16; ++step) {
+        if (step + 1 < GEMM_BK / 16) {
+            gemm_frags<MI, NI>(af[(step + 1) & 1], bf[(step + 1) & 1], as, bs, row0, col0, (step + 1) * 16, g, t);
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                mma_bf16_m16n8k16(acc[mi][ni], af[step & 1][mi], bf[step & 1][ni]);
+            }
+        }
+    }
+#else
 #pragma unroll
     for (int kk = 0; kk < GEMM_BK; kk += 16) {
         unsigned int af[MI][4];
         unsigned int bf[NI][2];
-#if GEMM_LDMATRIX
-        // A: matrices (rows +0, k +0), (rows +8, k +0), (rows +0, k +8), (rows +8, k +8) = a0..a3
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-            gemm_ldsm_x4(af[mi], as + (row0 + mi * 16 + r + (m & 1) * 8) * GEMM_PAD + kk + (m >> 1) * 8);
-        }
-        // B ([n][k] rows): matrices (n +0, k +0), (n +0, k +8), (n +8, k +0), (n +8, k +8) = b[ni], b[ni + 1]
-#pragma unroll
-        for (int ni = 0; ni < NI; ni += 2) {
-            if (ni + 1 < NI) {
-                unsigned int q[4];
-                gemm_ldsm_x4(q, bs + (col0 + ni * 8 + r + (m >> 1) * 8) * GEMM_PAD + kk + (m & 1) * 8);
-                bf[ni][0] = q[0];
-                bf[ni][1] = q[1];
-                bf[ni + 1][0] = q[2];
-                bf[ni + 1][1] = q[3];
-            } else {
-                gemm_ldsm_x2(bf[ni], bs + (col0 + ni * 8 + r) * GEMM_PAD + kk + (m & 1) * 8);
-            }
-        }
-#else
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-            const unsigned short* p = as + (row0 + mi * 16 + g) * GEMM_PAD + kk + 2 * t;
-            af[mi][0] = *(const unsigned int*)p;
-            af[mi][1] = *(const unsigned int*)(p + 8 * GEMM_PAD);
-            af[mi][2] = *(const unsigned int*)(p + 8);
-            af[mi][3] = *(const unsigned int*)(p + 8 * GEMM_PAD + 8);
-        }
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni) {
-            const unsigned short* p = bs + (col0 + ni * 8 + g) * GEMM_PAD + kk + 2 * t;
-            bf[ni][0] = *(const unsigned int*)p;
-            bf[ni][1] = *(const unsigned int*)(p + 8);
-        }
-#endif
+        gemm_frags<MI, NI>(af, bf, as, bs, row0, col0, kk, g, t);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -257,6 +286,7 @@ __device__ __forceinline__ void gemm_warp_tile(float (*acc)[GEMM_BN / 16][4], co
             }
         }
     }
+#endif
 }
 
 #if GEMM_SMEM_BYTES > GEMM_STATIC_SMEM_MAX && !defined(TRAY_EMULATED)

@@ -17,10 +17,11 @@ SOURCE = (MANIFESTS / "kernels" / "ep_gemm.cu").read_text()
 def test_options_override_the_source_defaults():
     base = tile_of(SOURCE)
     t = tile_of(SOURCE, ["-DGEMM_BM=32", "-DGEMM_BK=128", "-O3", "-DOTHER=1"])
-    assert (t.bm, t.bk) == (32, 128) and (t.bn, t.stages, t.prefetch, t.ldmatrix) == (
-        base.bn, base.stages, base.prefetch, base.ldmatrix)
-    assert GemmTile(64, 128, 32, 3, 0, 0).smem == 3 * 192 * 40 * 2 and GemmTile(64, 128, 32, 3, 0, 0).dynamic_smem == 0
-    assert GemmTile(128, 128, 64, 3, 256, 1).dynamic_smem == 3 * 256 * 72 * 2
+    assert (t.bm, t.bk) == (32, 128) and (t.bn, t.stages, t.prefetch, t.ldmatrix, t.pipe) == (
+        base.bn, base.stages, base.prefetch, base.ldmatrix, base.pipe)
+    small = GemmTile(64, 128, 32, 3, 0, 0, 0)
+    assert small.smem == 3 * 192 * 40 * 2 and small.dynamic_smem == 0
+    assert GemmTile(128, 128, 64, 3, 256, 1, 0).dynamic_smem == 3 * 256 * 72 * 2
 
 
 def test_a_source_without_a_default_is_refused():

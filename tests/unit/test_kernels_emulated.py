@@ -23,7 +23,7 @@ import tray.programs.tp_mlp.twins
 import tray.twins
 from tray.backend.host import HostBackend
 from tray.dtypes import f32_to_bf16_bits
-from tray.programs.ep_moe.gemm_tile import tile_of
+from tray.programs.ep_moe.gemm_tile import NAMES, tile_of
 from tray.programs.ep_moe.twins import route_rows
 from tray.twins import lookup
 
@@ -1054,11 +1054,13 @@ def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None, 
     fn(-(-n * n_factor // bn), -(-cap // bm), rows.size, 128, *[ptr(x) for x in pointers], cap, n, n_factor, K)
 
 
-# (GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH, GEMM_LDMATRIX): the default, then shapes that change
-# every loop bound of the tile loads and warp tiles (vectors per row, rows per thread, mma tiles per warp, ring
-# depth), fragments by ldmatrix (x4 pairs and the x2 of an odd count), 128-row tiles (the 64 x 64 warp shape)
-GEMM_SHAPES = [TILE.values(), (64, 128, 32, 3, 0, 0), (32, 64, 64, 4, 256, 0), (64, 32, 128, 2, 128, 0),
-               (64, 64, 64, 3, 0, 0), (64, 128, 64, 3, 256, 1), (32, 32, 64, 3, 0, 1), (128, 64, 64, 2, 0, 0)]
+# (GEMM_BM, GEMM_BN, GEMM_BK, GEMM_STAGES, GEMM_PREFETCH, GEMM_LDMATRIX, GEMM_PIPE): the default, then shapes
+# that change every loop bound of the tile loads and warp tiles (vectors per row, rows per thread, mma tiles
+# per warp, ring depth), fragments by ldmatrix (x4 pairs and the x2 of an odd count), 128-row tiles (the
+# 64 x 64 warp shape), fragments loaded a step ahead (GEMM_PIPE)
+GEMM_SHAPES = [TILE.values(), (64, 128, 32, 3, 0, 0, 0), (32, 64, 64, 4, 256, 0, 1), (64, 32, 128, 2, 128, 0, 0),
+               (64, 64, 64, 3, 0, 0, 0), (64, 128, 64, 3, 256, 1, 1), (32, 32, 64, 3, 0, 1, 1),
+               (128, 64, 64, 2, 0, 0, 1), (128, 128, 64, 3, 256, 1, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -1066,8 +1068,7 @@ def gemm_shapes(tmp_path_factory):
     """One CPU build of ep_gemm.cu per GEMM_SHAPES entry."""
     out = {}
     for shape in GEMM_SHAPES:
-        names = ("GEMM_BM", "GEMM_BN", "GEMM_BK", "GEMM_STAGES", "GEMM_PREFETCH", "GEMM_LDMATRIX")
-        defines = [f"{k}={v}" for k, v in zip(names, shape, strict=True)]
+        defines = [f"{k}={v}" for k, v in zip(NAMES, shape, strict=True)]
         out[shape] = build(tmp_path_factory.mktemp("gemm"), {"ep_gemm.cu": KERNELS["ep_gemm.cu"]}, defines)
     return out
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-NAMES = ("GEMM_BM", "GEMM_BN", "GEMM_BK", "GEMM_STAGES", "GEMM_PREFETCH", "GEMM_LDMATRIX")
+NAMES = ("GEMM_BM", "GEMM_BN", "GEMM_BK", "GEMM_STAGES", "GEMM_PREFETCH", "GEMM_LDMATRIX", "GEMM_PIPE")
 STATIC_SMEM_MAX = 48 << 10  # the kernel's GEMM_STATIC_SMEM_MAX
 
 
@@ -25,6 +25,7 @@ class GemmTile:
     stages: int
     prefetch: int
     ldmatrix: int
+    pipe: int
 
     @property
     def smem(self) -> int:
@@ -41,7 +42,7 @@ class GemmTile:
         return [f"-D{n}={v}" for n, v in zip(NAMES, self.values(), strict=True)]
 
     def values(self) -> tuple[int, ...]:
-        return (self.bm, self.bn, self.bk, self.stages, self.prefetch, self.ldmatrix)
+        return (self.bm, self.bn, self.bk, self.stages, self.prefetch, self.ldmatrix, self.pipe)
 
 
 def tile_of(source: str, options: Sequence[str] = ()) -> GemmTile:
