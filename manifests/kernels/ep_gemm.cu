@@ -23,7 +23,7 @@
 // at most 32 rows, so the next stages of a row are read from DRAM in longer bursts (blocks with more rows are
 // bound by the tensor cores, where the hint measured slower). GEMM_LDMATRIX 1 loads the mma fragments from
 // shared memory with ldmatrix instead of 32-bit loads; GEMM_PIPE 1 loads a K step's fragments while the
-// previous step's mma run. Shared rows are padded to GEMM_BK + 8 bf16, so the fragment loads (8 rows x 4
+// previous step's mma run (measured no faster on H200, bench/results/h200/expert_gemm_variants.json, so off). Shared rows are padded to GEMM_BK + 8 bf16, so the fragment loads (8 rows x 4
 // words per warp) hit 32 distinct banks. The tile shape is fixed when the source is compiled (manifest
 // "options", e.g. -DGEMM_BK=64); a ring over 48 KiB lives in dynamic shared memory, whose size the launch
 // passes (GEMM_SMEM_BYTES; a launch with less traps, see masked_gemm). Every configuration sums each output
