@@ -21,7 +21,9 @@
 // long a run of each weight row one copy reads (GEMM_BK * 2 bytes per row per stage), not the tensor cores.
 // GEMM_PREFETCH (0, 64, 128 or 256) asks L2 to fetch that many bytes around each weight copy of a block with
 // at most 32 rows, so the next stages of a row are read from DRAM in longer bursts (blocks with more rows are
-// bound by the tensor cores, where the hint measured slower). GEMM_LDMATRIX 1 loads the mma fragments from
+// bound by the tensor cores, where the hint measured slower); they also lay the block's shared memory out as
+// a deeper ring of 32-row A tiles (GEMM_SKINNY_STAGES: 4 for the default shape, against 3 of 128 rows), for
+// more weight bytes in flight. GEMM_LDMATRIX 1 loads the mma fragments from
 // shared memory with ldmatrix instead of 32-bit loads; GEMM_PIPE 1 loads a K step's fragments while the
 // previous step's mma run (measured no faster on H200, bench/results/h200/expert_gemm_variants.json, so off). Shared rows are padded to GEMM_BK + 8 bf16, so the fragment loads (8 rows x 4
 // words per warp) hit 32 distinct banks. The tile shape is fixed when the source is compiled (manifest
@@ -63,6 +65,9 @@
 #define GEMM_B_VECS (GEMM_BN * GEMM_VPR / GEMM_THREADS)    // B vectors per thread and stage
 #define GEMM_SMEM_BYTES (GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_PAD * 2)
 #define GEMM_STATIC_SMEM_MAX 49152                         // the static shared-memory limit per block
+// Blocks of at most 32 rows use the same shared memory as a deeper ring of 32-row A tiles (see masked_gemm)
+#define GEMM_SKINNY_ROWS 32
+#define GEMM_SKINNY_STAGES (GEMM_SMEM_BYTES / ((GEMM_SKINNY_ROWS + GEMM_BN) * GEMM_PAD * 2))
 #define GEMM_MI_MAX (GEMM_BM == 128 ? 4 : 2)                // mma tiles of 16 rows per warp, at most
 #if GEMM_BM != 32 && GEMM_BM != 64 && GEMM_BM != 128
 #error "GEMM_BM must be 32, 64 or 128 (the warp shapes below)"
@@ -76,6 +81,9 @@
 #endif
 #if GEMM_STAGES < 2
 #error "GEMM_STAGES must be at least 2"
+#endif
+#if GEMM_BM > 32 && GEMM_BK < 32
+#error "GEMM_BK must be at least 32 when GEMM_BM is over 32 (whole vectors per thread in 32-row A tiles)"
 #endif
 #if GEMM_PREFETCH != 0 && GEMM_PREFETCH != 64 && GEMM_PREFETCH != 128 && GEMM_PREFETCH != 256
 #error "GEMM_PREFETCH must be 0, 64, 128 or 256"
@@ -140,12 +148,13 @@ __device__ __forceinline__ void gemm_cp_commit() {
 #endif
 }
 
-// Wait until at most GEMM_STAGES - 2 of this thread's committed groups are still in flight.
+// Wait until at most ST - 2 of this thread's committed groups are still in flight (a ring of ST stages).
+template <int ST>
 __device__ __forceinline__ void gemm_cp_wait() {
 #ifdef TRAY_EMULATED
-    emu_cp_wait(GEMM_STAGES - 2);
+    emu_cp_wait(ST - 2);
 #else
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(GEMM_STAGES - 2) : "memory");
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2) : "memory");
 #endif
 }
 
@@ -166,15 +175,16 @@ __device__ __forceinline__ void gemm_issue(unsigned short* tile, const uint4* sr
     }
 }
 
-// A's tile: this thread's GEMM_A_VECS vectors, tile rows tid / GEMM_VPR + v * (128 / GEMM_VPR), columns
+// A's tile: this thread's AV vectors, tile rows tid / GEMM_VPR + v * (128 / GEMM_VPR), columns
 // 8 * (tid % GEMM_VPR), from row pointers fixed for the whole K loop (src[v]: the row's first vector of this
 // thread's columns; valid[v] false, or columns past K: zero-filled, the address still in bounds).
+template <int AV>
 __device__ __forceinline__ void gemm_issue_rows(unsigned short* tile, const uint4* const* src, const bool* valid,
                                                 int K, int k0, int tid) {
     const int c = (tid % GEMM_VPR) * 8;
     const bool in_k = k0 + c < K;
 #pragma unroll
-    for (int v = 0; v < GEMM_A_VECS; ++v) {
+    for (int v = 0; v < AV; ++v) {
         const int r = tid / GEMM_VPR + v * (GEMM_THREADS / GEMM_VPR);
         gemm_cp16(tile + r * GEMM_PAD + c, src[v] + (in_k ? k0 / 8 : 0), valid[v] && in_k, false);
     }
@@ -289,6 +299,58 @@ __device__ __forceinline__ void gemm_warp_tile(float (*acc)[GEMM_BN / 16][4], co
 #endif
 }
 
+// The K loop of one block over a ring of ST stages in `smem`: ST A tiles of AR rows (the block's first AR
+// rows; AR * GEMM_VPR / 128 vectors per thread), then ST B tiles of GEMM_BN rows. K tile kt is multiplied
+// while tiles kt + 1 .. kt + ST - 1 are in flight.
+template <int ST, int AR>
+__device__ __forceinline__ void gemm_mainloop(float (*acc)[GEMM_BN / 16][4], unsigned short* smem,
+                                              const uint4* const* a_src, const bool* a_valid, const uint4* B,
+                                              long long b_row0, int b_limit, int K, int k_tiles, int shape, int wm,
+                                              int wn, int tid, int g, int t) {
+    constexpr int AV = AR * GEMM_VPR / GEMM_THREADS;
+    constexpr int NQ = GEMM_BN / 32;  // mma tiles of 8 columns per warp in the first two shapes
+    static_assert(ST * (AR + GEMM_BN) * GEMM_PAD * 2 <= GEMM_SMEM_BYTES, "the ring must fit the block's memory");
+    static_assert(AV >= 1, "whole A vectors per thread");
+    unsigned short* const As = smem;
+    unsigned short* const Bs = smem + ST * AR * GEMM_PAD;
+    const bool prefetch = shape <= 2;
+    // Prologue: K tiles 0 .. ST - 2 in flight. Every step commits one group, empty or not, so that "at most
+    // ST - 2 groups pending" always means "K tile kt has landed" below.
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+        if (s < k_tiles) {
+            gemm_issue_rows<AV>(As + s * AR * GEMM_PAD, a_src, a_valid, K, s * GEMM_BK, tid);
+            gemm_issue(Bs + s * GEMM_BN * GEMM_PAD, B, b_row0, b_limit, K, s * GEMM_BK, tid, prefetch);
+        }
+        gemm_cp_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        gemm_cp_wait<ST>();  // this thread's copies of K tile kt have landed
+        __syncthreads();     // everyone's have; and every warp is done with K tile kt - 1, whose stage is refilled next
+        const int next = kt + ST - 1;
+        if (next < k_tiles) {
+            const int s = next % ST;
+            gemm_issue_rows<AV>(As + s * AR * GEMM_PAD, a_src, a_valid, K, next * GEMM_BK, tid);
+            gemm_issue(Bs + s * GEMM_BN * GEMM_PAD, B, b_row0, b_limit, K, next * GEMM_BK, tid, prefetch);
+        }
+        gemm_cp_commit();
+        const unsigned short* as = As + (kt % ST) * AR * GEMM_PAD;
+        const unsigned short* bs = Bs + (kt % ST) * GEMM_BN * GEMM_PAD;
+        if (shape == 1) {
+            gemm_warp_tile<1, NQ>(acc, as, bs, wm, wn, g, t);
+        } else if (shape == 2) {
+            gemm_warp_tile<2, NQ>(acc, as, bs, wm, wn, g, t);
+        } else if (AR >= 64 && shape == 3) {
+            gemm_warp_tile<2, 2 * NQ>(acc, as, bs, wm, wn, g, t);
+        }
+#if GEMM_BM == 128
+        else if (AR == 128) {
+            gemm_warp_tile<4, 2 * NQ>(acc, as, bs, wm, wn, g, t);
+        }
+#endif
+    }
+}
+
 #if GEMM_SMEM_BYTES > GEMM_STATIC_SMEM_MAX && !defined(TRAY_EMULATED)
 // The ring in dynamic shared memory: the launch must pass GEMM_SMEM_BYTES (manifest "shmem").
 __device__ __forceinline__ unsigned int gemm_dynamic_smem_bytes() {
@@ -325,21 +387,14 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
     if (m0 >= present) {
         return;  // the whole block: no thread has reached a barrier
     }
-#if GEMM_SMEM_BYTES > GEMM_STATIC_SMEM_MAX
-#ifdef TRAY_EMULATED
-    __shared__ __align__(16) unsigned short gemm_smem[GEMM_SMEM_BYTES / 2];  // stands for the launch's
-#else
+#if GEMM_SMEM_BYTES > GEMM_STATIC_SMEM_MAX && !defined(TRAY_EMULATED)
     if (gemm_dynamic_smem_bytes() < GEMM_SMEM_BYTES) {
         __trap();  // the ring would overrun the block's shared memory
     }
     extern __shared__ __align__(16) unsigned short gemm_smem[];
-#endif
-    unsigned short (*As)[GEMM_BM * GEMM_PAD] = (unsigned short (*)[GEMM_BM * GEMM_PAD])gemm_smem;
-    unsigned short (*Bs)[GEMM_BN * GEMM_PAD] =
-        (unsigned short (*)[GEMM_BN * GEMM_PAD])(gemm_smem + GEMM_STAGES * GEMM_BM * GEMM_PAD);
 #else
-    __shared__ __align__(16) unsigned short As[GEMM_STAGES][GEMM_BM * GEMM_PAD];  // 16 B: cp.async targets
-    __shared__ __align__(16) unsigned short Bs[GEMM_STAGES][GEMM_BN * GEMM_PAD];
+    // static (or, in the CPU build, standing for the launch's dynamic memory); 16 B: cp.async targets
+    __shared__ __align__(16) unsigned short gemm_smem[GEMM_SMEM_BYTES / 2];
 #endif
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -369,13 +424,11 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
     // warps of 32 x GEMM_BN / 2; more (GEMM_BM 128): 2 x 2 warps of 64 x GEMM_BN / 2. Every output element
     // is the same sequence of mma over K in every shape, so the bytes do not depend on the shape. Only the
     // first two shapes ask L2 to prefetch (GEMM_PREFETCH): they stream weights, the others reuse them.
-    constexpr int NQ = GEMM_BN / 32;  // mma tiles of 8 columns per warp in the first two shapes
     const int shape = a_limit <= 16 ? 1 : (a_limit <= 32 || GEMM_BM == 32) ? 2 : (a_limit <= 64 || GEMM_BM == 64) ? 3 : 4;
     const int wm = shape == 4 ? (warp >> 1) * 64 : shape == 3 ? (warp >> 1) * 32 : 0;
     const int wn = shape >= 3 ? (warp & 1) * (GEMM_BN / 2) : warp * (GEMM_BN / 4);
     const int m_tiles = shape == 1 ? 1 : shape == 4 ? 4 : 2;
-    const int n_tiles = shape >= 3 ? 2 * NQ : NQ;
-    const bool prefetch = shape <= 2;
+    const int n_tiles = shape >= 3 ? 2 * GEMM_BN / 32 : GEMM_BN / 32;
 
     float acc[GEMM_MI_MAX][GEMM_BN / 16][4];
 #pragma unroll
@@ -388,40 +441,18 @@ __device__ __forceinline__ void masked_gemm(const uint4* __restrict__ A,
             }
         }
     }
-    // Prologue: K tiles 0 .. GEMM_STAGES - 2 in flight. Every step commits one group, empty or not, so
-    // that "at most GEMM_STAGES - 2 groups pending" always means "K tile kt has landed" below.
-#pragma unroll
-    for (int s = 0; s < GEMM_STAGES - 1; ++s) {
-        if (s < k_tiles) {
-            gemm_issue_rows(As[s], a_src, a_valid, K, s * GEMM_BK, tid);
-            gemm_issue(Bs[s], B, b_row0, b_limit, K, s * GEMM_BK, tid, prefetch);
-        }
-        gemm_cp_commit();
-    }
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        gemm_cp_wait();    // this thread's copies of K tile kt have landed
-        __syncthreads();   // everyone's have; and every warp is done with K tile kt - 1, whose stage is refilled next
-        const int next = kt + GEMM_STAGES - 1;
-        if (next < k_tiles) {
-            const int s = next % GEMM_STAGES;
-            gemm_issue_rows(As[s], a_src, a_valid, K, next * GEMM_BK, tid);
-            gemm_issue(Bs[s], B, b_row0, b_limit, K, next * GEMM_BK, tid, prefetch);
-        }
-        gemm_cp_commit();
-        const unsigned short* as = As[kt % GEMM_STAGES];
-        const unsigned short* bs = Bs[kt % GEMM_STAGES];
-        if (shape == 1) {
-            gemm_warp_tile<1, NQ>(acc, as, bs, wm, wn, g, t);
-        } else if (shape == 2) {
-            gemm_warp_tile<2, NQ>(acc, as, bs, wm, wn, g, t);
-        } else if (shape == 3) {
-            gemm_warp_tile<2, 2 * NQ>(acc, as, bs, wm, wn, g, t);
-        }
-#if GEMM_BM == 128
-        else {
-            gemm_warp_tile<4, 2 * NQ>(acc, as, bs, wm, wn, g, t);
-        }
+#if GEMM_BM > GEMM_SKINNY_ROWS
+    // A block of at most 32 rows streams weights: its bytes in flight are what count, so it lays the same
+    // shared memory out as a deeper ring (GEMM_SKINNY_STAGES of 32-row A tiles and B tiles) instead of
+    // GEMM_STAGES of GEMM_BM-row A tiles whose rows past 32 would only hold zeros.
+    if (a_limit <= GEMM_SKINNY_ROWS) {
+        gemm_mainloop<GEMM_SKINNY_STAGES, GEMM_SKINNY_ROWS>(acc, gemm_smem, a_src, a_valid, B, b_row0, b_limit, K,
+                                                           k_tiles, shape, wm, wn, tid, g, t);
+    } else
 #endif
+    {
+        gemm_mainloop<GEMM_STAGES, GEMM_BM>(acc, gemm_smem, a_src, a_valid, B, b_row0, b_limit, K, k_tiles, shape,
+                                           wm, wn, tid, g, t);
     }
 #pragma unroll
     for (int mi = 0; mi < GEMM_MI_MAX; ++mi) {
