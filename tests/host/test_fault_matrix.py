@@ -12,6 +12,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -181,6 +182,78 @@ with tray.init() as rank:
         if head.poll() is None:
             head.kill()
         head.stdout.close()
+    assert list(tray_env.jobs_root.iterdir()) == []
+
+
+def test_sigterm_before_the_ranks_are_up_stops_the_tray(tray_env):
+    # the head has its handlers once its job dir exists; the ranks are still starting (spawn, import)
+    head = subprocess.Popen(tray_env.command(2, """
+time.sleep(600)
+with tray.init() as rank:
+    pass
+"""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=tray_env.env(), cwd=str(tray_env.tmp))
+    try:
+        assert wait_for(lambda: any(tray_env.jobs_root.glob("job-*")), 10), "the head made no job dir"
+        head.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        head.send_signal(signal.SIGTERM)
+        assert head.wait(timeout=20) == 130
+        assert "tray: interrupted; the tray was stopped" in head.stderr.read()
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stderr.close()
+    assert list(tray_env.jobs_root.iterdir()) == []
+
+
+class _LockThatSignals:
+    """A Popen's waitpid lock that sends SIGINT to this process the first time the main thread takes
+    it: the signal arrives while the head is inside Popen.poll, holding the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.fired = False
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got and not self.fired and threading.current_thread() is threading.main_thread():
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGINT)  # handled before this call returns
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_signal_inside_popen_poll_still_tears_down(tray_env, monkeypatch):
+    # a KeyboardInterrupt raised right there would leave the lock taken: the rank could never be waited for
+    from tray.launch import head as head_module
+
+    monkeypatch.setenv("TRAY_JOBS_ROOT", str(tray_env.jobs_root))
+    locks = []
+
+    def spawn_rank(*args, **kwargs):
+        proc = real_spawn_rank(*args, **kwargs)
+        locks.append(_LockThatSignals())
+        proc.popen._waitpid_lock = locks[-1]
+        return proc
+
+    real_spawn_rank = head_module.spawn_rank
+    monkeypatch.setattr(head_module, "spawn_rank", spawn_rank)
+    prog = tray_env.script("""
+    with tray.init() as rank:
+        time.sleep(600)
+    """)
+    spec = TraySpec(nprocs=2, cmd=(sys.executable, str(prog), tray_env.marker), backend="host", quiet=True)
+    with pytest.raises(KeyboardInterrupt, match="signal 2"):
+        run_tray(spec)
+    assert locks and all(lock.fired for lock in locks)
     assert list(tray_env.jobs_root.iterdir()) == []
 
 

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import zmq
@@ -77,19 +78,34 @@ def _set_child_subreaper(on: bool) -> None:
 
 
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Teardown runs to its end: a second Ctrl-C or SIGTERM meanwhile is held and raised after it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _signals_held() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM only note their number in the list yielded; the head acts on it where it
+    chooses, and a signal that came is raised as KeyboardInterrupt once the block ends without another
+    exception. A KeyboardInterrupt raised by the handler itself lands wherever the head happens to be,
+    e.g. inside `Popen.poll` between taking and releasing the Popen's waitpid lock: that rank can then
+    never be waited for, and the teardown fails with TimeoutExpired (exit 1 instead of 130). Outside
+    the main thread (no signal handlers there) the list stays empty."""
     got: list[int] = []
-    saved = {sig: signal.signal(sig, lambda signum, frame: got.append(signum))
-             for sig in (signal.SIGINT, signal.SIGTERM)}
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    saved: dict[int, Any] = {}
     try:
-        yield
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # a signal pending now is handled by the old handler first (it may raise: nothing is held yet)
+            saved[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+        yield got
     finally:
+        interrupted: KeyboardInterrupt | None = None
         for sig, handler in saved.items():
-            signal.signal(sig, handler)
+            while True:
+                try:
+                    signal.signal(sig, handler)
+                    break
+                except KeyboardInterrupt as exc:  # a signal handled meanwhile by a handler restored before
+                    interrupted = exc
+        if interrupted is not None:
+            raise interrupted
     if got:
         raise KeyboardInterrupt(f"signal {got[0]}")
 
@@ -124,11 +140,20 @@ class Head:
         self.t_start = time.monotonic()
         self.shm: set[str] = set()
         self._t_shm = 0.0
+        self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> TrayResult:
         """Spawn, supervise, tear down. Raises SetupError (the jobs root, the job dir, the head's
-        socket or its watchdog cannot be made) after stopping whatever was started."""
+        socket or its watchdog cannot be made) after stopping whatever was started, and
+        KeyboardInterrupt after the teardown when SIGINT or SIGTERM came: from before the job dir is
+        made to the teardown's end, a signal is noted and acted on between two turns of the loop."""
+        with _signals_held() as self._signals:
+            job_dir = self._run()
+        return self._result(job_dir)
+
+    def _run(self) -> Path:
+        """run() with the signals held; returns the job dir (removed by now)."""
         job = make_job_dir(self.spec.nprocs)
         endpoint = f"ipc://{job.path}/head.sock"
         ctx = sock = watchdog = pump = None
@@ -155,20 +180,19 @@ class Head:
             self._loop(sock, job)
             self._after_loop()
         finally:
-            with _signals_deferred():
-                self._teardown(job, watchdog, pump)
-                self._close_job()
-                if sock is not None:
-                    sock.close()
-                if ctx is not None:
-                    ctx.term()
-                if watchdog is not None:
-                    watchdog.done()
-                job.close()
-                _set_child_subreaper(False)
-                if self.master_port is not None:
-                    self.master_port.close()
-        return self._result(job.path)
+            self._teardown(job, watchdog, pump)
+            self._close_job()
+            if sock is not None:
+                sock.close()
+            if ctx is not None:
+                ctx.term()
+            if watchdog is not None:
+                watchdog.done()
+            job.close()
+            _set_child_subreaper(False)
+            if self.master_port is not None:
+                self.master_port.close()
+        return job.path
 
     def _spawn_all(self, job_dir: Path, endpoint: str, process_group: int) -> None:
         manifest = str(Path(self.spec.manifest).resolve()) if self.spec.manifest else ""
@@ -187,6 +211,7 @@ class Head:
         for s in (sock, *extra):
             poller.register(s, zmq.POLLIN)
         while not self.failure:
+            self._raise_if_signalled()
             if extra:
                 ready = dict(poller.poll(_POLL_MS))
                 for s in extra:
@@ -207,11 +232,16 @@ class Head:
 
     def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:
         """Handle the messages waiting (the first after up to `timeout_ms`) until a failure is known."""
-        while not self.failure and sock.poll(timeout_ms, zmq.POLLIN):
+        while not self.failure and not self._signals and sock.poll(timeout_ms, zmq.POLLIN):
             timeout_ms = 0
             ident, payload = self._recv(sock)
             if ident is not None:
                 self._on_message(sock, ident, payload)
+
+    def _raise_if_signalled(self) -> None:
+        """Leave the loop for the teardown as Ctrl-C would, at a point where no step is half done."""
+        if self._signals:
+            raise KeyboardInterrupt(f"signal {self._signals[0]}")
 
     # --- hooks: a head of a job of several trays (tray/launch/node.py) overrides these ------------------
     def _job_env(self, local_rank: int) -> dict[str, str]:
