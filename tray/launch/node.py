@@ -253,7 +253,8 @@ class NodeHead(Head):
         for s in self._extra_sockets():
             poller.register(s, zmq.POLLIN)
         deadline = time.monotonic() + min(VERDICT_WAIT_S, self.job.node_heartbeat_timeout_s)
-        while self.job_stop is None and not self.link.closed and time.monotonic() < deadline:
+        # a SIGINT/SIGTERM noted meanwhile ends the wait: the teardown follows at once (exit 130)
+        while self.job_stop is None and not self.link.closed and not self._signals and time.monotonic() < deadline:
             for s, _ in poller.poll(20):
                 self._on_extra(s)
             if self.root is not None:
