@@ -800,8 +800,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
 // and zeroes done, so K launches in a graph get K epochs with no host reset, and no block can read the
 // epoch after it moved (every block counted itself after reading it). Rowflags only grow, so `>= epoch`
 // is never met by an older announcement, whatever rows earlier launches (of other token counts) sent.
-// Wait: warp w sums items w, w + warps, ... (an item: one CHUNK_VECS-vector chunk of one token, so every
-// warp has work): lane q polls rowflags[q][t] of each group q the token uses
+// Wait: warp w sums tokens w, w + warps, ...: lane q polls rowflags[q][t] of each group q the token uses
 // (topk_idx: exactly the rows members send it), then one acquire load pairs with that row's release and
 // __syncwarp hands the view to the warp. A row missing past LL_TIMEOUT_NS: err[0] |= 4, err[3] |= 1 << the
 // member holding group q; a kernel that saw err[0] & 4 waits for nothing more (its output is then wrong,
@@ -839,15 +838,11 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
     __syncthreads();
 
     const int lane = tid & 31;
-    const int nvec = hidden / 8;
+    const long long nvec = hidden / 8;
     const int per_group = experts / groups;
     const int mine = groups / G;
-    const int chunks = (nvec + CHUNK_VECS - 1) / CHUNK_VECS;
     const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    const long long items = (long long)tokens * chunks;  // (token, chunk of CHUNK_VECS vectors): every warp busy
-    for (long long item = ((long long)blockIdx.x * blockDim.x + tid) >> 5; item < items; item += nwarps) {
-        const long long t = item / chunks;
-        const int chunk = (int)(item - t * chunks);
+    for (long long t = ((long long)blockIdx.x * blockDim.x + tid) >> 5; t < tokens; t += nwarps) {
         u64 used = 0;
         for (int kk = 0; kk < topk; ++kk) {
             const int e = topk_idx[t * topk + kk];
@@ -873,50 +868,25 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
             (void)ld_acquire_sys(flag);  // pairs with the row's release: its bytes are visible now
         }
         __syncwarp();
-        const int base = chunk * CHUNK_VECS + lane;
-        float acc[ROW_UNROLL][8];
-#pragma unroll
-        for (int v = 0; v < ROW_UNROLL; ++v) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                acc[v][j] = 0.0f;
-            }
-        }
-        for (int q = 0; q < groups; ++q) {  // ascending, as ep_reduce
-            if (!((used >> q) & 1ull)) {
-                continue;
-            }
-            const uint4* row = comb + ((long long)q * tokens + t) * nvec;
-            uint4 p[ROW_UNROLL];
-#pragma unroll
-            for (int v = 0; v < ROW_UNROLL; ++v) {  // the loads first, all in flight
-                if (base + v * 32 < nvec) {
-                    p[v] = row[base + v * 32];
-                }
-            }
-#pragma unroll
-            for (int v = 0; v < ROW_UNROLL; ++v) {
-                if (base + v * 32 < nvec) {
-                    const unsigned int wd[4] = {p[v].x, p[v].y, p[v].z, p[v].w};
+        for (long long c = lane; c < nvec; c += 32) {
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int q = 0; q < groups; ++q) {
+                if ((used >> q) & 1ull) {
+                    const uint4 p = comb[((long long)q * tokens + t) * nvec + c];
+                    const unsigned int wd[4] = {p.x, p.y, p.z, p.w};
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
-                        acc[v][2 * j] = __fadd_rn(acc[v][2 * j], bf16_to_f32(wd[j] & 0xFFFFu));
-                        acc[v][2 * j + 1] = __fadd_rn(acc[v][2 * j + 1], bf16_to_f32(wd[j] >> 16));
+                        acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_f32(wd[j] & 0xFFFFu));
+                        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_f32(wd[j] >> 16));
                     }
                 }
             }
-        }
-#pragma unroll
-        for (int v = 0; v < ROW_UNROLL; ++v) {
-            const int i = base + v * 32;
-            if (i < nvec) {
-                uint4 o;
-                o.x = f32_to_bf16(acc[v][0]) | (f32_to_bf16(acc[v][1]) << 16);
-                o.y = f32_to_bf16(acc[v][2]) | (f32_to_bf16(acc[v][3]) << 16);
-                o.z = f32_to_bf16(acc[v][4]) | (f32_to_bf16(acc[v][5]) << 16);
-                o.w = f32_to_bf16(acc[v][6]) | (f32_to_bf16(acc[v][7]) << 16);
-                out[t * nvec + i] = o;
-            }
+            uint4 o;
+            o.x = f32_to_bf16(acc[0]) | (f32_to_bf16(acc[1]) << 16);
+            o.y = f32_to_bf16(acc[2]) | (f32_to_bf16(acc[3]) << 16);
+            o.z = f32_to_bf16(acc[4]) | (f32_to_bf16(acc[5]) << 16);
+            o.w = f32_to_bf16(acc[6]) | (f32_to_bf16(acc[7]) << 16);
+            out[t * nvec + c] = o;
         }
     }
     __syncthreads();
