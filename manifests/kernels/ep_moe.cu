@@ -48,29 +48,6 @@ __device__ __forceinline__ void publish(int lane) {
     }
 }
 
-// System-scope loads and stores of the low-latency flags (see ep_dispatch_ll / ep_combine_ll).
-__device__ __forceinline__ void st_relaxed_sys(unsigned long long* addr, unsigned long long value) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long* addr) {
-    unsigned long long value;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
-    return value;
-}
-
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* addr) {
-    unsigned long long value;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
-    return value;
-}
-
-__device__ __forceinline__ unsigned long long globaltimer_ns() {
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    return now;
-}
-
 // Copy chunk `chunk` (vectors chunk * CHUNK_VECS ..) of a row of `nvec` 16-byte vectors, one warp.
 __device__ __forceinline__ void copy_chunk(uint4* dst, const uint4* src, int nvec, int chunk, int lane) {
     const int base = chunk * CHUNK_VECS + lane;
@@ -441,10 +418,7 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
                                              int experts,
                                              int G,
                                              int me,
-                                             int groups,
-                                             unsigned int* rowcount = 0,
-                                             unsigned long long* const* rowflag_peers = 0,
-                                             unsigned long long epoch = 0ull) {
+                                             int groups) {
     const int nvec = hidden / 8;
     const size_t row_bytes = (size_t)hidden * 2;
     const int mine = groups / G;
@@ -509,22 +483,6 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
                 dst[i] = o;
             }
         }
-        if (rowcount) {
-            // Low-latency mode: the warp that stores a row's last chunk announces the row to member s (its
-            // rowflags[q][t] = epoch). Each chunk's warp fences its stores (system scope) before it counts the
-            // chunk (a release); the counting warp that sees the others' counts fences again before the flag
-            // store (acquire, then release: cumulative over every chunk's stores), and zeroes the count for
-            // the next launch.
-            __syncwarp();
-            if (lane == 0) {
-                asm volatile("fence.acq_rel.sys;" ::: "memory");
-                if (atomicAdd(&rowcount[r], 1u) == (unsigned int)it.chunks - 1u) {
-                    rowcount[r] = 0u;
-                    asm volatile("fence.acq_rel.sys;" ::: "memory");
-                    st_relaxed_sys(rowflag_peers[s] + (size_t)q * tokens + t, epoch);
-                }
-            }
-        }
     }
 }
 
@@ -574,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 // ---------------------------------------------------------------------------------------------------------
 // Low-latency mode: one kernel per direction (small batches). ep_dispatch_ll is dispatch + layout (+ fanout),
 // ep_combine_ll is combine + reduce, with device-side flags where the standard path has kernel boundaries
-// and peer barriers (per-row flags: see ep_combine_ll; the points below are ep_dispatch_ll's). They write the same bytes as the standard kernels (the same device functions, the
+// and peer barriers. They write the same bytes as the standard kernels (the same device functions, the
 // same layout order, the same reduction order), so outputs stay byte-identical to EP1.
 //
 // Synchronisation, and why it cannot deadlock or reuse a stale flag:
@@ -586,10 +544,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 //   at most the GPU's SM count, the bench checks it) and __launch_bounds__(512) with 512 threads, one
 //   block fits an otherwise idle SM (small static shared memory); nothing runs beside it on the GPU. Past
 //   LL_TIMEOUT_NS it gives up and reports err[0] |= 16 instead of hanging.
-// - Peer flags: ll_flags (u64[2][G], mapped into every member) holds in [0][s] the last dispatch epoch
-//   member s announced to this rank ([1][s] is unused: the combine announces rows, not launches). Epochs
-//   come from ll_state (u64[2], local; [0] dispatch, [1] combine), read by every block at entry and, for
-//   the dispatch, advanced by block 0 after the first grid barrier (every block read it before arriving): K launches in a captured graph get K fresh epochs, no
+// - Peer flags: ll_flags (u64[2][G], mapped into every member) holds in [0][s] / [1][s] the last
+//   dispatch / combine epoch member s announced to this rank. Epochs come from ll_state (u64[2], local;
+//   [0] dispatch, [1] combine), read by every block at entry and advanced by block 0 after the first grid
+//   barrier (every block read it before arriving): K launches in a captured graph get K fresh epochs, no
 //   host reset (buffers start zeroed; ranks run the same programs, so the counters advance in lockstep).
 //   Flags only grow, so `>= epoch` is never met by an older announcement.
 // - Release: every warp fences its peer stores at system scope (publish) before its block arrives at the
@@ -611,6 +569,28 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 // blockDim.x: a multiple of 32, at least G, at most 512.
 #define LL_TIMEOUT_NS 10000000000ull
 #define LL_FULL 0xFFFFFFFFu
+
+__device__ __forceinline__ void st_relaxed_sys(unsigned long long* addr, unsigned long long value) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long* addr) {
+    unsigned long long value;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* addr) {
+    unsigned long long value;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
 
 // Every block of the grid arrives before any block leaves (see above). Called by every thread.
 __device__ __forceinline__ void grid_sync(unsigned int* counter, unsigned int* err) {
@@ -790,31 +770,14 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
 // (flags slot [1], state[1], ll_grid[1]) and `comb`, this rank's combine rows (what comb_peers maps at
 // index me). The reduce: out[t] = bf16(sum over the groups q the token uses, ascending, of comb[q][t]),
 // float32 from 0: ep_reduce's operations in ep_reduce's order.
-// combine_ll: the combine's rows, each announced to its receiver as it is complete (per-row flags, not a grid
-// barrier), then the final sum of each of this rank's tokens as soon as its rows are here, in one kernel.
-//   rowflag_peers u64[G]: member g's ll_rowflags [groups][tokens] u64; rowflags: this rank's
-//   rowcount      [G * tokens * groups / G] u32 local: chunks of each (row, group) stored so far (zero between
-//                 launches); state: ll_state ([1]: the combine's epoch); done: u32 local (ll_grid[1])
-//   the rest as ep_combine and ep_reduce
-// Epoch: every block reads state[1] + 1 at entry; the last block to finish (done counts blocks) stores it
-// and zeroes done, so K launches in a graph get K epochs with no host reset, and no block can read the
-// epoch after it moved (every block counted itself after reading it). Rowflags only grow, so `>= epoch`
-// is never met by an older announcement, whatever rows earlier launches (of other token counts) sent.
-// Wait: warp w sums tokens w, w + warps, ...: lane q polls rowflags[q][t] of each group q the token uses
-// (topk_idx: exactly the rows members send it), then one acquire load pairs with that row's release and
-// __syncwarp hands the view to the warp. A row missing past LL_TIMEOUT_NS: err[0] |= 4, err[3] |= 1 << the
-// member holding group q; a kernel that saw err[0] & 4 waits for nothing more (its output is then wrong,
-// and the err check says so). Every block's warps send before any of them waits (__syncthreads): a block
-// never waits on rows its own later warps would store.
 extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __restrict__ y,
                                                                const unsigned int* meta,
                                                                const int* route_row,
                                                                unsigned char* const* comb_peers,
-                                                               unsigned long long* const* rowflag_peers,
-                                                               unsigned long long* rowflags,
-                                                               unsigned int* rowcount,
+                                                               unsigned long long* const* flag_peers,
+                                                               unsigned long long* flags,
                                                                unsigned long long* state,
-                                                               unsigned int* done,
+                                                               unsigned int* grid_counter,
                                                                const uint4* comb,
                                                                const int* __restrict__ topk_idx,
                                                                uint4* out,
@@ -829,20 +792,25 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
     __shared__ unsigned long long epoch_s;
     const int tid = threadIdx.x;
     if (tid == 0) {
-        epoch_s = state[1] + 1ull;
+        epoch_s = state[1] + 1ull;  // every block reads it before it arrives at the grid barrier
     }
-    __syncthreads();
+    combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups);
+    publish(tid & 31);
+    grid_sync(grid_counter, err);
     const unsigned long long epoch = epoch_s;
-    combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups, rowcount,
-                 rowflag_peers, epoch);
-    __syncthreads();
+    if (blockIdx.x == 0 && tid == 0) {
+        state[1] = epoch;
+    }
+    announce(flag_peers, G, epoch, G, me);
+    wait_members(flags + G, epoch, G, err);
 
-    const int lane = tid & 31;
     const long long nvec = hidden / 8;
+    const long long total = (long long)tokens * nvec;
+    const long long stride = (long long)gridDim.x * blockDim.x;
     const int per_group = experts / groups;
-    const int mine = groups / G;
-    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    for (long long t = ((long long)blockIdx.x * blockDim.x + tid) >> 5; t < tokens; t += nwarps) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + tid; i < total; i += stride) {
+        const long long t = i / nvec;
+        const long long c = i - t * nvec;
         u64 used = 0;
         for (int kk = 0; kk < topk; ++kk) {
             const int e = topk_idx[t * topk + kk];
@@ -850,52 +818,24 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
                 used |= 1ull << (e / per_group);
             }
         }
-        for (int q = lane; q < groups; q += 32) {
-            if (!((used >> q) & 1ull)) {
-                continue;
-            }
-            const unsigned long long* flag = rowflags + (size_t)q * tokens + t;
-            if (ld_relaxed_sys(flag) < epoch && !(*(volatile unsigned int*)&err[0] & 4u)) {
-                const unsigned long long start = globaltimer_ns();
-                while (ld_relaxed_sys(flag) < epoch) {
-                    if (globaltimer_ns() - start > LL_TIMEOUT_NS) {
-                        atomicOr(&err[0], 4u);
-                        atomicOr(&err[3], 1u << ((q / mine) & 31));
-                        break;
-                    }
-                }
-            }
-            (void)ld_acquire_sys(flag);  // pairs with the row's release: its bytes are visible now
-        }
-        __syncwarp();
-        for (long long c = lane; c < nvec; c += 32) {
-            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            for (int q = 0; q < groups; ++q) {
-                if ((used >> q) & 1ull) {
-                    const uint4 p = comb[((long long)q * tokens + t) * nvec + c];
-                    const unsigned int wd[4] = {p.x, p.y, p.z, p.w};
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int q = 0; q < groups; ++q) {
+            if ((used >> q) & 1ull) {
+                const uint4 p = comb[((long long)q * tokens + t) * nvec + c];
+                const unsigned int wd[4] = {p.x, p.y, p.z, p.w};
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_f32(wd[j] & 0xFFFFu));
-                        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_f32(wd[j] >> 16));
-                    }
+                for (int j = 0; j < 4; ++j) {
+                    acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_f32(wd[j] & 0xFFFFu));
+                    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_f32(wd[j] >> 16));
                 }
             }
-            uint4 o;
-            o.x = f32_to_bf16(acc[0]) | (f32_to_bf16(acc[1]) << 16);
-            o.y = f32_to_bf16(acc[2]) | (f32_to_bf16(acc[3]) << 16);
-            o.z = f32_to_bf16(acc[4]) | (f32_to_bf16(acc[5]) << 16);
-            o.w = f32_to_bf16(acc[6]) | (f32_to_bf16(acc[7]) << 16);
-            out[t * nvec + c] = o;
         }
-    }
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        if (atomicAdd(done, 1u) == gridDim.x - 1u) {  // the last block: every block has read the epoch
-            state[1] = epoch;
-            *done = 0u;
-        }
+        uint4 o;
+        o.x = f32_to_bf16(acc[0]) | (f32_to_bf16(acc[1]) << 16);
+        o.y = f32_to_bf16(acc[2]) | (f32_to_bf16(acc[3]) << 16);
+        o.z = f32_to_bf16(acc[4]) | (f32_to_bf16(acc[5]) << 16);
+        o.w = f32_to_bf16(acc[6]) | (f32_to_bf16(acc[7]) << 16);
+        out[i] = o;
     }
 }
 

@@ -260,9 +260,9 @@ KERNELS = {
         "unsigned int* gc, const unsigned int* meta, const uint4* recv, int* rr, int* ss, int* er, "
         "unsigned char* slab, unsigned int* err, int tokens, int topk, int hidden, int experts, int G, int me, int cap",
         "ep_combine_ll": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
-        "unsigned long long* const* fp, unsigned long long* rf, unsigned int* rc, unsigned long long* state, "
-        "unsigned int* gc, const uint4* comb, const int* ti, uint4* out, unsigned int* err, int tokens, int topk, "
-        "int hidden, int experts, int G, int me, int groups",
+        "unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, unsigned int* gc, "
+        "const uint4* comb, const int* ti, uint4* out, unsigned int* err, int tokens, int topk, int hidden, "
+        "int experts, int G, int me, int groups",
         "ep_peer_copy": "const uint4* src, unsigned char* const* dp, int rows, int hidden, int G, int me",
         "ep_dispatch_fp8": "const unsigned short* x, const int* ti, const unsigned short* tw, "
         "unsigned char* const* qp, float* const* sp, unsigned int* const* mp, unsigned int* err, int tokens, "
@@ -719,20 +719,12 @@ def ll_dispatch_args(me, G, T, K, H, E, cap, fanout=True):
 
 
 def ll_combine_args(me, G, T, K, H, E, R):
-    """ep_combine_ll's arguments over arrays comb<g> and rf<g> (member g's combine rows and row flags), rc
-    (this rank's chunk counts), state, gc (the done counter) and the rest."""
     def args(a):
-        a["cp"], a["fp"] = tables(a, [f"comb{g}" for g in range(G)]), tables(a, [f"rf{g}" for g in range(G)])
-        return [ptr(a["y"]), ptr(a["meta"]), ptr(a["rr"]), ptr(a["cp"]), ptr(a["fp"]), ptr(a[f"rf{me}"]),
-                ptr(a["rc"]), ptr(a["state"]), ptr(a["gc"]), ptr(a[f"comb{me}"]), ptr(a["ti"]), ptr(a["out"]),
-                ptr(a["err"]), T, K, H, E, G, me, R]
+        a["cp"], a["fp"] = tables(a, [f"comb{g}" for g in range(G)]), tables(a, [f"flags{g}" for g in range(G)])
+        return [ptr(a["y"]), ptr(a["meta"]), ptr(a["rr"]), ptr(a["cp"]), ptr(a["fp"]), ptr(a[f"flags{me}"]),
+                ptr(a["state"]), ptr(a["gc"]), ptr(a[f"comb{me}"]), ptr(a["ti"]), ptr(a["out"]), ptr(a["err"]),
+                T, K, H, E, G, me, R]
     return args
-
-
-def ll_rows_sent(meta_block, q, per_group):
-    """bool [tokens]: the tokens of one source block (u32 routing words [tokens, K]) that use group q."""
-    e = (meta_block & 0xFFFF).astype(np.int64)
-    return ((e != ep_twins.NO_EXPERT) & (e // per_group == q)).any(axis=1)
 
 
 def assert_same(c, t, skip=("rp", "mp", "fp", "cp")):
@@ -776,17 +768,15 @@ def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(e
         arrays = {k: v for k, v in c.items() if k not in ("rp", "mp", "fp")}
     comb = {
         "y": bf16_wide(rng, (L * cap, H)), "meta": c["meta0"], "rr": c["rr"], "comb0": np.zeros((R * T, H), np.uint16),
-        "rf0": np.zeros(R * T, np.uint64), "rc": np.zeros(R * T, np.uint32), "state": c["state"],
-        "gc": np.zeros(1, np.uint32), "ti": idx, "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
+        "flags0": c["flags0"], "state": c["state"], "gc": np.zeros(1, np.uint32), "ti": idx,
+        "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
     }
     for launch in (1, 2):
         c, t = both(emulated, "ep_combine_ll", 1, 64, ll_combine_args(0, G, T, K, H, E, R), comb)
         assert_same(c, t)
-        assert c["state"].tolist() == [2, launch] and c["gc"][0] == 0 and not c["rc"].any()
-        assert c["err"].tolist() == [0, 0, 0, 0]
+        assert c["state"].tolist() == [2, launch] and c["flags0"].tolist() == [2, launch]
+        assert c["gc"][0] == (0x80000000 if launch == 1 else 0) and c["err"].tolist() == [0, 0, 0, 0]
         used = ep_twins.groups_used(idx, E, R)
-        # every row sent (each group a token uses: it sends to itself) carries this launch's epoch, no other
-        assert (c["rf0"].reshape(R, T) == np.where(used.T, launch, 0)).all()
         want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), used)
         assert np.array_equal(c["out"], want) and c["out"].any()
         comb = {k: v for k, v in c.items() if k not in ("cp", "fp")}
@@ -827,20 +817,15 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     y = bf16_wide(rng, (L * cap, H))
     combs = [np.zeros((R * T, H), np.uint16) for _ in range(G)]
     combs[0][T:] = bf16_random(rng, (T, H))  # group 1's rows of rank 0's tokens, from the peer
-    per_group = E // R
-    rfs = [np.zeros((R, T), np.uint64) for _ in range(G)]
-    rfs[0][1][ep_twins.groups_used(idx[0], E, R)[:, 1]] = 1  # the peer's rows announced (epoch 1)
+    c["flags0"][G + 1] = 1  # the peer's combine announcement
     comb = {
-        "y": y, "meta": c["meta0"], "rr": c["rr"], "comb0": combs[0], "comb1": combs[1], "rf0": rfs[0],
-        "rf1": rfs[1], "rc": np.zeros(R * G * T // G, np.uint32), "state": c["state"], "gc": np.zeros(1, np.uint32),
-        "ti": idx[0], "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
+        "y": y, "meta": c["meta0"], "rr": c["rr"], "comb0": combs[0], "comb1": combs[1], "flags0": c["flags0"],
+        "flags1": c["flags1"], "state": c["state"], "gc": np.zeros(1, np.uint32), "ti": idx[0],
+        "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
     }
     c, t = both(emulated, "ep_combine_ll", 1, 64, ll_combine_args(0, G, T, K, H, E, R), comb)
     assert_same(c, t)
-    assert c["err"].tolist() == [0, 0, 0, 0] and c["state"].tolist() == [1, 1] and not c["rc"].any()
-    # rank 0 announced group 0's rows to the peer (for the peer's tokens using it) and to itself
-    assert (c["rf1"][0] == ll_rows_sent(c["meta"][T:], 0, per_group)).all() and not c["rf1"][1].any()
-    assert (c["rf0"][0] == ll_rows_sent(c["meta"][:T], 0, per_group)).all() and c["rf1"][0].any()
+    assert c["err"].tolist() == [0, 0, 0, 0] and c["flags1"].tolist() == [1, 0, 1, 0]
     assert c["comb1"][:T].any() and c["comb0"][:T].any()  # group 0's rows to the peer and to itself
     want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), ep_twins.groups_used(idx[0], E, R))
     assert np.array_equal(c["out"], want) and c["out"].any()
@@ -865,14 +850,12 @@ def test_low_latency_kernels_name_a_silent_peer_and_end(emulated):
     assert c["err"][0] & 4 and c["err"][3] == 2 and c["flags1"].tolist() == [1, 0, 0, 0]
     comb = {
         "y": np.zeros((L * cap, H), np.uint16), "meta": c["meta0"], "rr": c["rr"],
-        "comb0": np.zeros((R * T, H), np.uint16), "comb1": np.zeros((R * T, H), np.uint16),
-        "rf0": np.zeros((R, T), np.uint64), "rf1": np.zeros((R, T), np.uint64), "rc": np.zeros(R * T, np.uint32),
-        "state": c["state"], "gc": np.zeros(1, np.uint32), "ti": arrays["ti"], "out": np.zeros((T, H), np.uint16),
-        "err": np.zeros(4, np.uint32),
+        "comb0": np.zeros((R * T, H), np.uint16), "comb1": np.zeros((R * T, H), np.uint16), "flags0": c["flags0"],
+        "flags1": c["flags1"], "state": c["state"], "gc": np.zeros(1, np.uint32), "ti": arrays["ti"],
+        "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
     }
     c = emulate(emulated, "ep_combine_ll", 1, 32, ll_combine_args(0, G, T, K, H, E, R), comb)
-    # group 1's rows never came: member 1 named once; rank 0's own group 0 rows were announced to itself
-    assert c["err"].tolist() == [4, 0, 0, 2] and (c["rf0"][0] == 1).all() and not c["rf0"][1].any()
+    assert c["err"].tolist() == [4, 0, 0, 2] and c["flags1"].tolist() == [1, 0, 1, 0]
 
 
 def test_a_wrong_twin_is_caught(emulated, monkeypatch):

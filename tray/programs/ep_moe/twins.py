@@ -556,34 +556,6 @@ def ep_dispatch_ll(
         ep_fanout(backend, grid, block, recv, route_row, slab, tokens, topk, hidden, G)
 
 
-def _ll_rows_announce_and_wait(meta: int, topk_idx: int, rowflag_peers: int, rowflags: int, epoch: int,
-                               tokens: int, topk: int, experts: int, G: int, me: int, groups: int, err: int) -> None:
-    """ep_combine_ll's per-row flags: store `epoch` into member s's rowflags[q][t] for every row this rank
-    sent it (token t of s uses group q held here: its routing word in `meta`), then wait until every row this
-    rank's tokens use (its topk_idx) is announced; a row silent past LL_TWIN_TIMEOUT_S is recorded as the
-    kernel does (err[0] |= 4, err[3] |= 1 << the member holding its group), and no later row is waited for."""
-    mine, per_group = groups // G, experts // groups
-    m = _at(meta, G * tokens * topk, np.uint32).reshape(G, tokens, topk)
-    e = (m & np.uint32(0xFFFF)).astype(np.int64)
-    group = np.where(e == NO_EXPERT, -1, e // per_group)
-    for s, p in enumerate(u64_at(rowflag_peers, G)):
-        flags = u64_at(int(p), groups * tokens).reshape(groups, tokens)
-        for qi in range(mine):
-            q = me * mine + qi
-            flags[q][(group[s] == q).any(axis=1)] = np.uint64(epoch)
-    used = groups_used(_at(topk_idx, tokens * topk, np.int32).reshape(tokens, topk), experts, groups)
-    own = u64_at(rowflags, groups * tokens).reshape(groups, tokens)
-    deadline = time.monotonic() + LL_TWIN_TIMEOUT_S
-    errs = _at(err, 4, np.uint32)
-    for t, q in zip(*np.nonzero(used), strict=True):
-        while int(own[q, t]) < epoch and not errs[0] & 4:
-            if time.monotonic() > deadline:
-                errs[0] |= 4
-                errs[3] |= np.uint32(1 << ((int(q) // mine) % 32))
-                break
-            time.sleep(20e-6)
-
-
 @twin("ep_combine_ll")
 def ep_combine_ll(
     backend: Any,
@@ -593,11 +565,10 @@ def ep_combine_ll(
     meta: int,
     route_row: int,
     comb_peers: int,
-    rowflag_peers: int,
-    rowflags: int,
-    rowcount: int,
+    flag_peers: int,
+    flags: int,
     state: int,
-    done: int,
+    grid_counter: int,
     comb: int,
     topk_idx: int,
     out: int,
@@ -610,14 +581,11 @@ def ep_combine_ll(
     me: int,
     groups: int,
 ) -> None:
-    """ep_combine, each row announced by its own flag, then ep_reduce once every row used is here. The
-    kernel leaves rowcount and done as it found them (zero), so the twin does not touch them."""
-    epoch = int(u64_at(state, 2)[1]) + 1
     ep_combine(backend, grid, block, y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups)
-    _ll_rows_announce_and_wait(meta, topk_idx, rowflag_peers, rowflags, epoch, tokens, topk, experts, G, me, groups,
-                               err)
+    epoch = _ll_epoch(state, 1)
+    _ll_grid(grid_counter, 1)
+    _ll_announce_and_wait(flag_peers, flags, G, epoch, G, me, err)
     ep_reduce(backend, grid, block, comb, topk_idx, out, tokens, topk, hidden, experts, groups)
-    u64_at(state, 2)[1] = np.uint64(epoch)
 
 
 @twin("ep_peer_copy")
