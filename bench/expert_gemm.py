@@ -346,17 +346,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated variant names (production always runs)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    tokens = [int(t) for t in a.tokens.split(",")]
+    try:
+        tokens = [int(t) for t in a.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens takes comma-separated counts, got {a.tokens!r}")
     routings = a.routing.split(",")
-    if a.all_experts % a.experts:
-        raise UsageError(f"--experts {a.experts} must divide --all-experts {a.all_experts}")
-    for r in routings:
-        parse_routing(r)
+    if a.experts < 1 or a.all_experts % a.experts:
+        ap.error(f"--experts ({a.experts}) must be positive and divide --all-experts ({a.all_experts})")
+    if min(tokens) < 1 or a.repeats < 1 or not 1 <= a.topk <= a.all_experts:
+        ap.error(f"--tokens and --repeats must be positive and --topk in 1..{a.all_experts}; got --tokens "
+                 f"{a.tokens}, --repeats {a.repeats}, --topk {a.topk}")
+    if a.hidden % 8 or a.expert_dim % 8:
+        ap.error(f"--hidden ({a.hidden}) and --expert-dim ({a.expert_dim}) must be multiples of 8 (16-byte rows)")
+    try:
+        for r in routings:
+            parse_routing(r)
+        capacity(a.capacity, 1, 1, a.topk, a.all_experts)
+    except UsageError as exc:
+        ap.error(str(exc))
+    names = {v.name for v in VARIANTS}
+    unknown = sorted(set(a.only.split(",")) - names) if a.only else []
+    if unknown:
+        ap.error(f"--only: no variant {', '.join(unknown)}; the variants are {', '.join(sorted(names))}")
     production = production_variant()
     variants = [production] + [v for v in VARIANTS if not a.only or v.name in a.only.split(",")]
-    for v in variants:
-        if a.hidden % v.bk or a.expert_dim % v.bk:
-            raise UsageError(f"variant {v.name} steps K by {v.bk}: --hidden and --expert-dim must be multiples")
     from tray.backend.cuda import CudaBackend
 
     t0 = time.perf_counter()
