@@ -445,27 +445,53 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
             }
         }
         const int base = chunk * CHUNK_VECS + lane;
-        for (int kk = 0; kk < topk; ++kk) {
-            const unsigned int e = m[kk] & 0xFFFFu;
-            const int row = route_row[u * topk + kk];
-            if (e == NO_EXPERT || (int)e / per_group != q || row < 0) {
-                continue;
+        // The expert rows this item sums, in top-k order, two in flight: the next matching row's loads are
+        // issued before the previous row's values are added (the additions keep the top-k order, so the
+        // bytes are the same as one row at a time).
+        uint4 cur[ROW_UNROLL];
+        float w_cur = 0.0f;
+        bool have = false;
+        for (int kk = 0; kk <= topk; ++kk) {
+            bool match = false;
+            float w = 0.0f;
+            const uint4* src = y;
+            if (kk < topk) {
+                const unsigned int e = m[kk] & 0xFFFFu;
+                const int row = route_row[u * topk + kk];
+                match = e != NO_EXPERT && (int)e / per_group == q && row >= 0;
+                if (!match) {
+                    continue;
+                }
+                w = bf16_to_f32(m[kk] >> 16);
+                src = y + (size_t)row * nvec;
             }
-            const float w = bf16_to_f32(m[kk] >> 16);
-            const uint4* src = y + (size_t)row * nvec;
+            uint4 next[ROW_UNROLL];
 #pragma unroll
             for (int v = 0; v < ROW_UNROLL; ++v) {
-                const int i = base + v * 32;
-                if (i < nvec) {
-                    const uint4 p = src[i];
-                    const unsigned int wd[4] = {p.x, p.y, p.z, p.w};
+                if (match && base + v * 32 < nvec) {
+                    next[v] = src[base + v * 32];
+                }
+            }
+            if (have) {
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        acc[v][2 * j] = __fadd_rn(acc[v][2 * j], __fmul_rn(w, bf16_to_f32(wd[j] & 0xFFFFu)));
-                        acc[v][2 * j + 1] = __fadd_rn(acc[v][2 * j + 1], __fmul_rn(w, bf16_to_f32(wd[j] >> 16)));
+                for (int v = 0; v < ROW_UNROLL; ++v) {
+                    if (base + v * 32 < nvec) {
+                        const unsigned int wd[4] = {cur[v].x, cur[v].y, cur[v].z, cur[v].w};
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            acc[v][2 * j] = __fadd_rn(acc[v][2 * j], __fmul_rn(w_cur, bf16_to_f32(wd[j] & 0xFFFFu)));
+                            acc[v][2 * j + 1] =
+                                __fadd_rn(acc[v][2 * j + 1], __fmul_rn(w_cur, bf16_to_f32(wd[j] >> 16)));
+                        }
                     }
                 }
             }
+#pragma unroll
+            for (int v = 0; v < ROW_UNROLL; ++v) {
+                cur[v] = next[v];
+            }
+            w_cur = w;
+            have = match;
         }
         const long long s = u / tokens;
         const long long t = u - s * tokens;
