@@ -16,21 +16,22 @@
 //
 // Block: 128 threads = 4 warps over a GEMM_BM x GEMM_BN tile of C (default 128 x 128). K advances GEMM_BK
 // at a time through a ring of GEMM_STAGES shared-memory stages filled by cp.async (global -> shared without
-// registers): while one stage is multiplied, the next GEMM_STAGES - 1 are in flight. At decode sizes an
-// expert has a few rows, so the kernel streams weights: its speed is the bytes in flight per SM and how
-// long a run of each weight row one copy reads (GEMM_BK * 2 bytes per row per stage), not the tensor cores.
-// GEMM_PREFETCH (0, 64, 128 or 256) asks L2 to fetch that many bytes around each weight copy of a block with
-// at most 32 rows, so the next stages of a row are read from DRAM in longer bursts (blocks with more rows are
-// bound by the tensor cores, where the hint measured slower); they also lay the block's shared memory out as
-// a deeper ring of 32-row A tiles (GEMM_SKINNY_STAGES: 4 for the default shape, against 3 of 128 rows), for
-// more weight bytes in flight. GEMM_LDMATRIX 1 loads the mma fragments from
-// shared memory with ldmatrix instead of 32-bit loads; GEMM_PIPE 1 loads a K step's fragments while the
-// previous step's mma run (measured no faster on H200, bench/results/h200/expert_gemm_variants.json, so off). Shared rows are padded to GEMM_BK + 8 bf16, so the fragment loads (8 rows x 4
-// words per warp) hit 32 distinct banks. The tile shape is fixed when the source is compiled (manifest
-// "options", e.g. -DGEMM_BK=64); a ring over 48 KiB lives in dynamic shared memory, whose size the launch
-// passes (GEMM_SMEM_BYTES; a launch with less traps, see masked_gemm). Every configuration sums each output
-// element in the same order (mma over K in steps of 16, from k = 0 up), so the bytes do not depend on the
-// tile shape.
+// registers): while one stage is multiplied, the next GEMM_STAGES - 1 are in flight.
+// - Decode sizes (a few rows per expert) stream weights: the speed is the bytes in flight per SM and how long
+//   a run of each weight row one copy reads (GEMM_BK * 2 bytes per row and stage), not the tensor cores. A
+//   block of at most 32 rows asks L2 to fetch GEMM_PREFETCH bytes (0, 64, 128 or 256) around each weight
+//   copy, so the next stages of a row come from DRAM in longer bursts, and lays its shared memory out as a
+//   deeper ring of 32-row A tiles (GEMM_SKINNY_STAGES: 4 for the default shape, against 3 of 128 rows).
+// - Blocks with more rows are bound by the tensor cores (there the prefetch hint measured slower).
+//   GEMM_LDMATRIX 1 loads the mma fragments from shared memory with ldmatrix instead of 32-bit loads;
+//   GEMM_PIPE 1 loads a K step's fragments while the previous step's mma run (measured no faster on H200,
+//   bench/results/h200/expert_gemm_variants.json, so off).
+// Shared rows are padded to GEMM_BK + 8 bf16, so the fragment loads (8 rows x 4 words per warp) hit 32
+// distinct banks. The tile shape is fixed when the source is compiled (manifest "options", e.g.
+// -DGEMM_BK=64); a ring over 48 KiB lives in dynamic shared memory, whose size the launch passes
+// (GEMM_SMEM_BYTES; a launch with less traps, see masked_gemm). Every configuration sums each output element
+// in the same order (mma over K in steps of 16, from k = 0 up), so the bytes do not depend on the tile shape
+// (bench/expert_gemm.py checks every shape it times against the default, byte for byte).
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16): lane = 4 g + t; A regs {row g, cols 2t..2t+1},
 // {row g+8, same cols}, {row g, cols 2t+8..}, {row g+8, cols 2t+8..}; B regs {k 2t..2t+1, col g},
