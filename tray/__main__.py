@@ -1,3 +1,3 @@
-from tray.cli import main
+from tray.cli import program
 
-raise SystemExit(main())
+program()

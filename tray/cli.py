@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tray.errors import TrayError, UsageError
 
@@ -267,15 +268,50 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _ignore_late_signals() -> None:
+    """The command is over (its tray stopped): a SIGINT/SIGTERM now would only change how the process ends.
+    Ignored, not defaulted: CPython puts its handled signals back to the default while it shuts down, so a
+    second SIGTERM during the exit would otherwise kill the process (-15) instead of the exit status
+    saying what happened."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command in this process; returns its exit status. SIGTERM is a Ctrl-C while it runs; the
+    caller's SIGTERM handler is put back afterwards (`program` is the entry point that exits instead)."""
     args = build_parser().parse_args(argv)
     # SIGTERM to the head tears the tray down like Ctrl-C does (the ranks die with it anyway).
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         return int(args.fn(args))
     except TrayError as exc:
         print(f"tray: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("tray: interrupted; the tray was stopped", file=sys.stderr)
+        # a second signal now is held until the line is out (then raised, as any signal would be)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            print("tray: interrupted; the tray was stopped", file=sys.stderr, flush=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def program() -> NoReturn:
+    """The `tray` command: main(), then exit with its status, signals that come after the command ended
+    ignored (see _ignore_late_signals); one that lands between main's own handling and that is an
+    interruption too (130)."""
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # what main puts back when it ends
+    code = 130
+    try:
+        try:
+            code = main()
+        finally:
+            _ignore_late_signals()
+    except KeyboardInterrupt:
+        _ignore_late_signals()
+        code = 130
+    sys.exit(code)
