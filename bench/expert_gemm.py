@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from tray.bench import median, write_report
+from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from tray.errors import UsageError
 from tray.manifest.builtin import kernel_dir
 from tray.programs.ep_moe.gemm_tile import masked_tile
@@ -110,7 +111,6 @@ class Case:
     """One routing on one GPU: the buffers, the counts and the index, and the launches over them."""
 
     def __init__(self, backend: Any, a: argparse.Namespace, tokens: int, routing: str, w13: Any, w2: Any) -> None:
-        self.backend = backend
         self.E, self.H, self.F = a.experts, a.hidden, a.expert_dim
         world = a.all_experts // a.experts
         self.cap = capacity(a.capacity, world, max(tokens // world, 1), a.topk, a.all_experts)
@@ -138,8 +138,6 @@ class Case:
         self.y = b.allocate("eg_y", self.E * self.cap * self.H * 2, export=False)
         self.slab = b.allocate("eg_slab", self.E * self.cap * self.H * 2, export=False)
         rng = np.random.default_rng(a.seed + 1)
-        from tray.dtypes import f32_to_bf16_bits
-
         self.x_host = f32_to_bf16_bits(rng.standard_normal((tokens, self.H)).astype(np.float32))
         b.write(self.x.ptr, self.x_host)
         b.write(self.rows_buf.ptr, rows)
@@ -199,8 +197,6 @@ def _rows_of(backend: Any, buf: Any, case: Case, width: int) -> np.ndarray:
 
 def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Variant], silu_kernel: Any,
              read_kernel: Any) -> dict[str, Any]:
-    from tray.dtypes import bf16_bits_to_f32
-
     E, H, F, cap = case.E, case.H, case.F, case.cap
     silu = silu_kernel.bind(((E * cap * F // 8 + 255) // 256, 1, 1), (256, 1, 1),
                             [case.h13.ptr, case.act.ptr, case.rows_buf.ptr, E, 1, cap, F])
@@ -250,29 +246,15 @@ def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Var
     if not errs or max(errs) > 1e-2:
         failed.append(f"production h13 vs float64: max relative error {max(errs) if errs else 'none'}")
     # cuBLAS per expert on the dense slab: cap rows (graph-valid) and exactly the rows present (host counts)
-    def cublas(m_of: Any) -> list[Any]:
-        calls = []
-        for e in range(E):
-            m = m_of(e)
-            if m == 0:
-                continue
-            calls.append(lambda e=e, m=m: backend.gemm(case.slab.ptr + e * cap * H * 2,
-                                                       case.w13.ptr + e * 2 * F * H * 2,
-                                                       case.h13.ptr + e * cap * 2 * F * 2, m, 2 * F, H))
-        return calls
-
-    def cublas_w2(m_of: Any) -> list[Any]:
-        calls = []
-        for e in range(E):
-            m = m_of(e)
-            if m == 0:
-                continue
-            calls.append(lambda e=e, m=m: backend.gemm(case.act.ptr + e * cap * F * 2, case.w2.ptr + e * H * F * 2,
-                                                       case.y.ptr + e * cap * H * 2, m, H, F))
-        return calls
+    def per_expert(a: Any, w: Any, c: Any, n: int, k: int, m_of: Any) -> list[Any]:
+        """One cuBLAS call per expert with rows: C_e[m, n] = A_e[m, k] @ W_e[n, k]^T, m = m_of(e)."""
+        return [lambda e=e, m=m_of(e): backend.gemm(a.ptr + e * cap * k * 2, w.ptr + e * n * k * 2,
+                                                    c.ptr + e * cap * n * 2, m, n, k)
+                for e in range(E) if m_of(e) > 0]
 
     for name, m_of in (("cublas_cap", lambda e: cap), ("cublas_rows", lambda e: int(case.rows[e]))):
-        g13, g2 = cublas(m_of), cublas_w2(m_of)
+        g13 = per_expert(case.slab, case.w13, case.h13, 2 * F, H, m_of)
+        g2 = per_expert(case.act, case.w2, case.y, H, F, m_of)
         for c in g13:
             c()
         silu.launch()
