@@ -1,0 +1,353 @@
+// ep_gemm_wgmma: the experts' GEMMs of ep_gemm.cu (same entries' contract) on Hopper's warpgroup MMA
+// (wgmma.mma_async, sm_90a only: compiled with --gpu-architecture=sm_90a, manifests/ep_moe.json
+// "experts_wgmma"). For large batches, where ep_gemm.cu's mma.sync is bound by instruction issue; decode
+// sizes stay on ep_gemm.cu (a few rows per expert stream weights, and 128-row tiles would only add zeros).
+//
+// One launch computes every local expert: C[e][r][n] = bf16( sum_k A_e[r][k] * B[e][n][k] ) for the rows
+// r < rows[e] present (device counts), every n < N. B [experts][N][K] (nn.Linear weights), C [experts][cap][N],
+// bf16 in and out, float32 accumulation, one round to nearest even at the end (ep_math.cu's recipe).
+// K % 8 == 0, N % 2 == 0; partial tiles in M, N and K are masked (A rows past rows[e], B rows past N and
+// columns past K are zero-filled in shared memory, so they add exactly nothing; stores are masked).
+//   ep_wgmma_gemm         A_e[r] = A[e * cap + r]             (a dense [experts][cap][K] operand)
+//   ep_wgmma_gemm_gather  A_e[r] = A[a_index[e * cap + r]]    (the received rows read in place)
+// Both run the same instructions over the same values, so the gather's bytes equal the dense entry's over
+// the slab the index describes. wgmma's summation order inside one k16 step is the hardware's, not
+// mma.sync's: the bytes need not equal ep_gemm.cu's (both are within bf16 rounding of float64), but they are
+// the same on every run (no atomics, no split K) and do not depend on how many rows an expert has.
+//
+// Block: 256 threads = 2 warpgroups over a 128 x WG_BN tile of C; warpgroup w owns rows 64 w .. 64 w + 63
+// (one m64nWG_BNk16 wgmma per 16 of K, the whole tile width at once). Every thread also copies: K advances 64
+// at a time through a ring of WG_STAGES shared-memory stages filled by cp.async (A rows are gathered through
+// the index, so no TMA for A; B the same way, to keep launches plain pointers). Per K tile kt:
+//   wait for this thread's copies of tile kt; fence.proxy.async (the generic-proxy writes of cp.async become
+//   visible to wgmma's async proxy); __syncthreads (everyone's have, and every warpgroup has retired the
+//   wgmma of tile kt - 2); issue the copies of tile kt + WG_STAGES - 2 into tile kt - 2's stage; issue tile
+//   kt's 4 wgmma as one group; wait until at most that group is in flight (tile kt - 1's retired).
+// So WG_STAGES - 2 tiles of copies and one wgmma group are in flight while a group is issued.
+// A warpgroup whose 64 rows are all past rows[e] issues no wgmma (it still copies and meets the barriers):
+// an expert's last tile with at most 64 rows costs half the tensor-core time.
+//
+// Shared-memory layout (the canonical K-major 128-byte-swizzle layout of the PTX ISA's wgmma matrix
+// descriptors): a stage holds A [128][64] then B [WG_BN][64] bf16, each row 128 bytes, 8-row atoms of 1024
+// bytes; the 16-byte chunk c of row r lives at chunk c ^ (r % 8) of its row. Stages are 1024-byte aligned
+// (the swizzle is a function of address bits 4-9, and the descriptors' base offset is 0). Descriptor:
+// start address >> 4 (bits 0-13), leading byte offset >> 4 (16-29: unused by swizzled K-major layouts whose
+// K step fits one 128-byte row; 1), stride byte offset >> 4 (32-45: 1024 B between 8-row atoms), swizzle
+// mode (62-63: 1 = 128 B). The k16 step s of a K tile starts 32 s bytes into the row.
+//
+// Accumulator fragment of m64nNk16 with f32 D (PTX ISA, wgmma register fragments): thread l of warp w of
+// the warpgroup (g = l / 4, t = l % 4) holds d[4 j + i] = D[16 w + g + 8 (i / 2)][8 j + 2 t + i % 2].
+
+#ifndef WG_BN
+#define WG_BN 256
+#endif
+#ifndef WG_STAGES
+#define WG_STAGES 4
+#endif
+#define WG_BM 128
+#define WG_BK 64
+#define WG_THREADS 256
+#define WG_A_BYTES (WG_BM * WG_BK * 2)
+#define WG_B_BYTES (WG_BN * WG_BK * 2)
+#define WG_STAGE_BYTES (WG_A_BYTES + WG_B_BYTES)
+// the ring, plus 1024 bytes so its start can be rounded up to the swizzle atom
+#define WG_SMEM_BYTES (WG_STAGES * WG_STAGE_BYTES + 1024)
+#define WG_A_VECS (WG_BM * 8 / WG_THREADS)  // 16-byte A copies per thread and stage
+#define WG_B_VECS (WG_BN * 8 / WG_THREADS)  // 16-byte B copies per thread and stage
+#if WG_BN != 128 && WG_BN != 256
+#error "WG_BN must be 128 or 256 (one m64nWG_BNk16 wgmma per warpgroup and k16 step)"
+#endif
+#if WG_STAGES < 3
+#error "WG_STAGES must be at least 3 (a stage being multiplied, one retiring, one or more loading)"
+#endif
+#if WG_SMEM_BYTES > 232448
+#error "the ring is over a Hopper block's 227 KiB of shared memory: fewer WG_STAGES or a narrower WG_BN"
+#endif
+
+#if defined(__CUDA_ARCH__) && !defined(TRAY_EMULATED)
+
+__device__ __forceinline__ unsigned int wg_f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+        return 0x7FC0u;
+    }
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+
+// One 16-byte global -> shared copy (cp.async.cg: L2 only); `valid` false writes 16 zero bytes, reads nothing.
+__device__ __forceinline__ void wg_cp16(unsigned int dst, const uint4* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+// The shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand starting at `saddr` (a shared
+// address; its atom 1024-byte aligned, plus 32 bytes per k16 step). See the top of this file.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned int saddr) {
+    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// Keeps the compiler from moving accumulator reads or writes across the wgmma fence / wait (the registers
+// belong to the asynchronous MMA between the two).
+template <int NACC>
+__device__ __forceinline__ void wg_fence_acc(float* d) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+        asm volatile("" : "+f"(d[i])::"memory");
+    }
+}
+
+// d[0..127] += A (64 x 16, descriptor a) * B (16 x 256, descriptor b), both K-major in shared memory
+__device__ __forceinline__ void wg_mma_n256(float* d, unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(a), "l"(b), "r"(1));
+}
+
+// d[0..63] += A (64 x 16, descriptor a) * B (16 x 128, descriptor b), both K-major in shared memory
+__device__ __forceinline__ void wg_mma_n128(float* d, unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(1));
+}
+
+// d[0..31] += A (64 x 16, descriptor a) * B (16 x 64, descriptor b), both K-major in shared memory
+__device__ __forceinline__ void wg_mma_n64(float* d, unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(1));
+}
+
+// The copies of K tile `kt` into stage `stage_addr` (a shared address): A's 128 rows (a_src[v]: this thread's
+// row v's first vector of its chunk, fixed for the whole K loop), then B's WG_BN rows. Thread tid copies
+// chunk c = tid % 8 of rows tid / 8 + 32 v; its swizzled chunk (c ^ (row % 8)) is the same for every v.
+__device__ __forceinline__ void wg_issue(unsigned int stage_addr, const uint4* const* a_src, const bool* a_valid,
+                                         const uint4* b_src, int b_limit, int K, int kt, int tid) {
+    const int c = tid & 7;
+    const int r0 = tid >> 3;
+    const int k0 = kt * WG_BK;
+    const bool in_k = k0 + c * 8 < K;
+    const unsigned int col = (unsigned int)((c ^ (r0 & 7)) << 4);
+#pragma unroll
+    for (int v = 0; v < WG_A_VECS; ++v) {
+        const int r = r0 + 32 * v;
+        const bool ok = a_valid[v] && in_k;
+        wg_cp16(stage_addr + r * 128 + col, a_src[v] + (ok ? k0 / 8 : 0), ok);
+    }
+    const unsigned int b_addr = stage_addr + WG_A_BYTES;
+#pragma unroll
+    for (int v = 0; v < WG_B_VECS; ++v) {
+        const int r = r0 + 32 * v;
+        const bool ok = r < b_limit && in_k;
+        // a row past N keeps the tile's first row (in bounds) as its address and copies nothing
+        wg_cp16(b_addr + r * 128 + col, b_src + (ok ? ((long long)(32 * v) * K + k0) / 8 : 0), ok);
+    }
+}
+
+// One m64 x NW x k16 wgmma per k16 step (NW = WG_BN or WG_BN / 2: the instruction the block's mode uses).
+template <int NW>
+__device__ __forceinline__ void wg_mma(float* d, unsigned long long a, unsigned long long b) {
+    if (NW == 256) {
+        wg_mma_n256(d, a, b);
+    } else if (NW == 128) {
+        wg_mma_n128(d, a, b);
+    } else {
+        wg_mma_n64(d, a, b);
+    }
+}
+
+// The K loop and the epilogue of one block. HALF false: warpgroup wg multiplies rows 64 wg .. 64 wg + 63 of
+// the tile by all WG_BN columns (m64nWG_BN). HALF true (at most 64 rows present, block-uniform): both
+// warpgroups multiply rows 0 .. 63, warpgroup wg columns wg WG_BN / 2 .. (m64nWG_BN/2), so a tile with
+// at most 64 rows costs half the tensor-core time. The branch is block-uniform and taken once, outside the
+// loop: a warpgroup-dependent branch around wgmma makes ptxas serialize them (C7518).
+template <bool HALF>
+__device__ __forceinline__ void wg_block(unsigned int ring, const uint4* const* a_src, const bool* a_valid,
+                                         const uint4* b_src, int b_limit, int K, int tid, unsigned int* C,
+                                         long long c_row0, int present, int m0, int n0, int N) {
+    constexpr int NW = HALF ? WG_BN / 2 : WG_BN;
+    constexpr int NACC = NW / 2;
+    const int wg = tid >> 7;
+    const int k_tiles = (K + WG_BK - 1) / WG_BK;
+    const unsigned int a_off = HALF ? 0u : (unsigned int)wg * 64u * 128u;
+    const unsigned int b_off = WG_A_BYTES + (HALF ? (unsigned int)wg * (WG_BN / 2) * 128u : 0u);
+    float acc[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+        acc[i] = 0.0f;
+    }
+    // Prologue: K tiles 0 .. WG_STAGES - 3 in flight; every step commits a group, empty or not, so "at most
+    // WG_STAGES - 3 pending" always means "tile kt has landed" below.
+#pragma unroll
+    for (int s = 0; s < WG_STAGES - 2; ++s) {
+        if (s < k_tiles) {
+            wg_issue(ring + s * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, s, tid);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 3) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        const int next = kt + WG_STAGES - 2;
+        if (next < k_tiles) {
+            wg_issue(ring + (next % WG_STAGES) * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, next, tid);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        const unsigned int stage = ring + (kt % WG_STAGES) * WG_STAGE_BYTES;
+        const unsigned long long da = wg_desc(stage + a_off);
+        const unsigned long long db = wg_desc(stage + b_off);
+        wg_fence_acc<NACC>(acc);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int s = 0; s < WG_BK / 16; ++s) {
+            wg_mma<NW>(acc, da + 2 * s, db + 2 * s);  // 32 bytes per k16 step: 2 in the address field (>> 4)
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        wg_fence_acc<NACC>(acc);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wg_fence_acc<NACC>(acc);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // no copy outlives the block (all empty by now)
+    const int warp = (tid >> 5) & 3;  // warp within the warpgroup: rows 16 warp .. 16 warp + 15 of its 64
+    const int lane = tid & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int row0 = m0 + (HALF ? 0 : 64 * wg) + 16 * warp + g;
+    const int col0 = n0 + (HALF ? wg * (WG_BN / 2) : 0) + 2 * t;
+#pragma unroll
+    for (int j = 0; j < NW / 8; ++j) {
+        const int col = col0 + 8 * j;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h;
+            if (row < present && col < N) {
+                const unsigned int lo = wg_f32_to_bf16(acc[4 * j + 2 * h]);
+                const unsigned int hi = wg_f32_to_bf16(acc[4 * j + 2 * h + 1]);
+                C[((c_row0 + row) * N + col) / 2] = lo | (hi << 16);
+            }
+        }
+    }
+}
+
+// wgmma_gemm: see the top of this file.
+//   A        [.][K] bf16          the received rows (a_index given) or [experts][cap][K] (a_index null)
+//   a_index  [experts][cap] i32   row of A for each slot r < rows[e], or null; slots at or beyond rows[e]
+//                                 are never read
+//   B        [experts][N][K] bf16, C [experts][cap][N] bf16, rows [experts] i32 (<= cap; more counts as cap)
+//   N = n * n_factor; K % 8 == 0, N % 2 == 0
+// grid (ceil(N / WG_BN), ceil(cap / 128), experts), block 256, dynamic shared memory WG_SMEM_BYTES (a
+// launch with less traps: the tile shape and the manifest disagree).
+__device__ __forceinline__ void wgmma_gemm(const uint4* __restrict__ A, const int* __restrict__ a_index,
+                                           const uint4* __restrict__ B, unsigned int* __restrict__ C,
+                                           const int* __restrict__ rows, int cap, int n, int n_factor, int K) {
+    const int N = n * n_factor;
+    const int e = blockIdx.z;
+    const int m0 = blockIdx.y * WG_BM;
+    const int n0 = blockIdx.x * WG_BN;
+    const int present = rows[e] < cap ? rows[e] : cap;
+    if (m0 >= present) {
+        return;  // the whole block: no thread has reached a barrier
+    }
+    unsigned int dyn;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < WG_SMEM_BYTES) {
+        __trap();  // the ring would overrun the block's shared memory
+    }
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    const unsigned int ring = ((unsigned int)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int a_limit = present - m0;
+    const long long a_slot0 = (long long)e * cap + m0;
+    // This thread's A rows, once: a slot past the rows present keeps an in-bounds address (A's row 0 when
+    // gathering, the tile's first row otherwise) and copies nothing.
+    const uint4* a_src[WG_A_VECS];
+    bool a_valid[WG_A_VECS];
+#pragma unroll
+    for (int v = 0; v < WG_A_VECS; ++v) {
+        const int r = (tid >> 3) + 32 * v;
+        a_valid[v] = r < a_limit;
+        const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
+                                      : a_slot0 + (a_valid[v] ? r : 0);
+        a_src[v] = A + (row * K) / 8 + (tid & 7);
+    }
+    const int b_limit = N - n0;
+    // this thread's first B row (tid / 8; the tile's first row when that is past N), its chunk tid % 8
+    const long long b_row = (long long)e * N + n0 + ((tid >> 3) < b_limit ? (tid >> 3) : 0);
+    const uint4* b_src = B + (b_row * K) / 8 + (tid & 7);
+    if (a_limit <= 64) {
+        wg_block<true>(ring, a_src, a_valid, b_src, b_limit, K, tid, C, (long long)e * cap, present, m0, n0, N);
+    } else {
+        wg_block<false>(ring, a_src, a_valid, b_src, b_limit, K, tid, C, (long long)e * cap, present, m0, n0, N);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) ep_wgmma_gemm(const uint4* __restrict__ A,
+                                                                        const uint4* __restrict__ B,
+                                                                        unsigned int* __restrict__ C,
+                                                                        const int* __restrict__ rows, int cap,
+                                                                        int n, int n_factor, int K) {
+    wgmma_gemm(A, 0, B, C, rows, cap, n, n_factor, K);
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) ep_wgmma_gemm_gather(const uint4* __restrict__ A,
+                                                                               const int* __restrict__ a_index,
+                                                                               const uint4* __restrict__ B,
+                                                                               unsigned int* __restrict__ C,
+                                                                               const int* __restrict__ rows,
+                                                                               int cap, int n, int n_factor,
+                                                                               int K) {
+    wgmma_gemm(A, a_index, B, C, rows, cap, n, n_factor, K);
+}
+
+#endif  // __CUDA_ARCH__
