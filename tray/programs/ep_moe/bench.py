@@ -74,6 +74,9 @@ PEER_PHASES = ("dispatch", "dispatch_send", "layout", "fanout", "experts", "comb
                "dispatch_ll", "combine_ll", "layer_ll")
 # phases only some expert paths have: the fanout exists for the cuBLAS GEMMs' dense slab alone
 PHASE_GEMMS = {"fanout": ("cublas",)}
+# the expert GEMMs: masked (mma.sync, every size), wgmma (Hopper warpgroup MMA, sm_90a only: large batches),
+# cublas (a cuBLAS GEMM per expert over all cap rows)
+GEMMS = ("masked", "wgmma", "cublas")
 # the paths whose outputs are compared with EP1 byte for byte ("ll": the peer path's low-latency mode)
 PATHS = ("peer", "ll", "nccl")
 NCCL_PHASES = {
@@ -163,8 +166,8 @@ def validate(a: EpBenchArgs) -> None:
         raise UsageError(f"--tokens needs positive counts, got {a.tokens}")
     if a.nccl_timing not in NCCL_TIMINGS:
         raise UsageError(f"--nccl-timing is 'eager' or 'captured', got {a.nccl_timing!r}")
-    if a.gemm not in ("masked", "cublas"):
-        raise UsageError(f"--gemm is 'masked' or 'cublas', got {a.gemm!r}")
+    if a.gemm not in GEMMS:
+        raise UsageError(f"--gemm is {', '.join(repr(g) for g in GEMMS)}, got {a.gemm!r}")
     for r in a.routings:
         parse_routing(r)
     capacity(a.capacity, a.nprocs, 1, a.topk, a.experts)
@@ -183,7 +186,7 @@ def validate(a: EpBenchArgs) -> None:
 
 
 def peer_phases(gemm: str, dispatch: tuple[str, ...] = ("bf16",)) -> tuple[str, ...]:
-    """The peer path's (and EP1's) timed phases with expert GEMMs `gemm` ("masked" | "cublas"), and the FP8
+    """The peer path's (and EP1's) timed phases with expert GEMMs `gemm` (one of GEMMS), and the FP8
     dispatch's when `dispatch` names it."""
     fp8 = FP8_PHASES if "fp8" in dispatch else ()
     return tuple(p for p in PEER_PHASES if gemm in PHASE_GEMMS.get(p, (gemm,))) + fp8

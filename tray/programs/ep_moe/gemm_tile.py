@@ -1,5 +1,6 @@
-"""The tile shape the masked expert GEMMs are compiled with (manifests/kernels/ep_gemm.cu), read from the
-kernel's source and a manifest's compiler options, and the launch geometry it implies.
+"""The tile shape the masked expert GEMMs are compiled with (manifests/kernels/ep_gemm.cu, and the Hopper
+warpgroup-MMA ones of ep_gemm_wgmma.cu), read from the kernel's source and a manifest's compiler options, and
+the launch geometry it implies.
 
 The shape is fixed when the source is compiled: `#ifndef GEMM_X / #define GEMM_X value` defaults in the
 source, overridden by `-DGEMM_X=value` options. A launch must pass GEMM_SMEM_BYTES of dynamic shared memory
@@ -12,6 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tray.errors import UsageError
 
 NAMES = ("GEMM_BM", "GEMM_BN", "GEMM_BK", "GEMM_STAGES", "GEMM_PREFETCH", "GEMM_LDMATRIX", "GEMM_PIPE")
 STATIC_SMEM_MAX = 48 << 10  # the kernel's GEMM_STATIC_SMEM_MAX
@@ -45,15 +48,21 @@ class GemmTile:
         return (self.bm, self.bn, self.bk, self.stages, self.prefetch, self.ldmatrix, self.pipe)
 
 
+def _defaults(source: str, names: Sequence[str], filename: str) -> dict[str, int]:
+    """name -> N of each `#ifndef name / #define name N` in `source`; ValueError naming the first missing."""
+    values: dict[str, int] = {}
+    for name in names:
+        m = re.search(rf"#ifndef {name}\s*\n#define {name} (\d+)", source)
+        if m is None:
+            raise ValueError(f"{filename} has no default for {name} (#ifndef {name} / #define {name} N)")
+        values[name] = int(m.group(1))
+    return values
+
+
 def tile_of(source: str, options: Sequence[str] = ()) -> GemmTile:
     """The tile shape `source` (ep_gemm.cu's text) compiles to with `options`. Raises ValueError when the
     source lacks a default for one of NAMES."""
-    values: dict[str, int] = {}
-    for name in NAMES:
-        m = re.search(rf"#ifndef {name}\s*\n#define {name} (\d+)", source)
-        if m is None:
-            raise ValueError(f"ep_gemm.cu has no default for {name} (#ifndef {name} / #define {name} N)")
-        values[name] = int(m.group(1))
+    values = _defaults(source, NAMES, "ep_gemm.cu")
     for opt in options:
         m = re.fullmatch(r"-D(\w+)=(\d+)", opt)
         if m and m.group(1) in values:
@@ -70,3 +79,82 @@ def masked_tile(manifest: str = "ep_moe") -> GemmTile:
     spec = next(k for k in json.loads(builtin_path(manifest).read_text())["kernels"]
                 if k["entry"] == "ep_masked_gemm_gather")
     return tile_of((builtin_dir() / spec["source"]).read_text(), spec.get("options", ()))
+
+
+# ep_gemm_wgmma.cu's knobs; its block tile is 128 rows x WG_BN columns, K 64 per stage, 256 threads
+WGMMA_NAMES = ("WG_BN", "WG_STAGES")
+WGMMA_BM = 128
+WGMMA_BK = 64
+WGMMA_THREADS = 256
+WGMMA_SMEM_MAX = 227 << 10  # a Hopper block's dynamic shared memory, at most
+WGMMA_CAPABILITY = (9, 0)  # wgmma.mma_async with sm_90a features: Hopper only (not on later major versions)
+
+
+@dataclass(frozen=True)
+class WgmmaTile:
+    """ep_gemm_wgmma.cu's compiled shape: bn (WG_BN: 128 or 256) columns of C per block, `stages` K tiles of
+    64 in the shared-memory ring."""
+
+    bn: int
+    stages: int
+
+    @property
+    def bm(self) -> int:
+        return WGMMA_BM
+
+    @property
+    def smem(self) -> int:
+        """WG_SMEM_BYTES: the ring (per stage A 128 x 64 and B bn x 64 bf16) plus 1024 bytes to align it to the
+        128-byte swizzle's 1024-byte atom; a launch always passes it (dynamic shared memory)."""
+        return self.stages * (WGMMA_BM + self.bn) * WGMMA_BK * 2 + 1024
+
+    @property
+    def options(self) -> list[str]:
+        return [f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}"]
+
+    def values(self) -> tuple[int, int]:
+        return (self.bn, self.stages)
+
+    def grid(self, n: int, cap: int, experts: int) -> tuple[int, int, int]:
+        """The launch grid over C [experts][cap][n]: ceil(n / bn) x ceil(cap / 128) x experts."""
+        return (-(-n // self.bn), -(-cap // WGMMA_BM), experts)
+
+    def check(self) -> None:
+        """ValueError when the kernel would refuse the shape at compile time (its #error lines)."""
+        if self.bn not in (128, 256) or self.stages < 3 or self.smem > WGMMA_SMEM_MAX:
+            raise ValueError(f"ep_gemm_wgmma.cu takes WG_BN 128 or 256 and WG_STAGES >= 3 within "
+                             f"{WGMMA_SMEM_MAX} bytes of shared memory; got WG_BN {self.bn}, WG_STAGES {self.stages} "
+                             f"({self.smem} bytes)")
+
+
+def wgmma_tile_of(source: str, options: Sequence[str] = ()) -> WgmmaTile:
+    """The shape `source` (ep_gemm_wgmma.cu's text) compiles to with `options`. Raises ValueError when the
+    source lacks a default for one of WGMMA_NAMES."""
+    values = _defaults(source, WGMMA_NAMES, "ep_gemm_wgmma.cu")
+    for opt in options:
+        m = re.fullmatch(r"-D(\w+)=(\d+)", opt)
+        if m and m.group(1) in values:
+            values[m.group(1)] = int(m.group(2))
+    return WgmmaTile(*(values[n] for n in WGMMA_NAMES))
+
+
+def wgmma_tile(manifest: str = "ep_moe") -> WgmmaTile:
+    """The shape a built-in manifest compiles ep_wgmma_gemm_gather with (its source and options)."""
+    import json
+
+    from tray.manifest.builtin import builtin_dir, builtin_path
+
+    spec = next(k for k in json.loads(builtin_path(manifest).read_text())["kernels"]
+                if k["entry"] == "ep_wgmma_gemm_gather")
+    return wgmma_tile_of((builtin_dir() / spec["source"]).read_text(), spec.get("options", ()))
+
+
+def require_wgmma(capability: tuple[int, int]) -> None:
+    """UsageError unless a device of compute `capability` (major, minor) runs ep_gemm_wgmma.cu: its
+    wgmma.mma_async needs sm_90a, which only compute capability 9.0 (Hopper) has."""
+    if tuple(capability) != WGMMA_CAPABILITY:
+        major, minor = capability
+        raise UsageError(
+            f"the wgmma expert GEMMs need compute capability 9.0 (Hopper, sm_90a: wgmma.mma_async); this device is "
+            f"{major}.{minor}: use --gemm masked (mma.sync, any sm_80+ GPU) or --gemm cublas"
+        )

@@ -47,8 +47,17 @@ MOVE_THREADS = 512
 # the program of a whole layer on each path ("ll": the low-latency mode, one kernel per direction)
 # ("fp8": the peer path with the FP8 dispatch, --dispatch bf16,fp8)
 LAYER_OF = {"peer": "layer", "ll": "layer_ll", "nccl": "layer_nccl", "fp8": "layer_fp8"}
-# the kernels of the device-count-driven expert phase (--gemm masked)
-MASKED_KERNELS = ("ep_masked_gemm", "ep_masked_gemm_gather", "ep_silu_mul_rows")
+# the kernels of the device-count-driven expert phase, per --gemm that uses them (masked: mma.sync, any size;
+# wgmma: Hopper warpgroup MMA, sm_90a only, for large batches); the others are never compiled
+GEMM_KERNELS = {
+    "ep_masked_gemm": ("masked",),
+    "ep_masked_gemm_gather": ("masked",),
+    "ep_wgmma_gemm": ("wgmma",),
+    "ep_wgmma_gemm_gather": ("wgmma",),
+    "ep_silu_mul_rows": ("masked", "wgmma"),
+}
+# the program of the expert phase per device-count-driven --gemm
+EXPERTS_PROGRAM = {"masked": "experts_masked", "wgmma": "experts_wgmma"}
 
 
 def nan_rows(bits: np.ndarray) -> int:
@@ -129,8 +138,12 @@ class MoeRank:
     def warm(self) -> None:
         """Load every kernel used and (--gemm cublas) make the cuBLAS handle before any barrier: first-use
         costs differ per rank and would otherwise eat into the barrier timeout."""
+        if self.cfg["gemm"] == "wgmma" and self.cfg["backend"] == "cuda":
+            from tray.programs.ep_moe.gemm_tile import require_wgmma
+
+            require_wgmma(self.backend.capability)  # before NVRTC builds an sm_90a image the device cannot load
         for k in self.rank.manifest.kernels:
-            if k.name in MASKED_KERNELS and self.cfg["gemm"] != "masked":
+            if self.cfg["gemm"] not in GEMM_KERNELS.get(k.name, (self.cfg["gemm"],)):
                 continue  # compiled only when used
             self.rank.kernel(k.name)
         if self.cfg["gemm"] == "cublas":  # NOTE: masked runs never load cuBLAS (its libraries: seconds cold)
@@ -149,13 +162,13 @@ class MoeRank:
         self.backend.synchronize()
 
     def programs(self, v: dict[str, int]) -> dict[str, Steps]:
-        """name -> programs, for the run vars `v` (tokens, cap, blocks, threads). With --gemm masked the
-        experts read the received rows in place (the layout's slot_src), so nothing is copied between the
+        """name -> programs, for the run vars `v` (tokens, cap, blocks, threads). With --gemm masked (or
+        wgmma: the same contract on Hopper's warpgroup MMA) the experts read the received rows in place (the layout's slot_src), so nothing is copied between the
         layout and them; --gemm cublas runs dense per-expert GEMMs over the slab the fanout fills, and its
         dispatch figures include the fanout ("fanout": that kernel alone)."""
-        masked = self.cfg["gemm"] == "masked"
+        masked = self.cfg["gemm"] in EXPERTS_PROGRAM
         if masked:
-            experts: Steps = [("experts_masked", v)]
+            experts: Steps = [(EXPERTS_PROGRAM[self.cfg["gemm"]], v)]
             fanout: Steps = []
         else:
             experts = [("expert", {**v, "e": e}) for e in range(self.local)]

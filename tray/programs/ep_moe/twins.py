@@ -1,4 +1,5 @@
-"""Host twins of the EP MoE kernels (manifests/kernels/ep_moe.cu, ep_math.cu), registered on import.
+"""Host twins of the EP MoE kernels (manifests/kernels/ep_moe.cu, ep_math.cu, ep_gemm.cu, ep_gemm_wgmma.cu),
+registered on import.
 
 Each twin computes the bytes its CUDA kernel writes: copies for the data movement, and for the math the
 same float32 operations in the same order (numpy float32 ufuncs round to nearest even per operation and
@@ -688,6 +689,21 @@ def ep_masked_gemm_gather(
     read = (np.arange(cap)[None, :] < present[:, None]).reshape(-1)  # the slots below each expert's rows
     a_all = _rows(a, int(index[read].max(initial=-1)) + 1, k)
     _masked_gemm(lambda e, count: a_all[index[e * cap : e * cap + count]], b, c, present, cap, n_units * n_factor, k)
+
+
+@twin("ep_wgmma_gemm")
+def ep_wgmma_gemm(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, rows: int, cap: int, n_units: int,
+                  n_factor: int, k: int) -> None:
+    """ep_gemm_wgmma.cu's dense entry: ep_masked_gemm's contract and the same host arithmetic (grid z =
+    experts; the x and y extents follow the wgmma tile, which the host does not need)."""
+    ep_masked_gemm(backend, grid, block, a, b, c, rows, cap, n_units, n_factor, k)
+
+
+@twin("ep_wgmma_gemm_gather")
+def ep_wgmma_gemm_gather(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
+                         cap: int, n_units: int, n_factor: int, k: int) -> None:
+    """ep_gemm_wgmma.cu's gather entry: ep_masked_gemm_gather's contract and host arithmetic."""
+    ep_masked_gemm_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k)
 
 
 @twin("ep_reduce")
