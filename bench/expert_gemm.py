@@ -13,6 +13,9 @@ Timed per case, median of `--repeats` graph replays after a warm-up (device even
   <variant>        ep_masked_gemm_gather (w13, gate and up) + ep_masked_gemm (w2, down) compiled with that
                    variant's tile shape (-DGEMM_BM.. options, named t<BM>x<BN>k<BK>s<stages>[p<L2 prefetch
                    bytes>][L: fragments by ldmatrix][P: a step ahead]); `production` is the manifest's own options
+  wgmma[_n<BN>s<stages>]  ep_wgmma_gemm_gather + ep_wgmma_gemm (manifests/kernels/ep_gemm_wgmma.cu, Hopper
+                   warpgroup MMA, compute capability 9.0 only: skipped, and said so, elsewhere); `wgmma` is the
+                   manifest's shape (the layer's `experts_wgmma`)
   cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
                    (the in-graph baseline: the counts live on the device)
   cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
@@ -21,7 +24,13 @@ Timed per case, median of `--repeats` graph replays after a warm-up (device even
                    streaming-read rate for them: the GEMMs' floor at decode sizes, where weights dominate
 Correctness first: every variant's h13 and y bytes must equal production's (the tile shape never changes a
 sum's order), production's rows must match float64 over sampled experts (every routed row of 8 experts),
-and cuBLAS's within bf16 rounding. A failed check fails the run (exit 1).
+and cuBLAS's within bf16 rounding. Each wgmma case runs on outputs poisoned with NaN and must: match float64
+elementwise within WGMMA_RTOL |want| + WGMMA_ATOL max|want| on every row of the sampled experts, for h13
+(the gather entry) and for y (the dense entry, over the act it produced itself); match production within
+twice that (both are one bf16 rounding of nearly the same float32 sum); write every row present (no NaN);
+give the same bytes on a second run (deterministic); and its dense entry over the slab must give the
+gather's bytes. A failed check fails the run (exit 1) after every case has printed what it found (the first
+mismatches: expert, row, column, got, want).
 Bytes: the weight bytes of the experts with rows (w13 + w2), plus the A rows read and C rows written.
 """
 
@@ -39,7 +48,7 @@ from tray.bench import median, write_report
 from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from tray.errors import UsageError
 from tray.manifest.builtin import kernel_dir
-from tray.programs.ep_moe.gemm_tile import masked_tile
+from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, masked_tile, mismatch_report, wgmma_tile
 from tray.programs.ep_moe.plan import capacity, parse_routing, random_routing
 
 WARMUP = 3
@@ -85,6 +94,48 @@ VARIANTS = (
     Variant("t128x64k64s4p256LP", 128, 64, 64, 4, 256, 1, 1),
     Variant("t128x128k64s2p256LP", 128, 128, 64, 2, 256, 1, 1),
 )
+
+
+@dataclass(frozen=True)
+class WgmmaVariant:
+    """A shape of ep_gemm_wgmma.cu: WG_BN columns per block, WG_STAGES K tiles of 64 in the ring."""
+
+    name: str
+    bn: int
+    stages: int
+
+    @property
+    def tile(self) -> WgmmaTile:
+        return WgmmaTile(self.bn, self.stages)
+
+    @property
+    def options(self) -> list[str]:
+        return ["--gpu-architecture=sm_90a", *self.tile.options]
+
+
+# names: wgmma_n<WG_BN>s<WG_STAGES>; `wgmma` (the manifest's shape) always runs on a compute capability 9.0 GPU
+WGMMA_VARIANTS = (
+    WgmmaVariant("wgmma_n128s6", 128, 6),
+    WgmmaVariant("wgmma_n256s3", 256, 3),
+)
+# wgmma vs float64, elementwise: |got - want| <= WGMMA_RTOL |want| + WGMMA_ATOL max|want| (over the expert). One
+# round to nearest even is at most half a bf16 ulp, and an ulp is at most 2^-7 of the value; the absolute term
+# absorbs float32 accumulation over K (~sqrt(K) 2^-24 of the terms' size) where the sum cancels to near zero.
+# A swizzle, descriptor or fragment-layout error moves values by their own size, far outside either.
+WGMMA_RTOL = 2.0**-7
+WGMMA_ATOL = 2.0**-10
+# wgmma vs production (mma.sync): each is one rounding of a float32 sum in another order, and y also carries the
+# difference of the act it was computed from: twice the float64 bounds, and an absolute 2^-8 of the largest |y|
+WGMMA_PROD_RTOL = 2.0**-6
+WGMMA_PROD_ATOL = 2.0**-8
+POISON_WORD = 0x7FC07FC0  # bf16 NaN in both halves: outputs are filled with it before every checked wgmma run
+
+
+def wgmma_variant() -> WgmmaVariant:
+    """The shape the ep_moe manifest compiles the wgmma GEMMs with (experts_wgmma)."""
+    return WgmmaVariant("wgmma", *wgmma_tile().values())
+
+
 READ_SOURCE = r"""
 // Reads `words` 16-byte vectors once (grid-stride, every SM) and folds them into one word per block, so the
 // loads cannot be dropped; the folded words are written where the host never reads them for timing.
@@ -189,6 +240,113 @@ def _masked(backend: Any, case: Case, v: Variant) -> tuple[Any, Any]:
     return w13, w2
 
 
+def _wgmma(backend: Any, case: Case, v: WgmmaVariant) -> tuple[Any, Any, Any]:
+    """(w13 by the gather entry from the token rows, w2 by the dense entry from act, w13 by the dense entry
+    from the gathered slab) of ep_gemm_wgmma.cu compiled with v's shape."""
+    source = (kernel_dir() / "ep_gemm_wgmma.cu").read_bytes()
+    gather = backend.load_kernel(f"ep_wgmma_gemm_gather[{v.name}]", source, "ep_wgmma_gemm_gather", v.options,
+                                 peers=False, filename="ep_gemm_wgmma.cu")
+    dense = backend.load_kernel(f"ep_wgmma_gemm[{v.name}]", source, "ep_wgmma_gemm", v.options, peers=False,
+                                filename="ep_gemm_wgmma.cu")
+    E, H, F, cap, t = case.E, case.H, case.F, case.cap, v.tile
+    block = (256, 1, 1)
+    w13 = gather.bind(t.grid(2 * F, cap, E), block,
+                      [case.x.ptr, case.index_buf.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H],
+                      shmem_nbytes=t.smem)
+    w2 = dense.bind(t.grid(H, cap, E), block, [case.act.ptr, case.w2.ptr, case.y.ptr, case.rows_buf.ptr, cap, H, 1, F],
+                    shmem_nbytes=t.smem)
+    w13_dense = dense.bind(t.grid(2 * F, cap, E), block,
+                           [case.slab.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H],
+                           shmem_nbytes=t.smem)
+    return w13, w2, w13_dense
+
+
+def run_wgmma(backend: Any, a: argparse.Namespace, case: Case, v: WgmmaVariant, silu: Any, zero: Any,
+              base: tuple[np.ndarray, np.ndarray], want13: dict[int, np.ndarray], out: dict[str, Any],
+              failed: list[str]) -> None:
+    """One wgmma shape on `case`: its checks (see the top of this file) into out["checks"], each failure into
+    `failed` with what was off, then its times into out["us"]."""
+    E, H, F, cap = case.E, case.H, case.F, case.cap
+    w13, w2, w13_dense = _wgmma(backend, case, v)
+    starts = np.concatenate([[0], np.cumsum(case.rows)])
+
+    def poisoned(launches: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """h13, act and y rows present after `launches` on outputs filled with NaN."""
+        for buf, nbytes in ((case.h13, E * cap * 2 * F * 2), (case.act, E * cap * F * 2), (case.y, E * cap * H * 2)):
+            zero.bind((4096, 1, 1), (256, 1, 1), [buf.ptr, nbytes // 4, POISON_WORD]).launch()
+        for launch in launches:
+            launch()
+        backend.synchronize()
+        return (_rows_of(backend, case.h13, case, 2 * F), _rows_of(backend, case.act, case, F),
+                _rows_of(backend, case.y, case, H))
+
+    h13, act, y = poisoned([w13.launch, silu.launch, w2.launch])
+    problems: list[str] = []
+    nan = int(np.isnan(bf16_bits_to_f32(h13)).any(axis=1).sum() + np.isnan(bf16_bits_to_f32(y)).any(axis=1).sum())
+    out["checks"][f"{v.name}_nan_rows"] = nan
+    if nan:
+        problems.append(f"{nan} rows present hold NaN (unwritten)")
+    errs13, errs2 = [], []
+    for e, want in want13.items():
+        rows = slice(starts[e], starts[e + 1])
+        got = bf16_bits_to_f32(h13[rows]).astype(np.float64)
+        scale = max(float(np.abs(want).max()), 1e-30)
+        errs13.append(float(np.abs(got - want).max() / scale))
+        report = mismatch_report(got, want, WGMMA_RTOL, WGMMA_ATOL * scale)
+        if report:
+            problems.append(f"h13 (gather entry) expert {e} ({case.rows[e]} rows) vs float64: {report}")
+        w2e = bf16_bits_to_f32(backend.read(case.w2.ptr + e * H * F * 2, H * F * 2).view(np.uint16)
+                               .reshape(H, F)).astype(np.float64)
+        want_y = bf16_bits_to_f32(act[rows]).astype(np.float64) @ w2e.T
+        got_y = bf16_bits_to_f32(y[rows]).astype(np.float64)
+        scale_y = max(float(np.abs(want_y).max()), 1e-30)
+        errs2.append(float(np.abs(got_y - want_y).max() / scale_y))
+        report = mismatch_report(got_y, want_y, WGMMA_RTOL, WGMMA_ATOL * scale_y)
+        if report:
+            problems.append(f"y (dense entry) expert {e} ({case.rows[e]} rows) vs float64 over its own act: {report}")
+    out["checks"][f"{v.name}_h13_vs_float64_max_rel"] = max(errs13, default=float("nan"))
+    out["checks"][f"{v.name}_y_vs_float64_max_rel"] = max(errs2, default=float("nan"))
+    # against production, every expert with rows (float32 is enough at this tolerance)
+    off = {"h13": 0, "y": 0}
+    for name, got_all, prod_all in (("h13", h13, base[0]), ("y", y, base[1])):
+        scale = float(np.abs(bf16_bits_to_f32(prod_all)).max()) if prod_all.size else 1.0
+        for e in np.flatnonzero(case.rows > 0):
+            rows = slice(starts[e], starts[e + 1])
+            report = mismatch_report(bf16_bits_to_f32(got_all[rows]), bf16_bits_to_f32(prod_all[rows]),
+                                     WGMMA_PROD_RTOL, WGMMA_PROD_ATOL * scale)
+            if report:
+                off[name] += 1
+                if off[name] <= 2:
+                    problems.append(f"{name} expert {int(e)} vs production: {report}")
+    out["checks"][f"{v.name}_experts_off_production"] = off
+    if off["h13"] or off["y"]:
+        problems.append(f"experts off production: h13 {off['h13']}, y {off['y']}")
+    # the same bytes on a second run; the dense entry over the gathered slab gives the gather's bytes
+    h13_again, _, y_again = poisoned([w13.launch, silu.launch, w2.launch])
+    same = bool(np.array_equal(h13_again, h13) and np.array_equal(y_again, y))
+    out["checks"][f"{v.name}_deterministic"] = same
+    if not same:
+        problems.append(f"a second run differs: h13 {int((h13_again != h13).sum())} values, "
+                        f"y {int((y_again != y).sum())} values")
+    h13_dense, _, _ = poisoned([w13_dense.launch])
+    dense_ok = bool(np.array_equal(h13_dense, h13))
+    out["checks"][f"{v.name}_dense_equals_gather"] = dense_ok
+    if not dense_ok:
+        problems.append(f"the dense entry over the slab differs from the gather: "
+                        f"{int((h13_dense != h13).sum())} values")
+    failed.extend(f"{v.name}: {p}" for p in problems)
+    t13 = _time(backend, [w13.launch], a.repeats)
+    t2 = _time(backend, [w2.launch], a.repeats)
+    tall = _time(backend, [w13.launch, silu.launch, w2.launch], a.repeats)
+    out["us"][v.name] = {"w13": t13, "w2": t2, "experts": tall, "smem": v.tile.smem, "options": v.options}
+    flops = 2.0 * int(case.rows.sum()) * 3 * F * H
+    print(f"  {case.label:<16} {v.name:<20} w13 {t13:9.1f}  w2 {t2:9.1f}  experts {tall:9.1f} µs  "
+          f"{case.weight_bytes / tall / 1e6:6.2f} TB/s of weights  {flops / (t13 + t2) / 1e6:6.1f} TFLOP/s (GEMMs)  "
+          f"{'ok' if not problems else 'FAILED'}", flush=True)
+    for p in problems:
+        print(f"    {v.name}: {p}", flush=True)
+
+
 def _rows_of(backend: Any, buf: Any, case: Case, width: int) -> np.ndarray:
     """The rows present of a [E][cap][width] bf16 buffer, expert-major (u16 [sum(rows), width])."""
     allrows = backend.read(buf.ptr, case.E * case.cap * width * 2).view(np.uint16).reshape(case.E, case.cap, width)
@@ -196,7 +354,7 @@ def _rows_of(backend: Any, buf: Any, case: Case, width: int) -> np.ndarray:
 
 
 def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Variant], silu_kernel: Any,
-             read_kernel: Any) -> dict[str, Any]:
+             read_kernel: Any, wgmmas: list[WgmmaVariant] = (), zero_kernel: Any = None) -> dict[str, Any]:
     E, H, F, cap = case.E, case.H, case.F, case.cap
     silu = silu_kernel.bind(((E * cap * F // 8 + 255) // 256, 1, 1), (256, 1, 1),
                             [case.h13.ptr, case.act.ptr, case.rows_buf.ptr, E, 1, cap, F])
@@ -232,19 +390,22 @@ def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Var
     sample = sorted(set(order[:4].tolist()) | set(np.flatnonzero(case.rows > 0)[:: max(E // 4, 1)][:4].tolist()))
     errs = []
     starts = np.concatenate([[0], np.cumsum(case.rows)])
+    want13: dict[int, np.ndarray] = {}
     for e in sample:
         if case.rows[e] == 0:
             continue
         w13e = bf16_bits_to_f32(backend.read(case.w13.ptr + e * 2 * F * H * 2, 2 * F * H * 2).view(np.uint16)
                                 .reshape(2 * F, H)).astype(np.float64)
         xe = bf16_bits_to_f32(case.x_host[case.index[e * cap : e * cap + case.rows[e]]]).astype(np.float64)
-        want = xe @ w13e.T
+        want = want13[int(e)] = xe @ w13e.T
         got = bf16_bits_to_f32(base_h13[starts[e] : starts[e + 1]]).astype(np.float64)
         errs.append(float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)))
     out["checks"]["production_h13_vs_float64_max_rel"] = max(errs) if errs else float("nan")
     out["checks"]["float64_experts"] = [int(e) for e in sample]
     if not errs or max(errs) > 1e-2:
         failed.append(f"production h13 vs float64: max relative error {max(errs) if errs else 'none'}")
+    for wv in wgmmas:
+        run_wgmma(backend, a, case, wv, silu, zero_kernel, (base_h13, base_y), want13, out, failed)
     # cuBLAS per expert on the dense slab: cap rows (graph-valid) and exactly the rows present (host counts)
     def per_expert(a: Any, w: Any, c: Any, n: int, k: int, m_of: Any) -> list[Any]:
         """One cuBLAS call per expert with rows: C_e[m, n] = A_e[m, k] @ W_e[n, k]^T, m = m_of(e)."""
@@ -303,8 +464,12 @@ def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Var
         "production_vs_read_ceiling": prod / t_read,
         "production_vs_cublas_cap": prod / out["us"]["cublas_cap"]["experts"],
         "production_vs_cublas_rows": prod / out["us"]["cublas_rows"]["experts"],
+        **{f"{w.name}_vs_cublas_rows": out["us"][w.name]["experts"] / out["us"]["cublas_rows"]["experts"]
+           for w in wgmmas},
+        **{f"{w.name}_gemms_vs_cublas_rows": (out["us"][w.name]["w13"] + out["us"][w.name]["w2"])
+           / (out["us"]["cublas_rows"]["w13"] + out["us"]["cublas_rows"]["w2"]) for w in wgmmas},
     }
-    best = min((v.name for v in variants), key=lambda n: out["us"][n]["experts"])
+    best = min([v.name for v in variants] + [w.name for w in wgmmas], key=lambda n: out["us"][n]["experts"])
     out["best_variant"] = best
     out["failed"] = failed
     print(f"  {case.label:<16} read_ceiling {t_read:9.1f} µs ({case.weight_bytes / t_read / 1e6:.2f} TB/s); "
@@ -325,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", default="4")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--only", default="", help="comma-separated variant names (production always runs)")
+    ap.add_argument("--only", default="", help="comma-separated variant names (production, and on a compute "
+                    "capability 9.0 GPU wgmma, always run)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     try:
@@ -346,12 +512,14 @@ def main(argv: list[str] | None = None) -> int:
         capacity(a.capacity, 1, 1, a.topk, a.all_experts)
     except UsageError as exc:
         ap.error(str(exc))
-    names = {v.name for v in VARIANTS}
-    unknown = sorted(set(a.only.split(",")) - names) if a.only else []
+    only = a.only.split(",") if a.only else []
+    names = {v.name for v in VARIANTS} | {w.name for w in WGMMA_VARIANTS} | {"production", "wgmma"}
+    unknown = sorted(set(only) - names)
     if unknown:
         ap.error(f"--only: no variant {', '.join(unknown)}; the variants are {', '.join(sorted(names))}")
     production = production_variant()
-    variants = [production] + [v for v in VARIANTS if not a.only or v.name in a.only.split(",")]
+    variants = [production] + [v for v in VARIANTS if not only or v.name in only]
+    wgmmas = [wgmma_variant()] + [w for w in WGMMA_VARIANTS if not only or w.name in only]
     from tray.backend.cuda import CudaBackend
 
     t0 = time.perf_counter()
@@ -365,17 +533,23 @@ def main(argv: list[str] | None = None) -> int:
         silu = backend.load_kernel("ep_silu_mul_rows", math_src, "ep_silu_mul_rows", [], peers=False,
                                    filename="ep_math.cu")
         read = backend.load_kernel("expert_gemm_read", READ_SOURCE.encode(), "expert_gemm_read", [], peers=False)
+        zero = backend.load_kernel("ep_zero32", math_src, "ep_zero32", [], peers=False, filename="ep_math.cu")
+        if backend.capability != WGMMA_CAPABILITY:
+            major, minor = backend.capability
+            print(f"wgmma cases skipped: they need compute capability 9.0 (Hopper, sm_90a), this GPU is "
+                  f"{major}.{minor}", flush=True)
+            wgmmas = []
         # weights ~ N(0, 1/K)-sized values so h13 and y stay in a sane range
         fill.bind((4096, 1, 1), (256, 1, 1), [w13.ptr, E * 2 * F, H, H, 0, 0, 0, 11, float(H) ** -0.5 / 2**22]).launch()
         fill.bind((4096, 1, 1), (256, 1, 1), [w2.ptr, E * H, F, F, 0, 0, 0, 12, float(F) ** -0.5 / 2**22]).launch()
         backend.synchronize()
         print(f"expert GEMMs on device 0: {E} experts, hidden {H}, expert dim {F}, top-{a.topk} of "
-              f"{a.all_experts}; variants {[v.name for v in variants]}", flush=True)
+              f"{a.all_experts}; variants {[v.name for v in variants] + [w.name for w in wgmmas]}", flush=True)
         for t in tokens:
             for r in routings:
                 case = Case(backend, a, t, r, w13, w2)
                 try:
-                    runs.append(run_case(backend, a, case, variants, silu, read))
+                    runs.append(run_case(backend, a, case, variants, silu, read, wgmmas, zero))
                 finally:
                     case.close()
         w13.close()
@@ -384,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"bench": "expert_gemm", "shape": {"experts": a.experts, "all_experts": a.all_experts, "hidden": a.hidden,
                                                "expert_dim": a.expert_dim, "topk": a.topk},
               "capacity": a.capacity, "repeats": a.repeats, "seed": a.seed,
-              "variants": {v.name: v.options for v in variants}, "runs": runs, "passed": not failed,
+              "variants": {v.name: v.options for v in [*variants, *wgmmas]}, "runs": runs, "passed": not failed,
               "failed": failed, "wall_s": time.perf_counter() - t0}
     write_report(report, a.json)
     for f in failed:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tray.errors import UsageError
 
@@ -158,3 +159,34 @@ def require_wgmma(capability: tuple[int, int]) -> None:
             f"the wgmma expert GEMMs need compute capability 9.0 (Hopper, sm_90a: wgmma.mma_async); this device is "
             f"{major}.{minor}: use --gemm masked (mma.sync, any sm_80+ GPU) or --gemm cublas"
         )
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """Sorted distinct ints as runs: [0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def mismatch_report(got: Any, want: Any, rtol: float, atol: float, limit: int = 6) -> str:
+    """'' when every element of `got` is within rtol * |want| + atol of `want` (2-D float arrays of one
+    shape; NaN in `got` is a mismatch); else how many are not, the rows and the columns holding any (as runs,
+    so a fragment-layout or swizzle error shows as a pattern), and the first `limit` as (row, col) got/want."""
+    import numpy as np
+
+    g = np.asarray(got, dtype=np.float64)
+    w = np.asarray(want, dtype=np.float64)
+    if g.shape != w.shape or g.ndim != 2:
+        raise ValueError(f"mismatch_report compares 2-D arrays of one shape, got {g.shape} and {w.shape}")
+    bad = ~(np.abs(g - w) <= rtol * np.abs(w) + atol)
+    if not bad.any():
+        return ""
+    rows = np.flatnonzero(bad.any(axis=1)).tolist()
+    cols = np.flatnonzero(bad.any(axis=0)).tolist()
+    first = "; ".join(f"({r}, {c}) {g[r, c]:.6g}/{w[r, c]:.6g}" for r, c in np.argwhere(bad)[:limit].tolist())
+    return (f"{int(bad.sum())} of {bad.size} elements off (rtol {rtol:g}, atol {atol:g}); rows {_ranges(rows)}; "
+            f"cols {_ranges(cols)}; first (row, col) got/want: {first}")

@@ -163,9 +163,10 @@ class MoeRank:
 
     def programs(self, v: dict[str, int]) -> dict[str, Steps]:
         """name -> programs, for the run vars `v` (tokens, cap, blocks, threads). With --gemm masked (or
-        wgmma: the same contract on Hopper's warpgroup MMA) the experts read the received rows in place (the layout's slot_src), so nothing is copied between the
-        layout and them; --gemm cublas runs dense per-expert GEMMs over the slab the fanout fills, and its
-        dispatch figures include the fanout ("fanout": that kernel alone)."""
+        wgmma: the same contract on Hopper's warpgroup MMA) the experts read the received rows in place (the
+        layout's slot_src), so nothing is copied between the layout and them; --gemm cublas runs dense
+        per-expert GEMMs over the slab the fanout fills, and its dispatch figures include the fanout
+        ("fanout": that kernel alone)."""
         masked = self.cfg["gemm"] in EXPERTS_PROGRAM
         if masked:
             experts: Steps = [(EXPERTS_PROGRAM[self.cfg["gemm"]], v)]
