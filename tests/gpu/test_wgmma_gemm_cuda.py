@@ -1,0 +1,208 @@
+"""The Hopper warpgroup-MMA expert GEMMs (manifests/kernels/ep_gemm_wgmma.cu) on one GPU of compute capability
+9.0: the shared-memory layout, descriptors and accumulator fragment checked by probes whose outputs name the
+row / k / column they came from, then partial tiles in every dimension against float64, counts of zero, slots
+past the counts untouched, the gather entry against the dense one, and the same bytes on every run. Both
+shapes the kernel compiles to are covered: 128 x 256 tiles (m64n256k16 wgmma, m64n128k16 for tiles of at
+most 64 rows) and 128 x 128 (m64n128k16, m64n64k16)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from conftest import MANIFESTS
+
+from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, mismatch_report, wgmma_tile
+
+pytestmark = pytest.mark.gpu
+
+SOURCE = (MANIFESTS / "kernels" / "ep_gemm_wgmma.cu").read_bytes()
+POISON = 0x7FC0  # bf16 NaN: every output element starts as it, so an unwritten one shows
+# against float64: one round to nearest even (at most half a bf16 ulp, an ulp at most 2^-7 of the value), and
+# float32 accumulation where the sum cancels (see bench/expert_gemm.py, WGMMA_RTOL / WGMMA_ATOL)
+RTOL = 2.0**-7
+ATOL = 2.0**-10
+TILES = [wgmma_tile(), WgmmaTile(128, 6)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_cache(tmp_path_factory) -> Iterator[None]:
+    old = os.environ.get("TRAY_CACHE_DIR")
+    os.environ["TRAY_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TRAY_CACHE_DIR", None)
+    else:
+        os.environ["TRAY_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from tray.backend.cuda import CudaBackend
+
+    b = CudaBackend.open(0)
+    if b.capability != WGMMA_CAPABILITY:
+        b.close()
+        pytest.skip(f"wgmma needs compute capability 9.0; GPU 0 is {b.capability[0]}.{b.capability[1]}")
+    yield b
+    b.close()
+
+
+class Gemm:
+    """ep_wgmma_gemm(_gather) of one tile shape over host arrays: uploads, launches, reads back."""
+
+    def __init__(self, backend, tile: WgmmaTile) -> None:
+        self.b = backend
+        self.tile = tile
+        options = ["--gpu-architecture=sm_90a", *tile.options]
+        name = f"n{tile.bn}s{tile.stages}"
+        self.gather = backend.load_kernel(f"ep_wgmma_gemm_gather[{name}]", SOURCE, "ep_wgmma_gemm_gather", options,
+                                          peers=False, filename="ep_gemm_wgmma.cu")
+        self.dense = backend.load_kernel(f"ep_wgmma_gemm[{name}]", SOURCE, "ep_wgmma_gemm", options, peers=False,
+                                         filename="ep_gemm_wgmma.cu")
+
+    def __call__(self, a: np.ndarray, b: np.ndarray, rows: np.ndarray, cap: int,
+                 index: np.ndarray | None = None) -> np.ndarray:
+        """C (u16 bf16 bits [experts][cap][N], NaN where nothing was written) for A u16 [.][K] (the token rows
+        when `index` i32 [experts * cap] is given, else [experts * cap][K]), B u16 [experts][N][K], rows i32."""
+        experts, n, k = b.shape
+        bufs = []
+
+        def upload(name: str, data: np.ndarray):
+            buf = self.b.allocate(f"wg_{name}", max(data.nbytes, 4), export=False)
+            bufs.append(buf)
+            if data.nbytes:
+                self.b.write(buf.ptr, np.ascontiguousarray(data))
+            return buf
+
+        try:
+            a_buf, b_buf = upload("a", a), upload("b", b)
+            rows_buf = upload("rows", rows.astype(np.int32))
+            c_buf = upload("c", np.full((experts, cap, n), POISON, np.uint16))
+            grid = self.tile.grid(n, cap, experts)
+            if index is None:
+                launch = self.dense.bind(grid, (256, 1, 1), [a_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n,
+                                                             1, k], shmem_nbytes=self.tile.smem)
+            else:
+                i_buf = upload("index", index.astype(np.int32))
+                launch = self.gather.bind(grid, (256, 1, 1), [a_buf.ptr, i_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr,
+                                                              cap, n, 1, k], shmem_nbytes=self.tile.smem)
+            launch.launch()
+            self.b.synchronize()
+            return self.b.read(c_buf.ptr, experts * cap * n * 2).view(np.uint16).reshape(experts, cap, n).copy()
+        finally:
+            for buf in bufs:
+                buf.close()
+
+
+@pytest.fixture(scope="module", params=TILES, ids=lambda t: f"n{t.bn}s{t.stages}")
+def gemm(backend, request) -> Gemm:
+    return Gemm(backend, request.param)
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return f32_to_bf16_bits(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def f64(u16: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_f32(u16).astype(np.float64)
+
+
+# Probes over one 128 x 128-or-256 tile, K = 64 (one stage): A row r has a single nonzero at k = r % 64, so
+# C[r][n] = A[r][r % 64] * B[n][r % 64], all small integers (exact in bf16 and float32). A wrong value names
+# where it came from: "rows" C = r + 1 (the A row, i.e. the accumulator's row mapping); "k" C = k + 1 for the
+# k that was read (the 128-byte swizzle of A against B, the 32-byte k16 step); "cols" C = n + 1 (B's rows, the
+# accumulator's column mapping; n < 256, so exact).
+PROBES = {
+    "rows": (lambda r, k: (r + 1.0) * (k == r % 64), lambda n, k: np.ones_like(k, dtype=np.float64),
+             lambda r, n: r + 1.0),
+    "k": (lambda r, k: 1.0 * (k == r % 64), lambda n, k: k + 1.0, lambda r, n: r % 64 + 1.0),
+    "cols": (lambda r, k: 1.0 * (k == r % 64), lambda n, k: n + 1.0 + 0 * k, lambda r, n: n + 1.0),
+}
+SOURCE_OF = {"rows": "the A row + 1", "k": "the k read + 1", "cols": "the B row (column of C) + 1"}
+
+
+@pytest.mark.parametrize("probe", sorted(PROBES))
+@pytest.mark.parametrize("rows", [128, 64])  # two warpgroups of 64 rows x all columns; one tile of <= 64 rows
+def test_one_tile_probes_name_the_source_of_every_wrong_value(gemm, probe, rows):
+    fa, fb, fc = PROBES[probe]
+    n, k = gemm.tile.bn, 64
+    r_, k_ = np.meshgrid(np.arange(128), np.arange(k), indexing="ij")
+    a = bits(fa(r_, k_))
+    n_, kb_ = np.meshgrid(np.arange(n), np.arange(k), indexing="ij")
+    b = bits(fb(n_, kb_))[None]
+    c = gemm(a, b, np.array([rows]), 128)[0]
+    r_, n_ = np.meshgrid(np.arange(rows), np.arange(n), indexing="ij")
+    want = fc(r_, n_)
+    report = mismatch_report(f64(c[:rows]), want, 0.0, 0.0)
+    assert not report, f"probe {probe!r} ({rows} rows, tile {gemm.tile}): {report}. A wrong value is {SOURCE_OF[probe]}"
+    assert (c[rows:] == POISON).all(), f"rows {rows}.. past the count were written"
+
+
+# (experts' rows, cap, N, K): partial tiles in every dimension (rows not a multiple of 64, N not a multiple of
+# the tile, K a multiple of 8 but not of 64), counts of 0, tiles of one row (half mode), a long K
+SHAPES = [
+    ([128], 128, 256, 64),
+    ([0, 65, 200], 256, 200, 72),
+    ([1, 64], 64, 512, 200),
+    ([127, 129, 0], 192, 384, 1032),
+    ([300, 5, 256, 63], 320, 264, 136),
+    ([70], 128, 256, 7168),
+]
+
+
+def make(rows: list[int], cap: int, n: int, k: int, seed: int):
+    """Random bf16 operands: token rows, a gather index (each slot past the count -1: never read), the dense
+    slab the index describes, weights."""
+    rng = np.random.default_rng(seed)
+    experts = len(rows)
+    tokens = max(sum(rows), 1) + 7
+    x = bits(rng.standard_normal((tokens, k)))
+    w = bits(rng.standard_normal((experts, n, k)) / np.sqrt(k))
+    index = np.full(experts * cap, -1, np.int32)
+    perm = rng.permutation(tokens)
+    at = 0
+    for e, count in enumerate(rows):
+        index[e * cap : e * cap + count] = perm[at : at + count]
+        at += count
+    slab = np.zeros((experts * cap, k), np.uint16)
+    used = index >= 0
+    slab[used] = x[index[used]]
+    return x, w, index, slab
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"rows{'-'.join(map(str, s[0]))}_cap{s[1]}_n{s[2]}_k{s[3]}")
+def test_partial_tiles_match_float64_and_the_dense_entry(gemm, shape):
+    rows, cap, n, k = shape
+    x, w, index, slab = make(rows, cap, n, k, seed=len(rows) * 1000 + k)
+    counts = np.array(rows, np.int32)
+    gathered = gemm(x, w, counts, cap, index)
+    dense = gemm(slab, w, counts, cap)
+    problems = []
+    for e, count in enumerate(rows):
+        want = f64(slab[e * cap : e * cap + count]) @ f64(w[e]).T
+        scale = max(float(np.abs(want).max(initial=0.0)), 1e-30)
+        report = mismatch_report(f64(gathered[e, :count]), want, RTOL, ATOL * scale)
+        if report:
+            problems.append(f"expert {e} ({count} rows) vs float64: {report}")
+        written = int((gathered[e, count:] != POISON).sum())
+        if written:
+            problems.append(f"expert {e}: {written} values written in slots at or past its count {count}")
+    differ = np.argwhere(gathered != dense)
+    if differ.size:
+        problems.append(f"gather and dense entries differ in {len(differ)} values, first (expert, row, col) "
+                        f"{differ[:4].tolist()}")
+    assert not problems, f"tile {gemm.tile}, shape {shape}:\n" + "\n".join(problems)
+
+
+def test_the_same_bytes_on_every_run(gemm):
+    rows, cap, n, k = [300, 5, 256, 63], 320, 264, 136
+    x, w, index, _ = make(rows, cap, n, k, seed=7)
+    counts = np.array(rows, np.int32)
+    first = gemm(x, w, counts, cap, index)
+    for run in range(2):
+        again = gemm(x, w, counts, cap, index)
+        assert np.array_equal(again, first), f"run {run + 2} differs in {int((again != first).sum())} values"
