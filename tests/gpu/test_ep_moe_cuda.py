@@ -88,6 +88,8 @@ def test_fp8_dispatch_bench_passes_on_gpu(tray_env, tmp_path):
         ("64,300", "uniform,zipf:1.5", "4", "masked", "eager"),
         ("64", "zipf", "worst", "masked", "eager"),
         ("64", "zipf", "4", "cublas", "eager"),
+        # the Hopper warpgroup-MMA GEMMs in the layer (compute capability 9.0; rows of 1 .. 200 per expert)
+        ("64,300", "uniform,zipf:1.5", "4", "wgmma", "eager"),
         # the low-latency mode's batch: 128 tokens per rank, hot experts overflowing the capacity
         ("128", "zipf:1.5", "2", "masked", "eager"),
         # NCCL captured in a graph registers the send/recv buffers (local ones included) with its peers
@@ -97,6 +99,13 @@ def test_fp8_dispatch_bench_passes_on_gpu(tray_env, tmp_path):
 def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, gemm, nccl_timing):
     if visible_gpus() < 2:
         pytest.skip("needs 2 GPUs")
+    if gemm == "wgmma":
+        from tray.backend.cuda import CudaBackend
+        from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY
+
+        with CudaBackend.open(0) as b:
+            if b.capability != WGMMA_CAPABILITY:
+                pytest.skip(f"--gemm wgmma needs compute capability 9.0, GPU 0 is {b.capability}")
     out = tmp_path / "ep.json"
     cmd = [
         sys.executable,

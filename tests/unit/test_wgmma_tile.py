@@ -1,0 +1,126 @@
+"""The Hopper wgmma expert GEMMs without a GPU: the shape read from ep_gemm_wgmma.cu and its options, the ring's
+shared memory and grid, the limits the source's #error lines enforce (run through the C preprocessor), the
+ep_moe manifest's experts_wgmma launches, the --gemm wgmma selection and its refusal below compute capability
+9.0, the bench's wgmma cases, and the mismatch report the GPU checks print."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from conftest import MANIFESTS
+
+from bench.expert_gemm import WGMMA_VARIANTS, main, wgmma_variant
+from tray.errors import UsageError
+from tray.programs.ep_moe.bench import GEMMS, EpBenchArgs, validate
+from tray.programs.ep_moe.gemm_tile import (
+    WgmmaTile,
+    mismatch_report,
+    require_wgmma,
+    wgmma_tile,
+    wgmma_tile_of,
+)
+from tray.programs.ep_moe.rank_program import EXPERTS_PROGRAM, GEMM_KERNELS
+
+KERNEL = MANIFESTS / "kernels" / "ep_gemm_wgmma.cu"
+SOURCE = KERNEL.read_text()
+MANIFEST = json.loads((MANIFESTS / "ep_moe.json").read_text())
+
+
+def test_the_shape_comes_from_the_source_defaults_and_the_options():
+    base = wgmma_tile_of(SOURCE)
+    assert base == WgmmaTile(256, 4)
+    assert wgmma_tile_of(SOURCE, ["--gpu-architecture=sm_90a", "-DWG_BN=128", "-DWG_STAGES=6"]) == WgmmaTile(128, 6)
+    with pytest.raises(ValueError, match="no default for WG_STAGES"):
+        wgmma_tile_of(SOURCE.replace("#define WG_STAGES", "#define WG_STAGES_X"))
+
+
+def test_ring_bytes_grid_and_limits():
+    t = WgmmaTile(256, 4)
+    assert t.smem == 4 * (128 * 64 * 2 + 256 * 64 * 2) + 1024 == 197632
+    assert t.grid(4096, 1024, 128) == (16, 8, 128) and t.grid(7168, 1, 1) == (28, 1, 1)
+    assert WgmmaTile(128, 6).grid(200, 129, 3) == (2, 2, 3)
+    t.check()
+    for bad in (WgmmaTile(64, 4), WgmmaTile(256, 2), WgmmaTile(256, 5)):
+        with pytest.raises(ValueError, match="WG_BN 128 or 256"):
+            bad.check()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the C preprocessor)")
+@pytest.mark.parametrize("bn, stages", [(256, 4), (128, 6), (256, 3), (256, 5), (64, 4), (128, 2)])
+def test_the_python_limits_are_the_sources_error_lines(bn, stages):
+    """The kernel refuses at compile time exactly the shapes WgmmaTile.check refuses (outside the device pass
+    the file preprocesses to nothing but these checks, so the CPU build never sees wgmma)."""
+    run = subprocess.run(["g++", "-E", "-P", "-x", "c++", f"-DWG_BN={bn}", f"-DWG_STAGES={stages}", str(KERNEL)],
+                         capture_output=True, text=True, timeout=60)
+    try:
+        WgmmaTile(bn, stages).check()
+        refused = False
+    except ValueError:
+        refused = True
+    assert (run.returncode != 0) == refused, run.stderr
+    assert "asm" not in run.stdout and "__global__" not in run.stdout
+
+
+def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape():
+    tile = wgmma_tile()
+    kernels = {k["name"]: k for k in MANIFEST["kernels"]}
+    for name in ("ep_wgmma_gemm", "ep_wgmma_gemm_gather"):
+        assert kernels[name]["source"] == "kernels/ep_gemm_wgmma.cu" and kernels[name]["entry"] == name
+        assert "--gpu-architecture=sm_90a" in kernels[name]["options"]
+    programs = {p["name"]: p["ops"] for p in MANIFEST["programs"]}
+    wg, masked = programs["experts_wgmma"], programs["experts_masked"]
+    assert [op["kernel"] for op in wg] == ["ep_wgmma_gemm_gather", "ep_silu_mul_rows", "ep_wgmma_gemm"]
+    for op, ref in zip(wg, masked, strict=True):
+        assert op["args"] == ref["args"]  # the same contract, buffer for buffer
+        if op["kernel"].startswith("ep_wgmma"):
+            assert op["block"] == 256 and op["shmem"] == tile.smem, op
+            assert op["grid"][0].endswith(f"+ {tile.bn - 1}) // {tile.bn}"), op
+            assert op["grid"][1] == f"(cap + {tile.bm - 1}) // {tile.bm}" and op["grid"][2] == ref["grid"][2], op
+
+
+def test_gemm_selection_covers_every_gemm_kernel_and_program():
+    names = {k["name"] for k in MANIFEST["kernels"]}
+    programs = {p["name"] for p in MANIFEST["programs"]}
+    assert {n for n in names if "gemm" in n} <= set(GEMM_KERNELS) <= names
+    assert set(EXPERTS_PROGRAM.values()) <= programs and "wgmma" in GEMMS
+    assert GEMM_KERNELS["ep_wgmma_gemm"] == ("wgmma",) and "wgmma" in GEMM_KERNELS["ep_silu_mul_rows"]
+    args = {"nprocs": 2, "backend": "host", "experts": 16, "topk": 4, "hidden": 256, "expert_dim": 256}
+    validate(EpBenchArgs(**args, gemm="wgmma"))
+    with pytest.raises(UsageError, match="--gemm is 'masked', 'wgmma', 'cublas', got 'wgmm'"):
+        validate(EpBenchArgs(**args, gemm="wgmm"))
+
+
+def test_wgmma_is_refused_below_and_above_hopper_with_what_to_use():
+    require_wgmma((9, 0))
+    for cap in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        with pytest.raises(UsageError) as exc:
+            require_wgmma(cap)
+        msg = str(exc.value)
+        assert f"this device is {cap[0]}.{cap[1]}" in msg and "9.0" in msg and "--gemm masked" in msg
+
+
+def test_the_bench_runs_the_manifest_shape_and_valid_variants(capsys):
+    assert wgmma_variant().tile == wgmma_tile() and wgmma_variant().name == "wgmma"
+    for v in WGMMA_VARIANTS:
+        v.tile.check()
+        assert v.options[0] == "--gpu-architecture=sm_90a" and wgmma_tile_of(SOURCE, v.options) == v.tile
+    with pytest.raises(SystemExit) as exc:
+        main(["--only", "wgmma_n64s9"])
+    assert exc.value.code == 2 and "wgmma_n128s6" in capsys.readouterr().err
+
+
+def test_mismatch_report_names_rows_columns_and_values():
+    want = np.arange(32, dtype=np.float64).reshape(4, 8)
+    assert mismatch_report(want + 0.01, want, 0.0, 0.02) == ""
+    got = want.copy()
+    got[1, 2:5] += 1.0
+    got[3, 7] = np.nan
+    report = mismatch_report(got, want, 0.0, 0.5)
+    assert report.startswith("4 of 32 elements off") and "rows 1, 3;" in report and "cols 2-4, 7;" in report
+    assert "(1, 2) 11/10" in report and "(3, 7) nan/31" in report
+    with pytest.raises(ValueError, match="2-D arrays of one shape"):
+        mismatch_report(got[0], want, 0.0, 0.0)
