@@ -177,10 +177,10 @@ for s in "${STAGES[@]}"; do
         expert-gemm) stage expert_gemm 420 $PY bench/expert_gemm.py ${GEMM_ARGS:-} --json "$OUT/expert_gemm.json" ;;
         # the Hopper wgmma expert GEMMs (one GPU, compute capability 9.0; bounded at 300 s): their GPU tests (probes
         # naming the row / k / column of a wrong value, partial tiles vs float64, gather vs dense, repeat runs), then
-        # the bench at the EP2 rank's shapes with production, wgmma (the manifest's shape) and two more wgmma shapes
+        # the bench at the EP2 rank's shapes with production, wgmma (the manifest's shape) and three more wgmma shapes
         # beside cuBLAS and the read ceiling, every wgmma case checked ($OUT/expert_gemm_wgmma.json; GEMM_ARGS adds)
         wgmma) stage wgmma_tests 120 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -p no:cacheprovider --tb=short
-            stage expert_gemm_wgmma 240 $PY bench/expert_gemm.py --only production,wgmma,wgmma_n128s6,wgmma_n256s3 \
+            stage expert_gemm_wgmma 240 $PY bench/expert_gemm.py --only production,wgmma,wgmma_n128s6,wgmma_n128s3,wgmma_n256s3 \
                 --repeats 5 ${GEMM_ARGS:-} --json "$OUT/expert_gemm_wgmma.json" ;;
         # the sweep 8 B .. 64 MiB: low-latency (timed up to 4 MiB), one-shot, two-shot, NCCL; then the layer
         tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;

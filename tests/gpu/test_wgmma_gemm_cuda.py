@@ -2,8 +2,8 @@
 9.0: the shared-memory layout, descriptors and accumulator fragment checked by probes whose outputs name the
 row / k / column they came from, then partial tiles in every dimension against float64, counts of zero, slots
 past the counts untouched, the gather entry against the dense one, and the same bytes on every run. Both
-shapes the kernel compiles to are covered: 128 x 256 tiles (m64n256k16 wgmma, m64n128k16 for tiles of at
-most 64 rows) and 128 x 128 (m64n128k16, m64n64k16)."""
+widths the kernel compiles to are covered: 128 x 256 tiles (m64n256k16 wgmma, m64n128k16 for tiles of at
+most 64 rows) and 128 x 128 (m64n128k16, m64n64k16), the latter with the shortest ring (3 stages) too."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ POISON = 0x7FC0  # bf16 NaN: every output element starts as it, so an unwritten 
 # float32 accumulation where the sum cancels (see bench/expert_gemm.py, WGMMA_RTOL / WGMMA_ATOL)
 RTOL = 2.0**-7
 ATOL = 2.0**-10
-TILES = [wgmma_tile(), WgmmaTile(128, 6)]
+TILES = [wgmma_tile(), WgmmaTile(128, 6), WgmmaTile(128, 3)]  # the last: a ring of 3, one tile in flight
 
 
 @pytest.fixture(scope="module", autouse=True)
