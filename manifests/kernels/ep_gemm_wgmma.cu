@@ -13,19 +13,22 @@
 // Both run the same instructions over the same values, so the gather's bytes equal the dense entry's over
 // the slab the index describes. wgmma's summation order inside one k16 step is the hardware's, not
 // mma.sync's: the bytes need not equal ep_gemm.cu's (both are within bf16 rounding of float64), but they are
-// the same on every run (no atomics, no split K) and do not depend on how many rows an expert has.
+// the same on every run with the same counts (no atomics, no split K), which is what EP-N == EP1 needs (both
+// use this kernel over the same rows per expert). A tile in half mode (below) runs a narrower wgmma, so an
+// element's bytes may depend on whether its tile holds more than 64 rows.
 //
 // Block: 256 threads = 2 warpgroups over a 128 x WG_BN tile of C; warpgroup w owns rows 64 w .. 64 w + 63
 // (one m64nWG_BNk16 wgmma per 16 of K, the whole tile width at once). Every thread also copies: K advances 64
 // at a time through a ring of WG_STAGES shared-memory stages filled by cp.async (A rows are gathered through
 // the index, so no TMA for A; B the same way, to keep launches plain pointers). Per K tile kt:
 //   wait for this thread's copies of tile kt; fence.proxy.async (the generic-proxy writes of cp.async become
-//   visible to wgmma's async proxy); __syncthreads (everyone's have, and every warpgroup has retired the
-//   wgmma of tile kt - 2); issue the copies of tile kt + WG_STAGES - 2 into tile kt - 2's stage; issue tile
-//   kt's 4 wgmma as one group; wait until at most that group is in flight (tile kt - 1's retired).
-// So WG_STAGES - 2 tiles of copies and one wgmma group are in flight while a group is issued.
-// A warpgroup whose 64 rows are all past rows[e] issues no wgmma (it still copies and meets the barriers):
-// an expert's last tile with at most 64 rows costs half the tensor-core time.
+//   visible to wgmma's async proxy); __syncthreads (everyone's have); issue tile kt's 4 wgmma as one group;
+//   wait until at most that group is in flight (tile kt - 1's has retired); __syncthreads (in both
+//   warpgroups); issue the copies of tile kt + WG_STAGES - 1 into tile kt - 1's stage.
+// So WG_STAGES - 1 tiles of copies are in flight, and the tensor cores hold tile kt's group while tile kt + 1's
+// is prepared (the second barrier and the copies run under it).
+// Tiles with at most 64 rows present (an expert's last, often) run in half mode (see wg_block): both
+// warpgroups on the same 64 rows, each half the columns, so such a tile costs half the tensor-core time.
 //
 // Shared-memory layout (the canonical K-major 128-byte-swizzle layout of the PTX ISA's wgmma matrix
 // descriptors): a stage holds A [128][64] then B [WG_BN][64] bf16, each row 128 bytes, 8-row atoms of 1024
@@ -225,24 +228,19 @@ __device__ __forceinline__ void wg_block(unsigned int ring, const uint4* const* 
     for (int i = 0; i < NACC; ++i) {
         acc[i] = 0.0f;
     }
-    // Prologue: K tiles 0 .. WG_STAGES - 3 in flight; every step commits a group, empty or not, so "at most
-    // WG_STAGES - 3 pending" always means "tile kt has landed" below.
+    // Prologue: K tiles 0 .. WG_STAGES - 2 in flight; every step commits a group, empty or not, so "at most
+    // WG_STAGES - 2 pending" always means "tile kt has landed" below.
 #pragma unroll
-    for (int s = 0; s < WG_STAGES - 2; ++s) {
+    for (int s = 0; s < WG_STAGES - 1; ++s) {
         if (s < k_tiles) {
             wg_issue(ring + s * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, s, tid);
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 3) : "memory");
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(WG_STAGES - 2) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        const int next = kt + WG_STAGES - 2;
-        if (next < k_tiles) {
-            wg_issue(ring + (next % WG_STAGES) * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, next, tid);
-        }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        __syncthreads();  // every thread's copies of tile kt are in shared memory, visible to the async proxy
         const unsigned int stage = ring + (kt % WG_STAGES) * WG_STAGE_BYTES;
         const unsigned long long da = wg_desc(stage + a_off);
         const unsigned long long db = wg_desc(stage + b_off);
@@ -253,8 +251,14 @@ __device__ __forceinline__ void wg_block(unsigned int ring, const uint4* const* 
             wg_mma<NW>(acc, da + 2 * s, db + 2 * s);  // 32 bytes per k16 step: 2 in the address field (>> 4)
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // tile kt - 1's group has retired
         wg_fence_acc<NACC>(acc);
+        __syncthreads();  // in both warpgroups: tile kt - 1's stage is free while tile kt multiplies
+        const int next = kt + WG_STAGES - 1;
+        if (next < k_tiles) {
+            wg_issue(ring + (next % WG_STAGES) * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, next, tid);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     wg_fence_acc<NACC>(acc);
