@@ -124,3 +124,37 @@ def test_mismatch_report_names_rows_columns_and_values():
     assert "(1, 2) 11/10" in report and "(3, 7) nan/31" in report
     with pytest.raises(ValueError, match="2-D arrays of one shape"):
         mismatch_report(got[0], want, 0.0, 0.0)
+
+
+def _nvrtc():
+    """tray's NVRTC entry, or a skip when this machine has no NVRTC (cuda-bindings or its library)."""
+    try:
+        from tray.backend.cuda import driver
+    except ImportError as exc:
+        pytest.skip(f"cuda-bindings is not installed here: {exc}")
+    try:
+        driver.nvrtc_compile('extern "C" __global__ void k() {}', "k.cu", ["--gpu-architecture=compute_90a"], "ptx")
+    except (OSError, RuntimeError, driver.CudaError) as exc:
+        pytest.skip(f"NVRTC is not available here: {exc}")
+    return driver
+
+
+@pytest.mark.parametrize("shape", [wgmma_tile(), *(v.tile for v in WGMMA_VARIANTS)],
+                         ids=lambda t: f"n{t.bn}s{t.stages}")
+def test_every_shape_compiles_for_sm90a_to_the_wgmma_it_names(shape):
+    """NVRTC (no GPU needed) builds each shape the manifest and the bench launch, as the backend does (the
+    manifest's arch option kept), into PTX with the full-width wgmma and the half-mode one, the proxy fence
+    between cp.async's writes and wgmma's reads, and no NVLink multicast."""
+    import re
+
+    from tray.backend.cuda.nvrtc import arch_options, find_multicast
+
+    driver = _nvrtc()
+    options = arch_options(["--gpu-architecture=sm_90a", *shape.options], "compute_90")
+    assert "--gpu-architecture=compute_90a" in options
+    ptx = driver.nvrtc_compile(SOURCE, "ep_gemm_wgmma.cu", options, "ptx").decode()
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16", ptx))
+    assert shapes == {str(shape.bn), str(shape.bn // 2)}, shapes
+    assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned" in ptx
+    assert ".entry ep_wgmma_gemm(" in ptx and ".entry ep_wgmma_gemm_gather(" in ptx
+    assert not find_multicast(ptx)
