@@ -1,4 +1,5 @@
 // ep_gemm: the experts' GEMMs driven by the device's row counts (manifests/ep_moe.json, "experts_masked").
+// (On Hopper, large batches can take ep_gemm_wgmma.cu instead: the same contract on warpgroup MMA.)
 //
 // One launch computes every local expert: C[e][r][n] = bf16( sum_k A_e[r][k] * B[e][n][k] ) for the
 // rows r < rows[e] the layout counted (ep_layout_place's expert_rows), every n < N. Tiles of rows at or
