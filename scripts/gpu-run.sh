@@ -5,7 +5,8 @@
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
-# Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-nccl24 ep-moe-worst
+# Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-wgmma ep-moe-nccl24
+# ep-moe-worst
 # ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
@@ -157,6 +158,8 @@ for s in "${STAGES[@]}"; do
         # dispatch_ll, combine_ll, layer_ll under runs[].us.peer*, checks ll_rows_differ_from_ep1, ll_equals_peer
         ep-moe) stage_live ep_moe 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked ${EP_ARGS:-} --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
         ep-moe-quick) stage_live ep_moe_quick 120 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm masked --json "$OUT/ep_moe_quick.json" ;;
+        # the layer at 4096 tokens/rank with the Hopper wgmma expert GEMMs (compute capability 9.0), EP-N == EP1 checked
+        ep-moe-wgmma) stage_live ep_moe_wgmma 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 4096 --routing uniform,zipf --capacity 4 --sms all --gemm wgmma ${EP_ARGS:-} --json "$OUT/ep_moe_wgmma.json" ;;
         ep-moe-cublas) stage_live ep_moe_cublas 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas ${EP_ARGS:-} --json "$OUT/ep_moe_cublas.json" ;;
         # the NCCL path at the peer path's small SM budget: NCCL limited to 24 CTAs (recorded in the JSON's sms.nccl)
         ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage_live ep_moe_nccl24 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;
