@@ -401,6 +401,234 @@ extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned sh
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Low-latency one-shot, dense lines (`tp_ll3_allreduce`): the protocol of `tp_ll_allreduce` with 6 bytes of
+// data per 8-byte word instead of 4, so 1.5x fewer bytes cross NVLink and are zeroed. Same arguments, the same
+// receive buffer and state words (the two kernels may follow each other on one ll_recv / ll_state: see below),
+// the same sum, the same bytes in `out`.
+//
+// A line is 6 bf16 of the message (12 bytes) sent as 16 bytes: two 64-bit words, each = 48 bits of data
+// (3 bf16, the lower element in the lower bits) | 16-bit flag << 48, stored with one `st.volatile.v2.u64`.
+// Line l holds elements 6l .. 6l+5 (word 0: 6l .. 6l+2, word 1: 6l+3 .. 6l+5); past `count` it pads with
+// zeros. For a message of S bytes each member sends 16 * ceil(S / 12) bytes to each of its G - 1 peers
+// (`tp_ll_allreduce`: 16 * ceil(S / 8)); at 64 KiB 87,392 bytes per peer instead of 131,072.
+//
+// Why a word seen with its flag carries that launch's data (PTX memory model): each 8-byte element of the
+// vector store and of the vector load is one single-copy-atomic access (naturally aligned 64-bit, .volatile
+// = .relaxed.sys), so a load returns either the whole old word or the whole new one, never a mix of data from
+// one and flag from another. Nothing relies on the two words of a line, or the lines of a warp, arriving
+// together or in order: the reader checks the flag of every word it uses. No fence, no acquire: the data
+// needed is inside the word whose flag was seen.
+// Why a flag seen is this launch's: flag = 1 + epoch % 65535, never 0. A word in slot (parity p, source g)
+// holds 0 or a word member g stored there; g stores into parity p only in launches e with e & 1 == p, and the
+// reader zeroes every word it consumed (the same count on every member: every word stored is consumed), so
+// between launches every slot is all zeros and, during launch e, a word holds 0 or launch e's word: a stale
+// word of launch e - 2k could otherwise match when 65535 divides k (a line unused by smaller counts for 131070
+// launches), which the zeroing rules out. Ordering of the zeroing before the writer's next store to the same
+// word (launch e + 2) is the argument of `tp_ll_allreduce`: the zeroing member's zeroing stores precede, in its
+// own stream, the launch e + 1 lines it sends, which the writer must have seen before it can end launch e + 1.
+// Parity double buffering, epochs (tickets), timeouts, refusals: exactly as `tp_ll_allreduce`, with its
+// ticket word: both kernels count launches in one sequence, so they may share ll_recv and ll_state (a slot
+// is all zeros between launches in either format; a line of the other format is never in flight during a
+// launch, since every member runs the same program). The count limit is the same as `tp_ll_allreduce`'s
+// (count <= 4 * slot_lines); lines here are at most ceil(count / 6), so they fit the same slots.
+
+__device__ __forceinline__ unsigned int tp_ll3_flag(unsigned long long epoch) {
+    return 1u + (unsigned int)(epoch % 0xFFFFull);
+}
+
+// Line l of `p` (6 bf16 as three u32: e0 | e1 << 16, e2 | e3 << 16, e4 | e5 << 16), zero-padded past `count`;
+// 4-byte loads when `p` is 4-byte aligned (line l starts at byte 12 l).
+__device__ __forceinline__ void tp_ll3_read_line(const unsigned short* p, long long l, long long count, bool vec,
+                                                 unsigned int* d) {
+    const long long e = l * 6;
+    if (vec && e + 6 <= count) {
+        const unsigned int* q = (const unsigned int*)(p + e);
+        d[0] = q[0];
+        d[1] = q[1];
+        d[2] = q[2];
+        return;
+    }
+    unsigned int h[6] = {0u, 0u, 0u, 0u, 0u, 0u};
+    for (int j = 0; j < 6; ++j) {
+        if (e + j < count) {
+            h[j] = p[e + j];
+        }
+    }
+    d[0] = h[0] | (h[1] << 16);
+    d[1] = h[2] | (h[3] << 16);
+    d[2] = h[4] | (h[5] << 16);
+}
+
+__device__ __forceinline__ void tp_ll3_write_line(unsigned short* p, long long l, long long count, bool vec,
+                                                  const unsigned int* d) {
+    const long long e = l * 6;
+    if (vec && e + 6 <= count) {
+        unsigned int* q = (unsigned int*)(p + e);
+        q[0] = d[0];
+        q[1] = d[1];
+        q[2] = d[2];
+        return;
+    }
+    const unsigned int h[6] = {d[0] & 0xFFFFu, d[0] >> 16, d[1] & 0xFFFFu, d[1] >> 16, d[2] & 0xFFFFu, d[2] >> 16};
+    for (int j = 0; j < 6; ++j) {
+        if (e + j < count) {
+            p[e + j] = (unsigned short)h[j];
+        }
+    }
+}
+
+// three u32 of data -> the line's two words with the flag; and back (the flag bits dropped)
+__device__ __forceinline__ void tp_ll3_pack(const unsigned int* d, unsigned long long flag, unsigned long long& w0,
+                                            unsigned long long& w1) {
+    w0 = (unsigned long long)d[0] | ((unsigned long long)(d[1] & 0xFFFFu) << 32) | (flag << 48);
+    w1 = (unsigned long long)(d[1] >> 16) | ((unsigned long long)d[2] << 16) | (flag << 48);
+}
+
+__device__ __forceinline__ void tp_ll3_add(float* acc, const unsigned int* d) {
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+        acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_f32(d[j] & 0xFFFFu));
+        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_f32(d[j] >> 16));
+    }
+}
+
+__device__ __forceinline__ void tp_ll3_add_words(float* acc, unsigned long long w0, unsigned long long w1) {
+    // word 0 = e0 e1 e2 flag, word 1 = e3 e4 e5 flag (16 bits each, lowest first): the flags dropped
+    const unsigned int d[3] = {(unsigned int)w0, ((unsigned int)(w0 >> 32) & 0xFFFFu) | ((unsigned int)w1 << 16),
+                               (unsigned int)(w1 >> 16)};
+    tp_ll3_add(acc, d);
+}
+
+// `tp_ll_gather` for dense lines: waits for member g0 + u's line l (u < TP_LOADS, their loads in flight
+// together), adds the chunk's lines to acc in member order (member me: its own line d), zeroes the consumed
+// lines. Returns false after recording the members still missing at the timeout.
+__device__ __forceinline__ bool tp_ll3_gather(float* acc, unsigned long long* own, long long slot_words, long long l,
+                                              int g0, int G, int me, const unsigned int* d, unsigned long long flag,
+                                              unsigned long long epoch, unsigned long long start,
+                                              unsigned long long timeout_ns, unsigned long long* state) {
+    unsigned long long w0[TP_LOADS], w1[TP_LOADS];
+    unsigned int pending = 0u;
+#pragma unroll
+    for (int u = 0; u < TP_LOADS; ++u) {
+        w0[u] = 0ull;
+        w1[u] = 0ull;
+        if (g0 + u < G && g0 + u != me) {
+            pending |= 1u << u;
+        }
+    }
+    while (pending != 0u) {
+#pragma unroll
+        for (int u = 0; u < TP_LOADS; ++u) {
+            if (pending >> u & 1u) {
+                tp_ll_load(own + (g0 + u) * slot_words + 2 * l, w0[u], w1[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < TP_LOADS; ++u) {
+            if ((pending >> u & 1u) && (w0[u] >> 48) == flag && (w1[u] >> 48) == flag) {
+                pending &= ~(1u << u);
+            }
+        }
+        if (pending != 0u && tp_ll_timer_ns() - start > timeout_ns) {
+            atomicOr(&state[2], (unsigned long long)pending << g0);
+            atomicMax(&state[1], epoch);
+            return false;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < TP_LOADS; ++u) {
+        if (g0 + u < G) {
+            if (g0 + u == me) {
+                tp_ll3_add(acc, d);
+            } else {
+                tp_ll3_add_words(acc, w0[u], w1[u]);
+                tp_ll_store(own + (g0 + u) * slot_words + 2 * l, 0ull, 0ull);
+            }
+        }
+    }
+    return true;
+}
+
+//   in, out, recv_peers, state, count, max_count, G, me, timeout_ns: as `tp_ll_allreduce` (the same buffers;
+//   slots of slot_lines = max_count / 4 lines of 16 bytes, of which the first ceil(count / 6) are used here)
+extern "C" __global__ void tp_ll3_allreduce(const unsigned short* in, unsigned short* out,
+                                            unsigned long long* const* recv_peers, unsigned long long* state,
+                                            long long count, long long max_count, int G, int me,
+                                            unsigned long long timeout_ns) {
+    __shared__ unsigned long long s_epoch;
+    __shared__ int s_go;
+    const long long slot_lines = max_count / 4;
+    const long long lines = (count + 5) / 6;
+    // the refusals of `tp_ll_allreduce`, word for word: the same counts pass either kernel
+    const bool refused = count < 1 || (count + 3) / 4 > slot_lines || G < 1 || G > 64 || me < 0 || me >= G ||
+                         gridDim.x > (1u << TP_LL_TICKET_BITS);
+    // the ticket before `griddepcontrol.wait`, as in `tp_ll_allreduce`
+    if (threadIdx.x == 0 && !refused) {
+        const unsigned long long add =
+            blockIdx.x == 0 ? (1ull << TP_LL_TICKET_BITS) - (unsigned long long)(gridDim.x - 1) : 1ull;
+        s_epoch = (atomicAdd(&state[0], add) >> TP_LL_TICKET_BITS) + 1ull;
+    }
+    __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool vec = ((((unsigned long long)in) | ((unsigned long long)out)) & 3ull) == 0ull;
+    // the first line's input load flies while thread 0 reads the error words
+    unsigned int a[3] = {0u, 0u, 0u};
+    if (!refused && first < lines) {
+        tp_ll3_read_line(in, first, count, vec, a);
+    }
+    if (threadIdx.x == 0) {
+        s_go = !refused && *(volatile unsigned long long*)&state[2] == 0ull;
+        if (refused && blockIdx.x == 0) {
+            *(volatile unsigned long long*)&state[3] = 1ull;
+        }
+    }
+    __syncthreads();
+    if (!s_go) {
+        return;
+    }
+    const unsigned long long epoch = s_epoch;
+    const unsigned long long flag = (unsigned long long)tp_ll3_flag(epoch);
+    const long long parity = (long long)(epoch & 1ull);
+    const long long slot_words = slot_lines * 2;
+    // send: line l of the input into slot (parity, me) of every other member
+    for (long long l = first; l < lines; l += stride) {
+        unsigned int d[3] = {a[0], a[1], a[2]};
+        if (l != first) {
+            tp_ll3_read_line(in, l, count, vec, d);
+        }
+        unsigned long long w0, w1;
+        tp_ll3_pack(d, flag, w0, w1);
+        for (int g = 0; g < G; ++g) {
+            if (g != me) {
+                tp_ll_store(recv_peers[g] + (parity * G + me) * slot_words + 2 * l, w0, w1);
+            }
+        }
+    }
+    // receive: wait for every member's line l, sum in member order, zero the consumed lines
+    unsigned long long* const own = recv_peers[me] + parity * G * slot_words;
+    const unsigned long long start = tp_ll_timer_ns();
+    for (long long l = first; l < lines; l += stride) {
+        unsigned int d[3] = {a[0], a[1], a[2]};
+        if (l != first) {
+            tp_ll3_read_line(in, l, count, vec, d);
+        }
+        float acc[6] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int g0 = 0; g0 < G; g0 += TP_LOADS) {
+            if (!tp_ll3_gather(acc, own, slot_words, l, g0, G, me, d, flag, epoch, start, timeout_ns, state)) {
+                return;
+            }
+        }
+        const unsigned int o[3] = {pack2(acc[0], acc[1]), pack2(acc[2], acc[3]), pack2(acc[4], acc[5])};
+        tp_ll3_write_line(out, l, count, vec, o);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Stress of tp_ll_allreduce (checked, not timed): rounds of different inputs through the same slots, so a
 // line read from the wrong launch (a parity reused too early, an old flag taken for new) shows as a wrong
 // sum. Round r = stress[0] (local u64[4]: [0] round, [1] wrong elements summed over rounds).

@@ -285,6 +285,9 @@ KERNELS = {
         "tp_ll_allreduce": "const unsigned short* in, unsigned short* out, unsigned long long* const* recv_peers, "
         "unsigned long long* state, long long count, long long max_count, int G, int me, "
         "unsigned long long timeout_ns",
+        "tp_ll3_allreduce": "const unsigned short* in, unsigned short* out, unsigned long long* const* recv_peers, "
+        "unsigned long long* state, long long count, long long max_count, int G, int me, "
+        "unsigned long long timeout_ns",
         "tp_ll_stress_step": "unsigned short* in, const unsigned short* out, unsigned long long* stress, "
         "long long count, int G, int me",
         "tp_ll_stress_next": "unsigned long long* stress, int G, int me, unsigned long long skew_ns",
@@ -312,7 +315,7 @@ KERNELS["ep_gemm.cu"] = {
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
 COOP = {"ep_layout_count", "ep_layout_place", "ep_dispatch_ll", "ep_combine_ll", "ep_masked_gemm",
-        "ep_masked_gemm_gather", "stress_produce", "peer_barrier", "tp_ll_allreduce", "ep_dispatch_fp8",
+        "ep_masked_gemm_gather", "stress_produce", "peer_barrier", "tp_ll_allreduce", "tp_ll3_allreduce", "ep_dispatch_fp8",
         "ep_dequant_fp8"}
 # inline PTX has no CPU meaning: the clock read becomes the shim's clock, the barrier's sys-scope loads and
 # stores plain volatile ones (one thread runs at a time here: ordering is the GPU's to check, not this test's)
@@ -1242,15 +1245,22 @@ def test_peer_barrier_kernel_announces_names_the_missing_and_stays_broken(emulat
 
 # --- the low-latency one-shot: one member's launch, its peers' lines preset (one thread runs at a time) ---
 LL_G, LL_ME, LL_MAX = 3, 1, 16  # 4 lines per slot
+LL_KERNELS = ("tp_ll_allreduce", "tp_ll3_allreduce")  # 2 bf16 | 32-bit flag; 3 bf16 | 16-bit flag per word
+
+
+def ll_format(kernel: str):
+    from tray.programs.tp_mlp.twins import LL3_FORMAT, LL_FORMAT
+
+    return {"tp_ll_allreduce": LL_FORMAT, "tp_ll3_allreduce": LL3_FORMAT}[kernel]
 
 
 class _LLTray:
     """Receive buffers of LL_G members, the peer table, member LL_ME's state, input and output; `preset(g, bits,
-    epoch)` writes member g's lines into LL_ME's slot as g's kernel would."""
+    epoch)` writes member g's lines into LL_ME's slot as g's kernel would (in the line format of `kernel`)."""
 
-    def __init__(self, count: int, ticket_launches: int, offset: int = 0) -> None:
-        from tray.programs.tp_mlp.twins import ll_lines
-
+    def __init__(self, count: int, ticket_launches: int, offset: int = 0, kernel: str = "tp_ll_allreduce") -> None:
+        self.fmt = ll_format(kernel)
+        ll_lines = self.fmt.lines
         self.count, self.offset = count, offset
         self.slot_words = LL_MAX // 4 * 2
         self.recv = [np.zeros(2 * LL_G * self.slot_words, np.uint64) for _ in range(LL_G)]
@@ -1265,9 +1275,7 @@ class _LLTray:
         return self.recv[member][base:base + self.slot_words]
 
     def preset(self, src: int, bits: np.ndarray, epoch: int) -> None:
-        from tray.programs.tp_mlp.twins import ll_flag, ll_pack
-
-        self.words(LL_ME, epoch & 1, src)[: 2 * self.lines] = ll_pack(bits, ll_flag(epoch))
+        self.words(LL_ME, epoch & 1, src)[: 2 * self.lines] = self.fmt.pack(bits, self.fmt.flag(epoch))
 
     def args(self, count: int | None = None, timeout_ns: int = 50_000) -> list[int]:
         return [ptr(self.inp) + 2 * self.offset, ptr(self.out) + 2 * self.offset, ptr(self.table), ptr(self.state),
@@ -1277,55 +1285,58 @@ class _LLTray:
         return [r.copy() for r in self.recv] + [self.state.copy(), self.out.copy()]
 
 
-@pytest.mark.parametrize("count, grid, block, offset", [(10, 1, 2, 0), (16, 2, 32, 0), (13, 1, 2, 1)])
-def test_tp_ll_allreduce_sends_sums_in_member_order_and_zeroes(emulated, count, grid, block, offset):
-    """grid 1 x 2 threads over 3-4 lines: a thread handles two lines (the second read in the loop); the tail
-    line pads with zeros; offset 1 element: in and out not 8-byte aligned (element loads). Emulated kernel and
-    twin write the same bytes: the lines in the peers' slots, the sum, the zeroed slots, the ticket."""
-    from tray.programs.tp_mlp.twins import ll_flag, ll_pack, sum_members_bits
+@pytest.mark.parametrize("kernel", LL_KERNELS)
+@pytest.mark.parametrize("count, grid, block, offset", [(10, 1, 2, 0), (16, 2, 32, 0), (13, 1, 2, 1), (12, 1, 1, 2)])
+def test_tp_ll_allreduce_sends_sums_in_member_order_and_zeroes(emulated, kernel, count, grid, block, offset):
+    """grid 1 x 2 threads over 2-4 lines: a thread handles two lines (the second read in the loop); the tail
+    line pads with zeros (counts 10, 13, 16: not whole lines of 4 or of 6); offset 1 element: in and out not
+    4-byte aligned (element loads); offset 2: 4- but not 8-byte aligned (the dense format's 4-byte loads, the
+    other's element loads). Emulated kernel and twin write the same bytes: the lines in the peers' slots, the
+    sum, the zeroed slots, the ticket."""
+    from tray.programs.tp_mlp.twins import sum_members_bits
 
     rng = np.random.default_rng(7)
     parts = [bf16_random(rng, count) for _ in range(LL_G)]
     results = []
     for kind in ("emu", "twin"):
-        t = _LLTray(count, ticket_launches=5, offset=offset)  # the 6th launch: epoch 6, parity 0
+        t = _LLTray(count, ticket_launches=5, offset=offset, kernel=kernel)  # the 6th launch: epoch 6, parity 0
         t.inp[offset:offset + count] = parts[LL_ME]
         for g in (0, 2):
             t.preset(g, parts[g], 6)
         if kind == "emu":
-            _call(emulated, "tp_ll_allreduce", grid, block, *t.args())
+            _call(emulated, kernel, grid, block, *t.args())
         else:
-            lookup("tp_ll_allreduce")(HostBackend.open(0), (grid, 1, 1), (block, 1, 1), *t.args())
+            lookup(kernel)(HostBackend.open(0), (grid, 1, 1), (block, 1, 1), *t.args())
         assert np.array_equal(t.out[offset:offset + count], sum_members_bits(parts)), kind
         assert (t.out[:offset] == 0xFFFF).all() and (t.out[offset + count:] == 0xFFFF).all(), kind
         for g in (0, 2):
             sent = t.words(g, 0, LL_ME)
-            assert np.array_equal(sent[: 2 * t.lines], ll_pack(parts[LL_ME], ll_flag(6))), kind
+            assert np.array_equal(sent[: 2 * t.lines], t.fmt.pack(parts[LL_ME], t.fmt.flag(6))), kind
             assert not sent[2 * t.lines:].any() and not t.words(LL_ME, 0, g).any(), kind  # consumed: zeroed
         assert t.state.tolist() == [6 << 20, 0, 0, 0], kind
         results.append(t.snapshot())
     assert all(np.array_equal(a, b) for a, b in zip(*results))
 
 
-def test_tp_ll_allreduce_names_the_missing_member_stays_broken_and_refuses_big_counts(emulated):
+@pytest.mark.parametrize("kernel", LL_KERNELS)
+def test_tp_ll_allreduce_names_the_missing_member_stays_broken_and_refuses_big_counts(emulated, kernel):
     """Member 2's lines never come: the wait ends (state[2] = bit 2, state[1] = the epoch); the next launch
     takes its ticket, stores and waits for nothing; a count above the slots is refused before any ticket."""
-    from tray.programs.tp_mlp.twins import ll_flag, ll_pack
-
     for kind in ("emu", "twin"):
-        t = _LLTray(8, ticket_launches=0)  # epoch 1, parity 1
+        t = _LLTray(8, ticket_launches=0, kernel=kernel)  # epoch 1, parity 1
         t.inp[:8] = np.arange(1, 9, dtype=np.uint16)
         t.preset(0, np.arange(8, dtype=np.uint16), 1)
 
         def launch(t=t, kind=kind, **kw):
             if kind == "emu":
-                _call(emulated, "tp_ll_allreduce", 1, 32, *t.args(**kw))
+                _call(emulated, kernel, 1, 32, *t.args(**kw))
             else:
-                lookup("tp_ll_allreduce")(HostBackend.open(0), (1, 1, 1), (32, 1, 1), *t.args(**kw))
+                lookup(kernel)(HostBackend.open(0), (1, 1, 1), (32, 1, 1), *t.args(**kw))
 
         launch(timeout_ns=20_000_000 if kind == "twin" else 50_000)
         assert t.state.tolist() == [1 << 20, 1, 1 << 2, 0], kind
-        assert np.array_equal(t.words(0, 1, LL_ME)[:4], ll_pack(t.inp[:8], ll_flag(1))), kind  # sent first
+        sent = t.fmt.pack(t.inp[:8], t.fmt.flag(1))
+        assert np.array_equal(t.words(0, 1, LL_ME)[:sent.size], sent), kind  # sent first
         launch()  # broken: epoch 2's parity-0 slots stay empty everywhere
         assert t.state.tolist() == [2 << 20, 1, 1 << 2, 0] and not any(t.words(g, 0, LL_ME).any() for g in (0, 2))
         t.state[:] = [2 << 20, 0, 0, 0]

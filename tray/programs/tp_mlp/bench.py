@@ -7,11 +7,12 @@
 Two trays of manifests/tp_mlp.json running tray/programs/tp_mlp/rank_program.py: N ranks (the allreduce
 sweep, nccl-tests shaped: every path timed captured and checked on what its timed replays left; then the
 TP layer per token count), then 1 rank (the full layer on one GPU: the reference for the TP outputs and
-the TP-N vs one-GPU time). The low-latency one-shot (`ar_ll`, flags carried in the data) is timed at every
-size up to --ll-sweep-bytes, past the size the tray sends through it (manifest var ll_max_bytes), so the
-crossover is visible: `ll_wins_up_to_bytes` is the largest size up to which it beat both other peer paths
-at every size. `ar_peer` per size is the path the tray uses there (`ar_peer_path`): the low-latency one
-up to ll_max_bytes, above it the faster of the one-shot and the two-shot measured in this run
+the TP-N vs one-GPU time). The low-latency one-shot (flags carried in the data) is timed in both line formats
+(`ar_ll`: 2 bf16 and a 32-bit flag per 8-byte word; `ar_ll3`: 3 bf16 and a 16-bit flag, 1.5x fewer bytes
+sent) at every size up to --ll-sweep-bytes, past the size the tray sends through it (manifest var
+ll_max_bytes), so the crossover is visible: `ll_wins_up_to_bytes` is the largest size up to which its faster
+format beat both other peer paths at every size. `ar_peer` per size is the path the tray uses there
+(`ar_peer_path`): the faster low-latency format measured in this run up to ll_max_bytes, above it the faster of the one-shot and the two-shot measured in this run
 (`crossover` gives the smallest size from which the two-shot wins at every larger size). `ar_tray` is what
 the tray's allreduce does with that table: the peer path, or NCCL at the sizes where NCCL measured faster
 (`ar_tray_path`), so it is never slower than NCCL by construction; the report lists those sizes. With
@@ -69,7 +70,9 @@ DEFAULTS = {
 # NOTE: the TP partials are rounded to bf16 before the sum; one GPU rounds once: a few bf16 ulps apart.
 MLP_TOLERANCE = 2e-2
 PEER_PATHS = ("ar_oneshot", "ar_twoshot")
-LL_PATH = "ar_ll"
+LL_PATH = "ar_ll"  # the low-latency one-shot, 2 bf16 and a 32-bit flag per 8-byte word
+LL3_PATH = "ar_ll3"  # the same with dense lines: 3 bf16 and a 16-bit flag per word (1.5x fewer bytes sent)
+LL_PATHS = (LL_PATH, LL3_PATH)
 
 
 @dataclass(frozen=True)
@@ -201,11 +204,12 @@ def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         entries = [r["sizes"][i] for r in per_rank]
         us = {k: max(e["us"][k] for e in entries) for k in e0["us"]}
         wrong = {k: sum(e["checks"]["wrong"][k] for e in entries) for k in e0["checks"]["wrong"]}
-        timed = [k for k in (LL_PATH, *PEER_PATHS) if k in us] + [k for k in us if is_shape_key(k)]
+        timed = [k for k in (*LL_PATHS, *PEER_PATHS) if k in us] + [k for k in us if is_shape_key(k)]
         identical = all(e["checks"][f"{k}_identical_on_all_ranks"] for e in entries for k in timed)
         path = min(PEER_PATHS, key=lambda k: us[k])
-        if LL_PATH in us and e0["bytes"] <= ll_max_bytes:
-            path = LL_PATH
+        ll = best_ll(us)
+        if ll is not None and e0["bytes"] <= ll_max_bytes:
+            path = ll
         us["ar_peer"] = us[path]
         # the tray's allreduce: the faster peer path, or NCCL where NCCL measured faster at this size
         tray_path = path if us[path] <= us["ar_nccl"] else "ar_nccl"
@@ -213,7 +217,9 @@ def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({"bytes": e0["bytes"], "count": e0["count"], "us": us, "ar_peer_path": path,
                      "ar_tray_path": tray_path,
                      "ratios": {"ar_peer_vs_nccl": us["ar_peer"] / us["ar_nccl"],
-                                **({"ar_ll_vs_oneshot": us[LL_PATH] / us["ar_oneshot"]} if LL_PATH in us else {})},
+                                **({"ar_ll_vs_oneshot": us[LL_PATH] / us["ar_oneshot"]} if LL_PATH in us else {}),
+                                **({"ar_ll3_vs_ll": us[LL3_PATH] / us[LL_PATH]}
+                                   if LL3_PATH in us and LL_PATH in us else {})},
                      "checks": {"wrong": wrong, "peer_identical_on_all_ranks": identical,
                                 "passed": identical and not any(wrong.values())}})
     return rows
@@ -227,6 +233,12 @@ def tp_within_nodes(per_rank: list[dict[str, Any]], per_node: int) -> bool:
         return False
     return all(r["tp_group"] == list(range(r["rank"] // per_node * per_node, (r["rank"] // per_node + 1) * per_node))
                for r in per_rank)
+
+
+def best_ll(us: dict[str, float]) -> str | None:
+    """The faster low-latency line format timed at a size (`ar_ll` on a tie; None: neither was timed)."""
+    timed = [k for k in LL_PATHS if k in us]
+    return min(timed, key=lambda k: us[k]) if timed else None
 
 
 def is_shape_key(key: str) -> bool:
@@ -261,12 +273,13 @@ def crossover(sizes: list[dict[str, Any]]) -> int | None:
 
 
 def ll_wins_up_to(sizes: list[dict[str, Any]]) -> int | None:
-    """The largest size up to which the low-latency path beat both other peer paths at every timed size
-    (None: it lost at the smallest, or was not timed)."""
+    """The largest size up to which the low-latency path (the faster line format) beat both other peer paths at
+    every timed size (None: it lost at the smallest, or was not timed)."""
     best = None
     for r in sizes:
         u = r["us"]
-        if LL_PATH not in u or u[LL_PATH] > min(u[k] for k in PEER_PATHS):
+        ll = best_ll(u)
+        if ll is None or u[ll] > min(u[k] for k in PEER_PATHS):
             break
         best = r["bytes"]
     return best
@@ -314,16 +327,16 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"tp: {report['nprocs']} ranks{where}, {report['backend']} backend; µs per call, captured, slowest rank; "
           f"baseline {base} ({'NCCL' if base == 'nccl' else 'the host backend’s shared-memory collectives'})")
     print(format_table(allreduce_rows(report)))
-    print(f"  {'bytes':>9} {'low-lat':>9} {'one-shot':>9} {'two-shot':>9} {base:>9} {'peer/' + base:>9} "
-          f"{'peer path':>10}  check")
+    print(f"  {'bytes':>9} {'low-lat':>9} {'ll dense':>9} {'one-shot':>9} {'two-shot':>9} {base:>9} "
+          f"{'peer/' + base:>9} {'peer path':>10}  check")
     for r in report["sizes"]:
         u = r["us"]
-        ll = f"{u[LL_PATH]:>9.2f}" if LL_PATH in u else f"{'-':>9}"
+        ll = " ".join(f"{u[k]:>9.2f}" if k in u else f"{'-':>9}" for k in LL_PATHS)
         print(f"  {r['bytes']:>9} {ll} {u['ar_oneshot']:>9.2f} {u['ar_twoshot']:>9.2f} {u['ar_nccl']:>9.2f} "
               f"{r['ratios']['ar_peer_vs_nccl']:>9.2f} {r['ar_peer_path'][3:]:>10}  "
               f"{'ok' if r['checks']['passed'] else 'FAILED'}")
     wins = report["ll_wins_up_to_bytes"]
-    timed = any(LL_PATH in r["us"] for r in report["sizes"])
+    timed = any(best_ll(r["us"]) for r in report["sizes"])
     print(f"  low-latency path: the tray uses it up to {report['ll_max_bytes']} B (ll_max_bytes); measured: "
           + ("not timed (--ll-sweep-bytes)" if not timed else
              f"it beats both other peer paths at every size up to {wins} B" if wins else
@@ -353,7 +366,7 @@ def allreduce_rows(report: dict[str, Any]) -> list[Row]:
     """Every path per size as nccl-tests rows (bf16, busbw factor 2(n-1)/n over the n ranks of a TP group;
     #wrong: elements that failed the check after the timed replays, summed over the ranks)."""
     rows = []
-    names = {LL_PATH: "allreduce low-latency", "ar_oneshot": "allreduce one-shot",
+    names = {LL_PATH: "allreduce low-latency", LL3_PATH: "allreduce low-latency dense", "ar_oneshot": "allreduce one-shot",
              "ar_twoshot": "allreduce two-shot", "ar_nccl": f"allreduce {baseline_name(report['backend'])}"}
     for r in report["sizes"]:
         for path, name in names.items():
@@ -368,7 +381,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     """Latency vs message size: the three allreduces, µs, log-log."""
     base = baseline_name(report["backend"])
     series: dict[str, tuple[list[float], list[float]]] = {}
-    for key, label in ((LL_PATH, "allreduce low-latency"), ("ar_oneshot", "allreduce one-shot"),
+    for key, label in ((LL_PATH, "allreduce low-latency"), (LL3_PATH, "allreduce low-latency dense"),
+                       ("ar_oneshot", "allreduce one-shot"),
                        ("ar_twoshot", "allreduce two-shot"), ("ar_nccl", f"allreduce {base}")):
         timed = [r for r in report["sizes"] if key in r["us"]]
         series[label] = ([r["bytes"] for r in timed], [r["us"][key] for r in timed])

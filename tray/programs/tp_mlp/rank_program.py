@@ -2,9 +2,10 @@
 with manifests/tp_mlp.json (tray/programs/tp_mlp/bench.py writes CONFIG).
 
 Allreduce sweep, per message size S (bytes of bf16), each path timed captured and then checked on the
-outputs of its timed replays: the low-latency one-shot (`ar_ll`, at the sizes up to the config's
-ll_sweep_bytes that its receive slots hold: S <= 2 * ll_max_count; also at the config's other launch
-shapes, keys `ar_ll[t512,l2]`), the one-shot (`ar_one`) and the
+outputs of its timed replays: the low-latency one-shot in both line formats (`ar_ll`: 2 bf16 and a 32-bit
+flag per word; `ar_ll3`: 3 bf16 and a 16-bit flag), at the sizes up to the config's ll_sweep_bytes that their
+receive slots hold: S <= 2 * ll_max_count; `ar_ll` also at the config's other launch shapes, keys
+`ar_ll[t512,l2]`), the one-shot (`ar_one`) and the
 two-shot (`ar_two`) peer allreduces to the bit against the member-order float32 sum every rank computes
 on the host (and identical on every rank); NCCL's (`ar_nccl`) element by element within bf16 tolerance of
 the float64 sum. `wrong` counts the elements that failed. After the low-latency path's replays its state
@@ -39,6 +40,7 @@ SEED_X, SEED_W13, SEED_W2, SEED_P0, SEED_P1 = 11, 12, 13, 14, 15
 # element is wrong when it is off by more than 2^-5 of its magnitude plus 2^-5 of the message's rms.
 NCCL_REL_TOL = 2.0**-5
 TP_GROUP = "node"  # the manifest's group of the TP programs: the ranks of each node
+LL_PROGRAMS = ("ar_ll", "ar_ll3")  # the low-latency line formats: 2 bf16 | 32-bit flag, 3 bf16 | 16-bit flag
 
 
 class TpRank:
@@ -104,22 +106,22 @@ class TpRank:
         v = {"count": count}
         us: dict[str, float] = {}
         checks: dict[str, Any] = {"wrong": {}}
-        # ar_ll and ar_one reduce part0 then part1 (buffers alternate): what stays in `out` is part1's
+        # ar_ll, ar_ll3 and ar_one reduce part0 then part1 (buffers alternate): what stays in `out` is part1's
         paths = [("ar_one", "ar_oneshot", "part1"), ("ar_two", "ar_twoshot", "part0")]
         shapes: dict[str, dict[str, int]] = {}  # key -> the vars of a launch shape other than the manifest's
         if self.ll_timed(count):
-            paths.insert(0, ("ar_ll", "ar_ll", "part1"))
+            paths[:0] = [("ar_ll", "ar_ll", "part1"), ("ar_ll3", "ar_ll3", "part1")]
             for shape in self.ll_shapes:
-                paths.insert(len(shapes) + 1, ("ar_ll", shape.key, "part1"))
+                paths.insert(len(shapes) + 2, ("ar_ll", shape.key, "part1"))
                 shapes[shape.key] = shape.vars()
         for program, key, last in paths:
             self.poison("out", count * 2)
             rank.synchronize()
             rank.exchange("tp.poisoned", count)
-            divisor = 2 if program in ("ar_one", "ar_ll") else 1
+            divisor = 2 if program in ("ar_one", *LL_PROGRAMS) else 1
             pv = {**v, **shapes.get(key, {})}
             us[key] = sampler.us_per_call(lambda p=program, pv=pv: rank.run(p, pv)) / divisor
-            if program == "ar_ll":
+            if program in LL_PROGRAMS:
                 rank.synchronize()
                 self.check_ll()
             out = self.read_out("out", count)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -90,12 +92,67 @@ def ll_refused(count: int, max_count: int, G: int, me: int, blocks: int) -> bool
             or blocks > 1 << LL_TICKET_BITS)
 
 
+def ll3_flag(epoch: int) -> int:
+    """The 16-bit flag of launch `epoch` (1-based) in `tp_ll3_allreduce`: 1 + epoch % 65535, never 0."""
+    return 1 + epoch % 0xFFFF
+
+
+def ll3_lines(count: int) -> int:
+    """Dense lines (6 bf16 each, two words of 3) of a `count`-element message."""
+    return -(-count // 6)
+
+
+def ll3_pack(bits: np.ndarray, flag: int) -> np.ndarray:
+    """bf16 bits u16[count] -> the dense line words u64[lines * 2]: 3 bf16 (the lower element lower) | flag << 48."""
+    padded = np.zeros(ll3_lines(bits.size) * 6, np.uint64)
+    padded[: bits.size] = bits
+    e = padded.reshape(-1, 3)
+    return e[:, 0] | e[:, 1] << np.uint64(16) | e[:, 2] << np.uint64(32) | np.uint64(flag << 48)
+
+
+def ll3_unpack(words: np.ndarray, count: int) -> np.ndarray:
+    """The dense line words -> bf16 bits u16[count] (flags dropped)."""
+    e = np.stack([(words >> np.uint64(s)) & np.uint64(0xFFFF) for s in (0, 16, 32)], axis=1)
+    return e.reshape(-1).astype(np.uint16)[:count]
+
+
+def _ll_unpack(words: np.ndarray, count: int) -> np.ndarray:
+    return (words & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.uint16)[:count]
+
+
+@dataclass(frozen=True)
+class _LLFormat:
+    """A line format of the low-latency allreduce: how a message becomes words, and where a word's flag sits."""
+
+    flag: Callable[[int], int]
+    lines: Callable[[int], int]
+    pack: Callable[[np.ndarray, int], np.ndarray]
+    unpack: Callable[[np.ndarray, int], np.ndarray]
+    flag_shift: int
+
+
+LL_FORMAT = _LLFormat(ll_flag, ll_lines, ll_pack, _ll_unpack, 32)  # tp_ll_allreduce: 2 bf16 | 32-bit flag
+LL3_FORMAT = _LLFormat(ll3_flag, ll3_lines, ll3_pack, ll3_unpack, 48)  # tp_ll3_allreduce: 3 bf16 | 16-bit flag
+
+
 @twin("tp_ll_allreduce")
 def tp_ll_allreduce(backend: Any, grid: Any, block: Any, inp: int, out: int, recv_peers: int, state: int, count: int,
                     max_count: int, G: int, me: int, timeout_ns: int) -> None:
     """Writes what the kernel writes: this member's lines into every other member's slot (parity, me), the
     member-order sum into `out`, zeroes over the consumed lines of its own slots, the ticket and the error
     words in `state`. Polls its slots with a timeout (sched_yield, then short sleeps)."""
+    _ll_allreduce(LL_FORMAT, grid, inp, out, recv_peers, state, count, max_count, G, me, timeout_ns)
+
+
+@twin("tp_ll3_allreduce")
+def tp_ll3_allreduce(backend: Any, grid: Any, block: Any, inp: int, out: int, recv_peers: int, state: int, count: int,
+                     max_count: int, G: int, me: int, timeout_ns: int) -> None:
+    """`tp_ll_allreduce` with dense lines (3 bf16 and a 16-bit flag per word): the same buffers, state and sum."""
+    _ll_allreduce(LL3_FORMAT, grid, inp, out, recv_peers, state, count, max_count, G, me, timeout_ns)
+
+
+def _ll_allreduce(fmt: _LLFormat, grid: Any, inp: int, out: int, recv_peers: int, state: int, count: int,
+                  max_count: int, G: int, me: int, timeout_ns: int) -> None:
     st = u64_at(state, 4)
     blocks = int(grid[0]) if isinstance(grid, (tuple, list)) else int(grid)
     if ll_refused(count, max_count, G, me, blocks):
@@ -106,11 +163,11 @@ def tp_ll_allreduce(backend: Any, grid: Any, block: Any, inp: int, out: int, rec
     if st[LL_MISSING]:
         return  # broken: a member went missing in an earlier launch
     epoch = (ticket >> LL_TICKET_BITS) + 1
-    flag, parity = ll_flag(epoch), epoch & 1
-    slot_words, lines = max_count // 4 * 2, ll_lines(count)
+    flag, parity = fmt.flag(epoch), epoch & 1
+    slot_words, lines = max_count // 4 * 2, fmt.lines(count)
     ptrs = [int(p) for p in u64_at(recv_peers, G)]
     own_bits = at(inp, count, np.uint16).copy()
-    words = ll_pack(own_bits, flag)
+    words = fmt.pack(own_bits, flag)
     for g, p in enumerate(ptrs):
         if g != me:
             u64_at(p + 8 * (parity * G + me) * slot_words, 2 * lines)[:] = words
@@ -123,7 +180,7 @@ def tp_ll_allreduce(backend: Any, grid: Any, block: Any, inp: int, out: int, rec
         slot = u64_at(own + 8 * g * slot_words, 2 * lines)
         while True:
             seen = slot.copy()  # each 8-byte word read once: its data and flag together
-            if np.all(seen >> np.uint64(32) == flag):
+            if np.all(seen >> np.uint64(fmt.flag_shift) == flag):
                 break
             waited = time.perf_counter() - t0
             if waited * 1e9 > timeout_ns:
@@ -134,7 +191,7 @@ def tp_ll_allreduce(backend: Any, grid: Any, block: Any, inp: int, out: int, rec
                 os.sched_yield()
             else:
                 time.sleep(_LL_POLL_SLEEP_S)
-        got[g] = (seen & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.uint16)[:count]
+        got[g] = fmt.unpack(seen, count)
         slot[:] = 0
     parts = [own_bits if g == me else got[g] for g in range(G)]
     at(out, count, np.uint16)[:] = sum_members_bits(parts)
