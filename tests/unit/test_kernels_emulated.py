@@ -340,13 +340,14 @@ def _names(params: str) -> str:
     return ", ".join(p.strip().split()[-1].lstrip("*") for p in params.split(","))
 
 
-def build(d, kernels_by_file, defines=()):
+def build(d, kernels_by_file, defines=(), ptx_on_cpu=None, prelude=""):
     """Compile the kernels of `kernels_by_file` ({file: {name: params}}) for the CPU into d/emu.so, with the
-    preprocessor `defines` (NAME=VALUE) placed before the sources; return the loaded library."""
-    src = [SHIM, *(f"#define {name} {value}" for name, value in (x.split("=", 1) for x in defines))]
+    preprocessor `defines` (NAME=VALUE) and `prelude` (C++) placed before the sources, the inline PTX replaced
+    as `ptx_on_cpu` says (default PTX_ON_CPU); return the loaded library."""
+    src = [SHIM, prelude, *(f"#define {name} {value}" for name, value in (x.split("=", 1) for x in defines))]
     for file, kernels in kernels_by_file.items():
         code = (MANIFESTS / "kernels" / file).read_text()
-        for ptx, cpu in PTX_ON_CPU.items():
+        for ptx, cpu in (PTX_ON_CPU if ptx_on_cpu is None else ptx_on_cpu).items():
             code = code.replace(ptx, cpu)
         src.append(f"namespace k_{file.split('.')[0]} {{\n{code}\n}}")
         for name, params in kernels.items():
@@ -1342,6 +1343,141 @@ def test_tp_ll_allreduce_names_the_missing_member_stays_broken_and_refuses_big_c
         t.state[:] = [2 << 20, 0, 0, 0]
         launch(count=LL_MAX + 1)
         assert t.state.tolist() == [2 << 20, 0, 0, 1], kind
+
+
+@pytest.mark.parametrize("kernel", LL_KERNELS)
+def test_tp_ll_allreduce_zeroing_keeps_a_line_of_the_flags_last_turn_out(emulated, kernel):
+    """The flag repeats every 2 x its period of launches on one parity (16-bit: 131070, 32-bit: 2^33 - 2): a line
+    left in a slot that long ago would pass for new. Member 2 sends 3 lines at launch E; launch E + 2 x period
+    (the launches between sent shorter messages, if any) has member 2 missing: the wait must time out naming it,
+    which it does only because launch E zeroed the lines it consumed."""
+    period = 0xFFFF if kernel == "tp_ll3_allreduce" else 0xFFFFFFFF
+    rng = np.random.default_rng(3)
+    parts = [bf16_random(rng, 16) for _ in range(LL_G)]
+    for kind in ("emu", "twin"):
+        t = _LLTray(16, ticket_launches=9, kernel=kernel)  # epoch 10
+        t.inp[:16] = parts[LL_ME]
+
+        def launch(t=t, kind=kind, **kw):
+            if kind == "emu":
+                _call(emulated, kernel, 1, 32, *t.args(**kw))
+            else:
+                lookup(kernel)(HostBackend.open(0), (1, 1, 1), (32, 1, 1), *t.args(**kw))
+
+        for g in (0, 2):
+            t.preset(g, parts[g], 10)
+        launch()
+        assert t.state.tolist() == [10 << 20, 0, 0, 0] and not t.words(LL_ME, 0, 2).any(), kind
+        later = 10 + 2 * period
+        assert t.fmt.flag(later) == t.fmt.flag(10) and later & 1 == 0
+        t.state[0] = (later - 1) << 20
+        t.preset(0, parts[0], later)
+        launch(timeout_ns=20_000_000 if kind == "twin" else 50_000)
+        assert t.state.tolist() == [later << 20, later, 1 << 2, 0], kind
+
+
+# --- the low-latency one-shot, every member on its own thread, all at once: each member a copy of the build
+# (dlopen gives each file its own globals: block and thread indices, the block scheduler), the clock real ---
+REAL_CLOCK = r"""
+#include <chrono>
+#include <sched.h>
+static unsigned long long emu_real_ns() {
+    sched_yield();  // a member that waits lets the others run: 2 cores host up to 8 members
+    return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+"""
+LL_WORLD_MAX = 512  # elements per slot: 128 lines
+
+
+@pytest.fixture(scope="module")
+def ll_members(tmp_path_factory):
+    """8 loaded copies of the low-latency kernels: member g launches through copy g."""
+    d = tmp_path_factory.mktemp("ll_members")
+    ptx = {**PTX_ON_CPU, 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));': "now = emu_real_ns();"}
+    build(d, {"tp_allreduce.cu": {k: KERNELS["tp_allreduce.cu"][k] for k in LL_KERNELS}}, ptx_on_cpu=ptx,
+          prelude=REAL_CLOCK)
+    libs = []
+    for g in range(8):
+        shutil.copyfile(d / "emu.so", d / f"emu{g}.so")  # a new file (inode): dlopen loads it again
+        libs.append(ctypes.CDLL(str(d / f"emu{g}.so")))
+    return libs
+
+
+def _ll_world(G, ticket_launches):
+    slot_words = LL_WORLD_MAX // 4 * 2
+    recv = [np.zeros(2 * G * slot_words, np.uint64) for _ in range(G)]
+    return {"recv": recv, "table": np.array([ptr(r) for r in recv], np.uint64),
+            "state": [np.array([ticket_launches << 20, 0, 0, 0], np.uint64) for _ in range(G)]}
+
+
+def _ll_run_members(libs, world, launches, members, G, timeout_ns):
+    """Each member of `members` runs `launches` ([(kernel, grid, block, ins[G], outs[G], count)]) back to back on its
+    own thread, no sync between members (as streams of a lockstep program). Returns the seconds until all ended."""
+    import threading
+    import time
+
+    errors = []
+
+    def member(g):
+        try:
+            for kernel, grid, block, ins, outs, count in launches:
+                _call(libs[g], kernel, grid, block, ptr(ins[g]), ptr(outs[g]), ptr(world["table"]),
+                      ptr(world["state"][g]), count, LL_WORLD_MAX, G, g, timeout_ns)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, on the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(g,), daemon=True) for g in members]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a member's launch never ended"
+    if errors:
+        raise errors[0]
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+def test_tp_ll_members_at_once_across_parities_epochs_and_the_flag_wrap(ll_members, G):
+    """G members at once, 6 launches back to back from launch 65533 on: the dense format's 16-bit flag wraps
+    (65534, 65535, 1, then 3, 4 after a launch of the other format on the same buffers), each parity used three
+    times, counts with tails (not whole lines of 6 or of 4), more lines than threads (grid-stride). Every
+    member's `out` is the member-order float32 sum rounded once, the same bytes on every member; afterwards
+    every slot of every member is zero and every state word says 6 good launches."""
+    from tray.programs.tp_mlp.twins import sum_members_bits
+
+    rng = np.random.default_rng(G)
+    seq = [("tp_ll3_allreduce", 101), ("tp_ll3_allreduce", 500), ("tp_ll3_allreduce", 13),
+           ("tp_ll_allreduce", 257), ("tp_ll3_allreduce", 1), ("tp_ll3_allreduce", 512)]
+    first = 65532  # launches before: the first here is epoch 65533
+    world = _ll_world(G, first)
+    launches = []
+    for kernel, count in seq:
+        ins = [bf16_wide(rng, count) for _ in range(G)]
+        launches.append((kernel, 2, 32, ins, [np.full(count, 0xFFFF, np.uint16) for _ in range(G)], count))
+    _ll_run_members(ll_members, world, launches, range(G), G, 30_000_000_000)
+    for kernel, _, _, ins, outs, count in launches:
+        want = sum_members_bits(ins)
+        assert all(np.array_equal(o, want) for o in outs), (kernel, count)
+    assert all(st.tolist() == [(first + len(seq)) << 20, 0, 0, 0] for st in world["state"])
+    assert not any(r.any() for r in world["recv"])
+
+
+def test_tp_ll_members_at_once_name_the_member_that_never_launches(ll_members):
+    """4 members, member 2 never launches: every other member's wait ends after the timeout (50 ms, real time
+    here) and records member 2 and the launch, whose sum it never writes."""
+    G, count, timeout_ns = 4, 100, 50_000_000
+    world = _ll_world(G, 6)
+    ins = [np.full(count, 0x3F80, np.uint16) for _ in range(G)]
+    outs = [np.full(count, 0xFFFF, np.uint16) for _ in range(G)]
+    seconds = _ll_run_members(ll_members, world, [("tp_ll3_allreduce", 2, 32, ins, outs, count)], (0, 1, 3), G,
+                              timeout_ns)
+    assert timeout_ns / 1e9 <= seconds < 30
+    for g in (0, 1, 3):
+        assert world["state"][g].tolist() == [7 << 20, 7, 1 << 2, 0], g
+        assert not (outs[g] == 0x4080).any(), g  # 4.0 would be the sum of the four ones
 
 
 def test_tp_ll_ticket_gives_every_block_the_launch_number():
