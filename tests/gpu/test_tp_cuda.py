@@ -1,5 +1,5 @@
-"""The TP allreduces on GPUs: every peer path (low-latency, one-shot, two-shot) and NCCL checked after their timed
-graph replays, at 2 ranks (and 4 where visible; and as two nodes of two GPUs, TP within each), on small sizes; the
+"""The TP allreduces on GPUs: every peer path (low-latency in both line formats, one-shot, two-shot) and NCCL checked
+after their timed graph replays, at 2 ranks (and 4 where visible; and as two nodes of two GPUs, TP within each), on small sizes; the
 low-latency kernel's bounded wait names a rank that never sends."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import MANIFESTS, visible_gpus
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
 
 pytestmark = pytest.mark.gpu
-PATHS = {"ar_ll", "ar_oneshot", "ar_twoshot", "ar_nccl"}
+PATHS = {"ar_ll", "ar_ll3", "ar_oneshot", "ar_twoshot", "ar_nccl"}
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -34,8 +34,9 @@ def test_tp_bench_every_path_right_after_timed_replays(tray_env, tmp_path, n):
     assert report["passed"], run.output
     for s in report["sizes"]:
         assert set(s["checks"]["wrong"]) == PATHS and not any(s["checks"]["wrong"].values()), s
-        assert s["checks"]["peer_identical_on_all_ranks"] and s["us"]["ar_ll"] > 0, s
-        want = "ar_ll" if s["bytes"] <= report["ll_max_bytes"] else s["ar_peer_path"]
+        assert s["checks"]["peer_identical_on_all_ranks"] and s["us"]["ar_ll"] > 0 and s["us"]["ar_ll3"] > 0, s
+        ll = min(("ar_ll", "ar_ll3"), key=lambda k: s["us"][k])  # the faster line format of this run
+        want = ll if s["bytes"] <= report["ll_max_bytes"] else s["ar_peer_path"]
         assert s["ar_peer_path"] == want and s["us"]["ar_peer"] == s["us"][want], s
     for t in report["tokens"]:  # the layer's 2 and 32 KiB outputs reduced by the low-latency path too
         assert t["checks"]["ll_equals_one_shot"] and t["checks"]["two_shot_equals_one_shot"], t
@@ -61,31 +62,36 @@ def test_tp_bench_within_each_node_of_a_two_node_job(tray_env, tmp_path):
         assert t["checks"]["passed"] and t["checks"]["ll_equals_one_shot"], t
 
 
-def test_ll_allreduce_wait_is_bounded_and_names_the_missing_rank(tray_env):
+@pytest.mark.parametrize("program", ["ar_ll", "ar_ll3"])
+def test_ll_allreduce_wait_is_bounded_and_names_the_missing_rank(tray_env, program):
     from test_tp import LL_MISSING, LL_MISSING_VARS
 
     if visible_gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    run = tray_env.launch(2, LL_MISSING, "--manifest", str(MANIFESTS / "tp_mlp.json"),
-                          *[a for v in LL_MISSING_VARS for a in ("--var", v)], backend="cuda", timeout_s=180)
+    run = tray_env.run(tray_env.command(2, LL_MISSING, "--manifest", str(MANIFESTS / "tp_mlp.json"),
+                                        *[a for v in LL_MISSING_VARS for a in ("--var", v)], backend="cuda")
+                       + [program], timeout_s=180)
     assert run.returncode == 0, run.output
     assert "named [1]: " in run.stdout and "rank 0 waited 0.20 s for rank 1" in run.stdout, run.output
     assert "broken state [1, 2, 0] launches 4" in run.stdout, run.output
 
 
+@pytest.mark.parametrize("stress", ["ll_stress", "ll3_stress"])
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("count", [4, 32768, 2097152])
-def test_ll_allreduce_stress_every_round_right(tray_env, n, count):
+def test_ll_allreduce_stress_every_round_right(tray_env, n, count, stress):
     """Rounds of different inputs through the low-latency slots from a graph of 8 rounds replayed 25 times
-    without a host sync, member r % G held back 20 µs in round r: every round's sum checked on the device
-    (4 elements: one line; 64 KiB: 32 blocks; 4 MiB: 2048 blocks, more than are resident at once, so the
-    last blocks of one rank still read while its peers' next launch writes the other parity)."""
+    without a host sync, member r % G held back 20 µs in round r: every round's sum checked on the device,
+    in either line format (4 elements: one line; 64 KiB: 32 or 22 blocks; 4 MiB: 2048 or 1366 blocks, more
+    than are resident at once, so the last blocks of one rank still read while its peers' next launch writes
+    the other parity; 64 KiB and 4 MiB end in a partial line of the dense format)."""
     from test_tp import LL_STRESS, ll_stress_vars
 
     if visible_gpus() < n:
         pytest.skip(f"needs {n} GPUs")
     run = tray_env.run(tray_env.command(n, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
-                                        *ll_stress_vars(count), backend="cuda") + ["8", "25"], timeout_s=180)
+                                        *ll_stress_vars(count), backend="cuda") + ["8", "25", stress],
+                       timeout_s=180)
     assert run.returncode == 0, run.output
     assert run.stdout.count("stress rounds 201 wrong 0") == n, run.output
 
@@ -101,7 +107,7 @@ def test_ll_allreduce_stress_at_other_launch_shapes(tray_env, threads, lines):
         pytest.skip("needs 2 GPUs")
     shape = ["--var", f"ll_threads={threads}", "--var", f"ll_lines={lines}"]
     run = tray_env.run(tray_env.command(2, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
-                                        *ll_stress_vars(2097152), *shape, backend="cuda") + ["8", "25"],
+                                        *ll_stress_vars(2097152), *shape, backend="cuda") + ["8", "25", "ll_stress"],
                        timeout_s=180)
     assert run.returncode == 0, run.output
     assert run.stdout.count("stress rounds 201 wrong 0") == 2, run.output

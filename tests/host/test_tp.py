@@ -26,11 +26,12 @@ def test_tp_bench_checks_pass(tray_env, tmp_path, n, shapes):
     assert [s["bytes"] for s in report["sizes"]] == [8, 1040, 4096]
     for s in report["sizes"]:  # 8 B: 4 elements, all in the tail; 1040 B: 520 elements over n chunks
         c = s["checks"]
-        ll = {k: 0 for k in ["ar_ll", *(SHAPES if shapes else [])]} if s["bytes"] <= 1040 else {}
+        ll = {k: 0 for k in ["ar_ll", "ar_ll3", *(SHAPES if shapes else [])]} if s["bytes"] <= 1040 else {}
         assert c["wrong"] == {**ll, "ar_oneshot": 0, "ar_twoshot": 0, "ar_nccl": 0} and c["peer_identical_on_all_ranks"]
-        assert ("ar_ll" in s["us"]) == bool(ll) and s["us"]["ar_nccl"] > 0
-        if s["bytes"] == 8:
-            assert s["ar_peer_path"] == "ar_ll" and s["us"]["ar_peer"] == s["us"]["ar_ll"] > 0
+        assert ("ar_ll" in s["us"]) == ("ar_ll3" in s["us"]) == bool(ll) and s["us"]["ar_nccl"] > 0
+        if s["bytes"] == 8:  # the faster line format of this run
+            assert s["us"]["ar_peer"] == s["us"][s["ar_peer_path"]] == min(s["us"]["ar_ll"], s["us"]["ar_ll3"]) > 0
+            assert s["ar_peer_path"] in ("ar_ll", "ar_ll3") and s["ratios"]["ar_ll3_vs_ll"] > 0
         else:
             assert s["us"]["ar_peer"] == min(s["us"]["ar_oneshot"], s["us"]["ar_twoshot"]) > 0
     assert report["ll_max_bytes"] == 8
@@ -63,7 +64,7 @@ def test_tp_bench_within_each_node_of_a_two_node_job(tray_env, tmp_path):
     assert [s["bytes"] for s in report["sizes"]] == [8, 1040]
     for s in report["sizes"]:
         c = s["checks"]
-        assert c["wrong"] == {"ar_ll": 0, "ar_oneshot": 0, "ar_twoshot": 0, "ar_nccl": 0}, c
+        assert c["wrong"] == {"ar_ll": 0, "ar_ll3": 0, "ar_oneshot": 0, "ar_twoshot": 0, "ar_nccl": 0}, c
         assert c["peer_identical_on_all_ranks"] and c["passed"], c
     (t,) = report["tokens"]
     assert t["checks"]["passed"] and t["checks"]["mlp_peer_vs_one_gpu_rel_err"] < 1e-2, t
@@ -81,16 +82,17 @@ def test_tp_refuses_odd_byte_sizes(tray_env):
 LL_MISSING = """
 import tray.programs.tp_mlp.twins  # the host twins of the manifest's kernels, registered before init
 from tray.programs.tp_mlp.ll import LLTimeout, check_state
+program = sys.argv[2]  # ar_ll or ar_ll3
 with tray.init() as rank:
     g = rank.group("node")
-    if rank.rank == 0:  # rank 1 never runs ar_ll: rank 0's wait for its lines must end, and name rank 1
-        rank.run("ar_ll", {"count": 8})
+    if rank.rank == 0:  # rank 1 never runs it: rank 0's wait for its lines must end, and name rank 1
+        rank.run(program, {"count": 8})
         rank.synchronize()
         try:
             check_state([int(w) for w in rank.read("ll_state")], g.name, g.members, g.index, 200_000_000)
         except LLTimeout as exc:
             print(f"named {exc.missing}: {exc}")
-        rank.run("ar_ll", {"count": 8})  # 2 more launches (ar_ll reduces part0, part1): broken, nothing waited for
+        rank.run(program, {"count": 8})  # 2 more launches (it reduces part0, part1): broken, nothing waited for
         rank.synchronize()
         words = [int(w) for w in rank.read("ll_state")]
         print("broken state", words[1:], "launches", words[0] >> 20)
@@ -100,9 +102,10 @@ LL_MISSING_VARS = ["max_count=64", "count=64", "max_tokens=1", "tokens=1", "hidd
                    "ll_max_count=64", "ll_timeout_ns=200000000"]
 
 
-def test_ll_allreduce_names_a_member_that_never_sends(tray_env):
-    run = tray_env.launch(2, LL_MISSING, "--manifest", str(MANIFESTS / "tp_mlp.json"),
-                          *[a for v in LL_MISSING_VARS for a in ("--var", v)])
+@pytest.mark.parametrize("program", ["ar_ll", "ar_ll3"])
+def test_ll_allreduce_names_a_member_that_never_sends(tray_env, program):
+    run = tray_env.run(tray_env.command(2, LL_MISSING, "--manifest", str(MANIFESTS / "tp_mlp.json"),
+                                        *[a for v in LL_MISSING_VARS for a in ("--var", v)]) + [program])
     assert run.returncode == 0, run.output
     assert "named [1]: " in run.stdout and "rank 0 waited 0.20 s for rank 1" in run.stdout, run.output
     assert "broken state [1, 2, 0] launches 4" in run.stdout, run.output
@@ -111,16 +114,16 @@ def test_ll_allreduce_names_a_member_that_never_sends(tray_env):
 LL_STRESS = """
 import tray.programs.tp_mlp.twins  # the host twins of the manifest's kernels, registered before init
 from tray.programs.tp_mlp.ll import check_state
-K, R = int(sys.argv[2]), int(sys.argv[3])
+K, R, STRESS = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]  # STRESS: ll_stress or ll3_stress
 with tray.init() as rank:
     g = rank.group("node")
     v = {"count": rank.resolved.vars["count"]}
-    for k in ("tp_ll_stress_step", "tp_ll_stress_next", "tp_ll_allreduce"):
+    for k in ("tp_ll_stress_step", "tp_ll_stress_next", "tp_ll_allreduce", "tp_ll3_allreduce"):
         rank.kernel(k)  # compiled (cuda) before any rank waits for another in the allreduce
     rank.exchange("compiled", 0)
-    rank.run("ll_stress", v)  # eagerly once (round 0): plans built outside the capture
+    rank.run(STRESS, v)  # eagerly once (round 0): plans built outside the capture
     rank.synchronize()
-    graph = rank.backend.capture(lambda: [rank.run("ll_stress", v) for _ in range(K)])
+    graph = rank.backend.capture(lambda: [rank.run(STRESS, v) for _ in range(K)])
     try:
         for _ in range(R):  # no host sync between replays: the ranks drift, member r % G held back each round
             graph.replay()
@@ -143,12 +146,12 @@ def ll_stress_vars(count: int) -> list[str]:
     return [a for v in small for a in ("--var", v)]
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_ll_allreduce_stress_every_round_right(tray_env, n):
-    """Rounds of different inputs through the low-latency slots, replayed from a graph with a skewed member per
-    round: every round's sum checked on every rank (1 eager round + 4 x 5 replayed)."""
+@pytest.mark.parametrize("n, stress", [(2, "ll_stress"), (3, "ll_stress"), (3, "ll3_stress")])
+def test_ll_allreduce_stress_every_round_right(tray_env, n, stress):
+    """Rounds of different inputs through the low-latency slots (either line format), replayed from a graph with
+    a skewed member per round: every round's sum checked on every rank (1 eager round + 4 x 5 replayed)."""
     run = tray_env.run(tray_env.command(n, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
-                                        *ll_stress_vars(1040)) + ["4", "5"], timeout_s=120)
+                                        *ll_stress_vars(1040)) + ["4", "5", stress], timeout_s=120)
     assert run.returncode == 0, run.output
     assert run.stdout.count("stress rounds 21 wrong 0") == n, run.output
 
@@ -157,6 +160,6 @@ def test_ll_allreduce_stress_at_another_launch_shape(tray_env):
     """The same stress with the low-latency launch shape set by manifest vars (64 threads, 2 lines each)."""
     shape = ["--var", "ll_threads=64", "--var", "ll_lines=2"]
     run = tray_env.run(tray_env.command(2, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
-                                        *ll_stress_vars(1040), *shape) + ["4", "5"], timeout_s=120)
+                                        *ll_stress_vars(1040), *shape) + ["4", "5", "ll_stress"], timeout_s=120)
     assert run.returncode == 0, run.output
     assert run.stdout.count("stress rounds 21 wrong 0") == 2, run.output

@@ -136,6 +136,25 @@ def test_tp_low_latency_path_is_used_up_to_its_threshold_and_its_crossover_repor
     assert not bad["checks"]["passed"] and bad["checks"]["wrong"]["ar_ll"] == 2
 
 
+def test_tp_low_latency_path_is_the_faster_line_format_per_size():
+    from tray.programs.tp_mlp.bench import ll_wins_up_to, summarize_sizes
+
+    def entry(nbytes, ll, ll3, one=5.0, nccl=9.0, ll3_wrong=0):
+        us = {"ar_ll": ll, "ar_ll3": ll3, "ar_oneshot": one, "ar_twoshot": 50.0, "ar_nccl": nccl}
+        wrong = {k: 0 for k in us} | {"ar_ll3": ll3_wrong}
+        return {"bytes": nbytes, "count": nbytes // 2, "us": us,
+                "checks": {"wrong": wrong, **{f"{k}_identical_on_all_ranks": True for k in us if k != "ar_nccl"}}}
+
+    sizes = [entry(8, 3.0, 3.1), entry(1 << 16, 4.2, 3.9), entry(1 << 17, 5.2, 4.8), entry(1 << 18, 5.6, 5.4)]
+    rows = summarize_sizes([{"ll_max_bytes": 1 << 17, "sizes": sizes}])
+    assert [r["ar_peer_path"] for r in rows] == ["ar_ll", "ar_ll3", "ar_ll3", "ar_oneshot"]
+    assert [r["us"]["ar_peer"] for r in rows] == [3.0, 3.9, 4.8, 5.0]
+    assert rows[1]["ratios"]["ar_ll3_vs_ll"] == 3.9 / 4.2 and rows[1]["ar_tray_path"] == "ar_ll3"
+    assert ll_wins_up_to(rows) == 1 << 17  # the dense format beat the one-shot at 128 KiB, neither at 256 KiB
+    bad = summarize_sizes([{"ll_max_bytes": 8, "sizes": [entry(8, 3.0, 3.1, ll3_wrong=1)]}])[0]
+    assert not bad["checks"]["passed"] and bad["checks"]["wrong"]["ar_ll3"] == 1
+
+
 def test_tp_ll_state_words_become_named_errors():
     from tray.errors import PeerFailure, UsageError
     from tray.programs.tp_mlp.ll import LLTimeout, check_state

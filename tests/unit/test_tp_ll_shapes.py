@@ -53,3 +53,12 @@ def test_parse_ll_shapes_is_the_product_threads_major():
 def test_parse_ll_shapes_refuses_bad_specs(text, match):
     with pytest.raises(UsageError, match=match):
         parse_ll_shapes(text)
+
+
+@pytest.mark.parametrize("count", [1, 6, 1536, 1537, 32768, 65536 + 3])
+def test_dense_format_launches_a_line_of_6_per_thread(count):
+    """ar_ll3 and ll3_stress launch tp_ll3_allreduce with the same vars, each thread a line of 6 bf16."""
+    resolved = load_manifest(builtin_path("tp_mlp")).resolve(2, {"count": count})
+    launches = [(op.grid, op.block) for name in ("ar_ll3", "ll3_stress") for op in resolved.program(name).ops
+                if getattr(op, "kernel", None) == "tp_ll3_allreduce"]
+    assert len(launches) == 3 and set(launches) == {(((count + 1535) // 1536, 1, 1), (256, 1, 1))}
