@@ -30,9 +30,10 @@
 # `tune` (~2 min at 2 ranks, bounded at 190 s; one log and two JSON files): the barrier variants aimed at the captured
 # figure, timed and stressed ($OUT/tune_variants.json), then the low-latency allreduce at 15 launch shapes (threads
 # per block x lines per thread) over 8 B .. 256 KiB, each checked after its timed replays ($OUT/tune_tp.json).
-# `tp-ll` (~3 min at 2 ranks, bounded at 420 s): the two line formats of the low-latency allreduce in one run
-# (ar_ll: 2 bf16 and a 32-bit flag per 8-byte word; ar_ll3: 3 bf16 and a 16-bit flag) beside the one-shot, two-shot
-# and NCCL at every power of two 8 B .. 1 MiB, each checked after its timed replays ($OUT/tp_ll.json); then the
+# `tp-ll` (~3-4 min at 2 ranks, bounded at 470 s): the two line formats of the low-latency allreduce in one run
+# (ar_ll: 2 bf16 and a 32-bit flag per 8-byte word; ar_ll3: 3 bf16 and a 16-bit flag; ar_ll3 also at 128 and 512
+# threads per block) beside the one-shot, two-shot and NCCL at every power of two 8 B .. 1 MiB, each checked after
+# its timed replays ($OUT/tp_ll.json); then the
 # GPU tests of both formats at 2 ranks (4 where visible): the bench at 4 sizes, the graph-replayed stress, the
 # bounded wait naming a rank that never sends.
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
@@ -196,8 +197,9 @@ for s in "${STAGES[@]}"; do
         tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait
         tp-tests) stage tp_tests 540 $PY -m pytest -q -m gpu tests/gpu/test_tp_cuda.py ;;
-        tp-ll) stage_live tp_ll 150 $PY -m tray bench tp -n "$N" --backend cuda --sizes 8,16,32,64,128,256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288,1048576 \
-                --tokens 1 --hidden 1024 --ffn 4096 --repeats 30 --ll-sweep-bytes 1048576 --json "$OUT/tp_ll.json"
+        tp-ll) stage_live tp_ll 200 $PY -m tray bench tp -n "$N" --backend cuda --sizes 8,16,32,64,128,256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288,1048576 \
+                --tokens 1 --hidden 1024 --ffn 4096 --repeats 30 --ll-sweep-bytes 1048576 \
+                --ll-shapes 'threads=128,512;lines=1;formats=ll3' --json "$OUT/tp_ll.json"
             stage tp_ll_tests 270 $PY -m pytest -q -m gpu tests/gpu/test_tp_cuda.py -k "every_path or ll3" ;;
         tune) stage tune 190 bash -c tune_stage ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;

@@ -9,10 +9,12 @@ import sys
 import pytest
 from conftest import MANIFESTS
 
-SHAPES = ["ar_ll[t256,l2]", "ar_ll[t512,l1]", "ar_ll[t512,l2]"]  # threads=256,512;lines=1,2 less the manifest's
+# threads=256,512;lines=1,2 (the 2-rank case: in both formats) less the manifest's shape
+SHAPES = ["ar_ll[t256,l2]", "ar_ll[t512,l1]", "ar_ll[t512,l2]"]
+SHAPES3 = ["ar_ll3[t256,l2]", "ar_ll3[t512,l1]", "ar_ll3[t512,l2]"]
 
 
-@pytest.mark.parametrize("n, shapes", [(2, "threads=256,512;lines=1,2"), (4, None)])
+@pytest.mark.parametrize("n, shapes", [(2, "threads=256,512;lines=1,2;formats=ll,ll3"), (4, None)])
 def test_tp_bench_checks_pass(tray_env, tmp_path, n, shapes):
     out = tmp_path / "tp.json"
     # the low-latency path is timed up to 1040 B (at every launch shape asked for) and used up to 8 B
@@ -26,7 +28,7 @@ def test_tp_bench_checks_pass(tray_env, tmp_path, n, shapes):
     assert [s["bytes"] for s in report["sizes"]] == [8, 1040, 4096]
     for s in report["sizes"]:  # 8 B: 4 elements, all in the tail; 1040 B: 520 elements over n chunks
         c = s["checks"]
-        ll = {k: 0 for k in ["ar_ll", "ar_ll3", *(SHAPES if shapes else [])]} if s["bytes"] <= 1040 else {}
+        ll = {k: 0 for k in ["ar_ll", "ar_ll3", *(SHAPES + SHAPES3 if shapes else [])]} if s["bytes"] <= 1040 else {}
         assert c["wrong"] == {**ll, "ar_oneshot": 0, "ar_twoshot": 0, "ar_nccl": 0} and c["peer_identical_on_all_ranks"]
         assert ("ar_ll" in s["us"]) == ("ar_ll3" in s["us"]) == bool(ll) and s["us"]["ar_nccl"] > 0
         if s["bytes"] == 8:  # the faster line format of this run
@@ -39,8 +41,8 @@ def test_tp_bench_checks_pass(tray_env, tmp_path, n, shapes):
         best = report["ll_shapes"]["best_per_size"]
         assert report["ll_shapes"]["default"] == "ar_ll[t256,l1]" and [b["bytes"] for b in best] == [8, 1040]
         for b, s in zip(best, report["sizes"]):
-            key = "ar_ll" if b["best"] == "ar_ll[t256,l1]" else b["best"]
-            assert b["us"] == s["us"][key] == min(s["us"][k] for k in ["ar_ll", *SHAPES]), b
+            key = {"ar_ll[t256,l1]": "ar_ll", "ar_ll3[t256,l1]": "ar_ll3"}.get(b["best"], b["best"])
+            assert b["us"] == s["us"][key] == min(s["us"][k] for k in ["ar_ll", "ar_ll3", *SHAPES, *SHAPES3]), b
     else:
         assert "ll_shapes" not in report
     assert [t["tokens"] for t in report["tokens"]] == [1, 3]

@@ -39,13 +39,17 @@ def test_parse_ll_shapes_is_the_product_threads_major():
     assert parse_ll_shapes(" lines = 4 ") == (LLShape(256, 4),)
     assert parse_ll_shapes("threads=128,128") == (LLShape(128, 1),)
     assert LLShape(512, 2).key == "ar_ll[t512,l2]" and LLShape(512, 2).vars() == {"ll_threads": 512, "ll_lines": 2}
+    assert parse_ll_shapes("threads=128;formats=ll3,ll") == (LLShape(128, 1, "ar_ll3"), LLShape(128, 1))
+    assert LLShape(128, 1, "ar_ll3").key == "ar_ll3[t128,l1]"
 
 
 @pytest.mark.parametrize("text, match", [
     ("threads=100", "multiples of 32"),
     ("threads=1024", r"multiples of 32 in 32 \.\. 512"),
     ("lines=0", "lines 1 .. 64"),
-    ("blocks=4", "expected 'threads=N,N;lines=N,N'"),
+    ("blocks=4", r"expected 'threads=N,N;lines=N,N\[;formats=ll,ll3\]'"),
+    ("formats=ll4", "formats are ll, ll3"),
+    ("formats=ll;formats=ll3", "each axis once"),
     ("threads=256;threads=512", "each axis once"),
     ("threads=a", "comma-separated integers"),
     ("lines=", "lists no value"),

@@ -17,8 +17,8 @@ format beat both other peer paths at every size. `ar_peer` per size is the path 
 the tray's allreduce does with that table: the peer path, or NCCL at the sizes where NCCL measured faster
 (`ar_tray_path`), so it is never slower than NCCL by construction; the report lists those sizes. With
 --ll-shapes, the low-latency path is also timed at each other launch shape (threads per block, lines per
-thread; `ar_ll` is the manifest's shape) wherever it is timed: keys `ar_ll[t512,l2]` in us and checks.wrong,
-and `ll_shapes` names the fastest shape per size. Exit 1 if a check fails.
+thread, line format; `ar_ll` and `ar_ll3` are the manifest's shape) wherever it is timed: keys `ar_ll[t512,l2]`,
+`ar_ll3[t128,l1]` in us and checks.wrong, and `ll_shapes` names the fastest shape per size. Exit 1 if a check fails.
 
 With --nnodes K (K >= 2) the N-rank tray is a job of K nodes on this machine (tray/bench/nodes.py: one
 `tray launch --nnodes K` per node, N / K ranks each, on cuda its share of the GPUs and its own NCCL_HOSTID).
@@ -155,7 +155,7 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "warmup": a.warmup,
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
         "ll_sweep_bytes": a.ll_sweep_bytes,
-        "ll_shapes": [[s.threads, s.lines] for s in a.ll_shapes],
+        "ll_shapes": [[s.threads, s.lines, s.program] for s in a.ll_shapes],
     }
     if nprocs > 1 and a.nnodes > 1:
         from tray.bench.nodes import NodeJob, run_rank_program_nodes
@@ -242,22 +242,25 @@ def best_ll(us: dict[str, float]) -> str | None:
 
 
 def is_shape_key(key: str) -> bool:
-    """Whether `key` times the low-latency path at a launch shape other than the manifest's (`ar_ll[t512,l2]`)."""
-    return key.startswith(LL_PATH + "[")
+    """Whether `key` times the low-latency path at a launch shape other than the manifest's (`ar_ll[t512,l2]`,
+    `ar_ll3[t128,l1]`)."""
+    return key.startswith(tuple(p + "[" for p in LL_PATHS))
 
 
 def ll_shapes_summary(sizes: list[dict[str, Any]], default_shape: str) -> list[dict[str, Any]]:
-    """Per size where more than one low-latency shape was timed: the fastest shape's key, its µs, and its µs
-    over the manifest shape's (`ar_ll`, named `default_shape`)."""
+    """Per size where more than one low-latency shape was timed: the fastest key of either format (the
+    manifest's shape by its shape key, `ar_ll[t256,l1]` for `ar_ll` when that is `default_shape`), its µs, and
+    its µs over `ar_ll`'s."""
     rows = []
     for r in sizes:
         u = r["us"]
         keys = [k for k in u if is_shape_key(k)]
         if LL_PATH not in u or not keys:
             continue
-        best = min([LL_PATH, *keys], key=lambda k: u[k])
-        rows.append({"bytes": r["bytes"], "best": default_shape if best == LL_PATH else best, "us": u[best],
-                     "vs_default": u[best] / u[LL_PATH]})
+        best = min([k for k in LL_PATHS if k in u] + keys, key=lambda k: u[k])
+        # `ar_ll` / `ar_ll3` ran the manifest's shape: name it as a shape key, `ar_ll3[t256,l1]`
+        name = best + default_shape[default_shape.index("["):] if best in LL_PATHS else best
+        rows.append({"bytes": r["bytes"], "best": name, "us": u[best], "vs_default": u[best] / u[LL_PATH]})
     return rows
 
 

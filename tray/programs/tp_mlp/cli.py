@@ -21,7 +21,8 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
                    help="time the low-latency path up to N bytes (cuda: 4 MiB; host: 32 KiB)")
     b.add_argument("--ll-shapes", default=None, metavar="SPEC",
                    help="also time the low-latency path at these launch shapes, e.g. 'threads=256,512;lines=1,2' "
-                        "(keys ar_ll[t512,l2] per size, each checked after its timed replays)")
+                        "and line formats (';formats=ll,ll3', default ll) (keys ar_ll[t512,l2], ar_ll3[t128,l1] per "
+                        "size, each checked after its timed replays)")
     b.add_argument("--nnodes", type=int, default=1, metavar="K",
                    help="run the N-rank tray as a job of K nodes on this machine (N / K ranks each; cuda: each its "
                    "share of the GPUs and its own NCCL_HOSTID); TP runs within each node (default 1)")

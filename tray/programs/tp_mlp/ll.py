@@ -46,18 +46,23 @@ MAX_BLOCK_THREADS = 512
 MAX_LINES_PER_THREAD = 64
 
 
+# the line formats by their --ll-shapes name: the bench program of each (2 bf16 | 32-bit flag; 3 bf16 | 16-bit flag)
+LL_FORMATS = {"ll": "ar_ll", "ll3": "ar_ll3"}
+
+
 @dataclass(frozen=True)
 class LLShape:
     """A launch shape of the low-latency allreduce: `threads` per block (a multiple of 32, <= 512) and `lines`
-    of 4 bf16 per thread (1 .. 64)."""
+    per thread (1 .. 64; a line is 4 bf16 in `ar_ll`, 6 in `ar_ll3`), for the line format of `program`."""
 
     threads: int
     lines: int
+    program: str = "ar_ll"
 
     @property
     def key(self) -> str:
-        """The bench's key for this shape: `ar_ll[t512,l2]`."""
-        return f"ar_ll[t{self.threads},l{self.lines}]"
+        """The bench's key for this shape: `ar_ll[t512,l2]`, `ar_ll3[t128,l1]`."""
+        return f"{self.program}[t{self.threads},l{self.lines}]"
 
     def vars(self) -> dict[str, int]:
         """The manifest vars that launch this shape."""
@@ -65,16 +70,25 @@ class LLShape:
 
 
 def parse_ll_shapes(text: str) -> tuple[LLShape, ...]:
-    """`threads=256,512;lines=1,2` -> every (threads, lines) pair, threads-major. A missing axis is the
-    manifest default's (threads 256 or lines 1). Raises UsageError naming what is wrong."""
+    """`threads=256,512;lines=1,2[;formats=ll,ll3]` -> every (format, threads, lines), format-major, then
+    threads-major. A missing axis is the manifest default's (threads 256, lines 1) or format ll alone. Raises
+    UsageError naming what is wrong."""
     axes: dict[str, list[int]] = {}
+    formats: dict[str, list[str]] = {}
     for part in (p.strip() for p in text.split(";")):
         if not part:
             continue
         name, eq, values = part.partition("=")
         name = name.strip()
-        if not eq or name not in ("threads", "lines") or name in axes:
-            raise UsageError(f"--ll-shapes {text!r}: expected 'threads=N,N;lines=N,N' (each axis once), got {part!r}")
+        if not eq or name not in ("threads", "lines", "formats") or name in (*axes, *formats):
+            raise UsageError(f"--ll-shapes {text!r}: expected 'threads=N,N;lines=N,N[;formats=ll,ll3]' (each axis "
+                             f"once), got {part!r}")
+        if name == "formats":
+            formats[name] = [f.strip() for f in values.split(",") if f.strip()]
+            bad_f = [f for f in formats[name] if f not in LL_FORMATS]
+            if bad_f or not formats[name]:
+                raise UsageError(f"--ll-shapes {text!r}: formats are {', '.join(LL_FORMATS)}, got {values!r}")
+            continue
         try:
             axes[name] = [int(v) for v in values.split(",") if v.strip()]
         except ValueError:
@@ -87,4 +101,5 @@ def parse_ll_shapes(text: str) -> tuple[LLShape, ...]:
     if bad_t or bad_l:
         raise UsageError(f"--ll-shapes {text!r}: threads must be multiples of 32 in 32 .. {MAX_BLOCK_THREADS} (got "
                          f"{bad_t or 'ok'}), lines 1 .. {MAX_LINES_PER_THREAD} (got {bad_l or 'ok'})")
-    return tuple(dict.fromkeys(LLShape(t, n) for t in threads for n in lines))
+    programs = [LL_FORMATS[f] for f in formats.get("formats", ["ll"])]
+    return tuple(dict.fromkeys(LLShape(t, n, p) for p in programs for t in threads for n in lines))

@@ -4,8 +4,8 @@ with manifests/tp_mlp.json (tray/programs/tp_mlp/bench.py writes CONFIG).
 Allreduce sweep, per message size S (bytes of bf16), each path timed captured and then checked on the
 outputs of its timed replays: the low-latency one-shot in both line formats (`ar_ll`: 2 bf16 and a 32-bit
 flag per word; `ar_ll3`: 3 bf16 and a 16-bit flag), at the sizes up to the config's ll_sweep_bytes that their
-receive slots hold: S <= 2 * ll_max_count; `ar_ll` also at the config's other launch shapes, keys
-`ar_ll[t512,l2]`), the one-shot (`ar_one`) and the
+receive slots hold: S <= 2 * ll_max_count; also at the config's other launch shapes, keys `ar_ll[t512,l2]`,
+`ar_ll3[t128,l1]`), the one-shot (`ar_one`) and the
 two-shot (`ar_two`) peer allreduces to the bit against the member-order float32 sum every rank computes
 on the host (and identical on every rank); NCCL's (`ar_nccl`) element by element within bf16 tolerance of
 the float64 sum. `wrong` counts the elements that failed. After the low-latency path's replays its state
@@ -112,7 +112,7 @@ class TpRank:
         if self.ll_timed(count):
             paths[:0] = [("ar_ll", "ar_ll", "part1"), ("ar_ll3", "ar_ll3", "part1")]
             for shape in self.ll_shapes:
-                paths.insert(len(shapes) + 2, ("ar_ll", shape.key, "part1"))
+                paths.insert(len(shapes) + 2, (shape.program, shape.key, "part1"))
                 shapes[shape.key] = shape.vars()
         for program, key, last in paths:
             self.poison("out", count * 2)
@@ -151,8 +151,11 @@ class TpRank:
 
     @property
     def ll_shapes(self) -> list[LLShape]:
-        """The config's other launch shapes of the low-latency path (the manifest's own left out: `ar_ll` times it)."""
-        return [s for s in (LLShape(t, n) for t, n in self.cfg.get("ll_shapes", [])) if s != self.ll_shape]
+        """The config's other launch shapes of the low-latency path, either format (the manifest's own left out:
+        `ar_ll` and `ar_ll3` time it)."""
+        own = (self.ll_shape.threads, self.ll_shape.lines)
+        shapes = (LLShape(*s) for s in self.cfg.get("ll_shapes", []))  # [threads, lines(, program)]
+        return [s for s in shapes if (s.threads, s.lines) != own]
 
     @property
     def ll_max_count(self) -> int:
