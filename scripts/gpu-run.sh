@@ -33,9 +33,8 @@
 # `tp-ll` (~3-4 min at 2 ranks, bounded at 470 s): the two line formats of the low-latency allreduce in one run
 # (ar_ll: 2 bf16 and a 32-bit flag per 8-byte word; ar_ll3: 3 bf16 and a 16-bit flag; ar_ll3 also at 128 and 512
 # threads per block) beside the one-shot, two-shot and NCCL at every power of two 8 B .. 1 MiB, each checked after
-# its timed replays ($OUT/tp_ll.json); then the
-# GPU tests of both formats at 2 ranks (4 where visible): the bench at 4 sizes, the graph-replayed stress, the
-# bounded wait naming a rank that never sends.
+# its timed replays ($OUT/tp_ll.json); then the GPU tests of both formats at 2 ranks (4 where visible): the
+# bench at 4 sizes, the graph-replayed stress, the bounded wait naming a rank that never sends.
 # `torch` runs tests/gpu/test_torch.py against the INSTALLED tray wheel (python -P: the checkout is not on
 # sys.path) with the Python that has torch ($TORCH_PY, default python3, else /opt/torch/.venv/bin/python),
 # and writes $OUT/torch.json (per test: outcome, seconds, the tail of a failure; the environment). Bounded:
