@@ -431,6 +431,9 @@ extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned sh
 // is all zeros between launches in either format; a line of the other format is never in flight during a
 // launch, since every member runs the same program). The count limit is the same as `tp_ll_allreduce`'s
 // (count <= 4 * slot_lines); lines here are at most ceil(count / 6), so they fit the same slots.
+// One change of schedule besides the format: the peer table is copied into shared memory before
+// `griddepcontrol.wait` (see there), so the first remote store after the wait needs only the input's load.
+// At 8 B (one line, where the format changes nothing on the wire) `ar_ll3 - ar_ll` measures that alone.
 
 __device__ __forceinline__ unsigned int tp_ll3_flag(unsigned long long epoch) {
     return 1u + (unsigned int)(epoch % 0xFFFFull);
@@ -557,16 +560,24 @@ extern "C" __global__ void tp_ll3_allreduce(const unsigned short* in, unsigned s
                                             unsigned long long timeout_ns) {
     __shared__ unsigned long long s_epoch;
     __shared__ int s_go;
+    __shared__ unsigned long long* s_peers[64];
     const long long slot_lines = max_count / 4;
     const long long lines = (count + 5) / 6;
     // the refusals of `tp_ll_allreduce`, word for word: the same counts pass either kernel
     const bool refused = count < 1 || (count + 3) / 4 > slot_lines || G < 1 || G > 64 || me < 0 || me >= G ||
                          gridDim.x > (1u << TP_LL_TICKET_BITS);
-    // the ticket before `griddepcontrol.wait`, as in `tp_ll_allreduce`
+    // the ticket before `griddepcontrol.wait`, as in `tp_ll_allreduce`; so is the peer table, into shared memory:
+    // it is written once, when the tray maps its peers, never by a kernel, so it may be read while the previous
+    // kernel still runs, and the first remote store after the wait waits for no global load of an address
     if (threadIdx.x == 0 && !refused) {
         const unsigned long long add =
             blockIdx.x == 0 ? (1ull << TP_LL_TICKET_BITS) - (unsigned long long)(gridDim.x - 1) : 1ull;
         s_epoch = (atomicAdd(&state[0], add) >> TP_LL_TICKET_BITS) + 1ull;
+    }
+    if (!refused) {
+        for (int g = threadIdx.x; g < G; g += blockDim.x) {
+            s_peers[g] = recv_peers[g];
+        }
     }
     __syncthreads();
 #if __CUDA_ARCH__ >= 900
@@ -605,12 +616,12 @@ extern "C" __global__ void tp_ll3_allreduce(const unsigned short* in, unsigned s
         tp_ll3_pack(d, flag, w0, w1);
         for (int g = 0; g < G; ++g) {
             if (g != me) {
-                tp_ll_store(recv_peers[g] + (parity * G + me) * slot_words + 2 * l, w0, w1);
+                tp_ll_store(s_peers[g] + (parity * G + me) * slot_words + 2 * l, w0, w1);
             }
         }
     }
     // receive: wait for every member's line l, sum in member order, zero the consumed lines
-    unsigned long long* const own = recv_peers[me] + parity * G * slot_words;
+    unsigned long long* const own = s_peers[me] + parity * G * slot_words;
     const unsigned long long start = tp_ll_timer_ns();
     for (long long l = first; l < lines; l += stride) {
         unsigned int d[3] = {a[0], a[1], a[2]};
