@@ -1,6 +1,6 @@
 """The TP allreduces on GPUs: every peer path (low-latency in both line formats, one-shot, two-shot) and NCCL checked
-after their timed graph replays, at 2 ranks (and 4 where visible; and as two nodes of two GPUs, TP within each), on small sizes; the
-low-latency kernel's bounded wait names a rank that never sends."""
+after their timed graph replays, at 2 ranks (and 4 where visible; and as two nodes of two GPUs, TP within each), on
+small sizes; the low-latency kernels' bounded wait names a rank that never sends."""
 
 from __future__ import annotations
 

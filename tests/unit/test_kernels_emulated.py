@@ -315,8 +315,8 @@ KERNELS["ep_gemm.cu"] = {
 # kernels with block barriers or warp-wide ops: each block's threads run cooperatively (see SHIM); the
 # masked GEMM also gets a 3-D launcher, run3_<name>(gx, gy, gz, block, ...)
 COOP = {"ep_layout_count", "ep_layout_place", "ep_dispatch_ll", "ep_combine_ll", "ep_masked_gemm",
-        "ep_masked_gemm_gather", "stress_produce", "peer_barrier", "tp_ll_allreduce", "tp_ll3_allreduce", "ep_dispatch_fp8",
-        "ep_dequant_fp8"}
+        "ep_masked_gemm_gather", "stress_produce", "peer_barrier", "tp_ll_allreduce", "tp_ll3_allreduce",
+        "ep_dispatch_fp8", "ep_dequant_fp8"}
 # inline PTX has no CPU meaning: the clock read becomes the shim's clock, the barrier's sys-scope loads and
 # stores plain volatile ones (one thread runs at a time here: ordering is the GPU's to check, not this test's)
 PTX_ON_CPU = {
@@ -1424,7 +1424,7 @@ def _ll_run_members(libs, world, launches, members, G, timeout_ns):
             for kernel, grid, block, ins, outs, count in launches:
                 _call(libs[g], kernel, grid, block, ptr(ins[g]), ptr(outs[g]), ptr(world["table"]),
                       ptr(world["state"][g]), count, LL_WORLD_MAX, G, g, timeout_ns)
-        except BaseException as exc:  # noqa: BLE001 (re-raised below, on the test's thread)
+        except BaseException as exc:  # re-raised below, on the test's thread
             errors.append(exc)
 
     threads = [threading.Thread(target=member, args=(g,), daemon=True) for g in members]

@@ -12,13 +12,14 @@ the TP-N vs one-GPU time). The low-latency one-shot (flags carried in the data) 
 sent) at every size up to --ll-sweep-bytes, past the size the tray sends through it (manifest var
 ll_max_bytes), so the crossover is visible: `ll_wins_up_to_bytes` is the largest size up to which its faster
 format beat both other peer paths at every size. `ar_peer` per size is the path the tray uses there
-(`ar_peer_path`): the faster low-latency format measured in this run up to ll_max_bytes, above it the faster of the one-shot and the two-shot measured in this run
-(`crossover` gives the smallest size from which the two-shot wins at every larger size). `ar_tray` is what
-the tray's allreduce does with that table: the peer path, or NCCL at the sizes where NCCL measured faster
-(`ar_tray_path`), so it is never slower than NCCL by construction; the report lists those sizes. With
---ll-shapes, the low-latency path is also timed at each other launch shape (threads per block, lines per
-thread, line format; `ar_ll` and `ar_ll3` are the manifest's shape) wherever it is timed: keys `ar_ll[t512,l2]`,
-`ar_ll3[t128,l1]` in us and checks.wrong, and `ll_shapes` names the fastest shape per size. Exit 1 if a check fails.
+(`ar_peer_path`): the faster low-latency format measured in this run up to ll_max_bytes, above it the faster
+of the one-shot and the two-shot measured in this run (`crossover` gives the smallest size from which the
+two-shot wins at every larger size). `ar_tray` is what the tray's allreduce does with that table: the peer
+path, or NCCL at the sizes where NCCL measured faster (`ar_tray_path`), so it is never slower than NCCL by
+construction; the report lists those sizes. With --ll-shapes, the low-latency path is also timed at each
+other launch shape (threads per block, lines per thread, line format; `ar_ll` and `ar_ll3` are the manifest's
+shape) wherever it is timed: keys `ar_ll[t512,l2]`, `ar_ll3[t128,l1]` in us and checks.wrong, and `ll_shapes`
+names the fastest shape per size. Exit 1 if a check fails.
 
 With --nnodes K (K >= 2) the N-rank tray is a job of K nodes on this machine (tray/bench/nodes.py: one
 `tray launch --nnodes K` per node, N / K ranks each, on cuda its share of the GPUs and its own NCCL_HOSTID).
@@ -369,8 +370,9 @@ def allreduce_rows(report: dict[str, Any]) -> list[Row]:
     """Every path per size as nccl-tests rows (bf16, busbw factor 2(n-1)/n over the n ranks of a TP group;
     #wrong: elements that failed the check after the timed replays, summed over the ranks)."""
     rows = []
-    names = {LL_PATH: "allreduce low-latency", LL3_PATH: "allreduce low-latency dense", "ar_oneshot": "allreduce one-shot",
-             "ar_twoshot": "allreduce two-shot", "ar_nccl": f"allreduce {baseline_name(report['backend'])}"}
+    names = {LL_PATH: "allreduce low-latency", LL3_PATH: "allreduce low-latency dense",
+             "ar_oneshot": "allreduce one-shot", "ar_twoshot": "allreduce two-shot",
+             "ar_nccl": f"allreduce {baseline_name(report['backend'])}"}
     for r in report["sizes"]:
         for path, name in names.items():
             if path not in r["us"]:
