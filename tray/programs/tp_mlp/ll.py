@@ -1,5 +1,6 @@
-"""The host side of the low-latency one-shot allreduce (`tp_ll_allreduce`): its state words, read after a sync,
-turned into named errors; its launch shapes (threads per block, lines per thread) as the bench sweeps them."""
+"""The host side of the low-latency one-shot allreduce (`tp_ll_allreduce`, and `tp_ll3_allreduce` with dense lines,
+on the same state words): its state words, read after a sync, turned into named errors; its launch shapes (threads
+per block, lines per thread, line format) as the bench sweeps them."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def check_state(words: Sequence[int], group: str, members: Sequence[int], index:
 
 
 # NOTE: the launch shape of `tp_ll_allreduce` (manifest vars ll_threads, ll_lines): a block of ll_threads threads,
-# each sending and summing ll_lines lines of 4 bf16, so grid = ceil(count / (4 * ll_threads * ll_lines)). The
-# kernel takes 82 registers per thread for sm_90 (NVRTC 12.9): a block of 1024 would need 84k of an SM's 64k
-# registers and cannot launch, 512 fits.
+# each sending and summing ll_lines lines of 4 bf16, so grid = ceil(count / (4 * ll_threads * ll_lines)); the
+# same vars launch `tp_ll3_allreduce` with lines of 6 bf16. The kernels take 82 and 92 registers per thread for
+# sm_90 (NVRTC 12.9; nvcc 13.0): a block of 1024 would need 84k / 94k of an SM's 64k registers and cannot
+# launch, 512 fits.
 MAX_BLOCK_THREADS = 512
 MAX_LINES_PER_THREAD = 64
 
