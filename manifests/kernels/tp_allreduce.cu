@@ -423,9 +423,12 @@ extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned sh
 // reader zeroes every word it consumed (the same count on every member: every word stored is consumed), so
 // between launches every slot is all zeros and, during launch e, a word holds 0 or launch e's word: a stale
 // word of launch e - 2k could otherwise match when 65535 divides k (a line unused by smaller counts for 131070
-// launches), which the zeroing rules out. Ordering of the zeroing before the writer's next store to the same
-// word (launch e + 2) is the argument of `tp_ll_allreduce`: the zeroing member's zeroing stores precede, in its
-// own stream, the launch e + 1 lines it sends, which the writer must have seen before it can end launch e + 1.
+// launches), which the zeroing rules out. The zeroing lands before the writer's next store to that word
+// (launch e + 2), on the launch boundaries `tp_ll_allreduce` relies on: the zeroing store belongs to this
+// member's launch e, whose memory operations are performed before its launch e + 1 passes `griddepcontrol.wait`
+// (or starts, without a programmatic launch) and only then sends its lines; the writer's launch e + 1 cannot
+// end before it has seen those lines, and its launch e + 2 starts after that. So the store of e + 2 reaches
+// this member's memory after the zeroing (both go to the same location, in this member's memory).
 // Parity double buffering, epochs (tickets), timeouts, refusals: exactly as `tp_ll_allreduce`, with its
 // ticket word: both kernels count launches in one sequence, so they may share ll_recv and ll_state (a slot
 // is all zeros between launches in either format; a line of the other format is never in flight during a
