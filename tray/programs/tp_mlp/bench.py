@@ -249,9 +249,9 @@ def is_shape_key(key: str) -> bool:
 
 
 def ll_shapes_summary(sizes: list[dict[str, Any]], default_shape: str) -> list[dict[str, Any]]:
-    """Per size where more than one low-latency shape was timed: the fastest key of either format (the
-    manifest's shape by its shape key, `ar_ll[t256,l1]` for `ar_ll` when that is `default_shape`), its µs, and
-    its µs over `ar_ll`'s."""
+    """Per size where more than one low-latency shape was timed: the fastest key of either format (`ar_ll` and
+    `ar_ll3` named with the manifest's shape, `default_shape`'s brackets: `ar_ll3[t256,l1]`), its µs, and its µs
+    over `ar_ll`'s."""
     rows = []
     for r in sizes:
         u = r["us"]
