@@ -11,7 +11,7 @@ from conftest import MANIFESTS
 
 # threads=256,512;lines=1,2 (the 2-rank case: in both formats) less the manifest's shape
 SHAPES = ["ar_ll[t256,l2]", "ar_ll[t512,l1]", "ar_ll[t512,l2]"]
-SHAPES3 = ["ar_ll3[t256,l2]", "ar_ll3[t512,l1]", "ar_ll3[t512,l2]"]
+SHAPES3 = ["ar_ll3[t256,l1]", "ar_ll3[t256,l2]", "ar_ll3[t512,l1]", "ar_ll3[t512,l2]"]  # ar_ll3 is t128,l1
 
 
 @pytest.mark.parametrize("n, shapes", [(2, "threads=256,512;lines=1,2;formats=ll,ll3"), (4, None)])
@@ -40,8 +40,9 @@ def test_tp_bench_checks_pass(tray_env, tmp_path, n, shapes):
     if shapes:
         best = report["ll_shapes"]["best_per_size"]
         assert report["ll_shapes"]["default"] == "ar_ll[t256,l1]" and [b["bytes"] for b in best] == [8, 1040]
+        assert report["ll_shapes"]["default_ll3"] == "ar_ll3[t128,l1]"
         for b, s in zip(best, report["sizes"]):
-            key = {"ar_ll[t256,l1]": "ar_ll", "ar_ll3[t256,l1]": "ar_ll3"}.get(b["best"], b["best"])
+            key = {"ar_ll[t256,l1]": "ar_ll", "ar_ll3[t128,l1]": "ar_ll3"}.get(b["best"], b["best"])
             assert b["us"] == s["us"][key] == min(s["us"][k] for k in ["ar_ll", "ar_ll3", *SHAPES, *SHAPES3]), b
     else:
         assert "ll_shapes" not in report

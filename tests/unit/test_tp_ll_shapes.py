@@ -1,5 +1,6 @@
 """The low-latency allreduce's launch shape: manifest vars ll_threads / ll_lines (defaults: the shape it always had,
-256 threads, one line of 4 bf16 per thread) and the bench's --ll-shapes grammar."""
+256 threads, one line of 4 bf16 per thread; the dense format's ll3_threads / ll3_lines: 128 and 1) and the bench's
+--ll-shapes grammar."""
 
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ def test_parse_ll_shapes_is_the_product_threads_major():
     assert LLShape(512, 2).key == "ar_ll[t512,l2]" and LLShape(512, 2).vars() == {"ll_threads": 512, "ll_lines": 2}
     assert parse_ll_shapes("threads=128;formats=ll3,ll") == (LLShape(128, 1, "ar_ll3"), LLShape(128, 1))
     assert LLShape(128, 1, "ar_ll3").key == "ar_ll3[t128,l1]"
+    assert LLShape(256, 2, "ar_ll3").vars() == {"ll3_threads": 256, "ll3_lines": 2}
+
+
+def _ll3_launches(vars_: dict[str, int]) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+    resolved = load_manifest(builtin_path("tp_mlp")).resolve(2, vars_)
+    return [(op.grid, op.block) for name in ("ar_ll3", "ll3_stress") for op in resolved.program(name).ops
+            if getattr(op, "kernel", None) == "tp_ll3_allreduce"]
+
+
+@pytest.mark.parametrize("count", [1, 6, 768, 769, 32768])
+def test_dense_format_has_its_own_shape_vars(count):
+    # default: 128 threads x 1 line of 6 bf16 = 768 elements per block; ll_threads does not move it
+    launches = _ll3_launches({"count": count, "ll_threads": 512})
+    assert len(launches) == 3
+    assert set(launches) == {(((count + 767) // 768, 1, 1), (128, 1, 1))}
+    assert set(_ll3_launches({"count": count, "ll3_threads": 256, "ll3_lines": 2})) == {
+        (((count + 3071) // 3072, 1, 1), (256, 1, 1))}
 
 
 @pytest.mark.parametrize("text, match", [
@@ -57,12 +75,3 @@ def test_parse_ll_shapes_is_the_product_threads_major():
 def test_parse_ll_shapes_refuses_bad_specs(text, match):
     with pytest.raises(UsageError, match=match):
         parse_ll_shapes(text)
-
-
-@pytest.mark.parametrize("count", [1, 6, 1536, 1537, 32768, 65536 + 3])
-def test_dense_format_launches_a_line_of_6_per_thread(count):
-    """ar_ll3 and ll3_stress launch tp_ll3_allreduce with the same vars, each thread a line of 6 bf16."""
-    resolved = load_manifest(builtin_path("tp_mlp")).resolve(2, {"count": count})
-    launches = [(op.grid, op.block) for name in ("ar_ll3", "ll3_stress") for op in resolved.program(name).ops
-                if getattr(op, "kernel", None) == "tp_ll3_allreduce"]
-    assert len(launches) == 3 and set(launches) == {(((count + 1535) // 1536, 1, 1), (256, 1, 1))}

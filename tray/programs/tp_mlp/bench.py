@@ -248,9 +248,9 @@ def is_shape_key(key: str) -> bool:
     return key.startswith(tuple(p + "[" for p in LL_PATHS))
 
 
-def ll_shapes_summary(sizes: list[dict[str, Any]], default_shape: str) -> list[dict[str, Any]]:
+def ll_shapes_summary(sizes: list[dict[str, Any]], default_keys: dict[str, str]) -> list[dict[str, Any]]:
     """Per size where more than one low-latency shape was timed: the fastest key of either format (`ar_ll` and
-    `ar_ll3` named with the manifest's shape, `default_shape`'s brackets: `ar_ll3[t256,l1]`), its µs, and its µs
+    `ar_ll3` named by their manifest shapes, `default_keys`: program -> `ar_ll3[t128,l1]`), its µs, and its µs
     over `ar_ll`'s."""
     rows = []
     for r in sizes:
@@ -259,8 +259,8 @@ def ll_shapes_summary(sizes: list[dict[str, Any]], default_shape: str) -> list[d
         if LL_PATH not in u or not keys:
             continue
         best = min([k for k in LL_PATHS if k in u] + keys, key=lambda k: u[k])
-        # `ar_ll` / `ar_ll3` ran the manifest's shape: name it as a shape key, `ar_ll3[t256,l1]`
-        name = best + default_shape[default_shape.index("["):] if best in LL_PATHS else best
+        # `ar_ll` / `ar_ll3` ran the manifest's shape: name it as a shape key, `ar_ll3[t128,l1]`
+        name = default_keys[best] if best in LL_PATHS else best
         rows.append({"bytes": r["bytes"], "best": name, "us": u[best], "vs_default": u[best] / u[LL_PATH]})
     return rows
 
@@ -348,7 +348,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  two-shot wins from {report['crossover_bytes']} B" if report["crossover_bytes"] else
           "  the two-shot does not win for good at any size")
     if "ll_shapes" in report:
-        print(f"  low-latency launch shapes (ar_ll = {report['ll_shapes']['default']}): the fastest per size")
+        print(f"  low-latency launch shapes (ar_ll = {report['ll_shapes']['default']}, ar_ll3 = "
+              f"{report['ll_shapes'].get('default_ll3', '?')}): the fastest per size")
         for r in report["ll_shapes"]["best_per_size"]:
             print(f"  {r['bytes']:>9} {r['best']:>22} {r['us']:>9.2f} µs  {r['vs_default']:.2f}x ar_ll")
     nccl_sizes = report["nccl_faster_bytes"]
@@ -395,10 +396,10 @@ def plot(report: dict[str, Any], path: str) -> None:
                xlabel="message size (bytes)", ylabel="µs per call")
 
 
-def ll_default_key(result: dict[str, Any]) -> str:
-    """The key the manifest's own low-latency shape would have in a sweep (`ar_ll` times it)."""
-    threads, lines = result["ll_shape"]
-    return LLShape(threads, lines).key
+def ll_default_keys(result: dict[str, Any]) -> dict[str, str]:
+    """The keys the manifest's own low-latency shapes would have in a sweep (`ar_ll` and `ar_ll3` time them)."""
+    return {"ar_ll": LLShape(*result["ll_shape"], "ar_ll").key,
+            "ar_ll3": LLShape(*result.get("ll3_shape", result["ll_shape"]), "ar_ll3").key}
 
 
 def run_tp_bench(a: TpBenchArgs) -> int:
@@ -447,8 +448,9 @@ def run_tp_bench(a: TpBenchArgs) -> int:
         "crossover_bytes": crossover(sizes),
         "ll_max_bytes": int(per_rank[0]["ll_max_bytes"]),
         "ll_wins_up_to_bytes": ll_wins_up_to(sizes),
-        **({"ll_shapes": {"default": ll_default_key(per_rank[0]),
-                          "best_per_size": ll_shapes_summary(sizes, ll_default_key(per_rank[0]))}}
+        **({"ll_shapes": {"default": ll_default_keys(per_rank[0])["ar_ll"],
+                          "default_ll3": ll_default_keys(per_rank[0])["ar_ll3"],
+                          "best_per_size": ll_shapes_summary(sizes, ll_default_keys(per_rank[0]))}}
            if a.ll_shapes else {}),
         "nccl_faster_bytes": [r["bytes"] for r in sizes if r["ar_tray_path"] == "ar_nccl"],
         "tokens": tokens,

@@ -40,16 +40,19 @@ def check_state(words: Sequence[int], group: str, members: Sequence[int], index:
 
 
 # NOTE: the launch shape of `tp_ll_allreduce` (manifest vars ll_threads, ll_lines): a block of ll_threads threads,
-# each sending and summing ll_lines lines of 4 bf16, so grid = ceil(count / (4 * ll_threads * ll_lines)); the
-# same vars launch `tp_ll3_allreduce` with lines of 6 bf16. The kernels take 82 and 92 registers per thread for
-# sm_90 (NVRTC 12.9; nvcc 13.0): a block of 1024 would need 84k / 94k of an SM's 64k registers and cannot
-# launch, 512 fits.
+# each sending and summing ll_lines lines of 4 bf16, so grid = ceil(count / (4 * ll_threads * ll_lines)); vars
+# ll3_threads, ll3_lines launch `tp_ll3_allreduce` the same way with lines of 6 bf16 (128 threads by default: on
+# 2x H200 it was the faster block from 2 KiB up, bench/results/h200x2/tp_ll.json). The kernels take 82 and 92
+# registers per thread for sm_90 (NVRTC 12.9; nvcc 13.0): a block of 1024 would need 84k / 94k of an SM's 64k
+# registers and cannot launch, 512 fits.
 MAX_BLOCK_THREADS = 512
 MAX_LINES_PER_THREAD = 64
 
 
 # the line formats by their --ll-shapes name: the bench program of each (2 bf16 | 32-bit flag; 3 bf16 | 16-bit flag)
 LL_FORMATS = {"ll": "ar_ll", "ll3": "ar_ll3"}
+# the manifest vars naming each program's launch shape: <prefix>_threads, <prefix>_lines
+LL_VAR_PREFIX = {"ar_ll": "ll", "ar_ll3": "ll3"}
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,10 @@ class LLShape:
         return f"{self.program}[t{self.threads},l{self.lines}]"
 
     def vars(self) -> dict[str, int]:
-        """The manifest vars that launch this shape."""
-        return {"ll_threads": self.threads, "ll_lines": self.lines}
+        """The manifest vars that launch this shape (ll_threads / ll_lines for `ar_ll`, ll3_threads / ll3_lines
+        for `ar_ll3`: each format has its own default shape)."""
+        prefix = LL_VAR_PREFIX[self.program]
+        return {f"{prefix}_threads": self.threads, f"{prefix}_lines": self.lines}
 
 
 def parse_ll_shapes(text: str) -> tuple[LLShape, ...]:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tray.programs.ep_moe.rank_program import FILL_BLOCK, MAX_FILL_GRID, POISON_WORD, fill_scale, nan_rows
-from tray.programs.tp_mlp.ll import LLShape
+from tray.programs.tp_mlp.ll import LL_VAR_PREFIX, LLShape
 
 SEED_X, SEED_W13, SEED_W2, SEED_P0, SEED_P1 = 11, 12, 13, 14, 15
 # NOTE: NCCL sums bf16 in its own order with bf16 intermediates: a few bf16 ulps of the exact sum. An
@@ -144,18 +144,24 @@ class TpRank:
         the receive slots."""
         return 2 * count <= self.cfg.get("ll_sweep_bytes", 2 * count) and count <= self.ll_max_count
 
+    def manifest_ll_shape(self, program: str = "ar_ll") -> LLShape:
+        """The manifest's launch shape of a low-latency program (vars ll_threads / ll_lines for `ar_ll`,
+        ll3_threads / ll3_lines for `ar_ll3`)."""
+        prefix = LL_VAR_PREFIX[program]
+        v = self.rank.resolved.vars
+        return LLShape(int(v[f"{prefix}_threads"]), int(v[f"{prefix}_lines"]), program)
+
     @property
     def ll_shape(self) -> LLShape:
-        """The manifest's launch shape of the low-latency path (vars ll_threads, ll_lines)."""
-        return LLShape(int(self.rank.resolved.vars["ll_threads"]), int(self.rank.resolved.vars["ll_lines"]))
+        """The manifest's launch shape of `ar_ll`."""
+        return self.manifest_ll_shape("ar_ll")
 
     @property
     def ll_shapes(self) -> list[LLShape]:
-        """The config's other launch shapes of the low-latency path, either format (the manifest's own left out:
-        `ar_ll` and `ar_ll3` time it)."""
-        own = (self.ll_shape.threads, self.ll_shape.lines)
+        """The config's other launch shapes of the low-latency path, either format (each program's manifest shape
+        left out: `ar_ll` and `ar_ll3` time it)."""
         shapes = (LLShape(*s) for s in self.cfg.get("ll_shapes", []))  # [threads, lines(, program)]
-        return [s for s in shapes if (s.threads, s.lines) != own]
+        return [s for s in shapes if s != self.manifest_ll_shape(s.program)]
 
     @property
     def ll_max_count(self) -> int:
@@ -234,7 +240,9 @@ def main(argv: list[str]) -> int:
                                    "device": rank.backend.info.name, "sizes": [], "tokens": [],
                                    "ll_max_bytes": int(rank.resolved.vars["ll_max_bytes"]),
                                    "ll_max_count": tp.ll_max_count,
-                                   "ll_shape": [tp.ll_shape.threads, tp.ll_shape.lines]}
+                                   "ll_shape": [tp.ll_shape.threads, tp.ll_shape.lines],
+                                   "ll3_shape": [tp.manifest_ll_shape("ar_ll3").threads,
+                                                 tp.manifest_ll_shape("ar_ll3").lines]}
         t_start = time.perf_counter()
         sizes = cfg["sizes"] if tp.G > 1 else []
         for i, size in enumerate(sizes):
