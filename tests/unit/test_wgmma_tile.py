@@ -14,8 +14,8 @@ import pytest
 from conftest import MANIFESTS
 
 from bench.expert_gemm import WGMMA_VARIANTS, main, wgmma_variant
-from tray.errors import UsageError
-from tray.programs.ep_moe.bench import GEMMS, EpBenchArgs, validate
+from tray.errors import TrayError, UsageError
+from tray.programs.ep_moe.bench import GEMMS, EpBenchArgs, ran_gemm, validate
 from tray.programs.ep_moe.gemm_tile import (
     WgmmaTile,
     mismatch_report,
@@ -23,7 +23,7 @@ from tray.programs.ep_moe.gemm_tile import (
     wgmma_tile,
     wgmma_tile_of,
 )
-from tray.programs.ep_moe.rank_program import EXPERTS_PROGRAM, GEMM_KERNELS
+from tray.programs.ep_moe.rank_program import EXPERTS_PROGRAM, GEMM_KERNELS, resolve_gemm
 
 KERNEL = MANIFESTS / "kernels" / "ep_gemm_wgmma.cu"
 SOURCE = KERNEL.read_text()
@@ -90,7 +90,7 @@ def test_gemm_selection_covers_every_gemm_kernel_and_program():
     assert GEMM_KERNELS["ep_wgmma_gemm"] == ("wgmma",) and "wgmma" in GEMM_KERNELS["ep_silu_mul_rows"]
     args = {"nprocs": 2, "backend": "host", "experts": 16, "topk": 4, "hidden": 256, "expert_dim": 256}
     validate(EpBenchArgs(**args, gemm="wgmma"))
-    with pytest.raises(UsageError, match="--gemm is 'masked', 'wgmma', 'cublas', got 'wgmm'"):
+    with pytest.raises(UsageError, match="--gemm is 'auto', 'masked', 'wgmma', 'cublas', got 'wgmm'"):
         validate(EpBenchArgs(**args, gemm="wgmm"))
 
 
@@ -158,3 +158,18 @@ def test_every_shape_compiles_for_sm90a_to_the_wgmma_it_names(shape):
     assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned" in ptx
     assert ".entry ep_wgmma_gemm(" in ptx and ".entry ep_wgmma_gemm_gather(" in ptx
     assert not find_multicast(ptx)
+
+
+@pytest.mark.parametrize("gemm, backend, cap, want", [
+    ("auto", "cuda", (9, 0), "wgmma"), ("auto", "cuda", (8, 0), "masked"), ("auto", "cuda", (10, 0), "masked"),
+    ("auto", "host", None, "masked"), ("masked", "cuda", (9, 0), "masked"), ("cublas", "cuda", (9, 0), "cublas"),
+    ("wgmma", "cuda", (8, 9), "wgmma"),  # named: require_wgmma refuses it with its own message
+])
+def test_auto_gemm_is_wgmma_on_hopper_only(gemm, backend, cap, want):
+    assert resolve_gemm(gemm, backend, cap) == want
+
+
+def test_the_report_names_the_gemm_every_rank_ran():
+    assert ran_gemm("auto", [{"gemm": "wgmma"}, {"gemm": "wgmma"}], {"gemm": "wgmma"}) == "wgmma"
+    with pytest.raises(TrayError, match=r"--gemm auto: the ranks ran different expert GEMMs \(masked, wgmma\)"):
+        ran_gemm("auto", [{"gemm": "wgmma"}, {"gemm": "masked"}], {"gemm": "wgmma"})

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from tray.bench import TrayFailed, plot_lines, require_plot, run_rank_program, stage, write_report
-from tray.errors import UsageError
+from tray.errors import TrayError, UsageError
 from tray.manifest.builtin import builtin_path
 
 MANIFEST = "ep_moe"  # built-in (package data), see tray.manifest.builtin
@@ -75,8 +75,9 @@ PEER_PHASES = ("dispatch", "dispatch_send", "layout", "fanout", "experts", "comb
 # phases only some expert paths have: the fanout exists for the cuBLAS GEMMs' dense slab alone
 PHASE_GEMMS = {"fanout": ("cublas",)}
 # the expert GEMMs: masked (mma.sync, every size), wgmma (Hopper warpgroup MMA, sm_90a only: large batches),
-# cublas (a cuBLAS GEMM per expert over all cap rows)
-GEMMS = ("masked", "wgmma", "cublas")
+# cublas (a cuBLAS GEMM per expert over all cap rows); auto: each rank picks wgmma on compute capability 9.0, else
+# masked (resolve_gemm), and the report names what ran
+GEMMS = ("auto", "masked", "wgmma", "cublas")
 # the paths whose outputs are compared with EP1 byte for byte ("ll": the peer path's low-latency mode)
 PATHS = ("peer", "ll", "nccl")
 NCCL_PHASES = {
@@ -112,7 +113,7 @@ class EpBenchArgs:
     expert_dim: int = 2048
     routings: tuple[str, ...] = ("uniform", "zipf")
     capacity: str = "4"
-    gemm: str = "masked"
+    gemm: str = "auto"
     budgets: tuple[str, ...] = ("all", "24")
     seed: int = 0
     repeats: int = 10
@@ -183,6 +184,16 @@ def validate(a: EpBenchArgs) -> None:
     for b in a.budgets:
         if b != "all" and not (b.isdigit() and int(b) >= 1):
             raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
+
+
+def ran_gemm(asked: str, per_rank: list[dict[str, Any]], ep1: dict[str, Any]) -> str:
+    """The expert GEMMs every rank of both trays ran (`asked` resolved on the device: 'auto' -> wgmma or masked).
+    Raises TrayError when they differ (EP-N == EP1 byte for byte needs the same kernels)."""
+    ran = {r.get("gemm", asked) for r in [*per_rank, ep1]}
+    if len(ran) != 1:
+        raise TrayError(f"--gemm {asked}: the ranks ran different expert GEMMs ({', '.join(sorted(ran))}); the "
+                        "EP-N and EP1 trays must run one kind on the same devices (name it: --gemm masked or wgmma)")
+    return ran.pop()
 
 
 def peer_phases(gemm: str, dispatch: tuple[str, ...] = ("bf16",)) -> tuple[str, ...]:
@@ -740,7 +751,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "backend": a.backend,
         "shape": {"hidden": a.hidden, "experts": a.experts, "topk": a.topk, "ffn": a.expert_dim},
         "capacity": a.capacity,
-        "gemm": a.gemm,
+        "gemm": ran_gemm(a.gemm, per_rank, ep1),
         "nccl_timing": a.nccl_timing,
         "dispatch": list(a.dispatch),
         "seed": a.seed,

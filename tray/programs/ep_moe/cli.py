@@ -27,10 +27,11 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--capacity", default="4",
                    help="rows per expert: 'worst' (every token of every rank may pick it) or a factor of the mean "
                    "rows per expert (default 4; pairs beyond it are dropped and counted)")
-    b.add_argument("--gemm", choices=("masked", "wgmma", "cublas"), default="masked",
-                   help="expert GEMMs: 'masked' (one launch over every expert, rows from the device counts; "
-                   "default), 'wgmma' (the same on Hopper's warpgroup MMA, compute capability 9.0 only: for large "
-                   "batches) or 'cublas' (a cuBLAS GEMM per expert over all cap rows)")
+    b.add_argument("--gemm", choices=("auto", "masked", "wgmma", "cublas"), default="auto",
+                   help="expert GEMMs: 'masked' (one launch over every expert, rows from the device counts, "
+                   "mma.sync), 'wgmma' (the same on Hopper's warpgroup MMA, compute capability 9.0 only), 'auto' "
+                   "(default: wgmma on compute capability 9.0, else masked) or 'cublas' (a cuBLAS GEMM per expert "
+                   "over all cap rows)")
     b.add_argument("--sms", type=words, default=("all", "24"),
                    help="SM budgets of the peer kernels, comma-separated (default all,24)")
     b.add_argument("--ref-tokens", type=int, default=8,

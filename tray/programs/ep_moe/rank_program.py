@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from tray.errors import TrayError
+from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY
 
 # NOTE: bf16 NaN in both halves of a u32: outputs are poisoned with it before each checked run.
 POISON_WORD = 0x7FC07FC0
@@ -58,6 +59,16 @@ GEMM_KERNELS = {
 }
 # the program of the expert phase per device-count-driven --gemm
 EXPERTS_PROGRAM = {"masked": "experts_masked", "wgmma": "experts_wgmma"}
+
+
+def resolve_gemm(gemm: str, backend: str, capability: tuple[int, int] | None) -> str:
+    """The expert GEMMs `--gemm` names on this rank's device: 'auto' is wgmma on a cuda device of compute
+    capability 9.0 (faster at every batch size measured on H200, bench/results/h200/expert_gemm_wgmma.json), else
+    masked (mma.sync; the host backend's twins); any other name is itself."""
+    if gemm != "auto":
+        return gemm
+    return "wgmma" if backend == "cuda" and capability is not None and tuple(capability) == WGMMA_CAPABILITY \
+        else "masked"
 
 
 def nan_rows(bits: np.ndarray) -> int:
@@ -89,6 +100,7 @@ class MoeRank:
         self.rank = rank
         self.cfg = cfg
         self.backend = rank.backend
+        cfg["gemm"] = resolve_gemm(cfg["gemm"], cfg["backend"], getattr(rank.backend, "capability", None))
         self.world = rank.world_size
         self.me = rank.rank
         self.hidden, self.experts, self.topk, self.ffn = cfg["hidden"], cfg["experts"], cfg["topk"], cfg["ffn"]
@@ -441,6 +453,7 @@ def main(argv: list[str]) -> int:
             "paths": moe.paths,
             "setup_s": setup_s,
             "device": rank.backend.info.name,
+            "gemm": cfg["gemm"],
             "sms": moe.sms,
             "nccl_timing": cfg.get("nccl_timing", "captured"),
             "complete": False,
