@@ -156,12 +156,13 @@ for s in "${STAGES[@]}"; do
         drop) stage drop 60 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;
         variants) stage variants 240 $PY bench/barrier_variants.py -n "$N" --json "$OUT/barrier_variants.json" ;;
         # 128 and 4096 tokens/rank, H 7168, top-8 of 256 experts, bf16; uniform and zipf routing; capacity 4x the
-        # mean rows per expert (drops counted); peer kernels on every SM and on 24; expert GEMMs masked by the
-        # device counts (ep-moe-cublas: a cuBLAS GEMM per expert over all cap rows instead)
+        # mean rows per expert (drops counted); peer kernels on every SM and on 24; expert GEMMs driven by the
+        # device counts, --gemm $EP_GEMM (default auto: wgmma on H100/H200; ep-moe-cublas: a cuBLAS GEMM per expert
+        # over all cap rows instead)
         # (expected ~70 s at 2 ranks; bounded at 240 s). ep-moe-quick: 128 tokens/rank, every SM (expected ~35 s).
         # Every ep-moe stage also times and checks the low-latency mode (one kernel per direction): the keys
         # dispatch_ll, combine_ll, layer_ll under runs[].us.peer*, checks ll_rows_differ_from_ep1, ll_equals_peer
-        ep-moe) stage_live ep_moe 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm masked ${EP_ARGS:-} --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
+        ep-moe) stage_live ep_moe 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm ${EP_GEMM:-auto} ${EP_ARGS:-} --json "$OUT/ep_moe.json" --plot "$OUT/ep_moe.png" ;;
         ep-moe-quick) stage_live ep_moe_quick 120 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm masked --json "$OUT/ep_moe_quick.json" ;;
         # the layer at 4096 tokens/rank with the Hopper wgmma expert GEMMs (compute capability 9.0), EP-N == EP1 checked
         ep-moe-wgmma) stage_live ep_moe_wgmma 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 4096 --routing uniform,zipf --capacity 4 --sms all --gemm wgmma ${EP_ARGS:-} --json "$OUT/ep_moe_wgmma.json" ;;
