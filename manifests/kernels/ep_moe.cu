@@ -40,6 +40,11 @@ typedef unsigned long long u64;
 
 #define ROW_UNROLL 4
 #define CHUNK_VECS (32 * ROW_UNROLL)
+// combine_rows: 0 keeps two expert rows' loads in flight, sliding; N > 0 issues the loads of the next N matching
+// rows of an item at once, then adds them (the same additions in the same order either way)
+#ifndef COMBINE_BATCH
+#define COMBINE_BATCH 0
+#endif
 
 __device__ __forceinline__ void publish(int lane) {
     __syncwarp();
@@ -445,6 +450,66 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
             }
         }
         const int base = chunk * CHUNK_VECS + lane;
+#if COMBINE_BATCH > 0
+        // The expert rows this item sums, in top-k order, COMBINE_BATCH at a time: the next COMBINE_BATCH matching
+        // rows are found first, all their loads issued, then added in top-k order (the bytes of one row at a time).
+        int kk = 0;
+        for (;;) {
+            const uint4* src[COMBINE_BATCH];
+            float w[COMBINE_BATCH];
+            int found = 0;
+#pragma unroll
+            for (int d = 0; d < COMBINE_BATCH; ++d) {
+                src[d] = 0;
+                w[d] = 0.0f;
+                for (; kk < topk; ++kk) {
+                    const unsigned int e = m[kk] & 0xFFFFu;
+                    const int row = route_row[u * topk + kk];
+                    if (e != NO_EXPERT && (int)e / per_group == q && row >= 0) {
+                        src[d] = y + (size_t)row * nvec;
+                        w[d] = bf16_to_f32(m[kk] >> 16);
+                        ++found;
+                        ++kk;
+                        break;
+                    }
+                }
+            }
+            if (found == 0) {
+                break;
+            }
+            uint4 buf[COMBINE_BATCH][ROW_UNROLL];
+#pragma unroll
+            for (int d = 0; d < COMBINE_BATCH; ++d) {
+#pragma unroll
+                for (int v = 0; v < ROW_UNROLL; ++v) {
+                    if (src[d] != 0 && base + v * 32 < nvec) {
+                        buf[d][v] = src[d][base + v * 32];
+                    }
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < COMBINE_BATCH; ++d) {
+                if (src[d] == 0) {
+                    continue;
+                }
+#pragma unroll
+                for (int v = 0; v < ROW_UNROLL; ++v) {
+                    if (base + v * 32 < nvec) {
+                        const unsigned int wd[4] = {buf[d][v].x, buf[d][v].y, buf[d][v].z, buf[d][v].w};
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            acc[v][2 * j] = __fadd_rn(acc[v][2 * j], __fmul_rn(w[d], bf16_to_f32(wd[j] & 0xFFFFu)));
+                            acc[v][2 * j + 1] =
+                                __fadd_rn(acc[v][2 * j + 1], __fmul_rn(w[d], bf16_to_f32(wd[j] >> 16)));
+                        }
+                    }
+                }
+            }
+            if (found < COMBINE_BATCH) {
+                break;
+            }
+        }
+#else
         // The expert rows this item sums, in top-k order, two in flight: the next matching row's loads are
         // issued before the previous row's values are added (the additions keep the top-k order, so the
         // bytes are the same as one row at a time).
@@ -493,6 +558,7 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
             w_cur = w;
             have = match;
         }
+#endif
         const long long s = u / tokens;
         const long long t = u - s * tokens;
         uint4* dst = (uint4*)(send ? send + (((size_t)s * mine + qi) * tokens + t) * row_bytes
