@@ -560,9 +560,19 @@ def test_layout_over_chunks_numbers_pairs_in_global_order(emulated, G, grid, blo
 
 # H 1040: rows of two 2 KiB chunks, the second partial; the layout on 1 block of 64 threads (four rounds of
 # its one chunk) and on 4 blocks of 32 (three idle: one chunk)
-@pytest.mark.parametrize("H, grid, block", [(16, 1, 64), (1040, 4, 32)])
-def test_dispatch_layout_fanout_combine(emulated, H, grid, block):
-    """The whole data path of two ranks, kernel by kernel: emulated CUDA == twin at every step."""
+@pytest.fixture(scope="module")
+def emulated_combine_batched(tmp_path_factory):
+    """ep_moe.cu and ep_math.cu built with COMBINE_BATCH=2: a combine item issues the loads of its next 2 matching
+    expert rows at once (top-k 3 below: one item may take two rounds)."""
+    return build(tmp_path_factory.mktemp("emu_cb"), {f: KERNELS[f] for f in ("ep_moe.cu", "ep_math.cu")},
+                 ["COMBINE_BATCH=2"])
+
+
+@pytest.mark.parametrize("H, grid, block, batched", [(16, 1, 64, False), (1040, 4, 32, False), (1040, 4, 32, True)])
+def test_dispatch_layout_fanout_combine(request, H, grid, block, batched):
+    """The whole data path of two ranks, kernel by kernel: emulated CUDA == twin at every step (the combine also
+    with its batched loads: the same bytes)."""
+    emulated = request.getfixturevalue("emulated_combine_batched" if batched else "emulated")
     rng = np.random.default_rng(1)
     G, T, K, E, R = 2, 40, 3, 8, 2
     L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
