@@ -40,10 +40,14 @@ typedef unsigned long long u64;
 
 #define ROW_UNROLL 4
 #define CHUNK_VECS (32 * ROW_UNROLL)
-// combine_rows: 0 keeps two expert rows' loads in flight, sliding; N > 0 issues the loads of the next N matching
-// rows of an item at once, then adds them (the same additions in the same order either way)
+// combine_rows issues the loads of the next COMBINE_BATCH matching expert rows of an item at once, then adds them in
+// top-k order. 3 measured faster than two rows sliding (combine_ll 18.9 -> 18.6 µs at EP2, 128 tokens/rank) and
+// than 4, which spills at 512 threads (bench/results/h200x2/ep_moe_combine_batch.json)
 #ifndef COMBINE_BATCH
-#define COMBINE_BATCH 0
+#define COMBINE_BATCH 3
+#endif
+#if COMBINE_BATCH < 1
+#error "COMBINE_BATCH: expert rows whose loads are issued at once, at least 1"
 #endif
 
 __device__ __forceinline__ void publish(int lane) {
@@ -450,7 +454,6 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
             }
         }
         const int base = chunk * CHUNK_VECS + lane;
-#if COMBINE_BATCH > 0
         // The expert rows this item sums, in top-k order, COMBINE_BATCH at a time: the next COMBINE_BATCH matching
         // rows are found first, all their loads issued, then added in top-k order (the bytes of one row at a time).
         int kk = 0;
@@ -509,56 +512,6 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
                 break;
             }
         }
-#else
-        // The expert rows this item sums, in top-k order, two in flight: the next matching row's loads are
-        // issued before the previous row's values are added (the additions keep the top-k order, so the
-        // bytes are the same as one row at a time).
-        uint4 cur[ROW_UNROLL];
-        float w_cur = 0.0f;
-        bool have = false;
-        for (int kk = 0; kk <= topk; ++kk) {
-            bool match = false;
-            float w = 0.0f;
-            const uint4* src = y;
-            if (kk < topk) {
-                const unsigned int e = m[kk] & 0xFFFFu;
-                const int row = route_row[u * topk + kk];
-                match = e != NO_EXPERT && (int)e / per_group == q && row >= 0;
-                if (!match) {
-                    continue;
-                }
-                w = bf16_to_f32(m[kk] >> 16);
-                src = y + (size_t)row * nvec;
-            }
-            uint4 next[ROW_UNROLL];
-#pragma unroll
-            for (int v = 0; v < ROW_UNROLL; ++v) {
-                if (match && base + v * 32 < nvec) {
-                    next[v] = src[base + v * 32];
-                }
-            }
-            if (have) {
-#pragma unroll
-                for (int v = 0; v < ROW_UNROLL; ++v) {
-                    if (base + v * 32 < nvec) {
-                        const unsigned int wd[4] = {cur[v].x, cur[v].y, cur[v].z, cur[v].w};
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            acc[v][2 * j] = __fadd_rn(acc[v][2 * j], __fmul_rn(w_cur, bf16_to_f32(wd[j] & 0xFFFFu)));
-                            acc[v][2 * j + 1] =
-                                __fadd_rn(acc[v][2 * j + 1], __fmul_rn(w_cur, bf16_to_f32(wd[j] >> 16)));
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int v = 0; v < ROW_UNROLL; ++v) {
-                cur[v] = next[v];
-            }
-            w_cur = w;
-            have = match;
-        }
-#endif
         const long long s = u / tokens;
         const long long t = u - s * tokens;
         uint4* dst = (uint4*)(send ? send + (((size_t)s * mine + qi) * tokens + t) * row_bytes

@@ -562,8 +562,8 @@ def test_layout_over_chunks_numbers_pairs_in_global_order(emulated, G, grid, blo
 # its one chunk) and on 4 blocks of 32 (three idle: one chunk)
 @pytest.fixture(scope="module")
 def emulated_combine_batched(tmp_path_factory):
-    """ep_moe.cu and ep_math.cu built with COMBINE_BATCH=2: a combine item issues the loads of its next 2 matching
-    expert rows at once (top-k 3 below: one item may take two rounds)."""
+    """ep_moe.cu and ep_math.cu built with COMBINE_BATCH=2 (the default is 3): a combine item issues the loads of its
+    next 2 matching expert rows at once, so with top-k 3 below an item may take two rounds."""
     return build(tmp_path_factory.mktemp("emu_cb"), {f: KERNELS[f] for f in ("ep_moe.cu", "ep_math.cu")},
                  ["COMBINE_BATCH=2"])
 
