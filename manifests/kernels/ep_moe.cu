@@ -166,37 +166,6 @@ __device__ __forceinline__ bool token_goes_to(const int* __restrict__ topk_idx, 
     return hit;
 }
 
-// The rows of dispatch_rows (below): each token once to every member that owns one of its experts.
-__device__ __forceinline__ void send_token_rows(const uint4* __restrict__ x,
-                                                const int* __restrict__ topk_idx,
-                                                unsigned char* const* recv_peers,
-                                                unsigned char* send,
-                                                int tokens,
-                                                int topk,
-                                                int hidden,
-                                                int experts,
-                                                int G,
-                                                int me) {
-    const int nvec = hidden / 8;
-    const size_t row_bytes = (size_t)hidden * 2;
-    const int local = experts / G;
-    const int lane = threadIdx.x & 31;
-    // items: (token, member, chunk) with the member fastest, so every link carries traffic at once
-    const WarpItems it = warp_items((long long)tokens * G, nvec);
-    for (long long item = it.first; item < it.count; item += it.stride) {
-        const long long r = item / it.chunks;
-        const int chunk = (int)(item - r * it.chunks);
-        const long long t = r / G;
-        const int g = (int)(r - t * G);
-        if (!token_goes_to(topk_idx, t, topk, g, local)) {
-            continue;
-        }
-        unsigned char* dst = send ? send + ((size_t)g * tokens + t) * row_bytes
-                                  : recv_peers[g] + ((size_t)me * tokens + t) * row_bytes;
-        copy_chunk((uint4*)dst, x + (size_t)t * nvec, nvec, chunk, lane);
-    }
-}
-
 // dispatch: this rank's routing goes to every member, and each token once to every member that owns one
 // of its experts (members own experts / G consecutive experts each).
 //
@@ -223,8 +192,25 @@ __device__ __forceinline__ void dispatch_rows(const uint4* __restrict__ x,
                                               int experts,
                                               int G,
                                               int me) {
+    const int nvec = hidden / 8;
+    const size_t row_bytes = (size_t)hidden * 2;
     send_routing(topk_idx, topk_w, meta_peers, send_meta, err, tokens, topk, experts, G, me);
-    send_token_rows(x, topk_idx, recv_peers, send, tokens, topk, hidden, experts, G, me);
+    const int local = experts / G;
+    const int lane = threadIdx.x & 31;
+    // items: (token, member, chunk) with the member fastest, so every link carries traffic at once
+    const WarpItems it = warp_items((long long)tokens * G, nvec);
+    for (long long item = it.first; item < it.count; item += it.stride) {
+        const long long r = item / it.chunks;
+        const int chunk = (int)(item - r * it.chunks);
+        const long long t = r / G;
+        const int g = (int)(r - t * G);
+        if (!token_goes_to(topk_idx, t, topk, g, local)) {
+            continue;
+        }
+        unsigned char* dst = send ? send + ((size_t)g * tokens + t) * row_bytes
+                                  : recv_peers[g] + ((size_t)me * tokens + t) * row_bytes;
+        copy_chunk((uint4*)dst, x + (size_t)t * nvec, nvec, chunk, lane);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(512) ep_dispatch(const uint4* __restrict__ x,
@@ -604,12 +590,11 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 //   block fits an otherwise idle SM (small static shared memory); nothing runs beside it on the GPU. Past
 //   LL_TIMEOUT_NS it gives up and reports err[0] |= 16 instead of hanging.
 // - Peer flags: ll_flags (u64[2][G], mapped into every member) holds in [0][s] / [1][s] the last
-//   dispatch / combine announcement member s made to this rank (the dispatch announces twice per epoch e,
-//   2 e - 1 for its routing and 2 e for its rows; the combine once, e). Epochs come from ll_state (u64[2], local;
+//   dispatch / combine epoch member s announced to this rank. Epochs come from ll_state (u64[2], local;
 //   [0] dispatch, [1] combine), read by every block at entry and advanced by block 0 after the first grid
 //   barrier (every block read it before arriving): K launches in a captured graph get K fresh epochs, no
 //   host reset (buffers start zeroed; ranks run the same programs, so the counters advance in lockstep).
-//   Flags only grow, so `>=` an announcement is never met by an older one.
+//   Flags only grow, so `>= epoch` is never met by an older announcement.
 // - Release: every warp fences its peer stores at system scope (publish) before its block arrives at the
 //   grid barrier; then block 0's thread t < G runs fence.acq_rel.sys and stores the epoch into member
 //   t's flag (st.relaxed.sys): fence + store in one thread is a release, cumulative over the blocks'
@@ -709,20 +694,13 @@ __device__ __forceinline__ void wait_members(const unsigned long long* flags, un
 //   flag_peers  u64[G]: member g's ll_flags;  flags: this rank's ll_flags (u64[2 * G])
 //   state       u64[2] local (ll_state);       grid_counter: u32 local (ll_grid[0])
 //   meta, recv  this rank's receive buffers (what meta_peers / recv_peers map at index me)
-//   slab        null: no fanout (the masked GEMMs gather through slot_src); else the fanout (after the rows)
-// Routing first, then rows, so the layout runs while the rows cross the links:
-//   1. the routing words to every member; publish; grid barrier; announce 2 * epoch - 1 (the routing)
-//   2. the rows to every member: stores issued, not yet fenced
-//   3. wait until every member announced 2 * epoch - 1 (its routing is here), then the layout
-//   4. publish (the rows' fences); grid barrier (route_row is whole too); announce 2 * epoch (the rows); wait
-//      until every member announced 2 * epoch; the fanout, with a slab
-// Two announcements per launch in the same flag (slot 0): 2 e - 1 and 2 e; flags only grow, so `>= 2 e - 1`
-// is never met by launch e - 1's (at most 2 e - 2). Each is a release cumulative over the fenced stores the
-// grid barrier before it observed, as in the single-announcement scheme above.
+//   slab        null: no fanout (the masked GEMMs gather through slot_src), and the kernel ends after the
+//               layout (one grid barrier); else the fanout follows a second grid barrier
 // Layout: block b lays out local experts b, b + gridDim.x, ...: it walks the G * tokens * topk words in
 // rounds of blockDim.x (one word a thread), and numbers its expert's pairs by a block-wide prefix of
 // per-warp ballots, round after round: global order (source, token, top-k slot), as ep_layout_place.
-// Every block also writes -1 for the words of other ranks' experts (a grid-stride share).
+// Every block also writes -1 for the words of other ranks' experts (a grid-stride share). A grid barrier
+// then makes route_row whole before the fanout reads it.
 extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __restrict__ x,
                                                                 const int* __restrict__ topk_idx,
                                                                 const unsigned short* __restrict__ topk_w,
@@ -755,16 +733,15 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
     if (tid == 0) {
         epoch_s = state[0] + 1ull;  // every block reads it before it arrives at the first grid barrier
     }
-    send_routing(topk_idx, topk_w, meta_peers, 0, err, tokens, topk, experts, G, me);
+    dispatch_rows(x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden, experts, G, me);
     publish(lane);
     grid_sync(grid_counter, err);  // its __syncthreads also hands epoch_s to the block
     const unsigned long long epoch = epoch_s;
     if (blockIdx.x == 0 && tid == 0) {
         state[0] = epoch;
     }
-    announce(flag_peers, 0, 2ull * epoch - 1ull, G, me);
-    send_token_rows(x, topk_idx, recv_peers, 0, tokens, topk, hidden, experts, G, me);
-    wait_members(flags, 2ull * epoch - 1ull, G, err);
+    announce(flag_peers, 0, epoch, G, me);
+    wait_members(flags, epoch, G, err);
 
     const int local = experts / G;
     const unsigned int lo = (unsigned int)(me * local);
@@ -814,13 +791,10 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
             }
         }
     }
-    publish(lane);
-    grid_sync(grid_counter, err);  // every block's rows fenced, and route_row whole
-    announce(flag_peers, 0, 2ull * epoch, G, me);
-    wait_members(flags, 2ull * epoch, G, err);
     if (!slab) {
         return;  // the kernel boundary publishes the layout to the expert GEMMs
     }
+    grid_sync(grid_counter, err);  // route_row is whole
 
     const int nvec = hidden / 8;
     const size_t row_bytes = (size_t)hidden * 2;

@@ -549,9 +549,8 @@ def ep_dispatch_ll(
     ep_dispatch(backend, grid, block, x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden,
                 experts, G, me)
     epoch = _ll_epoch(state, 0)
-    _ll_grid(grid_counter, 2)  # one after the routing, one after the rows
-    # the kernel announces 2 e - 1 (its routing) and then 2 e (its rows); the twin sent both already
-    _ll_announce_and_wait(flag_peers, flags, 0, 2 * epoch, G, me, err)
+    _ll_grid(grid_counter, 2 if slab else 1)  # the second grid barrier comes before the fanout only
+    _ll_announce_and_wait(flag_peers, flags, 0, epoch, G, me, err)
     ep_layout_place(backend, grid, block, meta, 0, route_row, slot_src, expert_rows, err, tokens, topk, experts, G,
                     me, cap)
     if slab:
