@@ -581,35 +581,28 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 // same layout order, the same reduction order), so outputs stay byte-identical to EP1.
 //
 // Synchronisation, and why it cannot deadlock or reuse a stale flag:
-// - Arrival counters, no grid barrier: ll_flags (u64[2][G], mapped into every member) holds in [0][s] /
-//   [1][s] the dispatch / combine arrivals of member s's blocks at this rank. Each block of a launch adds
-//   its share to every member's counter once its warps published their stores: block 0 adds
-//   2^20 - (gridDim.x - 1), every other block 1, so a whole launch adds exactly 2^20 whatever its grid
-//   (the bench runs several SM budgets in one tray), and a counter reaches epoch << 20 exactly when every
-//   block of that member's launch `epoch` (and all before it) arrived. No reset between launches; K
-//   launches in a captured graph count on (buffers start zeroed; ranks run the same programs).
-// - Epochs: ll_state (u64[2], local; [0] dispatch, [1] combine) is a ticket counter taken the same way
-//   (block 0 adds 2^20 - (gridDim.x - 1), the others 1, one atomic per block at entry): every ticket of
-//   launch E (counting from 0) lies in [E << 20, (E + 1) << 20), so every block computes epoch = E + 1 with
-//   no inter-block sync. Grids up to 2^20 blocks (the launch uses at most one per SM).
-// - Release: every warp fences its peer stores at system scope (publish); after __syncthreads the block's
-//   thread t < G runs fence.acq_rel.sys and adds its share to member t's counter (red.relaxed.sys): fence +
-//   relaxed write in one thread is a release, cumulative over the block's fenced stores it observed through
-//   the __syncthreads; the adds of all blocks to one counter are read-modify-writes of one location, so the
-//   value epoch << 20 is read from the last of them, which follows every block's release.
-// - Acquire: in every block thread t < G polls its own counter for member t (relaxed) until it reaches
-//   epoch << 20, then one ld.acquire.sys; __syncthreads hands the acquired view to the block.
+// - Grid barrier (grid_sync): each block's thread 0 adds 1 to a local u32 counter, block 0 adds
+//   0x80000000 - (gridDim.x - 1), so every barrier adds exactly 2^31: the top bit flips once all blocks
+//   arrived, whatever the grid, with no reset between barriers or launches. __threadfence before the add
+//   and after the wait (with __syncthreads around) orders the blocks' writes before what follows. It
+//   needs every block resident at once: the launch uses at most one block per SM (grid = the SM budget,
+//   at most the GPU's SM count, the bench checks it) and __launch_bounds__(512) with 512 threads, one
+//   block fits an otherwise idle SM (small static shared memory); nothing runs beside it on the GPU. Past
+//   LL_TIMEOUT_NS it gives up and reports err[0] |= 16 instead of hanging.
+// - Peer flags: ll_flags (u64[2][G], mapped into every member) holds in [0][s] / [1][s] the last
+//   dispatch / combine epoch member s announced to this rank. Epochs come from ll_state (u64[2], local;
+//   [0] dispatch, [1] combine), read by every block at entry and advanced by block 0 after the first grid
+//   barrier (every block read it before arriving): K launches in a captured graph get K fresh epochs, no
+//   host reset (buffers start zeroed; ranks run the same programs, so the counters advance in lockstep).
+//   Flags only grow, so `>= epoch` is never met by an older announcement.
+// - Release: every warp fences its peer stores at system scope (publish) before its block arrives at the
+//   grid barrier; then block 0's thread t < G runs fence.acq_rel.sys and stores the epoch into member
+//   t's flag (st.relaxed.sys): fence + store in one thread is a release, cumulative over the blocks'
+//   fenced stores it observed through the barrier.
+// - Acquire: in every block thread t < G polls its own flag from member t (relaxed), then one
+//   ld.acquire.sys pairs with that member's release; __syncthreads hands the acquired view to the block.
 //   Past LL_TIMEOUT_NS: err[0] |= 4, err[3] |= 1 << (t % 32) (the member that never announced), and
 //   the kernel goes on (its output is then wrong, and the err check says so) instead of hanging.
-// - Grid barrier (grid_sync, only before the cuBLAS baseline's fanout, which needs every block's layout): each
-//   block's thread 0 adds 1 to a local u32 counter, block 0 adds 0x80000000 - (gridDim.x - 1), so every
-//   barrier adds exactly 2^31: the top bit flips once all blocks arrived, whatever the grid, with no reset
-//   between barriers or launches. __threadfence before the add and after the wait (with __syncthreads
-//   around) orders the blocks' writes before what follows. It needs every block resident at once: the
-//   launch uses at most one block per SM (grid = the SM budget, at most the GPU's SM count, the bench checks
-//   it) and __launch_bounds__(512) with 512 threads, one block fits an otherwise idle SM (small static
-//   shared memory); nothing runs beside it on the GPU. Past LL_TIMEOUT_NS it gives up and reports
-//   err[0] |= 16 instead of hanging.
 // - Reuse of the receive buffers across launches: a member writes this rank's recv/meta for launch e + 1
 //   only after its own combine of launch e got every member's combine rows, which each member sends only
 //   after its dispatch and its expert GEMMs (which read recv in place) of launch e ended (stream order);
@@ -622,8 +615,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 #define LL_TIMEOUT_NS 10000000000ull
 #define LL_FULL 0xFFFFFFFFu
 
-__device__ __forceinline__ void red_relaxed_sys_add(unsigned long long* addr, unsigned long long value) {
-    asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+__device__ __forceinline__ void st_relaxed_sys(unsigned long long* addr, unsigned long long value) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
 }
 
 __device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long* addr) {
@@ -665,42 +658,24 @@ __device__ __forceinline__ void grid_sync(unsigned int* counter, unsigned int* e
     __syncthreads();
 }
 
-#define LL_SHARE_BITS 20
-
-// This block's share of a launch's 2^LL_SHARE_BITS (see above): block 0 2^20 - (gridDim.x - 1), the others 1.
-__device__ __forceinline__ unsigned long long ll_share() {
-    return blockIdx.x == 0 ? (1ull << LL_SHARE_BITS) - (unsigned long long)(gridDim.x - 1u) : 1ull;
-}
-
-// Every block, at entry: this launch's epoch from the ticket counter `ticket` (see above). Called by every thread.
-__device__ __forceinline__ unsigned long long ll_epoch(unsigned long long* ticket, unsigned long long* epoch_s) {
-    if (threadIdx.x == 0) {
-        *epoch_s = (atomicAdd(ticket, ll_share()) >> LL_SHARE_BITS) + 1ull;
-    }
-    __syncthreads();
-    return *epoch_s;
-}
-
-// Every block, after its warps' publish(): its share to every member t's arrival counter (its flags[slot + me]).
-// Called by every thread.
-__device__ __forceinline__ void arrive(unsigned long long* const* flag_peers, int slot, int G, int me) {
-    __syncthreads();
-    if ((int)threadIdx.x < G) {
+// Block 0, after the grid barrier: announce `epoch` to every member t (its flags[slot + me]).
+__device__ __forceinline__ void announce(unsigned long long* const* flag_peers, int slot, unsigned long long epoch,
+                                         int G, int me) {
+    if (blockIdx.x == 0 && (int)threadIdx.x < G) {
         asm volatile("fence.acq_rel.sys;" ::: "memory");
-        red_relaxed_sys_add(flag_peers[threadIdx.x] + slot + me, ll_share());
+        st_relaxed_sys(flag_peers[threadIdx.x] + slot + me, epoch);
     }
 }
 
-// Every block: wait until every member t's counter flags[t] reached `target` (epoch << 20: all its blocks of that
-// launch arrived). Called by every thread.
-__device__ __forceinline__ void wait_members(const unsigned long long* flags, unsigned long long target, int G,
+// Every block: wait until every member t announced `epoch` or later in flags[t]. Called by every thread.
+__device__ __forceinline__ void wait_members(const unsigned long long* flags, unsigned long long epoch, int G,
                                              unsigned int* err) {
     const int t = threadIdx.x;
     if (t < G) {
         const unsigned long long* flag = flags + t;
-        if (ld_relaxed_sys(flag) < target) {
+        if (ld_relaxed_sys(flag) < epoch) {
             const unsigned long long start = globaltimer_ns();
-            while (ld_relaxed_sys(flag) < target) {
+            while (ld_relaxed_sys(flag) < epoch) {
                 if (globaltimer_ns() - start > LL_TIMEOUT_NS) {
                     atomicOr(&err[0], 4u);
                     atomicOr(&err[3], 1u << (t & 31));
@@ -717,10 +692,10 @@ __device__ __forceinline__ void wait_members(const unsigned long long* flags, un
 // (route_row, slot_src, expert_rows, err), and with a slab (the cuBLAS baseline) the fanout of ep_fanout,
 // in one kernel. Arguments as those kernels', plus
 //   flag_peers  u64[G]: member g's ll_flags;  flags: this rank's ll_flags (u64[2 * G])
-//   state       u64[2] local (ll_state: the tickets); grid_counter: u32 local (ll_grid[0])
+//   state       u64[2] local (ll_state);       grid_counter: u32 local (ll_grid[0])
 //   meta, recv  this rank's receive buffers (what meta_peers / recv_peers map at index me)
 //   slab        null: no fanout (the masked GEMMs gather through slot_src), and the kernel ends after the
-//               layout (no grid barrier); else the fanout follows one
+//               layout (one grid barrier); else the fanout follows a second grid barrier
 // Layout: block b lays out local experts b, b + gridDim.x, ...: it walks the G * tokens * topk words in
 // rounds of blockDim.x (one word a thread), and numbers its expert's pairs by a block-wide prefix of
 // per-warp ballots, round after round: global order (source, token, top-k slot), as ep_layout_place.
@@ -755,11 +730,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int warps = blockDim.x >> 5;
-    const unsigned long long epoch = ll_epoch(state, &epoch_s);
+    if (tid == 0) {
+        epoch_s = state[0] + 1ull;  // every block reads it before it arrives at the first grid barrier
+    }
     dispatch_rows(x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden, experts, G, me);
     publish(lane);
-    arrive(flag_peers, 0, G, me);
-    wait_members(flags, epoch << LL_SHARE_BITS, G, err);
+    grid_sync(grid_counter, err);  // its __syncthreads also hands epoch_s to the block
+    const unsigned long long epoch = epoch_s;
+    if (blockIdx.x == 0 && tid == 0) {
+        state[0] = epoch;
+    }
+    announce(flag_peers, 0, epoch, G, me);
+    wait_members(flags, epoch, G, err);
 
     const int local = experts / G;
     const unsigned int lo = (unsigned int)(me * local);
@@ -840,6 +822,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
                                                                unsigned long long* const* flag_peers,
                                                                unsigned long long* flags,
                                                                unsigned long long* state,
+                                                               unsigned int* grid_counter,
                                                                const uint4* comb,
                                                                const int* __restrict__ topk_idx,
                                                                uint4* out,
@@ -853,11 +836,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
                                                                int groups) {
     __shared__ unsigned long long epoch_s;
     const int tid = threadIdx.x;
-    const unsigned long long epoch = ll_epoch(state + 1, &epoch_s);
+    if (tid == 0) {
+        epoch_s = state[1] + 1ull;  // every block reads it before it arrives at the grid barrier
+    }
     combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups);
     publish(tid & 31);
-    arrive(flag_peers, G, G, me);
-    wait_members(flags + G, epoch << LL_SHARE_BITS, G, err);
+    grid_sync(grid_counter, err);
+    const unsigned long long epoch = epoch_s;
+    if (blockIdx.x == 0 && tid == 0) {
+        state[1] = epoch;
+    }
+    announce(flag_peers, G, epoch, G, me);
+    wait_members(flags + G, epoch, G, err);
 
     const long long nvec = hidden / 8;
     const long long total = (long long)tokens * nvec;

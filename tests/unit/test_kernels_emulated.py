@@ -260,7 +260,7 @@ KERNELS = {
         "unsigned int* gc, const unsigned int* meta, const uint4* recv, int* rr, int* ss, int* er, "
         "unsigned char* slab, unsigned int* err, int tokens, int topk, int hidden, int experts, int G, int me, int cap",
         "ep_combine_ll": "const uint4* y, const unsigned int* meta, const int* rr, unsigned char* const* cp, "
-        "unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, "
+        "unsigned long long* const* fp, unsigned long long* flags, unsigned long long* state, unsigned int* gc, "
         "const uint4* comb, const int* ti, uint4* out, unsigned int* err, int tokens, int topk, int hidden, "
         "int experts, int G, int me, int groups",
         "ep_peer_copy": "const uint4* src, unsigned char* const* dp, int rows, int hidden, int G, int me",
@@ -328,8 +328,6 @@ PTX_ON_CPU = {
     'asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");':
         "value = *(const volatile unsigned long long*)addr;",
     'asm volatile("fence.acq_rel.sys;" ::: "memory");': "__threadfence_system();",
-    'asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");':
-        "*(volatile unsigned long long*)addr += value;",
     'asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(addr), "l"(w0), "l"(w1) : "memory");':
         "((volatile unsigned long long*)addr)[0] = w0; ((volatile unsigned long long*)addr)[1] = w1;",
     'asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(addr) : "memory");':
@@ -738,7 +736,7 @@ def ll_combine_args(me, G, T, K, H, E, R):
     def args(a):
         a["cp"], a["fp"] = tables(a, [f"comb{g}" for g in range(G)]), tables(a, [f"flags{g}" for g in range(G)])
         return [ptr(a["y"]), ptr(a["meta"]), ptr(a["rr"]), ptr(a["cp"]), ptr(a["fp"]), ptr(a[f"flags{me}"]),
-                ptr(a["state"]), ptr(a[f"comb{me}"]), ptr(a["ti"]), ptr(a["out"]), ptr(a["err"]),
+                ptr(a["state"]), ptr(a["gc"]), ptr(a[f"comb{me}"]), ptr(a["ti"]), ptr(a["out"]), ptr(a["err"]),
                 T, K, H, E, G, me, R]
     return args
 
@@ -753,8 +751,8 @@ def assert_same(c, t, skip=("rp", "mp", "fp", "cp")):
 def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated, fanout):
     """EP1 shape (G 1: the rank sends to itself, announces to itself), one block (the grid barrier's
     single arrival flips it): dispatch_ll and combine_ll write what the standard kernels' twins write,
-    each launch adds 2^20 to its ticket counter (ll_state) and to the arrival counter (ll_flags), the grid
-    counter flips once, before the fanout only (without it the slab is never written)."""
+    epochs advance by one per launch, the grid counter flips once per grid barrier (two with the fanout,
+    one without: then the slab is never written)."""
     rng = np.random.default_rng(3)
     G, T, K, E, R, H = 1, 40, 3, 8, 2, 1040
     L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
@@ -775,8 +773,8 @@ def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(e
         assert np.array_equal(c["rr"], want_rows) and c["er"].tolist() == np.minimum(totals, cap).tolist()
         assert_slots_invert_rows(c["ss"], c["rr"], c["er"], K, cap)
         assert c["err"].tolist() == [3, 1, int(np.maximum(totals - cap, 0).sum()), 0]
-        assert c["state"].tolist() == [launch << 20, 0] and c["flags0"].tolist() == [launch << 20, 0]
-        assert c["gc"][0] == (0x80000000 if fanout and launch == 1 else 0)
+        assert c["state"].tolist() == [launch, 0] and c["flags0"].tolist() == [launch, 0]
+        assert c["gc"][0] == (0 if fanout or launch == 2 else 0x80000000)
         filled = c["ss"] >= 0
         assert c["slab"].any() == fanout and c["slab"][~filled].sum() == 0
         if fanout:
@@ -790,8 +788,8 @@ def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(e
     for launch in (1, 2):
         c, t = both(emulated, "ep_combine_ll", 1, 64, ll_combine_args(0, G, T, K, H, E, R), comb)
         assert_same(c, t)
-        assert c["state"].tolist() == [2 << 20, launch << 20] and c["flags0"].tolist() == [2 << 20, launch << 20]
-        assert c["err"].tolist() == [0, 0, 0, 0]
+        assert c["state"].tolist() == [2, launch] and c["flags0"].tolist() == [2, launch]
+        assert c["gc"][0] == (0x80000000 if launch == 1 else 0) and c["err"].tolist() == [0, 0, 0, 0]
         used = ep_twins.groups_used(idx, E, R)
         want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), used)
         assert np.array_equal(c["out"], want) and c["out"].any()
@@ -816,7 +814,7 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     lookup("ep_dispatch")(host, (1, 1, 1), (32, 1, 1), ptr(xs[1]), ptr(idx[1]), ptr(ws[1]), ptr(rp), ptr(mp), 0, 0,
                           ptr(peer_err), T, K, H, E, G, 1)
     flags = [np.zeros(2 * G, np.uint64) for _ in range(G)]
-    flags[0][1] = 1 << 20  # the peer's dispatch arrivals (its blocks add 2^20 per launch)
+    flags[0][1] = 1  # the peer's dispatch announcement
     arrays = {
         "x": xs[0], "ti": idx[0], "tw": ws[0], "recv0": recv[0], "recv1": recv[1], "meta0": meta[0], "meta1": meta[1],
         "flags0": flags[0], "flags1": flags[1], "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
@@ -827,13 +825,13 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     assert_same(c, t)
     want_rows, totals = route_rows(c["meta0"], 0, L, cap)
     dropped = int(np.maximum(totals - cap, 0).sum())  # the hot expert 0 is rank 0's
-    assert c["err"].tolist() == [2, 0, dropped, 0] and dropped > 0 and c["flags1"].tolist() == [1 << 20, 0, 0, 0]
+    assert c["err"].tolist() == [2, 0, dropped, 0] and dropped > 0 and c["flags1"].tolist() == [1, 0, 0, 0]
     assert c["meta0"][T:].any() and np.array_equal(c["meta0"][T:], meta[0][T:])  # the peer's block, untouched
     assert np.array_equal(c["rr"], want_rows) and (want_rows[T:] >= 0).any()
     y = bf16_wide(rng, (L * cap, H))
     combs = [np.zeros((R * T, H), np.uint16) for _ in range(G)]
     combs[0][T:] = bf16_random(rng, (T, H))  # group 1's rows of rank 0's tokens, from the peer
-    c["flags0"][G + 1] = 1 << 20  # the peer's combine arrivals
+    c["flags0"][G + 1] = 1  # the peer's combine announcement
     comb = {
         "y": y, "meta": c["meta0"], "rr": c["rr"], "comb0": combs[0], "comb1": combs[1], "flags0": c["flags0"],
         "flags1": c["flags1"], "state": c["state"], "gc": np.zeros(1, np.uint32), "ti": idx[0],
@@ -841,7 +839,7 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     }
     c, t = both(emulated, "ep_combine_ll", 1, 64, ll_combine_args(0, G, T, K, H, E, R), comb)
     assert_same(c, t)
-    assert c["err"].tolist() == [0, 0, 0, 0] and c["flags1"].tolist() == [1 << 20, 0, 1 << 20, 0]
+    assert c["err"].tolist() == [0, 0, 0, 0] and c["flags1"].tolist() == [1, 0, 1, 0]
     assert c["comb1"][:T].any() and c["comb0"][:T].any()  # group 0's rows to the peer and to itself
     want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), ep_twins.groups_used(idx[0], E, R))
     assert np.array_equal(c["out"], want) and c["out"].any()
@@ -863,7 +861,7 @@ def test_low_latency_kernels_name_a_silent_peer_and_end(emulated):
     }
     c = emulate(emulated, "ep_dispatch_ll", 1, 32, ll_dispatch_args(0, G, T, K, H, E, cap), arrays)
     # (the layout then counts the peer's never-written block too: whatever it reports besides is moot)
-    assert c["err"][0] & 4 and c["err"][3] == 2 and c["flags1"].tolist() == [1 << 20, 0, 0, 0]
+    assert c["err"][0] & 4 and c["err"][3] == 2 and c["flags1"].tolist() == [1, 0, 0, 0]
     comb = {
         "y": np.zeros((L * cap, H), np.uint16), "meta": c["meta0"], "rr": c["rr"],
         "comb0": np.zeros((R * T, H), np.uint16), "comb1": np.zeros((R * T, H), np.uint16), "flags0": c["flags0"],
@@ -871,7 +869,7 @@ def test_low_latency_kernels_name_a_silent_peer_and_end(emulated):
         "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
     }
     c = emulate(emulated, "ep_combine_ll", 1, 32, ll_combine_args(0, G, T, K, H, E, R), comb)
-    assert c["err"].tolist() == [4, 0, 0, 2] and c["flags1"].tolist() == [1 << 20, 0, 1 << 20, 0]
+    assert c["err"].tolist() == [4, 0, 0, 2] and c["flags1"].tolist() == [1, 0, 1, 0]
 
 
 def test_a_wrong_twin_is_caught(emulated, monkeypatch):

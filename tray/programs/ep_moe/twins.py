@@ -484,15 +484,13 @@ def ep_combine(
 # more than GPUs do, so their twins wait longer before reporting a member missing.
 LL_TWIN_TIMEOUT_S = 120.0
 LL_GRID_FLIP = 0x80000000
-LL_SHARE_BITS = 20  # a launch's blocks add 2^20 to the ticket and to every arrival counter (ep_moe.cu)
 
 
 def _ll_epoch(state: int, which: int) -> int:
-    """Take this launch's tickets from ll_state[which] (u64; the kernel's blocks add 2^20 in all) and return
-    its epoch: launches so far, this one included."""
+    """Advance and return the launch epoch ll_state[which] (u64)."""
     words = u64_at(state, 2)
-    words[which] += np.uint64(1 << LL_SHARE_BITS)
-    return int(words[which]) >> LL_SHARE_BITS
+    words[which] += np.uint64(1)
+    return int(words[which])
 
 
 def _ll_grid(counter: int, barriers: int) -> None:
@@ -502,17 +500,15 @@ def _ll_grid(counter: int, barriers: int) -> None:
 
 
 def _ll_announce_and_wait(flag_peers: int, flags: int, slot: int, epoch: int, G: int, me: int, err: int) -> None:
-    """Every member's arrival counter for this rank (flags[slot + me]) to epoch << 20, what the kernel's blocks
-    add up to, then wait until every member t's counter here (flags[slot + t]) reached it too; a member silent
-    past LL_TWIN_TIMEOUT_S is recorded as the kernel does (err[0] |= 4, err[3] |= 1 << (t % 32)) and the twin
-    goes on."""
-    target = epoch << LL_SHARE_BITS
+    """Store `epoch` into every member's flags[slot + me], then wait until every member t announced
+    `epoch` or later in this rank's flags[slot + t]; a member silent past LL_TWIN_TIMEOUT_S is recorded
+    as the kernel does (err[0] |= 4, err[3] |= 1 << (t % 32)) and the twin goes on."""
     for p in u64_at(flag_peers, G):
-        u64_at(int(p) + (slot + me) * 8, 1)[0] = np.uint64(target)
+        u64_at(int(p) + (slot + me) * 8, 1)[0] = np.uint64(epoch)
     own = u64_at(flags + slot * 8, G)
     deadline = time.monotonic() + LL_TWIN_TIMEOUT_S
     for t in range(G):
-        while int(own[t]) < target:
+        while int(own[t]) < epoch:
             if time.monotonic() > deadline:
                 errs = _at(err, 4, np.uint32)
                 errs[0] |= 4
@@ -553,8 +549,7 @@ def ep_dispatch_ll(
     ep_dispatch(backend, grid, block, x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden,
                 experts, G, me)
     epoch = _ll_epoch(state, 0)
-    if slab:
-        _ll_grid(grid_counter, 1)  # the grid barrier before the fanout
+    _ll_grid(grid_counter, 2 if slab else 1)  # the second grid barrier comes before the fanout only
     _ll_announce_and_wait(flag_peers, flags, 0, epoch, G, me, err)
     ep_layout_place(backend, grid, block, meta, 0, route_row, slot_src, expert_rows, err, tokens, topk, experts, G,
                     me, cap)
@@ -574,6 +569,7 @@ def ep_combine_ll(
     flag_peers: int,
     flags: int,
     state: int,
+    grid_counter: int,
     comb: int,
     topk_idx: int,
     out: int,
@@ -588,6 +584,7 @@ def ep_combine_ll(
 ) -> None:
     ep_combine(backend, grid, block, y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups)
     epoch = _ll_epoch(state, 1)
+    _ll_grid(grid_counter, 1)
     _ll_announce_and_wait(flag_peers, flags, G, epoch, G, me, err)
     ep_reduce(backend, grid, block, comb, topk_idx, out, tokens, topk, hidden, experts, groups)
 
