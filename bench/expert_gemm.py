@@ -103,23 +103,29 @@ class WgmmaVariant:
     name: str
     bn: int
     stages: int
+    ws: int = 0
 
     @property
     def tile(self) -> WgmmaTile:
-        return WgmmaTile(self.bn, self.stages)
+        return WgmmaTile(self.bn, self.stages, self.ws)
 
     @property
     def options(self) -> list[str]:
         return ["--gpu-architecture=sm_90a", *self.tile.options]
 
 
-# names: wgmma_n<WG_BN>s<WG_STAGES>; `wgmma` (the manifest's shape) always runs on a compute capability 9.0 GPU.
+# names: wgmma[_ws]_n<WG_BN>s<WG_STAGES> (_ws: WG_WS 1, the warp-specialized block: a producer warpgroup feeds two
+# consumer warpgroups through mbarriers, 384 threads); `wgmma` (the manifest's shape) always runs on a compute
+# capability 9.0 GPU.
 # n128s3 (97 KiB, 118 registers x 256 threads) fits two blocks per SM, so one block's prologue, barriers and
 # epilogue overlap the other's MMA; the others are one block per SM with a deeper ring.
 WGMMA_VARIANTS = (
     WgmmaVariant("wgmma_n128s6", 128, 6),
     WgmmaVariant("wgmma_n128s3", 128, 3),
     WgmmaVariant("wgmma_n256s3", 256, 3),
+    WgmmaVariant("wgmma_ws_n256s4", 256, 4, 1),
+    WgmmaVariant("wgmma_ws_n256s3", 256, 3, 1),
+    WgmmaVariant("wgmma_ws_n128s6", 128, 6, 1),
 )
 # wgmma vs float64, elementwise: |got - want| <= WGMMA_RTOL |want| + WGMMA_ATOL max|want| (over the expert). One
 # round to nearest even is at most half a bf16 ulp, and an ulp is at most 2^-7 of the value; the absolute term
@@ -252,7 +258,7 @@ def _wgmma(backend: Any, case: Case, v: WgmmaVariant) -> tuple[Any, Any, Any]:
     dense = backend.load_kernel(f"ep_wgmma_gemm[{v.name}]", source, "ep_wgmma_gemm", v.options, peers=False,
                                 filename="ep_gemm_wgmma.cu")
     E, H, F, cap, t = case.E, case.H, case.F, case.cap, v.tile
-    block = (256, 1, 1)
+    block = (t.threads, 1, 1)
     w13 = gather.bind(t.grid(2 * F, cap, E), block,
                       [case.x.ptr, case.index_buf.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H],
                       shmem_nbytes=t.smem)

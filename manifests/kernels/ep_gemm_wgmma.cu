@@ -47,18 +47,37 @@
 #ifndef WG_STAGES
 #define WG_STAGES 4
 #endif
+#ifndef WG_WS
+#define WG_WS 0
+#endif
 #define WG_BM 128
 #define WG_BK 64
+#if WG_WS
+#define WG_THREADS 384
+#else
 #define WG_THREADS 256
+#endif
+// blocks per SM the launch bounds promise: 2 where two rings fit in one SM's 228 KiB (n128s3's 97 KiB) and
+// the registers allow (not with 384 threads: 85 each is below what one m64n128 wgmma needs)
+#define WG_MINB ((!WG_WS && 2 * (WG_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 2048) <= 233472) ? 2 : 1)
 #define WG_A_BYTES (WG_BM * WG_BK * 2)
 #define WG_B_BYTES (WG_BN * WG_BK * 2)
 #define WG_STAGE_BYTES (WG_A_BYTES + WG_B_BYTES)
 // the ring, plus 1024 bytes so its start can be rounded up to the swizzle atom
 #define WG_SMEM_BYTES (WG_STAGES * WG_STAGE_BYTES + 1024)
-#define WG_A_VECS (WG_BM * 8 / WG_THREADS)  // 16-byte A copies per thread and stage
-#define WG_B_VECS (WG_BN * 8 / WG_THREADS)  // 16-byte B copies per thread and stage
+#if WG_WS
+#define WG_COPIERS 128  // the producer warpgroup issues every copy
+#else
+#define WG_COPIERS 256  // every thread copies
+#endif
+#define WG_A_VECS (WG_BM * 8 / WG_COPIERS)  // 16-byte A copies per copying thread and stage
+#define WG_B_VECS (WG_BN * 8 / WG_COPIERS)  // 16-byte B copies per copying thread and stage
+#define WG_ROW_STEP (WG_COPIERS / 8)        // rows between one copying thread's vectors
 #if WG_BN != 128 && WG_BN != 256
 #error "WG_BN must be 128 or 256 (one m64nWG_BNk16 wgmma per warpgroup and k16 step)"
+#endif
+#if WG_WS != 0 && WG_WS != 1
+#error "WG_WS must be 0 (every thread copies and multiplies) or 1 (a producer warpgroup and two consumers)"
 #endif
 #if WG_STAGES < 3
 #error "WG_STAGES must be at least 3 (a stage being multiplied, one retiring, one or more loading)"
@@ -172,7 +191,7 @@ __device__ __forceinline__ void wg_mma_n64(float* d, unsigned long long a, unsig
 
 // The copies of K tile `kt` into stage `stage_addr` (a shared address): A's 128 rows (a_src[v]: this thread's
 // row v's first vector of its chunk, fixed for the whole K loop), then B's WG_BN rows. Thread tid copies
-// chunk c = tid % 8 of rows tid / 8 + 32 v; its swizzled chunk (c ^ (row % 8)) is the same for every v.
+// chunk c = tid % 8 of rows tid / 8 + WG_ROW_STEP v (tid: the copying thread's index); its swizzled chunk (c ^ (row % 8)) is the same for every v.
 __device__ __forceinline__ void wg_issue(unsigned int stage_addr, const uint4* const* a_src, const bool* a_valid,
                                          const uint4* b_src, int b_limit, int K, int kt, int tid) {
     const int c = tid & 7;
@@ -182,17 +201,17 @@ __device__ __forceinline__ void wg_issue(unsigned int stage_addr, const uint4* c
     const unsigned int col = (unsigned int)((c ^ (r0 & 7)) << 4);
 #pragma unroll
     for (int v = 0; v < WG_A_VECS; ++v) {
-        const int r = r0 + 32 * v;
+        const int r = r0 + WG_ROW_STEP * v;
         const bool ok = a_valid[v] && in_k;
         wg_cp16(stage_addr + r * 128 + col, a_src[v] + (ok ? k0 / 8 : 0), ok);
     }
     const unsigned int b_addr = stage_addr + WG_A_BYTES;
 #pragma unroll
     for (int v = 0; v < WG_B_VECS; ++v) {
-        const int r = r0 + 32 * v;
+        const int r = r0 + WG_ROW_STEP * v;
         const bool ok = r < b_limit && in_k;
         // a row past N keeps the tile's first row (in bounds) as its address and copies nothing
-        wg_cp16(b_addr + r * 128 + col, b_src + (ok ? ((long long)(32 * v) * K + k0) / 8 : 0), ok);
+        wg_cp16(b_addr + r * 128 + col, b_src + (ok ? ((long long)(WG_ROW_STEP * v) * K + k0) / 8 : 0), ok);
     }
 }
 
@@ -284,6 +303,202 @@ __device__ __forceinline__ void wg_block(unsigned int ring, const uint4* const* 
     }
 }
 
+#if WG_WS
+// Warp-specialized mode (WG_WS 1, 384 threads): warpgroup 0 is the producer, warpgroups 1 and 2 the consumers
+// of wg_block's two roles. Per stage s of the ring two mbarriers: full[s] (128 arrivals: each producer thread's
+// cp.async.mbarrier.arrive.noinc, which fires once all that thread's earlier copies have landed) and empty[s]
+// (8 arrivals: lane 0 of each consumer warp once the wgmma group that read the stage has retired). K tile kt
+// lives in stage kt % WG_STAGES, its use number u = kt / WG_STAGES: the producer waits empty[s] for phase
+// u - 1 (parity (u & 1) ^ 1, which a fresh barrier reports complete), copies, arrives on full[s]; a consumer
+// waits full[s] for phase u (parity u & 1), fences the generic-proxy copies to the async proxy, issues the
+// tile's 4 wgmma as a group, waits until only that group is in flight, and frees the previous tile's stage.
+// So the consumers never issue copies or meet a block-wide barrier in the K loop, and the producer keeps all
+// WG_STAGES stages loading. X
+// Every wait is bounded (WG_WAIT_NS of %globaltimer): a wait that runs past it records the first such wait in
+// wg_hang_word (barrier kind, stage, K tile) and traps, so a pipeline bug fails loudly instead of hanging.
+#ifndef WG_WAIT_NS
+#define WG_WAIT_NS 2000000000ull
+#endif
+#define WG_PRODUCER_REGS 56
+#define WG_CONSUMER_REGS 224
+
+// the first wait that ran out: (kind << 28) | (stage << 20) | K tile; 0 while none has
+__device__ unsigned int wg_hang_word;
+
+__device__ __forceinline__ unsigned long long wg_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ bool wg_bar_test(unsigned int bar, unsigned int parity) {
+    unsigned int done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+// Records the first wait that ran out in wg_hang_word and traps (the launch fails with an illegal-instruction
+// error instead of hanging). No printf: any call in this kernel makes ptxas serialize its wgmma (C7510).
+__device__ __forceinline__ void wg_hang(unsigned int word) {
+    atomicCAS(&wg_hang_word, 0u, word);
+    asm volatile("trap;\n" ::: "memory");
+}
+
+// Waits until the phase of parity `parity` of mbarrier `bar` has completed. Returns 0, or the wait's word for
+// wg_hang (kind 1 full, 2 empty; stage; K tile) once WG_WAIT_NS have passed without it.
+__device__ __forceinline__ unsigned int wg_bar_wait(unsigned int bar, unsigned int parity, unsigned int kind,
+                                                    int stage, int kt) {
+    if (wg_bar_test(bar, parity)) {
+        return 0u;
+    }
+    const unsigned long long t0 = wg_now();
+    while (!wg_bar_test(bar, parity)) {
+        if (wg_now() - t0 > WG_WAIT_NS) {
+            return (kind << 28) | ((unsigned int)stage << 20) | ((unsigned int)kt & 0xFFFFFu);
+        }
+    }
+    return 0u;
+}
+
+template <bool HALF>
+__device__ __forceinline__ void wg_consume(unsigned int ring, unsigned int full, unsigned int empty, int K, int ctid,
+                                           unsigned int* C, long long c_row0, int present, int m0, int n0, int N) {
+    constexpr int NW = HALF ? WG_BN / 2 : WG_BN;
+    constexpr int NACC = NW / 2;
+    const int wg = ctid >> 7;
+    const int lane = ctid & 31;
+    const int k_tiles = (K + WG_BK - 1) / WG_BK;
+    const unsigned int a_off = HALF ? 0u : (unsigned int)wg * 64u * 128u;
+    const unsigned int b_off = WG_A_BYTES + (HALF ? (unsigned int)wg * (WG_BN / 2) * 128u : 0u);
+    float acc[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+        acc[i] = 0.0f;
+    }
+    unsigned int hung = 0u;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % WG_STAGES;
+        hung = wg_bar_wait(full + 8 * s, (unsigned int)(kt / WG_STAGES) & 1u, 1u, s, kt);
+        if (hung) {
+            break;  // reported below, once no wgmma is in flight
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the landed copies, to wgmma's proxy
+        const unsigned int stage = ring + s * WG_STAGE_BYTES;
+        const unsigned long long da = wg_desc(stage + a_off);
+        const unsigned long long db = wg_desc(stage + b_off);
+        wg_fence_acc<NACC>(acc);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < WG_BK / 16; ++k) {
+            wg_mma<NW>(acc, da + 2 * k, db + 2 * k);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // tile kt - 1's group has retired
+        wg_fence_acc<NACC>(acc);
+        if (kt > 0 && lane == 0) {
+            const int prev = (kt - 1) % WG_STAGES;
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty + 8 * prev) : "memory");
+        }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wg_fence_acc<NACC>(acc);
+    if (hung) {
+        wg_hang(hung);
+    }
+    const int warp = (ctid >> 5) & 3;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int row0 = m0 + (HALF ? 0 : 64 * wg) + 16 * warp + g;
+    const int col0 = n0 + (HALF ? wg * (WG_BN / 2) : 0) + 2 * t;
+#pragma unroll
+    for (int j = 0; j < NW / 8; ++j) {
+        const int col = col0 + 8 * j;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h;
+            if (row < present && col < N) {
+                const unsigned int lo = wg_f32_to_bf16(acc[4 * j + 2 * h]);
+                const unsigned int hi = wg_f32_to_bf16(acc[4 * j + 2 * h + 1]);
+                C[((c_row0 + row) * N + col) / 2] = lo | (hi << 16);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const int* __restrict__ a_index,
+                                              const uint4* __restrict__ B, unsigned int* __restrict__ C,
+                                              const int* __restrict__ rows, int cap, int n, int n_factor, int K) {
+    const int N = n * n_factor;
+    const int e = blockIdx.z;
+    const int m0 = blockIdx.y * WG_BM;
+    const int n0 = blockIdx.x * WG_BN;
+    const int present = rows[e] < cap ? rows[e] : cap;
+    if (m0 >= present) {
+        return;  // the whole block: no thread has reached a barrier
+    }
+    unsigned int dyn;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < WG_SMEM_BYTES) {
+        __trap();  // the ring would overrun the block's shared memory
+    }
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    __shared__ __align__(8) unsigned long long wg_bars[2 * WG_STAGES];  // full[0 ..], then empty[0 ..]
+    const unsigned int ring = ((unsigned int)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
+    const unsigned int full = (unsigned int)__cvta_generic_to_shared(wg_bars);
+    const unsigned int empty = full + 8 * WG_STAGES;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < WG_STAGES; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(full + 8 * s), "r"(WG_COPIERS) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(empty + 8 * s), "r"(8) : "memory");
+        }
+    }
+    __syncthreads();  // the barriers are initialised before anyone arrives or waits
+    const int a_limit = present - m0;
+    const int k_tiles = (K + WG_BK - 1) / WG_BK;
+    if (tid < WG_COPIERS) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
+        const long long a_slot0 = (long long)e * cap + m0;
+        const uint4* a_src[WG_A_VECS];
+        bool a_valid[WG_A_VECS];
+#pragma unroll
+        for (int v = 0; v < WG_A_VECS; ++v) {
+            const int r = (tid >> 3) + WG_ROW_STEP * v;
+            a_valid[v] = r < a_limit;
+            const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
+                                          : a_slot0 + (a_valid[v] ? r : 0);
+            a_src[v] = A + (row * K) / 8 + (tid & 7);
+        }
+        const int b_limit = N - n0;
+        const long long b_row = (long long)e * N + n0 + ((tid >> 3) < b_limit ? (tid >> 3) : 0);
+        const uint4* b_src = B + (b_row * K) / 8 + (tid & 7);
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            const int s = kt % WG_STAGES;
+            const unsigned int hung = wg_bar_wait(empty + 8 * s, ((unsigned int)(kt / WG_STAGES) & 1u) ^ 1u, 2u, s, kt);
+            if (hung) {
+                wg_hang(hung);
+            }
+            wg_issue(ring + s * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, kt, tid);
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * s) : "memory");
+        }
+        // the consumers' last waits cover every copy; none outlives the block, whose exit waits for them
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WG_CONSUMER_REGS));
+    if (a_limit <= 64) {
+        wg_consume<true>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N);
+    } else {
+        wg_consume<false>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N);
+    }
+}
+#endif  // WG_WS
+
 // wgmma_gemm: see the top of this file.
 //   A        [.][K] bf16          the received rows (a_index given) or [experts][cap][K] (a_index null)
 //   a_index  [experts][cap] i32   row of A for each slot r < rows[e], or null; slots at or beyond rows[e]
@@ -295,6 +510,10 @@ __device__ __forceinline__ void wg_block(unsigned int ring, const uint4* const* 
 __device__ __forceinline__ void wgmma_gemm(const uint4* __restrict__ A, const int* __restrict__ a_index,
                                            const uint4* __restrict__ B, unsigned int* __restrict__ C,
                                            const int* __restrict__ rows, int cap, int n, int n_factor, int K) {
+#if WG_WS
+    wgmma_gemm_ws(A, a_index, B, C, rows, cap, n, n_factor, K);
+    return;
+#endif
     const int N = n * n_factor;
     const int e = blockIdx.z;
     const int m0 = blockIdx.y * WG_BM;
@@ -319,7 +538,7 @@ __device__ __forceinline__ void wgmma_gemm(const uint4* __restrict__ A, const in
     bool a_valid[WG_A_VECS];
 #pragma unroll
     for (int v = 0; v < WG_A_VECS; ++v) {
-        const int r = (tid >> 3) + 32 * v;
+        const int r = (tid >> 3) + WG_ROW_STEP * v;
         a_valid[v] = r < a_limit;
         const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
                                       : a_slot0 + (a_valid[v] ? r : 0);
@@ -336,7 +555,7 @@ __device__ __forceinline__ void wgmma_gemm(const uint4* __restrict__ A, const in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) ep_wgmma_gemm(const uint4* __restrict__ A,
+extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) ep_wgmma_gemm(const uint4* __restrict__ A,
                                                                         const uint4* __restrict__ B,
                                                                         unsigned int* __restrict__ C,
                                                                         const int* __restrict__ rows, int cap,
@@ -344,7 +563,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) ep_wgmma_gemm(const 
     wgmma_gemm(A, 0, B, C, rows, cap, n, n_factor, K);
 }
 
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) ep_wgmma_gemm_gather(const uint4* __restrict__ A,
+extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) ep_wgmma_gemm_gather(const uint4* __restrict__ A,
                                                                                const int* __restrict__ a_index,
                                                                                const uint4* __restrict__ B,
                                                                                unsigned int* __restrict__ C,

@@ -3,7 +3,8 @@
 row / k / column they came from, then partial tiles in every dimension against float64, counts of zero, slots
 past the counts untouched, the gather entry against the dense one, and the same bytes on every run. Both
 widths the kernel compiles to are covered: 128 x 256 tiles (m64n256k16 wgmma, m64n128k16 for tiles of at
-most 64 rows) and 128 x 128 (m64n128k16, m64n64k16), the latter with the shortest ring (3 stages) too."""
+most 64 rows) and 128 x 128 (m64n128k16, m64n64k16), the latter with the shortest ring (3 stages) too, and
+both widths of the warp-specialized block (WG_WS 1)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ POISON = 0x7FC0  # bf16 NaN: every output element starts as it, so an unwritten 
 # float32 accumulation where the sum cancels (see bench/expert_gemm.py, WGMMA_RTOL / WGMMA_ATOL)
 RTOL = 2.0**-7
 ATOL = 2.0**-10
-TILES = [wgmma_tile(), WgmmaTile(128, 6), WgmmaTile(128, 3)]  # the last: a ring of 3, one tile in flight
+# n128s3: a ring of 3, one tile in flight; the last two the warp-specialized block (WG_WS 1: a producer
+# warpgroup and two consumers, mbarriers per stage) at both widths
+TILES = [wgmma_tile(), WgmmaTile(128, 6), WgmmaTile(128, 3), WgmmaTile(256, 4, 1), WgmmaTile(128, 6, 1)]
+
+
+def tile_id(t: WgmmaTile) -> str:
+    return f"{'ws_' if t.ws else ''}n{t.bn}s{t.stages}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,7 +65,7 @@ class Gemm:
         self.b = backend
         self.tile = tile
         options = ["--gpu-architecture=sm_90a", *tile.options]
-        name = f"n{tile.bn}s{tile.stages}"
+        name = tile_id(tile)
         self.gather = backend.load_kernel(f"ep_wgmma_gemm_gather[{name}]", SOURCE, "ep_wgmma_gemm_gather", options,
                                           peers=False, filename="ep_gemm_wgmma.cu")
         self.dense = backend.load_kernel(f"ep_wgmma_gemm[{name}]", SOURCE, "ep_wgmma_gemm", options, peers=False,
@@ -84,11 +91,11 @@ class Gemm:
             c_buf = upload("c", np.full((experts, cap, n), POISON, np.uint16))
             grid = self.tile.grid(n, cap, experts)
             if index is None:
-                launch = self.dense.bind(grid, (256, 1, 1), [a_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n,
+                launch = self.dense.bind(grid, (self.tile.threads, 1, 1), [a_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n,
                                                              1, k], shmem_nbytes=self.tile.smem)
             else:
                 i_buf = upload("index", index.astype(np.int32))
-                launch = self.gather.bind(grid, (256, 1, 1), [a_buf.ptr, i_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr,
+                launch = self.gather.bind(grid, (self.tile.threads, 1, 1), [a_buf.ptr, i_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr,
                                                               cap, n, 1, k], shmem_nbytes=self.tile.smem)
             launch.launch()
             self.b.synchronize()
@@ -98,7 +105,7 @@ class Gemm:
                 buf.close()
 
 
-@pytest.fixture(scope="module", params=TILES, ids=lambda t: f"n{t.bn}s{t.stages}")
+@pytest.fixture(scope="module", params=TILES, ids=tile_id)
 def gemm(backend, request) -> Gemm:
     return Gemm(backend, request.param)
 
@@ -206,3 +213,17 @@ def test_the_same_bytes_on_every_run(gemm):
     for run in range(2):
         again = gemm(x, w, counts, cap, index)
         assert np.array_equal(again, first), f"run {run + 2} differs in {int((again != first).sum())} values"
+
+
+@pytest.mark.parametrize("bn, stages", [(256, 4), (128, 6)])
+def test_the_warp_specialized_block_writes_the_plain_blocks_bytes(backend, bn, stages):
+    """WG_WS 1 issues the same wgmma over the same shared-memory tiles in the same order as WG_WS 0: only who
+    copies and how the stages are handed over differ, so the outputs are equal byte for byte (K = 1032: 17 K
+    tiles, so every stage's mbarriers go round more than once)."""
+    rows, cap, n, k = [127, 129, 0, 64], 192, 384, 1032
+    x, w, index, _ = make(rows, cap, n, k, seed=11)
+    counts = np.array(rows, np.int32)
+    plain = Gemm(backend, WgmmaTile(bn, stages, 0))(x, w, counts, cap, index)
+    ws = Gemm(backend, WgmmaTile(bn, stages, 1))(x, w, counts, cap, index)
+    differ = np.argwhere(plain != ws)
+    assert not differ.size, f"{len(differ)} values differ, first (expert, row, col) {differ[:4].tolist()}"

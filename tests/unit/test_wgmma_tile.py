@@ -34,6 +34,9 @@ def test_the_shape_comes_from_the_source_defaults_and_the_options():
     base = wgmma_tile_of(SOURCE)
     assert base == WgmmaTile(256, 4)
     assert wgmma_tile_of(SOURCE, ["--gpu-architecture=sm_90a", "-DWG_BN=128", "-DWG_STAGES=6"]) == WgmmaTile(128, 6)
+    ws = wgmma_tile_of(SOURCE, ["-DWG_BN=256", "-DWG_STAGES=3", "-DWG_WS=1"])
+    assert ws == WgmmaTile(256, 3, 1) and ws.threads == 384 and base.threads == 256 and base.ws == 0
+    assert wgmma_tile_of(SOURCE, ws.options) == ws
     with pytest.raises(ValueError, match="no default for WG_STAGES"):
         wgmma_tile_of(SOURCE.replace("#define WG_STAGES", "#define WG_STAGES_X"))
 
@@ -44,20 +47,23 @@ def test_ring_bytes_grid_and_limits():
     assert t.grid(4096, 1024, 128) == (16, 8, 128) and t.grid(7168, 1, 1) == (28, 1, 1)
     assert WgmmaTile(128, 6).grid(200, 129, 3) == (2, 2, 3)
     t.check()
-    for bad in (WgmmaTile(64, 4), WgmmaTile(256, 2), WgmmaTile(256, 5)):
+    assert WgmmaTile(256, 4, 1).smem == t.smem  # the mbarriers are static shared memory
+    for bad in (WgmmaTile(64, 4), WgmmaTile(256, 2), WgmmaTile(256, 5), WgmmaTile(256, 4, 2)):
         with pytest.raises(ValueError, match="WG_BN 128 or 256"):
             bad.check()
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the C preprocessor)")
-@pytest.mark.parametrize("bn, stages", [(256, 4), (128, 6), (256, 3), (256, 5), (64, 4), (128, 2)])
-def test_the_python_limits_are_the_sources_error_lines(bn, stages):
+@pytest.mark.parametrize("bn, stages, ws", [(256, 4, 0), (128, 6, 0), (256, 3, 0), (256, 5, 0), (64, 4, 0), (128, 2, 0),
+                                           (256, 4, 1), (256, 4, 2), (64, 4, 1)])
+def test_the_python_limits_are_the_sources_error_lines(bn, stages, ws):
     """The kernel refuses at compile time exactly the shapes WgmmaTile.check refuses (outside the device pass
     the file preprocesses to nothing but these checks, so the CPU build never sees wgmma)."""
-    run = subprocess.run(["g++", "-E", "-P", "-x", "c++", f"-DWG_BN={bn}", f"-DWG_STAGES={stages}", str(KERNEL)],
+    run = subprocess.run(["g++", "-E", "-P", "-x", "c++", f"-DWG_BN={bn}", f"-DWG_STAGES={stages}", f"-DWG_WS={ws}",
+                          str(KERNEL)],
                          capture_output=True, text=True, timeout=60)
     try:
-        WgmmaTile(bn, stages).check()
+        WgmmaTile(bn, stages, ws).check()
         refused = False
     except ValueError:
         refused = True
@@ -77,7 +83,7 @@ def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape():
     for op, ref in zip(wg, masked, strict=True):
         assert op["args"] == ref["args"]  # the same contract, buffer for buffer
         if op["kernel"].startswith("ep_wgmma"):
-            assert op["block"] == 256 and op["shmem"] == tile.smem, op
+            assert op["block"] == tile.threads and op["shmem"] == tile.smem, op
             assert op["grid"][0].endswith(f"+ {tile.bn - 1}) // {tile.bn}"), op
             assert op["grid"][1] == f"(cap + {tile.bm - 1}) // {tile.bm}" and op["grid"][2] == ref["grid"][2], op
 
@@ -140,7 +146,7 @@ def _nvrtc():
 
 
 @pytest.mark.parametrize("shape", [wgmma_tile(), *(v.tile for v in WGMMA_VARIANTS)],
-                         ids=lambda t: f"n{t.bn}s{t.stages}")
+                         ids=lambda t: f"{'ws_' if t.ws else ''}n{t.bn}s{t.stages}")
 def test_every_shape_compiles_for_sm90a_to_the_wgmma_it_names(shape):
     """NVRTC (no GPU needed) builds each shape the manifest and the bench launch, as the backend does (the
     manifest's arch option kept), into PTX with the full-width wgmma and the half-mode one, the proxy fence
@@ -158,6 +164,9 @@ def test_every_shape_compiles_for_sm90a_to_the_wgmma_it_names(shape):
     assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned" in ptx
     assert ".entry ep_wgmma_gemm(" in ptx and ".entry ep_wgmma_gemm_gather(" in ptx
     assert not find_multicast(ptx)
+    # the warp-specialized block: per-stage mbarriers fed by cp.async's arrive, bounded waits, register moves
+    ws = ("cp.async.mbarrier.arrive.noinc", "mbarrier.try_wait.parity", "setmaxnreg.inc", "%globaltimer")
+    assert all((w in ptx) == bool(shape.ws) for w in ws), [w for w in ws if w in ptx]
 
 
 @pytest.mark.parametrize("gemm, backend, cap, want", [

@@ -82,8 +82,9 @@ def masked_tile(manifest: str = "ep_moe") -> GemmTile:
     return tile_of((builtin_dir() / spec["source"]).read_text(), spec.get("options", ()))
 
 
-# ep_gemm_wgmma.cu's knobs; its block tile is 128 rows x WG_BN columns, K 64 per stage, 256 threads
-WGMMA_NAMES = ("WG_BN", "WG_STAGES")
+# ep_gemm_wgmma.cu's knobs; its block tile is 128 rows x WG_BN columns, K 64 per stage, 256 threads (384 with
+# WG_WS 1: a producer warpgroup beside the two consumers)
+WGMMA_NAMES = ("WG_BN", "WG_STAGES", "WG_WS")
 WGMMA_BM = 128
 WGMMA_BK = 64
 WGMMA_THREADS = 256
@@ -94,10 +95,12 @@ WGMMA_CAPABILITY = (9, 0)  # wgmma.mma_async with sm_90a features: Hopper only (
 @dataclass(frozen=True)
 class WgmmaTile:
     """ep_gemm_wgmma.cu's compiled shape: bn (WG_BN: 128 or 256) columns of C per block, `stages` K tiles of
-    64 in the shared-memory ring."""
+    64 in the shared-memory ring, ws (WG_WS) 1 for the warp-specialized block (a producer warpgroup issues
+    every copy, two consumer warpgroups only multiply), 0 for every thread copying and multiplying."""
 
     bn: int
     stages: int
+    ws: int = 0
 
     @property
     def bm(self) -> int:
@@ -110,11 +113,16 @@ class WgmmaTile:
         return self.stages * (WGMMA_BM + self.bn) * WGMMA_BK * 2 + 1024
 
     @property
-    def options(self) -> list[str]:
-        return [f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}"]
+    def threads(self) -> int:
+        """Threads per block a launch must give (the kernel's launch bounds)."""
+        return WGMMA_THREADS + (128 if self.ws else 0)
 
-    def values(self) -> tuple[int, int]:
-        return (self.bn, self.stages)
+    @property
+    def options(self) -> list[str]:
+        return [f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_WS={self.ws}"]
+
+    def values(self) -> tuple[int, int, int]:
+        return (self.bn, self.stages, self.ws)
 
     def grid(self, n: int, cap: int, experts: int) -> tuple[int, int, int]:
         """The launch grid over C [experts][cap][n]: ceil(n / bn) x ceil(cap / 128) x experts."""
@@ -122,10 +130,10 @@ class WgmmaTile:
 
     def check(self) -> None:
         """ValueError when the kernel would refuse the shape at compile time (its #error lines)."""
-        if self.bn not in (128, 256) or self.stages < 3 or self.smem > WGMMA_SMEM_MAX:
+        if self.bn not in (128, 256) or self.stages < 3 or self.smem > WGMMA_SMEM_MAX or self.ws not in (0, 1):
             raise ValueError(f"ep_gemm_wgmma.cu takes WG_BN 128 or 256 and WG_STAGES >= 3 within "
-                             f"{WGMMA_SMEM_MAX} bytes of shared memory; got WG_BN {self.bn}, WG_STAGES {self.stages} "
-                             f"({self.smem} bytes)")
+                             f"{WGMMA_SMEM_MAX} bytes of shared memory, WG_WS 0 or 1; got WG_BN {self.bn}, "
+                             f"WG_STAGES {self.stages} ({self.smem} bytes), WG_WS {self.ws}")
 
 
 def wgmma_tile_of(source: str, options: Sequence[str] = ()) -> WgmmaTile:
