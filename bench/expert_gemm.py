@@ -15,7 +15,8 @@ Timed per case, median of `--repeats` graph replays after a warm-up (device even
                    bytes>][L: fragments by ldmatrix][P: a step ahead]); `production` is the manifest's own options
   wgmma[_n<BN>s<stages>]  ep_wgmma_gemm_gather + ep_wgmma_gemm (manifests/kernels/ep_gemm_wgmma.cu, Hopper
                    warpgroup MMA, compute capability 9.0 only: skipped, and said so, elsewhere); `wgmma` is the
-                   manifest's shape (the layer's `experts_wgmma`)
+                   manifest's shape (the layer's `experts_wgmma`); _ws_: the warp-specialized block (WG_WS 1);
+                   _wsp_: it persistent (ep_wgmma_gemm_tiles_gather + ep_wgmma_gemm_tiles, one block per SM)
   cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
                    (the in-graph baseline: the counts live on the device)
   cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
@@ -104,6 +105,7 @@ class WgmmaVariant:
     bn: int
     stages: int
     ws: int = 0
+    persistent: bool = False  # the ep_wgmma_gemm_tiles(_gather) entries: one block per SM over the tiles with rows
 
     @property
     def tile(self) -> WgmmaTile:
@@ -114,9 +116,9 @@ class WgmmaVariant:
         return ["--gpu-architecture=sm_90a", *self.tile.options]
 
 
-# names: wgmma[_ws]_n<WG_BN>s<WG_STAGES> (_ws: WG_WS 1, the warp-specialized block: a producer warpgroup feeds two
-# consumer warpgroups through mbarriers, 384 threads); `wgmma` (the manifest's shape) always runs on a compute
-# capability 9.0 GPU.
+# names: wgmma[_ws|_wsp]_n<WG_BN>s<WG_STAGES> (_ws: WG_WS 1, the warp-specialized block: a producer warpgroup feeds
+# two consumer warpgroups through mbarriers, 384 threads; _wsp: the same block persistent, ep_wgmma_gemm_tiles*,
+# one per SM walking the tiles with rows); `wgmma` (the manifest's shape) always runs on a compute capability 9.0 GPU.
 # n128s3 (97 KiB, 118 registers x 256 threads) fits two blocks per SM, so one block's prologue, barriers and
 # epilogue overlap the other's MMA; the others are one block per SM with a deeper ring.
 WGMMA_VARIANTS = (
@@ -126,6 +128,9 @@ WGMMA_VARIANTS = (
     WgmmaVariant("wgmma_ws_n256s4", 256, 4, 1),
     WgmmaVariant("wgmma_ws_n256s3", 256, 3, 1),
     WgmmaVariant("wgmma_ws_n128s6", 128, 6, 1),
+    WgmmaVariant("wgmma_wsp_n256s4", 256, 4, 1, True),
+    WgmmaVariant("wgmma_wsp_n256s3", 256, 3, 1, True),
+    WgmmaVariant("wgmma_wsp_n128s6", 128, 6, 1, True),
 )
 # wgmma vs float64, elementwise: |got - want| <= WGMMA_RTOL |want| + WGMMA_ATOL max|want| (over the expert). One
 # round to nearest even is at most half a bf16 ulp, and an ulp is at most 2^-7 of the value; the absolute term
@@ -251,21 +256,31 @@ def _masked(backend: Any, case: Case, v: Variant) -> tuple[Any, Any]:
 
 def _wgmma(backend: Any, case: Case, v: WgmmaVariant) -> tuple[Any, Any, Any]:
     """(w13 by the gather entry from the token rows, w2 by the dense entry from act, w13 by the dense entry
-    from the gathered slab) of ep_gemm_wgmma.cu compiled with v's shape."""
+    from the gathered slab) of ep_gemm_wgmma.cu compiled with v's shape; v.persistent: the _tiles entries, one
+    block per SM, the expert count as their last argument."""
     source = (kernel_dir() / "ep_gemm_wgmma.cu").read_bytes()
-    gather = backend.load_kernel(f"ep_wgmma_gemm_gather[{v.name}]", source, "ep_wgmma_gemm_gather", v.options,
+    entry = "ep_wgmma_gemm_tiles" if v.persistent else "ep_wgmma_gemm"
+    gather = backend.load_kernel(f"{entry}_gather[{v.name}]", source, f"{entry}_gather", v.options,
                                  peers=False, filename="ep_gemm_wgmma.cu")
-    dense = backend.load_kernel(f"ep_wgmma_gemm[{v.name}]", source, "ep_wgmma_gemm", v.options, peers=False,
+    dense = backend.load_kernel(f"{entry}[{v.name}]", source, entry, v.options, peers=False,
                                 filename="ep_gemm_wgmma.cu")
     E, H, F, cap, t = case.E, case.H, case.F, case.cap, v.tile
     block = (t.threads, 1, 1)
-    w13 = gather.bind(t.grid(2 * F, cap, E), block,
-                      [case.x.ptr, case.index_buf.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H],
-                      shmem_nbytes=t.smem)
-    w2 = dense.bind(t.grid(H, cap, E), block, [case.act.ptr, case.w2.ptr, case.y.ptr, case.rows_buf.ptr, cap, H, 1, F],
+    if v.persistent:
+        from tray.backend.cuda import driver as drv
+
+        sms = drv.device_attribute(backend.device, "MULTIPROCESSOR_COUNT")
+        grid13 = grid2 = (sms, 1, 1)
+        tail = [E]
+    else:
+        grid13, grid2, tail = t.grid(2 * F, cap, E), t.grid(H, cap, E), []
+    w13 = gather.bind(grid13, block,
+                      [case.x.ptr, case.index_buf.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H,
+                       *tail], shmem_nbytes=t.smem)
+    w2 = dense.bind(grid2, block, [case.act.ptr, case.w2.ptr, case.y.ptr, case.rows_buf.ptr, cap, H, 1, F, *tail],
                     shmem_nbytes=t.smem)
-    w13_dense = dense.bind(t.grid(2 * F, cap, E), block,
-                           [case.slab.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H],
+    w13_dense = dense.bind(grid13, block,
+                           [case.slab.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H, *tail],
                            shmem_nbytes=t.smem)
     return w13, w2, w13_dense
 

@@ -319,8 +319,8 @@ __device__ __forceinline__ void wg_block(unsigned int ring, const uint4* const* 
 #ifndef WG_WAIT_NS
 #define WG_WAIT_NS 2000000000ull
 #endif
-#define WG_PRODUCER_REGS 56
-#define WG_CONSUMER_REGS 224
+#define WG_PRODUCER_REGS 72
+#define WG_CONSUMER_REGS 216
 
 // the first wait that ran out: (kind << 28) | (stage << 20) | K tile; 0 while none has
 __device__ unsigned int wg_hang_word;
@@ -364,9 +364,14 @@ __device__ __forceinline__ unsigned int wg_bar_wait(unsigned int bar, unsigned i
     return 0u;
 }
 
+// The consumers' share of one tile of C (expert rows m0 .., columns n0 ..; `present` rows of the expert): its
+// K tiles are the ring's uses it .. it + k_tiles - 1 (use j in stage j % WG_STAGES, phase j / WG_STAGES), each
+// stage freed once its wgmma group has retired, the last one before the epilogue. Returns it + k_tiles.
+// HALF as wg_block's.
 template <bool HALF>
-__device__ __forceinline__ void wg_consume(unsigned int ring, unsigned int full, unsigned int empty, int K, int ctid,
-                                           unsigned int* C, long long c_row0, int present, int m0, int n0, int N) {
+__device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, unsigned int empty, int K, int ctid,
+                                          unsigned int* C, long long c_row0, int present, int m0, int n0, int N,
+                                          int it) {
     constexpr int NW = HALF ? WG_BN / 2 : WG_BN;
     constexpr int NACC = NW / 2;
     const int wg = ctid >> 7;
@@ -381,8 +386,9 @@ __device__ __forceinline__ void wg_consume(unsigned int ring, unsigned int full,
     }
     unsigned int hung = 0u;
     for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % WG_STAGES;
-        hung = wg_bar_wait(full + 8 * s, (unsigned int)(kt / WG_STAGES) & 1u, 1u, s, kt);
+        const int j = it + kt;
+        const int s = j % WG_STAGES;
+        hung = wg_bar_wait(full + 8 * s, (unsigned int)(j / WG_STAGES) & 1u, 1u, s, kt);
         if (hung) {
             break;  // reported below, once no wgmma is in flight
         }
@@ -397,11 +403,11 @@ __device__ __forceinline__ void wg_consume(unsigned int ring, unsigned int full,
             wg_mma<NW>(acc, da + 2 * k, db + 2 * k);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // tile kt - 1's group has retired
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // K tile kt - 1's group has retired
         wg_fence_acc<NACC>(acc);
         if (kt > 0 && lane == 0) {
-            const int prev = (kt - 1) % WG_STAGES;
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty + 8 * prev) : "memory");
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty + 8 * ((j - 1) % WG_STAGES))
+                         : "memory");
         }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -409,26 +415,93 @@ __device__ __forceinline__ void wg_consume(unsigned int ring, unsigned int full,
     if (hung) {
         wg_hang(hung);
     }
+    if (lane == 0) {  // the last K tile's stage: the producer may fill it with the next tile's while we store
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty + 8 * ((it + k_tiles - 1) % WG_STAGES))
+                     : "memory");
+    }
     const int warp = (ctid >> 5) & 3;
     const int g = lane >> 2;
     const int t = lane & 3;
     const int row0 = m0 + (HALF ? 0 : 64 * wg) + 16 * warp + g;
     const int col0 = n0 + (HALF ? wg * (WG_BN / 2) : 0) + 2 * t;
 #pragma unroll
-    for (int j = 0; j < NW / 8; ++j) {
-        const int col = col0 + 8 * j;
+    for (int jj = 0; jj < NW / 8; ++jj) {
+        const int col = col0 + 8 * jj;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + 8 * h;
             if (row < present && col < N) {
-                const unsigned int lo = wg_f32_to_bf16(acc[4 * j + 2 * h]);
-                const unsigned int hi = wg_f32_to_bf16(acc[4 * j + 2 * h + 1]);
+                const unsigned int lo = wg_f32_to_bf16(acc[4 * jj + 2 * h]);
+                const unsigned int hi = wg_f32_to_bf16(acc[4 * jj + 2 * h + 1]);
                 C[((c_row0 + row) * N + col) / 2] = lo | (hi << 16);
             }
         }
     }
+    return it + k_tiles;
 }
 
+// The producer's share of one tile (ptid: 0 .. 127): the copies of its K tiles into the ring's uses it .., each
+// after the stage's previous use has been freed, each signalled on full[stage] when this thread's copies land.
+// Returns it + k_tiles.
+__device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, unsigned int empty,
+                                          const uint4* __restrict__ A, const int* __restrict__ a_index,
+                                          const uint4* __restrict__ B, int cap, int N, int K, int e, int m0, int n0,
+                                          int present, int ptid, int it) {
+    const int a_limit = present - m0;
+    const long long a_slot0 = (long long)e * cap + m0;
+    // this thread's A rows, once per tile: a slot past the rows present keeps an in-bounds address (A's row 0
+    // when gathering, the tile's first row otherwise) and copies nothing
+    const uint4* a_src[WG_A_VECS];
+    bool a_valid[WG_A_VECS];
+#pragma unroll
+    for (int v = 0; v < WG_A_VECS; ++v) {
+        const int r = (ptid >> 3) + WG_ROW_STEP * v;
+        a_valid[v] = r < a_limit;
+        const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
+                                      : a_slot0 + (a_valid[v] ? r : 0);
+        a_src[v] = A + (row * K) / 8 + (ptid & 7);
+    }
+    const int b_limit = N - n0;
+    const long long b_row = (long long)e * N + n0 + ((ptid >> 3) < b_limit ? (ptid >> 3) : 0);
+    const uint4* b_src = B + (b_row * K) / 8 + (ptid & 7);
+    const int k_tiles = (K + WG_BK - 1) / WG_BK;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int j = it + kt;
+        const int s = j % WG_STAGES;
+        // use j / WG_STAGES waits for the stage's previous use to be freed (a fresh barrier passes parity 1)
+        const unsigned int hung = wg_bar_wait(empty + 8 * s, ((unsigned int)(j / WG_STAGES) & 1u) ^ 1u, 2u, s, kt);
+        if (hung) {
+            wg_hang(hung);
+        }
+        wg_issue(ring + s * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, kt, ptid);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * s) : "memory");
+    }
+    return it + k_tiles;
+}
+
+// The ring (aligned), its mbarriers initialised (full: the producer's 128 threads; empty: the consumers' 8
+// warps), every thread past the barrier that publishes them. Traps when the launch gave too little memory.
+__device__ __forceinline__ void wg_ws_setup(unsigned char* smem, unsigned long long* bars, unsigned int* ring,
+                                            unsigned int* full, unsigned int* empty) {
+    unsigned int dyn;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < WG_SMEM_BYTES) {
+        __trap();  // the ring would overrun the block's shared memory
+    }
+    *ring = ((unsigned int)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
+    *full = (unsigned int)__cvta_generic_to_shared(bars);
+    *empty = *full + 8 * WG_STAGES;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < WG_STAGES; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*full + 8 * s), "r"(WG_COPIERS) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*empty + 8 * s), "r"(8) : "memory");
+        }
+    }
+    __syncthreads();
+}
+
+// One tile per block (the grid of wgmma_gemm), warp-specialized.
 __device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const int* __restrict__ a_index,
                                               const uint4* __restrict__ B, unsigned int* __restrict__ C,
                                               const int* __restrict__ rows, int cap, int n, int n_factor, int K) {
@@ -440,61 +513,106 @@ __device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const
     if (m0 >= present) {
         return;  // the whole block: no thread has reached a barrier
     }
-    unsigned int dyn;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < WG_SMEM_BYTES) {
-        __trap();  // the ring would overrun the block's shared memory
-    }
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long wg_bars[2 * WG_STAGES];  // full[0 ..], then empty[0 ..]
-    const unsigned int ring = ((unsigned int)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
-    const unsigned int full = (unsigned int)__cvta_generic_to_shared(wg_bars);
-    const unsigned int empty = full + 8 * WG_STAGES;
+    unsigned int ring, full, empty;
+    wg_ws_setup(wg_smem, wg_bars, &ring, &full, &empty);
     const int tid = threadIdx.x;
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < WG_STAGES; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(full + 8 * s), "r"(WG_COPIERS) : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(empty + 8 * s), "r"(8) : "memory");
-        }
-    }
-    __syncthreads();  // the barriers are initialised before anyone arrives or waits
-    const int a_limit = present - m0;
-    const int k_tiles = (K + WG_BK - 1) / WG_BK;
     if (tid < WG_COPIERS) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
-        const long long a_slot0 = (long long)e * cap + m0;
-        const uint4* a_src[WG_A_VECS];
-        bool a_valid[WG_A_VECS];
-#pragma unroll
-        for (int v = 0; v < WG_A_VECS; ++v) {
-            const int r = (tid >> 3) + WG_ROW_STEP * v;
-            a_valid[v] = r < a_limit;
-            const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
-                                          : a_slot0 + (a_valid[v] ? r : 0);
-            a_src[v] = A + (row * K) / 8 + (tid & 7);
-        }
-        const int b_limit = N - n0;
-        const long long b_row = (long long)e * N + n0 + ((tid >> 3) < b_limit ? (tid >> 3) : 0);
-        const uint4* b_src = B + (b_row * K) / 8 + (tid & 7);
-        for (int kt = 0; kt < k_tiles; ++kt) {
-            const int s = kt % WG_STAGES;
-            const unsigned int hung = wg_bar_wait(empty + 8 * s, ((unsigned int)(kt / WG_STAGES) & 1u) ^ 1u, 2u, s, kt);
-            if (hung) {
-                wg_hang(hung);
-            }
-            wg_issue(ring + s * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, kt, tid);
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * s) : "memory");
-        }
-        // the consumers' last waits cover every copy; none outlives the block, whose exit waits for them
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, m0, n0, present, tid, 0);
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the block
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WG_CONSUMER_REGS));
-    if (a_limit <= 64) {
-        wg_consume<true>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N);
+    if (present - m0 <= 64) {
+        wg_consume<true>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N, 0);
     } else {
-        wg_consume<false>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N);
+        wg_consume<false>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N, 0);
+    }
+}
+
+// Persistent blocks over the tiles with rows (entries ep_wgmma_gemm_tiles*): the tiles of C that hold rows
+// present, numbered expert by expert, row tile by row tile, column tile fastest (so the blocks working at
+// once share an expert's A rows and its weight columns in L2); block b takes tiles b, b + gridDim.x, ...
+// Tiles wholly past an expert's rows are never visited, and the producer fills the next tile's stages while
+// the consumers store this one's. wg_units[e]: the row tiles of experts 0 .. e - 1.
+#define WG_MAX_EXPERTS 1024
+
+__device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, const int* __restrict__ a_index,
+                                                 const uint4* __restrict__ B, unsigned int* __restrict__ C,
+                                                 const int* __restrict__ rows, int cap, int n, int n_factor, int K,
+                                                 int experts) {
+    if (experts > WG_MAX_EXPERTS || experts < 1) {
+        __trap();  // wg_units holds at most WG_MAX_EXPERTS experts' prefix
+    }
+    const int N = n * n_factor;
+    const int tiles_n = (N + WG_BN - 1) / WG_BN;
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    __shared__ __align__(8) unsigned long long wg_bars[2 * WG_STAGES];
+    __shared__ int wg_units[WG_MAX_EXPERTS + 1];
+    const int tid = threadIdx.x;
+    for (int e = tid; e < experts; e += WG_THREADS) {
+        const int present = rows[e] < cap ? (rows[e] > 0 ? rows[e] : 0) : cap;
+        wg_units[e + 1] = (present + WG_BM - 1) / WG_BM;
+    }
+    unsigned int ring, full, empty;
+    wg_ws_setup(wg_smem, wg_bars, &ring, &full, &empty);  // its barrier also publishes the counts
+    if (tid < 32) {  // warp 0: the inclusive prefix of the row tiles, 32 experts a step
+        int carry = 0;
+        for (int base = 1; base <= experts; base += 32) {
+            const int e = base + tid;
+            int v = e <= experts ? wg_units[e] : 0;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int up = __shfl_up_sync(0xFFFFFFFFu, v, d);
+                v += tid >= d ? up : 0;
+            }
+            if (e <= experts) {
+                wg_units[e] = carry + v;
+            }
+            carry += __shfl_sync(0xFFFFFFFFu, v, 31);
+        }
+        if (tid == 0) {
+            wg_units[0] = 0;
+        }
+    }
+    __syncthreads();
+    const int total = wg_units[experts] * tiles_n;
+    // Both roles walk the same tiles in the same order, each in its own loop (one loop with both branches
+    // keeps ptxas from honouring setmaxnreg, C7507).
+    int it = 0;
+    int e = 0;
+    if (tid < WG_COPIERS) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
+        for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+            const int unit = tile / tiles_n;
+            while (wg_units[e + 1] <= unit) {
+                ++e;  // tiles only grow, so the expert does too
+            }
+            const int present = rows[e] < cap ? rows[e] : cap;
+            it = wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, (unit - wg_units[e]) * WG_BM,
+                            (tile - unit * tiles_n) * WG_BN, present, tid, it);
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the block
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WG_CONSUMER_REGS));
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const int unit = tile / tiles_n;
+        while (wg_units[e + 1] <= unit) {
+            ++e;
+        }
+        const int m0 = (unit - wg_units[e]) * WG_BM;
+        const int n0 = (tile - unit * tiles_n) * WG_BN;
+        const int present = rows[e] < cap ? rows[e] : cap;
+        if (present - m0 <= 64) {
+            it = wg_consume<true>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N,
+                                  it);
+        } else {
+            it = wg_consume<false>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N,
+                                   it);
+        }
     }
 }
 #endif  // WG_WS
@@ -572,5 +690,25 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) ep_wgmma_gemm_
                                                                                int K) {
     wgmma_gemm(A, a_index, B, C, rows, cap, n, n_factor, K);
 }
+
+#if WG_WS
+// Persistent, warp-specialized (WG_WS 1 only): grid (blocks, 1, 1), any count (the GPU's SM count keeps one
+// per SM), block 384, dynamic shared memory WG_SMEM_BYTES; `experts` <= WG_MAX_EXPERTS, the length of rows.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) ep_wgmma_gemm_tiles(const uint4* __restrict__ A,
+                                                                              const uint4* __restrict__ B,
+                                                                              unsigned int* __restrict__ C,
+                                                                              const int* __restrict__ rows, int cap,
+                                                                              int n, int n_factor, int K,
+                                                                              int experts) {
+    wgmma_gemm_tiles(A, 0, B, C, rows, cap, n, n_factor, K, experts);
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+    ep_wgmma_gemm_tiles_gather(const uint4* __restrict__ A, const int* __restrict__ a_index,
+                               const uint4* __restrict__ B, unsigned int* __restrict__ C,
+                               const int* __restrict__ rows, int cap, int n, int n_factor, int K, int experts) {
+    wgmma_gemm_tiles(A, a_index, B, C, rows, cap, n, n_factor, K, experts);
+}
+#endif  // WG_WS
 
 #endif  // __CUDA_ARCH__

@@ -4,7 +4,7 @@ row / k / column they came from, then partial tiles in every dimension against f
 past the counts untouched, the gather entry against the dense one, and the same bytes on every run. Both
 widths the kernel compiles to are covered: 128 x 256 tiles (m64n256k16 wgmma, m64n128k16 for tiles of at
 most 64 rows) and 128 x 128 (m64n128k16, m64n64k16), the latter with the shortest ring (3 stages) too, and
-both widths of the warp-specialized block (WG_WS 1)."""
+both widths of the warp-specialized block (WG_WS 1), one block per tile and persistent (ep_wgmma_gemm_tiles*)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,17 @@ POISON = 0x7FC0  # bf16 NaN: every output element starts as it, so an unwritten 
 # float32 accumulation where the sum cancels (see bench/expert_gemm.py, WGMMA_RTOL / WGMMA_ATOL)
 RTOL = 2.0**-7
 ATOL = 2.0**-10
-# n128s3: a ring of 3, one tile in flight; the last two the warp-specialized block (WG_WS 1: a producer
-# warpgroup and two consumers, mbarriers per stage) at both widths
-TILES = [wgmma_tile(), WgmmaTile(128, 6), WgmmaTile(128, 3), WgmmaTile(256, 4, 1), WgmmaTile(128, 6, 1)]
+# (shape, persistent blocks or 0 for one block per tile). n128s3: a ring of 3, one tile in flight; then the
+# warp-specialized block (WG_WS 1: a producer warpgroup and two consumers, mbarriers per stage) at both widths,
+# one block per tile and persistent (ep_wgmma_gemm_tiles*) with 5 blocks, so each walks several tiles and its
+# ring's uses carry over from one tile to the next at every offset
+TILES = [(wgmma_tile(), 0), (WgmmaTile(128, 6), 0), (WgmmaTile(128, 3), 0), (WgmmaTile(256, 4, 1), 0),
+         (WgmmaTile(128, 6, 1), 0), (WgmmaTile(256, 3, 1), 5), (WgmmaTile(128, 6, 1), 5)]
 
 
-def tile_id(t: WgmmaTile) -> str:
-    return f"{'ws_' if t.ws else ''}n{t.bn}s{t.stages}"
+def tile_id(shape: tuple[WgmmaTile, int]) -> str:
+    t, blocks = shape
+    return f"{'ws_' if t.ws else ''}n{t.bn}s{t.stages}{f'_p{blocks}' if blocks else ''}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,14 +65,17 @@ def backend():
 class Gemm:
     """ep_wgmma_gemm(_gather) of one tile shape over host arrays: uploads, launches, reads back."""
 
-    def __init__(self, backend, tile: WgmmaTile) -> None:
+    def __init__(self, backend, tile: WgmmaTile, blocks: int = 0) -> None:
+        """blocks > 0: the persistent entries (ep_wgmma_gemm_tiles*, WG_WS 1) over that many blocks."""
         self.b = backend
         self.tile = tile
+        self.blocks = blocks
         options = ["--gpu-architecture=sm_90a", *tile.options]
-        name = tile_id(tile)
-        self.gather = backend.load_kernel(f"ep_wgmma_gemm_gather[{name}]", SOURCE, "ep_wgmma_gemm_gather", options,
+        name = tile_id((tile, blocks))
+        entry = "ep_wgmma_gemm_tiles" if blocks else "ep_wgmma_gemm"
+        self.gather = backend.load_kernel(f"{entry}_gather[{name}]", SOURCE, f"{entry}_gather", options,
                                           peers=False, filename="ep_gemm_wgmma.cu")
-        self.dense = backend.load_kernel(f"ep_wgmma_gemm[{name}]", SOURCE, "ep_wgmma_gemm", options, peers=False,
+        self.dense = backend.load_kernel(f"{entry}[{name}]", SOURCE, entry, options, peers=False,
                                          filename="ep_gemm_wgmma.cu")
 
     def __call__(self, a: np.ndarray, b: np.ndarray, rows: np.ndarray, cap: int,
@@ -89,14 +96,16 @@ class Gemm:
             a_buf, b_buf = upload("a", a), upload("b", b)
             rows_buf = upload("rows", rows.astype(np.int32))
             c_buf = upload("c", np.full((experts, cap, n), POISON, np.uint16))
-            grid = self.tile.grid(n, cap, experts)
+            grid = (self.blocks, 1, 1) if self.blocks else self.tile.grid(n, cap, experts)
+            tail = [experts] if self.blocks else []
+            block = (self.tile.threads, 1, 1)
             if index is None:
-                launch = self.dense.bind(grid, (self.tile.threads, 1, 1), [a_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n,
-                                                             1, k], shmem_nbytes=self.tile.smem)
+                launch = self.dense.bind(grid, block, [a_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n, 1, k,
+                                                       *tail], shmem_nbytes=self.tile.smem)
             else:
                 i_buf = upload("index", index.astype(np.int32))
-                launch = self.gather.bind(grid, (self.tile.threads, 1, 1), [a_buf.ptr, i_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr,
-                                                              cap, n, 1, k], shmem_nbytes=self.tile.smem)
+                args = [a_buf.ptr, i_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n, 1, k, *tail]
+                launch = self.gather.bind(grid, block, args, shmem_nbytes=self.tile.smem)
             launch.launch()
             self.b.synchronize()
             return self.b.read(c_buf.ptr, experts * cap * n * 2).view(np.uint16).reshape(experts, cap, n).copy()
@@ -107,7 +116,7 @@ class Gemm:
 
 @pytest.fixture(scope="module", params=TILES, ids=tile_id)
 def gemm(backend, request) -> Gemm:
-    return Gemm(backend, request.param)
+    return Gemm(backend, *request.param)
 
 
 def bits(x: np.ndarray) -> np.ndarray:
@@ -215,15 +224,17 @@ def test_the_same_bytes_on_every_run(gemm):
         assert np.array_equal(again, first), f"run {run + 2} differs in {int((again != first).sum())} values"
 
 
-@pytest.mark.parametrize("bn, stages", [(256, 4), (128, 6)])
-def test_the_warp_specialized_block_writes_the_plain_blocks_bytes(backend, bn, stages):
+@pytest.mark.parametrize("bn, stages, blocks", [(256, 4, 0), (128, 6, 0), (256, 4, 1), (256, 3, 7), (128, 6, 132)])
+def test_the_warp_specialized_block_writes_the_plain_blocks_bytes(backend, bn, stages, blocks):
     """WG_WS 1 issues the same wgmma over the same shared-memory tiles in the same order as WG_WS 0: only who
     copies and how the stages are handed over differ, so the outputs are equal byte for byte (K = 1032: 17 K
-    tiles, so every stage's mbarriers go round more than once)."""
-    rows, cap, n, k = [127, 129, 0, 64], 192, 384, 1032
-    x, w, index, _ = make(rows, cap, n, k, seed=11)
+    tiles, so every stage's mbarriers go round more than once), one block per tile or persistent over `blocks`
+    (1: one block walks every tile; more blocks than tiles: some walk none)."""
+    rows, cap, n, k = [127, 129, 0, 64, 300], 320, 384, 1032
+    x, w, index, slab = make(rows, cap, n, k, seed=11)
     counts = np.array(rows, np.int32)
     plain = Gemm(backend, WgmmaTile(bn, stages, 0))(x, w, counts, cap, index)
-    ws = Gemm(backend, WgmmaTile(bn, stages, 1))(x, w, counts, cap, index)
-    differ = np.argwhere(plain != ws)
-    assert not differ.size, f"{len(differ)} values differ, first (expert, row, col) {differ[:4].tolist()}"
+    ws = Gemm(backend, WgmmaTile(bn, stages, 1), blocks)
+    for name, got in (("gather", ws(x, w, counts, cap, index)), ("dense", ws(slab, w, counts, cap))):
+        differ = np.argwhere(plain != got)
+        assert not differ.size, f"{name}: {len(differ)} values differ, first (expert, row, col) {differ[:4].tolist()}"

@@ -145,7 +145,7 @@ def _nvrtc():
     return driver
 
 
-@pytest.mark.parametrize("shape", [wgmma_tile(), *(v.tile for v in WGMMA_VARIANTS)],
+@pytest.mark.parametrize("shape", list(dict.fromkeys([wgmma_tile(), *(v.tile for v in WGMMA_VARIANTS)])),
                          ids=lambda t: f"{'ws_' if t.ws else ''}n{t.bn}s{t.stages}")
 def test_every_shape_compiles_for_sm90a_to_the_wgmma_it_names(shape):
     """NVRTC (no GPU needed) builds each shape the manifest and the bench launch, as the backend does (the
@@ -167,6 +167,8 @@ def test_every_shape_compiles_for_sm90a_to_the_wgmma_it_names(shape):
     # the warp-specialized block: per-stage mbarriers fed by cp.async's arrive, bounded waits, register moves
     ws = ("cp.async.mbarrier.arrive.noinc", "mbarrier.try_wait.parity", "setmaxnreg.inc", "%globaltimer")
     assert all((w in ptx) == bool(shape.ws) for w in ws), [w for w in ws if w in ptx]
+    tiles = (".entry ep_wgmma_gemm_tiles(", ".entry ep_wgmma_gemm_tiles_gather(")  # the persistent entries
+    assert all((t in ptx) == bool(shape.ws) for t in tiles)
 
 
 @pytest.mark.parametrize("gemm, backend, cap, want", [
