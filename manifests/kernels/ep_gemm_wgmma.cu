@@ -307,15 +307,20 @@ __device__ __forceinline__ void wg_block(unsigned int ring, const uint4* const* 
 // Warp-specialized mode (WG_WS 1, 384 threads): warpgroup 0 is the producer, warpgroups 1 and 2 the consumers
 // of wg_block's two roles. Per stage s of the ring two mbarriers: full[s] (128 arrivals: each producer thread's
 // cp.async.mbarrier.arrive.noinc, which fires once all that thread's earlier copies have landed) and empty[s]
-// (8 arrivals: lane 0 of each consumer warp once the wgmma group that read the stage has retired). K tile kt
-// lives in stage kt % WG_STAGES, its use number u = kt / WG_STAGES: the producer waits empty[s] for phase
-// u - 1 (parity (u & 1) ^ 1, which a fresh barrier reports complete), copies, arrives on full[s]; a consumer
-// waits full[s] for phase u (parity u & 1), fences the generic-proxy copies to the async proxy, issues the
-// tile's 4 wgmma as a group, waits until only that group is in flight, and frees the previous tile's stage.
-// So the consumers never issue copies or meet a block-wide barrier in the K loop, and the producer keeps all
-// WG_STAGES stages loading. X
+// (8 arrivals: lane 0 of each consumer warp once the wgmma group that read the stage has retired). The ring's
+// uses are numbered j = 0, 1, .. over the block's K tiles (over all its tiles when persistent): use j is stage
+// j % WG_STAGES, phase u = j / WG_STAGES of its barriers. The producer waits empty[s] for phase u - 1 (parity
+// (u & 1) ^ 1, which a fresh barrier reports complete), copies, arrives on full[s]; a consumer waits full[s]
+// for phase u (parity u & 1), fences the generic-proxy copies to the async proxy (the fence the plain block
+// runs before its barrier), issues the K tile's 4 wgmma as a group, waits until only that group is in flight,
+// and frees the previous use's stage. So the consumers never issue copies or meet a block-wide barrier in the
+// K loop, and the producer keeps all WG_STAGES stages loading (a stage is refilled one K tile after it was
+// read, where the plain block waits for its slowest thread's copies). setmaxnreg moves registers from the
+// producer (72) to the consumers (216; m64n256 holds 128 accumulators). No waiter can fall a whole phase
+// behind: the producer never runs more than WG_STAGES uses ahead of the consumers' frees.
 // Every wait is bounded (WG_WAIT_NS of %globaltimer): a wait that runs past it records the first such wait in
-// wg_hang_word (barrier kind, stage, K tile) and traps, so a pipeline bug fails loudly instead of hanging.
+// wg_hang_word (barrier kind 1 full / 2 empty, stage, K tile) and traps, so a pipeline bug ends the launch with
+// an error instead of hanging the GPU.
 #ifndef WG_WAIT_NS
 #define WG_WAIT_NS 2000000000ull
 #endif
@@ -341,10 +346,20 @@ __device__ __forceinline__ bool wg_bar_test(unsigned int bar, unsigned int parit
     return done != 0;
 }
 
-// Records the first wait that ran out in wg_hang_word and traps (the launch fails with an illegal-instruction
-// error instead of hanging). No printf: any call in this kernel makes ptxas serialize its wgmma (C7510).
+// Records the first wait that ran out in wg_hang_word and traps (the launch fails instead of hanging). printf
+// only with -DWG_HANG_PRINTF=1 (a diagnosis build): any call in this kernel makes ptxas serialize its wgmma
+// (C7510), so the timed build says only that the launch failed.
+#ifndef WG_HANG_PRINTF
+#define WG_HANG_PRINTF 0
+#endif
 __device__ __forceinline__ void wg_hang(unsigned int word) {
-    atomicCAS(&wg_hang_word, 0u, word);
+    if (atomicCAS(&wg_hang_word, 0u, word) == 0u && WG_HANG_PRINTF) {
+        printf("ep_gemm_wgmma: the %s barrier of stage %u (K tile %u of a tile) did not complete within %llu ns; "
+               "block (%d, %d, %d) thread %d; WG_BN %d WG_STAGES %d\n",
+               (word >> 28) == 1u ? "full (copies landed)" : "empty (stage read)", (word >> 20) & 0xFFu,
+               word & 0xFFFFFu, (unsigned long long)WG_WAIT_NS, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z,
+               (int)threadIdx.x, WG_BN, WG_STAGES);
+    }
     asm volatile("trap;\n" ::: "memory");
 }
 

@@ -71,6 +71,8 @@ class Gemm:
         self.tile = tile
         self.blocks = blocks
         options = ["--gpu-architecture=sm_90a", *tile.options]
+        if tile.ws and os.environ.get("TRAY_WGMMA_HANG_PRINTF") == "1":
+            options.append("-DWG_HANG_PRINTF=1")  # a wait that runs out prints which barrier, stage and K tile
         name = tile_id((tile, blocks))
         entry = "ep_wgmma_gemm_tiles" if blocks else "ep_wgmma_gemm"
         self.gather = backend.load_kernel(f"{entry}_gather[{name}]", SOURCE, f"{entry}_gather", options,
