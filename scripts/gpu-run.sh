@@ -184,7 +184,7 @@ for s in "${STAGES[@]}"; do
         ep-moe-nccl-graph) TRAY_SYNC_TIMEOUT_S=30 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG stage_live ep_moe_nccl_graph 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --log-dir "$LOGS/ep_moe_nccl_graph" --json "$OUT/ep_moe_nccl_graph.json" ;;
         ep-moe-nccl-graph-noreg) NCCL_GRAPH_REGISTER=0 TRAY_SYNC_TIMEOUT_S=30 stage_live ep_moe_nccl_graph_noreg 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --json "$OUT/ep_moe_nccl_graph_noreg.json" ;;
         expert-gemm) stage expert_gemm 420 $PY bench/expert_gemm.py ${GEMM_ARGS:-} --json "$OUT/expert_gemm.json" ;;
-        # the Hopper wgmma expert GEMMs (compute capability 9.0; ~5 min, bounded at 690 s): their GPU tests (probes
+        # the Hopper wgmma expert GEMMs (compute capability 9.0; ~6 min, bounded at 750 s): their GPU tests (probes
         # naming the row / k / column of a wrong value, partial tiles vs float64, gather vs dense, repeat runs, the
         # warp-specialized block's bytes equal to the plain block's), then the bench at the EP2 rank's shapes with
         # production, wgmma (the manifest's shape), n128s3 (the best plain shape) and the warp-specialized ones
@@ -194,7 +194,7 @@ for s in "${STAGES[@]}"; do
         # byte for byte, EP1 vs float64 (bounded at 150 s). When the tests fail, the warp-specialized ones run again
         # up to the first failure built to print a bounded mbarrier wait that ran out (which barrier, stage, K tile;
         # the timed build only traps), and the bench leaves the warp-specialized shapes out (a trap ends the process)
-        wgmma) stage wgmma_tests 180 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -p no:cacheprovider --tb=short
+        wgmma) stage wgmma_tests 240 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -p no:cacheprovider --tb=short
             wg_only=production,wgmma,wgmma_n128s3,wgmma_ws_n256s4,wgmma_ws_n128s6,wgmma_wsp_n256s4,wgmma_wsp_n256s3,wgmma_wsp_n128s6
             if tail -n 3 "$LOGS/wgmma_tests.log" | grep -qE "[0-9]+ (failed|error)"; then
                 TRAY_WGMMA_HANG_PRINTF=1 stage wgmma_tests_hang 90 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py \

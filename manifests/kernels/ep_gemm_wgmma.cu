@@ -10,6 +10,10 @@
 // columns past K are zero-filled in shared memory, so they add exactly nothing; stores are masked).
 //   ep_wgmma_gemm         A_e[r] = A[e * cap + r]             (a dense [experts][cap][K] operand)
 //   ep_wgmma_gemm_gather  A_e[r] = A[a_index[e * cap + r]]    (the received rows read in place)
+// With -DWG_WS=1 both run the warp-specialized block (see "Warp-specialized mode" below: 384 threads, a producer
+// warpgroup feeding the two consumer warpgroups through mbarriers), and two more entries take the same operands
+// plus the expert count: ep_wgmma_gemm_tiles / ep_wgmma_gemm_tiles_gather, persistent blocks (one per SM)
+// walking only the tiles that hold rows. The wgmma, their order and so the bytes are the same in every mode.
 // Both run the same instructions over the same values, so the gather's bytes equal the dense entry's over
 // the slab the index describes. wgmma's summation order inside one k16 step is the hardware's, not
 // mma.sync's: the bytes need not equal ep_gemm.cu's (both are within bf16 rounding of float64), but they are
@@ -430,7 +434,7 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
     if (hung) {
         wg_hang(hung);
     }
-    if (lane == 0) {  // the last K tile's stage: the producer may fill it with the next tile's while we store
+    if (k_tiles > 0 && lane == 0) {  // the last K tile's stage: the producer may refill it while we store
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty + 8 * ((it + k_tiles - 1) % WG_STAGES))
                      : "memory");
     }
@@ -512,6 +516,8 @@ __device__ __forceinline__ void wg_ws_setup(unsigned char* smem, unsigned long l
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*full + 8 * s), "r"(WG_COPIERS) : "memory");
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*empty + 8 * s), "r"(8) : "memory");
         }
+        // the initialised barriers, visible to the asynchronous arrivals (cp.async's) as well as to the threads
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 }

@@ -73,7 +73,7 @@ class Gemm:
         options = ["--gpu-architecture=sm_90a", *tile.options]
         if tile.ws and os.environ.get("TRAY_WGMMA_HANG_PRINTF") == "1":
             options.append("-DWG_HANG_PRINTF=1")  # a wait that runs out prints which barrier, stage and K tile
-        name = tile_id((tile, blocks))
+        name = tile_id((tile, 0))  # the persistent entries are other entries of the same build
         entry = "ep_wgmma_gemm_tiles" if blocks else "ep_wgmma_gemm"
         self.gather = backend.load_kernel(f"{entry}_gather[{name}]", SOURCE, f"{entry}_gather", options,
                                           peers=False, filename="ep_gemm_wgmma.cu")
