@@ -187,7 +187,7 @@ for s in "${STAGES[@]}"; do
         # the Hopper wgmma expert GEMMs (compute capability 9.0; ~6 min, bounded at 750 s): their GPU tests (probes
         # naming the row / k / column of a wrong value, partial tiles vs float64, gather vs dense, repeat runs, the
         # warp-specialized block's bytes equal to the plain block's), then the bench at the EP2 rank's shapes with
-        # production, wgmma (the manifest's shape), n128s3 (the best plain shape) and the warp-specialized ones
+        # production, wgmma (the manifest's shape), n128s3 and n256s3 (the best plain shapes) and the warp-specialized ones
         # (wgmma_ws_*: a producer warpgroup, mbarriers per stage; wgmma_wsp_*: the same block persistent, one per SM
         # over the tiles with rows) beside cuBLAS and the read ceiling, every wgmma case checked
         # ($OUT/expert_gemm_wgmma.json; GEMM_ARGS adds); then the layer with --gemm wgmma at EP2 (2 GPUs): EP2 == EP1
@@ -195,10 +195,10 @@ for s in "${STAGES[@]}"; do
         # up to the first failure built to print a bounded mbarrier wait that ran out (which barrier, stage, K tile;
         # the timed build only traps), and the bench leaves the warp-specialized shapes out (a trap ends the process)
         wgmma) stage wgmma_tests 240 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -p no:cacheprovider --tb=short
-            wg_only=production,wgmma,wgmma_n128s3,wgmma_ws_n256s4,wgmma_ws_n128s6,wgmma_wsp_n256s4,wgmma_wsp_n256s3,wgmma_wsp_n128s6
+            wg_only=production,wgmma,wgmma_n128s3,wgmma_n256s3,wgmma_ws_n256s4,wgmma_ws_n256s3,wgmma_ws_n128s6,wgmma_wsp_n256s4,wgmma_wsp_n256s3,wgmma_wsp_n128s6
             if tail -n 3 "$LOGS/wgmma_tests.log" | grep -qE "[0-9]+ (failed|error)"; then
                 TRAY_WGMMA_HANG_PRINTF=1 stage wgmma_tests_hang 90 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py \
-                    -k "ws or warp_specialized" -x -p no:cacheprovider --tb=short
+                    -k "ws_ or warp_specialized" -x -p no:cacheprovider --tb=short
                 wg_only=production,wgmma,wgmma_n128s3,wgmma_n256s3
             fi
             stage expert_gemm_wgmma 360 $PY bench/expert_gemm.py --only "$wg_only" --repeats 5 ${GEMM_ARGS:-} \
