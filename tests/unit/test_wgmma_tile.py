@@ -23,7 +23,7 @@ from tray.programs.ep_moe.gemm_tile import (
     wgmma_tile,
     wgmma_tile_of,
 )
-from tray.programs.ep_moe.rank_program import EXPERTS_PROGRAM, GEMM_KERNELS, resolve_gemm
+from tray.programs.ep_moe.rank_program import EXPERTS_PROGRAM, GEMM_KERNELS, experts_program, resolve_gemm
 
 KERNEL = MANIFESTS / "kernels" / "ep_gemm_wgmma.cu"
 SOURCE = KERNEL.read_text()
@@ -71,21 +71,39 @@ def test_the_python_limits_are_the_sources_error_lines(bn, stages, ws):
     assert "asm" not in run.stdout and "__global__" not in run.stdout
 
 
-def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape():
-    tile = wgmma_tile()
+@pytest.mark.parametrize("program, suffix", [("experts_wgmma", ""), ("experts_wgmma_prefill", "_s3")])
+def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape(program, suffix):
     kernels = {k["name"]: k for k in MANIFEST["kernels"]}
-    for name in ("ep_wgmma_gemm", "ep_wgmma_gemm_gather"):
-        assert kernels[name]["source"] == "kernels/ep_gemm_wgmma.cu" and kernels[name]["entry"] == name
-        assert "--gpu-architecture=sm_90a" in kernels[name]["options"]
+    tiles = set()
+    for entry in ("ep_wgmma_gemm", "ep_wgmma_gemm_gather"):
+        k = kernels[entry + suffix]
+        assert k["source"] == "kernels/ep_gemm_wgmma.cu" and k["entry"] == entry
+        assert "--gpu-architecture=sm_90a" in k["options"]
+        tiles.add(wgmma_tile_of(SOURCE, k["options"]))
+    assert len(tiles) == 1
+    tile = tiles.pop()
+    assert tile == (wgmma_tile() if not suffix else WgmmaTile(256, 3))
     programs = {p["name"]: p["ops"] for p in MANIFEST["programs"]}
-    wg, masked = programs["experts_wgmma"], programs["experts_masked"]
-    assert [op["kernel"] for op in wg] == ["ep_wgmma_gemm_gather", "ep_silu_mul_rows", "ep_wgmma_gemm"]
+    wg, masked = programs[program], programs["experts_masked"]
+    want = [f"ep_wgmma_gemm_gather{suffix}", "ep_silu_mul_rows", f"ep_wgmma_gemm{suffix}"]
+    assert [op["kernel"] for op in wg] == want
     for op, ref in zip(wg, masked, strict=True):
         assert op["args"] == ref["args"]  # the same contract, buffer for buffer
         if op["kernel"].startswith("ep_wgmma"):
             assert op["block"] == tile.threads and op["shmem"] == tile.smem, op
             assert op["grid"][0].endswith(f"+ {tile.bn - 1}) // {tile.bn}"), op
             assert op["grid"][1] == f"(cap + {tile.bm - 1}) // {tile.bm}" and op["grid"][2] == ref["grid"][2], op
+
+
+@pytest.mark.parametrize("gemm, layer_tokens, want", [
+    ("wgmma", 256, "experts_wgmma"),            # 128 tokens per EP2 rank: 8 rows per expert
+    ("wgmma", 4095, "experts_wgmma"),           # 127.97 rows
+    ("wgmma", 4096, "experts_wgmma_prefill"),   # 128 rows: one full M tile
+    ("wgmma", 8192, "experts_wgmma_prefill"),   # 4096 per EP2 rank
+    ("masked", 8192, "experts_masked"),
+])
+def test_the_ring_depth_follows_the_rows_per_expert(gemm, layer_tokens, want):
+    assert experts_program(gemm, layer_tokens, 8, 256) == want
 
 
 def test_gemm_selection_covers_every_gemm_kernel_and_program():

@@ -691,6 +691,7 @@ def ep_masked_gemm_gather(
     _masked_gemm(lambda e, count: a_all[index[e * cap : e * cap + count]], b, c, present, cap, n_units * n_factor, k)
 
 
+@twin("ep_wgmma_gemm_s3")  # the 3-stage build: the ring depth changes no value
 @twin("ep_wgmma_gemm")
 def ep_wgmma_gemm(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, rows: int, cap: int, n_units: int,
                   n_factor: int, k: int) -> None:
@@ -699,6 +700,7 @@ def ep_wgmma_gemm(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, r
     ep_masked_gemm(backend, grid, block, a, b, c, rows, cap, n_units, n_factor, k)
 
 
+@twin("ep_wgmma_gemm_gather_s3")
 @twin("ep_wgmma_gemm_gather")
 def ep_wgmma_gemm_gather(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
                          cap: int, n_units: int, n_factor: int, k: int) -> None:
