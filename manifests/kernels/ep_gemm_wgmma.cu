@@ -54,6 +54,9 @@
 #ifndef WG_WS
 #define WG_WS 0
 #endif
+#ifndef WG_TMA
+#define WG_TMA 0
+#endif
 #define WG_BM 128
 #define WG_BK 64
 #if WG_WS
@@ -82,6 +85,12 @@
 #endif
 #if WG_WS != 0 && WG_WS != 1
 #error "WG_WS must be 0 (every thread copies and multiplies) or 1 (a producer warpgroup and two consumers)"
+#endif
+#if WG_TMA != 0 && WG_TMA != 1
+#error "WG_TMA must be 0 (B by cp.async) or 1 (B by the tensor memory accelerator, WG_WS 1 only)"
+#endif
+#if WG_TMA && !WG_WS
+#error "WG_TMA 1 needs WG_WS 1: one thread of the producer warpgroup issues the tensor copies"
 #endif
 #if WG_STAGES < 3
 #error "WG_STAGES must be at least 3 (a stage being multiplied, one retiring, one or more loading)"
@@ -208,6 +217,9 @@ __device__ __forceinline__ void wg_issue(unsigned int stage_addr, const uint4* c
         const int r = r0 + WG_ROW_STEP * v;
         const bool ok = a_valid[v] && in_k;
         wg_cp16(stage_addr + r * 128 + col, a_src[v] + (ok ? k0 / 8 : 0), ok);
+    }
+    if (WG_TMA) {
+        return;  // B comes by one tensor copy per stage (wg_produce)
     }
     const unsigned int b_addr = stage_addr + WG_A_BYTES;
 #pragma unroll
@@ -459,13 +471,35 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
     return it + k_tiles;
 }
 
+// TMA mode (WG_TMA 1): B's stage comes by one tensor copy (cp.async.bulk.tensor) issued by producer thread 0,
+// from a tensor map the host encodes over B [experts][N][K] bf16 (dims innermost first {K, N, experts}, strides
+// {2 K, 2 N K} bytes, box {64, WG_BN, 1}, element strides 1, the 128-byte swizzle, out-of-bounds elements zero:
+// tray/programs/ep_moe/tma.py) and passes by its global address (b_map, 64-byte aligned, written before the
+// launch, so no tensormap proxy fence is needed). The swizzle mode writes each 128-byte row r of a box at chunk
+// c ^ (r % 8) of 1024-byte atoms, the layout the descriptors read (a stage's B starts 1024-byte aligned).
+// Columns past K and rows past N (or past the last expert) arrive as zeros, as the cp.async path zero-fills
+// them. Thread 0 arrives on full[s] with expect_tx for the box's bytes (the whole box is counted, zero-filled
+// parts too) before the copy, so full[s] counts WG_COPIERS + 1 arrivals and completes once every A copy has
+// landed and the tensor copy's bytes have: a map whose box disagrees with WG_BN never completes it, and the
+// consumers' bounded wait traps.
+__device__ __forceinline__ void wg_tma_b(unsigned int dst, const void* b_map, unsigned int bar, int k0, int n0,
+                                         int e) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(WG_B_BYTES)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"(b_map), "r"(k0), "r"(n0), "r"(e), "r"(bar)
+        : "memory");
+}
+
 // The producer's share of one tile (ptid: 0 .. 127): the copies of its K tiles into the ring's uses it .., each
 // after the stage's previous use has been freed, each signalled on full[stage] when this thread's copies land.
 // Returns it + k_tiles.
 __device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, unsigned int empty,
                                           const uint4* __restrict__ A, const int* __restrict__ a_index,
                                           const uint4* __restrict__ B, int cap, int N, int K, int e, int m0, int n0,
-                                          int present, int ptid, int it) {
+                                          int present, int ptid, int it, const void* b_map) {
     const int a_limit = present - m0;
     const long long a_slot0 = (long long)e * cap + m0;
     // this thread's A rows, once per tile: a slot past the rows present keeps an in-bounds address (A's row 0
@@ -492,14 +526,17 @@ __device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, 
         if (hung) {
             wg_hang(hung);
         }
+        if (WG_TMA && ptid == 0) {
+            wg_tma_b(ring + s * WG_STAGE_BYTES + WG_A_BYTES, b_map, full + 8 * s, kt * WG_BK, n0, e);
+        }
         wg_issue(ring + s * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, kt, ptid);
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * s) : "memory");
     }
     return it + k_tiles;
 }
 
-// The ring (aligned), its mbarriers initialised (full: the producer's 128 threads; empty: the consumers' 8
-// warps), every thread past the barrier that publishes them. Traps when the launch gave too little memory.
+// The ring (aligned), its mbarriers initialised (full: the producer's 128 threads, plus the tensor copy's
+// arrival in TMA mode; empty: the consumers' 8 warps), every thread past the barrier that publishes them. Traps when the launch gave too little memory.
 __device__ __forceinline__ void wg_ws_setup(unsigned char* smem, unsigned long long* bars, unsigned int* ring,
                                             unsigned int* full, unsigned int* empty) {
     unsigned int dyn;
@@ -513,7 +550,8 @@ __device__ __forceinline__ void wg_ws_setup(unsigned char* smem, unsigned long l
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < WG_STAGES; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*full + 8 * s), "r"(WG_COPIERS) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*full + 8 * s), "r"(WG_COPIERS + WG_TMA)
+                         : "memory");
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*empty + 8 * s), "r"(8) : "memory");
         }
         // the initialised barriers, visible to the asynchronous arrivals (cp.async's) as well as to the threads
@@ -525,7 +563,8 @@ __device__ __forceinline__ void wg_ws_setup(unsigned char* smem, unsigned long l
 // One tile per block (the grid of wgmma_gemm), warp-specialized.
 __device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const int* __restrict__ a_index,
                                               const uint4* __restrict__ B, unsigned int* __restrict__ C,
-                                              const int* __restrict__ rows, int cap, int n, int n_factor, int K) {
+                                              const int* __restrict__ rows, int cap, int n, int n_factor, int K,
+                                              const void* b_map) {
     const int N = n * n_factor;
     const int e = blockIdx.z;
     const int m0 = blockIdx.y * WG_BM;
@@ -541,7 +580,7 @@ __device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const
     const int tid = threadIdx.x;
     if (tid < WG_COPIERS) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
-        wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, m0, n0, present, tid, 0);
+        wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, m0, n0, present, tid, 0, b_map);
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the block
         return;
     }
@@ -563,7 +602,7 @@ __device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const
 __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, const int* __restrict__ a_index,
                                                  const uint4* __restrict__ B, unsigned int* __restrict__ C,
                                                  const int* __restrict__ rows, int cap, int n, int n_factor, int K,
-                                                 int experts) {
+                                                 int experts, const void* b_map) {
     if (experts > WG_MAX_EXPERTS || experts < 1) {
         __trap();  // wg_units holds at most WG_MAX_EXPERTS experts' prefix
     }
@@ -613,7 +652,7 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
             }
             const int present = rows[e] < cap ? rows[e] : cap;
             it = wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, (unit - wg_units[e]) * WG_BM,
-                            (tile - unit * tiles_n) * WG_BN, present, tid, it);
+                            (tile - unit * tiles_n) * WG_BN, present, tid, it, b_map);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the block
         return;
@@ -638,6 +677,17 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
 }
 #endif  // WG_WS
 
+// TMA mode's entries take one more, last argument: b_map, the global address of B's tensor map (a 128-byte
+// CUtensorMap, 64-byte aligned; see wg_tma_b). B stays an argument (the contract is the other modes'); its
+// bytes come through the map.
+#if WG_TMA
+#define WG_MAP_PARAM , const void* __restrict__ b_map
+#define WG_MAP_ARG b_map
+#else
+#define WG_MAP_PARAM
+#define WG_MAP_ARG 0
+#endif
+
 // wgmma_gemm: see the top of this file.
 //   A        [.][K] bf16          the received rows (a_index given) or [experts][cap][K] (a_index null)
 //   a_index  [experts][cap] i32   row of A for each slot r < rows[e], or null; slots at or beyond rows[e]
@@ -648,9 +698,10 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
 // launch with less traps: the tile shape and the manifest disagree).
 __device__ __forceinline__ void wgmma_gemm(const uint4* __restrict__ A, const int* __restrict__ a_index,
                                            const uint4* __restrict__ B, unsigned int* __restrict__ C,
-                                           const int* __restrict__ rows, int cap, int n, int n_factor, int K) {
+                                           const int* __restrict__ rows, int cap, int n, int n_factor, int K,
+                                           const void* b_map) {
 #if WG_WS
-    wgmma_gemm_ws(A, a_index, B, C, rows, cap, n, n_factor, K);
+    wgmma_gemm_ws(A, a_index, B, C, rows, cap, n, n_factor, K, b_map);
     return;
 #endif
     const int N = n * n_factor;
@@ -698,8 +749,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) ep_wgmma_gemm(
                                                                         const uint4* __restrict__ B,
                                                                         unsigned int* __restrict__ C,
                                                                         const int* __restrict__ rows, int cap,
-                                                                        int n, int n_factor, int K) {
-    wgmma_gemm(A, 0, B, C, rows, cap, n, n_factor, K);
+                                                                        int n, int n_factor,
+                                                                        int K WG_MAP_PARAM) {
+    wgmma_gemm(A, 0, B, C, rows, cap, n, n_factor, K, WG_MAP_ARG);
 }
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) ep_wgmma_gemm_gather(const uint4* __restrict__ A,
@@ -708,8 +760,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) ep_wgmma_gemm_
                                                                                unsigned int* __restrict__ C,
                                                                                const int* __restrict__ rows,
                                                                                int cap, int n, int n_factor,
-                                                                               int K) {
-    wgmma_gemm(A, a_index, B, C, rows, cap, n, n_factor, K);
+                                                                               int K WG_MAP_PARAM) {
+    wgmma_gemm(A, a_index, B, C, rows, cap, n, n_factor, K, WG_MAP_ARG);
 }
 
 #if WG_WS
@@ -720,15 +772,15 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) ep_wgmma_gemm_tiles(
                                                                               unsigned int* __restrict__ C,
                                                                               const int* __restrict__ rows, int cap,
                                                                               int n, int n_factor, int K,
-                                                                              int experts) {
-    wgmma_gemm_tiles(A, 0, B, C, rows, cap, n, n_factor, K, experts);
+                                                                              int experts WG_MAP_PARAM) {
+    wgmma_gemm_tiles(A, 0, B, C, rows, cap, n, n_factor, K, experts, WG_MAP_ARG);
 }
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
     ep_wgmma_gemm_tiles_gather(const uint4* __restrict__ A, const int* __restrict__ a_index,
                                const uint4* __restrict__ B, unsigned int* __restrict__ C,
-                               const int* __restrict__ rows, int cap, int n, int n_factor, int K, int experts) {
-    wgmma_gemm_tiles(A, a_index, B, C, rows, cap, n, n_factor, K, experts);
+                               const int* __restrict__ rows, int cap, int n, int n_factor, int K, int experts WG_MAP_PARAM) {
+    wgmma_gemm_tiles(A, a_index, B, C, rows, cap, n, n_factor, K, experts, WG_MAP_ARG);
 }
 #endif  // WG_WS
 
