@@ -475,7 +475,7 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
 // from a tensor map the host encodes over B [experts][N][K] bf16 (dims innermost first {K, N, experts}, strides
 // {2 K, 2 N K} bytes, box {64, WG_BN, 1}, element strides 1, the 128-byte swizzle, out-of-bounds elements zero:
 // tray/programs/ep_moe/tma.py) and passes by its global address (b_map, 64-byte aligned, written before the
-// launch, so no tensormap proxy fence is needed). The swizzle mode writes each 128-byte row r of a box at chunk
+// launch; acquired once per block, wg_tma_acquire). The swizzle mode writes each 128-byte row r of a box at chunk
 // c ^ (r % 8) of 1024-byte atoms, the layout the descriptors read (a stage's B starts 1024-byte aligned).
 // Columns past K and rows past N (or past the last expert) arrive as zeros, as the cp.async path zero-fills
 // them. Thread 0 arrives on full[s] with expect_tx for the box's bytes (the whole box is counted, zero-filled
@@ -491,6 +491,16 @@ __device__ __forceinline__ void wg_tma_b(unsigned int dst, const void* b_map, un
         "[%5];\n" ::"r"(dst),
         "l"(b_map), "r"(k0), "r"(n0), "r"(e), "r"(bar)
         : "memory");
+}
+
+// Before thread 0's first tensor copy: the map was written through the generic proxy (a host copy into global
+// memory), and the tensor copies read it through the tensormap proxy, so acquire it at system scope (the CUDA
+// programming guide's recipe for a map in global memory written by the host), and start fetching it.
+__device__ __forceinline__ void wg_tma_acquire(const void* b_map) {
+    if (WG_TMA) {
+        asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(b_map) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(b_map) : "memory");
+    }
 }
 
 // The producer's share of one tile (ptid: 0 .. 127): the copies of its K tiles into the ring's uses it .., each
@@ -580,6 +590,9 @@ __device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const
     const int tid = threadIdx.x;
     if (tid < WG_COPIERS) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
+        if (tid == 0) {
+            wg_tma_acquire(b_map);
+        }
         wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, m0, n0, present, tid, 0, b_map);
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the block
         return;
@@ -645,6 +658,9 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
     int e = 0;
     if (tid < WG_COPIERS) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
+        if (tid == 0) {
+            wg_tma_acquire(b_map);
+        }
         for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
             const int unit = tile / tiles_n;
             while (wg_units[e + 1] <= unit) {
