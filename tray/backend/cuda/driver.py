@@ -556,6 +556,34 @@ def func_param_sizes(func: Any, entry: str) -> list[int]:
         sizes.append(int(size))
 
 
+def tensor_map_encode_tiled(args: Any, address: int) -> bytes:
+    """cuTensorMapEncodeTiled over global memory at `address` with `args` (a TiledMapArgs of
+    tray/programs/ep_moe/tma.py: dims, strides, box, element strides, enum names); the map's 128 opaque
+    bytes, to be copied into device memory (64-byte aligned) a kernel reads it from. CudaError naming the
+    fields when the driver refuses them."""
+    what = (f"{args.dtype} at {address:#x}, dims {list(args.dims)}, strides {list(args.strides)}, box "
+            f"{list(args.box)}, element strides {list(args.element_strides)}, swizzle {args.swizzle}")
+    if cu is None:
+        raise CudaError("cuTensorMapEncodeTiled", what, "NO_BINDINGS",
+                        f"cuda-bindings is not installed ({_IMPORT_ERROR})")
+    tmap = _drv(
+        "cuTensorMapEncodeTiled",
+        getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{args.dtype}"),
+        args.rank,
+        address,
+        list(args.dims),
+        list(args.strides),
+        list(args.box),
+        list(args.element_strides),
+        getattr(cu.CUtensorMapInterleave, f"CU_TENSOR_MAP_INTERLEAVE_{args.interleave}"),
+        getattr(cu.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{args.swizzle}"),
+        getattr(cu.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{args.l2}"),
+        getattr(cu.CUtensorMapFloatOOBfill, f"CU_TENSOR_MAP_FLOAT_OOB_FILL_{args.oob_fill}"),
+        what=what,
+    )
+    return b"".join(int(word).to_bytes(8, "little") for word in tmap.opaque)
+
+
 def func_set_max_dynamic_smem(func: Any, nbytes: int, entry: str) -> None:
     """Let `func` launch with up to `nbytes` of dynamic shared memory (over 48 KiB needs this opt-in)."""
     attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

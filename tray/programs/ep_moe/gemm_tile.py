@@ -83,8 +83,8 @@ def masked_tile(manifest: str = "ep_moe") -> GemmTile:
 
 
 # ep_gemm_wgmma.cu's knobs; its block tile is 128 rows x WG_BN columns, K 64 per stage, 256 threads (384 with
-# WG_WS 1: a producer warpgroup beside the two consumers)
-WGMMA_NAMES = ("WG_BN", "WG_STAGES", "WG_WS")
+# WG_WS 1: a producer warpgroup beside the two consumers); WG_TMA 1 (WG_WS 1 only): B by tensor copies
+WGMMA_NAMES = ("WG_BN", "WG_STAGES", "WG_WS", "WG_TMA")
 WGMMA_BM = 128
 WGMMA_BK = 64
 WGMMA_THREADS = 256
@@ -96,11 +96,14 @@ WGMMA_CAPABILITY = (9, 0)  # wgmma.mma_async with sm_90a features: Hopper only (
 class WgmmaTile:
     """ep_gemm_wgmma.cu's compiled shape: bn (WG_BN: 128 or 256) columns of C per block, `stages` K tiles of
     64 in the shared-memory ring, ws (WG_WS) 1 for the warp-specialized block (a producer warpgroup issues
-    every copy, two consumer warpgroups only multiply), 0 for every thread copying and multiplying."""
+    every copy, two consumer warpgroups only multiply), 0 for every thread copying and multiplying; tma (WG_TMA)
+    1 (with ws 1) for B's stages by the tensor memory accelerator from a tensor map (tray/programs/ep_moe/tma.py)
+    passed as the entries' last argument, A still by the producer's cp.async."""
 
     bn: int
     stages: int
     ws: int = 0
+    tma: int = 0
 
     @property
     def bm(self) -> int:
@@ -119,10 +122,15 @@ class WgmmaTile:
 
     @property
     def options(self) -> list[str]:
-        return [f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_WS={self.ws}"]
+        return [f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_WS={self.ws}", f"-DWG_TMA={self.tma}"]
 
-    def values(self) -> tuple[int, int, int]:
-        return (self.bn, self.stages, self.ws)
+    def values(self) -> tuple[int, int, int, int]:
+        return (self.bn, self.stages, self.ws, self.tma)
+
+    @property
+    def b_box_bytes(self) -> int:
+        """Bytes one B stage holds (bn rows of 64 bf16): the tensor copy's box, what TMA mode's expect_tx counts."""
+        return self.bn * WGMMA_BK * 2
 
     def grid(self, n: int, cap: int, experts: int) -> tuple[int, int, int]:
         """The launch grid over C [experts][cap][n]: ceil(n / bn) x ceil(cap / 128) x experts."""
@@ -130,10 +138,12 @@ class WgmmaTile:
 
     def check(self) -> None:
         """ValueError when the kernel would refuse the shape at compile time (its #error lines)."""
-        if self.bn not in (128, 256) or self.stages < 3 or self.smem > WGMMA_SMEM_MAX or self.ws not in (0, 1):
+        if (self.bn not in (128, 256) or self.stages < 3 or self.smem > WGMMA_SMEM_MAX or self.ws not in (0, 1)
+                or self.tma not in (0, 1) or (self.tma and not self.ws)):
             raise ValueError(f"ep_gemm_wgmma.cu takes WG_BN 128 or 256 and WG_STAGES >= 3 within "
-                             f"{WGMMA_SMEM_MAX} bytes of shared memory, WG_WS 0 or 1; got WG_BN {self.bn}, "
-                             f"WG_STAGES {self.stages} ({self.smem} bytes), WG_WS {self.ws}")
+                             f"{WGMMA_SMEM_MAX} bytes of shared memory, WG_WS 0 or 1, WG_TMA 0 or 1 (1 only with "
+                             f"WG_WS 1); got WG_BN {self.bn}, WG_STAGES {self.stages} ({self.smem} bytes), "
+                             f"WG_WS {self.ws}, WG_TMA {self.tma}")
 
 
 def wgmma_tile_of(source: str, options: Sequence[str] = ()) -> WgmmaTile:
