@@ -16,7 +16,9 @@ Timed per case, median of `--repeats` graph replays after a warm-up (device even
   wgmma[_n<BN>s<stages>]  ep_wgmma_gemm_gather + ep_wgmma_gemm (manifests/kernels/ep_gemm_wgmma.cu, Hopper
                    warpgroup MMA, compute capability 9.0 only: skipped, and said so, elsewhere); `wgmma` is the
                    manifest's shape (the layer's `experts_wgmma`); _ws_: the warp-specialized block (WG_WS 1);
-                   _wsp_: it persistent (ep_wgmma_gemm_tiles_gather + ep_wgmma_gemm_tiles, one block per SM)
+                   _wsp_: it persistent (ep_wgmma_gemm_tiles_gather + ep_wgmma_gemm_tiles, one block per SM);
+                   _tma_: the warp-specialized block with the weights by tensor copies (WG_TMA 1, a tensor map
+                   per weight encoded here: tray/programs/ep_moe/tma.py); _tmap_: it persistent
   cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
                    (the in-graph baseline: the counts live on the device)
   cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
@@ -51,6 +53,7 @@ from tray.errors import UsageError
 from tray.manifest.builtin import kernel_dir
 from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, masked_tile, mismatch_report, wgmma_tile
 from tray.programs.ep_moe.plan import capacity, parse_routing, random_routing
+from tray.programs.ep_moe.tma import TENSOR_MAP_BYTES, encode_weight_map, write_weight_maps
 
 WARMUP = 3
 
@@ -105,11 +108,12 @@ class WgmmaVariant:
     bn: int
     stages: int
     ws: int = 0
+    tma: int = 0  # WG_TMA 1: B by tensor copies from the maps in Case.tmaps (the entries' last argument)
     persistent: bool = False  # the ep_wgmma_gemm_tiles(_gather) entries: one block per SM over the tiles with rows
 
     @property
     def tile(self) -> WgmmaTile:
-        return WgmmaTile(self.bn, self.stages, self.ws)
+        return WgmmaTile(self.bn, self.stages, self.ws, self.tma)
 
     @property
     def options(self) -> list[str]:
@@ -118,7 +122,9 @@ class WgmmaVariant:
 
 # names: wgmma[_ws|_wsp]_n<WG_BN>s<WG_STAGES> (_ws: WG_WS 1, the warp-specialized block: a producer warpgroup feeds
 # two consumer warpgroups through mbarriers, 384 threads; _wsp: the same block persistent, ep_wgmma_gemm_tiles*,
-# one per SM walking the tiles with rows); `wgmma` (the manifest's shape) always runs on a compute capability 9.0 GPU.
+# one per SM walking the tiles with rows; _tma: the warp-specialized block with B by tensor copies, WG_TMA 1, the
+# producer warpgroup issuing only A's copies); `wgmma` (the manifest's shape) always runs on a compute capability
+# 9.0 GPU.
 # n128s3 (97 KiB, 118 registers x 256 threads) fits two blocks per SM, so one block's prologue, barriers and
 # epilogue overlap the other's MMA; the others are one block per SM with a deeper ring.
 WGMMA_VARIANTS = (
@@ -128,9 +134,13 @@ WGMMA_VARIANTS = (
     WgmmaVariant("wgmma_ws_n256s4", 256, 4, 1),
     WgmmaVariant("wgmma_ws_n256s3", 256, 3, 1),
     WgmmaVariant("wgmma_ws_n128s6", 128, 6, 1),
-    WgmmaVariant("wgmma_wsp_n256s4", 256, 4, 1, True),
-    WgmmaVariant("wgmma_wsp_n256s3", 256, 3, 1, True),
-    WgmmaVariant("wgmma_wsp_n128s6", 128, 6, 1, True),
+    WgmmaVariant("wgmma_wsp_n256s4", 256, 4, 1, persistent=True),
+    WgmmaVariant("wgmma_wsp_n256s3", 256, 3, 1, persistent=True),
+    WgmmaVariant("wgmma_wsp_n128s6", 128, 6, 1, persistent=True),
+    WgmmaVariant("wgmma_tma_n256s4", 256, 4, 1, 1),
+    WgmmaVariant("wgmma_tma_n256s3", 256, 3, 1, 1),
+    WgmmaVariant("wgmma_tma_n128s6", 128, 6, 1, 1),
+    WgmmaVariant("wgmma_tmap_n256s4", 256, 4, 1, 1, persistent=True),
 )
 # wgmma vs float64, elementwise: |got - want| <= WGMMA_RTOL |want| + WGMMA_ATOL max|want| (over the expert). One
 # round to nearest even is at most half a bf16 ulp, and an ulp is at most 2^-7 of the value; the absolute term
@@ -202,6 +212,9 @@ class Case:
         self.act = b.allocate("eg_act", self.E * self.cap * self.F * 2, export=False)
         self.y = b.allocate("eg_y", self.E * self.cap * self.H * 2, export=False)
         self.slab = b.allocate("eg_slab", self.E * self.cap * self.H * 2, export=False)
+        # the _tma variants' tensor maps (w13's, then w2's, for the box of 128 rows, then of 256); filled by
+        # _wgmma, 64-byte aligned as every allocation is
+        self.tmaps = b.allocate("eg_tmaps", 4 * TENSOR_MAP_BYTES, export=False)
         rng = np.random.default_rng(a.seed + 1)
         self.x_host = f32_to_bf16_bits(rng.standard_normal((tokens, self.H)).astype(np.float32))
         b.write(self.x.ptr, self.x_host)
@@ -217,7 +230,7 @@ class Case:
         self.row_bytes = int(rows.sum()) * (self.H + 2 * self.F + self.F + self.H) * 2  # A in, C out, both GEMMs
 
     def close(self) -> None:
-        for buf in (self.x, self.rows_buf, self.index_buf, self.h13, self.act, self.y, self.slab):
+        for buf in (self.x, self.rows_buf, self.index_buf, self.h13, self.act, self.y, self.slab, self.tmaps):
             buf.close()
 
 
@@ -274,14 +287,24 @@ def _wgmma(backend: Any, case: Case, v: WgmmaVariant) -> tuple[Any, Any, Any]:
         tail = [E]
     else:
         grid13, grid2, tail = t.grid(2 * F, cap, E), t.grid(H, cap, E), []
+    map13: list[int] = []
+    map2: list[int] = []
+    if t.tma:
+        # the weights' maps for this box (w13 [E][2F][H], w2 [E][H][F]), each kernel reading its own by address
+        first = 0 if t.bn == 128 else 2
+        write_weight_maps(backend, case.tmaps, [encode_weight_map(case.w13.ptr, E, 2 * F, H, t.bn),
+                                                encode_weight_map(case.w2.ptr, E, H, F, t.bn)], first)
+        at = case.tmaps.ptr + first * TENSOR_MAP_BYTES
+        map13, map2 = [at], [at + TENSOR_MAP_BYTES]
     w13 = gather.bind(grid13, block,
                       [case.x.ptr, case.index_buf.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H,
-                       *tail], shmem_nbytes=t.smem)
-    w2 = dense.bind(grid2, block, [case.act.ptr, case.w2.ptr, case.y.ptr, case.rows_buf.ptr, cap, H, 1, F, *tail],
+                       *tail, *map13], shmem_nbytes=t.smem)
+    w2 = dense.bind(grid2, block,
+                    [case.act.ptr, case.w2.ptr, case.y.ptr, case.rows_buf.ptr, cap, H, 1, F, *tail, *map2],
                     shmem_nbytes=t.smem)
     w13_dense = dense.bind(grid13, block,
-                           [case.slab.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H, *tail],
-                           shmem_nbytes=t.smem)
+                           [case.slab.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H, *tail,
+                            *map13], shmem_nbytes=t.smem)
     return w13, w2, w13_dense
 
 

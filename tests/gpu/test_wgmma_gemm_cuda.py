@@ -4,7 +4,9 @@ row / k / column they came from, then partial tiles in every dimension against f
 past the counts untouched, the gather entry against the dense one, and the same bytes on every run. Both
 widths the kernel compiles to are covered: 128 x 256 tiles (m64n256k16 wgmma, m64n128k16 for tiles of at
 most 64 rows) and 128 x 128 (m64n128k16, m64n64k16), the latter with the shortest ring (3 stages) too, and
-both widths of the warp-specialized block (WG_WS 1), one block per tile and persistent (ep_wgmma_gemm_tiles*)."""
+both widths of the warp-specialized block (WG_WS 1), one block per tile and persistent (ep_wgmma_gemm_tiles*),
+and of its TMA mode (WG_TMA 1: the weights by tensor copies from a tensor map encoded here, whose zero fill of
+rows past N and columns past K the partial tiles exercise)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from conftest import MANIFESTS
 
 from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, mismatch_report, wgmma_tile
+from tray.programs.ep_moe.tma import TENSOR_MAP_BYTES, encode_weight_map, write_weight_maps
 
 pytestmark = pytest.mark.gpu
 
@@ -31,12 +34,15 @@ ATOL = 2.0**-10
 # one block per tile and persistent (ep_wgmma_gemm_tiles*) with 5 blocks, so each walks several tiles and its
 # ring's uses carry over from one tile to the next at every offset
 TILES = [(wgmma_tile(), 0), (WgmmaTile(128, 6), 0), (WgmmaTile(128, 3), 0), (WgmmaTile(256, 4, 1), 0),
-         (WgmmaTile(128, 6, 1), 0), (WgmmaTile(256, 3, 1), 5), (WgmmaTile(128, 6, 1), 5)]
+         (WgmmaTile(128, 6, 1), 0), (WgmmaTile(256, 3, 1), 5), (WgmmaTile(128, 6, 1), 5),
+         (WgmmaTile(256, 4, 1, 1), 0), (WgmmaTile(256, 3, 1, 1), 0), (WgmmaTile(128, 6, 1, 1), 0),
+         (WgmmaTile(256, 4, 1, 1), 5)]
 
 
 def tile_id(shape: tuple[WgmmaTile, int]) -> str:
     t, blocks = shape
-    return f"{'ws_' if t.ws else ''}n{t.bn}s{t.stages}{f'_p{blocks}' if blocks else ''}"
+    mode = "tma_" if t.tma else "ws_" if t.ws else ""
+    return f"{mode}n{t.bn}s{t.stages}{f'_p{blocks}' if blocks else ''}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,6 +106,11 @@ class Gemm:
             c_buf = upload("c", np.full((experts, cap, n), POISON, np.uint16))
             grid = (self.blocks, 1, 1) if self.blocks else self.tile.grid(n, cap, experts)
             tail = [experts] if self.blocks else []
+            if self.tile.tma:  # B's tensor map, by address, as the last argument
+                maps = self.b.allocate("wg_tmaps", TENSOR_MAP_BYTES, export=False)
+                bufs.append(maps)
+                write_weight_maps(self.b, maps, [encode_weight_map(b_buf.ptr, experts, n, k, self.tile.bn)])
+                tail.append(maps.ptr)
             block = (self.tile.threads, 1, 1)
             if index is None:
                 launch = self.dense.bind(grid, block, [a_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n, 1, k,
@@ -226,17 +237,20 @@ def test_the_same_bytes_on_every_run(gemm):
         assert np.array_equal(again, first), f"run {run + 2} differs in {int((again != first).sum())} values"
 
 
-@pytest.mark.parametrize("bn, stages, blocks", [(256, 4, 0), (128, 6, 0), (256, 4, 1), (256, 3, 7), (128, 6, 132)])
-def test_the_warp_specialized_block_writes_the_plain_blocks_bytes(backend, bn, stages, blocks):
+@pytest.mark.parametrize("bn, stages, blocks, tma", [(256, 4, 0, 0), (128, 6, 0, 0), (256, 4, 1, 0), (256, 3, 7, 0),
+                                                     (128, 6, 132, 0), (256, 4, 0, 1), (256, 3, 0, 1), (128, 6, 0, 1),
+                                                     (256, 4, 7, 1)])
+def test_the_warp_specialized_block_writes_the_plain_blocks_bytes(backend, bn, stages, blocks, tma):
     """WG_WS 1 issues the same wgmma over the same shared-memory tiles in the same order as WG_WS 0: only who
     copies and how the stages are handed over differ, so the outputs are equal byte for byte (K = 1032: 17 K
     tiles, so every stage's mbarriers go round more than once), one block per tile or persistent over `blocks`
-    (1: one block walks every tile; more blocks than tiles: some walk none)."""
+    (1: one block walks every tile; more blocks than tiles: some walk none). tma 1: B by tensor copies (its
+    128-byte swizzle must lay the stage out as the cp.async path does; N = 384 leaves a half-empty box)."""
     rows, cap, n, k = [127, 129, 0, 64, 300], 320, 384, 1032
     x, w, index, slab = make(rows, cap, n, k, seed=11)
     counts = np.array(rows, np.int32)
     plain = Gemm(backend, WgmmaTile(bn, stages, 0))(x, w, counts, cap, index)
-    ws = Gemm(backend, WgmmaTile(bn, stages, 1), blocks)
+    ws = Gemm(backend, WgmmaTile(bn, stages, 1, tma), blocks)
     for name, got in (("gather", ws(x, w, counts, cap, index)), ("dense", ws(slab, w, counts, cap))):
         differ = np.argwhere(plain != got)
         assert not differ.size, f"{name}: {len(differ)} values differ, first (expert, row, col) {differ[:4].tolist()}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from tray.programs.ep_moe.gemm_tile import (
     wgmma_tile_of,
 )
 from tray.programs.ep_moe.rank_program import EXPERTS_PROGRAM, GEMM_KERNELS, experts_program, resolve_gemm
+from tray.programs.ep_moe.tma import TENSOR_MAP_BYTES, encode_weight_map, weight_map_args, write_weight_maps
 
 KERNEL = MANIFESTS / "kernels" / "ep_gemm_wgmma.cu"
 SOURCE = KERNEL.read_text()
@@ -202,3 +204,125 @@ def test_the_report_names_the_gemm_every_rank_ran():
     assert ran_gemm("auto", [{"gemm": "wgmma"}, {"gemm": "wgmma"}], {"gemm": "wgmma"}) == "wgmma"
     with pytest.raises(TrayError, match=r"--gemm auto: the ranks ran different expert GEMMs \(masked, wgmma\)"):
         ran_gemm("auto", [{"gemm": "wgmma"}, {"gemm": "masked"}], {"gemm": "wgmma"})
+
+
+# --- TMA mode (WG_TMA 1): the weights' tensor map fields and the tile's bookkeeping -------------------------
+
+
+def test_tma_mode_shape_options_and_limits():
+    tma = wgmma_tile_of(SOURCE, ["-DWG_BN=256", "-DWG_STAGES=4", "-DWG_WS=1", "-DWG_TMA=1"])
+    assert tma == WgmmaTile(256, 4, 1, 1) and tma.threads == 384 and wgmma_tile_of(SOURCE, tma.options) == tma
+    assert wgmma_tile_of(SOURCE).tma == 0 and "-DWG_TMA=0" in WgmmaTile(256, 4).options
+    assert tma.smem == WgmmaTile(256, 4, 1).smem == 197632  # the same ring; the map lives in global memory
+    assert tma.b_box_bytes == 256 * 64 * 2 == 32768 and WgmmaTile(128, 6, 1, 1).b_box_bytes == 16384
+    tma.check()
+    for bad in (WgmmaTile(256, 4, 0, 1), WgmmaTile(256, 4, 1, 2)):
+        with pytest.raises(ValueError, match="WG_TMA 0 or 1 \\(1 only with WG_WS 1\\)"):
+            bad.check()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the C preprocessor)")
+@pytest.mark.parametrize("ws, tma", [(1, 1), (0, 1), (1, 2), (0, 0)])
+def test_the_tma_limits_are_the_sources_error_lines(ws, tma):
+    run = subprocess.run(["g++", "-E", "-P", "-x", "c++", "-DWG_BN=256", "-DWG_STAGES=4", f"-DWG_WS={ws}",
+                          f"-DWG_TMA={tma}", str(KERNEL)], capture_output=True, text=True, timeout=60)
+    try:
+        WgmmaTile(256, 4, ws, tma).check()
+        refused = False
+    except ValueError:
+        refused = True
+    assert (run.returncode != 0) == refused, run.stderr
+
+
+@pytest.mark.parametrize("experts, n, k, bn, strides", [
+    (128, 4096, 7168, 256, (14336, 58720256)),  # w13 of the layer: [128][2 x 2048][7168]
+    (128, 7168, 2048, 256, (4096, 29360128)),   # w2: [128][7168][2048]
+    (3, 200, 72, 128, (144, 28800)),            # partial boxes in N and K (zero-filled by the map)
+])
+def test_weight_map_fields_against_hand_computed_values(experts, n, k, bn, strides):
+    args = weight_map_args(experts, n, k, bn)
+    assert args.dtype == "BFLOAT16" and args.rank == 3
+    assert args.dims == (k, n, experts)  # innermost first: K contiguous, then the expert's rows, then experts
+    assert args.strides == strides == (2 * k, 2 * n * k)  # bytes, dimensions 1 and 2
+    assert args.box == (64, bn, 1) and args.element_strides == (1, 1, 1)
+    assert args.box_bytes == WgmmaTile(bn, 4, 1, 1).b_box_bytes  # what the kernel's expect_tx counts
+    assert (args.swizzle, args.interleave, args.l2, args.oob_fill) == ("128B", "NONE", "L2_256B", "NONE")
+    assert args.box[0] * 2 == 128 and all(s % 16 == 0 for s in args.strides)  # the 128-byte swizzle's span
+
+
+@pytest.mark.parametrize("experts, n, k, bn, match", [
+    (128, 4096, 7164, 256, "multiple of 8"),
+    (128, 4096, 7168, 64, "128 or 256; got 64"),
+    (0, 4096, 7168, 256, r"every extent >= 1; got \[0\]\[4096\]\[7168\]"),
+])
+def test_weight_map_refuses_what_the_driver_or_kernel_would(experts, n, k, bn, match):
+    with pytest.raises(ValueError, match=match):
+        weight_map_args(experts, n, k, bn)
+
+
+class _FakeEnum:
+    """Stands for a cuda.bindings enum class: each member is its own name."""
+
+    def __getattr__(self, name: str) -> str:
+        return name
+
+
+def _fake_cu(result):
+    calls = []
+
+    def encode(*args):
+        calls.append(args)
+        return result
+
+    fake = types.SimpleNamespace(CUtensorMapDataType=_FakeEnum(), CUtensorMapInterleave=_FakeEnum(),
+                                 CUtensorMapSwizzle=_FakeEnum(), CUtensorMapL2promotion=_FakeEnum(),
+                                 CUtensorMapFloatOOBfill=_FakeEnum(), cuTensorMapEncodeTiled=encode)
+    return fake, calls
+
+
+def test_tensor_map_encode_passes_the_fields_and_returns_the_128_bytes(monkeypatch):
+    from tray.backend.cuda import driver as drv
+
+    words = types.SimpleNamespace(opaque=list(range(1, 17)))
+    fake, calls = _fake_cu((0, words))
+    monkeypatch.setattr(drv, "cu", fake)
+    raw = drv.tensor_map_encode_tiled(weight_map_args(128, 7168, 2048, 256), 0x7F0000000000)
+    assert raw == b"".join(i.to_bytes(8, "little") for i in range(1, 17)) and len(raw) == TENSOR_MAP_BYTES
+    (call,) = calls
+    assert call == ("CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 3, 0x7F0000000000, [2048, 7168, 128], [4096, 29360128],
+                    [64, 256, 1], [1, 1, 1], "CU_TENSOR_MAP_INTERLEAVE_NONE", "CU_TENSOR_MAP_SWIZZLE_128B",
+                    "CU_TENSOR_MAP_L2_PROMOTION_L2_256B", "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE")
+    try:
+        from cuda.bindings import driver as real
+    except ImportError:
+        return  # a CPU install without the gpu extra: the names are checked where the bindings are
+    for enum, name in zip(("CUtensorMapDataType", "CUtensorMapInterleave", "CUtensorMapSwizzle",
+                           "CUtensorMapL2promotion", "CUtensorMapFloatOOBfill"), call[0:1] + call[7:], strict=True):
+        assert hasattr(getattr(real, enum), name), (enum, name)
+
+
+def test_tensor_map_encode_failure_names_the_fields(monkeypatch):
+    from tray.backend.cuda import driver as drv
+
+    fake, _ = _fake_cu((1, None))
+    monkeypatch.setattr(drv, "cu", fake)
+    with pytest.raises(drv.CudaError, match=r"cuTensorMapEncodeTiled\(BFLOAT16 at 0x1000, dims \[72, 200, 3\], "
+                                            r"strides \[144, 28800\], box \[64, 128, 1\]"):
+        drv.tensor_map_encode_tiled(weight_map_args(3, 200, 72, 128), 0x1000)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        encode_weight_map(0x1008, 3, 200, 72, 128)
+
+
+def test_write_weight_maps_places_each_map_at_its_slot():
+    written = []
+    backend = types.SimpleNamespace(write=lambda ptr, data: written.append((ptr, bytes(data))))
+    buf = types.SimpleNamespace(ptr=0x10000, nbytes=4 * TENSOR_MAP_BYTES)
+    maps = [bytes([1]) * TENSOR_MAP_BYTES, bytes([2]) * TENSOR_MAP_BYTES]
+    write_weight_maps(backend, buf, maps, 2)
+    assert written == [(0x10000 + 2 * TENSOR_MAP_BYTES, maps[0] + maps[1])]
+    with pytest.raises(ValueError, match="64-byte aligned"):
+        write_weight_maps(backend, types.SimpleNamespace(ptr=0x10020, nbytes=512), maps)
+    with pytest.raises(ValueError, match="need 640 bytes"):
+        write_weight_maps(backend, buf, maps, 3)
+    with pytest.raises(ValueError, match="map sizes \\[127\\]"):
+        write_weight_maps(backend, buf, [b"\0" * 127])

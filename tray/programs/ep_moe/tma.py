@@ -91,15 +91,17 @@ def encode_weight_map(ptr: int, experts: int, n: int, k: int, bn: int) -> bytes:
     return drv.tensor_map_encode_tiled(weight_map_args(experts, n, k, bn), ptr)
 
 
-def write_weight_maps(backend: Any, buf: Any, maps: list[bytes]) -> None:
-    """Write `maps` (128 bytes each) one after another into device buffer `buf` (its address 64-byte aligned),
-    the kernel reading map i at buf.ptr + 128 i. Raises ValueError when the buffer is misaligned or short."""
+def write_weight_maps(backend: Any, buf: Any, maps: list[bytes], first: int = 0) -> None:
+    """Write `maps` (128 bytes each) one after another into device buffer `buf` (its address 64-byte aligned)
+    from slot `first` on: a kernel reads slot i at buf.ptr + 128 i. Raises ValueError when the buffer is
+    misaligned or short, or a map is not 128 bytes."""
     if buf.ptr % TENSOR_MAP_ALIGN:
         raise ValueError(f"tensor maps must sit 64-byte aligned; the buffer is at {buf.ptr:#x}")
     data = b"".join(maps)
-    if any(len(m) != TENSOR_MAP_BYTES for m in maps) or len(data) > buf.nbytes:
-        raise ValueError(f"{len(maps)} tensor maps of {TENSOR_MAP_BYTES} bytes need {len(maps) * TENSOR_MAP_BYTES} "
-                         f"bytes; got sizes {[len(m) for m in maps]} into a buffer of {buf.nbytes}")
+    if first < 0 or any(len(m) != TENSOR_MAP_BYTES for m in maps) or (first + len(maps)) * TENSOR_MAP_BYTES > buf.nbytes:
+        raise ValueError(f"slots {first} .. {first + len(maps) - 1} of {TENSOR_MAP_BYTES}-byte tensor maps need "
+                         f"{(first + len(maps)) * TENSOR_MAP_BYTES} bytes; got map sizes {[len(m) for m in maps]} "
+                         f"and a buffer of {buf.nbytes}")
     import numpy as np
 
-    backend.write(buf.ptr, np.frombuffer(data, np.uint8))
+    backend.write(buf.ptr + first * TENSOR_MAP_BYTES, np.frombuffer(data, np.uint8))
