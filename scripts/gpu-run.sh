@@ -184,26 +184,26 @@ for s in "${STAGES[@]}"; do
         ep-moe-nccl-graph) TRAY_SYNC_TIMEOUT_S=30 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG stage_live ep_moe_nccl_graph 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --log-dir "$LOGS/ep_moe_nccl_graph" --json "$OUT/ep_moe_nccl_graph.json" ;;
         ep-moe-nccl-graph-noreg) NCCL_GRAPH_REGISTER=0 TRAY_SYNC_TIMEOUT_S=30 stage_live ep_moe_nccl_graph_noreg 150 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform --capacity 4 --sms all --gemm masked --nccl-timing captured --json "$OUT/ep_moe_nccl_graph_noreg.json" ;;
         expert-gemm) stage expert_gemm 420 $PY bench/expert_gemm.py ${GEMM_ARGS:-} --json "$OUT/expert_gemm.json" ;;
-        # the Hopper wgmma expert GEMMs (compute capability 9.0; ~6 min, bounded at 750 s): their GPU tests (probes
-        # naming the row / k / column of a wrong value, partial tiles vs float64, gather vs dense, repeat runs, the
-        # warp-specialized block's bytes equal to the plain block's), then the bench at the EP2 rank's shapes with
-        # production, wgmma (the manifest's shape), n128s3 and n256s3 (the best plain shapes) and the warp-specialized ones
-        # (wgmma_ws_*: a producer warpgroup, mbarriers per stage; wgmma_wsp_*: the same block persistent, one per SM
-        # over the tiles with rows) beside cuBLAS and the read ceiling, every wgmma case checked
-        # ($OUT/expert_gemm_wgmma.json; GEMM_ARGS adds); then the layer with --gemm wgmma at EP2 (2 GPUs): EP2 == EP1
-        # byte for byte, EP1 vs float64 (bounded at 150 s). When the tests fail, the warp-specialized ones run again
-        # up to the first failure built to print a bounded mbarrier wait that ran out (which barrier, stage, K tile;
-        # the timed build only traps), and the bench leaves the warp-specialized shapes out (a trap ends the process)
-        wgmma) stage wgmma_tests 240 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -p no:cacheprovider --tb=short
-            wg_only=production,wgmma,wgmma_n128s3,wgmma_n256s3,wgmma_ws_n256s4,wgmma_ws_n256s3,wgmma_ws_n128s6,wgmma_wsp_n256s4,wgmma_wsp_n256s3,wgmma_wsp_n128s6
+        # the Hopper wgmma expert GEMMs (compute capability 9.0; ~4 min, bounded at 420 s): their GPU tests on the
+        # manifest's plain shapes and the TMA mode (WG_TMA 1: the weights by tensor copies; probes naming the row / k /
+        # column of a wrong value, partial tiles vs float64 where the map's zero fill covers rows past N and columns
+        # past K, gather vs dense, repeat runs, the warp-specialized and TMA blocks' bytes equal to the plain
+        # block's), then the bench at the layer's prefill shape (8192 tokens, EP2 rank, uniform and zipf) with
+        # production, wgmma (the manifest's shape), n256s3 (the best plain shape), one warp-specialized shape and the
+        # TMA ones (wgmma_tma_*, wgmma_tmap_n256s4: persistent) beside cuBLAS and the read ceiling, every wgmma case
+        # checked ($OUT/expert_gemm_wgmma.json; GEMM_ARGS adds). When the tests fail, the warp-specialized and TMA
+        # ones run again up to the first failure built to print a bounded mbarrier wait that ran out (which
+        # barrier, stage, K tile; the timed build only traps), and the bench leaves those shapes out (a trap ends
+        # the process). The layer with --gemm wgmma: stage ep-tests.
+        wgmma) stage wgmma_tests 150 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -k "not ws_" -p no:cacheprovider --tb=short
+            wg_only=production,wgmma,wgmma_n256s3,wgmma_ws_n256s4,wgmma_tma_n256s4,wgmma_tma_n256s3,wgmma_tma_n128s6,wgmma_tmap_n256s4
             if tail -n 3 "$LOGS/wgmma_tests.log" | grep -qE "[0-9]+ (failed|error)"; then
-                TRAY_WGMMA_HANG_PRINTF=1 stage wgmma_tests_hang 90 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py \
-                    -k "ws_ or warp_specialized" -x -p no:cacheprovider --tb=short
-                wg_only=production,wgmma,wgmma_n128s3,wgmma_n256s3
+                TRAY_WGMMA_HANG_PRINTF=1 stage wgmma_tests_hang 60 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py \
+                    -k "tma_ or warp_specialized" -x -p no:cacheprovider --tb=short
+                wg_only=production,wgmma,wgmma_n256s3
             fi
-            stage expert_gemm_wgmma 360 $PY bench/expert_gemm.py --only "$wg_only" --repeats 5 ${GEMM_ARGS:-} \
-                --json "$OUT/expert_gemm_wgmma.json"
-            stage ep_wgmma_tests 150 $PY -m pytest -q -m gpu tests/gpu/test_ep_moe_cuda.py -k wgmma -p no:cacheprovider --tb=short ;;
+            stage expert_gemm_wgmma 210 $PY bench/expert_gemm.py --only "$wg_only" --tokens 8192 --repeats 5 ${GEMM_ARGS:-} \
+                --json "$OUT/expert_gemm_wgmma.json" ;;
         # the sweep 8 B .. 64 MiB: low-latency (timed up to 4 MiB), one-shot, two-shot, NCCL; then the layer
         tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait

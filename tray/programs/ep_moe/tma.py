@@ -98,9 +98,10 @@ def write_weight_maps(backend: Any, buf: Any, maps: list[bytes], first: int = 0)
     if buf.ptr % TENSOR_MAP_ALIGN:
         raise ValueError(f"tensor maps must sit 64-byte aligned; the buffer is at {buf.ptr:#x}")
     data = b"".join(maps)
-    if first < 0 or any(len(m) != TENSOR_MAP_BYTES for m in maps) or (first + len(maps)) * TENSOR_MAP_BYTES > buf.nbytes:
+    end = (first + len(maps)) * TENSOR_MAP_BYTES
+    if first < 0 or any(len(m) != TENSOR_MAP_BYTES for m in maps) or end > buf.nbytes:
         raise ValueError(f"slots {first} .. {first + len(maps) - 1} of {TENSOR_MAP_BYTES}-byte tensor maps need "
-                         f"{(first + len(maps)) * TENSOR_MAP_BYTES} bytes; got map sizes {[len(m) for m in maps]} "
+                         f"{end} bytes; got map sizes {[len(m) for m in maps]} "
                          f"and a buffer of {buf.nbytes}")
     import numpy as np
 
