@@ -276,7 +276,8 @@ def _fake_cu(result):
 
     fake = types.SimpleNamespace(CUtensorMapDataType=_FakeEnum(), CUtensorMapInterleave=_FakeEnum(),
                                  CUtensorMapSwizzle=_FakeEnum(), CUtensorMapL2promotion=_FakeEnum(),
-                                 CUtensorMapFloatOOBfill=_FakeEnum(), cuTensorMapEncodeTiled=encode)
+                                 CUtensorMapFloatOOBfill=_FakeEnum(), cuTensorMapEncodeTiled=encode,
+                                 cuuint64_t=lambda v: ("u64", v), cuuint32_t=lambda v: ("u32", v))
     return fake, calls
 
 
@@ -289,9 +290,11 @@ def test_tensor_map_encode_passes_the_fields_and_returns_the_128_bytes(monkeypat
     raw = drv.tensor_map_encode_tiled(weight_map_args(128, 7168, 2048, 256), 0x7F0000000000)
     assert raw == b"".join(i.to_bytes(8, "little") for i in range(1, 17)) and len(raw) == TENSOR_MAP_BYTES
     (call,) = calls
-    assert call == ("CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 3, 0x7F0000000000, [2048, 7168, 128], [4096, 29360128],
-                    [64, 256, 1], [1, 1, 1], "CU_TENSOR_MAP_INTERLEAVE_NONE", "CU_TENSOR_MAP_SWIZZLE_128B",
-                    "CU_TENSOR_MAP_L2_PROMOTION_L2_256B", "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE")
+    assert call == ("CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 3, 0x7F0000000000,
+                    [("u64", 2048), ("u64", 7168), ("u64", 128)], [("u64", 4096), ("u64", 29360128)],
+                    [("u32", 64), ("u32", 256), ("u32", 1)], [("u32", 1)] * 3, "CU_TENSOR_MAP_INTERLEAVE_NONE",
+                    "CU_TENSOR_MAP_SWIZZLE_128B", "CU_TENSOR_MAP_L2_PROMOTION_L2_256B",
+                    "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE")
     try:
         from cuda.bindings import driver as real
     except ImportError:
@@ -326,3 +329,17 @@ def test_write_weight_maps_places_each_map_at_its_slot():
         write_weight_maps(backend, buf, maps, 3)
     with pytest.raises(ValueError, match="map sizes \\[127\\]"):
         write_weight_maps(backend, buf, [b"\0" * 127])
+
+
+def test_the_bindings_take_the_encode_arguments():
+    """With the real bindings, the call gets past their argument conversion (plain ints for the cuuint32_t
+    lists raise TypeError there): it returns the map where a driver is present, else the driver's absence."""
+    pytest.importorskip("cuda.bindings.driver")
+    from tray.backend.cuda import driver as drv
+
+    try:
+        raw = drv.tensor_map_encode_tiled(weight_map_args(3, 200, 72, 128), 1 << 21)
+    except drv.CudaError as exc:
+        assert exc.code == "LIBRARY_NOT_FOUND", exc
+    else:
+        assert len(raw) == TENSOR_MAP_BYTES
