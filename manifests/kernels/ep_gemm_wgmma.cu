@@ -13,7 +13,8 @@
 // With -DWG_WS=1 both run the warp-specialized block (see "Warp-specialized mode" below: 384 threads, a producer
 // warpgroup feeding the two consumer warpgroups through mbarriers), and two more entries take the same operands
 // plus the expert count: ep_wgmma_gemm_tiles / ep_wgmma_gemm_tiles_gather, persistent blocks (one per SM)
-// walking only the tiles that hold rows. The wgmma, their order and so the bytes are the same in every mode.
+// walking only the tiles that hold rows. With -DWG_TMA=1 as well (TMA mode, see wg_tma_b) the weights' stages
+// come by tensor copies from a host-encoded tensor map whose address every entry takes as a last argument. The wgmma, their order and so the bytes are the same in every mode.
 // Both run the same instructions over the same values, so the gather's bytes equal the dense entry's over
 // the slab the index describes. wgmma's summation order inside one k16 step is the hardware's, not
 // mma.sync's: the bytes need not equal ep_gemm.cu's (both are within bf16 rounding of float64), but they are
@@ -480,8 +481,8 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
 // Columns past K and rows past N (or past the last expert) arrive as zeros, as the cp.async path zero-fills
 // them. Thread 0 arrives on full[s] with expect_tx for the box's bytes (the whole box is counted, zero-filled
 // parts too) before the copy, so full[s] counts WG_COPIERS + 1 arrivals and completes once every A copy has
-// landed and the tensor copy's bytes have: a map whose box disagrees with WG_BN never completes it, and the
-// consumers' bounded wait traps.
+// landed and the tensor copy's bytes have. The host builds the box from the same WG_BN (WgmmaTile); a smaller
+// box would never complete the barrier (the consumers' bounded wait traps), a larger one would overrun the stage.
 __device__ __forceinline__ void wg_tma_b(unsigned int dst, const void* b_map, unsigned int bar, int k0, int n0,
                                          int e) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(WG_B_BYTES)
@@ -546,7 +547,8 @@ __device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, 
 }
 
 // The ring (aligned), its mbarriers initialised (full: the producer's 128 threads, plus the tensor copy's
-// arrival in TMA mode; empty: the consumers' 8 warps), every thread past the barrier that publishes them. Traps when the launch gave too little memory.
+// arrival in TMA mode; empty: the consumers' 8 warps), every thread past the barrier that publishes them. Traps
+// when the launch gave too little memory.
 __device__ __forceinline__ void wg_ws_setup(unsigned char* smem, unsigned long long* bars, unsigned int* ring,
                                             unsigned int* full, unsigned int* empty) {
     unsigned int dyn;
@@ -795,7 +797,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) ep_wgmma_gemm_tiles(
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
     ep_wgmma_gemm_tiles_gather(const uint4* __restrict__ A, const int* __restrict__ a_index,
                                const uint4* __restrict__ B, unsigned int* __restrict__ C,
-                               const int* __restrict__ rows, int cap, int n, int n_factor, int K, int experts WG_MAP_PARAM) {
+                               const int* __restrict__ rows, int cap, int n, int n_factor, int K,
+                               int experts WG_MAP_PARAM) {
     wgmma_gemm_tiles(A, a_index, B, C, rows, cap, n, n_factor, K, experts, WG_MAP_ARG);
 }
 #endif  // WG_WS
