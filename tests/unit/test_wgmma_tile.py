@@ -343,3 +343,17 @@ def test_the_bindings_take_the_encode_arguments():
         assert exc.code == "LIBRARY_NOT_FOUND", exc
     else:
         assert len(raw) == TENSOR_MAP_BYTES
+
+
+def test_the_gpu_run_wgmma_stage_names_only_bench_variants():
+    """gpu-run.sh's wgmma stage passes --only lists to the bench: a name it does not know would end the run."""
+    import re
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "gpu-run.sh").read_text()
+    lists = re.findall(r"wg_only=([\w,]+)", script)
+    assert lists, "no wg_only list in scripts/gpu-run.sh"
+    names = {w.name for w in WGMMA_VARIANTS} | {"production", "wgmma"}
+    for listed in lists:
+        assert set(listed.split(",")) <= names, sorted(set(listed.split(",")) - names)
+    assert any("wgmma_tma_n256s4" in listed.split(",") for listed in lists)
