@@ -73,7 +73,7 @@ def test_the_python_limits_are_the_sources_error_lines(bn, stages, ws):
     assert "asm" not in run.stdout and "__global__" not in run.stdout
 
 
-@pytest.mark.parametrize("program, suffix", [("experts_wgmma", ""), ("experts_wgmma_prefill", "_s3")])
+@pytest.mark.parametrize("program, suffix", [("experts_wgmma", ""), ("experts_wgmma_prefill", "_tma")])
 def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape(program, suffix):
     kernels = {k["name"]: k for k in MANIFEST["kernels"]}
     tiles = set()
@@ -84,17 +84,23 @@ def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape(program, su
         tiles.add(wgmma_tile_of(SOURCE, k["options"]))
     assert len(tiles) == 1
     tile = tiles.pop()
-    assert tile == (wgmma_tile() if not suffix else WgmmaTile(256, 3))
+    assert tile == (wgmma_tile() if not suffix else WgmmaTile(256, 3, 1, 1))
     programs = {p["name"]: p["ops"] for p in MANIFEST["programs"]}
     wg, masked = programs[program], programs["experts_masked"]
     want = [f"ep_wgmma_gemm_gather{suffix}", "ep_silu_mul_rows", f"ep_wgmma_gemm{suffix}"]
     assert [op["kernel"] for op in wg] == want
+    # the TMA build takes its tensor map last: w13's at wg_tmaps + 0, w2's at + 128 (the rank writes them there)
+    maps = iter(["wg_tmaps", "wg_tmaps@128"] if suffix else [])
     for op, ref in zip(wg, masked, strict=True):
-        assert op["args"] == ref["args"]  # the same contract, buffer for buffer
         if op["kernel"].startswith("ep_wgmma"):
+            assert op["args"] == ref["args"] + ([next(maps)] if suffix else []), op
             assert op["block"] == tile.threads and op["shmem"] == tile.smem, op
             assert op["grid"][0].endswith(f"+ {tile.bn - 1}) // {tile.bn}"), op
             assert op["grid"][1] == f"(cap + {tile.bm - 1}) // {tile.bm}" and op["grid"][2] == ref["grid"][2], op
+        else:
+            assert op["args"] == ref["args"]  # the same contract, buffer for buffer
+    buffers = {b["name"]: b for b in MANIFEST["buffers"]}
+    assert buffers["wg_tmaps"]["dtype"] == "u8" and buffers["wg_tmaps"]["shape"] == [2 * 128]
 
 
 @pytest.mark.parametrize("gemm, layer_tokens, want", [

@@ -49,23 +49,24 @@ MOVE_THREADS = 512
 # ("fp8": the peer path with the FP8 dispatch, --dispatch bf16,fp8)
 LAYER_OF = {"peer": "layer", "ll": "layer_ll", "nccl": "layer_nccl", "fp8": "layer_fp8"}
 # the kernels of the device-count-driven expert phase, per --gemm that uses them (masked: mma.sync, any size;
-# wgmma: Hopper warpgroup MMA, sm_90a only, a 4-stage ring and a 3-stage one for large batches); the others are
-# never compiled
+# wgmma: Hopper warpgroup MMA, sm_90a only: a 4-stage ring, and for large batches a 3-stage one with the weights
+# by TMA); the others are never compiled
 GEMM_KERNELS = {
     "ep_masked_gemm": ("masked",),
     "ep_masked_gemm_gather": ("masked",),
     "ep_wgmma_gemm": ("wgmma",),
     "ep_wgmma_gemm_gather": ("wgmma",),
-    "ep_wgmma_gemm_s3": ("wgmma",),
-    "ep_wgmma_gemm_gather_s3": ("wgmma",),
+    "ep_wgmma_gemm_tma": ("wgmma",),
+    "ep_wgmma_gemm_gather_tma": ("wgmma",),
     "ep_silu_mul_rows": ("masked", "wgmma"),
 }
 # the program of the expert phase per device-count-driven --gemm
 EXPERTS_PROGRAM = {"masked": "experts_masked", "wgmma": "experts_wgmma"}
-# NOTE: the wgmma GEMMs' ring depth by batch: on one H200 the 4-stage ring was faster at 128 tokens per EP2 rank
-# (8 rows per expert on average: 2668 against 2883 µs) and the 3-stage one at 4096 (256 rows: 6928 against 7637 µs,
-# bench/results/h200/expert_gemm_wgmma.json); between them it is unmeasured, and the switch is at one full M tile
-# (128 rows) per expert on average
+# NOTE: the wgmma GEMMs by batch: on one H200 the plain 4-stage ring was the faster at 128 tokens per EP2 rank
+# (8 rows per expert on average: 2668 against 2883 µs for 3 stages, bench/results/h200/expert_gemm_wgmma.json), and
+# at 4096 (256 rows) the warp-specialized block with the weights by TMA and 3 stages (6618 / 5074 µs uniform / zipf
+# against 7127 / 5932 for the plain 3-stage ring, expert_gemm_wgmma_tma.json); between them it is unmeasured, and
+# the switch is at one full M tile (128 rows) per expert on average
 WGMMA_PREFILL_ROWS = 128
 
 
@@ -163,6 +164,19 @@ class MoeRank:
         seed = self.cfg["seed"]
         self.fill("w13", L * 2 * F, H, L * 2 * F * H, seed * 8 + SEED_W13, 6.0 / math.sqrt(H))
         self.fill("w2", L * H, F, L * H * F, seed * 8 + SEED_W2, 3.0 / math.sqrt(F))
+
+    def encode_weight_maps(self) -> None:
+        """The tensor maps through which experts_wgmma_prefill's TMA reads w13 [L][2F][H] and w2 [L][H][F]
+        (boxes of 64 x 256), into wg_tmaps: w13's at 0, w2's at 128. Only for the wgmma GEMMs on a GPU (the host
+        twins read the weights directly)."""
+        if self.cfg["gemm"] != "wgmma" or self.cfg["backend"] != "cuda":
+            return
+        from tray.programs.ep_moe.tma import encode_weight_map, write_weight_maps
+
+        H, F, L = self.hidden, self.ffn, self.local
+        w13, w2 = self.rank.buffer("w13"), self.rank.buffer("w2")
+        write_weight_maps(self.backend, self.rank.buffer("wg_tmaps"),
+                          [encode_weight_map(w13.ptr, L, 2 * F, H, 256), encode_weight_map(w2.ptr, L, H, F, 256)])
 
     def warm(self) -> None:
         """Load every kernel used and (--gemm cublas) make the cuBLAS handle before any barrier: first-use
@@ -454,6 +468,7 @@ def main(argv: list[str]) -> int:
         progress("setup: kernels loaded", t0)
         t1 = time.perf_counter()
         moe.fill_weights()
+        moe.encode_weight_maps()
         rank.synchronize()
         progress(f"setup: weights of {moe.local} experts filled on the device", t1)
         setup_s = time.perf_counter() - t0

@@ -691,7 +691,6 @@ def ep_masked_gemm_gather(
     _masked_gemm(lambda e, count: a_all[index[e * cap : e * cap + count]], b, c, present, cap, n_units * n_factor, k)
 
 
-@twin("ep_wgmma_gemm_s3")  # the 3-stage build: the ring depth changes no value
 @twin("ep_wgmma_gemm")
 def ep_wgmma_gemm(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, rows: int, cap: int, n_units: int,
                   n_factor: int, k: int) -> None:
@@ -700,12 +699,26 @@ def ep_wgmma_gemm(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, r
     ep_masked_gemm(backend, grid, block, a, b, c, rows, cap, n_units, n_factor, k)
 
 
-@twin("ep_wgmma_gemm_gather_s3")
 @twin("ep_wgmma_gemm_gather")
 def ep_wgmma_gemm_gather(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
                          cap: int, n_units: int, n_factor: int, k: int) -> None:
     """ep_gemm_wgmma.cu's gather entry: ep_masked_gemm_gather's contract and host arithmetic."""
     ep_masked_gemm_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k)
+
+
+@twin("ep_wgmma_gemm_tma")
+def ep_wgmma_gemm_tma(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, rows: int, cap: int, n_units: int,
+                      n_factor: int, k: int, tmap: int) -> None:
+    """The TMA build of the dense entry: the same values; the tensor map (the weights' address and shape, for the
+    GPU's copies) names nothing the twin does not read from `b` directly."""
+    ep_wgmma_gemm(backend, grid, block, a, b, c, rows, cap, n_units, n_factor, k)
+
+
+@twin("ep_wgmma_gemm_gather_tma")
+def ep_wgmma_gemm_gather_tma(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
+                             cap: int, n_units: int, n_factor: int, k: int, tmap: int) -> None:
+    """The TMA build of the gather entry (see ep_wgmma_gemm_tma)."""
+    ep_wgmma_gemm_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k)
 
 
 @twin("ep_reduce")
