@@ -18,7 +18,7 @@ import pytest
 from conftest import MANIFESTS
 
 from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
-from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, mismatch_report, wgmma_tile
+from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, mismatch_report
 from tray.programs.ep_moe.tma import TENSOR_MAP_BYTES, encode_weight_map, write_weight_maps
 
 pytestmark = pytest.mark.gpu
@@ -29,11 +29,12 @@ POISON = 0x7FC0  # bf16 NaN: every output element starts as it, so an unwritten 
 # float32 accumulation where the sum cancels (see bench/expert_gemm.py, WGMMA_RTOL / WGMMA_ATOL)
 RTOL = 2.0**-7
 ATOL = 2.0**-10
-# (shape, persistent blocks or 0 for one block per tile). n128s3: a ring of 3, one tile in flight; then the
+# (shape, persistent blocks or 0 for one block per tile). The manifest's shapes (TMA with 4 stages, and the
+# prefill program's TMA with 3) are among them. n128s3: a ring of 3, one tile in flight; then the
 # warp-specialized block (WG_WS 1: a producer warpgroup and two consumers, mbarriers per stage) at both widths,
 # one block per tile and persistent (ep_wgmma_gemm_tiles*) with 5 blocks, so each walks several tiles and its
 # ring's uses carry over from one tile to the next at every offset
-TILES = [(wgmma_tile(), 0), (WgmmaTile(128, 6), 0), (WgmmaTile(128, 3), 0), (WgmmaTile(256, 4, 1), 0),
+TILES = [(WgmmaTile(256, 4), 0), (WgmmaTile(128, 6), 0), (WgmmaTile(128, 3), 0), (WgmmaTile(256, 4, 1), 0),
          (WgmmaTile(128, 6, 1), 0), (WgmmaTile(256, 3, 1), 5), (WgmmaTile(128, 6, 1), 5),
          (WgmmaTile(256, 4, 1, 1), 0), (WgmmaTile(256, 3, 1, 1), 0), (WgmmaTile(128, 6, 1, 1), 0),
          (WgmmaTile(256, 4, 1, 1), 5)]

@@ -84,16 +84,16 @@ def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape(program, su
         tiles.add(wgmma_tile_of(SOURCE, k["options"]))
     assert len(tiles) == 1
     tile = tiles.pop()
-    assert tile == (wgmma_tile() if not suffix else WgmmaTile(256, 3, 1, 1))
+    assert tile == (WgmmaTile(256, 4, 1, 1) if not suffix else WgmmaTile(256, 3, 1, 1)) and tile.tma
     programs = {p["name"]: p["ops"] for p in MANIFEST["programs"]}
     wg, masked = programs[program], programs["experts_masked"]
     want = [f"ep_wgmma_gemm_gather{suffix}", "ep_silu_mul_rows", f"ep_wgmma_gemm{suffix}"]
     assert [op["kernel"] for op in wg] == want
-    # the TMA build takes its tensor map last: w13's at wg_tmaps + 0, w2's at + 128 (the rank writes them there)
-    maps = iter(["wg_tmaps", "wg_tmaps@128"] if suffix else [])
+    # the TMA builds take their tensor map last: w13's at wg_tmaps + 0, w2's at + 128 (the rank writes them there)
+    maps = iter(["wg_tmaps", "wg_tmaps@128"])
     for op, ref in zip(wg, masked, strict=True):
         if op["kernel"].startswith("ep_wgmma"):
-            assert op["args"] == ref["args"] + ([next(maps)] if suffix else []), op
+            assert op["args"] == ref["args"] + [next(maps)], op
             assert op["block"] == tile.threads and op["shmem"] == tile.smem, op
             assert op["grid"][0].endswith(f"+ {tile.bn - 1}) // {tile.bn}"), op
             assert op["grid"][1] == f"(cap + {tile.bm - 1}) // {tile.bm}" and op["grid"][2] == ref["grid"][2], op

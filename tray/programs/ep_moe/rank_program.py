@@ -62,11 +62,12 @@ GEMM_KERNELS = {
 }
 # the program of the expert phase per device-count-driven --gemm
 EXPERTS_PROGRAM = {"masked": "experts_masked", "wgmma": "experts_wgmma"}
-# NOTE: the wgmma GEMMs by batch: on one H200 the plain 4-stage ring was the faster at 128 tokens per EP2 rank
-# (8 rows per expert on average: 2668 against 2883 µs for 3 stages, bench/results/h200/expert_gemm_wgmma.json), and
-# at 4096 (256 rows) the warp-specialized block with the weights by TMA and 3 stages (6618 / 5074 µs uniform / zipf
-# against 7127 / 5932 for the plain 3-stage ring, expert_gemm_wgmma_tma.json); between them it is unmeasured, and
-# the switch is at one full M tile (128 rows) per expert on average
+# NOTE: the wgmma GEMMs by batch, both the warp-specialized block with the weights by TMA: on one H200 a 4-stage
+# ring was the faster at 128 tokens per EP2 rank (8 rows per expert on average: 2615 / 2465 µs uniform / zipf
+# against 2697 / 2537 for 3 stages and 2769 / 2592 for the plain block, bench/results/h200/
+# expert_gemm_wgmma_tma_decode.json), a 3-stage one at 4096 (256 rows: 6618 / 5074 against 6474 / 5291 for 4,
+# expert_gemm_wgmma_tma.json); between them it is unmeasured, and the switch is at one full M tile (128 rows)
+# per expert on average
 WGMMA_PREFILL_ROWS = 128
 
 
@@ -166,7 +167,7 @@ class MoeRank:
         self.fill("w2", L * H, F, L * H * F, seed * 8 + SEED_W2, 3.0 / math.sqrt(F))
 
     def encode_weight_maps(self) -> None:
-        """The tensor maps through which experts_wgmma_prefill's TMA reads w13 [L][2F][H] and w2 [L][H][F]
+        """The tensor maps through which the wgmma programs' TMA reads w13 [L][2F][H] and w2 [L][H][F]
         (boxes of 64 x 256), into wg_tmaps: w13's at 0, w2's at 128. Only for the wgmma GEMMs on a GPU (the host
         twins read the weights directly)."""
         if self.cfg["gemm"] != "wgmma" or self.cfg["backend"] != "cuda":

@@ -693,16 +693,18 @@ def ep_masked_gemm_gather(
 
 @twin("ep_wgmma_gemm")
 def ep_wgmma_gemm(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, rows: int, cap: int, n_units: int,
-                  n_factor: int, k: int) -> None:
+                  n_factor: int, k: int, tmap: int = 0) -> None:
     """ep_gemm_wgmma.cu's dense entry: ep_masked_gemm's contract and the same host arithmetic (grid z =
-    experts; the x and y extents follow the wgmma tile, which the host does not need)."""
+    experts; the x and y extents follow the wgmma tile, which the host does not need). `tmap`, the TMA build's
+    tensor map of the weights, describes `b`, which the twin reads directly."""
     ep_masked_gemm(backend, grid, block, a, b, c, rows, cap, n_units, n_factor, k)
 
 
 @twin("ep_wgmma_gemm_gather")
 def ep_wgmma_gemm_gather(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
-                         cap: int, n_units: int, n_factor: int, k: int) -> None:
-    """ep_gemm_wgmma.cu's gather entry: ep_masked_gemm_gather's contract and host arithmetic."""
+                         cap: int, n_units: int, n_factor: int, k: int, tmap: int = 0) -> None:
+    """ep_gemm_wgmma.cu's gather entry: ep_masked_gemm_gather's contract and host arithmetic (`tmap`: as in
+    ep_wgmma_gemm)."""
     ep_masked_gemm_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k)
 
 
