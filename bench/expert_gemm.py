@@ -333,22 +333,23 @@ def run_wgmma(backend: Any, a: argparse.Namespace, case: Case, v: WgmmaVariant, 
     out["checks"][f"{v.name}_nan_rows"] = nan
     if nan:
         problems.append(f"{nan} rows present hold NaN (unwritten)")
+    def vs_float64(got_bits: np.ndarray, want: np.ndarray) -> tuple[float, str]:
+        """Max error relative to the largest |want|, and mismatch_report's text (empty: within tolerance)."""
+        got = bf16_bits_to_f32(got_bits).astype(np.float64)
+        scale = max(float(np.abs(want).max()), 1e-30)
+        return float(np.abs(got - want).max() / scale), mismatch_report(got, want, WGMMA_RTOL, WGMMA_ATOL * scale)
+
     errs13, errs2 = [], []
     for e, want in want13.items():
         rows = slice(starts[e], starts[e + 1])
-        got = bf16_bits_to_f32(h13[rows]).astype(np.float64)
-        scale = max(float(np.abs(want).max()), 1e-30)
-        errs13.append(float(np.abs(got - want).max() / scale))
-        report = mismatch_report(got, want, WGMMA_RTOL, WGMMA_ATOL * scale)
+        err, report = vs_float64(h13[rows], want)
+        errs13.append(err)
         if report:
             problems.append(f"h13 (gather entry) expert {e} ({case.rows[e]} rows) vs float64: {report}")
         w2e = bf16_bits_to_f32(backend.read(case.w2.ptr + e * H * F * 2, H * F * 2).view(np.uint16)
                                .reshape(H, F)).astype(np.float64)
-        want_y = bf16_bits_to_f32(act[rows]).astype(np.float64) @ w2e.T
-        got_y = bf16_bits_to_f32(y[rows]).astype(np.float64)
-        scale_y = max(float(np.abs(want_y).max()), 1e-30)
-        errs2.append(float(np.abs(got_y - want_y).max() / scale_y))
-        report = mismatch_report(got_y, want_y, WGMMA_RTOL, WGMMA_ATOL * scale_y)
+        err, report = vs_float64(y[rows], bf16_bits_to_f32(act[rows]).astype(np.float64) @ w2e.T)
+        errs2.append(err)
         if report:
             problems.append(f"y (dense entry) expert {e} ({case.rows[e]} rows) vs float64 over its own act: {report}")
     out["checks"][f"{v.name}_h13_vs_float64_max_rel"] = max(errs13, default=float("nan"))

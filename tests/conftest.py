@@ -118,6 +118,15 @@ def tray_env(tmp_path: Path):
         t.cleanup()
 
 
+@pytest.fixture(scope="module")
+def isolated_kernel_cache(tmp_path_factory):
+    """TRAY_CACHE_DIR pointed at a fresh directory for one module's in-process kernel loads (every kernel
+    compiled by NVRTC here, none taken from an earlier run), put back afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRAY_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+        yield
+
+
 def visible_gpus() -> int:
     try:
         from tray.backend.cuda import visible_gpu_count

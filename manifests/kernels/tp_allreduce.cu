@@ -267,15 +267,16 @@ __device__ __forceinline__ void tp_ll_add(float* acc, unsigned int d0, unsigned 
     acc[3] = __fadd_rn(acc[3], bf16_to_f32(d1 >> 16));
 }
 
-// Waits for member g0 + u's line l (u < TP_LOADS, every u at once: their loads fly together), then adds
-// the chunk's lines to acc in member order (member me: its own line d0, d1) and zeroes the consumed lines.
-// Returns false after recording the members still missing at the timeout.
-__device__ __forceinline__ bool tp_ll_gather(float* acc, unsigned long long* own, long long slot_words, long long l,
-                                             int g0, int G, int me, unsigned int d0, unsigned int d1,
-                                             unsigned long long flag, unsigned long long epoch,
-                                             unsigned long long start, unsigned long long timeout_ns,
-                                             unsigned long long* state) {
-    unsigned long long w0[TP_LOADS], w1[TP_LOADS];
+// Waits for member g0 + u's line l (u < TP_LOADS, every u at once: their loads fly together) until both words
+// carry `flag` in their top bits (from bit FLAG_SHIFT: 32 for `tp_ll_allreduce`'s lines, 48 for the dense
+// ones), leaving them in w0[u], w1[u] (zero for member me and past G). Returns false after recording the members
+// still missing at the timeout.
+template <int FLAG_SHIFT>
+__device__ __forceinline__ bool tp_ll_wait_lines(unsigned long long* w0, unsigned long long* w1,
+                                                 const unsigned long long* own, long long slot_words, long long l,
+                                                 int g0, int G, int me, unsigned long long flag,
+                                                 unsigned long long epoch, unsigned long long start,
+                                                 unsigned long long timeout_ns, unsigned long long* state) {
     unsigned int pending = 0u;
 #pragma unroll
     for (int u = 0; u < TP_LOADS; ++u) {
@@ -294,7 +295,7 @@ __device__ __forceinline__ bool tp_ll_gather(float* acc, unsigned long long* own
         }
 #pragma unroll
         for (int u = 0; u < TP_LOADS; ++u) {
-            if ((pending >> u & 1u) && (w0[u] >> 32) == flag && (w1[u] >> 32) == flag) {
+            if ((pending >> u & 1u) && (w0[u] >> FLAG_SHIFT) == flag && (w1[u] >> FLAG_SHIFT) == flag) {
                 pending &= ~(1u << u);
             }
         }
@@ -303,6 +304,20 @@ __device__ __forceinline__ bool tp_ll_gather(float* acc, unsigned long long* own
             atomicMax(&state[1], epoch);
             return false;
         }
+    }
+    return true;
+}
+
+// Waits for the chunk's lines (tp_ll_wait_lines), then adds them to acc in member order (member me: its own
+// line d0, d1) and zeroes the consumed lines. Returns false after recording the members missing at the timeout.
+__device__ __forceinline__ bool tp_ll_gather(float* acc, unsigned long long* own, long long slot_words, long long l,
+                                             int g0, int G, int me, unsigned int d0, unsigned int d1,
+                                             unsigned long long flag, unsigned long long epoch,
+                                             unsigned long long start, unsigned long long timeout_ns,
+                                             unsigned long long* state) {
+    unsigned long long w0[TP_LOADS], w1[TP_LOADS];
+    if (!tp_ll_wait_lines<32>(w0, w1, own, slot_words, l, g0, G, me, flag, epoch, start, timeout_ns, state)) {
+        return false;
     }
 #pragma unroll
     for (int u = 0; u < TP_LOADS; ++u) {
@@ -505,41 +520,16 @@ __device__ __forceinline__ void tp_ll3_add_words(float* acc, unsigned long long 
     tp_ll3_add(acc, d);
 }
 
-// `tp_ll_gather` for dense lines: waits for member g0 + u's line l (u < TP_LOADS, their loads in flight
-// together), adds the chunk's lines to acc in member order (member me: its own line d), zeroes the consumed
-// lines. Returns false after recording the members still missing at the timeout.
+// `tp_ll_gather` for dense lines: waits for the chunk's lines (tp_ll_wait_lines), adds them to acc in member
+// order (member me: its own line d), zeroes the consumed lines. Returns false after recording the members still
+// missing at the timeout.
 __device__ __forceinline__ bool tp_ll3_gather(float* acc, unsigned long long* own, long long slot_words, long long l,
                                               int g0, int G, int me, const unsigned int* d, unsigned long long flag,
                                               unsigned long long epoch, unsigned long long start,
                                               unsigned long long timeout_ns, unsigned long long* state) {
     unsigned long long w0[TP_LOADS], w1[TP_LOADS];
-    unsigned int pending = 0u;
-#pragma unroll
-    for (int u = 0; u < TP_LOADS; ++u) {
-        w0[u] = 0ull;
-        w1[u] = 0ull;
-        if (g0 + u < G && g0 + u != me) {
-            pending |= 1u << u;
-        }
-    }
-    while (pending != 0u) {
-#pragma unroll
-        for (int u = 0; u < TP_LOADS; ++u) {
-            if (pending >> u & 1u) {
-                tp_ll_load(own + (g0 + u) * slot_words + 2 * l, w0[u], w1[u]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < TP_LOADS; ++u) {
-            if ((pending >> u & 1u) && (w0[u] >> 48) == flag && (w1[u] >> 48) == flag) {
-                pending &= ~(1u << u);
-            }
-        }
-        if (pending != 0u && tp_ll_timer_ns() - start > timeout_ns) {
-            atomicOr(&state[2], (unsigned long long)pending << g0);
-            atomicMax(&state[1], epoch);
-            return false;
-        }
+    if (!tp_ll_wait_lines<48>(w0, w1, own, slot_words, l, g0, G, me, flag, epoch, start, timeout_ns, state)) {
+        return false;
     }
 #pragma unroll
     for (int u = 0; u < TP_LOADS; ++u) {

@@ -17,7 +17,7 @@ from tray.backend.cuda import CudaBackend, visible_gpu_count
 from tray.backend.cuda.doctor import REPORT_KEYS, doctor_report, format_doctor
 from tray.errors import BarrierTimeout, UsageError
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("isolated_kernel_cache")]
 
 GPUS = visible_gpu_count()
 if GPUS == 0:
@@ -48,17 +48,6 @@ extern "C" __global__ void tray_test_multimem(unsigned int* p, unsigned int v) {
     asm volatile("multimem.st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernel_cache(tmp_path_factory):
-    old = os.environ.get("TRAY_CACHE_DIR")
-    os.environ["TRAY_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
-    yield
-    if old is None:
-        os.environ.pop("TRAY_CACHE_DIR", None)
-    else:
-        os.environ["TRAY_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ rows past N and columns past K the partial tiles exercise)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, mismatch_report
 from tray.programs.ep_moe.tma import TENSOR_MAP_BYTES, encode_weight_map, write_weight_maps
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("isolated_kernel_cache")]
 
 SOURCE = (MANIFESTS / "kernels" / "ep_gemm_wgmma.cu").read_bytes()
 POISON = 0x7FC0  # bf16 NaN: every output element starts as it, so an unwritten one shows
@@ -44,17 +43,6 @@ def tile_id(shape: tuple[WgmmaTile, int]) -> str:
     t, blocks = shape
     mode = "tma_" if t.tma else "ws_" if t.ws else ""
     return f"{mode}n{t.bn}s{t.stages}{f'_p{blocks}' if blocks else ''}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernel_cache(tmp_path_factory) -> Iterator[None]:
-    old = os.environ.get("TRAY_CACHE_DIR")
-    os.environ["TRAY_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
-    yield
-    if old is None:
-        os.environ.pop("TRAY_CACHE_DIR", None)
-    else:
-        os.environ["TRAY_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="module")

@@ -60,26 +60,35 @@ def _defaults(source: str, names: Sequence[str], filename: str) -> dict[str, int
     return values
 
 
-def tile_of(source: str, options: Sequence[str] = ()) -> GemmTile:
-    """The tile shape `source` (ep_gemm.cu's text) compiles to with `options`. Raises ValueError when the
-    source lacks a default for one of NAMES."""
-    values = _defaults(source, NAMES, "ep_gemm.cu")
+def _compiled(source: str, options: Sequence[str], names: Sequence[str], filename: str) -> list[int]:
+    """The values of `names` that `source` compiles with: its defaults, overridden by `-DNAME=N` options."""
+    values = _defaults(source, names, filename)
     for opt in options:
         m = re.fullmatch(r"-D(\w+)=(\d+)", opt)
         if m and m.group(1) in values:
             values[m.group(1)] = int(m.group(2))
-    return GemmTile(*(values[n] for n in NAMES))
+    return [values[n] for n in names]
 
 
-def masked_tile(manifest: str = "ep_moe") -> GemmTile:
-    """The tile shape a built-in manifest compiles ep_masked_gemm_gather with (its source and options)."""
+def _builtin_kernel(manifest: str, entry: str) -> tuple[str, Sequence[str]]:
+    """The source text and compiler options of the built-in manifest's first kernel with `entry`."""
     import json
 
     from tray.manifest.builtin import builtin_dir, builtin_path
 
-    spec = next(k for k in json.loads(builtin_path(manifest).read_text())["kernels"]
-                if k["entry"] == "ep_masked_gemm_gather")
-    return tile_of((builtin_dir() / spec["source"]).read_text(), spec.get("options", ()))
+    spec = next(k for k in json.loads(builtin_path(manifest).read_text())["kernels"] if k["entry"] == entry)
+    return (builtin_dir() / spec["source"]).read_text(), spec.get("options", ())
+
+
+def tile_of(source: str, options: Sequence[str] = ()) -> GemmTile:
+    """The tile shape `source` (ep_gemm.cu's text) compiles to with `options`. Raises ValueError when the
+    source lacks a default for one of NAMES."""
+    return GemmTile(*_compiled(source, options, NAMES, "ep_gemm.cu"))
+
+
+def masked_tile(manifest: str = "ep_moe") -> GemmTile:
+    """The tile shape a built-in manifest compiles ep_masked_gemm_gather with (its source and options)."""
+    return tile_of(*_builtin_kernel(manifest, "ep_masked_gemm_gather"))
 
 
 # ep_gemm_wgmma.cu's knobs; its block tile is 128 rows x WG_BN columns, K 64 per stage, 256 threads (384 with
@@ -149,23 +158,12 @@ class WgmmaTile:
 def wgmma_tile_of(source: str, options: Sequence[str] = ()) -> WgmmaTile:
     """The shape `source` (ep_gemm_wgmma.cu's text) compiles to with `options`. Raises ValueError when the
     source lacks a default for one of WGMMA_NAMES."""
-    values = _defaults(source, WGMMA_NAMES, "ep_gemm_wgmma.cu")
-    for opt in options:
-        m = re.fullmatch(r"-D(\w+)=(\d+)", opt)
-        if m and m.group(1) in values:
-            values[m.group(1)] = int(m.group(2))
-    return WgmmaTile(*(values[n] for n in WGMMA_NAMES))
+    return WgmmaTile(*_compiled(source, options, WGMMA_NAMES, "ep_gemm_wgmma.cu"))
 
 
 def wgmma_tile(manifest: str = "ep_moe") -> WgmmaTile:
     """The shape a built-in manifest compiles ep_wgmma_gemm_gather with (its source and options)."""
-    import json
-
-    from tray.manifest.builtin import builtin_dir, builtin_path
-
-    spec = next(k for k in json.loads(builtin_path(manifest).read_text())["kernels"]
-                if k["entry"] == "ep_wgmma_gemm_gather")
-    return wgmma_tile_of((builtin_dir() / spec["source"]).read_text(), spec.get("options", ()))
+    return wgmma_tile_of(*_builtin_kernel(manifest, "ep_wgmma_gemm_gather"))
 
 
 def require_wgmma(capability: tuple[int, int]) -> None:
