@@ -54,8 +54,15 @@ from tray.manifest.builtin import kernel_dir
 from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, masked_tile, mismatch_report, wgmma_tile
 from tray.programs.ep_moe.plan import capacity, parse_routing, random_routing
 from tray.programs.ep_moe.tma import TENSOR_MAP_BYTES, encode_weight_map, write_weight_maps
+from tray.programs.ep_moe.twins import silu_mul_bits
 
 WARMUP = 3
+# ep_silu_mul_rows's blocks per expert (grid x; y: the experts), as the manifest launches it
+SILU_BLOCKS_X = 32
+# the expert phases timed again in alternation with cuBLAS over the exact rows: the layer's wgmma shapes (decode:
+# `wgmma`, the manifest's; prefill: the 3-stage ring in SwiGLU mode) and the plain 3-stage ring they replace
+ALTERNATE = ("wgmma", "wgmma_swiglu_n256s3", "wgmma_tma_n256s3", "cublas_rows")
+ALTERNATE_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -109,15 +116,21 @@ class WgmmaVariant:
     stages: int
     ws: int = 0
     tma: int = 0  # WG_TMA 1: B by tensor copies from the maps in Case.tmaps (the entries' last argument)
+    swiglu: int = 0  # WG_SWIGLU 1: the gate/up GEMM writes act = silu(gate) * up (no h13, no activation kernel)
     persistent: bool = False  # the ep_wgmma_gemm_tiles(_gather) entries: one block per SM over the tiles with rows
 
     @property
     def tile(self) -> WgmmaTile:
-        return WgmmaTile(self.bn, self.stages, self.ws, self.tma)
+        return WgmmaTile(self.bn, self.stages, self.ws, self.tma, self.swiglu)
 
     @property
     def options(self) -> list[str]:
         return ["--gpu-architecture=sm_90a", *self.tile.options]
+
+    @property
+    def plain(self) -> WgmmaVariant:
+        """The same ring without SwiGLU mode: w2's build (and the reference the SwiGLU act is checked against)."""
+        return WgmmaVariant(f"{self.name}_plain", self.bn, self.stages, self.ws, self.tma, 0, self.persistent)
 
 
 # names: wgmma[_ws|_wsp]_n<WG_BN>s<WG_STAGES> (_ws: WG_WS 1, the warp-specialized block: a producer warpgroup feeds
@@ -141,6 +154,8 @@ WGMMA_VARIANTS = (
     WgmmaVariant("wgmma_tma_n256s3", 256, 3, 1, 1),
     WgmmaVariant("wgmma_tma_n128s6", 128, 6, 1, 1),
     WgmmaVariant("wgmma_tmap_n256s4", 256, 4, 1, 1, persistent=True),
+    WgmmaVariant("wgmma_swiglu_n256s4", 256, 4, 1, 1, 1),
+    WgmmaVariant("wgmma_swiglu_n256s3", 256, 3, 1, 1, 1),
 )
 # wgmma vs float64, elementwise: |got - want| <= WGMMA_RTOL |want| + WGMMA_ATOL max|want| (over the expert). One
 # round to nearest even is at most half a bf16 ulp, and an ulp is at most 2^-7 of the value; the absolute term
@@ -212,9 +227,9 @@ class Case:
         self.act = b.allocate("eg_act", self.E * self.cap * self.F * 2, export=False)
         self.y = b.allocate("eg_y", self.E * self.cap * self.H * 2, export=False)
         self.slab = b.allocate("eg_slab", self.E * self.cap * self.H * 2, export=False)
-        # the _tma variants' tensor maps (w13's, then w2's, for the box of 128 rows, then of 256); filled by
-        # _wgmma, 64-byte aligned as every allocation is
-        self.tmaps = b.allocate("eg_tmaps", 4 * TENSOR_MAP_BYTES, export=False)
+        # the _tma variants' tensor maps (w13's, then w2's, per WG_BN and SwiGLU mode: MAP_SLOTS); filled by _wgmma,
+        # 64-byte aligned as every allocation is
+        self.tmaps = b.allocate("eg_tmaps", 2 * len(MAP_SLOTS) * TENSOR_MAP_BYTES, export=False)
         rng = np.random.default_rng(a.seed + 1)
         self.x_host = f32_to_bf16_bits(rng.standard_normal((tokens, self.H)).astype(np.float32))
         b.write(self.x.ptr, self.x_host)
@@ -251,6 +266,34 @@ def _time(backend: Any, launches: list[Any], repeats: int) -> float:
     return median(samples)
 
 
+def _alternating(backend: Any, phases: dict[str, list[Any]], repeats: int) -> dict[str, Any]:
+    """Each expert phase of `phases` timed in turn, round after round (ALTERNATE_ROUNDS rounds of one _time each),
+    so a drift of the GPU's clocks over the run (power, heat) reaches every phase alike: per phase the median of
+    its rounds' medians, and every round's figure."""
+    graphs = {n: backend.capture(lambda launches=launches: [launch() for launch in launches])
+              for n, launches in phases.items()}
+    rounds: dict[str, list[float]] = {n: [] for n in graphs}
+    try:
+        for g in graphs.values():
+            for _ in range(WARMUP):
+                g.replay()
+        for _ in range(ALTERNATE_ROUNDS):
+            for n, g in graphs.items():
+                samples = []
+                for _ in range(repeats):
+                    timer = backend.timer()
+                    timer.start()
+                    g.replay()
+                    timer.stop()
+                    samples.append(timer.elapsed_s() * 1e6)
+                    timer.close()
+                rounds[n].append(median(samples))
+    finally:
+        for g in graphs.values():
+            g.close()
+    return {"us": {n: median(r) for n, r in rounds.items()}, "rounds_us": rounds}
+
+
 def _masked(backend: Any, case: Case, v: Variant) -> tuple[Any, Any]:
     source = (kernel_dir() / "ep_gemm.cu").read_bytes()
     gather = backend.load_kernel(f"ep_masked_gemm_gather[{v.name}]", source, "ep_masked_gemm_gather",
@@ -267,16 +310,24 @@ def _masked(backend: Any, case: Case, v: Variant) -> tuple[Any, Any]:
     return w13, w2
 
 
+# the first of the two tensor-map slots (w13's, w2's) of each (WG_BN, WG_SWIGLU) in Case.tmaps
+MAP_SLOTS = {(128, 0): 0, (256, 0): 2, (128, 1): 4, (256, 1): 6}
+
+
 def _wgmma(backend: Any, case: Case, v: WgmmaVariant) -> tuple[Any, Any, Any]:
     """(w13 by the gather entry from the token rows, w2 by the dense entry from act, w13 by the dense entry
     from the gathered slab) of ep_gemm_wgmma.cu compiled with v's shape; v.persistent: the _tiles entries, one
-    block per SM, the expert count as their last argument."""
+    block per SM, the expert count as their last argument. v.swiglu: both w13 launches write act (silu(gate) * up)
+    and w2 runs the plain build of the same ring (v.plain), as the layer's experts_wgmma does."""
     source = (kernel_dir() / "ep_gemm_wgmma.cu").read_bytes()
     entry = "ep_wgmma_gemm_tiles" if v.persistent else "ep_wgmma_gemm"
-    gather = backend.load_kernel(f"{entry}_gather[{v.name}]", source, f"{entry}_gather", v.options,
-                                 peers=False, filename="ep_gemm_wgmma.cu")
-    dense = backend.load_kernel(f"{entry}[{v.name}]", source, entry, v.options, peers=False,
-                                filename="ep_gemm_wgmma.cu")
+
+    def load(name: str, w: WgmmaVariant) -> Any:
+        return backend.load_kernel(f"{name}[{w.name}]", source, name, w.options, peers=False,
+                                   filename="ep_gemm_wgmma.cu")
+
+    gather, dense = load(f"{entry}_gather", v), load(entry, v)
+    dense2 = load(entry, v.plain) if v.swiglu else dense
     E, H, F, cap, t = case.E, case.H, case.F, case.cap, v.tile
     block = (t.threads, 1, 1)
     if v.persistent:
@@ -290,32 +341,36 @@ def _wgmma(backend: Any, case: Case, v: WgmmaVariant) -> tuple[Any, Any, Any]:
     map13: list[int] = []
     map2: list[int] = []
     if t.tma:
-        # the weights' maps for this box (w13 [E][2F][H], w2 [E][H][F]), each kernel reading its own by address
-        first = 0 if t.bn == 128 else 2
-        write_weight_maps(backend, case.tmaps, [encode_weight_map(case.w13.ptr, E, 2 * F, H, t.bn),
+        # the weights' maps (w13 [E][2F][H] in the gate/up kernel's boxes, w2 [E][H][F] in the plain ring's), each
+        # kernel reading its own by address
+        first = MAP_SLOTS[(t.bn, t.swiglu)]
+        write_weight_maps(backend, case.tmaps, [encode_weight_map(case.w13.ptr, E, 2 * F, H, t.b_box_rows),
                                                 encode_weight_map(case.w2.ptr, E, H, F, t.bn)], first)
         at = case.tmaps.ptr + first * TENSOR_MAP_BYTES
         map13, map2 = [at], [at + TENSOR_MAP_BYTES]
+    c13 = case.act if t.swiglu else case.h13
     w13 = gather.bind(grid13, block,
-                      [case.x.ptr, case.index_buf.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H,
+                      [case.x.ptr, case.index_buf.ptr, case.w13.ptr, c13.ptr, case.rows_buf.ptr, cap, F, 2, H,
                        *tail, *map13], shmem_nbytes=t.smem)
-    w2 = dense.bind(grid2, block,
-                    [case.act.ptr, case.w2.ptr, case.y.ptr, case.rows_buf.ptr, cap, H, 1, F, *tail, *map2],
-                    shmem_nbytes=t.smem)
+    w2 = dense2.bind(grid2, block,
+                     [case.act.ptr, case.w2.ptr, case.y.ptr, case.rows_buf.ptr, cap, H, 1, F, *tail, *map2],
+                     shmem_nbytes=t.smem)
     w13_dense = dense.bind(grid13, block,
-                           [case.slab.ptr, case.w13.ptr, case.h13.ptr, case.rows_buf.ptr, cap, F, 2, H, *tail,
+                           [case.slab.ptr, case.w13.ptr, c13.ptr, case.rows_buf.ptr, cap, F, 2, H, *tail,
                             *map13], shmem_nbytes=t.smem)
     return w13, w2, w13_dense
 
 
 def run_wgmma(backend: Any, a: argparse.Namespace, case: Case, v: WgmmaVariant, silu: Any, zero: Any,
               base: tuple[np.ndarray, np.ndarray], want13: dict[int, np.ndarray], out: dict[str, Any],
-              failed: list[str]) -> None:
+              failed: list[str]) -> list[Any]:
     """One wgmma shape on `case`: its checks (see the top of this file) into out["checks"], each failure into
-    `failed` with what was off, then its times into out["us"]."""
+    `failed` with what was off, then its times into out["us"]. Returns the launches of its whole expert phase
+    (w13, the activation unless the gate/up GEMM applies it, w2)."""
     E, H, F, cap = case.E, case.H, case.F, case.cap
     w13, w2, w13_dense = _wgmma(backend, case, v)
     starts = np.concatenate([[0], np.cumsum(case.rows)])
+    phase = [w13.launch, w2.launch] if v.swiglu else [w13.launch, silu.launch, w2.launch]
 
     def poisoned(launches: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """h13, act and y rows present after `launches` on outputs filled with NaN."""
@@ -327,12 +382,30 @@ def run_wgmma(backend: Any, a: argparse.Namespace, case: Case, v: WgmmaVariant, 
         return (_rows_of(backend, case.h13, case, 2 * F), _rows_of(backend, case.act, case, F),
                 _rows_of(backend, case.y, case, H))
 
-    h13, act, y = poisoned([w13.launch, silu.launch, w2.launch])
+    if v.swiglu:
+        # the plain build's h13 on the same rows: SwiGLU mode's act must be its activation, byte for byte
+        plain13, _, _ = _wgmma(backend, case, v.plain)
+        h13, _, _ = poisoned([plain13.launch])
+        act_want = silu_mul_bits(h13, F)
+        _, act, y = poisoned(phase)
+    else:
+        h13, act, y = poisoned(phase)
     problems: list[str] = []
-    nan = int(np.isnan(bf16_bits_to_f32(h13)).any(axis=1).sum() + np.isnan(bf16_bits_to_f32(y)).any(axis=1).sum())
+    nan = int(np.isnan(bf16_bits_to_f32(h13)).any(axis=1).sum() + np.isnan(bf16_bits_to_f32(y)).any(axis=1).sum()
+              + np.isnan(bf16_bits_to_f32(act)).any(axis=1).sum())
     out["checks"][f"{v.name}_nan_rows"] = nan
     if nan:
         problems.append(f"{nan} rows present hold NaN (unwritten)")
+    if v.swiglu:
+        same_act = bool(np.array_equal(act, act_want))
+        out["checks"][f"{v.name}_act_equals_plain_then_silu"] = same_act
+        if not same_act:
+            bad = np.flatnonzero((act != act_want).any(axis=1))
+            shown = bad[:64]
+            report = mismatch_report(bf16_bits_to_f32(act[shown]), bf16_bits_to_f32(act_want[shown]), 0.0, 0.0)
+            problems.append(f"act differs from the plain build's h13 through ep_silu_mul_rows in {bad.size} rows "
+                            f"(first {bad[:4].tolist()}): {report}")
+
     def vs_float64(got_bits: np.ndarray, want: np.ndarray) -> tuple[float, str]:
         """Max error relative to the largest |want|, and mismatch_report's text (empty: within tolerance)."""
         got = bf16_bits_to_f32(got_bits).astype(np.float64)
@@ -369,30 +442,34 @@ def run_wgmma(backend: Any, a: argparse.Namespace, case: Case, v: WgmmaVariant, 
     out["checks"][f"{v.name}_experts_off_production"] = off
     if off["h13"] or off["y"]:
         problems.append(f"experts off production: h13 {off['h13']}, y {off['y']}")
-    # the same bytes on a second run; the dense entry over the gathered slab gives the gather's bytes
-    h13_again, _, y_again = poisoned([w13.launch, silu.launch, w2.launch])
-    same = bool(np.array_equal(h13_again, h13) and np.array_equal(y_again, y))
+    # the same bytes on a second run; the dense entry over the gathered slab gives the gather's bytes (h13, or in
+    # SwiGLU mode act)
+    h13_again, act_again, y_again = poisoned(phase)
+    same = bool(np.array_equal(act_again, act) and np.array_equal(y_again, y)
+                and (v.swiglu or np.array_equal(h13_again, h13)))
     out["checks"][f"{v.name}_deterministic"] = same
     if not same:
-        problems.append(f"a second run differs: h13 {int((h13_again != h13).sum())} values, "
+        problems.append(f"a second run differs: act {int((act_again != act).sum())} values, "
                         f"y {int((y_again != y).sum())} values")
-    h13_dense, _, _ = poisoned([w13_dense.launch])
-    dense_ok = bool(np.array_equal(h13_dense, h13))
+    h13_dense, act_dense, _ = poisoned([w13_dense.launch])
+    first, dense_first = (act, act_dense) if v.swiglu else (h13, h13_dense)
+    dense_ok = bool(np.array_equal(dense_first, first))
     out["checks"][f"{v.name}_dense_equals_gather"] = dense_ok
     if not dense_ok:
         problems.append(f"the dense entry over the slab differs from the gather: "
-                        f"{int((h13_dense != h13).sum())} values")
+                        f"{int((dense_first != first).sum())} values")
     failed.extend(f"{v.name}: {p}" for p in problems)
     t13 = _time(backend, [w13.launch], a.repeats)
     t2 = _time(backend, [w2.launch], a.repeats)
-    tall = _time(backend, [w13.launch, silu.launch, w2.launch], a.repeats)
+    tall = _time(backend, phase, a.repeats)
     out["us"][v.name] = {"w13": t13, "w2": t2, "experts": tall, "smem": v.tile.smem, "options": v.options}
     flops = 2.0 * int(case.rows.sum()) * 3 * F * H
-    print(f"  {case.label:<16} {v.name:<20} w13 {t13:9.1f}  w2 {t2:9.1f}  experts {tall:9.1f} µs  "
-          f"{case.weight_bytes / tall / 1e6:6.2f} TB/s of weights  {flops / (t13 + t2) / 1e6:6.1f} TFLOP/s (GEMMs)  "
-          f"{'ok' if not problems else 'FAILED'}", flush=True)
+    print(f"  {case.label:<16} {v.name:<20} w13{'+silu' if v.swiglu else ''} {t13:9.1f}  w2 {t2:9.1f}  experts "
+          f"{tall:9.1f} µs  {case.weight_bytes / tall / 1e6:6.2f} TB/s of weights  "
+          f"{flops / (t13 + t2) / 1e6:6.1f} TFLOP/s (GEMMs)  {'ok' if not problems else 'FAILED'}", flush=True)
     for p in problems:
         print(f"    {v.name}: {p}", flush=True)
+    return phase
 
 
 def _rows_of(backend: Any, buf: Any, case: Case, width: int) -> np.ndarray:
@@ -411,7 +488,7 @@ def _rows_of(backend: Any, buf: Any, case: Case, width: int) -> np.ndarray:
 def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Variant], silu_kernel: Any,
              read_kernel: Any, wgmmas: list[WgmmaVariant] = (), zero_kernel: Any = None) -> dict[str, Any]:
     E, H, F, cap = case.E, case.H, case.F, case.cap
-    silu = silu_kernel.bind(((E * cap * F // 8 + 255) // 256, 1, 1), (256, 1, 1),
+    silu = silu_kernel.bind((SILU_BLOCKS_X, E, 1), (256, 1, 1),  # the manifest's grid: the rows present only
                             [case.h13.ptr, case.act.ptr, case.rows_buf.ptr, E, 1, cap, F])
     out: dict[str, Any] = {"label": case.label, "tokens": case.tokens, "cap": cap, "dropped_pairs": case.dropped,
                            "rows_total": int(case.rows.sum()), "rows_max": int(case.rows.max()),
@@ -459,8 +536,9 @@ def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Var
     out["checks"]["float64_experts"] = [int(e) for e in sample]
     if not errs or max(errs) > 1e-2:
         failed.append(f"production h13 vs float64: max relative error {max(errs) if errs else 'none'}")
+    phases: dict[str, list[Any]] = {}
     for wv in wgmmas:
-        run_wgmma(backend, a, case, wv, silu, zero_kernel, (base_h13, base_y), want13, out, failed)
+        phases[wv.name] = run_wgmma(backend, a, case, wv, silu, zero_kernel, (base_h13, base_y), want13, out, failed)
     # cuBLAS per expert on the dense slab: cap rows (graph-valid) and exactly the rows present (host counts)
     def per_expert(a: Any, w: Any, c: Any, n: int, k: int, m_of: Any) -> list[Any]:
         """One cuBLAS call per expert with rows: C_e[m, n] = A_e[m, k] @ W_e[n, k]^T, m = m_of(e)."""
@@ -488,8 +566,16 @@ def run_case(backend: Any, a: argparse.Namespace, case: Case, variants: list[Var
         t2 = _time(backend, g2, a.repeats)
         tall = _time(backend, [*g13, silu.launch, *g2], a.repeats)
         out["us"][name] = {"w13": t13, "w2": t2, "experts": tall}
+        phases[name] = [*g13, silu.launch, *g2]
         print(f"  {case.label:<16} {name:<20} w13 {t13:9.1f}  w2 {t2:9.1f}  experts {tall:9.1f} µs  "
               f"{case.weight_bytes / tall / 1e6:6.2f} TB/s of weights", flush=True)
+    if wgmmas:
+        out["alternating"] = _alternating(backend, {n: phases[n] for n in phases if n in ALTERNATE}, a.repeats)
+        cub = out["alternating"]["us"]["cublas_rows"]
+        out["alternating"]["vs_cublas_rows"] = {n: t / cub for n, t in out["alternating"]["us"].items()}
+        print(f"  {case.label:<16} alternating rounds (median of {ALTERNATE_ROUNDS}): "
+              + ", ".join(f"{n} {t:.1f} µs ({t / cub:.3f}x cublas_rows)" for n, t in out["alternating"]["us"].items()),
+              flush=True)
     # the read ceiling over the same weight bytes (the experts with rows, w13 then w2)
     from tray.backend.cuda import driver as drv
 

@@ -7,7 +7,7 @@
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-wgmma ep-moe-nccl24
 # ep-moe-worst
-# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma
+# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
@@ -204,6 +204,16 @@ for s in "${STAGES[@]}"; do
             fi
             stage expert_gemm_wgmma 210 $PY bench/expert_gemm.py --only "$wg_only" --tokens 8192 --repeats 5 ${GEMM_ARGS:-} \
                 --json "$OUT/expert_gemm_wgmma.json" ;;
+        # SwiGLU mode of the wgmma gate/up GEMM (one GPU, ~4 min, bounded at 450 s): its GPU tests (act equal to the plain
+        # TMA build's h13 through the activation, byte for byte) with the TMA ones, then the bench at the decode and
+        # prefill shapes (256 and 8192 tokens: the EP2 rank at 128 and 4096 per rank) with the manifest's shape
+        # (`wgmma`), the 3-stage SwiGLU ring, the plain TMA rings it replaces, and the phases timed again in alternation
+        # with cuBLAS over the exact rows ($OUT/expert_gemm_swiglu.json)
+        swiglu) stage swiglu_tests 150 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -k "swiglu or tma_" \
+                -p no:cacheprovider --tb=short
+            stage expert_gemm_swiglu 300 $PY bench/expert_gemm.py --tokens 256,8192 --repeats 5 \
+                --only production,wgmma,wgmma_swiglu_n256s3,wgmma_tma_n256s3,wgmma_tma_n256s4 ${GEMM_ARGS:-} \
+                --json "$OUT/expert_gemm_swiglu.json" ;;
         # the sweep 8 B .. 64 MiB: low-latency (timed up to 4 MiB), one-shot, two-shot, NCCL; then the layer
         tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait

@@ -45,6 +45,19 @@
 //
 // Accumulator fragment of m64nNk16 with f32 D (PTX ISA, wgmma register fragments): thread l of warp w of
 // the warpgroup (g = l / 4, t = l % 4) holds d[4 j + i] = D[16 w + g + 8 (i / 2)][8 j + 2 t + i % 2].
+//
+// SwiGLU mode (-DWG_SWIGLU=1, with WG_TMA 1): the gate/up GEMM and the activation in one kernel, so h13 never
+// goes to memory. B is w13 [experts][2 ffn][K] (gate rows 0 .. ffn - 1, up rows ffn .. 2 ffn - 1), n = ffn,
+// n_factor 2, and C is act [experts][cap][ffn]:
+//   C[e][r][c] = bf16( silu(g) * u ),  g = bf16(sum_k A_e[r][k] B[e][c][k]),  u = bf16(sum_k A_e[r][k] B[e][ffn + c][k])
+// with silu_mul in float32 as ep_math.cu computes it (wg_silu_mul below), so the bytes equal the GEMM into h13
+// followed by ep_silu_mul_rows. A block covers WG_BN / 2 columns of C, c0 = blockIdx.x * WG_BN / 2 (the grid is
+// the one over N = 2 ffn B rows: ceil(2 ffn / WG_BN) blocks in x). Its B stage holds four boxes of WG_BN / 4
+// rows (one tensor copy each, the map's box {64, WG_BN / 4, 1}): gate c0 .., up c0 .., gate c0 + WG_BN / 4 ..,
+// up c0 + WG_BN / 4 .., so a thread's accumulator holds each gate column next to its up column (fragment column
+// 8 j + .. in box j / (WG_BN / 32); the up partner of j is j + WG_BN / 32) and the epilogue needs no exchange. In
+// half mode (at most 64 rows) warpgroup wg multiplies boxes 2 wg and 2 wg + 1: C columns c0 + wg WG_BN / 4 ...
+// Gate rows past ffn read up rows and up rows past 2 ffn read zeros; their columns are never stored.
 
 #ifndef WG_BN
 #define WG_BN 256
@@ -57,6 +70,9 @@
 #endif
 #ifndef WG_TMA
 #define WG_TMA 0
+#endif
+#ifndef WG_SWIGLU
+#define WG_SWIGLU 0
 #endif
 #define WG_BM 128
 #define WG_BK 64
@@ -92,6 +108,12 @@
 #endif
 #if WG_TMA && !WG_WS
 #error "WG_TMA 1 needs WG_WS 1: one thread of the producer warpgroup issues the tensor copies"
+#endif
+#if WG_SWIGLU != 0 && WG_SWIGLU != 1
+#error "WG_SWIGLU must be 0 (C = A B^T) or 1 (C = silu(A B_gate^T) * (A B_up^T), see SwiGLU mode)"
+#endif
+#if WG_SWIGLU && !WG_TMA
+#error "WG_SWIGLU 1 needs WG_TMA 1: the gate and up boxes of a stage come by four tensor copies"
 #endif
 #if WG_STAGES < 3
 #error "WG_STAGES must be at least 3 (a stage being multiplied, one retiring, one or more loading)"
@@ -396,6 +418,61 @@ __device__ __forceinline__ unsigned int wg_bar_wait(unsigned int bar, unsigned i
     return 0u;
 }
 
+// exp and silu * up as ep_math.cu computes them (ep_exp, silu_mul there: the same text, which
+// tests/unit/test_wgmma_tile.py compares, since NVRTC compiles each file alone), so SwiGLU mode's bytes equal
+// the GEMM into h13 followed by ep_silu_mul_rows.
+__device__ __forceinline__ float ep_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const int n = __float2int_rn(__fmul_rn(x, __uint_as_float(0x3FB8AA3Bu)));  // log2(e)
+    const float fn = (float)n;
+    float r = __fsub_rn(x, __fmul_rn(fn, __uint_as_float(0x3F317200u)));       // ln2 hi
+    r = __fsub_rn(r, __fmul_rn(fn, __uint_as_float(0x35BFBE8Eu)));             // ln2 lo
+    float p = __uint_as_float(0x39500D01u);                                     // 1/5040
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3AB60B61u));               // 1/720
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3C088889u));               // 1/120
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3D2AAAABu));               // 1/24
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3E2AAAABu));               // 1/6
+    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    return __fmul_rn(p, __uint_as_float((unsigned int)(n + 127) << 23));
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u, in float32, rounded once to bf16.
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    const float s = __fdiv_rn(g, __fadd_rn(1.0f, ep_exp(-g)));
+    return __fmul_rn(s, u);
+}
+
+// SwiGLU mode's epilogue (see the top of this file): fragment columns 8 j + .. of box j / Q (Q = WG_BN / 32
+// fragment column groups a box) hold gate (even box) or up (odd box) values; gate group j pairs with up group
+// j + Q. Group jj of the output (NW / 16 of them) is gate group jj + Q (jj / Q), C columns col0 + 8 jj + 0, 1
+// (col0: the warpgroup's first C column of the tile plus 2 t). Each value is rounded to bf16 first, as h13 holds it.
+template <int NW>
+__device__ __forceinline__ void wg_store_swiglu(const float* acc, unsigned int* C, long long c_row0, int present,
+                                                int row0, int col0, int ffn) {
+    constexpr int Q = WG_BN / 32;
+#pragma unroll
+    for (int jj = 0; jj < NW / 16; ++jj) {
+        const int jg = jj + Q * (jj / Q);
+        const int col = col0 + 8 * jj;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h;
+            if (row < present && col < ffn) {
+                float v[2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const float gate = __uint_as_float(wg_f32_to_bf16(acc[4 * jg + 2 * h + i]) << 16);
+                    const float up = __uint_as_float(wg_f32_to_bf16(acc[4 * (jg + Q) + 2 * h + i]) << 16);
+                    v[i] = silu_mul(gate, up);
+                }
+                C[((c_row0 + row) * ffn + col) / 2] = wg_f32_to_bf16(v[0]) | (wg_f32_to_bf16(v[1]) << 16);
+            }
+        }
+    }
+}
+
 // The consumers' share of one tile of C (expert rows m0 .., columns n0 ..; `present` rows of the expert): its
 // K tiles are the ring's uses it .. it + k_tiles - 1 (use j in stage j % WG_STAGES, phase j / WG_STAGES), each
 // stage freed once its wgmma group has retired, the last one before the epilogue. Returns it + k_tiles.
@@ -455,6 +532,9 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
     const int g = lane >> 2;
     const int t = lane & 3;
     const int row0 = m0 + (HALF ? 0 : 64 * wg) + 16 * warp + g;
+#if WG_SWIGLU
+    wg_store_swiglu<NW>(acc, C, c_row0, present, row0, n0 / 2 + (HALF ? wg * (WG_BN / 4) : 0) + 2 * t, N / 2);
+#else
     const int col0 = n0 + (HALF ? wg * (WG_BN / 2) : 0) + 2 * t;
 #pragma unroll
     for (int jj = 0; jj < NW / 8; ++jj) {
@@ -469,6 +549,7 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
             }
         }
     }
+#endif
     return it + k_tiles;
 }
 
@@ -483,15 +564,32 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
 // parts too) before the copy, so full[s] counts WG_COPIERS + 1 arrivals and completes once every A copy has
 // landed and the tensor copy's bytes have. The host builds the box from the same WG_BN (WgmmaTile); a smaller
 // box would never complete the barrier (the consumers' bounded wait traps), a larger one would overrun the stage.
-__device__ __forceinline__ void wg_tma_b(unsigned int dst, const void* b_map, unsigned int bar, int k0, int n0,
-                                         int e) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(WG_B_BYTES)
-                 : "memory");
+__device__ __forceinline__ void wg_tma_box(unsigned int dst, const void* b_map, unsigned int bar, int k0, int row,
+                                           int e) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
         "[%5];\n" ::"r"(dst),
-        "l"(b_map), "r"(k0), "r"(n0), "r"(e), "r"(bar)
+        "l"(b_map), "r"(k0), "r"(row), "r"(e), "r"(bar)
         : "memory");
+}
+
+// B's stage of K tile k0 for the block's B rows n0 .. (SwiGLU mode: its four gate/up boxes, N = 2 ffn).
+__device__ __forceinline__ void wg_tma_b(unsigned int dst, const void* b_map, unsigned int bar, int k0, int n0,
+                                         int e, int N) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(WG_B_BYTES)
+                 : "memory");
+#if WG_SWIGLU
+    constexpr int BOX = WG_BN / 4;
+    const int ffn = N / 2;
+    const int c0 = n0 / 2;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        wg_tma_box(dst + h * BOX * 128, b_map, bar, k0, (h & 1) * ffn + c0 + (h >> 1) * BOX, e);
+    }
+#else
+    (void)N;
+    wg_tma_box(dst, b_map, bar, k0, n0, e);
+#endif
 }
 
 // Before thread 0's first tensor copy: the map was written through the generic proxy (a host copy into global
@@ -538,7 +636,7 @@ __device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, 
             wg_hang(hung);
         }
         if (WG_TMA && ptid == 0) {
-            wg_tma_b(ring + s * WG_STAGE_BYTES + WG_A_BYTES, b_map, full + 8 * s, kt * WG_BK, n0, e);
+            wg_tma_b(ring + s * WG_STAGE_BYTES + WG_A_BYTES, b_map, full + 8 * s, kt * WG_BK, n0, e, N);
         }
         wg_issue(ring + s * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, kt, ptid);
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * s) : "memory");
@@ -577,6 +675,9 @@ __device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const
                                               const uint4* __restrict__ B, unsigned int* __restrict__ C,
                                               const int* __restrict__ rows, int cap, int n, int n_factor, int K,
                                               const void* b_map) {
+    if (WG_SWIGLU && n_factor != 2) {
+        __trap();  // SwiGLU mode reads gate and up rows of one B [experts][2 ffn][K]
+    }
     const int N = n * n_factor;
     const int e = blockIdx.z;
     const int m0 = blockIdx.y * WG_BM;
@@ -618,8 +719,8 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
                                                  const uint4* __restrict__ B, unsigned int* __restrict__ C,
                                                  const int* __restrict__ rows, int cap, int n, int n_factor, int K,
                                                  int experts, const void* b_map) {
-    if (experts > WG_MAX_EXPERTS || experts < 1) {
-        __trap();  // wg_units holds at most WG_MAX_EXPERTS experts' prefix
+    if (experts > WG_MAX_EXPERTS || experts < 1 || (WG_SWIGLU && n_factor != 2)) {
+        __trap();  // wg_units holds at most WG_MAX_EXPERTS experts' prefix; SwiGLU mode reads B [experts][2 ffn][K]
     }
     const int N = n * n_factor;
     const int tiles_n = (N + WG_BN - 1) / WG_BN;

@@ -94,30 +94,30 @@ extern "C" __global__ void ep_silu_mul(const uint4* __restrict__ h13, uint4* __r
 // silu_mul_rows: ep_silu_mul over the rows the layout put in each expert's block of cap rows:
 //   act[e * cap + r][c] = bf16(silu(h13[e * cap + r][c]) * h13[e * cap + r][ffn + c])
 // for e < experts / G (this rank's experts), r < min(rows[e], cap), c < ffn; other rows are left as
-// they are.
+// they are. Blocks y = e, e + gridDim.y, .. walk expert e's rows present only (so a launch costs the rows
+// present, not the capacity: grid (32, experts / G) in the manifest), blocks x stride over them.
 //   h13  [experts / G * cap][2 * ffn] bf16;  act  [experts / G * cap][ffn] bf16;  rows  [experts / G] i32
 extern "C" __global__ void ep_silu_mul_rows(const uint4* __restrict__ h13, uint4* __restrict__ act,
                                             const int* __restrict__ rows, int all_experts, int G, int cap,
                                             int ffn) {
     const int experts = all_experts / G;
     const long long nvec = ffn / 8;
-    const long long total = (long long)experts * cap * nvec;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const long long r = i / nvec;
-        const long long c = i - r * nvec;
-        const long long e = r / cap;
-        if (r - e * cap >= rows[e]) {
-            continue;
-        }
-        float g[8], u[8], out[8];
-        unpack8(h13[r * 2 * nvec + c], g);
-        unpack8(h13[r * 2 * nvec + nvec + c], u);
+    for (int e = blockIdx.y; e < experts; e += gridDim.y) {
+        const int present = rows[e] < cap ? (rows[e] > 0 ? rows[e] : 0) : cap;
+        const long long total = (long long)present * nvec;
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+            const long long r = (long long)e * cap + i / nvec;
+            const long long c = i % nvec;
+            float g[8], u[8], out[8];
+            unpack8(h13[r * 2 * nvec + c], g);
+            unpack8(h13[r * 2 * nvec + nvec + c], u);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            out[j] = silu_mul(g[j], u[j]);
+            for (int j = 0; j < 8; ++j) {
+                out[j] = silu_mul(g[j], u[j]);
+            }
+            act[r * nvec + c] = pack8(out);
         }
-        act[i] = pack8(out);
     }
 }
 

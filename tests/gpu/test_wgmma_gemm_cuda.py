@@ -19,6 +19,7 @@ from conftest import MANIFESTS
 from tray.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from tray.programs.ep_moe.gemm_tile import WGMMA_CAPABILITY, WgmmaTile, mismatch_report
 from tray.programs.ep_moe.tma import TENSOR_MAP_BYTES, encode_weight_map, write_weight_maps
+from tray.programs.ep_moe.twins import silu_mul_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("isolated_kernel_cache")]
 
@@ -41,7 +42,7 @@ TILES = [(WgmmaTile(256, 4), 0), (WgmmaTile(128, 6), 0), (WgmmaTile(128, 3), 0),
 
 def tile_id(shape: tuple[WgmmaTile, int]) -> str:
     t, blocks = shape
-    mode = "tma_" if t.tma else "ws_" if t.ws else ""
+    mode = "swiglu_" if t.swiglu else "tma_" if t.tma else "ws_" if t.ws else ""
     return f"{mode}n{t.bn}s{t.stages}{f'_p{blocks}' if blocks else ''}"
 
 
@@ -78,8 +79,10 @@ class Gemm:
     def __call__(self, a: np.ndarray, b: np.ndarray, rows: np.ndarray, cap: int,
                  index: np.ndarray | None = None) -> np.ndarray:
         """C (u16 bf16 bits [experts][cap][N], NaN where nothing was written) for A u16 [.][K] (the token rows
-        when `index` i32 [experts * cap] is given, else [experts * cap][K]), B u16 [experts][N][K], rows i32."""
+        when `index` i32 [experts * cap] is given, else [experts * cap][K]), B u16 [experts][N][K], rows i32.
+        In SwiGLU mode B is [experts][2 ffn][K] (gate rows, then up rows) and C act [experts][cap][ffn]."""
         experts, n, k = b.shape
+        cn, factor = (n // 2, 2) if self.tile.swiglu else (n, 1)
         bufs = []
 
         def upload(name: str, data: np.ndarray):
@@ -92,25 +95,25 @@ class Gemm:
         try:
             a_buf, b_buf = upload("a", a), upload("b", b)
             rows_buf = upload("rows", rows.astype(np.int32))
-            c_buf = upload("c", np.full((experts, cap, n), POISON, np.uint16))
+            c_buf = upload("c", np.full((experts, cap, cn), POISON, np.uint16))
             grid = (self.blocks, 1, 1) if self.blocks else self.tile.grid(n, cap, experts)
             tail = [experts] if self.blocks else []
             if self.tile.tma:  # B's tensor map, by address, as the last argument
                 maps = self.b.allocate("wg_tmaps", TENSOR_MAP_BYTES, export=False)
                 bufs.append(maps)
-                write_weight_maps(self.b, maps, [encode_weight_map(b_buf.ptr, experts, n, k, self.tile.bn)])
+                write_weight_maps(self.b, maps, [encode_weight_map(b_buf.ptr, experts, n, k, self.tile.b_box_rows)])
                 tail.append(maps.ptr)
             block = (self.tile.threads, 1, 1)
             if index is None:
-                launch = self.dense.bind(grid, block, [a_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n, 1, k,
-                                                       *tail], shmem_nbytes=self.tile.smem)
+                launch = self.dense.bind(grid, block, [a_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, cn,
+                                                       factor, k, *tail], shmem_nbytes=self.tile.smem)
             else:
                 i_buf = upload("index", index.astype(np.int32))
-                args = [a_buf.ptr, i_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, n, 1, k, *tail]
+                args = [a_buf.ptr, i_buf.ptr, b_buf.ptr, c_buf.ptr, rows_buf.ptr, cap, cn, factor, k, *tail]
                 launch = self.gather.bind(grid, block, args, shmem_nbytes=self.tile.smem)
             launch.launch()
             self.b.synchronize()
-            return self.b.read(c_buf.ptr, experts * cap * n * 2).view(np.uint16).reshape(experts, cap, n).copy()
+            return self.b.read(c_buf.ptr, experts * cap * cn * 2).view(np.uint16).reshape(experts, cap, cn).copy()
         finally:
             for buf in bufs:
                 buf.close()
@@ -243,3 +246,33 @@ def test_the_warp_specialized_block_writes_the_plain_blocks_bytes(backend, bn, s
     for name, got in (("gather", ws(x, w, counts, cap, index)), ("dense", ws(slab, w, counts, cap))):
         differ = np.argwhere(plain != got)
         assert not differ.size, f"{name}: {len(differ)} values differ, first (expert, row, col) {differ[:4].tolist()}"
+
+
+@pytest.mark.parametrize("shape", [(WgmmaTile(256, 4, 1, 1, 1), 0), (WgmmaTile(256, 3, 1, 1, 1), 0),
+                                   (WgmmaTile(128, 6, 1, 1, 1), 0), (WgmmaTile(256, 4, 1, 1, 1), 7)], ids=tile_id)
+def test_swiglu_mode_writes_the_plain_builds_h13_through_the_activation(backend, shape):
+    """SwiGLU mode (WG_SWIGLU 1) multiplies the same rows by the same gate and up weights as the plain TMA build,
+    with its B stage laid out as gate / up boxes, and applies silu(gate) * up to the bf16-rounded pair in its
+    epilogue: act must equal the plain build's h13 through the activation (the host twin of ep_silu_mul_rows,
+    bit-exact with it), byte for byte, in full tiles and half ones (<= 64 rows), through both entries. ffn 200: the
+    last block's gate box reaches into the up rows and its up box past 2 ffn (zero-filled), columns never stored;
+    K 1032: 17 K tiles."""
+    tile, blocks = shape
+    rows, cap, ffn, k = [127, 129, 0, 64, 300], 320, 200, 1032
+    x, w, index, slab = make(rows, cap, 2 * ffn, k, seed=13)
+    counts = np.array(rows, np.int32)
+    h13 = Gemm(backend, WgmmaTile(tile.bn, tile.stages, 1, 1), blocks)(x, w, counts, cap, index)
+    fused = Gemm(backend, tile, blocks)
+    for name, act in (("gather", fused(x, w, counts, cap, index)), ("dense", fused(slab, w, counts, cap))):
+        problems = []
+        for e, count in enumerate(rows):
+            want = silu_mul_bits(h13[e, :count], ffn)
+            differ = np.argwhere(act[e, :count] != want)
+            if differ.size:
+                problems.append(f"expert {e} ({count} rows): {len(differ)} values differ, first (row, col) "
+                                f"{differ[:4].tolist()}: {act[e, :count][tuple(differ[0])]:#06x} for "
+                                f"{want[tuple(differ[0])]:#06x}")
+            written = int((act[e, count:] != POISON).sum())
+            if written:
+                problems.append(f"expert {e}: {written} values written in slots at or past its count {count}")
+        assert not problems, f"{tile} {name}:\n" + "\n".join(problems)

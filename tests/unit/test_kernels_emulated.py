@@ -355,19 +355,21 @@ def build(d, kernels_by_file, defines=(), ptx_on_cpu=None, prelude=""):
             run = f"coop::run_block(block, [&] {{ {call}; }});" if name in COOP else f"LAUNCH({call})"
             if name in COOP:
                 run = f"for (blockIdx.x = 0; blockIdx.x < grid; ++blockIdx.x) {run}"
+            # a 1-D launch is grid x 1 x 1: a run3_ before it leaves gridDim.y/z and blockIdx.y/z behind
             src.append(
                 f'extern "C" void run_{name}(unsigned int grid, unsigned int block, {params}) {{ '
-                f"gridDim.x = grid; blockDim.x = block; {run} }}"
+                f"gridDim.x = grid; gridDim.y = gridDim.z = 1; blockIdx.y = blockIdx.z = 0; blockDim.x = block; "
+                f"{run} }}"
             )
-            if name in COOP:
-                src.append(
-                    f'extern "C" void run3_{name}(unsigned int gx, unsigned int gy, unsigned int gz, '
-                    f"unsigned int block, {params}) {{ gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; "
-                    "blockDim.x = block; for (blockIdx.z = 0; blockIdx.z < gz; ++blockIdx.z) "
-                    "for (blockIdx.y = 0; blockIdx.y < gy; ++blockIdx.y) "
-                    "for (blockIdx.x = 0; blockIdx.x < gx; ++blockIdx.x) "
-                    f"coop::run_block(block, [&] {{ {call}; }}); }}"
-                )
+            body = f"coop::run_block(block, [&] {{ {call}; }});" if name in COOP else f"LAUNCH({call})"
+            src.append(
+                f'extern "C" void run3_{name}(unsigned int gx, unsigned int gy, unsigned int gz, '
+                f"unsigned int block, {params}) {{ gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; "
+                "blockDim.x = block; for (blockIdx.z = 0; blockIdx.z < gz; ++blockIdx.z) "
+                "for (blockIdx.y = 0; blockIdx.y < gy; ++blockIdx.y) "
+                + (f"for (blockIdx.x = 0; blockIdx.x < gx; ++blockIdx.x) {body} }}" if name in COOP
+                   else f"{{ {body} }} }}")
+            )
     (d / "emu.cpp").write_text("\n".join(src))
     lib = d / "emu.so"
     subprocess.run(
@@ -1056,6 +1058,13 @@ def test_masked_gemm_and_silu_rows_touch_only_the_rows_present(emulated):
     for e in range(L):
         filled[e * cap : e * cap + rows[e]] = True
     assert c["act"][filled].any() and not c["act"][~filled].any()
+    # the manifest's 2-D grid: blocks y stride over the experts (2 rows of blocks for 2 L experts), x over the rows
+    for gy in (2, 2 * L):
+        act2 = np.zeros((L * cap, F), np.uint16)
+        fn = emulated.run3_ep_silu_mul_rows
+        fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        fn(3, gy, 1, 32, ptr(arrays["h"]), ptr(act2), ptr(rows), 2 * L, 2, cap, F)
+        assert np.array_equal(act2, t["act"]), gy
 
 
 def run_masked_gemm(emulated, a, b, c, rows, cap, n, n_factor, K, a_index=None, bm=TILE.bm, bn=TILE.bn):

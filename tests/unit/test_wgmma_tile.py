@@ -21,6 +21,7 @@ from tray.programs.ep_moe.gemm_tile import (
     WgmmaTile,
     mismatch_report,
     require_wgmma,
+    swiglu_tile,
     wgmma_tile,
     wgmma_tile_of,
 )
@@ -76,31 +77,49 @@ def test_the_python_limits_are_the_sources_error_lines(bn, stages, ws):
 @pytest.mark.parametrize("program, suffix", [("experts_wgmma", ""), ("experts_wgmma_prefill", "_tma")])
 def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape(program, suffix):
     kernels = {k["name"]: k for k in MANIFEST["kernels"]}
-    tiles = set()
-    for entry in ("ep_wgmma_gemm", "ep_wgmma_gemm_gather"):
-        k = kernels[entry + suffix]
+    tiles = {}
+    for name, entry in ((f"ep_wgmma_gemm{suffix}", "ep_wgmma_gemm"),
+                        (f"ep_wgmma_swiglu_gather{suffix}", "ep_wgmma_gemm_gather")):
+        k = kernels[name]
         assert k["source"] == "kernels/ep_gemm_wgmma.cu" and k["entry"] == entry
         assert "--gpu-architecture=sm_90a" in k["options"]
-        tiles.add(wgmma_tile_of(SOURCE, k["options"]))
-    assert len(tiles) == 1
-    tile = tiles.pop()
-    assert tile == (WgmmaTile(256, 4, 1, 1) if not suffix else WgmmaTile(256, 3, 1, 1)) and tile.tma
+        tiles[name] = wgmma_tile_of(SOURCE, k["options"])
+    stages = 4 if not suffix else 3
+    # w2: the plain TMA build; w13: the same ring in SwiGLU mode (it writes act, and h13 is never written)
+    assert tiles[f"ep_wgmma_gemm{suffix}"] == WgmmaTile(256, stages, 1, 1)
+    assert tiles[f"ep_wgmma_swiglu_gather{suffix}"] == WgmmaTile(256, stages, 1, 1, 1)
     programs = {p["name"]: p["ops"] for p in MANIFEST["programs"]}
     wg, masked = programs[program], programs["experts_masked"]
-    want = [f"ep_wgmma_gemm_gather{suffix}", "ep_silu_mul_rows", f"ep_wgmma_gemm{suffix}"]
-    assert [op["kernel"] for op in wg] == want
-    # the TMA builds take their tensor map last: w13's at wg_tmaps + 0, w2's at + 128 (the rank writes them there)
-    maps = iter(["wg_tmaps", "wg_tmaps@128"])
-    for op, ref in zip(wg, masked, strict=True):
-        if op["kernel"].startswith("ep_wgmma"):
-            assert op["args"] == ref["args"] + [next(maps)], op
-            assert op["block"] == tile.threads and op["shmem"] == tile.smem, op
-            assert op["grid"][0].endswith(f"+ {tile.bn - 1}) // {tile.bn}"), op
-            assert op["grid"][1] == f"(cap + {tile.bm - 1}) // {tile.bm}" and op["grid"][2] == ref["grid"][2], op
-        else:
-            assert op["args"] == ref["args"]  # the same contract, buffer for buffer
+    assert [op["kernel"] for op in wg] == [f"ep_wgmma_swiglu_gather{suffix}", f"ep_wgmma_gemm{suffix}"]
+    assert [op["kernel"] for op in masked] == ["ep_masked_gemm_gather", "ep_silu_mul_rows", "ep_masked_gemm"]
+    # the gate/up GEMM: the masked one's arguments with act for h13 (its output is the activation), then the map
+    # of w13 in SwiGLU boxes at wg_tmaps + 256; w2: the masked one's, then w2's map at + 128 (the rank writes both)
+    w13_args = [("act" if a == "h13" else a) for a in masked[0]["args"]]
+    for op, args, tile in ((wg[0], w13_args + ["wg_tmaps@256"], tiles[f"ep_wgmma_swiglu_gather{suffix}"]),
+                           (wg[1], masked[2]["args"] + ["wg_tmaps@128"], tiles[f"ep_wgmma_gemm{suffix}"])):
+        assert op["args"] == args, op
+        assert op["block"] == tile.threads and op["shmem"] == tile.smem, op
+        assert op["grid"][0].endswith(f"+ {tile.bn - 1}) // {tile.bn}"), op
+        assert op["grid"][1] == f"(cap + {tile.bm - 1}) // {tile.bm}" and op["grid"][2] == masked[0]["grid"][2], op
+    # the gate/up grid runs over the 2 ffn rows of w13 (WG_BN / 2 columns of act per block)
+    assert wg[0]["grid"][0] == masked[0]["grid"][0].replace("127) // 128", "255) // 256")
     buffers = {b["name"]: b for b in MANIFEST["buffers"]}
-    assert buffers["wg_tmaps"]["dtype"] == "u8" and buffers["wg_tmaps"]["shape"] == [2 * 128]
+    assert buffers["wg_tmaps"]["dtype"] == "u8" and buffers["wg_tmaps"]["shape"] == [3 * 128]
+    if not suffix:  # the rank encodes w13's SwiGLU map from this shape
+        assert swiglu_tile() == tiles["ep_wgmma_swiglu_gather"] and swiglu_tile().b_box_rows == 64
+
+
+def test_the_swiglu_builds_exp_and_silu_are_ep_maths_text():
+    """ep_gemm_wgmma.cu carries its own ep_exp and silu_mul (NVRTC compiles each file alone): the same text as
+    ep_math.cu's, so SwiGLU mode's act bytes equal ep_silu_mul_rows's."""
+    math = (MANIFESTS / "kernels" / "ep_math.cu").read_text()
+
+    def body(text: str, name: str) -> str:
+        start = text.index(f"__device__ __forceinline__ float {name}(")
+        return text[start : text.index("\n}\n", start) + 3]
+
+    for name in ("ep_exp", "silu_mul"):
+        assert body(SOURCE, name) == body(math, name), name
 
 
 @pytest.mark.parametrize("gemm, layer_tokens, want", [
@@ -119,7 +138,8 @@ def test_gemm_selection_covers_every_gemm_kernel_and_program():
     programs = {p["name"] for p in MANIFEST["programs"]}
     assert {n for n in names if "gemm" in n} <= set(GEMM_KERNELS) <= names
     assert set(EXPERTS_PROGRAM.values()) <= programs and "wgmma" in GEMMS
-    assert GEMM_KERNELS["ep_wgmma_gemm"] == ("wgmma",) and "wgmma" in GEMM_KERNELS["ep_silu_mul_rows"]
+    assert GEMM_KERNELS["ep_wgmma_gemm"] == GEMM_KERNELS["ep_wgmma_swiglu_gather"] == ("wgmma",)
+    assert GEMM_KERNELS["ep_silu_mul_rows"] == ("masked",)  # the wgmma gate/up GEMM applies the activation itself
     args = {"nprocs": 2, "backend": "host", "experts": 16, "topk": 4, "hidden": 256, "expert_dim": 256}
     validate(EpBenchArgs(**args, gemm="wgmma"))
     with pytest.raises(UsageError, match="--gemm is 'auto', 'masked', 'wgmma', 'cublas', got 'wgmm'"):
@@ -258,7 +278,7 @@ def test_weight_map_fields_against_hand_computed_values(experts, n, k, bn, strid
 
 @pytest.mark.parametrize("experts, n, k, bn, match", [
     (128, 4096, 7164, 256, "multiple of 8"),
-    (128, 4096, 7168, 64, "128 or 256; got 64"),
+    (128, 4096, 7168, 48, "32, 64, 128 or 256 rows; got 48"),
     (0, 4096, 7168, 256, r"every extent >= 1; got \[0\]\[4096\]\[7168\]"),
 ])
 def test_weight_map_refuses_what_the_driver_or_kernel_would(experts, n, k, bn, match):

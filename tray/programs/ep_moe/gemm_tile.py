@@ -92,8 +92,9 @@ def masked_tile(manifest: str = "ep_moe") -> GemmTile:
 
 
 # ep_gemm_wgmma.cu's knobs; its block tile is 128 rows x WG_BN columns, K 64 per stage, 256 threads (384 with
-# WG_WS 1: a producer warpgroup beside the two consumers); WG_TMA 1 (WG_WS 1 only): B by tensor copies
-WGMMA_NAMES = ("WG_BN", "WG_STAGES", "WG_WS", "WG_TMA")
+# WG_WS 1: a producer warpgroup beside the two consumers); WG_TMA 1 (WG_WS 1 only): B by tensor copies; WG_SWIGLU 1
+# (WG_TMA 1 only): the gate/up GEMM writing silu(gate) * up (WG_BN / 2 columns of act per block)
+WGMMA_NAMES = ("WG_BN", "WG_STAGES", "WG_WS", "WG_TMA", "WG_SWIGLU")
 WGMMA_BM = 128
 WGMMA_BK = 64
 WGMMA_THREADS = 256
@@ -107,12 +108,14 @@ class WgmmaTile:
     64 in the shared-memory ring, ws (WG_WS) 1 for the warp-specialized block (a producer warpgroup issues
     every copy, two consumer warpgroups only multiply), 0 for every thread copying and multiplying; tma (WG_TMA)
     1 (with ws 1) for B's stages by the tensor memory accelerator from a tensor map (tray/programs/ep_moe/tma.py)
-    passed as the entries' last argument, A still by the producer's cp.async."""
+    passed as the entries' last argument, A still by the producer's cp.async; swiglu (WG_SWIGLU) 1 (with tma 1) for
+    the gate/up GEMM that writes silu(gate) * up, its B stage four tensor copies of bn / 4 rows (gate, up, gate, up)."""
 
     bn: int
     stages: int
     ws: int = 0
     tma: int = 0
+    swiglu: int = 0
 
     @property
     def bm(self) -> int:
@@ -131,15 +134,21 @@ class WgmmaTile:
 
     @property
     def options(self) -> list[str]:
-        return [f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_WS={self.ws}", f"-DWG_TMA={self.tma}"]
+        return [f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_WS={self.ws}", f"-DWG_TMA={self.tma}",
+                f"-DWG_SWIGLU={self.swiglu}"]
 
-    def values(self) -> tuple[int, int, int, int]:
-        return (self.bn, self.stages, self.ws, self.tma)
+    def values(self) -> tuple[int, int, int, int, int]:
+        return (self.bn, self.stages, self.ws, self.tma, self.swiglu)
 
     @property
     def b_box_bytes(self) -> int:
-        """Bytes one B stage holds (bn rows of 64 bf16): the tensor copy's box, what TMA mode's expect_tx counts."""
+        """Bytes one B stage holds (bn rows of 64 bf16): what TMA mode's expect_tx counts per stage."""
         return self.bn * WGMMA_BK * 2
+
+    @property
+    def b_box_rows(self) -> int:
+        """Rows of B one tensor copy brings (the map's box): the whole stage, or a quarter in SwiGLU mode."""
+        return self.bn // 4 if self.swiglu else self.bn
 
     def grid(self, n: int, cap: int, experts: int) -> tuple[int, int, int]:
         """The launch grid over C [experts][cap][n]: ceil(n / bn) x ceil(cap / 128) x experts."""
@@ -148,11 +157,13 @@ class WgmmaTile:
     def check(self) -> None:
         """ValueError when the kernel would refuse the shape at compile time (its #error lines)."""
         if (self.bn not in (128, 256) or self.stages < 3 or self.smem > WGMMA_SMEM_MAX or self.ws not in (0, 1)
-                or self.tma not in (0, 1) or (self.tma and not self.ws)):
+                or self.tma not in (0, 1) or (self.tma and not self.ws) or self.swiglu not in (0, 1)
+                or (self.swiglu and not self.tma)):
             raise ValueError(f"ep_gemm_wgmma.cu takes WG_BN 128 or 256 and WG_STAGES >= 3 within "
                              f"{WGMMA_SMEM_MAX} bytes of shared memory, WG_WS 0 or 1, WG_TMA 0 or 1 (1 only with "
-                             f"WG_WS 1); got WG_BN {self.bn}, WG_STAGES {self.stages} ({self.smem} bytes), "
-                             f"WG_WS {self.ws}, WG_TMA {self.tma}")
+                             f"WG_WS 1), WG_SWIGLU 0 or 1 (1 only with WG_TMA 1); got WG_BN {self.bn}, WG_STAGES "
+                             f"{self.stages} ({self.smem} bytes), WG_WS {self.ws}, WG_TMA {self.tma}, "
+                             f"WG_SWIGLU {self.swiglu}")
 
 
 def wgmma_tile_of(source: str, options: Sequence[str] = ()) -> WgmmaTile:
@@ -164,6 +175,21 @@ def wgmma_tile_of(source: str, options: Sequence[str] = ()) -> WgmmaTile:
 def wgmma_tile(manifest: str = "ep_moe") -> WgmmaTile:
     """The shape a built-in manifest compiles ep_wgmma_gemm_gather with (its source and options)."""
     return wgmma_tile_of(*_builtin_kernel(manifest, "ep_wgmma_gemm_gather"))
+
+
+def swiglu_tile(manifest: str = "ep_moe") -> WgmmaTile:
+    """The shape a built-in manifest compiles its SwiGLU gate/up GEMM with (ep_wgmma_swiglu_gather); ValueError
+    when that kernel is not built in SwiGLU mode (its map's box would then be the wrong size)."""
+    import json
+
+    from tray.manifest.builtin import builtin_dir, builtin_path
+
+    spec = next(k for k in json.loads(builtin_path(manifest).read_text())["kernels"]
+                if k["name"] == "ep_wgmma_swiglu_gather")
+    tile = wgmma_tile_of((builtin_dir() / spec["source"]).read_text(), spec.get("options", ()))
+    if not tile.swiglu:
+        raise ValueError(f"{manifest}'s ep_wgmma_swiglu_gather is not compiled with -DWG_SWIGLU=1: {spec['options']}")
+    return tile
 
 
 def require_wgmma(capability: tuple[int, int]) -> None:

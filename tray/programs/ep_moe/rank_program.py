@@ -49,16 +49,16 @@ MOVE_THREADS = 512
 # ("fp8": the peer path with the FP8 dispatch, --dispatch bf16,fp8)
 LAYER_OF = {"peer": "layer", "ll": "layer_ll", "nccl": "layer_nccl", "fp8": "layer_fp8"}
 # the kernels of the device-count-driven expert phase, per --gemm that uses them (masked: mma.sync, any size;
-# wgmma: Hopper warpgroup MMA, sm_90a only: a 4-stage ring, and for large batches a 3-stage one with the weights
-# by TMA); the others are never compiled
+# wgmma: Hopper warpgroup MMA, sm_90a only: a 4-stage ring, and for large batches a 3-stage one, the weights by
+# TMA, the gate/up GEMM writing silu(gate) * up itself); the others are never compiled
 GEMM_KERNELS = {
     "ep_masked_gemm": ("masked",),
     "ep_masked_gemm_gather": ("masked",),
     "ep_wgmma_gemm": ("wgmma",),
-    "ep_wgmma_gemm_gather": ("wgmma",),
+    "ep_wgmma_swiglu_gather": ("wgmma",),
     "ep_wgmma_gemm_tma": ("wgmma",),
-    "ep_wgmma_gemm_gather_tma": ("wgmma",),
-    "ep_silu_mul_rows": ("masked", "wgmma"),
+    "ep_wgmma_swiglu_gather_tma": ("wgmma",),
+    "ep_silu_mul_rows": ("masked",),
 }
 # the program of the expert phase per device-count-driven --gemm
 EXPERTS_PROGRAM = {"masked": "experts_masked", "wgmma": "experts_wgmma"}
@@ -167,17 +167,20 @@ class MoeRank:
         self.fill("w2", L * H, F, L * H * F, seed * 8 + SEED_W2, 3.0 / math.sqrt(F))
 
     def encode_weight_maps(self) -> None:
-        """The tensor maps through which the wgmma programs' TMA reads w13 [L][2F][H] and w2 [L][H][F]
-        (boxes of 64 x 256), into wg_tmaps: w13's at 0, w2's at 128. Only for the wgmma GEMMs on a GPU (the host
-        twins read the weights directly)."""
+        """The tensor maps through which the wgmma programs' TMA reads w13 [L][2F][H] and w2 [L][H][F] into
+        wg_tmaps: w13's in boxes of 64 x 256 at 0, w2's (64 x 256) at 128, w13's for the SwiGLU gate/up GEMM (its
+        gate and up boxes, 64 x 64) at 256. Only for the wgmma GEMMs on a GPU (the host twins read the weights
+        directly)."""
         if self.cfg["gemm"] != "wgmma" or self.cfg["backend"] != "cuda":
             return
+        from tray.programs.ep_moe.gemm_tile import swiglu_tile
         from tray.programs.ep_moe.tma import encode_weight_map, write_weight_maps
 
         H, F, L = self.hidden, self.ffn, self.local
         w13, w2 = self.rank.buffer("w13"), self.rank.buffer("w2")
         write_weight_maps(self.backend, self.rank.buffer("wg_tmaps"),
-                          [encode_weight_map(w13.ptr, L, 2 * F, H, 256), encode_weight_map(w2.ptr, L, H, F, 256)])
+                          [encode_weight_map(w13.ptr, L, 2 * F, H, 256), encode_weight_map(w2.ptr, L, H, F, 256),
+                           encode_weight_map(w13.ptr, L, 2 * F, H, swiglu_tile().b_box_rows)])
 
     def warm(self) -> None:
         """Load every kernel used and (--gemm cublas) make the cuBLAS handle before any barrier: first-use

@@ -2,8 +2,9 @@
 
 B is [experts][N][K] bf16, K-major and dense (nn.Linear weights, one expert after another). Its map is 3-D,
 dimensions innermost first: {K, N, experts} elements, byte strides {2 K, 2 N K} for dimensions 1 and 2 (the
-driver takes dimension 0 as contiguous), a box of {64, bn, 1} (one K tile of the block's bn rows of one
-expert: the kernel's stage of B, 128 bytes a row), element strides 1, no interleave, the 128-byte swizzle
+driver takes dimension 0 as contiguous), a box of {64, rows, 1} (one K tile of `rows` rows of one expert, 128
+bytes a row: the kernel's whole stage of B, WG_BN rows, or in SwiGLU mode a quarter of it, WgmmaTile.b_box_rows),
+element strides 1, no interleave, the 128-byte swizzle
 (row r's 16-byte chunk c lands at chunk c ^ (r % 8) of its 1024-byte atom: the layout the kernel's wgmma
 descriptors read), L2 promotion of 256 bytes, and out-of-bounds elements filled with zeros (columns past K,
 rows past N: the masking the cp.async path does by zero-filling).
@@ -58,14 +59,19 @@ class TiledMapArgs:
         return n
 
 
+BOX_ROWS = (32, 64, 128, 256)  # WG_BN (128 or 256) rows, or a quarter of them (SwiGLU mode's gate / up boxes)
+
+
 def weight_map_args(experts: int, n: int, k: int, bn: int) -> TiledMapArgs:
-    """The tensor map fields for B [experts][n][k] bf16 read in boxes of 64 (k) x bn rows of one expert.
+    """The tensor map fields for B [experts][n][k] bf16 read in boxes of 64 (k) x bn rows of one expert (bn: the
+    box's rows, WgmmaTile.b_box_rows).
 
     Raises ValueError (naming what was expected and seen) for shapes the driver would refuse or the kernel
-    does not take: k % 8 != 0 (a row's byte stride must be a multiple of 16), bn not 128 or 256, a count < 1
+    does not take: k % 8 != 0 (a row's byte stride must be a multiple of 16), bn not one of BOX_ROWS, a count < 1
     or a dimension or stride past the driver's limits."""
-    if bn not in (128, 256):
-        raise ValueError(f"the weights' box is one kernel tile of WG_BN rows, 128 or 256; got {bn}")
+    if bn not in BOX_ROWS:
+        raise ValueError(f"the weights' box is a kernel tile of WG_BN rows (128 or 256) or a quarter of one (SwiGLU "
+                         f"mode), so 32, 64, 128 or 256 rows; got {bn}")
     if experts < 1 or n < 1 or k < 1:
         raise ValueError(f"B [experts][N][K] needs every extent >= 1; got [{experts}][{n}][{k}]")
     if k % 8:

@@ -723,6 +723,35 @@ def ep_wgmma_gemm_gather_tma(backend: Any, grid: Any, block: Any, a: int, a_inde
     ep_wgmma_gemm_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k)
 
 
+@twin("ep_wgmma_swiglu_gather")
+def ep_wgmma_swiglu_gather(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
+                           cap: int, n_units: int, n_factor: int, k: int, tmap: int) -> None:
+    """ep_gemm_wgmma.cu's gather entry in SwiGLU mode: C = act [experts][cap][ffn] (ffn = n_units, n_factor 2),
+    the gate/up GEMM's rows rounded to bf16 and then ep_silu_mul_rows's arithmetic, so the bytes are those of the
+    gather entry into h13 followed by ep_silu_mul_rows (the h13 rows here live only in a host array)."""
+    if n_factor != 2:
+        raise ValueError(f"SwiGLU mode reads gate and up rows of B [experts][2 ffn][K]: n_factor 2, got {n_factor}")
+    experts = int(grid[2])
+    present = np.minimum(_at(rows, experts, np.int32), cap)
+    index = _at(a_index, experts * cap, np.int32).astype(np.int64)
+    read = (np.arange(cap)[None, :] < present[:, None]).reshape(-1)
+    a_all = _rows(a, int(index[read].max(initial=-1)) + 1, k)
+    b_rows = _rows(b, experts * 2 * n_units, k)
+    c_rows = _rows(c, experts * cap, n_units)
+    for e in np.flatnonzero(present > 0):
+        count = int(present[e])
+        w = bf16_bits_to_f32(b_rows[e * 2 * n_units : (e + 1) * 2 * n_units])
+        h13 = f32_to_bf16_bits(bf16_bits_to_f32(a_all[index[e * cap : e * cap + count]]) @ w.T)
+        c_rows[e * cap : e * cap + count] = silu_mul_bits(h13, n_units)
+
+
+@twin("ep_wgmma_swiglu_gather_tma")
+def ep_wgmma_swiglu_gather_tma(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
+                               cap: int, n_units: int, n_factor: int, k: int, tmap: int) -> None:
+    """The 3-stage build of ep_wgmma_swiglu_gather: the same values."""
+    ep_wgmma_swiglu_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k, tmap)
+
+
 @twin("ep_reduce")
 def ep_reduce(
     backend: Any,
