@@ -18,7 +18,9 @@ Timed per case, median of `--repeats` graph replays after a warm-up (device even
                    manifest's shape (the layer's `experts_wgmma`); _ws_: the warp-specialized block (WG_WS 1);
                    _wsp_: it persistent (ep_wgmma_gemm_tiles_gather + ep_wgmma_gemm_tiles, one block per SM);
                    _tma_: the warp-specialized block with the weights by tensor copies (WG_TMA 1, a tensor map
-                   per weight encoded here: tray/programs/ep_moe/tma.py); _tmap_: it persistent
+                   per weight encoded here: tray/programs/ep_moe/tma.py); _tmap_: it persistent; _swiglu_: the
+                   gate/up GEMM in SwiGLU mode (WG_SWIGLU 1: it writes act = silu(gate) * up, no h13 and no
+                   activation kernel), w2 by the plain build of the same ring: the manifest's shape
   cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
                    (the in-graph baseline: the counts live on the device)
   cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
@@ -34,6 +36,10 @@ twice that (both are one bf16 rounding of nearly the same float32 sum); write ev
 give the same bytes on a second run (deterministic); and its dense entry over the slab must give the
 gather's bytes. A failed check fails the run (exit 1) after every case has printed what it found (the first
 mismatches: expert, row, column, got, want).
+A SwiGLU variant's act must equal the plain build's h13 (same ring) through ep_silu_mul_rows, byte for byte.
+Then the layer's phases (ALTERNATE) are timed again in alternation, round after round, so a drift of the clocks
+over the run reaches them alike ("alternating": the median of each phase's round medians, and the rounds); the
+ratios to cuBLAS quoted for the layer come from there.
 Bytes: the weight bytes of the experts with rows (w13 + w2), plus the A rows read and C rows written.
 """
 
@@ -59,10 +65,10 @@ from tray.programs.ep_moe.twins import silu_mul_bits
 WARMUP = 3
 # ep_silu_mul_rows's blocks per expert (grid x; y: the experts), as the manifest launches it
 SILU_BLOCKS_X = 32
-# the expert phases timed again in alternation with cuBLAS over the exact rows: the layer's wgmma shapes (decode:
-# `wgmma`, the manifest's; prefill: the 3-stage ring in SwiGLU mode) and the plain 3-stage ring they replace
-ALTERNATE = ("wgmma", "wgmma_swiglu_n256s3", "wgmma_tma_n256s3", "cublas_rows")
-ALTERNATE_ROUNDS = 5
+# the expert phases timed again in alternation with cuBLAS over the exact rows: the layer's (`wgmma`, the manifest's
+# shape), the 3-stage SwiGLU ring, and the plain TMA rings with the activation kernel it replaces
+ALTERNATE = ("wgmma", "wgmma_swiglu_n256s3", "wgmma_tma_n256s4", "wgmma_tma_n256s3", "cublas_rows")
+ALTERNATE_ROUNDS = 7
 
 
 @dataclass(frozen=True)

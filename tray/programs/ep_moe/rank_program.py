@@ -49,35 +49,21 @@ MOVE_THREADS = 512
 # ("fp8": the peer path with the FP8 dispatch, --dispatch bf16,fp8)
 LAYER_OF = {"peer": "layer", "ll": "layer_ll", "nccl": "layer_nccl", "fp8": "layer_fp8"}
 # the kernels of the device-count-driven expert phase, per --gemm that uses them (masked: mma.sync, any size;
-# wgmma: Hopper warpgroup MMA, sm_90a only: a 4-stage ring, and for large batches a 3-stage one, the weights by
-# TMA, the gate/up GEMM writing silu(gate) * up itself); the others are never compiled
+# wgmma: Hopper warpgroup MMA, sm_90a only: a 4-stage ring, the weights by TMA, the gate/up GEMM writing
+# silu(gate) * up itself); the others are never compiled
 GEMM_KERNELS = {
     "ep_masked_gemm": ("masked",),
     "ep_masked_gemm_gather": ("masked",),
     "ep_wgmma_gemm": ("wgmma",),
     "ep_wgmma_swiglu_gather": ("wgmma",),
-    "ep_wgmma_gemm_tma": ("wgmma",),
-    "ep_wgmma_swiglu_gather_tma": ("wgmma",),
     "ep_silu_mul_rows": ("masked",),
 }
-# the program of the expert phase per device-count-driven --gemm
+# the program of the expert phase per device-count-driven --gemm.
+# NOTE: one wgmma program at every batch: with the gate/up GEMM in SwiGLU mode the 4-stage ring was the faster at
+# 4096 tokens per EP2 rank too (one H200, phases timed in alternation: 6148 / 4858 µs uniform / zipf against
+# 6695 / 5268 for 3 stages; at 128 tokens 2618 / 2468 against 2710 / 2550; bench/results/h200/
+# expert_gemm_swiglu.json)
 EXPERTS_PROGRAM = {"masked": "experts_masked", "wgmma": "experts_wgmma"}
-# NOTE: the wgmma GEMMs by batch, both the warp-specialized block with the weights by TMA: on one H200 a 4-stage
-# ring was the faster at 128 tokens per EP2 rank (8 rows per expert on average: 2615 / 2465 µs uniform / zipf
-# against 2697 / 2537 for 3 stages and 2769 / 2592 for the plain block, bench/results/h200/
-# expert_gemm_wgmma_tma_decode.json), a 3-stage one at 4096 (256 rows: 6618 / 5074 against 6474 / 5291 for 4,
-# expert_gemm_wgmma_tma.json); between them it is unmeasured, and the switch is at one full M tile (128 rows)
-# per expert on average
-WGMMA_PREFILL_ROWS = 128
-
-
-def experts_program(gemm: str, layer_tokens: int, topk: int, experts: int) -> str:
-    """The experts program of a device-count-driven --gemm for a layer of `layer_tokens` tokens over all ranks:
-    wgmma's 3-stage ring (experts_wgmma_prefill) once the mean rows per expert, layer_tokens * topk / experts,
-    reach WGMMA_PREFILL_ROWS. EP-N and EP1 of one layer get the same program (their bytes must match)."""
-    if gemm == "wgmma" and layer_tokens * topk >= WGMMA_PREFILL_ROWS * experts:
-        return "experts_wgmma_prefill"
-    return EXPERTS_PROGRAM[gemm]
 
 
 def resolve_gemm(gemm: str, backend: str, capability: tuple[int, int] | None) -> str:
@@ -216,9 +202,7 @@ class MoeRank:
         ("fanout": that kernel alone)."""
         masked = self.cfg["gemm"] in EXPERTS_PROGRAM
         if masked:
-            # v["tokens"] is per rank; EP1 (world 1) holds the whole layer's
-            experts: Steps = [(experts_program(self.cfg["gemm"], v["tokens"] * self.world, self.topk, self.experts),
-                               v)]
+            experts: Steps = [(EXPERTS_PROGRAM[self.cfg["gemm"]], v)]
             fanout: Steps = []
         else:
             experts = [("expert", {**v, "e": e}) for e in range(self.local)]

@@ -694,33 +694,10 @@ def ep_masked_gemm_gather(
 @twin("ep_wgmma_gemm")
 def ep_wgmma_gemm(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, rows: int, cap: int, n_units: int,
                   n_factor: int, k: int, tmap: int = 0) -> None:
-    """ep_gemm_wgmma.cu's dense entry: ep_masked_gemm's contract and the same host arithmetic (grid z =
-    experts; the x and y extents follow the wgmma tile, which the host does not need). `tmap`, the TMA build's
-    tensor map of the weights, describes `b`, which the twin reads directly."""
+    """ep_gemm_wgmma.cu's dense entry (the manifest's TMA build): ep_masked_gemm's contract and the same host
+    arithmetic (grid z = experts; the x and y extents follow the wgmma tile, which the host does not need). `tmap`,
+    the tensor map of the weights, describes `b`, which the twin reads directly."""
     ep_masked_gemm(backend, grid, block, a, b, c, rows, cap, n_units, n_factor, k)
-
-
-@twin("ep_wgmma_gemm_gather")
-def ep_wgmma_gemm_gather(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
-                         cap: int, n_units: int, n_factor: int, k: int, tmap: int = 0) -> None:
-    """ep_gemm_wgmma.cu's gather entry: ep_masked_gemm_gather's contract and host arithmetic (`tmap`: as in
-    ep_wgmma_gemm)."""
-    ep_masked_gemm_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k)
-
-
-@twin("ep_wgmma_gemm_tma")
-def ep_wgmma_gemm_tma(backend: Any, grid: Any, block: Any, a: int, b: int, c: int, rows: int, cap: int, n_units: int,
-                      n_factor: int, k: int, tmap: int) -> None:
-    """The TMA build of the dense entry: the same values; the tensor map (the weights' address and shape, for the
-    GPU's copies) names nothing the twin does not read from `b` directly."""
-    ep_wgmma_gemm(backend, grid, block, a, b, c, rows, cap, n_units, n_factor, k)
-
-
-@twin("ep_wgmma_gemm_gather_tma")
-def ep_wgmma_gemm_gather_tma(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
-                             cap: int, n_units: int, n_factor: int, k: int, tmap: int) -> None:
-    """The TMA build of the gather entry (see ep_wgmma_gemm_tma)."""
-    ep_wgmma_gemm_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k)
 
 
 @twin("ep_wgmma_swiglu_gather")
@@ -743,13 +720,6 @@ def ep_wgmma_swiglu_gather(backend: Any, grid: Any, block: Any, a: int, a_index:
         w = bf16_bits_to_f32(b_rows[e * 2 * n_units : (e + 1) * 2 * n_units])
         h13 = f32_to_bf16_bits(bf16_bits_to_f32(a_all[index[e * cap : e * cap + count]]) @ w.T)
         c_rows[e * cap : e * cap + count] = silu_mul_bits(h13, n_units)
-
-
-@twin("ep_wgmma_swiglu_gather_tma")
-def ep_wgmma_swiglu_gather_tma(backend: Any, grid: Any, block: Any, a: int, a_index: int, b: int, c: int, rows: int,
-                               cap: int, n_units: int, n_factor: int, k: int, tmap: int) -> None:
-    """The 3-stage build of ep_wgmma_swiglu_gather: the same values."""
-    ep_wgmma_swiglu_gather(backend, grid, block, a, a_index, b, c, rows, cap, n_units, n_factor, k, tmap)
 
 
 @twin("ep_reduce")
