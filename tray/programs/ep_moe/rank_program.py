@@ -62,7 +62,7 @@ GEMM_KERNELS = {
 # NOTE: one wgmma program at every batch: with the gate/up GEMM in SwiGLU mode the 4-stage ring was the faster at
 # 4096 tokens per EP2 rank too (one H200, phases timed in alternation: 6148 / 4858 µs uniform / zipf against
 # 6695 / 5268 for 3 stages; at 128 tokens 2618 / 2468 against 2710 / 2550; bench/results/h200/
-# expert_gemm_swiglu.json)
+# expert_gemm_swiglu_stages.json)
 EXPERTS_PROGRAM = {"masked": "experts_masked", "wgmma": "experts_wgmma"}
 
 
