@@ -46,6 +46,10 @@ typedef unsigned long long u64;
 #ifndef COMBINE_BATCH
 #define COMBINE_BATCH 3
 #endif
+// LL_PHASES 1: the low-latency kernels' diagnosis build (per-phase stamps, see ep_dispatch_ll); 0: production
+#ifndef LL_PHASES
+#define LL_PHASES 0
+#endif
 #if COMBINE_BATCH < 1
 #error "COMBINE_BATCH: expert rows whose loads are issued at once, at least 1"
 #endif
@@ -688,6 +692,93 @@ __device__ __forceinline__ void wait_members(const unsigned long long* flags, un
     __syncthreads();
 }
 
+#if LL_PHASES
+// Diagnosis build of the two kernels (manifest kernels ep_dispatch_ll_phases / ep_combine_ll_phases, compiled
+// with -DLL_PHASES=1; the production build, LL_PHASES 0, has none of this). Thread 0 of each block stamps the
+// boundaries of the kernel's phases (in shared memory) and, at the end, writes one record of LL_PHASE_WORDS u64 to
+//   phases[((epoch % phase_launches) * 2 + kernel) * phase_blocks + block]   (kernel 0 dispatch, 1 combine)
+// words 0 .. LL_STAMPS-1: %globaltimer (ns) at each boundary; LL_STAMPS .. 2 LL_STAMPS-1: clock64() (SM
+// cycles) at the same boundaries; 14: the SM id; 15: the launch's epoch (from ll_state: each launch of a run
+// of back-to-back launches lands in its own slot, and the epoch says which launch a record is). Unused
+// stamps are 0. Boundaries (stamp i):
+//   dispatch: 0 entry, 1 rows and routing sent (every warp of the block past publish), 2 grid barrier passed,
+//             3 announced (block 0 stored the epoch into every member's flag; other blocks: nothing to do),
+//             4 members waited (the acquire done), 5 layout done (every thread), 6 fanout done (with a slab)
+//   combine:  0 entry, 1 rows combined and sent, 2 grid barrier passed, 3 announced, 4 members waited,
+//             5 reduce done
+// Which stamp to trust for what: clock64 counts the SM's cycles exactly but only within one SM (each SM has
+// its own counter): per-block phase durations come from its deltas, converted with the SM clock measured in
+// the same run (ep_ll_clock). %globaltimer is one clock for the whole GPU, so it orders blocks against each
+// other (the kernel's span: the last block's boundary minus the first block's entry), but it updates at a
+// coarse granularity on some GPUs (up to 1 us): trust its differences to about that, never for a sub-µs
+// phase of one block. Blocks beyond phase_blocks are not recorded (the host sizes phase_blocks >= grid).
+// The stamps add two __syncthreads per kernel (after the sends, before the end) so that a block's boundary
+// is its last warp's, and one record store per block at the end: the diagnosis build's own timing is
+// reported beside the production figure, so what the instrument costs is seen.
+#define LL_STAMPS 7
+#define LL_PHASE_WORDS 16
+
+struct LlStamps {
+    unsigned long long ns[LL_STAMPS];
+    long long cycles[LL_STAMPS];
+};
+
+__device__ __forceinline__ void ll_stamp(LlStamps& s, int i) {
+    if (threadIdx.x == 0) {
+        s.cycles[i] = clock64();
+        s.ns[i] = globaltimer_ns();
+    }
+}
+
+__device__ __forceinline__ unsigned int ll_smid() {
+    unsigned int id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
+
+// Thread 0: the block's record (see above); stamps `used` .. LL_STAMPS-1 are written as 0.
+__device__ __forceinline__ void ll_record(unsigned long long* phases, int kernel, unsigned long long epoch,
+                                          int phase_launches, int phase_blocks, const LlStamps& s, int used) {
+    if (threadIdx.x != 0 || phases == 0 || phase_launches < 1 || (int)blockIdx.x >= phase_blocks) {
+        return;
+    }
+    const unsigned long long slot = epoch % (unsigned long long)phase_launches;
+    unsigned long long* r = phases + ((slot * 2ull + (unsigned long long)kernel) * (unsigned long long)phase_blocks +
+                                      blockIdx.x) * LL_PHASE_WORDS;
+    for (int i = 0; i < LL_STAMPS; ++i) {
+        r[i] = i < used ? s.ns[i] : 0ull;
+        r[LL_STAMPS + i] = i < used ? (unsigned long long)s.cycles[i] : 0ull;
+    }
+    r[2 * LL_STAMPS] = ll_smid();
+    r[2 * LL_STAMPS + 1] = epoch;
+}
+
+// The SM clock against %globaltimer, to convert the records' cycles: one thread spins from a globaltimer tick to
+// the first tick at least spin_ns later and writes out[0..3] = {ns0, cycles0, ns1, cycles1}. Both ends are taken
+// at a tick (the first read after the value changed), so the coarse update granularity costs only a read's few
+// ns: over 1 ms, well under 0.1 % at 1 us granularity.
+extern "C" __global__ void ep_ll_clock(unsigned long long* out, unsigned long long spin_ns) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) {
+        return;
+    }
+    const unsigned long long first = globaltimer_ns();
+    unsigned long long ns0, ns1;
+    long long c0, c1;
+    do {
+        c0 = clock64();
+        ns0 = globaltimer_ns();
+    } while (ns0 == first);
+    do {
+        c1 = clock64();
+        ns1 = globaltimer_ns();
+    } while (ns1 - ns0 < spin_ns);
+    out[0] = ns0;
+    out[1] = (unsigned long long)c0;
+    out[2] = ns1;
+    out[3] = (unsigned long long)c1;
+}
+#endif
+
 // dispatch_ll: ep_dispatch, then (after every member's rows and routing arrived) the layout of ep_layout_*
 // (route_row, slot_src, expert_rows, err), and with a slab (the cuBLAS baseline) the fanout of ep_fanout,
 // in one kernel. Arguments as those kernels', plus
@@ -723,7 +814,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
                                                                 int experts,
                                                                 int G,
                                                                 int me,
-                                                                int cap) {
+                                                                int cap
+#if LL_PHASES
+                                                                ,
+                                                                unsigned long long* phases,
+                                                                int phase_blocks,
+                                                                int phase_launches
+#endif
+) {
+#if LL_PHASES
+    __shared__ LlStamps stamps;  // thread 0's, in shared memory: no registers held across the phases
+    ll_stamp(stamps, 0);
+#endif
     __shared__ int wcount[16];
     __shared__ unsigned long long epoch_s;
     const int tid = threadIdx.x;
@@ -735,13 +837,26 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
     }
     dispatch_rows(x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden, experts, G, me);
     publish(lane);
+#if LL_PHASES
+    __syncthreads();
+    ll_stamp(stamps, 1);
+#endif
     grid_sync(grid_counter, err);  // its __syncthreads also hands epoch_s to the block
     const unsigned long long epoch = epoch_s;
+#if LL_PHASES
+    ll_stamp(stamps, 2);
+#endif
     if (blockIdx.x == 0 && tid == 0) {
         state[0] = epoch;
     }
     announce(flag_peers, 0, epoch, G, me);
+#if LL_PHASES
+    ll_stamp(stamps, 3);
+#endif
     wait_members(flags, epoch, G, err);
+#if LL_PHASES
+    ll_stamp(stamps, 4);
+#endif
 
     const int local = experts / G;
     const unsigned int lo = (unsigned int)(me * local);
@@ -791,6 +906,14 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
             }
         }
     }
+#if LL_PHASES
+    __syncthreads();
+    ll_stamp(stamps, 5);
+    if (!slab) {
+        ll_record(phases, 0, epoch, phase_launches, phase_blocks, stamps, 6);
+        return;
+    }
+#endif
     if (!slab) {
         return;  // the kernel boundary publishes the layout to the expert GEMMs
     }
@@ -808,6 +931,11 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
         }
         copy_chunk((uint4*)(slab + (size_t)row * row_bytes), recv + (size_t)(w / topk) * nvec, nvec, chunk, lane);
     }
+#if LL_PHASES
+    __syncthreads();
+    ll_stamp(stamps, 6);
+    ll_record(phases, 0, epoch, phase_launches, phase_blocks, stamps, 7);
+#endif
 }
 
 // combine_ll: ep_combine, then (after every member's combine rows arrived) ep_reduce's sum, in one
@@ -833,7 +961,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
                                                                int experts,
                                                                int G,
                                                                int me,
-                                                               int groups) {
+                                                               int groups
+#if LL_PHASES
+                                                               ,
+                                                               unsigned long long* phases,
+                                                               int phase_blocks,
+                                                               int phase_launches
+#endif
+) {
+#if LL_PHASES
+    __shared__ LlStamps stamps;  // thread 0's, in shared memory: no registers held across the phases
+    ll_stamp(stamps, 0);
+#endif
     __shared__ unsigned long long epoch_s;
     const int tid = threadIdx.x;
     if (tid == 0) {
@@ -841,13 +980,26 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
     }
     combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups);
     publish(tid & 31);
+#if LL_PHASES
+    __syncthreads();
+    ll_stamp(stamps, 1);
+#endif
     grid_sync(grid_counter, err);
     const unsigned long long epoch = epoch_s;
+#if LL_PHASES
+    ll_stamp(stamps, 2);
+#endif
     if (blockIdx.x == 0 && tid == 0) {
         state[1] = epoch;
     }
     announce(flag_peers, G, epoch, G, me);
+#if LL_PHASES
+    ll_stamp(stamps, 3);
+#endif
     wait_members(flags + G, epoch, G, err);
+#if LL_PHASES
+    ll_stamp(stamps, 4);
+#endif
 
     const long long nvec = hidden / 8;
     const long long total = (long long)tokens * nvec;
@@ -882,6 +1034,11 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
         o.w = f32_to_bf16(acc[6]) | (f32_to_bf16(acc[7]) << 16);
         out[i] = o;
     }
+#if LL_PHASES
+    __syncthreads();
+    ll_stamp(stamps, 5);
+    ll_record(phases, 1, epoch, phase_launches, phase_blocks, stamps, 6);
+#endif
 }
 
 // --- FP8 dispatch (e4m3, one float32 scale per 128 values) --------------------------------------------------
