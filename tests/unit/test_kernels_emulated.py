@@ -23,6 +23,7 @@ import tray.programs.tp_mlp.twins
 import tray.twins
 from tray.backend.host import HostBackend
 from tray.dtypes import f32_to_bf16_bits
+from tray.programs.ep_moe import ll_phases
 from tray.programs.ep_moe.gemm_tile import NAMES, tile_of
 from tray.programs.ep_moe.twins import route_rows
 from tray.twins import lookup
@@ -59,6 +60,8 @@ static inline u64_t atomicOr(u64_t* p, u64_t v) { u64_t o = *p; *p |= v; return 
 static inline u64_t atomicMax(u64_t* p, u64_t v) { u64_t o = *p; if (v > o) *p = v; return o; }
 static inline u64_t atomicCAS(u64_t* p, u64_t c, u64_t v) { u64_t o = *p; if (o == c) *p = v; return o; }
 static u64_t emu_clock_ns = 0;  // %globaltimer: advances 1 us per read, so every spin ends
+static long long emu_cycles = 0;  // clock64(): advances 3 cycles per read (an SM's counter: monotone)
+static inline long long clock64() { return emu_cycles += 3; }
 static inline void __threadfence_system() {}
 static inline void __threadfence() {}
 static inline void __syncwarp() {}
@@ -328,6 +331,7 @@ PTX_ON_CPU = {
     'asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");':
         "value = *(const volatile unsigned long long*)addr;",
     'asm volatile("fence.acq_rel.sys;" ::: "memory");': "__threadfence_system();",
+    'asm volatile("mov.u32 %0, %%smid;" : "=r"(id));': "id = blockIdx.x;",
     'asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(addr), "l"(w0), "l"(w1) : "memory");':
         "((volatile unsigned long long*)addr)[0] = w0; ((volatile unsigned long long*)addr)[1] = w1;",
     'asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(addr) : "memory");':
@@ -415,11 +419,11 @@ def both(emulated, name, grid, block, make_args, arrays):
     return cuda_arrays, twin_arrays
 
 
-def emulate(emulated, name, grid, block, make_args, arrays):
-    """Run the emulated CUDA kernel on a copy of `arrays`; return it."""
+def emulate(emulated, name, grid, block, make_args, arrays, sig=None):
+    """Run the emulated CUDA kernel on a copy of `arrays`; return it. `sig`: its C parameters when not KERNELS'."""
     cuda_arrays = {k: v.copy() for k, v in arrays.items()}
     fn = getattr(emulated, f"run_{name}")
-    sig = KERNELS[next(f for f, ks in KERNELS.items() if name in ks)][name]
+    sig = sig or KERNELS[next(f for f, ks in KERNELS.items() if name in ks)][name]
     types = []
     for p in sig.split(","):
         p = p.strip()
@@ -872,6 +876,96 @@ def test_low_latency_kernels_name_a_silent_peer_and_end(emulated):
     }
     c = emulate(emulated, "ep_combine_ll", 1, 32, ll_combine_args(0, G, T, K, H, E, R), comb)
     assert c["err"].tolist() == [4, 0, 0, 2] and c["flags1"].tolist() == [1, 0, 1, 0]
+
+
+# the diagnosis build's parameters (ep_moe.cu, LL_PHASES 1): the production kernels' own, then the record buffer
+LL_PHASE_PARAMS = ", unsigned long long* ph, int pb, int pl"
+LL_PHASE_KERNELS = {
+    "ep_dispatch_ll": KERNELS["ep_moe.cu"]["ep_dispatch_ll"] + LL_PHASE_PARAMS,
+    "ep_combine_ll": KERNELS["ep_moe.cu"]["ep_combine_ll"] + LL_PHASE_PARAMS,
+    "ep_ll_clock": "unsigned long long* out, unsigned long long spin_ns",
+}
+
+
+@pytest.fixture(scope="module")
+def emulated_phases(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("emu_phases"), {"ep_moe.cu": LL_PHASE_KERNELS}, defines=("LL_PHASES=1",))
+
+
+def with_phases(make_args, slots, blocks):
+    def args(a):
+        return [*make_args(a), ptr(a["ph"]), blocks, slots]
+    return args
+
+
+def assert_record(rec, epoch, used):
+    """One block's record: `used` boundaries stamped in both clocks, strictly later each (the emulated clocks
+    advance on every read), the rest 0; the SM id (block 0 here) and the launch's epoch."""
+    ns, cycles = rec[: ll_phases.STAMPS].astype(np.int64), rec[ll_phases.STAMPS : 2 * ll_phases.STAMPS].astype(np.int64)
+    assert (ns[:used] > 0).all() and (np.diff(ns[:used]) > 0).all() and not ns[used:].any(), ns
+    assert (cycles[:used] > 0).all() and (np.diff(cycles[:used]) > 0).all() and not cycles[used:].any(), cycles
+    assert rec[ll_phases.SMID_WORD] == 0 and rec[ll_phases.EPOCH_WORD] == epoch
+
+
+@pytest.mark.parametrize("fanout", [False, True])
+def test_low_latency_phase_build_writes_the_same_bytes_and_stamps_every_boundary(emulated, emulated_phases, fanout):
+    """The diagnosis build (LL_PHASES 1) of dispatch_ll and combine_ll writes what the production build writes, byte
+    for byte, launch after launch (epochs, flags and grid counter included), and records each launch in its epoch's
+    slot: every boundary stamped in order in both clocks (the fanout's too when there is one), nothing in the block
+    slots beyond the grid; kernel_records finds the launches whole, summarize reads them, and ep_ll_clock's spin
+    gives the emulated clocks' ratio."""
+    rng = np.random.default_rng(11)
+    G, T, K, E, R, H = 1, 24, 3, 8, 2, 272
+    L, cap = E // G, 20
+    slots, blocks = 3, 2  # one block runs: the second block slot stays 0
+    idx = skewed_routing(rng, T, E, K)
+    arrays = {
+        "x": bf16_random(rng, (T, H)), "ti": idx, "tw": bf16_random(rng, (T, K)),
+        "recv0": np.zeros((T, H), np.uint16), "meta0": np.zeros((T, K), np.uint32),
+        "flags0": np.zeros(2 * G, np.uint64), "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
+        "rr": np.full((T, K), 7, np.int32), "ss": np.full(L * cap, -1, np.int32), "er": np.zeros(L, np.int32),
+        "slab": np.zeros((L * cap, H), np.uint16), "err": np.zeros(4, np.uint32),
+    }
+    ph = np.zeros((slots, 2, blocks, ll_phases.WORDS), np.uint64)
+    sig = LL_PHASE_KERNELS["ep_dispatch_ll"]
+    for launch in (1, 2):
+        make = ll_dispatch_args(0, G, T, K, H, E, cap, fanout)
+        prod = emulate(emulated, "ep_dispatch_ll", 1, 64, make, arrays)
+        diag = emulate(emulated_phases, "ep_dispatch_ll", 1, 64, with_phases(make, slots, blocks), {**arrays, "ph": ph},
+                       sig=sig)
+        assert_same(prod, diag)
+        assert prod["state"][0] == launch and prod["er"].any()
+        ph = diag["ph"]
+        assert_record(ph[launch % slots, 0, 0], launch, 7 if fanout else 6)
+        arrays = {k: v for k, v in prod.items() if k not in ("rp", "mp", "fp")}
+    comb = {
+        "y": bf16_wide(rng, (L * cap, H)), "meta": arrays["meta0"], "rr": arrays["rr"],
+        "comb0": np.zeros((R * T, H), np.uint16), "flags0": arrays["flags0"], "state": arrays["state"],
+        "gc": np.zeros(1, np.uint32), "ti": idx, "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
+    }
+    for launch in (1, 2):
+        make = ll_combine_args(0, G, T, K, H, E, R)
+        prod = emulate(emulated, "ep_combine_ll", 1, 64, make, comb)
+        diag = emulate(emulated_phases, "ep_combine_ll", 1, 64, with_phases(make, slots, blocks), {**comb, "ph": ph},
+                       sig=LL_PHASE_KERNELS["ep_combine_ll"])
+        assert_same(prod, diag)
+        assert prod["out"].any() and prod["state"][1] == launch
+        ph = diag["ph"]
+        assert_record(ph[launch % slots, 1, 0], launch, 6)
+        comb = {k: v for k, v in prod.items() if k not in ("cp", "fp")}
+    assert not ph[:, :, 1].any() and not ph[0].any()  # beyond the grid; the slot of epoch 3, never launched
+    clock = emulate(emulated_phases, "ep_ll_clock", 1, 32, lambda a: [ptr(a["out"]), 50_000],
+                    {"out": np.zeros(4, np.uint64)}, sig=LL_PHASE_KERNELS["ep_ll_clock"])["out"]
+    assert clock[2] - clock[0] >= 50_000
+    ghz = ll_phases.sm_clock_ghz(clock)
+    assert ghz == pytest.approx(3 / 1000)  # the shim's clocks: 3 cycles and 1000 ns a read
+    for kernel in ll_phases.KERNELS:
+        found = ll_phases.kernel_records(ph, kernel, 1, 2)
+        assert found.problems == [] and found.records.shape == (2, 1, ll_phases.WORDS)
+        s = ll_phases.summarize(kernel, found.records, ghz)
+        since = [s["since_entry_us"][b] for b in ll_phases.BOUNDARIES[kernel][1:]]
+        assert s["launches"] == 2 and all(b > a > 0 for a, b in zip(since, since[1:], strict=False)), s
+        assert all(p["median"] > 0 for p in s["phase_us"].values()), s
 
 
 def test_a_wrong_twin_is_caught(emulated, monkeypatch):

@@ -2,7 +2,7 @@
 
     tray bench ep-moe -n 4 [--tokens 128,4096] [--routing uniform,zipf] [--capacity 4|worst]
                       [--sms all,24] [--hidden 7168] [--experts 256] [--topk 8] [--expert-dim 2048]
-                      [--backend cuda|host] [--json PATH] [--plot PATH] [--nnodes N]
+                      [--backend cuda|host] [--json PATH] [--plot PATH] [--nnodes N] [--ll-phases]
 
 The head (this module) draws a routing per (routing kind, token count) from a seed: the router's output,
 topk_idx and topk_weights, which each rank uploads as device buffers. Everything after that happens on
@@ -32,6 +32,13 @@ What each figure (µs, captured graph replays, median, slowest rank) includes:
                  combine + reduce in one kernel, synchronised by device flags (no peer barrier, no kernel
                  boundary between the steps); layer_ll = dispatch_ll + experts + combine_ll. Its outputs are
                  checked against EP1 byte for byte like the others (EP1 runs the mode too)
+With --ll-phases (cuda, one node; after each run's normal timing and checks, at the first SM budget) the
+EP-N ranks also time the low-latency kernels' diagnosis builds (dispatch_ll_phases, combine_ll_phases: the
+same bytes, each block stamping its phase boundaries), captured as the production kernels are, and report
+per rank under runs[].ll_phases: per phase the span since the first block's entry (globaltimer) and the
+per-block durations (SM cycles over the SM clock measured in the same run), the diagnosis build's µs beside
+the production figure (what the stamps cost), and any record that failed its checks (then exit 1). See
+tray/programs/ep_moe/ll_phases.py for which clock to trust for what.
 The NCCL path runs the same kernels with local send buffers and two all-to-alls (routing words, then rows:
 a fixed upper bound of tokens rows per (source, destination) pair, so no count reaches the host), and one
 all-to-all back. Bytes: logical = tokens x topk rows per rank each way; NVLink = the (token, other rank)
@@ -126,6 +133,7 @@ class EpBenchArgs:
     nccl_timing: str = "captured"
     nnodes: int = 1
     dispatch: tuple[str, ...] = ("bf16",)
+    ll_phases: bool = False
 
 
 # what carries the rows between nodes in a job of several (DESIGN section 10: peer tables within a node)
@@ -184,6 +192,12 @@ def validate(a: EpBenchArgs) -> None:
     for b in a.budgets:
         if b != "all" and not (b.isdigit() and int(b) >= 1):
             raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
+    if a.ll_phases and (a.backend != "cuda" or a.nnodes > 1 or a.gemm == "cublas"):
+        raise UsageError(
+            "--ll-phases times the low-latency kernels' diagnosis build from the GPU's clocks: it needs --backend "
+            "cuda (the host twins have no clock), one node (the low-latency mode runs within a node) and the "
+            f"dispatch without fanout (--gemm masked, wgmma or auto); got --backend {a.backend}, --nnodes {a.nnodes}, "
+            f"--gemm {a.gemm}")
 
 
 def ran_gemm(asked: str, per_rank: list[dict[str, Any]], ep1: dict[str, Any]) -> str:
@@ -278,6 +292,22 @@ def launch_vars(a: EpBenchArgs, max_tokens: int, max_cap: int) -> dict[str, int]
     }
 
 
+def ll_phase_vars(a: EpBenchArgs) -> dict[str, int]:
+    """The EP-N tray's vars that size ll_phases for --ll-phases ({} without it: the manifest's one-record buffer)."""
+    from tray.programs.ep_moe.ll_phases import BLOCK_SLOTS, LAUNCH_SLOTS
+
+    return {"ll_phase_blocks": BLOCK_SLOTS, "ll_phase_launches": LAUNCH_SLOTS} if a.ll_phases else {}
+
+
+def ll_phases_of(per_rank: list[dict[str, Any]], i: int) -> dict[str, Any] | None:
+    """Run i's low-latency phase records of every rank ({"per_rank": [...], "ok": ...}), None when not taken."""
+    entries = [r["runs"][i].get("ll_phases") for r in per_rank]
+    if not any(entries):
+        return None
+    ok = all(e is not None and e["ok"] for e in entries)
+    return {"per_rank": entries, "ok": ok}
+
+
 def launch(
     a: EpBenchArgs, nprocs: int, runs: list[dict[str, Any]], vars_: dict[str, int], work: Path, name: str
 ) -> list[dict[str, Any]]:
@@ -298,6 +328,7 @@ def launch(
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
         "nccl_timing": a.nccl_timing,
         "dispatch": list(a.dispatch),
+        "ll_phases": a.ll_phases and nprocs > 1,
         "runs": runs,
     }
     # NOTE: a host rank is one CPU worker: with the BLAS's default of a thread per core, N ranks spin
@@ -486,6 +517,7 @@ def summarize(
             ratios["peer_eager_dispatch_combine_vs_nccl"] = (
                 (us["peer_eager"]["dispatch"] + us["peer_eager"]["combine"]) / dc["nccl"])
             ratios["peer_eager_layer_vs_nccl_layer"] = us["peer_eager"]["layer"] / us["nccl"]["layer"]
+        ll_entry = ll_phases_of(per_rank, i)
         runs.append(
             {
                 "label": label,
@@ -504,6 +536,8 @@ def summarize(
                 "sms": sms,
             }
         )
+        if ll_entry is not None:
+            runs[-1]["ll_phases"] = ll_entry
     return runs
 
 
@@ -618,6 +652,12 @@ def print_report(report: dict[str, Any]) -> None:
                 f"bound {c['fp8_tolerance']}; EP{G} FP8 rows differing from EP1 FP8 "
                 f"{c['fp8_rows_differ_from_ep1_fp8']}/{c['rows']}; after replays equal {c['fp8_after_replay_equal']}"
             )
+        if "ll_phases" in run:
+            from tray.programs.ep_moe.ll_phases import table
+
+            for rank, entry in enumerate(run["ll_phases"]["per_rank"]):
+                print(f"  {'':<16} low-latency phases, rank {rank}:")
+                print("\n".join(table(entry, indent=" " * 20)))
         rel = c["ep1_vs_float64_rel_err"]
         rel_text = (
             "not checked"
@@ -724,7 +764,8 @@ def run_ep_bench(a: EpBenchArgs) -> int:
             where = (f"tray: {len(runs_n)} runs x SM budgets {','.join(a.budgets)}" if a.nnodes == 1 else
                      f"job of {a.nnodes} nodes ({a.nprocs // a.nnodes} ranks each): {len(runs_n)} runs, peer and NCCL")
             stage("ep-moe", 2, 4, f"EP{a.nprocs} {where}")
-            per_rank = launch(a, a.nprocs, runs_n, launch_vars(a, max(a.tokens), max_cap), work, "epn")
+            per_rank = launch(a, a.nprocs, runs_n, {**launch_vars(a, max(a.tokens), max_cap), **ll_phase_vars(a)},
+                              work, "epn")
             done(f"EP{a.nprocs} done")
             stage("ep-moe", 3, 4, f"EP1 tray: {len(runs_1)} runs and the float64 reference")
             ep1 = launch(a, 1, runs_1, launch_vars(a, a.nprocs * max(a.tokens), max_cap), work, "ep1")[0]
@@ -757,7 +798,8 @@ def run_ep_bench(a: EpBenchArgs) -> int:
         "seed": a.seed,
         "repeats": a.repeats,
         "runs": runs,
-        "passed": all(r["checks"]["passed"] for r in runs),
+        "passed": all(r["checks"]["passed"] and r.get("ll_phases", {}).get("ok", True) for r in runs)
+        and (not a.ll_phases or all("ll_phases" in r for r in runs)),
         "setup_s": {"epn": max(r["setup_s"] for r in per_rank), "ep1": ep1["setup_s"]},
         "wall_s": time.perf_counter() - t0,
     }

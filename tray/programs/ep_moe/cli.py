@@ -49,6 +49,10 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
                    help="dispatch formats, comma-separated: bf16 (the baseline, always) and fp8 (e4m3 rows with a "
                    "float32 scale per 128 values, dequantized on the receiver: timed as dispatch_fp8 and layer_fp8, "
                    "checked against EP1's FP8 path, its error against bf16 and float64 reported; default bf16)")
+    b.add_argument("--ll-phases", action="store_true",
+                   help="after each run's timing, time the low-latency kernels' diagnosis build (cuda, one node) and "
+                   "report where their µs go, phase by phase per rank (runs[].ll_phases; "
+                   "tray/programs/ep_moe/ll_phases.py)")
     b.add_argument("--plot", default=None, help="PNG of latency vs tokens per rank (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_ep_moe)
 
@@ -91,6 +95,7 @@ def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
             nccl_timing=args.nccl_timing,
             nnodes=args.nnodes,
             dispatch=args.dispatch,
+            ll_phases=args.ll_phases,
             **extra,
         )
     )

@@ -16,7 +16,9 @@ NCCL path runs as on one node; the low-latency mode and the ceiling (peer-only) 
 The NCCL path's programs are timed as cfg["nccl_timing"] says: "captured" (default: graphs, as the peer
 path) or "eager" (launched from Python between an eager barrier and device events, the peer path's
 dispatch/combine/layer timed the same way beside them as `eager_*`, and its after-the-timing check an
-eager rerun). Each figure's timing is recorded in the run's `timing`. After every figure this rank's
+eager rerun). With cfg["ll_phases"] (one node, cuda) each run then times the low-latency kernels' diagnosis
+builds and records where their time goes, phase by phase (MoeRank.ll_phase_figures). Each figure's timing is
+recorded in the run's `timing`. After every figure this rank's
 result file is rewritten (`"complete": false` until the end), and the sampler appends each figure to
 `samples_<tag>.jsonl`, so a run that hangs or dies keeps what was measured before it.
 """
@@ -64,6 +66,13 @@ GEMM_KERNELS = {
 # 6695 / 5268 for 3 stages; at 128 tokens 2618 / 2468 against 2710 / 2550; bench/results/h200/
 # expert_gemm_swiglu_stages.json)
 EXPERTS_PROGRAM = {"masked": "experts_masked", "wgmma": "experts_wgmma"}
+# the low-latency kernels' diagnosis build (-DLL_PHASES=1) and its clock: loaded only for --ll-phases (cuda only)
+LL_PHASE_KERNELS = ("ep_dispatch_ll_phases", "ep_combine_ll_phases", "ep_ll_clock")
+# NOTE: ep_ll_clock's spin in the ll_clock program (manifests/ep_moe.json): 1 ms, so a 1 µs globaltimer granularity
+# costs at most 0.1 % of the measured SM clock
+LL_CLOCK_SPIN_NS = 1_000_000
+# err[0] bits of the low-latency kernels (ep_moe.cu): a member's flag never came; the grid barrier never flipped
+LL_WAIT_TIMEOUT, LL_GRID_TIMEOUT = 4, 16
 
 
 def resolve_gemm(gemm: str, backend: str, capability: tuple[int, int] | None) -> str:
@@ -178,6 +187,8 @@ class MoeRank:
         for k in self.rank.manifest.kernels:
             if self.cfg["gemm"] not in GEMM_KERNELS.get(k.name, (self.cfg["gemm"],)):
                 continue  # compiled only when used
+            if k.name in LL_PHASE_KERNELS and not self.cfg.get("ll_phases"):
+                continue  # the diagnosis build: only with --ll-phases (and no host twins)
             self.rank.kernel(k.name)
         if self.cfg["gemm"] == "cublas":  # NOTE: masked runs never load cuBLAS (its libraries: seconds cold)
             h13, slab, w13 = (self.rank.buffer(n) for n in ("h13", "slab", "w13"))
@@ -353,6 +364,62 @@ class MoeRank:
                 figures["ceiling_ce"] = self.copy_engine_ceiling(sampler, run["tokens"]) if i == 0 else float("nan")
                 save()
         return out
+
+    def ll_phase_figures(self, sampler: Any, run: dict[str, Any], v: dict[str, int], production: dict[str, float],
+                         eager_out: np.ndarray, expert_rows: np.ndarray) -> dict[str, Any]:
+        """Where the low-latency kernels' time goes (tray/programs/ep_moe/ll_phases.py): their diagnosis builds
+        (dispatch_ll_phases, combine_ll_phases: the same bytes, plus per-block phase stamps) timed as the
+        production ones are (captured, launches back to back in one graph, sampler.us), the records of the
+        last LAUNCH_SLOTS launches read back from ll_phases, checked and summarized per phase; the SM clock
+        measured by ll_clock (and the driver's attribute beside it). `v`: the run vars (the first SM budget);
+        `production`: that budget's figures (µs, dispatch_ll and combine_ll). The diagnosis builds must write
+        what the production ones do: after them `out` (poisoned first) must equal the low-latency path's eager
+        output `eager_out` (u16 [tokens, hidden]) and expert_rows the head's `expert_rows`; a difference is a
+        problem in the entry, as is a record that fails its checks. Every rank of the tray calls this in the
+        same order (the timings' barriers and the kernels' flags pair up). Raises TrayError when ll_phases
+        cannot hold the grid (the tray's ll_phase_blocks var)."""
+        from tray.programs.ep_moe import ll_phases as lp
+
+        block_slots = self.rank.buffer("ll_phases").shape[2]
+        if v["blocks"] > block_slots:
+            raise TrayError(f"ll_phases holds {block_slots} blocks per launch, the grid has {v['blocks']}: launch "
+                            f"the tray with --var ll_phase_blocks={v['blocks']} or more")
+        # the low-latency layer once, so y holds its expert outputs whatever layer ran last (the FP8 one's differ)
+        self.run(self.programs(v)[LAYER_OF["ll"]])
+        self.words("ll_phases", 0)
+        self.words("err", 0)
+        self.poison(run["tokens"])
+        self.backend.synchronize()
+        us = {}
+        for kernel in lp.KERNELS:
+            program = f"{kernel}_ll_phases"
+            us[kernel] = sampler.us(lambda p=program: self.run([(p, v)]), "captured",
+                                    label=f"{run['label']} sm{v['blocks']} {program}")
+        self.rank.run("ll_clock", v)
+        self.rank.synchronize()
+        phases, state = self.rank.read("ll_phases"), self.rank.read("ll_state")
+        err = [int(w) for w in self.rank.read("err")]
+        clock: dict[str, Any] = {"sm_ghz": lp.sm_clock_ghz(self.rank.read("ll_clock")), "spin_ns": LL_CLOCK_SPIN_NS}
+        if self.cfg["backend"] == "cuda":
+            from tray.backend.cuda import driver
+
+            clock["driver_ghz"] = driver.device_attribute(self.backend.device, "CLOCK_RATE") / 1e6
+        entry: dict[str, Any] = {"us_phases_build": us,
+                                 "us_production": {k: production.get(f"{k}_ll", float("nan")) for k in lp.KERNELS},
+                                 "clock": clock, "err_words": err, "problems": []}
+        if err[0] & (LL_WAIT_TIMEOUT | LL_GRID_TIMEOUT):
+            entry["problems"].append(f"a phase launch gave up waiting (err words {err}): its stamps time a timeout")
+        entry["out_equal"] = bool(np.array_equal(self.read_out(run["tokens"]), eager_out))
+        entry["expert_rows_equal"] = bool(np.array_equal(self.rank.read("expert_rows"), expert_rows))
+        if not (entry["out_equal"] and entry["expert_rows_equal"]):
+            entry["problems"].append(f"the diagnosis build wrote other bytes than the production kernels: out equal "
+                                     f"{entry['out_equal']}, expert_rows equal {entry['expert_rows_equal']}")
+        for k, kernel in enumerate(lp.KERNELS):
+            found = lp.kernel_records(phases, kernel, v["blocks"], int(state[k]))
+            entry["problems"] += found.problems
+            entry[kernel] = lp.summarize(kernel, found.records, clock["sm_ghz"])
+        entry["ok"] = not entry["problems"]
+        return entry
 
     def copy_engine_ceiling(self, sampler: Any, tokens: int) -> float:
         """The ceiling's bytes (tokens rows to every other rank, all ranks at once) moved by the copy
@@ -538,6 +605,11 @@ def run_all(rank: Any, moe: MoeRank, cfg: dict[str, Any], sampler: Any, budgets:
                 entry["checks"][f"{p}_after_replay_equal"] = moe.replayed_equal(tokens, progs[name], eager[p])
             save()
         progress(f"{label}: outputs after a replay checked", t_run)
+        if cfg.get("ll_phases") and "ll" in moe.paths:
+            entry["ll_phases"] = moe.ll_phase_figures(sampler, run, v, entry["us"][f"sm{v['blocks']}"], eager["ll"],
+                                                      inputs["expert_rows"])
+            save()
+            progress(f"{label}: low-latency phases recorded", t_run)
         if moe.ep1 and run.get("ref_tokens"):
             t_ref = time.perf_counter()
             ref = entry["reference"] = moe.reference(tokens, inputs, run["ref_tokens"], eager)
