@@ -380,3 +380,13 @@ def test_a_bad_checkpoint_fails_the_tray_naming_file_and_tensor(tray_env, tmp_pa
     run = tray_env.launch(2, LOAD_WEIGHTS, "--manifest", str(manifest))
     assert run.returncode != 0
     assert "ckpt.safetensors: no tensor 'experts.0.w2'" in run.output or "no tensor 'experts.4.w2'" in run.output
+
+
+def test_ll_phases_on_the_host_backend_is_a_usage_error(tray_env):
+    """--ll-phases reads the GPU's clocks: on the host backend (twins without a clock) it is refused before any tray
+    starts, saying what it needs."""
+    run = tray_env.run([sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "host", *TINY,
+                        "--ll-phases"])
+    assert run.returncode == 2, run.output
+    assert "--ll-phases times the low-latency kernels' diagnosis build" in run.stderr
+    assert "needs --backend cuda (the host twins have no clock)" in run.stderr and "got --backend host" in run.stderr
