@@ -6,7 +6,7 @@
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-wgmma ep-moe-nccl24
-# ep-moe-worst
+# ep-moe-worst ep-ll-phases
 # ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
@@ -169,6 +169,13 @@ for s in "${STAGES[@]}"; do
         ep-moe-cublas) stage_live ep_moe_cublas 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --sms all,24 --gemm cublas ${EP_ARGS:-} --json "$OUT/ep_moe_cublas.json" ;;
         # the NCCL path at the peer path's small SM budget: NCCL limited to 24 CTAs (recorded in the JSON's sms.nccl)
         ep-moe-nccl24) NCCL_MAX_CTAS=24 NCCL_MIN_CTAS=24 stage_live ep_moe_nccl24 240 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128,4096 --routing uniform --capacity 4 --sms 24 --gemm masked --json "$OUT/ep_moe_nccl24.json" ;;
+        # where the low-latency kernels' µs go: ep-moe-quick's runs (128 tokens/rank, uniform and zipf, every SM,
+        # masked GEMMs), then per rank the diagnosis build of dispatch_ll / combine_ll timed as the production ones
+        # and its per-block phase stamps summarized (runs[].ll_phases: span since the first block's entry per
+        # boundary, per-block phase µs from SM cycles over the SM clock measured in the run, the build's µs beside
+        # the production figure; a printed table per rank). Expected ~40 s at 2 ranks; bounded at 120 s. Run it
+        # at 2 ranks with N=2.
+        ep-ll-phases) stage_live ep_ll_phases 120 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm masked --ll-phases --json "$OUT/ep_moe_ll_phases.json" ;;
         # the capacity a graph must allow with no drop at all (every token of every rank on one expert)
         ep-moe-worst) stage_live ep_moe_worst 120 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity worst --sms all,24 --gemm masked --json "$OUT/ep_moe_worst.json" ;;
         # the FP8 dispatch beside the bf16 one (e4m3 rows + a float32 scale per 128 values, dequantized on the

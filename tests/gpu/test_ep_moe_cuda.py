@@ -82,6 +82,40 @@ def test_fp8_dispatch_bench_passes_on_gpu(tray_env, tmp_path):
         assert r["us"]["peer"]["dispatch_fp8"] > 0 and r["us"]["peer_sm8"]["dispatch_fp8"] > 0, r["us"]
 
 
+def test_ll_phases_record_every_phase_on_gpu(tray_env, tmp_path):
+    """--ll-phases on 2 GPUs: the diagnosis builds write the production bytes (out and expert_rows after their timed
+    launches equal the low-latency path's), every launch's records pass their checks (each block's epoch, every
+    boundary stamped, both clocks non-decreasing), and the figures are sane: the spans since the first block's
+    entry grow boundary by boundary and fit in one launch's period, the SM clock measured against globaltimer is
+    at most the driver's maximum and not far below it, and the stamps cost little beside the production figure."""
+    if visible_gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "ep.json"
+    cmd = [sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "cuda", "--tokens", "64",
+           "--hidden", "1024", "--experts", "32", "--topk", "4", "--expert-dim", "512", "--routing", "uniform,zipf",
+           "--sms", "all", "--gemm", "masked", "--repeats", "3", "--ll-phases", "--json", str(out)]
+    run = tray_env.run(cmd, timeout_s=600)
+    assert run.returncode == 0, run.output
+    assert "low-latency phases, rank 1:" in run.stdout and "dispatch: diagnosis build" in run.stdout
+    for r in json.loads(out.read_text())["runs"]:
+        phases = r["ll_phases"]
+        assert phases["ok"] and len(phases["per_rank"]) == 2, phases
+        for e in phases["per_rank"]:
+            assert e["out_equal"] and e["expert_rows_equal"] and e["problems"] == [], e
+            clock = e["clock"]
+            assert 0.3 * clock["driver_ghz"] < clock["sm_ghz"] < 1.02 * clock["driver_ghz"], clock
+            for kernel in ("dispatch", "combine"):
+                s = e[kernel]
+                assert s["launches"] >= 8 and s["blocks"] == r["sms"]["peer"], s
+                since = [s["since_entry_us"][b] for b in s["boundaries"][1:]]
+                assert all(0 <= a <= b for a, b in zip(since, since[1:], strict=False)) and since[-1] > 0, s
+                # NOTE: launches in one stream run one after another: a launch's span fits in its period (+ the
+                # globaltimer's coarse granularity)
+                assert since[-1] < 1.5 * e["us_phases_build"][kernel] + 2, (since, e["us_phases_build"])
+                assert all(p["median"] >= 0 and p["block0"] >= 0 for p in s["phase_us"].values()), s
+                assert e["us_phases_build"][kernel] < 1.5 * e["us_production"][kernel] + 3, e
+
+
 @pytest.mark.parametrize(
     "tokens, routing, capacity, gemm, nccl_timing",
     [
