@@ -390,3 +390,77 @@ def test_ll_phases_on_the_host_backend_is_a_usage_error(tray_env):
     assert run.returncode == 2, run.output
     assert "--ll-phases times the low-latency kernels' diagnosis build" in run.stderr
     assert "needs --backend cuda (the host twins have no clock)" in run.stderr and "got --backend host" in run.stderr
+
+
+LL_PHASE_PLUMBING = """
+import tray.programs.ep_moe.twins as ep
+from tray.bench.timing import Sampler
+from tray.programs.ep_moe.ll_phases import BOUNDARIES, STAMPS, WORDS
+from tray.programs.ep_moe.rank_program import LAYER_OF, MoeRank
+from tray.twins import u64_at
+
+# Stand-ins for the diagnosis build (the host backend has no clock): the production twin, then a record per block
+# with a counter for both clocks, in the launch's epoch slot, as ep_moe.cu's LL_PHASES build lays them out. What
+# is tested is the rank side: the programs, the buffer's shape, reading back, checking, summarizing.
+ticks = [10**6]
+
+def stand_in(kernel, twin, state_arg):
+    n = len(BOUNDARIES[("dispatch", "combine")[kernel]])
+    def run(backend, grid, block, *args):
+        *prod, phases, blocks, launches = args
+        twin(backend, grid, block, *prod)
+        epoch = int(u64_at(prod[state_arg], 2)[kernel])
+        all_records = u64_at(phases, launches * 2 * blocks * WORDS).reshape(launches, 2, blocks, WORDS)
+        rec = all_records[epoch % launches, kernel]
+        for b in range(grid[0]):
+            stamps = ticks[0] + 1000 * np.arange(n) + 10 * b
+            rec[b, :n], rec[b, STAMPS : STAMPS + n], rec[b, 2 * STAMPS + 1] = stamps, 2 * stamps, epoch
+        ticks[0] += 100_000
+    return run
+
+tray.twin("ep_dispatch_ll_phases")(stand_in(0, ep.ep_dispatch_ll, 7))
+tray.twin("ep_combine_ll_phases")(stand_in(1, ep.ep_combine_ll, 6))
+
+@tray.twin("ep_ll_clock")
+def clock(backend, grid, block, out, spin_ns):
+    u64_at(out, 4)[:] = [1000, 2000, 1000 + spin_ns, 2000 + 2 * spin_ns]
+
+with tray.init() as rank:
+    cfg = {"gemm": "masked", "backend": "host", "hidden": 64, "experts": 8, "topk": 2, "ffn": 32, "groups": 2,
+           "seed": 0, "ll_phases": True}
+    moe = MoeRank(rank, cfg)
+    moe.fill_weights()
+    T = 8
+    rng = np.random.default_rng(rank.rank)
+    idx = np.argsort(rng.random((T, 8)), axis=1)[:, :2].astype(np.int32)
+    moe.upload(T, {"topk_idx": idx, "topk_w": np.full((T, 2), 0x3F00, np.uint16)})
+    run = {"label": "plumbing", "tokens": T, "cap": 16}
+    v = moe.budget_vars(run, 2)
+    out, err = moe.checked_run(T, moe.programs(v)[LAYER_OF["ll"]])
+    rows = rank.read("expert_rows").copy()
+    sampler = Sampler(rank, repeats=2, warmup=1, target_s=0.0)
+    e = moe.ll_phase_figures(sampler, run, v, {"dispatch_ll": 14.7, "combine_ll": 18.5}, out, rows)
+    assert e["ok"] and e["out_equal"] and e["expert_rows_equal"] and e["problems"] == [], e
+    assert e["clock"] == {"sm_ghz": 2.0, "spin_ns": 1_000_000}, e["clock"]
+    assert e["us_production"] == {"dispatch": 14.7, "combine": 18.5} and e["us_phases_build"]["dispatch"] > 0
+    for kernel in ("dispatch", "combine"):
+        s = e[kernel]
+        # every launch the sampler made (eagerly once, two single replays, warmup and repeats) has its slot
+        assert s["launches"] == 6 and s["blocks"] == 2 and s["entry_spread_us"] == 0.01, s
+        assert s["phase_us"]["sent"] == {"median": 1.0, "max_block": 1.0, "block0": 1.0}, s
+    wrong = moe.ll_phase_figures(sampler, run, v, {}, out ^ 1, rows)
+    assert not wrong["ok"] and not wrong["out_equal"] and "other bytes" in wrong["problems"][0], wrong
+    print("ll phases plumbing")
+"""
+
+
+def test_ll_phase_figures_run_the_diagnosis_programs_and_check_their_records(tray_env):
+    """The rank side of --ll-phases on host trays, the diagnosis kernels played by stand-ins with counter clocks:
+    both ranks time the phase programs in lockstep, read every launch's records back, summarize them, and name a
+    diagnosis build whose output differs from the production one's."""
+    vars_ = ["hidden=64", "experts=8", "topk=2", "ffn=32", "max_tokens=8", "tokens=8", "max_cap=16", "cap=16",
+             "groups=2", "ll_phase_blocks=4", "ll_phase_launches=64"]
+    args = [a for v in vars_ for a in ("--var", v)]
+    run = tray_env.launch(2, LL_PHASE_PLUMBING, "--manifest", EP_MOE, *args, timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("ll phases plumbing") == 2
