@@ -103,7 +103,9 @@ def test_ll_phases_record_every_phase_on_gpu(tray_env, tmp_path):
         for e in phases["per_rank"]:
             assert e["out_equal"] and e["expert_rows_equal"] and e["problems"] == [], e
             clock = e["clock"]
-            assert 0.3 * clock["driver_ghz"] < clock["sm_ghz"] < 1.02 * clock["driver_ghz"], clock
+            assert 0.5 < clock["sm_ghz"] < 3.5, clock  # GHz: any GPU of today
+            if clock["driver_ghz"] is not None:  # the driver's maximum: at most it, not far below it
+                assert 0.3 * clock["driver_ghz"] < clock["sm_ghz"] < 1.02 * clock["driver_ghz"], clock
             for kernel in ("dispatch", "combine"):
                 s = e[kernel]
                 assert s["launches"] >= 8 and s["blocks"] == r["sms"]["peer"], s

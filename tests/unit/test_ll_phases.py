@@ -113,6 +113,9 @@ def test_table_prints_every_phase_and_the_problems():
     for name in (*lp.BOUNDARIES["dispatch"][1:], *lp.BOUNDARIES["combine"][1:]):
         assert f"  {name} " in text
     assert "PROBLEM: combine launch of epoch 3" in text and "SM clock 2.000 GHz" in text
+    assert "(driver attribute 1.980 GHz)" in text
+    entry["clock"]["driver_ghz"] = None  # the attribute could not be read: the measured clock stands alone
+    assert "(driver attribute none)" in "\n".join(lp.table(entry))
 
 
 def bench_args(**kw) -> EpBenchArgs:

@@ -153,8 +153,9 @@ def table(entry: dict[str, Any], indent: str = "    ") -> list[str]:
     """Printable lines of one rank's ll_phases entry (the rank program's): per kernel, per phase, the span
     since the first block's entry and the per-block durations."""
     clock = entry["clock"]
-    lines = [f"{indent}SM clock {clock['sm_ghz']:.3f} GHz measured over {clock['spin_ns'] / 1e6:.1f} ms "
-             f"(driver attribute {clock.get('driver_ghz', float('nan')):.3f} GHz); µs, median over launches"]
+    driver = clock.get("driver_ghz")
+    lines = [f"{indent}SM clock {clock['sm_ghz']:.3f} GHz measured over {clock['spin_ns'] / 1e6:.1f} ms (driver "
+             f"attribute {'none' if driver is None else f'{driver:.3f} GHz'}); µs, median over launches"]
     for kernel in KERNELS:
         s = entry[kernel]
         lines.append(

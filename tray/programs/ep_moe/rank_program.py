@@ -403,7 +403,10 @@ class MoeRank:
         if self.cfg["backend"] == "cuda":
             from tray.backend.cuda import driver
 
-            clock["driver_ghz"] = driver.device_attribute(self.backend.device, "CLOCK_RATE") / 1e6
+            try:  # NOTE: the driver's maximum SM clock, beside the measured one; a figure we can do without
+                clock["driver_ghz"] = driver.device_attribute(self.backend.device, "CLOCK_RATE") / 1e6
+            except driver.CudaError as exc:
+                clock["driver_ghz"], clock["driver_error"] = None, str(exc)
         entry: dict[str, Any] = {"us_phases_build": us,
                                  "us_production": {k: production.get(f"{k}_ll", float("nan")) for k in lp.KERNELS},
                                  "clock": clock, "err_words": err, "problems": []}
