@@ -617,6 +617,9 @@ extern "C" __global__ void __launch_bounds__(512) ep_peer_copy(const uint4* __re
 // __restrict__/const: no non-coherent cache loads), only after the acquire.
 // blockDim.x: a multiple of 32, at least G, at most 512.
 #define LL_TIMEOUT_NS 10000000000ull
+// routing words one thread of dispatch_ll's layout reads in a round (loads issued together; a round of 512 threads
+// covers 4096 words: EP2 / EP4 at 128 tokens of top-8 in one)
+#define LL_LAYOUT_WORDS 8
 #define LL_FULL 0xFFFFFFFFu
 
 __device__ __forceinline__ void st_relaxed_sys(unsigned long long* addr, unsigned long long value) {
@@ -788,8 +791,9 @@ extern "C" __global__ void ep_ll_clock(unsigned long long* out, unsigned long lo
 //   slab        null: no fanout (the masked GEMMs gather through slot_src), and the kernel ends after the
 //               layout (one grid barrier); else the fanout follows a second grid barrier
 // Layout: block b lays out local experts b, b + gridDim.x, ...: it walks the G * tokens * topk words in
-// rounds of blockDim.x (one word a thread), and numbers its expert's pairs by a block-wide prefix of
-// per-warp ballots, round after round: global order (source, token, top-k slot), as ep_layout_place.
+// rounds of blockDim.x * LL_LAYOUT_WORDS (LL_LAYOUT_WORDS consecutive words a thread, loaded at once), and
+// numbers its expert's pairs by a block-wide prefix of the threads' counts (a warp scan, then the warps'
+// totals), round after round: global order (source, token, top-k slot), as ep_layout_place.
 // Every block also writes -1 for the words of other ranks' experts (a grid-stride share). A grid barrier
 // then makes route_row whole before the fanout reads it.
 extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __restrict__ x,
@@ -873,26 +877,47 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
     for (int el = blockIdx.x; el < local; el += gridDim.x) {
         const unsigned int e = lo + (unsigned int)el;
         int run = 0;  // pairs of e before this round (the same value in every thread)
-        for (long long r0 = 0; r0 < words; r0 += blockDim.x) {
-            const long long w = r0 + tid;
-            const bool hit = w < words && (meta[w] & 0xFFFFu) == e;
-            const unsigned int ballot = __ballot_sync(LL_FULL, hit);
-            if (lane == 0) {
-                wcount[warp] = __popc(ballot);
+        // A round: thread tid holds the LL_LAYOUT_WORDS consecutive words w0 .. (all its loads issued at once);
+        // its hits are numbered after every lower thread's: a warp scan of the per-thread counts, then the warps'
+        // totals in order.
+        for (long long r0 = 0; r0 < words; r0 += (long long)blockDim.x * LL_LAYOUT_WORDS) {
+            const long long w0 = r0 + (long long)tid * LL_LAYOUT_WORDS;
+            unsigned int e_of[LL_LAYOUT_WORDS];
+#pragma unroll
+            for (int j = 0; j < LL_LAYOUT_WORDS; ++j) {
+                e_of[j] = w0 + j < words ? meta[w0 + j] & 0xFFFFu : NO_EXPERT;
+            }
+            unsigned int mine = 0u;  // bit j: word w0 + j is a pair of e
+#pragma unroll
+            for (int j = 0; j < LL_LAYOUT_WORDS; ++j) {
+                mine |= (e_of[j] == e ? 1u : 0u) << j;
+            }
+            const int count = __popc(mine);
+            int incl = count;  // inclusive scan of the counts over the warp's lanes
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int up = __shfl_up_sync(LL_FULL, incl, d);
+                incl += lane >= d ? up : 0;
+            }
+            if (lane == 31) {
+                wcount[warp] = incl;
             }
             __syncthreads();
-            int before = run;
+            int before = run + incl - count;
             int total = run;
             for (int i = 0; i < warps; ++i) {
                 const int c = wcount[i];
                 before += i < warp ? c : 0;
                 total += c;
             }
-            if (hit) {
-                const int pos = before + __popc(ballot & ((1u << lane) - 1u));
-                route_row[w] = pos < cap ? el * cap + pos : -1;
-                if (pos < cap) {
-                    slot_src[el * cap + pos] = (int)(w / topk);
+            for (int j = 0; mine != 0u; ++j, mine >>= 1) {
+                if (mine & 1u) {
+                    const long long w = w0 + j;
+                    const int pos = before++;
+                    route_row[w] = pos < cap ? el * cap + pos : -1;
+                    if (pos < cap) {
+                        slot_src[el * cap + pos] = (int)(w / topk);
+                    }
                 }
             }
             run = total;
@@ -938,6 +963,38 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
 #endif
 }
 
+// combine_ll's reduce: LL_REDUCE_ITEMS items a thread at a time, the rows of their first LL_REDUCE_GROUPS groups
+// loaded together (2 and 4: EP2 / EP4 at 128 tokens in one trip of 2 items, within the registers of 512 threads)
+#define LL_REDUCE_ITEMS 2
+#define LL_REDUCE_GROUPS 4
+
+// The groups token t = i / nvec uses (bit q: one of its top-k experts is in group q); 0 for i >= total.
+__device__ __forceinline__ u64 reduce_used(const int* __restrict__ topk_idx, long long i, long long total,
+                                           long long nvec, int topk, int experts, int per_group) {
+    if (i >= total) {
+        return 0ull;
+    }
+    const long long t = i / nvec;
+    u64 used = 0ull;
+    for (int kk = 0; kk < topk; ++kk) {
+        const int e = topk_idx[t * topk + kk];
+        if (e >= 0 && e < experts) {
+            used |= 1ull << (e / per_group);
+        }
+    }
+    return used;
+}
+
+// acc[0..7] += the 8 bf16 values of v, in order
+__device__ __forceinline__ void add8(float* acc, uint4 v) {
+    const unsigned int wd[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_f32(wd[j] & 0xFFFFu));
+        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_f32(wd[j] >> 16));
+    }
+}
+
 // combine_ll: ep_combine, then (after every member's combine rows arrived) ep_reduce's sum, in one
 // kernel. Arguments as those kernels', plus flag_peers / flags / state / grid_counter as dispatch_ll's
 // (flags slot [1], state[1], ll_grid[1]) and `comb`, this rank's combine rows (what comb_peers maps at
@@ -979,6 +1036,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
         epoch_s = state[1] + 1ull;  // every block reads it before it arrives at the grid barrier
     }
     combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups);
+    // The reduce's first LL_REDUCE_ITEMS items of this thread: the groups their tokens use, read from topk_idx
+    // (local, never written here) while the warp's fence below waits for its stores to reach the peers.
+    const long long nvec = hidden / 8;
+    const long long total = (long long)tokens * nvec;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + tid;
+    const int per_group = experts / groups;
+    u64 used_first[LL_REDUCE_ITEMS];
+#pragma unroll
+    for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
+        used_first[r] = reduce_used(topk_idx, first + r * stride, total, nvec, topk, experts, per_group);
+    }
     publish(tid & 31);
 #if LL_PHASES
     __syncthreads();
@@ -1001,38 +1070,52 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
     ll_stamp(stamps, 4);
 #endif
 
-    const long long nvec = hidden / 8;
-    const long long total = (long long)tokens * nvec;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const int per_group = experts / groups;
-    for (long long i = (long long)blockIdx.x * blockDim.x + tid; i < total; i += stride) {
-        const long long t = i / nvec;
-        const long long c = i - t * nvec;
-        u64 used = 0;
-        for (int kk = 0; kk < topk; ++kk) {
-            const int e = topk_idx[t * topk + kk];
-            if (e >= 0 && e < experts) {
-                used |= 1ull << (e / per_group);
-            }
-        }
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int q = 0; q < groups; ++q) {
-            if ((used >> q) & 1ull) {
-                const uint4 p = comb[((long long)q * tokens + t) * nvec + c];
-                const unsigned int wd[4] = {p.x, p.y, p.z, p.w};
+    // LL_REDUCE_ITEMS items at a time (this thread's items first, first + stride, ..., as one item a trip would
+    // take them): the rows of their first LL_REDUCE_GROUPS groups all loaded before any is added; groups past
+    // those (more than LL_REDUCE_GROUPS ranks) one at a time. Each item's sum: ascending groups, as ep_reduce.
+    for (long long i0 = first; i0 < total; i0 += stride * LL_REDUCE_ITEMS) {
+        u64 used[LL_REDUCE_ITEMS];
+        uint4 p[LL_REDUCE_ITEMS][LL_REDUCE_GROUPS];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_f32(wd[j] & 0xFFFFu));
-                    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_f32(wd[j] >> 16));
+        for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
+            const long long i = i0 + r * stride;
+            used[r] = i0 == first ? used_first[r] : reduce_used(topk_idx, i, total, nvec, topk, experts, per_group);
+            const long long t = i / nvec;
+            const long long c = i - t * nvec;
+#pragma unroll
+            for (int q = 0; q < LL_REDUCE_GROUPS; ++q) {
+                if ((used[r] >> q) & 1ull) {
+                    p[r][q] = comb[((long long)q * tokens + t) * nvec + c];
                 }
             }
         }
-        uint4 o;
-        o.x = f32_to_bf16(acc[0]) | (f32_to_bf16(acc[1]) << 16);
-        o.y = f32_to_bf16(acc[2]) | (f32_to_bf16(acc[3]) << 16);
-        o.z = f32_to_bf16(acc[4]) | (f32_to_bf16(acc[5]) << 16);
-        o.w = f32_to_bf16(acc[6]) | (f32_to_bf16(acc[7]) << 16);
-        out[i] = o;
+#pragma unroll
+        for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
+            const long long i = i0 + r * stride;
+            if (i >= total) {
+                break;
+            }
+            const long long t = i / nvec;
+            const long long c = i - t * nvec;
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int q = 0; q < LL_REDUCE_GROUPS; ++q) {
+                if ((used[r] >> q) & 1ull) {
+                    add8(acc, p[r][q]);
+                }
+            }
+            for (int q = LL_REDUCE_GROUPS; q < groups; ++q) {
+                if ((used[r] >> q) & 1ull) {
+                    add8(acc, comb[((long long)q * tokens + t) * nvec + c]);
+                }
+            }
+            uint4 o;
+            o.x = f32_to_bf16(acc[0]) | (f32_to_bf16(acc[1]) << 16);
+            o.y = f32_to_bf16(acc[2]) | (f32_to_bf16(acc[3]) << 16);
+            o.z = f32_to_bf16(acc[4]) | (f32_to_bf16(acc[5]) << 16);
+            o.w = f32_to_bf16(acc[6]) | (f32_to_bf16(acc[7]) << 16);
+            out[i] = o;
+        }
     }
 #if LL_PHASES
     __syncthreads();

@@ -196,6 +196,12 @@ static inline int __shfl_sync(unsigned int, int v, int src) {
     warp_values((unsigned int)v, all);
     return (int)all[src & 31];
 }
+static inline int __shfl_up_sync(unsigned int, int v, unsigned int delta) {
+    unsigned int all[32];
+    warp_values((unsigned int)v, all);
+    const unsigned int lane = coop::cur & 31u;
+    return (int)all[lane >= delta ? lane - delta : lane];  // lanes below delta get their own value, as the GPU's
+}
 static inline unsigned int __ballot_sync(unsigned int mask, int p) {
     unsigned int all[32], bits = 0;
     warp_values(p ? 1u : 0u, all);
@@ -753,14 +759,16 @@ def assert_same(c, t, skip=("rp", "mp", "fp", "cp")):
             assert np.array_equal(c[k], t[k]), k
 
 
-@pytest.mark.parametrize("fanout", [True, False])
-def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated, fanout):
+@pytest.mark.parametrize("fanout, T, block, R", [(True, 40, 64, 2), (False, 40, 64, 2), (False, 96, 32, 8)])
+def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated, fanout, T, block, R):
     """EP1 shape (G 1: the rank sends to itself, announces to itself), one block (the grid barrier's
     single arrival flips it): dispatch_ll and combine_ll write what the standard kernels' twins write,
     epochs advance by one per launch, the grid counter flips once per grid barrier (two with the fanout,
-    one without: then the slab is never written)."""
+    one without: then the slab is never written). 96 tokens of top-3 over 32 threads: the layout takes two
+    rounds of LL_LAYOUT_WORDS words a thread, its count carried from one to the next; its 8 reduction groups
+    take the reduce past the LL_REDUCE_GROUPS it loads at once."""
     rng = np.random.default_rng(3)
-    G, T, K, E, R, H = 1, 40, 3, 8, 2, 1040
+    G, K, E, H = 1, 3, 8, 1040
     L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
     idx = skewed_routing(rng, T, E, K)
     idx[5, 2] = E + 3
@@ -773,7 +781,7 @@ def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(e
     }
     for launch in (1, 2):
         arrays["err"][:] = 0
-        c, t = both(emulated, "ep_dispatch_ll", 1, 64, ll_dispatch_args(0, G, T, K, H, E, cap, fanout), arrays)
+        c, t = both(emulated, "ep_dispatch_ll", 1, block, ll_dispatch_args(0, G, T, K, H, E, cap, fanout), arrays)
         assert_same(c, t)
         want_rows, totals = route_rows(c["meta0"], 0, L, cap)
         assert np.array_equal(c["rr"], want_rows) and c["er"].tolist() == np.minimum(totals, cap).tolist()
@@ -792,7 +800,7 @@ def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(e
         "out": np.zeros((T, H), np.uint16), "err": np.zeros(4, np.uint32),
     }
     for launch in (1, 2):
-        c, t = both(emulated, "ep_combine_ll", 1, 64, ll_combine_args(0, G, T, K, H, E, R), comb)
+        c, t = both(emulated, "ep_combine_ll", 1, block, ll_combine_args(0, G, T, K, H, E, R), comb)
         assert_same(c, t)
         assert c["state"].tolist() == [2, launch] and c["flags0"].tolist() == [2, launch]
         assert c["gc"][0] == (0x80000000 if launch == 1 else 0) and c["err"].tolist() == [0, 0, 0, 0]
