@@ -1036,18 +1036,6 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
         epoch_s = state[1] + 1ull;  // every block reads it before it arrives at the grid barrier
     }
     combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups);
-    // The reduce's first LL_REDUCE_ITEMS items of this thread: the groups their tokens use, read from topk_idx
-    // (local, never written here) while the warp's fence below waits for its stores to reach the peers.
-    const long long nvec = hidden / 8;
-    const long long total = (long long)tokens * nvec;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const long long first = (long long)blockIdx.x * blockDim.x + tid;
-    const int per_group = experts / groups;
-    u64 used_first[LL_REDUCE_ITEMS];
-#pragma unroll
-    for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
-        used_first[r] = reduce_used(topk_idx, first + r * stride, total, nvec, topk, experts, per_group);
-    }
     publish(tid & 31);
 #if LL_PHASES
     __syncthreads();
@@ -1065,6 +1053,18 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
 #if LL_PHASES
     ll_stamp(stamps, 3);
 #endif
+    // The reduce's first LL_REDUCE_ITEMS items of this thread: the groups their tokens use, read from topk_idx
+    // (local, never written here) while the members' announcements are still on their way.
+    const long long nvec = hidden / 8;
+    const long long total = (long long)tokens * nvec;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + tid;
+    const int per_group = experts / groups;
+    u64 used_first[LL_REDUCE_ITEMS];
+#pragma unroll
+    for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
+        used_first[r] = reduce_used(topk_idx, first + r * stride, total, nvec, topk, experts, per_group);
+    }
     wait_members(flags + G, epoch, G, err);
 #if LL_PHASES
     ll_stamp(stamps, 4);
