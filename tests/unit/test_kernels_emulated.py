@@ -759,16 +759,18 @@ def assert_same(c, t, skip=("rp", "mp", "fp", "cp")):
             assert np.array_equal(c[k], t[k]), k
 
 
-@pytest.mark.parametrize("fanout, T, block, R", [(True, 40, 64, 2), (False, 40, 64, 2), (False, 96, 32, 8)])
-def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated, fanout, T, block, R):
+@pytest.mark.parametrize("fanout, T, block, R, K, E", [(True, 40, 64, 2, 3, 8), (False, 40, 64, 2, 3, 8),
+                                                       (False, 96, 32, 8, 10, 16)])
+def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated, fanout, T, block, R, K, E):
     """EP1 shape (G 1: the rank sends to itself, announces to itself), one block (the grid barrier's
     single arrival flips it): dispatch_ll and combine_ll write what the standard kernels' twins write,
     epochs advance by one per launch, the grid counter flips once per grid barrier (two with the fanout,
     one without: then the slab is never written). 96 tokens of top-3 over 32 threads: the layout takes two
     rounds of LL_LAYOUT_WORDS words a thread, its count carried from one to the next; its 8 reduction groups
-    take the reduce past the LL_REDUCE_GROUPS it loads at once."""
+    take the reduce past the LL_REDUCE_GROUPS it loads at once, and its top-10 past the LL_REDUCE_TOPK expert ids
+    loaded before the waits."""
     rng = np.random.default_rng(3)
-    G, K, E, H = 1, 3, 8, 1040
+    G, H = 1, 1040
     L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
     idx = skewed_routing(rng, T, E, K)
     idx[5, 2] = E + 3
