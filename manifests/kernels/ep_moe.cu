@@ -1051,9 +1051,12 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
     for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
         const long long i = first + r * stride;
         const long long t = i < total ? i / nvec : 0;
+        // volatile: issued here and held in registers (a plain load of read-only data may be re-issued after the
+        // waits instead, where its latency is on the reduce's path)
+        const volatile int* ids = topk_idx + t * topk;
 #pragma unroll
         for (int kk = 0; kk < LL_REDUCE_TOPK; ++kk) {
-            first_ids[r][kk] = i < total && kk < topk ? topk_idx[t * topk + kk] : -1;
+            first_ids[r][kk] = i < total && kk < topk ? ids[kk] : -1;
         }
     }
     publish(tid & 31);
@@ -1077,6 +1080,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
 #if LL_PHASES
     ll_stamp(stamps, 4);
 #endif
+    // e / per_group by a multiply: for e, per_group < 2^16, floor(e * ceil(2^32 / per_group) / 2^32) is exact
+    const unsigned int group_of = per_group < 65536 ? (unsigned int)((0x100000000ull + per_group - 1) / per_group) : 0u;
     u64 used_first[LL_REDUCE_ITEMS];
 #pragma unroll
     for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
@@ -1085,7 +1090,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
         for (int kk = 0; kk < LL_REDUCE_TOPK; ++kk) {
             const int e = first_ids[r][kk];
             if (e >= 0 && e < experts) {
-                used_first[r] |= 1ull << (e / per_group);
+                const unsigned int q = group_of && e < 65536 ? __umulhi((unsigned int)e, group_of) : e / per_group;
+                used_first[r] |= 1ull << q;
             }
         }
         const long long i = first + r * stride;

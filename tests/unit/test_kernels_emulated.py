@@ -51,6 +51,9 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((unsigned long long)a * b) >> 32);
+}
 static inline int __float2int_rn(float x) { return std::isnan(x) ? 0 : (int)std::nearbyintf(x); }
 static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned o = *p; *p |= v; return o; }
 static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { unsigned o = *p; *p += v; return o; }
