@@ -967,8 +967,6 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
 // loaded together (2 and 4: EP2 / EP4 at 128 tokens in one trip of 2 items, within the registers of 512 threads)
 #define LL_REDUCE_ITEMS 2
 #define LL_REDUCE_GROUPS 4
-// top-k entries of the first items' tokens loaded before the waits (top-8: all of them)
-#define LL_REDUCE_TOPK 8
 
 // The groups token t = i / nvec uses (bit q: one of its top-k experts is in group q); 0 for i >= total.
 __device__ __forceinline__ u64 reduce_used(const int* __restrict__ topk_idx, long long i, long long total,
@@ -1038,26 +1036,17 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
         epoch_s = state[1] + 1ull;  // every block reads it before it arrives at the grid barrier
     }
     combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups);
-    // The reduce's first LL_REDUCE_ITEMS items of this thread: their tokens' expert ids (topk_idx: local, never
-    // written here), loaded now so that the loads travel while the fence, the grid barrier and the members'
-    // announcements are waited for; the groups they use are worked out from them after the wait.
+    // The reduce's first LL_REDUCE_ITEMS items of this thread: the groups their tokens use, read from topk_idx
+    // (local, never written here) while the warp's fence below waits for its stores to reach the peers.
     const long long nvec = hidden / 8;
     const long long total = (long long)tokens * nvec;
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + tid;
     const int per_group = experts / groups;
-    int first_ids[LL_REDUCE_ITEMS][LL_REDUCE_TOPK];
+    u64 used_first[LL_REDUCE_ITEMS];
 #pragma unroll
     for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
-        const long long i = first + r * stride;
-        const long long t = i < total ? i / nvec : 0;
-        // volatile: issued here and held in registers (a plain load of read-only data may be re-issued after the
-        // waits instead, where its latency is on the reduce's path)
-        const volatile int* ids = topk_idx + t * topk;
-#pragma unroll
-        for (int kk = 0; kk < LL_REDUCE_TOPK; ++kk) {
-            first_ids[r][kk] = i < total && kk < topk ? ids[kk] : -1;
-        }
+        used_first[r] = reduce_used(topk_idx, first + r * stride, total, nvec, topk, experts, per_group);
     }
     publish(tid & 31);
 #if LL_PHASES
@@ -1080,28 +1069,6 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
 #if LL_PHASES
     ll_stamp(stamps, 4);
 #endif
-    // e / per_group by a multiply: for e, per_group < 2^16, floor(e * ceil(2^32 / per_group) / 2^32) is exact
-    const unsigned int group_of = per_group < 65536 ? (unsigned int)((0x100000000ull + per_group - 1) / per_group) : 0u;
-    u64 used_first[LL_REDUCE_ITEMS];
-#pragma unroll
-    for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
-        used_first[r] = 0ull;
-#pragma unroll
-        for (int kk = 0; kk < LL_REDUCE_TOPK; ++kk) {
-            const int e = first_ids[r][kk];
-            if (e >= 0 && e < experts) {
-                const unsigned int q = group_of && e < 65536 ? __umulhi((unsigned int)e, group_of) : e / per_group;
-                used_first[r] |= 1ull << q;
-            }
-        }
-        const long long i = first + r * stride;
-        for (int kk = LL_REDUCE_TOPK; kk < topk && i < total; ++kk) {  // top-k past LL_REDUCE_TOPK: loaded here
-            const int e = topk_idx[(i / nvec) * topk + kk];
-            if (e >= 0 && e < experts) {
-                used_first[r] |= 1ull << (e / per_group);
-            }
-        }
-    }
 
     // LL_REDUCE_ITEMS items at a time (this thread's items first, first + stride, ..., as one item a trip would
     // take them): the rows of their first LL_REDUCE_GROUPS groups all loaded before any is added; groups past

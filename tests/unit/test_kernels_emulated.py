@@ -770,8 +770,7 @@ def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(e
     epochs advance by one per launch, the grid counter flips once per grid barrier (two with the fanout,
     one without: then the slab is never written). 96 tokens of top-3 over 32 threads: the layout takes two
     rounds of LL_LAYOUT_WORDS words a thread, its count carried from one to the next; its 8 reduction groups
-    take the reduce past the LL_REDUCE_GROUPS it loads at once, and its top-10 past the LL_REDUCE_TOPK expert ids
-    loaded before the waits."""
+    take the reduce past the LL_REDUCE_GROUPS it loads at once; top-10 of 16 experts."""
     rng = np.random.default_rng(3)
     G, H = 1, 1040
     L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
