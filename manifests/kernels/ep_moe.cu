@@ -644,18 +644,6 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
     return now;
 }
 
-// The low-latency kernels are launched with programmatic stream serialization (manifest "programmatic"): the
-// next launch may be scheduled at once (it holds in its own wait), and this grid waits here, before it reads
-// anything (ll_state, the grid counter, its inputs), until the kernel before it has ended and its memory
-// operations are visible. So the launch of one kernel overlaps the end of the one before it. Both instructions do
-// nothing with a plain launch.
-__device__ __forceinline__ void ll_follow_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Every block of the grid arrives before any block leaves (see above). Called by every thread.
 __device__ __forceinline__ void grid_sync(unsigned int* counter, unsigned int* err) {
     __syncthreads();
@@ -838,7 +826,6 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
                                                                 int phase_launches
 #endif
 ) {
-    ll_follow_previous_kernel();
 #if LL_PHASES
     __shared__ LlStamps stamps;  // thread 0's, in shared memory: no registers held across the phases
     ll_stamp(stamps, 0);
@@ -1039,7 +1026,6 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
                                                                int phase_launches
 #endif
 ) {
-    ll_follow_previous_kernel();
 #if LL_PHASES
     __shared__ LlStamps stamps;  // thread 0's, in shared memory: no registers held across the phases
     ll_stamp(stamps, 0);
