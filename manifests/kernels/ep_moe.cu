@@ -1172,6 +1172,47 @@ __device__ __forceinline__ float e4m3_to_f32(unsigned int c) {
     return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
+// On the GPU (sm_89 and later) the conversions run on the hardware's fp8 instructions, which compute the same
+// bytes: cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even and saturates to +-448 (its NaN, 0x7F, gets the
+// input's sign here, as above), and cvt.rn.f16x2.e4m3x2 is exact, as is f16 -> f32. tests/gpu/test_ep_moe_cuda.py
+// checks the GPU's bytes against the twin recipe; the CPU build runs the functions above.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(TRAY_EMULATED)
+#define FP8_HW 1
+#else
+#define FP8_HW 0
+#endif
+
+// f32_to_e4m3(lo) | f32_to_e4m3(hi) << 8
+__device__ __forceinline__ unsigned int f32x2_to_e4m3x2(float lo, float hi) {
+#if FP8_HW
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));  // a: the upper byte
+    unsigned int out = r;
+    if (lo != lo) {
+        out = (out & 0xFF00u) | ((__float_as_uint(lo) >> 24) & 0x80u) | 0x7Fu;
+    }
+    if (hi != hi) {
+        out = (out & 0x00FFu) | ((((__float_as_uint(hi) >> 24) & 0x80u) | 0x7Fu) << 8);
+    }
+    return out;
+#else
+    return f32_to_e4m3(lo) | (f32_to_e4m3(hi) << 8);
+#endif
+}
+
+// e4m3_to_f32 of the low and the high byte of `two`
+__device__ __forceinline__ void e4m3x2_to_f32x2(unsigned int two, float* lo, float* hi) {
+#if FP8_HW
+    unsigned int h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)(two & 0xFFFFu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(*lo) : "h"((unsigned short)(h2 & 0xFFFFu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(*hi) : "h"((unsigned short)(h2 >> 16)));
+#else
+    *lo = e4m3_to_f32(two & 0xFFu);
+    *hi = e4m3_to_f32((two >> 8) & 0xFFu);
+#endif
+}
+
 //   x          [tokens][hidden] bf16 (u16 bits)     this rank's tokens
 //   topk_idx, topk_w, meta_peers, err               as ep_dispatch
 //   recv8_peers  u64[G]: member g's [G][tokens][hidden] e4m3 bytes; this rank writes block `me`
@@ -1234,10 +1275,11 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned
             }
             const float amax = __uint_as_float(amax_bits);
             scale[u] = amax > 0.0f ? __fdiv_rn(amax, FP8_MAX) : 1.0f;
-            word[u] = 0;
-            for (int k = 0; k < 4; ++k) {
-                word[u] |= f32_to_e4m3(__fdiv_rn(bf16_to_f32(v[k]), scale[u])) << (8 * k);
-            }
+            const float q0 = __fdiv_rn(bf16_to_f32(v[0]), scale[u]);
+            const float q1 = __fdiv_rn(bf16_to_f32(v[1]), scale[u]);
+            const float q2 = __fdiv_rn(bf16_to_f32(v[2]), scale[u]);
+            const float q3 = __fdiv_rn(bf16_to_f32(v[3]), scale[u]);
+            word[u] = f32x2_to_e4m3x2(q0, q1) | (f32x2_to_e4m3x2(q2, q3) << 16);
         }
         const size_t row = (size_t)me * tokens + t;
         for (int g = 0; g < G; ++g) {
@@ -1303,9 +1345,12 @@ extern "C" __global__ void __launch_bounds__(512) ep_dequant_fp8(const unsigned 
 #pragma unroll
         for (int u = 0; u < FP8_UNROLL; ++u) {
             if (u < nb) {
+                float f[4];
+                e4m3x2_to_f32x2(q[u] & 0xFFFFu, &f[0], &f[1]);
+                e4m3x2_to_f32x2(q[u] >> 16, &f[2], &f[3]);
                 unsigned int h[4];
                 for (int k = 0; k < 4; ++k) {
-                    h[k] = f32_to_bf16(__fmul_rn(e4m3_to_f32((q[u] >> (8 * k)) & 0xFFu), scale[u]));
+                    h[k] = f32_to_bf16(__fmul_rn(f[k], scale[u]));
                 }
                 uint2 out;
                 out.x = h[0] | (h[1] << 16);
