@@ -431,7 +431,8 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
                                              int experts,
                                              int G,
                                              int me,
-                                             int groups) {
+                                             int groups,
+                                             bool zero_misses) {
     const int nvec = hidden / 8;
     const size_t row_bytes = (size_t)hidden * 2;
     const int mine = groups / G;
@@ -447,6 +448,17 @@ __device__ __forceinline__ void combine_rows(const uint4* __restrict__ y,
         const int q = me * mine + qi;
         const unsigned int* m = meta + u * topk;
         if (!hits(m, topk, (unsigned int)(q * per_group), (unsigned int)((q + 1) * per_group))) {
+            if (zero_misses) {  // the token uses no expert of group q: its row of q is +0 (see combine_ll)
+                const long long s = u / tokens;
+                uint4* dst = (uint4*)(comb_peers[s] + ((size_t)q * tokens + (u - s * tokens)) * row_bytes);
+                const int base = chunk * CHUNK_VECS + lane;
+#pragma unroll
+                for (int v = 0; v < ROW_UNROLL; ++v) {
+                    if (base + v * 32 < nvec) {
+                        dst[base + v * 32] = make_uint4(0u, 0u, 0u, 0u);
+                    }
+                }
+            }
             continue;
         }
         float acc[ROW_UNROLL][8];
@@ -547,7 +559,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine(const uint4* __rest
                                       int G,
                                       int me,
                                       int groups) {
-    combine_rows(y, meta, route_row, comb_peers, send, tokens, topk, hidden, experts, G, me, groups);
+    combine_rows(y, meta, route_row, comb_peers, send, tokens, topk, hidden, experts, G, me, groups, false);
     publish(threadIdx.x & 31);
 }
 
@@ -968,23 +980,6 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
 #define LL_REDUCE_ITEMS 2
 #define LL_REDUCE_GROUPS 4
 
-// The groups token t = i / nvec uses (bit q: one of its top-k experts is in group q); 0 for i >= total.
-__device__ __forceinline__ u64 reduce_used(const int* __restrict__ topk_idx, long long i, long long total,
-                                           long long nvec, int topk, int experts, int per_group) {
-    if (i >= total) {
-        return 0ull;
-    }
-    const long long t = i / nvec;
-    u64 used = 0ull;
-    for (int kk = 0; kk < topk; ++kk) {
-        const int e = topk_idx[t * topk + kk];
-        if (e >= 0 && e < experts) {
-            used |= 1ull << (e / per_group);
-        }
-    }
-    return used;
-}
-
 // acc[0..7] += the 8 bf16 values of v, in order
 __device__ __forceinline__ void add8(float* acc, uint4 v) {
     const unsigned int wd[4] = {v.x, v.y, v.z, v.w};
@@ -999,7 +994,9 @@ __device__ __forceinline__ void add8(float* acc, uint4 v) {
 // kernel. Arguments as those kernels', plus flag_peers / flags / state / grid_counter as dispatch_ll's
 // (flags slot [1], state[1], ll_grid[1]) and `comb`, this rank's combine rows (what comb_peers maps at
 // index me). The reduce: out[t] = bf16(sum over the groups q the token uses, ascending, of comb[q][t]),
-// float32 from 0: ep_reduce's operations in ep_reduce's order.
+// float32 from 0: ep_reduce's operations in ep_reduce's order. Unlike ep_combine, the combine here also writes +0
+// rows for the (token, group) pairs whose token uses no expert of the group (one token in ~130 at EP2, top-8 of
+// 256), so the reduce adds every group's row without working out which the token uses (topk_idx is not read).
 extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __restrict__ y,
                                                                const unsigned int* meta,
                                                                const int* route_row,
@@ -1035,19 +1032,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
     if (tid == 0) {
         epoch_s = state[1] + 1ull;  // every block reads it before it arrives at the grid barrier
     }
-    combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups);
-    // The reduce's first LL_REDUCE_ITEMS items of this thread: the groups their tokens use, read from topk_idx
-    // (local, never written here) while the warp's fence below waits for its stores to reach the peers.
-    const long long nvec = hidden / 8;
-    const long long total = (long long)tokens * nvec;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const long long first = (long long)blockIdx.x * blockDim.x + tid;
-    const int per_group = experts / groups;
-    u64 used_first[LL_REDUCE_ITEMS];
-#pragma unroll
-    for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
-        used_first[r] = reduce_used(topk_idx, first + r * stride, total, nvec, topk, experts, per_group);
-    }
+    combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups, true);
     publish(tid & 31);
 #if LL_PHASES
     __syncthreads();
@@ -1072,19 +1057,23 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
 
     // LL_REDUCE_ITEMS items at a time (this thread's items first, first + stride, ..., as one item a trip would
     // take them): the rows of their first LL_REDUCE_GROUPS groups all loaded before any is added; groups past
-    // those (more than LL_REDUCE_GROUPS ranks) one at a time. Each item's sum: ascending groups, as ep_reduce.
-    for (long long i0 = first; i0 < total; i0 += stride * LL_REDUCE_ITEMS) {
-        u64 used[LL_REDUCE_ITEMS];
+    // those (more than LL_REDUCE_GROUPS ranks) one at a time. Every group's row is added, in ascending order: a
+    // group the token uses holds its pre-reduced row, one it does not holds +0 (written by the combine above), and
+    // adding +0 to a float32 sum that starts at +0 changes nothing (the sum is never -0), so the bytes are
+    // ep_reduce's over the groups the token uses, without reading topk_idx here.
+    const long long nvec = hidden / 8;
+    const long long total = (long long)tokens * nvec;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i0 = (long long)blockIdx.x * blockDim.x + tid; i0 < total; i0 += stride * LL_REDUCE_ITEMS) {
         uint4 p[LL_REDUCE_ITEMS][LL_REDUCE_GROUPS];
 #pragma unroll
         for (int r = 0; r < LL_REDUCE_ITEMS; ++r) {
             const long long i = i0 + r * stride;
-            used[r] = i0 == first ? used_first[r] : reduce_used(topk_idx, i, total, nvec, topk, experts, per_group);
             const long long t = i / nvec;
             const long long c = i - t * nvec;
 #pragma unroll
             for (int q = 0; q < LL_REDUCE_GROUPS; ++q) {
-                if ((used[r] >> q) & 1ull) {
+                if (i < total && q < groups) {
                     p[r][q] = comb[((long long)q * tokens + t) * nvec + c];
                 }
             }
@@ -1100,14 +1089,12 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int q = 0; q < LL_REDUCE_GROUPS; ++q) {
-                if ((used[r] >> q) & 1ull) {
+                if (q < groups) {
                     add8(acc, p[r][q]);
                 }
             }
             for (int q = LL_REDUCE_GROUPS; q < groups; ++q) {
-                if ((used[r] >> q) & 1ull) {
-                    add8(acc, comb[((long long)q * tokens + t) * nvec + c]);
-                }
+                add8(acc, comb[((long long)q * tokens + t) * nvec + c]);
             }
             uint4 o;
             o.x = f32_to_bf16(acc[0]) | (f32_to_bf16(acc[1]) << 16);

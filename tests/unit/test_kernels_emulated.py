@@ -47,6 +47,7 @@ static dim3 blockIdx, threadIdx, gridDim, blockDim;
 #define __restrict__ __restrict
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
@@ -822,6 +823,7 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     G, T, K, E, R, H = 2, 24, 3, 8, 2, 16
     L, cap = E // G, 30
     idx = [skewed_routing(rng, T, E, K) for _ in range(G)]
+    idx[0][3], idx[1][2] = [4, 5, 6], [5, 6, 7]  # tokens with no expert of group 0 (the hot expert's)
     xs = [bf16_random(rng, (T, H)) for _ in range(G)]
     ws = [bf16_random(rng, (T, K)) for _ in range(G)]
     recv = [np.zeros((G * T, H), np.uint16) for _ in range(G)]
@@ -848,7 +850,11 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     assert np.array_equal(c["rr"], want_rows) and (want_rows[T:] >= 0).any()
     y = bf16_wide(rng, (L * cap, H))
     combs = [np.zeros((R * T, H), np.uint16) for _ in range(G)]
-    combs[0][T:] = bf16_random(rng, (T, H))  # group 1's rows of rank 0's tokens, from the peer
+    combs[0][T:] = bf16_random(rng, (T, H))  # group 1's rows of rank 0's tokens, from the peer: +0 for the tokens
+    used = [ep_twins.groups_used(i, E, R) for i in idx]  # that use none of its experts, as combine_ll writes them
+    combs[0][T:][~used[0][:, 1]] = 0
+    assert (~used[0][:, 1]).any() and (~used[0][:, 0]).any() and (~used[1][:, 0]).any()  # misses to write
+    combs[1][:T] = 0x4321  # rank 0's rows of group 0 for the peer's tokens land here: misses must become +0
     c["flags0"][G + 1] = 1  # the peer's combine announcement
     comb = {
         "y": y, "meta": c["meta0"], "rr": c["rr"], "comb0": combs[0], "comb1": combs[1], "flags0": c["flags0"],
@@ -859,7 +865,10 @@ def test_low_latency_kernels_of_one_of_two_ranks_wait_for_the_peer_then_equal_th
     assert_same(c, t)
     assert c["err"].tolist() == [0, 0, 0, 0] and c["flags1"].tolist() == [1, 0, 1, 0]
     assert c["comb1"][:T].any() and c["comb0"][:T].any()  # group 0's rows to the peer and to itself
-    want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), ep_twins.groups_used(idx[0], E, R))
+    # the (token, group 0) pairs with no expert of group 0 got +0 rows, on both sides; the others their sums
+    assert (c["comb0"][:T][~used[0][:, 0]] == 0).all() and (c["comb1"][:T][~used[1][:, 0]] == 0).all()
+    assert (c["comb1"][:T][used[1][:, 0]] != 0x4321).any()
+    want = ep_twins.reduce_groups_bits(c["comb0"].reshape(R, T, H), used[0])
     assert np.array_equal(c["out"], want) and c["out"].any()
 
 

@@ -583,10 +583,22 @@ def ep_combine_ll(
     groups: int,
 ) -> None:
     ep_combine(backend, grid, block, y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups)
+    # the kernel also writes +0 for the (token, group) pairs whose token uses no expert of the group, and its reduce
+    # adds every group's row (the same bytes as ep_reduce's over the groups used: +0 changes no sum from +0)
+    n, mine, per_group = G * tokens, groups // G, experts // groups
+    e = (_at(meta, n * topk, np.uint32).reshape(n, topk) & np.uint32(0xFFFF)).astype(np.int64)
+    group = np.where(e == NO_EXPERT, -1, e // per_group)
+    peers = u64_at(comb_peers, G)
+    for qi in range(mine):
+        q = me * mine + qi
+        miss = ~(group == q).any(axis=1)
+        for s in range(G):
+            _rows(int(peers[s]) + q * tokens * hidden * 2, tokens, hidden)[miss[s * tokens : (s + 1) * tokens]] = 0
     epoch = _ll_epoch(state, 1)
     _ll_grid(grid_counter, 1)
     _ll_announce_and_wait(flag_peers, flags, G, epoch, G, me, err)
-    ep_reduce(backend, grid, block, comb, topk_idx, out, tokens, topk, hidden, experts, groups)
+    c = _at(comb, groups * tokens * hidden, np.uint16).reshape(groups, tokens, hidden)
+    _rows(out, tokens, hidden)[...] = reduce_groups_bits(c, np.ones((tokens, groups), bool))
 
 
 @twin("ep_peer_copy")
