@@ -1278,8 +1278,20 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_fp8(const unsigned
             for (int u = 0; u < FP8_UNROLL; ++u) {
                 if (u < nb) {
                     *(unsigned int*)(dst + u * FP8_BLOCK) = word[u];
-                    if (lane == u) {
-                        scale_peers[g][row * nblk + b0 + u] = scale[u];
+                }
+            }
+            // the item's scales: one 16-byte store where they fill an aligned float4 (every lane holds them all),
+            // else one 4-byte store each; small stores cost a link transaction apiece
+            float* sdst = scale_peers[g] + row * nblk + b0;
+            if (FP8_UNROLL == 4 && nb == 4 && ((size_t)sdst & 15u) == 0) {
+                if (lane == 0) {
+                    *(float4*)sdst = make_float4(scale[0], scale[1], scale[2], scale[FP8_UNROLL - 1]);
+                }
+            } else {
+#pragma unroll
+                for (int u = 0; u < FP8_UNROLL; ++u) {
+                    if (u < nb && lane == u) {
+                        sdst[u] = scale[u];
                     }
                 }
             }
