@@ -102,7 +102,7 @@ export TORCH_PY LOGS OUT
 
 tune_stage() {  # the barrier variants aimed at the captured figure, then the low-latency allreduce's launch shapes
     timeout -k 5 85 $PY bench/barrier_variants.py -n "$N" --json "$OUT/tune_variants.json" \
-        --only production,v9_parallel_acqpoll,v10_shfl,v11_strelease,v12_shfl_acqpoll,v13_late_dependents
+        --only production,prev_production,v9_parallel_acqpoll,v10_shfl,v11_strelease,v13_late_dependents
     local v=$?
     timeout -k 5 95 $PY -m tray bench tp -n "$N" --backend cuda --sizes 8,64,512,2048,8192,16384,32768,65536,131072,262144 \
         --tokens 1 --repeats 10 --ll-sweep-bytes 262144 --ll-shapes 'threads=32,64,128,256,512;lines=1,2,4' \

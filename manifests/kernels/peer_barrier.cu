@@ -8,11 +8,13 @@
 //
 // Launch: one block of 32 threads, G <= 32 (the host checks). After `griddepcontrol.wait`, every load
 // the barrier needs is issued at once (thread t < G: member t's flags address; thread 0: the counter and
-// the error word) and every thread runs one `fence.acq_rel.sys` while they fly. Thread 0 then publishes
-// epoch e = counter + 1 (or `broken`) through shared memory. Thread t < G announces e to member t (a
-// relaxed store into peer_flags[t][me]: fence + store in one thread is a release) and waits for member
-// t's announcement in own_flags[t] (relaxed polling, then one `ld.acquire.sys` that pairs with the
-// member's release). Past `timeout_ns` (%globaltimer) it records the missing member in `err`:
+// the error word) and every thread runs one `fence.acq_rel.sys` while they fly. Thread 0 then hands
+// epoch e = counter + 1 (or `broken`) to the warp by shuffles (no shared memory, no block barrier). Thread
+// t < G announces e to member t (a relaxed store into peer_flags[t][me]: fence + store in one thread is a
+// release) and waits for member t's announcement in own_flags[t], every poll an `ld.acquire.sys`, so the
+// poll that sees it is the acquire that pairs with the member's release (2.23 against 2.35 µs captured for
+// relaxed polling, a block barrier and one acquire after, stress clean: bench/results/h200x2/
+// tune_variants.json, v12_shfl_acqpoll). Past `timeout_ns` (%globaltimer) it records the missing member in `err`:
 // err[0] = the epoch that timed out (atomicMax), err[1] |= 1 << t, and sets *host_flag = 1 (mapped
 // host memory, so the host learns of a timeout without a copy). No __trap: the process must live to
 // report. On sm_90+ the host launches it with programmatic stream serialization: the next barrier is
@@ -28,14 +30,14 @@
 //   only once the previous grid ended and its writes are visible), and the fence is cumulative, so they
 //   are ordered before the flag at system scope. Which thread fences does not matter, only that the
 //   thread that stores to member t fenced first: no flag store is issued by a thread without a fence.
-// - Acquire: our relaxed poll saw >= e; the `ld.acquire.sys` after it reads the same location, so by
-//   coherence it reads >= e too and synchronizes with the member's release of that epoch or a later one
-//   (a later one also follows the member's earlier writes). Every thread t < G acquires from member t
+// - Acquire: our `ld.acquire.sys` poll read >= e, so it synchronizes with the member's release of that
+//   epoch or a later one (a later one also follows the member's earlier writes). Every thread t < G acquires from member t
 //   before the kernel ends, and the next kernel on the stream starts after the end (or, programmatic,
 //   only past its own `griddepcontrol.wait`), so every member's writes are visible to it.
 // - Epoch and error word: only thread 0 reads and writes `counter` and reads err[1], after
-//   `griddepcontrol.wait` (the previous barrier's increment and timeout record are visible), and
-//   `__syncthreads` hands e / broken to the other threads before any of them stores or waits. Epochs
+//   `griddepcontrol.wait` (the previous barrier's increment and timeout record are visible), and two
+//   `__shfl_sync` from lane 0 hand e / broken to the other threads (the block is one full warp: every lane
+//   reaches both) before any of them stores or waits. Epochs
 //   grow by one per launch and flags only grow, so `>= e` is never satisfied by an old announcement.
 // - Timeout / broken: thread t waits for member t alone and sets bit t alone, so the mask names exactly
 //   the members whose announcement did not arrive in time; its own store went out first, so the others
@@ -72,8 +74,6 @@ extern "C" __global__ void tray_peer_barrier(unsigned long long* own_flags,
                                              int G,
                                              int me,
                                              unsigned long long timeout_ns) {
-    __shared__ unsigned long long epoch;
-    __shared__ int broken;
     const int t = threadIdx.x;
 #if __CUDA_ARCH__ >= 900
     // Launched with programmatic stream serialization, the next barrier may be scheduled now; it
@@ -95,23 +95,21 @@ extern "C" __global__ void tray_peer_barrier(unsigned long long* own_flags,
     // included) before that thread's flag store below (fence + store in one thread is a release). The
     // warp executes it once, while the loads above are still in flight.
     asm volatile("fence.acq_rel.sys;" ::: "memory");
-    if (t == 0) {
-        broken = missing != 0ull;
-        if (!broken) {
-            epoch = c + 1ull;
-            *counter = c + 1ull;
-        }
+    // Thread 0 hands the epoch and `broken` to the warp in registers (the block is one full warp: every lane
+    // reaches both shuffles): no shared-memory round trip, no block barrier.
+    if (t == 0 && missing == 0ull) {
+        *counter = c + 1ull;
     }
-    __syncthreads();
-    if (broken || t >= G) {
+    const unsigned long long e = __shfl_sync(0xFFFFFFFFu, c + 1ull, 0);
+    const unsigned long long broken = __shfl_sync(0xFFFFFFFFu, missing, 0);
+    if (broken != 0ull || t >= G) {
         return;
     }
-    st_relaxed_sys(peer, epoch);
-    const unsigned long long e = epoch;
+    st_relaxed_sys(peer, e);
     const unsigned long long* flag = own_flags + t;
-    if (ld_relaxed_sys(flag) < e) {
+    if (ld_acquire_sys(flag) < e) {
         const unsigned long long start = globaltimer_ns();
-        while (ld_relaxed_sys(flag) < e) {
+        while (ld_acquire_sys(flag) < e) {
             if (globaltimer_ns() - start > timeout_ns) {
                 atomicOr(&err[1], 1ull << t);
                 atomicMax(&err[0], e);
@@ -120,5 +118,5 @@ extern "C" __global__ void tray_peer_barrier(unsigned long long* own_flags,
             }
         }
     }
-    (void)ld_acquire_sys(flag);  // pairs with member t's release: its earlier writes are visible now
+    // the acquire that saw epoch >= e pairs with member t's release: its earlier writes are visible now
 }

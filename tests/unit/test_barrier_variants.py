@@ -44,7 +44,7 @@ def test_a_diff_that_no_longer_fits_is_refused(variants):
     production = (kernel_dir() / BARRIER_SOURCE).read_text()
     diff = (variants.PATCHES / "v4_nofence.diff").read_text()
     changed = production.replace('asm volatile("fence.acq_rel.sys;" ::: "memory");', "/* moved */")
-    with pytest.raises(variants.PatchError, match="hunk 3 matches the production kernel 0 times"):
+    with pytest.raises(variants.PatchError, match="hunk 4 matches the production kernel 0 times"):
         variants.apply_diff(changed, diff, "v4_nofence.diff")
 
 
