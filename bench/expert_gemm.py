@@ -255,11 +255,8 @@ class Case:
             buf.close()
 
 
-def _time(backend: Any, launches: list[Any], repeats: int) -> float:
-    """Median µs of one replay of a graph of `launches` (callables), after WARMUP replays."""
-    graph = backend.capture(lambda: [launch() for launch in launches])
-    for _ in range(WARMUP):
-        graph.replay()
+def _replays_us(backend: Any, graph: Any, repeats: int) -> float:
+    """Median µs of `repeats` replays of `graph`, each between device timer marks."""
     samples = []
     for _ in range(repeats):
         timer = backend.timer()
@@ -268,12 +265,21 @@ def _time(backend: Any, launches: list[Any], repeats: int) -> float:
         timer.stop()
         samples.append(timer.elapsed_s() * 1e6)
         timer.close()
-    graph.close()
     return median(samples)
 
 
+def _time(backend: Any, launches: list[Any], repeats: int) -> float:
+    """Median µs of one replay of a graph of `launches` (callables), after WARMUP replays."""
+    graph = backend.capture(lambda: [launch() for launch in launches])
+    for _ in range(WARMUP):
+        graph.replay()
+    us = _replays_us(backend, graph, repeats)
+    graph.close()
+    return us
+
+
 def _alternating(backend: Any, phases: dict[str, list[Any]], repeats: int) -> dict[str, Any]:
-    """Each expert phase of `phases` timed in turn, round after round (ALTERNATE_ROUNDS rounds of one _time each),
+    """Each expert phase of `phases` timed in turn, round after round (ALTERNATE_ROUNDS rounds of `repeats` replays),
     so a drift of the GPU's clocks over the run (power, heat) reaches every phase alike: per phase the median of
     its rounds' medians, and every round's figure."""
     graphs = {n: backend.capture(lambda launches=launches: [launch() for launch in launches])
@@ -285,15 +291,7 @@ def _alternating(backend: Any, phases: dict[str, list[Any]], repeats: int) -> di
                 g.replay()
         for _ in range(ALTERNATE_ROUNDS):
             for n, g in graphs.items():
-                samples = []
-                for _ in range(repeats):
-                    timer = backend.timer()
-                    timer.start()
-                    g.replay()
-                    timer.stop()
-                    samples.append(timer.elapsed_s() * 1e6)
-                    timer.close()
-                rounds[n].append(median(samples))
+                rounds[n].append(_replays_us(backend, g, repeats))
     finally:
         for g in graphs.values():
             g.close()

@@ -254,6 +254,31 @@ __device__ __forceinline__ void wg_issue(unsigned int stage_addr, const uint4* c
     }
 }
 
+// The sources of copying thread ctid (0 .. WG_COPIERS - 1) for the tile of expert e at rows m0 .., columns n0 ..
+// (`present` rows of the expert): its A rows v (a_src[v], first vector of its chunk ctid % 8; a slot past the rows
+// present keeps an in-bounds address, A's row 0 when gathering, the tile's first row otherwise, and copies nothing:
+// a_valid[v] false) and its first B row (ctid / 8; the tile's first row when that is past N), chunk ctid % 8.
+// Returns b_limit, the B rows of the tile that exist (N - n0).
+__device__ __forceinline__ int wg_sources(const uint4* __restrict__ A, const int* __restrict__ a_index,
+                                          const uint4* __restrict__ B, int cap, int N, int K, int e, int m0, int n0,
+                                          int present, int ctid, const uint4** a_src, bool* a_valid,
+                                          const uint4** b_src) {
+    const int a_limit = present - m0;
+    const long long a_slot0 = (long long)e * cap + m0;
+#pragma unroll
+    for (int v = 0; v < WG_A_VECS; ++v) {
+        const int r = (ctid >> 3) + WG_ROW_STEP * v;
+        a_valid[v] = r < a_limit;
+        const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
+                                      : a_slot0 + (a_valid[v] ? r : 0);
+        a_src[v] = A + (row * K) / 8 + (ctid & 7);
+    }
+    const int b_limit = N - n0;
+    const long long b_row = (long long)e * N + n0 + ((ctid >> 3) < b_limit ? (ctid >> 3) : 0);
+    *b_src = B + (b_row * K) / 8 + (ctid & 7);
+    return b_limit;
+}
+
 // One m64 x NW x k16 wgmma per k16 step (NW = WG_BN or WG_BN / 2: the instruction the block's mode uses).
 template <int NW>
 __device__ __forceinline__ void wg_mma(float* d, unsigned long long a, unsigned long long b) {
@@ -609,23 +634,10 @@ __device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, 
                                           const uint4* __restrict__ A, const int* __restrict__ a_index,
                                           const uint4* __restrict__ B, int cap, int N, int K, int e, int m0, int n0,
                                           int present, int ptid, int it, const void* b_map) {
-    const int a_limit = present - m0;
-    const long long a_slot0 = (long long)e * cap + m0;
-    // this thread's A rows, once per tile: a slot past the rows present keeps an in-bounds address (A's row 0
-    // when gathering, the tile's first row otherwise) and copies nothing
-    const uint4* a_src[WG_A_VECS];
+    const uint4* a_src[WG_A_VECS];  // once per tile
     bool a_valid[WG_A_VECS];
-#pragma unroll
-    for (int v = 0; v < WG_A_VECS; ++v) {
-        const int r = (ptid >> 3) + WG_ROW_STEP * v;
-        a_valid[v] = r < a_limit;
-        const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
-                                      : a_slot0 + (a_valid[v] ? r : 0);
-        a_src[v] = A + (row * K) / 8 + (ptid & 7);
-    }
-    const int b_limit = N - n0;
-    const long long b_row = (long long)e * N + n0 + ((ptid >> 3) < b_limit ? (ptid >> 3) : 0);
-    const uint4* b_src = B + (b_row * K) / 8 + (ptid & 7);
+    const uint4* b_src;
+    const int b_limit = wg_sources(A, a_index, B, cap, N, K, e, m0, n0, present, ptid, a_src, a_valid, &b_src);
     const int k_tiles = (K + WG_BK - 1) / WG_BK;
     for (int kt = 0; kt < k_tiles; ++kt) {
         const int j = it + kt;
@@ -839,25 +851,11 @@ __device__ __forceinline__ void wgmma_gemm(const uint4* __restrict__ A, const in
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     const unsigned int ring = ((unsigned int)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
-    const int a_limit = present - m0;
-    const long long a_slot0 = (long long)e * cap + m0;
-    // This thread's A rows, once: a slot past the rows present keeps an in-bounds address (A's row 0 when
-    // gathering, the tile's first row otherwise) and copies nothing.
     const uint4* a_src[WG_A_VECS];
     bool a_valid[WG_A_VECS];
-#pragma unroll
-    for (int v = 0; v < WG_A_VECS; ++v) {
-        const int r = (tid >> 3) + WG_ROW_STEP * v;
-        a_valid[v] = r < a_limit;
-        const long long row = a_index ? (a_valid[v] ? (long long)a_index[a_slot0 + r] : 0)
-                                      : a_slot0 + (a_valid[v] ? r : 0);
-        a_src[v] = A + (row * K) / 8 + (tid & 7);
-    }
-    const int b_limit = N - n0;
-    // this thread's first B row (tid / 8; the tile's first row when that is past N), its chunk tid % 8
-    const long long b_row = (long long)e * N + n0 + ((tid >> 3) < b_limit ? (tid >> 3) : 0);
-    const uint4* b_src = B + (b_row * K) / 8 + (tid & 7);
-    if (a_limit <= 64) {
+    const uint4* b_src;
+    const int b_limit = wg_sources(A, a_index, B, cap, N, K, e, m0, n0, present, tid, a_src, a_valid, &b_src);
+    if (present - m0 <= 64) {  // at most 64 rows of the tile present: half mode
         wg_block<true>(ring, a_src, a_valid, b_src, b_limit, K, tid, C, (long long)e * cap, present, m0, n0, N);
     } else {
         wg_block<false>(ring, a_src, a_valid, b_src, b_limit, K, tid, C, (long long)e * cap, present, m0, n0, N);

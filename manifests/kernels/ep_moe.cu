@@ -794,6 +794,27 @@ extern "C" __global__ void ep_ll_clock(unsigned long long* out, unsigned long lo
 }
 #endif
 
+// The kernels' hooks for the diagnosis build, empty in production: its extra arguments, thread 0's stamps in shared
+// memory (no registers held across the phases) with the entry stamp, a stamp by thread 0, and a stamp once every
+// warp of the block is past the point (a block barrier first).
+#if LL_PHASES
+#define LL_PHASE_PARAMS , unsigned long long* phases, int phase_blocks, int phase_launches
+#define LL_PHASES_BEGIN   \
+    __shared__ LlStamps stamps; \
+    ll_stamp(stamps, 0)
+#define LL_STAMP(i) ll_stamp(stamps, (i))
+#define LL_STAMP_BLOCK(i) \
+    do {                  \
+        __syncthreads();  \
+        ll_stamp(stamps, (i)); \
+    } while (0)
+#else
+#define LL_PHASE_PARAMS
+#define LL_PHASES_BEGIN ((void)0)
+#define LL_STAMP(i) ((void)0)
+#define LL_STAMP_BLOCK(i) ((void)0)
+#endif
+
 // dispatch_ll: ep_dispatch, then (after every member's rows and routing arrived) the layout of ep_layout_*
 // (route_row, slot_src, expert_rows, err), and with a slab (the cuBLAS baseline) the fanout of ep_fanout,
 // in one kernel. Arguments as those kernels', plus
@@ -830,18 +851,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
                                                                 int experts,
                                                                 int G,
                                                                 int me,
-                                                                int cap
-#if LL_PHASES
-                                                                ,
-                                                                unsigned long long* phases,
-                                                                int phase_blocks,
-                                                                int phase_launches
-#endif
-) {
-#if LL_PHASES
-    __shared__ LlStamps stamps;  // thread 0's, in shared memory: no registers held across the phases
-    ll_stamp(stamps, 0);
-#endif
+                                                                int cap LL_PHASE_PARAMS) {
+    LL_PHASES_BEGIN;
     __shared__ int wcount[16];
     __shared__ unsigned long long epoch_s;
     const int tid = threadIdx.x;
@@ -853,26 +864,17 @@ extern "C" __global__ void __launch_bounds__(512) ep_dispatch_ll(const uint4* __
     }
     dispatch_rows(x, topk_idx, topk_w, recv_peers, meta_peers, 0, 0, err, tokens, topk, hidden, experts, G, me);
     publish(lane);
-#if LL_PHASES
-    __syncthreads();
-    ll_stamp(stamps, 1);
-#endif
+    LL_STAMP_BLOCK(1);
     grid_sync(grid_counter, err);  // its __syncthreads also hands epoch_s to the block
     const unsigned long long epoch = epoch_s;
-#if LL_PHASES
-    ll_stamp(stamps, 2);
-#endif
+    LL_STAMP(2);
     if (blockIdx.x == 0 && tid == 0) {
         state[0] = epoch;
     }
     announce(flag_peers, 0, epoch, G, me);
-#if LL_PHASES
-    ll_stamp(stamps, 3);
-#endif
+    LL_STAMP(3);
     wait_members(flags, epoch, G, err);
-#if LL_PHASES
-    ll_stamp(stamps, 4);
-#endif
+    LL_STAMP(4);
 
     const int local = experts / G;
     const unsigned int lo = (unsigned int)(me * local);
@@ -1015,18 +1017,8 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
                                                                int experts,
                                                                int G,
                                                                int me,
-                                                               int groups
-#if LL_PHASES
-                                                               ,
-                                                               unsigned long long* phases,
-                                                               int phase_blocks,
-                                                               int phase_launches
-#endif
-) {
-#if LL_PHASES
-    __shared__ LlStamps stamps;  // thread 0's, in shared memory: no registers held across the phases
-    ll_stamp(stamps, 0);
-#endif
+                                                               int groups LL_PHASE_PARAMS) {
+    LL_PHASES_BEGIN;
     __shared__ unsigned long long epoch_s;
     const int tid = threadIdx.x;
     if (tid == 0) {
@@ -1034,26 +1026,17 @@ extern "C" __global__ void __launch_bounds__(512) ep_combine_ll(const uint4* __r
     }
     combine_rows(y, meta, route_row, comb_peers, 0, tokens, topk, hidden, experts, G, me, groups, true);
     publish(tid & 31);
-#if LL_PHASES
-    __syncthreads();
-    ll_stamp(stamps, 1);
-#endif
+    LL_STAMP_BLOCK(1);
     grid_sync(grid_counter, err);
     const unsigned long long epoch = epoch_s;
-#if LL_PHASES
-    ll_stamp(stamps, 2);
-#endif
+    LL_STAMP(2);
     if (blockIdx.x == 0 && tid == 0) {
         state[1] = epoch;
     }
     announce(flag_peers, G, epoch, G, me);
-#if LL_PHASES
-    ll_stamp(stamps, 3);
-#endif
+    LL_STAMP(3);
     wait_members(flags + G, epoch, G, err);
-#if LL_PHASES
-    ll_stamp(stamps, 4);
-#endif
+    LL_STAMP(4);
 
     // LL_REDUCE_ITEMS items at a time (this thread's items first, first + stride, ..., as one item a trip would
     // take them): the rows of their first LL_REDUCE_GROUPS groups all loaded before any is added; groups past

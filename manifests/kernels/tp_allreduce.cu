@@ -333,6 +333,15 @@ __device__ __forceinline__ bool tp_ll_gather(float* acc, unsigned long long* own
     return true;
 }
 
+// Thread 0 of each block: this launch's epoch, from the ticket counter state[0] (block 0 adds 2^TP_LL_TICKET_BITS
+// less the other blocks' ones, every other block 1, so each launch moves the high bits by exactly one whatever its
+// grid, and every block reads the same launch number).
+__device__ __forceinline__ unsigned long long tp_ll_ticket(unsigned long long* state) {
+    const unsigned long long add =
+        blockIdx.x == 0 ? (1ull << TP_LL_TICKET_BITS) - (unsigned long long)(gridDim.x - 1) : 1ull;
+    return (atomicAdd(&state[0], add) >> TP_LL_TICKET_BITS) + 1ull;
+}
+
 extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned short* out,
                                            unsigned long long* const* recv_peers, unsigned long long* state,
                                            long long count, long long max_count, int G, int me,
@@ -349,9 +358,7 @@ extern "C" __global__ void tp_ll_allreduce(const unsigned short* in, unsigned sh
     // (`launch_dependents` below comes after the block's ticket, and a grid without it starts after the
     // previous one ended).
     if (threadIdx.x == 0 && !refused) {
-        const unsigned long long add =
-            blockIdx.x == 0 ? (1ull << TP_LL_TICKET_BITS) - (unsigned long long)(gridDim.x - 1) : 1ull;
-        s_epoch = (atomicAdd(&state[0], add) >> TP_LL_TICKET_BITS) + 1ull;
+        s_epoch = tp_ll_ticket(state);
     }
     __syncthreads();
 #if __CUDA_ARCH__ >= 900
@@ -563,9 +570,7 @@ extern "C" __global__ void tp_ll3_allreduce(const unsigned short* in, unsigned s
     // it is written once, when the tray maps its peers, never by a kernel, so it may be read while the previous
     // kernel still runs, and the first remote store after the wait waits for no global load of an address
     if (threadIdx.x == 0 && !refused) {
-        const unsigned long long add =
-            blockIdx.x == 0 ? (1ull << TP_LL_TICKET_BITS) - (unsigned long long)(gridDim.x - 1) : 1ull;
-        s_epoch = (atomicAdd(&state[0], add) >> TP_LL_TICKET_BITS) + 1ull;
+        s_epoch = tp_ll_ticket(state);
     }
     if (!refused) {
         for (int g = threadIdx.x; g < G; g += blockDim.x) {

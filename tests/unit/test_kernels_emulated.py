@@ -54,9 +54,6 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
-static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
-    return (unsigned int)(((unsigned long long)a * b) >> 32);
-}
 static inline int __float2int_rn(float x) { return std::isnan(x) ? 0 : (int)std::nearbyintf(x); }
 static inline unsigned int atomicOr(unsigned int* p, unsigned int v) { unsigned o = *p; *p |= v; return o; }
 static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { unsigned o = *p; *p += v; return o; }
@@ -765,6 +762,19 @@ def assert_same(c, t, skip=("rp", "mp", "fp", "cp")):
             assert np.array_equal(c[k], t[k]), k
 
 
+def one_rank_ll_arrays(rng, idx, T, K, H, L, cap):
+    """dispatch_ll's arrays for one rank alone (G 1): its tokens and routing (idx), empty receive and layout
+    buffers (route_row 7 and slot_src -1: unwritten entries show), fresh flags, epochs and grid counter."""
+    G = 1
+    return {
+        "x": bf16_random(rng, (T, H)), "ti": idx, "tw": bf16_random(rng, (T, K)),
+        "recv0": np.zeros((T, H), np.uint16), "meta0": np.zeros((T, K), np.uint32),
+        "flags0": np.zeros(2 * G, np.uint64), "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
+        "rr": np.full((T, K), 7, np.int32), "ss": np.full(L * cap, -1, np.int32), "er": np.zeros(L, np.int32),
+        "slab": np.zeros((L * cap, H), np.uint16), "err": np.zeros(4, np.uint32),
+    }
+
+
 @pytest.mark.parametrize("fanout, T, block, R, K, E", [(True, 40, 64, 2, 3, 8), (False, 40, 64, 2, 3, 8),
                                                        (False, 96, 32, 8, 10, 16)])
 def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(emulated, fanout, T, block, R, K, E):
@@ -779,13 +789,7 @@ def test_low_latency_kernels_on_one_rank_equal_their_twins_launch_after_launch(e
     L, cap = E // G, 26  # expert 0 is hot: it overflows cap 26
     idx = skewed_routing(rng, T, E, K)
     idx[5, 2] = E + 3
-    arrays = {
-        "x": bf16_random(rng, (T, H)), "ti": idx, "tw": bf16_random(rng, (T, K)),
-        "recv0": np.zeros((T, H), np.uint16), "meta0": np.zeros((T, K), np.uint32),
-        "flags0": np.zeros(2 * G, np.uint64), "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
-        "rr": np.full((T, K), 7, np.int32), "ss": np.full(L * cap, -1, np.int32), "er": np.zeros(L, np.int32),
-        "slab": np.zeros((L * cap, H), np.uint16), "err": np.zeros(4, np.uint32),
-    }
+    arrays = one_rank_ll_arrays(rng, idx, T, K, H, L, cap)
     for launch in (1, 2):
         arrays["err"][:] = 0
         c, t = both(emulated, "ep_dispatch_ll", 1, block, ll_dispatch_args(0, G, T, K, H, E, cap, fanout), arrays)
@@ -942,13 +946,7 @@ def test_low_latency_phase_build_writes_the_same_bytes_and_stamps_every_boundary
     L, cap = E // G, 20
     slots, blocks = 3, 2  # one block runs: the second block slot stays 0
     idx = skewed_routing(rng, T, E, K)
-    arrays = {
-        "x": bf16_random(rng, (T, H)), "ti": idx, "tw": bf16_random(rng, (T, K)),
-        "recv0": np.zeros((T, H), np.uint16), "meta0": np.zeros((T, K), np.uint32),
-        "flags0": np.zeros(2 * G, np.uint64), "state": np.zeros(2, np.uint64), "gc": np.zeros(1, np.uint32),
-        "rr": np.full((T, K), 7, np.int32), "ss": np.full(L * cap, -1, np.int32), "er": np.zeros(L, np.int32),
-        "slab": np.zeros((L * cap, H), np.uint16), "err": np.zeros(4, np.uint32),
-    }
+    arrays = one_rank_ll_arrays(rng, idx, T, K, H, L, cap)
     ph = np.zeros((slots, 2, blocks, ll_phases.WORDS), np.uint64)
     sig = LL_PHASE_KERNELS["ep_dispatch_ll"]
     for launch in (1, 2):
