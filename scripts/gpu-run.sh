@@ -7,7 +7,7 @@
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-wgmma ep-moe-nccl24
 # ep-moe-worst ep-ll-phases
-# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu
+# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
@@ -221,6 +221,17 @@ for s in "${STAGES[@]}"; do
             stage expert_gemm_swiglu 300 $PY bench/expert_gemm.py --tokens 256,8192 --repeats 5 \
                 --only production,wgmma,wgmma_swiglu_n256s3,wgmma_tma_n256s3,wgmma_tma_n256s4 ${GEMM_ARGS:-} \
                 --json "$OUT/expert_gemm_swiglu.json" ;;
+        # the wgmma expert GEMMs under Nsight Compute (one GPU, ~3 min, bounded at 400 s; the clocks left alone): the
+        # layer's two launches at the prefill shape (8192 tokens, uniform), speed of light, memory and compute
+        # workload, warp states, then one cuBLAS launch of the baseline for its kernel's name and the same sections
+        # ($OUT/gemm_ncu.txt)
+        gemm-ncu) ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+            ncu_sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats"
+            stage gemm_ncu 240 "$ncu_bin" --clock-control none -k regex:ep_wgmma --launch-count 2 $ncu_sections \
+                $PY bench/expert_gemm.py --only wgmma --tokens 8192 --routing uniform --repeats 1
+            stage gemm_ncu_cublas 160 "$ncu_bin" --clock-control none -k regex:'^(nvjet|sm90|cutlass)' --launch-count 1 \
+                $ncu_sections $PY bench/expert_gemm.py --only wgmma --tokens 8192 --routing uniform --repeats 1
+            cat "$LOGS/gemm_ncu.log" "$LOGS/gemm_ncu_cublas.log" > "$OUT/gemm_ncu.txt" ;;
         # the sweep 8 B .. 64 MiB: low-latency (timed up to 4 MiB), one-shot, two-shot, NCCL; then the layer
         tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
         # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait
