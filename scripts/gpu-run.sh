@@ -7,7 +7,7 @@
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-wgmma ep-moe-nccl24
 # ep-moe-worst ep-ll-phases
-# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu
+# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu pair
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
@@ -221,6 +221,15 @@ for s in "${STAGES[@]}"; do
             stage expert_gemm_swiglu 300 $PY bench/expert_gemm.py --tokens 256,8192 --repeats 5 \
                 --only production,wgmma,wgmma_swiglu_n256s3,wgmma_tma_n256s3,wgmma_tma_n256s4 ${GEMM_ARGS:-} \
                 --json "$OUT/expert_gemm_swiglu.json" ;;
+        # pair mode of the wgmma GEMMs (one GPU, ~5 min, bounded at 450 s): their GPU tests (pair builds' bytes equal to
+        # the single-block TMA builds', probes and partial tiles against float64) with the SwiGLU and TMA ones, then
+        # the bench at the decode and prefill shapes with the manifest's shape, the SwiGLU ring launched row tile
+        # fastest, and both rings in pair mode ($OUT/expert_gemm_pair.json)
+        pair) stage pair_tests 180 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -k "pair or swiglu or tma_" \
+                -p no:cacheprovider --tb=short
+            stage expert_gemm_pair 270 $PY bench/expert_gemm.py --tokens 256,8192 --repeats 5 \
+                --only production,wgmma,wgmma_swiglu_n256s4_rows,wgmma_swiglu_n256s4_pair,wgmma_swiglu_n256s3_pair ${GEMM_ARGS:-} \
+                --json "$OUT/expert_gemm_pair.json" ;;
         # the wgmma expert GEMMs under Nsight Compute (one GPU, ~3 min, bounded at 400 s; the clocks left alone): the
         # layer's two launches at the prefill shape (8192 tokens, uniform), speed of light, memory and compute
         # workload, warp states, then one cuBLAS launch of the baseline for its kernel's name and the same sections
