@@ -22,7 +22,8 @@ Timed per case, median of `--repeats` graph replays after a warm-up (device even
                    gate/up GEMM in SwiGLU mode (WG_SWIGLU 1: it writes act = silu(gate) * up, no h13 and no
                    activation kernel), w2 by the plain build of the same ring: the manifest's shape; _pair: both
                    in pair mode (WG_CLUSTER 2: clusters of two row tiles' blocks, each bringing half of B's stage
-                   into both); _rows: the blocks of an expert launched row tile fastest (WG_RASTER 1)
+                   into both). The manifest's gate/up GEMM takes an expert's blocks row tile fastest (WG_RASTER 1),
+                   its w2 column tile fastest; the other variants take both column tile fastest
   cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
                    (the in-graph baseline: the counts live on the device)
   cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
@@ -68,8 +69,10 @@ WARMUP = 3
 # ep_silu_mul_rows's blocks per expert (grid x; y: the experts), as the manifest launches it
 SILU_BLOCKS_X = 32
 # the expert phases timed again in alternation with cuBLAS over the exact rows: the layer's (`wgmma`, the manifest's
-# shape), the 3-stage SwiGLU ring, and the plain TMA rings with the activation kernel it replaces
-ALTERNATE = ("wgmma", "wgmma_swiglu_n256s3", "wgmma_tma_n256s4", "wgmma_tma_n256s3", "cublas_rows")
+# shape), the same SwiGLU ring launched column tile fastest, the 3-stage one, pair mode, and the plain TMA rings with
+# the activation kernel
+ALTERNATE = ("wgmma", "wgmma_swiglu_n256s4", "wgmma_swiglu_n256s3", "wgmma_swiglu_n256s4_pair", "wgmma_tma_n256s4",
+             "wgmma_tma_n256s3", "cublas_rows")
 ALTERNATE_ROUNDS = 7
 
 
@@ -126,22 +129,23 @@ class WgmmaVariant:
     tma: int = 0  # WG_TMA 1: B by tensor copies from the maps in Case.tmaps (the entries' last argument)
     swiglu: int = 0  # WG_SWIGLU 1: the gate/up GEMM writes act = silu(gate) * up (no h13, no activation kernel)
     cluster: int = 1  # WG_CLUSTER 2: pair mode, two row tiles' blocks sharing B's stages (tensor copies into both)
+    raster: int = 0  # WG_RASTER 1: the blocks of an expert taken row tile fastest (the launch order)
     persistent: bool = False  # the ep_wgmma_gemm_tiles(_gather) entries: one block per SM over the tiles with rows
-    raster: int = 0  # WG_RASTER 1: the blocks of an expert renumbered row tile fastest (the launch order)
 
     @property
     def tile(self) -> WgmmaTile:
-        return WgmmaTile(self.bn, self.stages, self.ws, self.tma, self.swiglu, self.cluster)
+        return WgmmaTile(self.bn, self.stages, self.ws, self.tma, self.swiglu, self.cluster, self.raster)
 
     @property
     def options(self) -> list[str]:
-        return ["--gpu-architecture=sm_90a", *self.tile.options, f"-DWG_RASTER={self.raster}"]
+        return ["--gpu-architecture=sm_90a", *self.tile.options]
 
     @property
     def plain(self) -> WgmmaVariant:
-        """The same ring without SwiGLU mode: w2's build (and the reference the SwiGLU act is checked against)."""
-        return WgmmaVariant(f"{self.name}_plain", self.bn, self.stages, self.ws, self.tma, 0, self.cluster,
-                            self.persistent, self.raster)
+        """The same ring without SwiGLU mode, launched column tile fastest: w2's build, as the manifest's
+        ep_wgmma_gemm (and the reference the SwiGLU act is checked against)."""
+        return WgmmaVariant(f"{self.name}_plain", self.bn, self.stages, self.ws, self.tma, 0, self.cluster, 0,
+                            self.persistent)
 
 
 # names: wgmma[_ws|_wsp]_n<WG_BN>s<WG_STAGES> (_ws: WG_WS 1, the warp-specialized block: a producer warpgroup feeds
@@ -167,7 +171,6 @@ WGMMA_VARIANTS = (
     WgmmaVariant("wgmma_tmap_n256s4", 256, 4, 1, 1, persistent=True),
     WgmmaVariant("wgmma_swiglu_n256s4", 256, 4, 1, 1, 1),
     WgmmaVariant("wgmma_swiglu_n256s3", 256, 3, 1, 1, 1),
-    WgmmaVariant("wgmma_swiglu_n256s4_rows", 256, 4, 1, 1, 1, raster=1),
     WgmmaVariant("wgmma_swiglu_n256s4_pair", 256, 4, 1, 1, 1, 2),
     WgmmaVariant("wgmma_swiglu_n256s3_pair", 256, 3, 1, 1, 1, 2),
 )

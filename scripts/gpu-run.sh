@@ -223,13 +223,18 @@ for s in "${STAGES[@]}"; do
                 --json "$OUT/expert_gemm_swiglu.json" ;;
         # pair mode of the wgmma GEMMs (one GPU, ~5 min, bounded at 450 s): their GPU tests (pair builds' bytes equal to
         # the single-block TMA builds', probes and partial tiles against float64) with the SwiGLU and TMA ones, then
-        # the bench at the decode and prefill shapes with the manifest's shape, the SwiGLU ring launched row tile
-        # fastest, and both rings in pair mode ($OUT/expert_gemm_pair.json)
+        # the bench at the decode and prefill shapes with the manifest's shape (its gate/up GEMM's blocks row tile
+        # fastest), the same ring column tile fastest and in pair mode, each timed in alternation with cuBLAS
+        # ($OUT/expert_gemm_pair.json)
         pair) stage pair_tests 180 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -k "pair or swiglu or tma_" \
                 -p no:cacheprovider --tb=short
             stage expert_gemm_pair 270 $PY bench/expert_gemm.py --tokens 256,8192 --repeats 5 \
-                --only production,wgmma,wgmma_swiglu_n256s4_rows,wgmma_swiglu_n256s4_pair,wgmma_swiglu_n256s3_pair ${GEMM_ARGS:-} \
-                --json "$OUT/expert_gemm_pair.json" ;;
+                --only production,wgmma,wgmma_swiglu_n256s4,wgmma_swiglu_n256s4_pair ${GEMM_ARGS:-} \
+                --json "$OUT/expert_gemm_pair.json"
+            ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+            stage pair_ncu 150 "$ncu_bin" --clock-control none -k regex:ep_wgmma --launch-count 48 --section SpeedOfLight \
+                --section LaunchStats --metrics sm__cycles_active.avg,sm__cycles_elapsed.avg,dram__bytes_read.sum \
+                $PY bench/expert_gemm.py --only wgmma_swiglu_n256s4_pair --tokens 8192 --routing uniform --repeats 1 ;;
         # the wgmma expert GEMMs under Nsight Compute (one GPU, ~3 min, bounded at 400 s; the clocks left alone): the
         # layer's two launches at the prefill shape (8192 tokens, uniform), speed of light, memory and compute
         # workload, warp states, then one cuBLAS launch of the baseline for its kernel's name and the same sections

@@ -43,7 +43,8 @@ TILES = [(WgmmaTile(256, 4), 0), (WgmmaTile(128, 6), 0), (WgmmaTile(128, 3), 0),
 def tile_id(shape: tuple[WgmmaTile, int]) -> str:
     t, blocks = shape
     mode = "swiglu_" if t.swiglu else "tma_" if t.tma else "ws_" if t.ws else ""
-    return f"{mode}n{t.bn}s{t.stages}{'_pair' if t.cluster == 2 else ''}{f'_p{blocks}' if blocks else ''}"
+    pair, rows = "_pair" if t.cluster == 2 else "", "_rows" if t.raster else ""
+    return f"{mode}n{t.bn}s{t.stages}{pair}{rows}{f'_p{blocks}' if blocks else ''}"
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +250,8 @@ def test_the_warp_specialized_block_writes_the_plain_blocks_bytes(backend, bn, s
 
 
 @pytest.mark.parametrize("shape", [(WgmmaTile(256, 4, 1, 1, 1), 0), (WgmmaTile(256, 3, 1, 1, 1), 0),
-                                   (WgmmaTile(128, 6, 1, 1, 1), 0), (WgmmaTile(256, 4, 1, 1, 1), 7)], ids=tile_id)
+                                   (WgmmaTile(128, 6, 1, 1, 1), 0), (WgmmaTile(256, 4, 1, 1, 1), 7),
+                                   (WgmmaTile(256, 4, 1, 1, 1, raster=1), 0)], ids=tile_id)
 def test_swiglu_mode_writes_the_plain_builds_h13_through_the_activation(backend, shape):
     """SwiGLU mode (WG_SWIGLU 1) multiplies the same rows by the same gate and up weights as the plain TMA build,
     with its B stage laid out as gate / up boxes, and applies silu(gate) * up to the bf16-rounded pair in its

@@ -85,9 +85,10 @@ def test_the_manifest_launches_experts_wgmma_with_the_compiled_shape():
         assert "--gpu-architecture=sm_90a" in k["options"]
         tiles[name] = wgmma_tile_of(SOURCE, k["options"])
     stages = 4  # one ring at every batch (rank_program.EXPERTS_PROGRAM's note)
-    # w2: the plain TMA build; w13: the same ring in SwiGLU mode (it writes act, and h13 is never written)
+    # w2: the plain TMA build; w13: the same ring in SwiGLU mode (it writes act, and h13 is never written), its
+    # blocks row tile fastest (WG_RASTER 1; w2's column tile fastest)
     assert tiles[f"ep_wgmma_gemm{suffix}"] == WgmmaTile(256, stages, 1, 1)
-    assert tiles[f"ep_wgmma_swiglu_gather{suffix}"] == WgmmaTile(256, stages, 1, 1, 1)
+    assert tiles[f"ep_wgmma_swiglu_gather{suffix}"] == WgmmaTile(256, stages, 1, 1, 1, raster=1)
     programs = {p["name"]: p["ops"] for p in MANIFEST["programs"]}
     wg, masked = programs[program], programs["experts_masked"]
     assert [op["kernel"] for op in wg] == [f"ep_wgmma_swiglu_gather{suffix}", f"ep_wgmma_gemm{suffix}"]
