@@ -20,10 +20,9 @@ Timed per case, median of `--repeats` graph replays after a warm-up (device even
                    _tma_: the warp-specialized block with the weights by tensor copies (WG_TMA 1, a tensor map
                    per weight encoded here: tray/programs/ep_moe/tma.py); _tmap_: it persistent; _swiglu_: the
                    gate/up GEMM in SwiGLU mode (WG_SWIGLU 1: it writes act = silu(gate) * up, no h13 and no
-                   activation kernel), w2 by the plain build of the same ring: the manifest's shape; _pair: both
-                   in pair mode (WG_CLUSTER 2: clusters of two row tiles' blocks, each bringing half of B's stage
-                   into both). The manifest's gate/up GEMM takes an expert's blocks row tile fastest (WG_RASTER 1),
-                   its w2 column tile fastest; the other variants take both column tile fastest
+                   activation kernel), w2 by the plain build of the same ring: the manifest's shape, whose gate/up
+                   GEMM takes an expert's blocks row tile fastest (WG_RASTER 1; w2 and the other variants column
+                   tile fastest)
   cublas_cap       cuBLAS cublasGemmEx per expert over the `cap` rows a graph must allow, on a dense slab
                    (the in-graph baseline: the counts live on the device)
   cublas_rows      cuBLAS per expert over exactly the rows present (counts known on the host: not possible
@@ -69,10 +68,10 @@ WARMUP = 3
 # ep_silu_mul_rows's blocks per expert (grid x; y: the experts), as the manifest launches it
 SILU_BLOCKS_X = 32
 # the expert phases timed again in alternation with cuBLAS over the exact rows: the layer's (`wgmma`, the manifest's
-# shape), the same SwiGLU ring launched column tile fastest, the 3-stage one, pair mode, and the plain TMA rings with
-# the activation kernel
-ALTERNATE = ("wgmma", "wgmma_swiglu_n256s4", "wgmma_swiglu_n256s3", "wgmma_swiglu_n256s4_pair", "wgmma_tma_n256s4",
-             "wgmma_tma_n256s3", "cublas_rows")
+# shape), the same SwiGLU ring launched column tile fastest, the 3-stage one, and the plain TMA rings with the
+# activation kernel it replaces
+ALTERNATE = ("wgmma", "wgmma_swiglu_n256s4", "wgmma_swiglu_n256s3", "wgmma_tma_n256s4", "wgmma_tma_n256s3",
+             "cublas_rows")
 ALTERNATE_ROUNDS = 7
 
 
@@ -128,13 +127,12 @@ class WgmmaVariant:
     ws: int = 0
     tma: int = 0  # WG_TMA 1: B by tensor copies from the maps in Case.tmaps (the entries' last argument)
     swiglu: int = 0  # WG_SWIGLU 1: the gate/up GEMM writes act = silu(gate) * up (no h13, no activation kernel)
-    cluster: int = 1  # WG_CLUSTER 2: pair mode, two row tiles' blocks sharing B's stages (tensor copies into both)
-    raster: int = 0  # WG_RASTER 1: the blocks of an expert taken row tile fastest (the launch order)
+    raster: int = 0  # WG_RASTER 1: an expert's blocks taken row tile fastest (the launch order)
     persistent: bool = False  # the ep_wgmma_gemm_tiles(_gather) entries: one block per SM over the tiles with rows
 
     @property
     def tile(self) -> WgmmaTile:
-        return WgmmaTile(self.bn, self.stages, self.ws, self.tma, self.swiglu, self.cluster, self.raster)
+        return WgmmaTile(self.bn, self.stages, self.ws, self.tma, self.swiglu, self.raster)
 
     @property
     def options(self) -> list[str]:
@@ -144,8 +142,7 @@ class WgmmaVariant:
     def plain(self) -> WgmmaVariant:
         """The same ring without SwiGLU mode, launched column tile fastest: w2's build, as the manifest's
         ep_wgmma_gemm (and the reference the SwiGLU act is checked against)."""
-        return WgmmaVariant(f"{self.name}_plain", self.bn, self.stages, self.ws, self.tma, 0, self.cluster, 0,
-                            self.persistent)
+        return WgmmaVariant(f"{self.name}_plain", self.bn, self.stages, self.ws, self.tma, 0, 0, self.persistent)
 
 
 # names: wgmma[_ws|_wsp]_n<WG_BN>s<WG_STAGES> (_ws: WG_WS 1, the warp-specialized block: a producer warpgroup feeds
@@ -171,8 +168,6 @@ WGMMA_VARIANTS = (
     WgmmaVariant("wgmma_tmap_n256s4", 256, 4, 1, 1, persistent=True),
     WgmmaVariant("wgmma_swiglu_n256s4", 256, 4, 1, 1, 1),
     WgmmaVariant("wgmma_swiglu_n256s3", 256, 3, 1, 1, 1),
-    WgmmaVariant("wgmma_swiglu_n256s4_pair", 256, 4, 1, 1, 1, 2),
-    WgmmaVariant("wgmma_swiglu_n256s3_pair", 256, 3, 1, 1, 1, 2),
 )
 # wgmma vs float64, elementwise: |got - want| <= WGMMA_RTOL |want| + WGMMA_ATOL max|want| (over the expert). One
 # round to nearest even is at most half a bf16 ulp, and an ulp is at most 2^-7 of the value; the absolute term
@@ -325,8 +320,8 @@ def _masked(backend: Any, case: Case, v: Variant) -> tuple[Any, Any]:
     return w13, w2
 
 
-# the first of the two tensor-map slots (w13's, w2's) of each (WG_BN, WG_SWIGLU, WG_CLUSTER) in Case.tmaps
-MAP_SLOTS = {(128, 0, 1): 0, (256, 0, 1): 2, (128, 1, 1): 4, (256, 1, 1): 6, (256, 0, 2): 8, (256, 1, 2): 10}
+# the first of the two tensor-map slots (w13's, w2's) of each (WG_BN, WG_SWIGLU) in Case.tmaps
+MAP_SLOTS = {(128, 0): 0, (256, 0): 2, (128, 1): 4, (256, 1): 6}
 
 
 def _wgmma(backend: Any, case: Case, v: WgmmaVariant) -> tuple[Any, Any, Any]:
@@ -358,10 +353,9 @@ def _wgmma(backend: Any, case: Case, v: WgmmaVariant) -> tuple[Any, Any, Any]:
     if t.tma:
         # the weights' maps (w13 [E][2F][H] in the gate/up kernel's boxes, w2 [E][H][F] in the plain ring's), each
         # kernel reading its own by address
-        first = MAP_SLOTS[(t.bn, t.swiglu, t.cluster)]
+        first = MAP_SLOTS[(t.bn, t.swiglu)]
         write_weight_maps(backend, case.tmaps, [encode_weight_map(case.w13.ptr, E, 2 * F, H, t.b_box_rows),
-                                                encode_weight_map(case.w2.ptr, E, H, F, v.plain.tile.b_box_rows)],
-                          first)
+                                                encode_weight_map(case.w2.ptr, E, H, F, t.bn)], first)
         at = case.tmaps.ptr + first * TENSOR_MAP_BYTES
         map13, map2 = [at], [at + TENSOR_MAP_BYTES]
     c13 = case.act if t.swiglu else case.h13

@@ -7,7 +7,7 @@
 #
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-wgmma ep-moe-nccl24
 # ep-moe-worst ep-ll-phases
-# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu pair
+# ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
 # bench-barrier bench-startup launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
@@ -214,33 +214,20 @@ for s in "${STAGES[@]}"; do
         # SwiGLU mode of the wgmma gate/up GEMM (one GPU, ~4 min, bounded at 450 s): its GPU tests (act equal to the plain
         # TMA build's h13 through the activation, byte for byte) with the TMA ones, then the bench at the decode and
         # prefill shapes (256 and 8192 tokens: the EP2 rank at 128 and 4096 per rank) with the manifest's shape
-        # (`wgmma`), the 3-stage SwiGLU ring, the plain TMA rings it replaces, and the phases timed again in alternation
-        # with cuBLAS over the exact rows ($OUT/expert_gemm_swiglu.json)
+        # (`wgmma`: the gate/up GEMM's blocks row tile fastest), the same ring column tile fastest, the 3-stage SwiGLU
+        # ring, the plain TMA rings it replaces, and the phases timed again in alternation with cuBLAS over the exact
+        # rows ($OUT/expert_gemm_swiglu.json)
         swiglu) stage swiglu_tests 150 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -k "swiglu or tma_" \
                 -p no:cacheprovider --tb=short
             stage expert_gemm_swiglu 300 $PY bench/expert_gemm.py --tokens 256,8192 --repeats 5 \
-                --only production,wgmma,wgmma_swiglu_n256s3,wgmma_tma_n256s3,wgmma_tma_n256s4 ${GEMM_ARGS:-} \
+                --only production,wgmma,wgmma_swiglu_n256s4,wgmma_swiglu_n256s3,wgmma_tma_n256s3,wgmma_tma_n256s4 ${GEMM_ARGS:-} \
                 --json "$OUT/expert_gemm_swiglu.json" ;;
-        # pair mode of the wgmma GEMMs (one GPU, ~5 min, bounded at 450 s): their GPU tests (pair builds' bytes equal to
-        # the single-block TMA builds', probes and partial tiles against float64) with the SwiGLU and TMA ones, then
-        # the bench at the decode and prefill shapes with the manifest's shape (its gate/up GEMM's blocks row tile
-        # fastest), the same ring column tile fastest and in pair mode, each timed in alternation with cuBLAS
-        # ($OUT/expert_gemm_pair.json)
-        pair) stage pair_tests 180 $PY -m pytest -q -m gpu tests/gpu/test_wgmma_gemm_cuda.py -k "pair or swiglu or tma_" \
-                -p no:cacheprovider --tb=short
-            stage expert_gemm_pair 270 $PY bench/expert_gemm.py --tokens 256,8192 --repeats 5 \
-                --only production,wgmma,wgmma_swiglu_n256s4,wgmma_swiglu_n256s4_pair ${GEMM_ARGS:-} \
-                --json "$OUT/expert_gemm_pair.json"
-            ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-            stage pair_ncu 150 "$ncu_bin" --clock-control none -k regex:ep_wgmma --launch-count 48 --section SpeedOfLight \
-                --section LaunchStats --metrics sm__cycles_active.avg,sm__cycles_elapsed.avg,dram__bytes_read.sum \
-                $PY bench/expert_gemm.py --only wgmma_swiglu_n256s4_pair --tokens 8192 --routing uniform --repeats 1 ;;
         # the wgmma expert GEMMs under Nsight Compute (one GPU, ~3 min, bounded at 400 s; the clocks left alone): the
         # layer's two launches at the prefill shape (8192 tokens, uniform), speed of light, memory and compute
         # workload, warp states, then one cuBLAS launch of the baseline for its kernel's name and the same sections
         # ($OUT/gemm_ncu.txt)
         gemm-ncu) ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-            ncu_sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats"
+            ncu_sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --metrics dram__bytes_read.sum,sm__cycles_active.avg"
             stage gemm_ncu 240 "$ncu_bin" --clock-control none -k regex:ep_wgmma --launch-count 2 $ncu_sections \
                 $PY bench/expert_gemm.py --only wgmma --tokens 8192 --routing uniform --repeats 1
             stage gemm_ncu_cublas 160 "$ncu_bin" --clock-control none -k regex:'^(nvjet|sm90|cutlass)' --launch-count 1 \

@@ -74,9 +74,6 @@
 #ifndef WG_SWIGLU
 #define WG_SWIGLU 0
 #endif
-#ifndef WG_CLUSTER
-#define WG_CLUSTER 1
-#endif
 #ifndef WG_RASTER
 #define WG_RASTER 0
 #endif
@@ -103,16 +100,6 @@
 #define WG_A_VECS (WG_BM * 8 / WG_COPIERS)  // 16-byte A copies per copying thread and stage
 #define WG_B_VECS (WG_BN * 8 / WG_COPIERS)  // 16-byte B copies per copying thread and stage
 #define WG_ROW_STEP (WG_COPIERS / 8)        // rows between one copying thread's vectors
-// TMA mode: B's stage as tensor copies of WG_B_BOX_ROWS rows each (the map's box): one of WG_BN rows, two halves in
-// pair mode (one issued by each block of the pair), four quarters in SwiGLU mode (gate, up, gate, up)
-#if WG_SWIGLU
-#define WG_B_BOXES 4
-#elif WG_CLUSTER == 2
-#define WG_B_BOXES 2
-#else
-#define WG_B_BOXES 1
-#endif
-#define WG_B_BOX_ROWS (WG_BN / WG_B_BOXES)
 #if WG_BN != 128 && WG_BN != 256
 #error "WG_BN must be 128 or 256 (one m64nWG_BNk16 wgmma per warpgroup and k16 step)"
 #endif
@@ -131,17 +118,8 @@
 #if WG_SWIGLU && !WG_TMA
 #error "WG_SWIGLU 1 needs WG_TMA 1: the gate and up boxes of a stage come by four tensor copies"
 #endif
-#if WG_CLUSTER != 1 && WG_CLUSTER != 2
-#error "WG_CLUSTER must be 1 (a block alone) or 2 (two row tiles' blocks sharing B's stages, see Pair mode)"
-#endif
-#if WG_CLUSTER == 2 && !WG_TMA
-#error "WG_CLUSTER 2 needs WG_TMA 1: the pair's B stages come by tensor copies delivered to both blocks"
-#endif
 #if WG_RASTER != 0 && WG_RASTER != 1
 #error "WG_RASTER must be 0 (column tiles fastest) or 1 (row tiles fastest, see wg_tile_coords)"
-#endif
-#if WG_RASTER && WG_CLUSTER == 2
-#error "WG_RASTER 1 renumbers blocks, which would split the hardware's pairs (WG_CLUSTER 2): a pair already shares B"
 #endif
 #if WG_STAGES < 3
 #error "WG_STAGES must be at least 3 (a stage being multiplied, one retiring, one or more loading)"
@@ -175,8 +153,10 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned int saddr) {
 }
 
 // The block's tile of C: column tile *tx, row tile *ty (of expert blockIdx.z). WG_RASTER 0: blockIdx as it is, so
-// the blocks launched one after another (blockIdx.x fastest) share an expert's rows. WG_RASTER 1: the blocks of
-// one expert renumbered row tile fastest, so those reading one column tile of B are launched side by side.
+// the blocks launched one after another (blockIdx.x fastest) share an expert's rows. WG_RASTER 1: an expert's blocks
+// renumbered row tile fastest, so the blocks reading one column tile of B are launched side by side and its bytes
+// come from DRAM about once (the gate/up GEMM at 4096 tokens per EP2 rank: 8.9 GB read from DRAM instead of 12.0,
+// 8% faster; bench/results/h200/expert_gemm_raster.json). The bytes written do not change.
 __device__ __forceinline__ void wg_tile_coords(int* tx, int* ty) {
 #if WG_RASTER
     const int lin = (int)(blockIdx.x + gridDim.x * blockIdx.y);
@@ -442,24 +422,13 @@ __device__ __forceinline__ unsigned long long wg_now() {
     return t;
 }
 
-// cluster: the wait acquires at cluster scope (pair mode's empty barriers, which the other block's consumers
-// arrive on remotely before this block's tensor copies overwrite their stage)
-__device__ __forceinline__ bool wg_bar_test(unsigned int bar, unsigned int parity, bool cluster) {
+__device__ __forceinline__ bool wg_bar_test(unsigned int bar, unsigned int parity) {
     unsigned int done;
-    if (cluster) {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    }
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
     return done != 0;
 }
 
@@ -484,12 +453,11 @@ __device__ __forceinline__ void wg_hang(unsigned int word) {
 // wg_hang (kind 1 full, 2 empty; stage; K tile) once WG_WAIT_NS have passed without it.
 __device__ __forceinline__ unsigned int wg_bar_wait(unsigned int bar, unsigned int parity, unsigned int kind,
                                                     int stage, int kt) {
-    const bool cluster = WG_CLUSTER == 2 && kind == 2u;  // an empty barrier of a pair build
-    if (wg_bar_test(bar, parity, cluster)) {
+    if (wg_bar_test(bar, parity)) {
         return 0u;
     }
     const unsigned long long t0 = wg_now();
-    while (!wg_bar_test(bar, parity, cluster)) {
+    while (!wg_bar_test(bar, parity)) {
         if (wg_now() - t0 > WG_WAIT_NS) {
             return (kind << 28) | ((unsigned int)stage << 20) | ((unsigned int)kt & 0xFFFFFu);
         }
@@ -556,26 +524,10 @@ __device__ __forceinline__ void wg_store_swiglu(const float* acc, unsigned int* 
 // K tiles are the ring's uses it .. it + k_tiles - 1 (use j in stage j % WG_STAGES, phase j / WG_STAGES), each
 // stage freed once its wgmma group has retired, the last one before the epilogue. Returns it + k_tiles.
 // HALF as wg_block's.
-// Frees a stage: this warp's arrival on the block's empty barrier `bar`, and in pair mode (peer: the other block's
-// rank in the cluster, else -1) on the other block's barrier at the same offset, since both blocks' tensor copies
-// write this block's stage.
-__device__ __forceinline__ void wg_free(unsigned int bar, int peer) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-#if WG_CLUSTER == 2
-    if (peer >= 0) {
-        unsigned int remote;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(peer));
-        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-    }
-#else
-    (void)peer;
-#endif
-}
-
 template <bool HALF>
 __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, unsigned int empty, int K, int ctid,
                                           unsigned int* C, long long c_row0, int present, int m0, int n0, int N,
-                                          int it, int peer) {
+                                          int it) {
     constexpr int NW = HALF ? WG_BN / 2 : WG_BN;
     constexpr int NACC = NW / 2;
     const int wg = ctid >> 7;
@@ -610,7 +562,8 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // K tile kt - 1's group has retired
         wg_fence_acc<NACC>(acc);
         if (kt > 0 && lane == 0) {
-            wg_free(empty + 8 * ((j - 1) % WG_STAGES), peer);
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty + 8 * ((j - 1) % WG_STAGES))
+                         : "memory");
         }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -619,13 +572,9 @@ __device__ __forceinline__ int wg_consume(unsigned int ring, unsigned int full, 
         wg_hang(hung);
     }
     if (k_tiles > 0 && lane == 0) {  // the last K tile's stage: the producer may refill it while we store
-        wg_free(empty + 8 * ((it + k_tiles - 1) % WG_STAGES), peer);
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty + 8 * ((it + k_tiles - 1) % WG_STAGES))
+                     : "memory");
     }
-#if WG_CLUSTER == 2
-    if (peer >= 0) {  // this thread's last remote arrival is made: the other block may exit once all have
-        asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-    }
-#endif
     const int warp = (ctid >> 5) & 3;
     const int g = lane >> 2;
     const int t = lane & 3;
@@ -671,42 +620,23 @@ __device__ __forceinline__ void wg_tma_box(unsigned int dst, const void* b_map, 
         : "memory");
 }
 
-// One box delivered to the same offset of both blocks' shared memory in pair mode (.multicast::cluster, mask 0b11:
-// both blocks of the cluster; the copy engine writing two SMs' shared memory on this GPU), its bytes completing on
-// the barrier at the same offset in each block.
-__device__ __forceinline__ void wg_tma_box_pair(unsigned int dst, const void* b_map, unsigned int bar, int k0, int row,
-                                                int e) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
-        "[%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
-        "l"(b_map), "r"(k0), "r"(row), "r"(e), "r"(bar), "h"((unsigned short)3)
-        : "memory");
-}
-
-// B's stage of K tile k0 for the block's B rows n0 .. (SwiGLU mode: its four gate/up boxes, N = 2 ffn), as
-// WG_B_BOXES boxes of WG_B_BOX_ROWS rows. rank < 0: this block copies every box. rank 0 or 1 (pair mode): it copies
-// boxes rank * WG_B_BOXES / 2 .. (half the stage) into both blocks; the other block copies the other half. Either
-// way the stage's WG_B_BYTES land in this block and complete on its full barrier, which this thread's expect_tx
-// counts.
+// B's stage of K tile k0 for the block's B rows n0 .. (SwiGLU mode: its four gate/up boxes, N = 2 ffn).
 __device__ __forceinline__ void wg_tma_b(unsigned int dst, const void* b_map, unsigned int bar, int k0, int n0,
-                                         int e, int N, int rank) {
+                                         int e, int N) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(WG_B_BYTES)
                  : "memory");
-#pragma unroll
-    for (int h = 0; h < WG_B_BOXES; ++h) {
 #if WG_SWIGLU
-        const int row = (h & 1) * (N / 2) + n0 / 2 + (h >> 1) * WG_B_BOX_ROWS;
-#else
-        const int row = n0 + h * WG_B_BOX_ROWS;
-#endif
-        const unsigned int at = dst + h * WG_B_BOX_ROWS * 128;
-        if (rank < 0) {
-            wg_tma_box(at, b_map, bar, k0, row, e);
-        } else if (h * 2 / WG_B_BOXES == rank) {
-            wg_tma_box_pair(at, b_map, bar, k0, row, e);
-        }
+    constexpr int BOX = WG_BN / 4;
+    const int ffn = N / 2;
+    const int c0 = n0 / 2;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        wg_tma_box(dst + h * BOX * 128, b_map, bar, k0, (h & 1) * ffn + c0 + (h >> 1) * BOX, e);
     }
+#else
     (void)N;
+    wg_tma_box(dst, b_map, bar, k0, n0, e);
+#endif
 }
 
 // Before thread 0's first tensor copy: the map was written through the generic proxy (a host copy into global
@@ -721,11 +651,11 @@ __device__ __forceinline__ void wg_tma_acquire(const void* b_map) {
 
 // The producer's share of one tile (ptid: 0 .. 127): the copies of its K tiles into the ring's uses it .., each
 // after the stage's previous use has been freed, each signalled on full[stage] when this thread's copies land.
-// rank: wg_tma_b's (pair mode's half of B, or -1). Returns it + k_tiles.
+// Returns it + k_tiles.
 __device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, unsigned int empty,
                                           const uint4* __restrict__ A, const int* __restrict__ a_index,
                                           const uint4* __restrict__ B, int cap, int N, int K, int e, int m0, int n0,
-                                          int present, int ptid, int it, const void* b_map, int rank) {
+                                          int present, int ptid, int it, const void* b_map) {
     const uint4* a_src[WG_A_VECS];  // once per tile
     bool a_valid[WG_A_VECS];
     const uint4* b_src;
@@ -740,7 +670,7 @@ __device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, 
             wg_hang(hung);
         }
         if (WG_TMA && ptid == 0) {
-            wg_tma_b(ring + s * WG_STAGE_BYTES + WG_A_BYTES, b_map, full + 8 * s, kt * WG_BK, n0, e, N, rank);
+            wg_tma_b(ring + s * WG_STAGE_BYTES + WG_A_BYTES, b_map, full + 8 * s, kt * WG_BK, n0, e, N);
         }
         wg_issue(ring + s * WG_STAGE_BYTES, a_src, a_valid, b_src, b_limit, K, kt, ptid);
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * s) : "memory");
@@ -749,11 +679,10 @@ __device__ __forceinline__ int wg_produce(unsigned int ring, unsigned int full, 
 }
 
 // The ring (aligned), its mbarriers initialised (full: the producer's 128 threads, plus the tensor copy's
-// arrival in TMA mode; empty: the consumers' 8 warps, 16 in pair mode: both blocks'), every thread past the barrier
-// that publishes them (in pair mode the cluster's, so neither block's copies or arrivals reach the other's barriers
-// before they are initialised). Traps when the launch gave too little memory.
+// arrival in TMA mode; empty: the consumers' 8 warps), every thread past the barrier that publishes them. Traps
+// when the launch gave too little memory.
 __device__ __forceinline__ void wg_ws_setup(unsigned char* smem, unsigned long long* bars, unsigned int* ring,
-                                            unsigned int* full, unsigned int* empty, bool pair) {
+                                            unsigned int* full, unsigned int* empty) {
     unsigned int dyn;
     asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     if (dyn < WG_SMEM_BYTES) {
@@ -767,18 +696,11 @@ __device__ __forceinline__ void wg_ws_setup(unsigned char* smem, unsigned long l
         for (int s = 0; s < WG_STAGES; ++s) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*full + 8 * s), "r"(WG_COPIERS + WG_TMA)
                          : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*empty + 8 * s), "r"(pair ? 16 : 8)
-                         : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(*empty + 8 * s), "r"(8) : "memory");
         }
         // the initialised barriers, visible to the asynchronous arrivals (cp.async's) as well as to the threads
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-#if WG_CLUSTER == 2
-    if (pair) {
-        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-        return;
-    }
-#endif
     __syncthreads();
 }
 
@@ -797,55 +719,29 @@ __device__ __forceinline__ void wgmma_gemm_ws(const uint4* __restrict__ A, const
     const int m0 = ty * WG_BM;
     const int n0 = tx * WG_BN;
     const int present = rows[e] < cap ? rows[e] : cap;
-#if WG_CLUSTER == 2
-    // Pair mode when both row tiles of the cluster (ty & ~1, ty | 1: the same expert and column tile) hold rows; when
-    // only the first does, the second block leaves below and the first runs alone (rank -1). Both blocks decide
-    // from the same count, so they agree.
-    const bool pair = (ty | 1) * WG_BM < present;
-    unsigned int ctarank;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(ctarank));
-    const int rank = pair ? (int)ctarank : -1;
-    const int peer = pair ? (int)(ctarank ^ 1u) : -1;
-#else
-    const bool pair = false;
-    const int rank = -1;
-    const int peer = -1;
-#endif
     if (m0 >= present) {
-        return;  // the whole block: no thread has reached a barrier (nor, in a pair build, will its partner's)
+        return;  // the whole block: no thread has reached a barrier
     }
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     __shared__ __align__(8) unsigned long long wg_bars[2 * WG_STAGES];  // full[0 ..], then empty[0 ..]
     unsigned int ring, full, empty;
-    wg_ws_setup(wg_smem, wg_bars, &ring, &full, &empty, pair);
+    wg_ws_setup(wg_smem, wg_bars, &ring, &full, &empty);
     const int tid = threadIdx.x;
     if (tid < WG_COPIERS) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
         if (tid == 0) {
             wg_tma_acquire(b_map);
         }
-        wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, m0, n0, present, tid, 0, b_map, rank);
+        wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, m0, n0, present, tid, 0, b_map);
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the block
-#if WG_CLUSTER == 2
-        if (pair) {  // the producers leave now; the cluster barrier below waits for their arrival, not their exit
-            asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-        }
-#endif
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WG_CONSUMER_REGS));
     if (present - m0 <= 64) {
-        wg_consume<true>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N, 0, peer);
+        wg_consume<true>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N, 0);
     } else {
-        wg_consume<false>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N, 0, peer);
+        wg_consume<false>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N, 0);
     }
-#if WG_CLUSTER == 2
-    if (pair) {  // wg_consume arrived after its last remote arrival: neither block leaves while the other may reach it
-        asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-    }
-#else
-    (void)pair;
-#endif
 }
 
 // Persistent blocks over the tiles with rows (entries ep_wgmma_gemm_tiles*): the tiles of C that hold rows
@@ -873,7 +769,7 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
         wg_units[e + 1] = (present + WG_BM - 1) / WG_BM;
     }
     unsigned int ring, full, empty;
-    wg_ws_setup(wg_smem, wg_bars, &ring, &full, &empty, false);  // its barrier also publishes the counts
+    wg_ws_setup(wg_smem, wg_bars, &ring, &full, &empty);  // its barrier also publishes the counts
     if (tid < 32) {  // warp 0: the inclusive prefix of the row tiles, 32 experts a step
         int carry = 0;
         for (int base = 1; base <= experts; base += 32) {
@@ -911,7 +807,7 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
             }
             const int present = rows[e] < cap ? rows[e] : cap;
             it = wg_produce(ring, full, empty, A, a_index, B, cap, N, K, e, (unit - wg_units[e]) * WG_BM,
-                            (tile - unit * tiles_n) * WG_BN, present, tid, it, b_map, -1);
+                            (tile - unit * tiles_n) * WG_BN, present, tid, it, b_map);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the block
         return;
@@ -927,10 +823,10 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
         const int present = rows[e] < cap ? rows[e] : cap;
         if (present - m0 <= 64) {
             it = wg_consume<true>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N,
-                                  it, -1);
+                                  it);
         } else {
             it = wg_consume<false>(ring, full, empty, K, tid - WG_COPIERS, C, (long long)e * cap, present, m0, n0, N,
-                                   it, -1);
+                                   it);
         }
     }
 }
@@ -939,14 +835,6 @@ __device__ __forceinline__ void wgmma_gemm_tiles(const uint4* __restrict__ A, co
 // TMA mode's entries take one more, last argument: b_map, the global address of B's tensor map (a 128-byte
 // CUtensorMap, 64-byte aligned; see wg_tma_b). B stays an argument (the contract is the other modes'); its
 // bytes come through the map.
-// Pair mode (WG_CLUSTER 2): the per-tile entries launch in clusters of two blocks along y (grid y even:
-// WgmmaTile.grid), the two row tiles ty & ~1 and ty | 1 of one expert and column tile.
-#if WG_CLUSTER == 2
-#define WG_CLUSTER_DIMS __cluster_dims__(1, 2, 1)
-#else
-#define WG_CLUSTER_DIMS
-#endif
-
 #if WG_TMA
 #define WG_MAP_PARAM , const void* __restrict__ b_map
 #define WG_MAP_ARG b_map
@@ -1000,7 +888,7 @@ __device__ __forceinline__ void wgmma_gemm(const uint4* __restrict__ A, const in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) WG_CLUSTER_DIMS ep_wgmma_gemm(const uint4* __restrict__ A,
+extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) ep_wgmma_gemm(const uint4* __restrict__ A,
                                                                         const uint4* __restrict__ B,
                                                                         unsigned int* __restrict__ C,
                                                                         const int* __restrict__ rows, int cap,
@@ -1009,7 +897,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) WG_CLUSTER_DIM
     wgmma_gemm(A, 0, B, C, rows, cap, n, n_factor, K, WG_MAP_ARG);
 }
 
-extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) WG_CLUSTER_DIMS ep_wgmma_gemm_gather(const uint4* __restrict__ A,
+extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MINB) ep_wgmma_gemm_gather(const uint4* __restrict__ A,
                                                                                const int* __restrict__ a_index,
                                                                                const uint4* __restrict__ B,
                                                                                unsigned int* __restrict__ C,

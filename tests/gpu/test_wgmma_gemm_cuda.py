@@ -37,14 +37,13 @@ ATOL = 2.0**-10
 TILES = [(WgmmaTile(256, 4), 0), (WgmmaTile(128, 6), 0), (WgmmaTile(128, 3), 0), (WgmmaTile(256, 4, 1), 0),
          (WgmmaTile(128, 6, 1), 0), (WgmmaTile(256, 3, 1), 5), (WgmmaTile(128, 6, 1), 5),
          (WgmmaTile(256, 4, 1, 1), 0), (WgmmaTile(256, 3, 1, 1), 0), (WgmmaTile(128, 6, 1, 1), 0),
-         (WgmmaTile(256, 4, 1, 1), 5), (WgmmaTile(256, 4, 1, 1, 0, 2), 0)]
+         (WgmmaTile(256, 4, 1, 1), 5)]
 
 
 def tile_id(shape: tuple[WgmmaTile, int]) -> str:
     t, blocks = shape
     mode = "swiglu_" if t.swiglu else "tma_" if t.tma else "ws_" if t.ws else ""
-    pair, rows = "_pair" if t.cluster == 2 else "", "_rows" if t.raster else ""
-    return f"{mode}n{t.bn}s{t.stages}{pair}{rows}{f'_p{blocks}' if blocks else ''}"
+    return f"{mode}n{t.bn}s{t.stages}{'_rows' if t.raster else ''}{f'_p{blocks}' if blocks else ''}"
 
 
 @pytest.fixture(scope="module")
@@ -278,28 +277,3 @@ def test_swiglu_mode_writes_the_plain_builds_h13_through_the_activation(backend,
             if written:
                 problems.append(f"expert {e}: {written} values written in slots at or past its count {count}")
         assert not problems, f"{tile} {name}:\n" + "\n".join(problems)
-
-
-@pytest.mark.parametrize("swiglu, stages", [(0, 4), (1, 4), (1, 3)])
-def test_pair_mode_writes_the_single_blocks_bytes(backend, swiglu, stages):
-    """Pair mode (WG_CLUSTER 2) runs the same wgmma over the same stages as the TMA build; only who copies B's
-    halves differs, so the outputs are equal byte for byte. The row counts give every case of a pair: both row
-    tiles full (256), the second one row (129: half mode beside a full tile), one row tile only (127, 64: the
-    second block leaves and the first runs alone), an expert with none (0), a pair and then a lone third tile (300,
-    257: cap 320 makes the grid's y 3, rounded up to 4). K 1032: 17 K tiles, so every stage's barriers, 16 arrivals
-    on each empty one, go round more than once; N 384 / ffn 200 leaves a half-empty last column tile."""
-    rows, cap, k = [127, 129, 0, 64, 300, 256, 257], 320, 1032
-    n = 400 if swiglu else 384
-    x, w, index, slab = make(rows, cap, n, k, seed=17)
-    counts = np.array(rows, np.int32)
-    single = Gemm(backend, WgmmaTile(256, stages, 1, 1, swiglu))
-    pair = Gemm(backend, WgmmaTile(256, stages, 1, 1, swiglu, 2))
-    assert pair.tile.grid(n, cap, len(rows))[1] == 4
-    first = None
-    for name, a, idx in (("gather", x, index), ("dense", slab, None), ("gather again", x, index)):
-        want, got = single(a, w, counts, cap, idx), pair(a, w, counts, cap, idx)
-        differ = np.argwhere(want != got)
-        assert not differ.size, (f"{name}: {len(differ)} values differ, first (expert, row, col) {differ[:4].tolist()}"
-                                 f"; unwritten in pair mode: {int(((got == POISON) & (want != POISON)).sum())}")
-        first = got if first is None else first
-    assert np.array_equal(first, got), "pair mode wrote other bytes on a second run"

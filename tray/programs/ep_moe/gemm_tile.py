@@ -93,10 +93,9 @@ def masked_tile(manifest: str = "ep_moe") -> GemmTile:
 
 # ep_gemm_wgmma.cu's knobs; its block tile is 128 rows x WG_BN columns, K 64 per stage, 256 threads (384 with
 # WG_WS 1: a producer warpgroup beside the two consumers); WG_TMA 1 (WG_WS 1 only): B by tensor copies; WG_SWIGLU 1
-# (WG_TMA 1 only): the gate/up GEMM writing silu(gate) * up (WG_BN / 2 columns of act per block); WG_CLUSTER 2
-# (WG_TMA 1 only): clusters of two blocks, two row tiles of one expert and column tile, sharing B's stages;
-# WG_RASTER 1: an expert's blocks launched row tile fastest
-WGMMA_NAMES = ("WG_BN", "WG_STAGES", "WG_WS", "WG_TMA", "WG_SWIGLU", "WG_CLUSTER", "WG_RASTER")
+# (WG_TMA 1 only): the gate/up GEMM writing silu(gate) * up (WG_BN / 2 columns of act per block); WG_RASTER 1: an
+# expert's blocks taken row tile fastest
+WGMMA_NAMES = ("WG_BN", "WG_STAGES", "WG_WS", "WG_TMA", "WG_SWIGLU", "WG_RASTER")
 WGMMA_BM = 128
 WGMMA_BK = 64
 WGMMA_THREADS = 256
@@ -112,18 +111,14 @@ class WgmmaTile:
     1 (with ws 1) for B's stages by the tensor memory accelerator from a tensor map (tray/programs/ep_moe/tma.py)
     passed as the entries' last argument, A still by the producer's cp.async; swiglu (WG_SWIGLU) 1 (with tma 1) for
     the gate/up GEMM that writes silu(gate) * up, its B stage four tensor copies of bn / 4 rows (gate, up, gate, up);
-    cluster (WG_CLUSTER) 2 (with tma 1) for pair mode: the per-tile entries launch in clusters of two blocks along
-    the grid's y (two row tiles of one expert and column tile), each block's tensor copies bringing half of B's stage
-    into both, so B crosses from L2 once per pair; a pair whose second row tile is empty runs as one block. raster
-    (WG_RASTER) 1: the blocks of one expert are taken row tile fastest in launch order, so the blocks reading one
-    column tile of B run side by side (the bytes do not change)."""
+    raster (WG_RASTER) 1: an expert's blocks taken row tile fastest in launch order, so the blocks reading one column
+    tile of B run side by side (the bytes written do not change)."""
 
     bn: int
     stages: int
     ws: int = 0
     tma: int = 0
     swiglu: int = 0
-    cluster: int = 1
     raster: int = 0
 
     @property
@@ -144,10 +139,10 @@ class WgmmaTile:
     @property
     def options(self) -> list[str]:
         return [f"-DWG_BN={self.bn}", f"-DWG_STAGES={self.stages}", f"-DWG_WS={self.ws}", f"-DWG_TMA={self.tma}",
-                f"-DWG_SWIGLU={self.swiglu}", f"-DWG_CLUSTER={self.cluster}", f"-DWG_RASTER={self.raster}"]
+                f"-DWG_SWIGLU={self.swiglu}", f"-DWG_RASTER={self.raster}"]
 
-    def values(self) -> tuple[int, int, int, int, int, int, int]:
-        return (self.bn, self.stages, self.ws, self.tma, self.swiglu, self.cluster, self.raster)
+    def values(self) -> tuple[int, int, int, int, int, int]:
+        return (self.bn, self.stages, self.ws, self.tma, self.swiglu, self.raster)
 
     @property
     def b_box_bytes(self) -> int:
@@ -156,28 +151,23 @@ class WgmmaTile:
 
     @property
     def b_box_rows(self) -> int:
-        """Rows of B one tensor copy brings (the map's box): the whole stage, half of it in pair mode (each block of
-        the pair copies one half), or a quarter in SwiGLU mode (either way)."""
-        return self.bn // 4 if self.swiglu else self.bn // self.cluster
+        """Rows of B one tensor copy brings (the map's box): the whole stage, or a quarter in SwiGLU mode."""
+        return self.bn // 4 if self.swiglu else self.bn
 
     def grid(self, n: int, cap: int, experts: int) -> tuple[int, int, int]:
-        """The launch grid over C [experts][cap][n]: ceil(n / bn) x ceil(cap / 128) x experts, y rounded up to a
-        whole number of clusters in pair mode (the extra row tile has no rows: its block leaves at once)."""
-        y = -(-cap // WGMMA_BM)
-        return (-(-n // self.bn), -(-y // self.cluster) * self.cluster, experts)
+        """The launch grid over C [experts][cap][n]: ceil(n / bn) x ceil(cap / 128) x experts."""
+        return (-(-n // self.bn), -(-cap // WGMMA_BM), experts)
 
     def check(self) -> None:
         """ValueError when the kernel would refuse the shape at compile time (its #error lines)."""
         if (self.bn not in (128, 256) or self.stages < 3 or self.smem > WGMMA_SMEM_MAX or self.ws not in (0, 1)
                 or self.tma not in (0, 1) or (self.tma and not self.ws) or self.swiglu not in (0, 1)
-                or (self.swiglu and not self.tma) or self.cluster not in (1, 2) or (self.cluster == 2 and not self.tma)
-                or self.raster not in (0, 1) or (self.raster and self.cluster == 2)):
+                or (self.swiglu and not self.tma) or self.raster not in (0, 1)):
             raise ValueError(f"ep_gemm_wgmma.cu takes WG_BN 128 or 256 and WG_STAGES >= 3 within "
                              f"{WGMMA_SMEM_MAX} bytes of shared memory, WG_WS 0 or 1, WG_TMA 0 or 1 (1 only with "
-                             f"WG_WS 1), WG_SWIGLU 0 or 1 (1 only with WG_TMA 1), WG_CLUSTER 1 or 2 (2 only with "
-                             f"WG_TMA 1), WG_RASTER 0 or 1 (1 only with WG_CLUSTER 1); got WG_BN {self.bn}, WG_STAGES "
-                             f"{self.stages} ({self.smem} bytes), WG_WS {self.ws}, WG_TMA {self.tma}, WG_SWIGLU "
-                             f"{self.swiglu}, WG_CLUSTER {self.cluster}, WG_RASTER {self.raster}")
+                             f"WG_WS 1), WG_SWIGLU 0 or 1 (1 only with WG_TMA 1), WG_RASTER 0 or 1; got WG_BN {self.bn}, "
+                             f"WG_STAGES {self.stages} ({self.smem} bytes), WG_WS {self.ws}, WG_TMA {self.tma}, "
+                             f"WG_SWIGLU {self.swiglu}, WG_RASTER {self.raster}")
 
 
 def wgmma_tile_of(source: str, options: Sequence[str] = ()) -> WgmmaTile:
