@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import ncu_summary  # noqa: E402
+import ncu_summary
 
 REPORT = """==PROF== Connected to process 533 (/usr/bin/python3.12)
   uniform_T8192    wgmma                w13+silu    3803.1  w2    1952.0  experts    5768.5 µs

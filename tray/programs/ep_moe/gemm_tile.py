@@ -165,9 +165,9 @@ class WgmmaTile:
                 or (self.swiglu and not self.tma) or self.raster not in (0, 1)):
             raise ValueError(f"ep_gemm_wgmma.cu takes WG_BN 128 or 256 and WG_STAGES >= 3 within "
                              f"{WGMMA_SMEM_MAX} bytes of shared memory, WG_WS 0 or 1, WG_TMA 0 or 1 (1 only with "
-                             f"WG_WS 1), WG_SWIGLU 0 or 1 (1 only with WG_TMA 1), WG_RASTER 0 or 1; got WG_BN {self.bn}, "
-                             f"WG_STAGES {self.stages} ({self.smem} bytes), WG_WS {self.ws}, WG_TMA {self.tma}, "
-                             f"WG_SWIGLU {self.swiglu}, WG_RASTER {self.raster}")
+                             f"WG_WS 1), WG_SWIGLU 0 or 1 (1 only with WG_TMA 1), WG_RASTER 0 or 1; got WG_BN "
+                             f"{self.bn}, WG_STAGES {self.stages} ({self.smem} bytes), WG_WS {self.ws}, WG_TMA "
+                             f"{self.tma}, WG_SWIGLU {self.swiglu}, WG_RASTER {self.raster}")
 
 
 def wgmma_tile_of(source: str, options: Sequence[str] = ()) -> WgmmaTile:
