@@ -14,7 +14,14 @@ environment) and prints the ratios; a progress line per stage. With --plot, a PN
 phases stacked (warm and cold kernel cache), the rest up to the first allreduce on top, and torch's spawn ->
 first allreduce beside them.
 
-    python bench/startup.py -n 4 [--backend host|cuda] [--repeats 5] [--json bench/results/startup.json]
+Wake from park, apart from a cold start (--wake-gib G, 0 to skip): a tray whose manifest also holds a paged
+state (G GiB of device pages per rank and as many in its pinned host tier) fills a lease of all of it, parks
+it, writes garbage over the device pool, and times the tray-wide wake (slowest rank), checking every byte after
+it. Beside it, in the same run: how long writing the same bytes from pageable host memory into the lease takes
+(`load_s`: the least a cold start pays to bring that state back from host RAM, disk excluded), and launch ->
+ready of that tray (its pools allocated and pinned at start).
+
+    python bench/startup.py -n 4 [--backend host|cuda] [--repeats 5] [--wake-gib G] [--json bench/results/startup.json]
                             [--plot bench/results/startup.png]
 """
 
@@ -54,6 +61,79 @@ with tray.init() as rank:
                    "collectives_s": rank.timings.get("collectives")}, f)
 """
 
+WAKE_PROGRAM = """
+import json, sys, time
+import tray
+from tray.programs.park.bench import CHUNK_NBYTES, Pattern, check, fill, scribble
+with tray.init() as rank:
+    t_ready = time.time()
+    backend = rank.backend
+    session = rank.lease(int(sys.argv[2]))
+    pattern = Pattern(rank.rank + 1, session.page_nbytes, session.nbytes)
+    per = max(1, CHUNK_NBYTES // session.page_nbytes)  # pages per write; the lease is contiguous (a fresh pool)
+    chunk = pattern.pages(0, per)
+    fill(backend, session, pattern)  # first touch of every page (the host backend's memfd) is not the load's cost
+    rank.exchange("startup.load", 0)
+    t0 = time.perf_counter()
+    for first in range(0, session.npages, per):
+        n = min(per, session.npages - first)
+        backend.write(session.ptr(first), chunk[: n * session.page_nbytes])
+    backend.synchronize()
+    load_s = time.perf_counter() - t0
+    fill(backend, session, pattern)
+    session.touch()
+    parked = rank.park(session)
+    scribble(backend, session.parking.pool(session.state))  # a wake that copied nothing fails the check
+    rank.exchange("startup.wake", 0)
+    t0 = time.perf_counter()
+    session = rank.wake(parked)
+    backend.synchronize()
+    wake_s = time.perf_counter() - t0
+    checked = check(backend, session, pattern, rank.rank)
+    nbytes = session.nbytes
+    session.release()
+    with open(f"{sys.argv[1]}/rank-{rank.rank}.json", "w") as f:
+        json.dump({"t_ready": t_ready, "load_s": load_s, "wake_s": wake_s, "nbytes": nbytes,
+                   "checked_bytes": checked}, f)
+"""
+PAGE_NBYTES = 2 << 20
+
+
+def wake_manifest(path: Path, pages: int) -> Path:
+    """peer_fill's manifest (its kernel sources made absolute) with one paged state of `pages` pages of
+    PAGE_NBYTES on the device and as many in the host tier, written to `path`."""
+    base = builtin_path("peer_fill")
+    doc = json.loads(Path(base).read_text())
+    for k in doc.get("kernels", []):
+        k["source"] = str((Path(base).parent / k["source"]).resolve())
+    doc["name"] = "startup_wake"
+    doc["states"] = [{"name": "kv", "page_nbytes": PAGE_NBYTES, "pages": pages, "host_pages": pages}]
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def wake_once(n: int, backend: str, workdir: Path, cache_dir: Path, pages: int) -> dict:
+    """One tray with a state of `pages` pages per rank: launch -> ready, then load / park / wake (slowest rank)."""
+    prog = workdir / "startup_wake.py"
+    prog.write_text(WAKE_PROGRAM)
+    manifest = wake_manifest(workdir / "startup_wake.json", pages)
+    out = workdir / f"wake-{time.monotonic_ns()}"
+    out.mkdir()
+    t0 = time.time()
+    result = run_tray(TraySpec(nprocs=n, cmd=(sys.executable, str(prog), str(out), str(pages)), backend=backend,
+                               manifest=str(manifest), quiet=True,
+                               extra_env=(("TRAY_CACHE_DIR", str(cache_dir)),)))
+    if result.exit_code != 0:
+        raise SystemExit(f"tray (wake from park) failed: {result.root_cause}")
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
+    return {
+        "ready_s": max(r["t_ready"] for r in ranks) - t0,
+        "load_s": max(r["load_s"] for r in ranks),
+        "wake_s": max(r["wake_s"] for r in ranks),
+        "nbytes_per_rank": ranks[0]["nbytes"],
+        "checked_bytes": sum(r["checked_bytes"] for r in ranks),
+    }
+
 
 def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path) -> dict:
     prog = workdir / "startup_rank.py"
@@ -78,7 +158,8 @@ def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path) -> dict:
 
 
 BENCH = "startup"
-STAGES = 4
+STAGES = 5
+WAKE_DEFAULT_GIB = {"host": 0.25, "cuda": 2.0}
 # The head's phases in the order a rank passes them (its timeline), stacked bottom up in the plot.
 PHASES = ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join", "ready")
 
@@ -111,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--wake-gib", type=float, default=None,
+                    help="GiB of parked state per rank to wake, apart from the cold start (0: skip; default "
+                         f"{WAKE_DEFAULT_GIB['host']} on host, {WAKE_DEFAULT_GIB['cuda']} on cuda)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="the phases stacked, warm vs cold, torch beside them (the `plot` extra)")
     args = ap.parse_args(argv)
@@ -119,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         ap.error(str(exc))
     backend = args.backend or detect_backend()
+    wake_gib = WAKE_DEFAULT_GIB.get(backend, 0.25) if args.wake_gib is None else args.wake_gib
+    if wake_gib < 0:
+        ap.error(f"--wake-gib must be 0 (skip) or more, got {wake_gib}")
+    wake_pages = round(wake_gib * (1 << 30) / PAGE_NBYTES)
+    if wake_gib > 0 and wake_pages == 0:
+        ap.error(f"--wake-gib {wake_gib} is less than one page ({PAGE_NBYTES >> 20} MiB); use 0 to skip")
+    wake_runs: list[dict] = []
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tray-startup-") as tmp:
         cache = Path(tmp) / "kernel-cache"  # empty: the first run compiles (cold), the others load (warm)
@@ -131,6 +222,15 @@ def main(argv: list[str] | None = None) -> int:
             t_run = time.monotonic()
             runs.append(tray_once(args.n, backend, Path(tmp), cache))
             print(f"{BENCH}: run {i + 1}/{args.repeats} in {time.monotonic() - t_run:.1f} s", flush=True)
+        wake_repeats = min(args.repeats, 3) if wake_pages else 0
+        t0 = stage(BENCH, 3, STAGES, f"wake from park: {wake_repeats} runs with {wake_pages} pages "
+                                     f"({wake_pages * PAGE_NBYTES / (1 << 30):.3g} GiB) of state per rank"
+                   if wake_pages else "wake from park: skipped (--wake-gib 0)")
+        for i in range(wake_repeats):
+            wake_runs.append(wake_once(args.n, backend, Path(tmp), cache, wake_pages))
+            w = wake_runs[-1]
+            print(f"{BENCH}: wake run {i + 1}/{wake_repeats}: wake {w['wake_s'] * 1e3:.1f} ms, "
+                  f"load {w['load_s'] * 1e3:.1f} ms, ready {w['ready_s']:.3f} s", flush=True)
     phases = sorted({p for r in runs for p in r["phases"]})
     summary = {
         "ready_s": median([r["ready_s"] for r in runs]),
@@ -143,10 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     summary["after_import_s"] = summary["first_allreduce_s"] - summary["phases_s"].get("import", 0.0)
     report = {"bench": "startup", "nprocs": args.n, "backend": backend, "repeats": args.repeats, "tray": summary,
               "cold": {**cold, "kernel_cache": "cold"}, "runs": runs}
+    if wake_runs:
+        nbytes = wake_runs[0]["nbytes_per_rank"]
+        wake = {"gib_per_rank": nbytes / (1 << 30), "wake_s": median([w["wake_s"] for w in wake_runs]),
+                "load_s": median([w["load_s"] for w in wake_runs]),
+                "ready_with_state_s": median([w["ready_s"] for w in wake_runs]), "runs": wake_runs}
+        wake["wake_gb_s"] = nbytes / wake["wake_s"] / 1e9
+        wake["cold_restart_s"] = summary["ready_s"] + wake["load_s"]
+        wake["ratio_wake_vs_cold_restart"] = ratio(wake["wake_s"], wake["cold_restart_s"])
+        report["wake"] = wake
     with_baseline = backend == "cuda" and not args.no_baseline
     why_not = "--no-baseline" if args.no_baseline else f"the {backend} backend; it needs torch and GPUs"
     what = "torch spawn -> first allreduce" if with_baseline else f"no torch baseline ({why_not})"
-    t0 = stage(BENCH, 3, STAGES, what)
+    t0 = stage(BENCH, 4, STAGES, what)
     if with_baseline:
         from torch_baselines import torch_startup  # beside this script
 
@@ -157,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             report["ratio_after_import_vs_torch"] = ratio(summary["after_import_s"], base["after_import_s"])
         else:
             print(f"{BENCH}: no torch baseline (torch is not importable or sees no GPU)", flush=True)
-    stage(BENCH, 4, STAGES, f"report{' and plot' if args.plot else ''} (previous stage {time.monotonic() - t0:.1f} s)")
+    stage(BENCH, 5, STAGES, f"report{' and plot' if args.plot else ''} (previous stage {time.monotonic() - t0:.1f} s)")
     print(f"startup, {args.n} ranks, {backend} backend, median of {args.repeats} (warm kernel cache):")
     print(f"  launch -> all ready          {summary['ready_s']:.3f} s  (cold kernel cache: {cold['ready_s']:.3f} s)")
     print(f"  launch -> first allreduce    {summary['first_allreduce_s']:.3f} s  (of which the collectives' join "
@@ -166,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     for p in PHASES:
         if p in summary["phases_s"]:
             print(f"    {p:<14}{summary['phases_s'][p] * 1e3:8.1f} ms (slowest rank)")
+    if "wake" in report:
+        w = report["wake"]
+        print(f"  wake from park, {w['gib_per_rank']:.3g} GiB per rank: {w['wake_s'] * 1e3:.1f} ms "
+              f"({w['wake_gb_s']:.1f} GB/s per rank, every byte checked); a cold restart: launch -> ready "
+              f"{summary['ready_s']:.3f} s + loading the same bytes from host memory {w['load_s'] * 1e3:.1f} ms "
+              f"= {w['cold_restart_s']:.3f} s (ratio {w['ratio_wake_vs_cold_restart']:.3f}); launch -> ready "
+              f"with the state's pools allocated {w['ready_with_state_s']:.3f} s")
     if "torch" in report:
         t = report["torch"]
         print(f"  torch spawn -> first allreduce {t['first_allreduce_s']:.3f} s "

@@ -16,7 +16,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # script -> (its stage prefix, the stages it announces, tiny arguments for a 2-rank host tray)
 BENCHES = {
     "peer_barrier": ("peer-barrier", 3, ["--iters", "20"]),
-    "startup": ("startup", 4, ["--repeats", "1"]),
+    "startup": ("startup", 5, ["--repeats", "1", "--wake-gib", "0.0625"]),
 }
 
 
@@ -41,6 +41,17 @@ def test_a_bench_prints_a_line_per_stage_and_keeps_its_report(tray_env, tmp_path
         assert report["passed"] and all(report[f"{m}_us"] > 0 for m in ("eager", "eager_sync", "captured"))
     else:
         assert report["tray"]["ready_s"] > 0 and report["cold"]["kernel_cache"] == "cold"
+        wake = report["wake"]  # 32 pages of 2 MiB per rank, parked, the device pool scribbled over, woken
+        assert wake["gib_per_rank"] == 0.0625 and wake["wake_s"] > 0 and wake["load_s"] > 0
+        assert [r["checked_bytes"] for r in wake["runs"]] == [2 * (64 << 20)]  # every byte of both ranks
+        assert wake["cold_restart_s"] == report["tray"]["ready_s"] + wake["load_s"]
+
+
+def test_startup_without_the_wake_stage(tray_env, tmp_path):
+    report_path = tmp_path / "report.json"
+    run = run_bench(tray_env, "startup", "--wake-gib", "0", "--json", str(report_path))
+    assert "startup: [3/5] wake from park: skipped (--wake-gib 0)" in run.stdout
+    assert "wake" not in json.loads(report_path.read_text())
 
 
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib (the `plot` extra) is not installed")

@@ -85,12 +85,14 @@ def _chunks(session: Any) -> list[tuple[int, int]]:
     return out
 
 
-def _fill(backend: Any, session: Any, pattern: Pattern) -> None:
+def fill(backend: Any, session: Any, pattern: Pattern) -> None:
+    """Write `pattern` into every page of `session`, a device-contiguous piece at a time."""
     for first, count in _chunks(session):
         backend.write(session.ptr(first), pattern.pages(first, count))
 
 
-def _check(backend: Any, session: Any, pattern: Pattern, rank: int) -> int:
+def check(backend: Any, session: Any, pattern: Pattern, rank: int) -> int:
+    """Bytes of `session` read back and found equal to `pattern`; AssertionError naming the first that differs."""
     checked = 0
     for first, count in _chunks(session):
         got = backend.read(session.ptr(first), count * session.page_nbytes)
@@ -105,7 +107,7 @@ def _check(backend: Any, session: Any, pattern: Pattern, rank: int) -> int:
     return checked
 
 
-def _scribble(backend: Any, pool: Any) -> None:
+def scribble(backend: Any, pool: Any) -> None:
     """Garbage over the whole device pool, so a wake that copied nothing could not pass the check."""
     garbage = np.full(min(CHUNK_NBYTES, pool.device_nbytes), 0xA5, np.uint8)
     for off in range(0, pool.device_nbytes, garbage.nbytes):
@@ -142,7 +144,7 @@ def _round(rank: Any, npages: int, pattern: Pattern, repeats: int, ceiling_repea
     pool = session.parking.pool(session.state)
     nbytes = session.nbytes
     runs = len(fold_runs(session.pages, range(npages)))
-    _fill(backend, session, pattern)
+    fill(backend, session, pattern)
     # NOTE: the ceiling copies the session's own pages into the (still unreserved) host tier: same
     # source, same pinned destination, one copy. A fresh pool leases pages 0..n-1, so they are contiguous.
     assert fragmented or runs <= 1, "ceiling needs contiguous pages"
@@ -163,12 +165,12 @@ def _round(rank: Any, npages: int, pattern: Pattern, repeats: int, ceiling_repea
         t0 = time.perf_counter()
         parked = rank.park(session)
         park_s.append(time.perf_counter() - t0)
-        _scribble(backend, pool)
+        scribble(backend, pool)
         rank.exchange("bench.wake", k)
         t0 = time.perf_counter()
         session = rank.wake(parked)
         wake_s.append(time.perf_counter() - t0)
-        checked += _check(backend, session, pattern, rank.rank)
+        checked += check(backend, session, pattern, rank.rank)
     # partial: a scattered eighth of the pages marked written; the park moves only those
     partial_pages = list(range(0, npages, PARTIAL_EVERY))
     stats = session.parking.stats
@@ -184,7 +186,7 @@ def _round(rank: Any, npages: int, pattern: Pattern, repeats: int, ceiling_repea
         partial_s.append(time.perf_counter() - t0)
         partial_nbytes = stats.bytes_parked - before
         session = rank.wake(parked)
-        checked += _check(backend, session, pattern, rank.rank)
+        checked += check(backend, session, pattern, rank.rank)
     session.release()
     if not npages:
         return {}
