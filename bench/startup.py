@@ -1,13 +1,20 @@
 """Startup: `tray launch` -> every rank ready (offers, peers mapped, barriers up) -> first allreduce.
 
-Per phase, the slowest rank (the head's timeline), median over repeats. The collectives join on first
-use (the NCCL join, ~0.5 s, is not part of "ready"): `first_allreduce_s` includes it, `collectives_s`
-says how long it took. The first run starts with an empty kernel cache (`cold`: NVRTC compiles the
-barrier); the timed repeats reuse it (`warm`); the page cache is warm for both (the same Python files).
+The clock starts before `tray launch` is executed, as a user waits: the head's own interpreter start and imports
+(`head`: until the first rank is spawned) count. Then per phase the slowest rank, median over repeats. The same
+tray started by `run_tray` from this already-running Python (the head's start excluded) is timed too
+(`in_process`): that is the figure compared with torch's, whose workers are spawned from a running Python too.
+The collectives join on first use (the NCCL join, ~0.5 s, is not part of "ready"): `first_allreduce_s`
+includes it, `collectives_s` says how long it took. The first run starts with an empty kernel cache (`cold`:
+NVRTC compiles the barrier); the timed repeats reuse it (`warm`); the page cache is warm for both
+(the same Python files).
 The head initialises the driver on a thread right after the spawn, and each rank starts its own on a
-thread while its modules import (`driver_warmup` is that thread's time, overlapped).
+thread while its modules import (`driver_warmup` is that thread's time, overlapped). The `tray launch` runs come
+first, while this process has not initialised CUDA (it counts the GPUs from /proc where it can); its in-process runs
+do (their head is this process), so from then on a live process holds the driver, and the environment's
+`persistence_mode` says whether the driver keeps the GPUs initialised without one.
 
-With torch importable and GPUs visible, the baseline runs in the same process: torch spawn ->
+With torch importable and GPUs visible, the baseline runs in a running Python: torch spawn ->
 init_process_group(nccl) -> first allreduce, with its `import torch` reported apart (`import_s`) and
 the time after it (`after_import_s`) beside tray's time after its imports. Writes JSON (with the
 environment) and prints the ratios; a progress line per stage. With --plot, a PNG of the slowest rank's
@@ -29,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +51,7 @@ from tray.launch import TraySpec, run_tray
 from tray.manifest.builtin import builtin_path
 
 RANK_PROGRAM = """
-import json, sys, time
+import json, os, sys, time
 import numpy as np
 import tray
 with tray.init() as rank:
@@ -58,6 +67,7 @@ with tray.init() as rank:
     t_first = time.time()
     with open(f"{sys.argv[1]}/rank-{rank.rank}.json", "w") as f:
         json.dump({"t_ready": t_ready, "t_first_allreduce": t_first, "timings": timings,
+                   "t_spawn": float(os.environ["TRAY_T_SPAWN"]),
                    "collectives_s": rank.timings.get("collectives")}, f)
 """
 
@@ -99,15 +109,20 @@ with tray.init() as rank:
 PAGE_NBYTES = 2 << 20
 
 
-def wake_manifest(path: Path, pages: int) -> Path:
-    """peer_fill's manifest (its kernel sources made absolute) with one paged state of `pages` pages of
-    PAGE_NBYTES on the device and as many in the host tier, written to `path`."""
+def bench_manifest(path: Path, n: int, pages: int = 0) -> Path:
+    """peer_fill's manifest (its kernel sources made absolute) written to `path`: at an odd `n` without its
+    `pairs` group and that group's buffer (a pair needs an even world); with `pages`, one paged state of `pages`
+    pages of PAGE_NBYTES on the device and as many in the host tier."""
     base = builtin_path("peer_fill")
     doc = json.loads(Path(base).read_text())
     for k in doc.get("kernels", []):
         k["source"] = str((Path(base).parent / k["source"]).resolve())
-    doc["name"] = "startup_wake"
-    doc["states"] = [{"name": "kv", "page_nbytes": PAGE_NBYTES, "pages": pages, "host_pages": pages}]
+    if n % 2:
+        doc["groups"] = [g for g in doc["groups"] if g["name"] != "pairs"]
+        doc["buffers"] = [b for b in doc["buffers"] if b.get("group") != "pairs"]
+    if pages:
+        doc["name"] = "startup_wake"
+        doc["states"] = [{"name": "kv", "page_nbytes": PAGE_NBYTES, "pages": pages, "host_pages": pages}]
     path.write_text(json.dumps(doc, indent=1))
     return path
 
@@ -116,15 +131,16 @@ def wake_once(n: int, backend: str, workdir: Path, cache_dir: Path, pages: int) 
     """One tray with a state of `pages` pages per rank: launch -> ready, then load / park / wake (slowest rank)."""
     prog = workdir / "startup_wake.py"
     prog.write_text(WAKE_PROGRAM)
-    manifest = wake_manifest(workdir / "startup_wake.json", pages)
+    manifest = bench_manifest(workdir / "startup_wake.json", n, pages)
     out = workdir / f"wake-{time.monotonic_ns()}"
     out.mkdir()
+    cmd = launch_command(n, backend, str(manifest), [sys.executable, str(prog), str(out), str(pages)])
     t0 = time.time()
-    result = run_tray(TraySpec(nprocs=n, cmd=(sys.executable, str(prog), str(out), str(pages)), backend=backend,
-                               manifest=str(manifest), quiet=True,
-                               extra_env=(("TRAY_CACHE_DIR", str(cache_dir)),)))
-    if result.exit_code != 0:
-        raise SystemExit(f"tray (wake from park) failed: {result.root_cause}")
+    done = subprocess.run(cmd, env=dict(os.environ, TRAY_CACHE_DIR=str(cache_dir)), capture_output=True, text=True,
+                          timeout=TRAY_TIMEOUT_S)
+    if done.returncode != 0:
+        raise SystemExit(f"tray launch (wake from park) failed (exit {done.returncode}):\n"
+                         f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
     return {
         "ready_s": max(r["t_ready"] for r in ranks) - t0,
@@ -135,33 +151,70 @@ def wake_once(n: int, backend: str, workdir: Path, cache_dir: Path, pages: int) 
     }
 
 
-def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path) -> dict:
+def launch_command(n: int, backend: str, manifest: str, cmd: list[str]) -> list[str]:
+    """`tray launch` as a user types it, with this Python (-P: an installed tray, not a checkout's tray/ in the
+    working directory)."""
+    return [sys.executable, "-P", "-m", "tray", "launch", "-n", str(n), "--backend", backend, "--manifest",
+            manifest, "-q", "--", *cmd]
+
+
+def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command: bool = True) -> dict:
+    """One tray of RANK_PROGRAM. `from_command`: the clock starts before `tray launch` is executed (the head's own
+    start and imports included, as a user waits for them); else `run_tray` in this already-running Python.
+    Phases: `head` (clock start -> first rank spawned), `spawn` (first -> last rank spawned), then per phase the
+    slowest rank's own time."""
     prog = workdir / "startup_rank.py"
     prog.write_text(RANK_PROGRAM)
     out = workdir / f"out-{time.monotonic_ns()}"
     out.mkdir()
+    manifest = str(bench_manifest(workdir / "startup.json", n))
+    rank_cmd = [sys.executable, str(prog), str(out)]
     t0 = time.time()
-    result = run_tray(TraySpec(nprocs=n, cmd=(sys.executable, str(prog), str(out)), backend=backend,
-                               manifest=str(builtin_path("peer_fill")), quiet=True,
-                               extra_env=(("TRAY_CACHE_DIR", str(cache_dir)),)))
-    if result.exit_code != 0:
-        raise SystemExit(f"tray failed: {result.root_cause}")
+    if from_command:
+        env = dict(os.environ, TRAY_CACHE_DIR=str(cache_dir))
+        done = subprocess.run(launch_command(n, backend, manifest, rank_cmd), env=env, capture_output=True,
+                              text=True, timeout=TRAY_TIMEOUT_S)
+        if done.returncode != 0:
+            raise SystemExit(f"tray launch failed (exit {done.returncode}):\n"
+                             f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    else:
+        result = run_tray(TraySpec(nprocs=n, cmd=tuple(rank_cmd), backend=backend, manifest=manifest, quiet=True,
+                                   extra_env=(("TRAY_CACHE_DIR", str(cache_dir)),)))
+        if result.exit_code != 0:
+            raise SystemExit(f"tray failed: {result.root_cause}")
+    t_exit = time.time()
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
+    spawned = [r["t_spawn"] for r in ranks]
+    phases = {"head": min(spawned) - t0, "spawn": max(spawned) - min(spawned)}
+    for p in PHASES[2:]:
+        phases[p] = max(r["timings"].get(p, 0.0) for r in ranks)
     return {
         "ready_s": max(r["t_ready"] for r in ranks) - t0,
         "first_allreduce_s": max(r["t_first_allreduce"] for r in ranks) - t0,
+        "exit_s": t_exit - t0,
         "collectives_s": max(r["collectives_s"] or 0.0 for r in ranks),
         "driver_warmup_s": max(r["timings"].get("driver_warmup", 0.0) for r in ranks),
-        "startup_s": result.startup_s,
-        "phases": {k: v[0] for k, v in result.timeline.items()},
+        "phases": phases,
     }
 
 
+def summarize(runs: list[dict]) -> dict[str, Any]:
+    """Medians over `runs` of every figure and phase."""
+    phases = sorted({p for r in runs for p in r["phases"]})
+    out: dict[str, Any] = {k: median([r[k] for r in runs])
+                           for k in ("ready_s", "first_allreduce_s", "exit_s", "collectives_s", "driver_warmup_s")}
+    out["phases_s"] = {p: median([r["phases"].get(p, 0.0) for r in runs]) for p in phases}
+    return out
+
+
 BENCH = "startup"
-STAGES = 5
+STAGES = 6
+TRAY_TIMEOUT_S = 300.0
 WAKE_DEFAULT_GIB = {"host": 0.25, "cuda": 2.0}
-# The head's phases in the order a rank passes them (its timeline), stacked bottom up in the plot.
-PHASES = ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join", "ready")
+# The phases in the order a rank passes them, stacked bottom up in the plot: the head's start, its spawns, then
+# the ranks' own (slowest rank per phase).
+PHASES = ("head", "spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
+          "ready")
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -213,17 +266,20 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tray-startup-") as tmp:
         cache = Path(tmp) / "kernel-cache"  # empty: the first run compiles (cold), the others load (warm)
-        t0 = stage(BENCH, 1, STAGES, f"{args.n} ranks, {backend} backend: one run with an empty kernel cache")
+        t0 = stage(BENCH, 1, STAGES, f"{args.n} ranks, {backend} backend: `tray launch` with an empty kernel cache")
         cold = tray_once(args.n, backend, Path(tmp), cache)
-        stage(BENCH, 2, STAGES, f"{args.repeats} runs with the kernel cache warm (previous stage "
+        stage(BENCH, 2, STAGES, f"{args.repeats} runs of `tray launch` with the kernel cache warm (previous stage "
                                 f"{time.monotonic() - t0:.1f} s)")
         runs = []
         for i in range(args.repeats):
             t_run = time.monotonic()
             runs.append(tray_once(args.n, backend, Path(tmp), cache))
             print(f"{BENCH}: run {i + 1}/{args.repeats} in {time.monotonic() - t_run:.1f} s", flush=True)
+        stage(BENCH, 3, STAGES, f"{args.repeats} runs from this running Python (run_tray: the head's start excluded, "
+                                "as for the torch baseline's spawn)")
+        in_process = [tray_once(args.n, backend, Path(tmp), cache, from_command=False) for _ in range(args.repeats)]
         wake_repeats = min(args.repeats, 3) if wake_pages else 0
-        t0 = stage(BENCH, 3, STAGES, f"wake from park: {wake_repeats} runs with {wake_pages} pages "
+        t0 = stage(BENCH, 4, STAGES, f"wake from park: {wake_repeats} runs with {wake_pages} pages "
                                      f"({wake_pages * PAGE_NBYTES / (1 << 30):.3g} GiB) of state per rank"
                    if wake_pages else "wake from park: skipped (--wake-gib 0)")
         for i in range(wake_repeats):
@@ -231,18 +287,13 @@ def main(argv: list[str] | None = None) -> int:
             w = wake_runs[-1]
             print(f"{BENCH}: wake run {i + 1}/{wake_repeats}: wake {w['wake_s'] * 1e3:.1f} ms, "
                   f"load {w['load_s'] * 1e3:.1f} ms, ready {w['ready_s']:.3f} s", flush=True)
-    phases = sorted({p for r in runs for p in r["phases"]})
-    summary = {
-        "ready_s": median([r["ready_s"] for r in runs]),
-        "first_allreduce_s": median([r["first_allreduce_s"] for r in runs]),
-        "collectives_s": median([r["collectives_s"] for r in runs]),
-        "driver_warmup_s": median([r["driver_warmup_s"] for r in runs]),
-        "phases_s": {p: median([r["phases"].get(p, 0.0) for r in runs]) for p in phases},
-        "kernel_cache": "warm",
-    }
-    summary["after_import_s"] = summary["first_allreduce_s"] - summary["phases_s"].get("import", 0.0)
+    summary = {**summarize(runs), "kernel_cache": "warm", "clock": "from `tray launch` executed"}
+    inproc = {**summarize(in_process), "kernel_cache": "warm", "clock": "run_tray in a running Python",
+              "runs": in_process}
+    inproc["after_import_s"] = inproc["first_allreduce_s"] - inproc["phases_s"]["head"] \
+        - inproc["phases_s"]["spawn"] - inproc["phases_s"]["import"]
     report = {"bench": "startup", "nprocs": args.n, "backend": backend, "repeats": args.repeats, "tray": summary,
-              "cold": {**cold, "kernel_cache": "cold"}, "runs": runs}
+              "cold": {**cold, "kernel_cache": "cold"}, "runs": runs, "in_process": inproc}
     if wake_runs:
         nbytes = wake_runs[0]["nbytes_per_rank"]
         wake = {"gib_per_rank": nbytes / (1 << 30), "wake_s": median([w["wake_s"] for w in wake_runs]),
@@ -255,22 +306,25 @@ def main(argv: list[str] | None = None) -> int:
     with_baseline = backend == "cuda" and not args.no_baseline
     why_not = "--no-baseline" if args.no_baseline else f"the {backend} backend; it needs torch and GPUs"
     what = "torch spawn -> first allreduce" if with_baseline else f"no torch baseline ({why_not})"
-    t0 = stage(BENCH, 4, STAGES, what)
+    t0 = stage(BENCH, 5, STAGES, what)
     if with_baseline:
         from torch_baselines import torch_startup  # beside this script
 
         base = torch_startup(args.n, args.repeats)
         if base is not None:
             report["torch"] = base
-            report["ratio_first_allreduce_vs_torch"] = ratio(summary["first_allreduce_s"], base["first_allreduce_s"])
-            report["ratio_after_import_vs_torch"] = ratio(summary["after_import_s"], base["after_import_s"])
+            report["ratio_first_allreduce_vs_torch"] = ratio(inproc["first_allreduce_s"], base["first_allreduce_s"])
+            report["ratio_after_import_vs_torch"] = ratio(inproc["after_import_s"], base["after_import_s"])
         else:
             print(f"{BENCH}: no torch baseline (torch is not importable or sees no GPU)", flush=True)
-    stage(BENCH, 5, STAGES, f"report{' and plot' if args.plot else ''} (previous stage {time.monotonic() - t0:.1f} s)")
+    stage(BENCH, 6, STAGES, f"report{' and plot' if args.plot else ''} (previous stage {time.monotonic() - t0:.1f} s)")
     print(f"startup, {args.n} ranks, {backend} backend, median of {args.repeats} (warm kernel cache):")
-    print(f"  launch -> all ready          {summary['ready_s']:.3f} s  (cold kernel cache: {cold['ready_s']:.3f} s)")
-    print(f"  launch -> first allreduce    {summary['first_allreduce_s']:.3f} s  (of which the collectives' join "
-          f"{summary['collectives_s']:.3f} s)")
+    print(f"  `tray launch` -> all ready        {summary['ready_s']:.3f} s  "
+          f"(cold kernel cache: {cold['ready_s']:.3f} s)")
+    print(f"  `tray launch` -> first allreduce  {summary['first_allreduce_s']:.3f} s  (of which the collectives' join "
+          f"{summary['collectives_s']:.3f} s); the command returned after {summary['exit_s']:.3f} s")
+    print(f"  from a running Python (run_tray): ready {inproc['ready_s']:.3f} s, first allreduce "
+          f"{inproc['first_allreduce_s']:.3f} s")
     print(f"  driver warm-up on a thread   {summary['driver_warmup_s']:.3f} s  (overlaps the imports)")
     for p in PHASES:
         if p in summary["phases_s"]:
@@ -285,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     if "torch" in report:
         t = report["torch"]
         print(f"  torch spawn -> first allreduce {t['first_allreduce_s']:.3f} s "
-              f"(spawn + import torch {t['import_s']:.3f} s); "
-              f"ratio tray/torch {report['ratio_first_allreduce_vs_torch']:.2f}")
-        print(f"  after the imports: tray {summary['after_import_s']:.3f} s, torch {t['after_import_s']:.3f} s; "
+              f"(spawn + import torch {t['import_s']:.3f} s); ratio tray (from a running Python)/torch "
+              f"{report['ratio_first_allreduce_vs_torch']:.2f}")
+        print(f"  after the imports: tray {inproc['after_import_s']:.3f} s, torch {t['after_import_s']:.3f} s; "
               f"ratio {report['ratio_after_import_vs_torch']:.2f}")
     write_report(report, args.json)
     if args.plot:

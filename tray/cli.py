@@ -77,7 +77,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     Routing(log_dir=args.log_dir, tee=tee, redirects=redirects)  # refuses --tee/--redirects without --log-dir
     if args.barrier_timeout_s is not None and not 0 < args.barrier_timeout_s < float("inf"):
         raise UsageError(f"--barrier-timeout-s must be a number of seconds > 0, got {args.barrier_timeout_s}")
-    from tray.rank.env import barrier_timeout
+    from tray.envvars import barrier_timeout
 
     barrier_timeout(os.environ.get("TRAY_BARRIER_TIMEOUT_S"))  # a bad value fails here, not in every rank
     manifest = resolve_manifest(args.manifest) if args.manifest else None
@@ -168,14 +168,19 @@ ranks get TRAY_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT): the attempts befo
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = ("launch", "gate", "inspect", "bench", "doctor")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command` one of the others, `bench`'s sub-commands are left out (their
+    parsers import every program: time a `tray launch` would spend before its first rank starts)."""
     from tray import __version__
 
     ap = argparse.ArgumentParser(prog="tray", description="Run one SPMD program across the GPUs of a host.",
                                  epilog="docs: docs/cli.md (commands), docs/manifest.md, docs/design.md; "
                                         "`tray CMD --help` for each command")
     ap.add_argument("--version", action="version", version=f"tray {__version__} (Python {sys.version.split()[0]})")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{launch,gate,inspect,bench,doctor}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
 
     p = sub.add_parser("launch", help="spawn N ranks of CMD and supervise them",
                        description="Spawn N ranks of CMD, form the tray (handshake, peer mappings, groups),\n"
@@ -253,10 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks, each against its baseline measured in the same run")
     benches = p.add_subparsers(dest="bench", required=True)
-    from tray.programs import bench_parsers
+    if command not in COMMANDS or command == "bench":
+        from tray.programs import bench_parsers
 
-    for add_bench_parser in bench_parsers():
-        add_bench_parser(benches)
+        for add_bench_parser in bench_parsers():
+            add_bench_parser(benches)
 
     p = sub.add_parser("doctor", help="what this machine's GPUs can do")
     p.add_argument("--json", action="store_true", help="the report as JSON")
@@ -280,7 +286,8 @@ def _ignore_late_signals() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command in this process; returns its exit status. SIGTERM is a Ctrl-C while it runs; the
     caller's SIGTERM handler is put back afterwards (`program` is the entry point that exits instead)."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     # SIGTERM to the head tears the tray down like Ctrl-C does (the ranks die with it anyway).
     previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:

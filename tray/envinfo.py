@@ -29,7 +29,7 @@ def gpu_facts() -> dict[str, Any]:
     """GPU names, driver and NCCL versions where they can be read (nvidia-smi, libnccl); {} without."""
     facts: dict[str, Any] = {}
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,persistence_mode",
                               "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
         rows = [[c.strip() for c in line.split(",")] for line in out.stdout.strip().splitlines() if line]
         if out.returncode == 0 and rows:
@@ -37,6 +37,8 @@ def gpu_facts() -> dict[str, Any]:
             facts["gpu"] = rows[0][0]
             facts["driver"] = rows[0][1]
             facts["gpu_memory"] = rows[0][2]
+            if len(rows[0]) > 3:  # Enabled: the driver keeps the GPUs initialised with no process using them
+                facts["persistence_mode"] = rows[0][3]
     except (OSError, subprocess.SubprocessError):
         pass
     if facts:

@@ -16,7 +16,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # script -> (its stage prefix, the stages it announces, tiny arguments for a 2-rank host tray)
 BENCHES = {
     "peer_barrier": ("peer-barrier", 3, ["--iters", "20"]),
-    "startup": ("startup", 5, ["--repeats", "1", "--wake-gib", "0.0625"]),
+    "startup": ("startup", 6, ["--repeats", "1", "--wake-gib", "0.0625"]),
 }
 
 
@@ -41,6 +41,10 @@ def test_a_bench_prints_a_line_per_stage_and_keeps_its_report(tray_env, tmp_path
         assert report["passed"] and all(report[f"{m}_us"] > 0 for m in ("eager", "eager_sync", "captured"))
     else:
         assert report["tray"]["ready_s"] > 0 and report["cold"]["kernel_cache"] == "cold"
+        # from `tray launch` executed: the head's own start (until its first rank is spawned) counts
+        head = report["tray"]["phases_s"]["head"]
+        assert 0 < head < report["tray"]["ready_s"] and report["tray"]["clock"] == "from `tray launch` executed"
+        assert report["in_process"]["ready_s"] > 0 and report["in_process"]["phases_s"]["head"] < head
         wake = report["wake"]  # 32 pages of 2 MiB per rank, parked, the device pool scribbled over, woken
         assert wake["gib_per_rank"] == 0.0625 and wake["wake_s"] > 0 and wake["load_s"] > 0
         assert [r["checked_bytes"] for r in wake["runs"]] == [2 * (64 << 20)]  # every byte of both ranks
@@ -50,7 +54,7 @@ def test_a_bench_prints_a_line_per_stage_and_keeps_its_report(tray_env, tmp_path
 def test_startup_without_the_wake_stage(tray_env, tmp_path):
     report_path = tmp_path / "report.json"
     run = run_bench(tray_env, "startup", "--wake-gib", "0", "--json", str(report_path))
-    assert "startup: [3/5] wake from park: skipped (--wake-gib 0)" in run.stdout
+    assert "startup: [4/6] wake from park: skipped (--wake-gib 0)" in run.stdout
     assert "wake" not in json.loads(report_path.read_text())
 
 

@@ -63,3 +63,36 @@ def test_a_slow_rank_is_named_slow_not_dead(tray_env):
     assert run.returncode == 1, run.output
     assert "waited 0.50 s for rank 1" in run.stderr
     assert re.search(r"rank 1 is alive, last heartbeat [0-9.]+ s ago, phase running: slow, not dead", run.stderr)
+
+
+def test_a_reader_that_goes_away_costs_no_traceback(tray_env, tmp_path):
+    """`tray launch ... | head -2`: once stdout has no reader, the ranks' lines to it are dropped (said once on
+    stderr), the tray runs to its end and exits 0; --log-dir still keeps every line."""
+    import subprocess
+
+    logs = tmp_path / "logs"
+    body = """
+    with tray.init() as rank:
+        for i in range(400):
+            print("line", i, flush=True)
+            time.sleep(0.002)
+        rank.barrier()
+    """
+    proc = subprocess.Popen(tray_env.command(2, body, "-q", "--log-dir", str(logs), "--tee", "3"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=tray_env.env(), cwd=str(tray_env.tmp))
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves after one line
+    try:
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert first.startswith(b"[rank "), first
+    assert code == 0, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert err.count("tray: stdout was closed by its reader") == 1, err
+    for r in range(2):
+        assert "line 399" in (logs / f"rank-{r}.log").read_text()

@@ -358,6 +358,54 @@ def test_bus_ids_from_proc_follow_cuda_visible_devices(tmp_path, monkeypatch) ->
     assert cuda_pkg._proc_bus_ids() is None
 
 
+def _fake_gpus(tmp_path, monkeypatch, minors: dict[str, int], excluded: str = "No"):
+    import tray.backend.cuda as cuda_pkg
+
+    proc, dev, caps = tmp_path / "gpus", tmp_path / "dev", tmp_path / "caps"
+    for d in (proc, dev, caps):
+        d.mkdir()
+    (dev / "nvidiactl").write_text("")
+    for bus, minor in minors.items():
+        (proc / bus).mkdir()
+        (proc / bus / "information").write_text(
+            f"Model: \t\t NVIDIA H200\nBus Location: \t {bus}\nDevice Minor: \t {minor}\nGPU Excluded:\t {excluded}\n")
+        (dev / f"nvidia{minor}").write_text("")
+    monkeypatch.setattr(cuda_pkg, "_PROC_GPUS", str(proc))
+    monkeypatch.setattr(cuda_pkg, "_DEV", str(dev))
+    monkeypatch.setattr(cuda_pkg, "_PROC_CAPS", str(caps))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return cuda_pkg, dev, caps
+
+
+def test_gpus_counted_from_proc_without_the_driver(tmp_path, monkeypatch) -> None:
+    cuda_pkg, dev, caps = _fake_gpus(tmp_path, monkeypatch, {"0000:1B:00.0": 0, "0000:07:00.0": 1, "0000:9a:00.0": 2})
+    monkeypatch.setattr(cuda_pkg, "visible_gpu_count", lambda: pytest.fail("the driver was asked"))
+    assert cuda_pkg.proc_gpu_count() == 3 and cuda_pkg.gpu_count() == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert cuda_pkg.gpu_count() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CUDA sees none
+    assert cuda_pkg.gpu_count() == 0
+
+
+@pytest.mark.parametrize("why", ["uuid", "node missing", "node not writable", "mig", "no nvidiactl", "excluded"])
+def test_gpus_the_driver_must_count(tmp_path, monkeypatch, why) -> None:
+    cuda_pkg, dev, caps = _fake_gpus(tmp_path, monkeypatch, {"0000:07:00.0": 0, "0000:1b:00.0": 3},
+                                     excluded="Yes" if why == "excluded" else "No")
+    if why == "uuid":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0f3a")
+    elif why == "node missing":
+        (dev / "nvidia3").unlink()  # a container given one of the host's two GPUs
+    elif why == "node not writable":
+        monkeypatch.setattr(cuda_pkg.os, "access", lambda path, mode: not path.endswith("nvidia3"))
+    elif why == "mig":
+        (caps / "gpu3" / "mig" / "gi1").mkdir(parents=True)
+    elif why == "no nvidiactl":
+        (dev / "nvidiactl").unlink()
+    assert cuda_pkg.proc_gpu_count() is None
+    monkeypatch.setattr(cuda_pkg, "visible_gpu_count", lambda: 7)
+    assert cuda_pkg.gpu_count() == 7  # the driver's answer
+
+
 def test_driver_warmup_is_quiet_where_there_is_no_driver() -> None:
     from tray.backend.cuda import DriverWarmup
 

@@ -28,7 +28,7 @@ def open_backend(name: str, ordinal: int, boot_id: str = "") -> Backend:
 def detect_backend() -> str:
     """"cuda" when a GPU is visible, else "host"."""
     try:
-        from tray.backend.cuda import visible_gpu_count
+        from tray.backend.cuda import gpu_count
     except ImportError:
         return "host"
-    return "cuda" if visible_gpu_count() > 0 else "host"
+    return "cuda" if gpu_count() > 0 else "host"

@@ -129,6 +129,12 @@ class FdServer:
 
     def close(self) -> None:
         self._stop.set()
+        try:
+            # wakes the serving thread's accept() now (Linux: EINVAL); a close alone leaves it blocked
+            # until its 0.1 s timeout, which every rank's exit would wait for
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         self._thread.join(timeout=2.0)
         try:

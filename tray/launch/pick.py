@@ -22,9 +22,9 @@ def backend_and_nprocs(backend: str | None, nprocs: int | None) -> tuple[str, in
     if nprocs is not None and nprocs < 1:
         raise UsageError(f"-n must be at least 1, got {nprocs}")
     if chosen == "cuda":
-        from tray.backend.cuda import visible_gpu_count
+        from tray.backend.cuda import gpu_count
 
-        visible = visible_gpu_count()
+        visible = gpu_count()  # NOTE: from /proc where it can: no cuInit in the head before its ranks start
         check_gpus(nprocs, visible, os.environ.get("CUDA_VISIBLE_DEVICES"))
         nprocs = visible if nprocs is None else nprocs
     elif nprocs is None:

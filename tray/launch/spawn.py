@@ -113,6 +113,28 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)
 
 
+def _reader_gone(dst: TextIO) -> None:
+    """The terminal stream `dst` lost its reader (`tray launch ... | head`): from now on what goes to it is
+    dropped (its fd points at /dev/null), said once on the other stream; the tray runs on, log files keep
+    every line. Called with _print_lock held."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, dst.fileno())
+        finally:
+            os.close(null)
+    except (OSError, ValueError):
+        return
+    other = sys.stderr if dst is sys.stdout else sys.stdout
+    name = "stdout" if dst is sys.stdout else "stderr" if dst is sys.stderr else "a terminal stream"
+    try:
+        other.write(f"tray: {name} was closed by its reader; the ranks' lines to it are dropped from now on "
+                    "(--log-dir keeps them)\n")
+        other.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+
+
 class _Stream:
     """One rank stream being pumped: its fd, where its lines go, and the partial last line."""
 
@@ -196,8 +218,11 @@ class OutputPump:
         s.proc.tail.append(line)
         if s.dst is not None:
             with _print_lock:
-                s.dst.write(f"[rank {s.proc.rank}] {line}\n")
-                s.dst.flush()
+                try:
+                    s.dst.write(f"[rank {s.proc.rank}] {line}\n")
+                    s.dst.flush()
+                except BrokenPipeError:
+                    _reader_gone(s.dst)
         if s.log is not None:
             s.log.write(f"{stamp()} {line}\n")
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tray.envvars import barrier_timeout
 from tray.errors import UsageError
 
 _REQUIRED = ("TRAY_RANK", "TRAY_WORLD_SIZE", "TRAY_RDZV", "TRAY_JOB", "TRAY_TOKEN", "TRAY_BACKEND")
@@ -56,16 +56,3 @@ class RankEnv:
             )
         except ValueError as exc:
             raise UsageError(f"malformed tray environment: {exc}") from None
-
-
-def barrier_timeout(text: str | None) -> float | None:
-    """TRAY_BARRIER_TIMEOUT_S as seconds (None when unset or empty). Raises UsageError unless a number > 0."""
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise UsageError(f"TRAY_BARRIER_TIMEOUT_S must be a number of seconds > 0, got {text!r}")
-    return value

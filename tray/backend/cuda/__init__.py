@@ -12,9 +12,11 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["CudaBackend", "DriverWarmup", "pci_bus_ids", "visible_gpu_count"]
+__all__ = ["CudaBackend", "DriverWarmup", "gpu_count", "pci_bus_ids", "proc_gpu_count", "visible_gpu_count"]
 
 _PROC_GPUS = "/proc/driver/nvidia/gpus"  # one directory per GPU, named by its PCI bus id
+_PROC_CAPS = "/proc/driver/nvidia/capabilities"  # gpu<minor>/mig/gi<N>: a GPU's MIG instances
+_DEV = "/dev"  # nvidiactl and nvidia<minor>: the device nodes a CUDA process opens
 
 
 def _identical_gpus() -> bool:
@@ -99,6 +101,48 @@ def _proc_bus_ids() -> list[str] | None:
             break  # CUDA stops at the first invalid ordinal
         picked.append(buses[int(item)])
     return picked
+
+
+def _proc_info(bus: str) -> dict[str, str] | None:
+    """The `information` file of GPU `bus` (lowercase) as {key: value}; None when it cannot be read."""
+    try:
+        names = {d.lower(): d for d in os.listdir(_PROC_GPUS)}
+        with open(os.path.join(_PROC_GPUS, names[bus], "information")) as f:
+            return {k.strip(): v.strip() for k, sep, v in (line.partition(":") for line in f) if sep}
+    except (OSError, KeyError):
+        return None
+
+
+def proc_gpu_count() -> int | None:
+    """The GPUs CUDA will see, counted from /proc/driver/nvidia/gpus with CUDA_VISIBLE_DEVICES applied,
+    without initialising CUDA (the head counts before it spawns, and a cuInit there would delay every rank).
+    None when that count cannot be trusted, and the driver must answer: no /proc entries, UUIDs or MIG
+    names in CUDA_VISIBLE_DEVICES, a GPU excluded by the driver, in MIG mode, or whose device node (or
+    nvidiactl) this process cannot open for reading and writing (a container given fewer GPUs than
+    the host has)."""
+    buses = _proc_bus_ids()
+    if buses is None or not os.access(os.path.join(_DEV, "nvidiactl"), os.R_OK | os.W_OK):
+        return None
+    for bus in buses:
+        info = _proc_info(bus)
+        minor = (info or {}).get("Device Minor", "")
+        if info is None or not minor.isdigit() or info.get("GPU Excluded", "No") != "No":
+            return None
+        if not os.access(os.path.join(_DEV, f"nvidia{minor}"), os.R_OK | os.W_OK):
+            return None
+        try:
+            if any(e.startswith("gi") for e in os.listdir(os.path.join(_PROC_CAPS, f"gpu{minor}", "mig"))):
+                return None
+        except OSError:
+            pass  # no MIG capability entries: not in MIG mode
+    return len(buses)
+
+
+def gpu_count() -> int:
+    """The GPUs this process can use: from /proc when that is certain (`proc_gpu_count`), else from the
+    driver (`visible_gpu_count`, which initialises CUDA in this process)."""
+    counted = proc_gpu_count()
+    return visible_gpu_count() if counted is None else counted
 
 
 def pci_bus_ids() -> list[str]:

@@ -1,0 +1,22 @@
+"""TRAY_* settings that the head and the ranks both read from the environment. Light (no numpy, no zmq): the
+head checks them before it spawns anything, and importing `tray.rank` for that would cost the head ~50 ms of
+imports before its first rank starts."""
+
+from __future__ import annotations
+
+import math
+
+from tray.errors import UsageError
+
+
+def barrier_timeout(text: str | None) -> float | None:
+    """TRAY_BARRIER_TIMEOUT_S as seconds (None when unset or empty). Raises UsageError unless a number > 0."""
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"TRAY_BARRIER_TIMEOUT_S must be a number of seconds > 0, got {text!r}")
+    return value
