@@ -54,21 +54,25 @@ RANK_PROGRAM = """
 import json, os, sys, time
 import numpy as np
 import tray
-with tray.init() as rank:
-    t_ready = time.time()
-    timings = dict(rank.timings)
-    send, recv = rank.buffer("send"), rank.buffer("recv")
-    rank.write("send", np.full(send.shape, rank.rank + 1, np.float32))
-    rank.collectives("world").allreduce(send.ptr, recv.ptr, 1, "f32")
-    rank.backend.synchronize()
-    got = float(rank.read("recv")[0])
-    want = rank.world_size * (rank.world_size + 1) / 2
-    assert got == want, (got, want)
-    t_first = time.time()
-    with open(f"{sys.argv[1]}/rank-{rank.rank}.json", "w") as f:
-        json.dump({"t_ready": t_ready, "t_first_allreduce": t_first, "timings": timings,
-                   "t_spawn": float(os.environ["TRAY_T_SPAWN"]),
-                   "collectives_s": rank.timings.get("collectives")}, f)
+rank = tray.init()
+t_ready = time.time()
+timings = dict(rank.timings)
+send, recv = rank.buffer("send"), rank.buffer("recv")
+rank.write("send", np.full(send.shape, rank.rank + 1, np.float32))
+rank.collectives("world").allreduce(send.ptr, recv.ptr, 1, "f32")
+rank.backend.synchronize()
+got = float(rank.read("recv")[0])
+want = rank.world_size * (rank.world_size + 1) / 2
+assert got == want, (got, want)
+t_first = time.time()
+collectives_s = rank.timings.get("collectives")
+me, path = rank.rank, f"{sys.argv[1]}/rank-{rank.rank}.json"
+rank.close()
+t_closed = time.time()
+close = {k.split(".", 1)[1]: v for k, v in rank.timings.items() if k.startswith("close.")}
+with open(path, "w") as f:
+    json.dump({"t_ready": t_ready, "t_first_allreduce": t_first, "t_closed": t_closed, "timings": timings,
+               "close_s": close, "t_spawn": float(os.environ["TRAY_T_SPAWN"]), "collectives_s": collectives_s}, f)
 """
 
 WAKE_PROGRAM = """
@@ -192,6 +196,8 @@ def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command
         "ready_s": max(r["t_ready"] for r in ranks) - t0,
         "first_allreduce_s": max(r["t_first_allreduce"] for r in ranks) - t0,
         "exit_s": t_exit - t0,
+        "close_s": max(r["t_closed"] - r["t_first_allreduce"] for r in ranks),
+        "close_steps_s": {k: max(r["close_s"].get(k, 0.0) for r in ranks) for k in ranks[0]["close_s"]},
         "collectives_s": max(r["collectives_s"] or 0.0 for r in ranks),
         "driver_warmup_s": max(r["timings"].get("driver_warmup", 0.0) for r in ranks),
         "phases": phases,
@@ -202,7 +208,9 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
     """Medians over `runs` of every figure and phase."""
     phases = sorted({p for r in runs for p in r["phases"]})
     out: dict[str, Any] = {k: median([r[k] for r in runs])
-                           for k in ("ready_s", "first_allreduce_s", "exit_s", "collectives_s", "driver_warmup_s")}
+                           for k in ("ready_s", "first_allreduce_s", "exit_s", "close_s", "collectives_s",
+                                     "driver_warmup_s")}
+    out["close_steps_s"] = {k: median([r["close_steps_s"].get(k, 0.0) for r in runs]) for k in runs[0]["close_steps_s"]}
     out["phases_s"] = {p: median([r["phases"].get(p, 0.0) for r in runs]) for p in phases}
     return out
 
@@ -323,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(cold kernel cache: {cold['ready_s']:.3f} s)")
     print(f"  `tray launch` -> first allreduce  {summary['first_allreduce_s']:.3f} s  (of which the collectives' join "
           f"{summary['collectives_s']:.3f} s); the command returned after {summary['exit_s']:.3f} s")
+    print(f"  close (slowest rank)             {summary['close_s']:.3f} s: " +
+          ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["close_steps_s"].items()))
     print(f"  from a running Python (run_tray): ready {inproc['ready_s']:.3f} s, first allreduce "
           f"{inproc['first_allreduce_s']:.3f} s")
     print(f"  driver warm-up on a thread   {summary['driver_warmup_s']:.3f} s  (overlaps the imports)")

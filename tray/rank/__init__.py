@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,7 +98,8 @@ class Rank:
 
     @property
     def timings(self) -> dict[str, float]:
-        """Seconds per start-up phase (import, manifest, device, allocate, offer, table, ...)."""
+        """Seconds per start-up phase (import, manifest, device, allocate, offer, table, ...); after `close()`,
+        also per step of it ("close.programs", "close.collectives", "close.backend", ...)."""
         return self._wiring.phases.timings
 
     @property
@@ -270,10 +272,12 @@ class Rank:
         if self._closed:
             return
         self._closed = True
+        t0 = time.perf_counter()
         for owner in (self._executor, self._park):
             if owner is not None:
                 owner.close()
         self._leases.close(self.backend)  # memory a live view uses stays mapped until the view goes
+        self._wiring.phases.timings["close.programs"] = time.perf_counter() - t0
         self._wiring.close()
 
     def __enter__(self) -> Rank:
