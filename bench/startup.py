@@ -231,13 +231,13 @@ def plot(report: dict[str, Any], path: str) -> None:
     spawn + import and its init_process_group + first allreduce beside them when it ran."""
     nan = float("nan")
     warm, cold, base = report["tray"], report["cold"], report.get("torch")
-    categories = ["tray, warm cache", "tray, cold cache"]
+    categories = ["tray launch, warm cache", "tray launch, cold cache"]
     runs = [(warm["phases_s"], warm["ready_s"], warm["first_allreduce_s"]),
             (cold["phases"], cold["ready_s"], cold["first_allreduce_s"])]
     series = {p: [phases.get(p, nan) for phases, _, _ in runs] for p in PHASES}
     series["ready -> first allreduce"] = [first - ready for _, ready, first in runs]
     if base:
-        categories.append("torch")
+        categories.append("torch (spawned from a running Python)")
         for values in series.values():
             values.append(nan)
         series["torch: spawn + import torch"] = [nan, nan, base["first_allreduce_s"] - base["after_import_s"]]

@@ -59,8 +59,21 @@ def gpu_facts() -> dict[str, Any]:
     return facts
 
 
+# the environment variables that change what a figure measures, kept beside it (never a token: see _SECRET)
+_KNOBS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_", "TRAY_",
+          "TORCH_SYMM_MEM_", "NVSHMEM_")
+_SECRET = ("TOKEN", "SECRET", "KEY", "PASSWORD")
+
+
+def knobs(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of `environ` (default os.environ) named in _KNOBS, secrets left out."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(env.items())
+            if k.startswith(_KNOBS) and not any(s in k for s in _SECRET)}
+
+
 def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Facts to store beside every result: commit, host, Python, GPU, driver, NCCL."""
+    """Facts to store beside every result: commit, host, Python, GPU, driver, NCCL, the variables in effect."""
     env = {
         "commit": os.environ.get("TRAY_COMMIT") or git_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -68,6 +81,7 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "variables": knobs(),
     }
     env.update(gpu_facts())
     env.update(extra or {})

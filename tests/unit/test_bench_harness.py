@@ -44,6 +44,14 @@ def test_report_gets_the_environment_and_is_written(tmp_path):
     assert saved["bench"] == "x" and saved["environment"]["device"] == "cpu" and "commit" in saved["environment"]
 
 
+def test_the_variables_that_change_a_figure_are_kept_and_tokens_are_not():
+    from tray.envinfo import knobs
+
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-1", "NCCL_NVLS_ENABLE": "0", "TRAY_BARRIER_TIMEOUT_S": "3",
+           "TRAY_JOB_TOKEN": "s3cret", "TRAY_TOKEN": "t", "HOME": "/root", "PATH": "/bin"}
+    assert knobs(env) == {"CUDA_VISIBLE_DEVICES": "GPU-1", "NCCL_NVLS_ENABLE": "0", "TRAY_BARRIER_TIMEOUT_S": "3"}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
 def test_a_plot_without_matplotlib_names_the_extra():
     require_plot(None)
