@@ -61,7 +61,7 @@ def gpu_facts() -> dict[str, Any]:
 
 # the environment variables that change what a figure measures, kept beside it (never a token: see _SECRET)
 _KNOBS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_", "TRAY_",
-          "TORCH_SYMM_MEM_", "NVSHMEM_")
+          "TORCH_SYMM_MEM_", "NVSHMEM_", "PYTHONDONTWRITEBYTECODE")
 _SECRET = ("TOKEN", "SECRET", "KEY", "PASSWORD")
 
 
