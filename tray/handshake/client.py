@@ -13,11 +13,10 @@ from typing import Any
 import zmq
 
 from tray.errors import HandshakeError
-from tray.handshake import wire
+from tray.handshake import HEARTBEAT_INTERVAL_S, wire
 
 # NOTE: a heartbeat every 0.5 s lets the head declare a rank dead after a few seconds without
 # costing the rank anything measurable.
-HEARTBEAT_INTERVAL_S = 0.5
 
 
 class RendezvousClient:

@@ -17,15 +17,10 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import psutil
-import zmq
+from typing import TYPE_CHECKING, Any
 
 from tray.errors import BarrierTimeout, WireError
-from tray.handshake import wire
-from tray.handshake.client import HEARTBEAT_INTERVAL_S
-from tray.handshake.validate import validate_offers
+from tray.handshake import HEARTBEAT_INTERVAL_S
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.ports import PortReservation
@@ -35,6 +30,18 @@ from tray.launch.spec import Failure, RankProcess, RankState, TrayResult, TraySp
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.numa import NumaPlacement, placement_for
+
+if TYPE_CHECKING:
+    import psutil
+    import zmq
+
+    from tray.handshake import wire
+else:  # NOTE: loaded on first use, after the ranks are spawned (tray.lazy): the head's start is on every rank's path
+    from tray.lazy import lazy_import
+
+    psutil = lazy_import("psutil")
+    zmq = lazy_import("zmq")
+    wire = lazy_import("tray.handshake.wire")
 
 EXIT_RANK_FAILED = 1
 EXIT_HANDSHAKE = 3
@@ -370,6 +377,8 @@ class Head:
         if len(self.offers) < self.spec.nprocs:
             return
         leaders = {name: [members[0] for members in instances] for name, instances in self.resolved.groups.items()}
+        from tray.handshake.validate import validate_offers
+
         problems = validate_offers(
             [self.offers[p.rank] for p in self.procs], world_size=self.world_size,
             digest=self.manifest.digest, uid=os.getuid(), pids={p.rank: p.pid for p in self.procs},

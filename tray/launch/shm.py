@@ -12,10 +12,16 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable
-
-import psutil
+from typing import TYPE_CHECKING
 
 from tray.collectives import SHM_NAME_RE
+
+if TYPE_CHECKING:
+    import psutil
+else:
+    from tray.lazy import lazy_import
+
+    psutil = lazy_import("psutil")  # NOTE: the head needs it at teardown, not before its ranks start
 
 SHM_DIR = "/dev/shm"
 SHM_LIST_NAME = "shm.list"

@@ -1,0 +1,27 @@
+"""tray.lazy: a module loaded on first use, and the head's start importing neither zmq nor psutil."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tray.lazy import lazy_import
+
+
+def test_a_lazy_module_loads_on_first_attribute_and_unknown_names_fail_now():
+    code = ("import sys; from tray.lazy import lazy_import; m = lazy_import('json.tool'); "
+            "print(hasattr(m, 'main'), 'json.tool' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True"], out.stderr
+    assert lazy_import("sys") is sys  # already loaded: the module itself
+    with pytest.raises(ImportError, match="no_such_module_here"):
+        lazy_import("no_such_module_here")
+
+
+def test_the_head_module_imports_no_zmq_psutil_or_wire_until_used():
+    code = ("import sys; import tray.launch.head, tray.cli; "  # type() reads no attribute: nothing loads
+            "print(*[type(sys.modules[m]).__name__ for m in ('zmq', 'psutil', 'tray.handshake.wire')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["_LazyModule"] * 3, out.stdout + out.stderr
