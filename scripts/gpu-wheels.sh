@@ -125,7 +125,10 @@ install() {
              "run 'make gpu-wheels' here again and carry .whl/" >&2
         exit 1
     fi
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    # NOTE: compiled to bytecode here, as any pip install does: that machine runs with PYTHONDONTWRITEBYTECODE=1,
+    # so a site without .pyc compiles every module at every start of every process (the startup figures of
+    # bench/results/h200/startup*.json were measured that way; those under startup_ab/ with bytecode)
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
         --target "$SITE" "${wheels[@]}"
     echo "installed ${#wheels[@]} wheels (tray's own among them) into $SITE" >&2
     echo "run this, or eval \"\$($0 env)\"; run Python with -P (or outside the checkout) so that the" >&2
