@@ -114,16 +114,17 @@ PAGE_NBYTES = 2 << 20
 
 
 def bench_manifest(path: Path, n: int, pages: int = 0) -> Path:
-    """peer_fill's manifest (its kernel sources made absolute) written to `path`: at an odd `n` without its
-    `pairs` group and that group's buffer (a pair needs an even world); with `pages`, one paged state of `pages`
+    """peer_fill's manifest (its kernel sources made absolute) written to `path`: at an odd `n` its `pairs`
+    groups of one rank each (a pair needs an even world; the tray keeps as many groups); with `pages`, one paged state of `pages`
     pages of PAGE_NBYTES on the device and as many in the host tier."""
     base = builtin_path("peer_fill")
     doc = json.loads(Path(base).read_text())
     for k in doc.get("kernels", []):
         k["source"] = str((Path(base).parent / k["source"]).resolve())
     if n % 2:
-        doc["groups"] = [g for g in doc["groups"] if g["name"] != "pairs"]
-        doc["buffers"] = [b for b in doc["buffers"] if b.get("group") != "pairs"]
+        for g in doc["groups"]:
+            if g["name"] == "pairs":
+                g["size"] = 1
     if pages:
         doc["name"] = "startup_wake"
         doc["states"] = [{"name": "kv", "page_nbytes": PAGE_NBYTES, "pages": pages, "host_pages": pages}]
@@ -300,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
               "runs": in_process}
     inproc["after_import_s"] = inproc["first_allreduce_s"] - inproc["phases_s"]["head"] \
         - inproc["phases_s"]["spawn"] - inproc["phases_s"]["import"]
-    report = {"bench": "startup", "nprocs": args.n, "backend": backend, "repeats": args.repeats, "tray": summary,
+    manifest = "peer_fill" + (" with its pairs groups of one rank each (odd n)" if args.n % 2 else "")
+    report = {"bench": "startup", "nprocs": args.n, "backend": backend, "manifest": manifest,
+              "repeats": args.repeats, "tray": summary,
               "cold": {**cold, "kernel_cache": "cold"}, "runs": runs, "in_process": inproc}
     if wake_runs:
         nbytes = wake_runs[0]["nbytes_per_rank"]

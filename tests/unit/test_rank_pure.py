@@ -74,3 +74,27 @@ def test_wiring_lookups_name_what_exists() -> None:
         w.peers("tray:barrier:world")  # the tray's own buffers stay private
     with pytest.raises(UsageError, match=r"rank 1 is in no group 'tp'; its groups: \['pairs', 'world'\]"):
         w.barrier("tp")
+
+
+class _SlowClose:
+    def __init__(self, seconds: float, fail: bool = False) -> None:
+        self.seconds, self.fail, self.closed_at = seconds, fail, None
+
+    def close(self) -> None:
+        time.sleep(self.seconds)
+        self.closed_at = time.monotonic()
+        if self.fail:
+            raise RuntimeError("destroy failed")
+
+
+def test_collectives_close_together_and_the_first_failure_comes_after_all() -> None:
+    from tray.rank.wiring import LazyCollectives
+
+    comms = {f"g{i}": _SlowClose(0.3, fail=(i == 1)) for i in range(4)}
+    lazy = LazyCollectives(joiner=None, pending=(), phases=PhaseClock(), ready=comms)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="destroy failed"):
+        lazy.close()
+    assert time.monotonic() - t0 < 0.9  # together: one destroy's time, not four
+    assert all(c.closed_at is not None for c in comms.values())  # every one closed before the failure is raised
+    lazy.close()  # twice is harmless
