@@ -115,8 +115,8 @@ PAGE_NBYTES = 2 << 20
 
 def bench_manifest(path: Path, n: int, pages: int = 0) -> Path:
     """peer_fill's manifest (its kernel sources made absolute) written to `path`: at an odd `n` its `pairs`
-    groups of one rank each (a pair needs an even world; the tray keeps as many groups); with `pages`, one paged state of `pages`
-    pages of PAGE_NBYTES on the device and as many in the host tier."""
+    groups of one rank each (a pair needs an even world; the tray keeps as many groups); with `pages`, one paged
+    state of `pages` pages of PAGE_NBYTES on the device and as many in the host tier."""
     base = builtin_path("peer_fill")
     doc = json.loads(Path(base).read_text())
     for k in doc.get("kernels", []):
