@@ -14,9 +14,10 @@ first, while this process has not initialised CUDA (it counts the GPUs from /pro
 do (their head is this process), so from then on a live process holds the driver, and the environment's
 `persistence_mode` says whether the driver keeps the GPUs initialised without one.
 
-With torch importable and GPUs visible, the baseline runs in a running Python: torch spawn ->
-init_process_group(nccl) -> first allreduce, with its `import torch` reported apart (`import_s`) and
-the time after it (`after_import_s`) beside tray's time after its imports. Writes JSON (with the
+With torch importable and GPUs visible, two baselines: `torchrun` executed -> init_process_group(nccl) -> first
+allreduce in every worker (its launcher's start counted, against `tray launch`'s), and torch spawned from a running
+Python (against `run_tray`), with its `import torch` reported apart (`import_s`) and the time after it
+(`after_import_s`) beside tray's time after its imports. Writes JSON (with the
 environment) and prints the ratios; a progress line per stage. With --plot, a PNG of the slowest rank's
 phases stacked (warm and cold kernel cache), the rest up to the first allreduce on top, and torch's spawn ->
 first allreduce beside them.
@@ -316,11 +317,15 @@ def main(argv: list[str] | None = None) -> int:
         report["wake"] = wake
     with_baseline = backend == "cuda" and not args.no_baseline
     why_not = "--no-baseline" if args.no_baseline else f"the {backend} backend; it needs torch and GPUs"
-    what = "torch spawn -> first allreduce" if with_baseline else f"no torch baseline ({why_not})"
+    what = "torchrun and torch spawn -> first allreduce" if with_baseline else f"no torch baseline ({why_not})"
     t0 = stage(BENCH, 5, STAGES, what)
     if with_baseline:
-        from torch_baselines import torch_startup  # beside this script
+        from torch_baselines import torch_startup, torchrun_startup  # beside this script
 
+        run = torchrun_startup(args.n, args.repeats)
+        if run is not None:  # from the command, as `tray launch` above
+            report["torchrun"] = run
+            report["ratio_first_allreduce_vs_torchrun"] = ratio(summary["first_allreduce_s"], run["first_allreduce_s"])
         base = torch_startup(args.n, args.repeats)
         if base is not None:
             report["torch"] = base
@@ -349,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['ready_s']:.3f} s + loading the same bytes from host memory {w['load_s'] * 1e3:.1f} ms "
               f"= {w['cold_restart_s']:.3f} s (ratio {w['ratio_wake_vs_cold_restart']:.3f}); launch -> ready "
               f"with the state's pools allocated {w['ready_with_state_s']:.3f} s")
+    if "torchrun" in report:
+        t = report["torchrun"]
+        print(f"  torchrun executed -> first allreduce {t['first_allreduce_s']:.3f} s (its first worker started "
+              f"{t['launcher_s']:.3f} s in, every worker had imported torch at {t['import_s']:.3f} s; returned after "
+              f"{t['exit_s']:.3f} s); ratio tray launch/torchrun {report['ratio_first_allreduce_vs_torchrun']:.2f}")
     if "torch" in report:
         t = report["torch"]
         print(f"  torch spawn -> first allreduce {t['first_allreduce_s']:.3f} s "

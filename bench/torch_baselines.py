@@ -1,9 +1,12 @@
 """PyTorch baselines measured in the same run as tray's figures (only where torch and GPUs exist).
 
     python bench/torch_baselines.py startup -n 4 --repeats 3
+    python bench/torch_baselines.py torchrun -n 4 --repeats 3
     python bench/torch_baselines.py barrier -n 4 --iters 1000
 
 `startup`: torch mp spawn -> init_process_group(nccl) -> first allreduce (seconds, median).
+`torchrun`: `python -m torch.distributed.run --standalone --nproc-per-node N worker.py` executed -> the same first
+allreduce in every worker (the launcher's own start and its `import torch` counted, as `tray launch`'s are).
 `barrier`: SymmetricMemory barrier (eager, back to back / K, events; a CUDA graph of K; one barrier then
 a stream synchronize, median of 200: the baseline of tray's eager_sync), and `dist.barrier()` (median of
 200, a host-side barrier: reported, not compared). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
@@ -48,6 +51,46 @@ def _startup_worker(rank: int, n: int, port: int, out: str) -> None:
     Path(out, f"rank-{rank}").write_text(json.dumps({"t_first": time.time(), "import_s": imported - t_import,
                                                      "t_imported": imported}))
     dist.destroy_process_group()
+
+
+TORCHRUN_WORKER = """
+import json, os, sys, time
+t_start = time.time()
+import torch
+import torch.distributed as dist
+t_imported = time.time()
+rank, n, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+x = torch.ones(1, device="cuda")
+dist.all_reduce(x)
+torch.cuda.synchronize()
+assert x.item() == n
+with open(os.path.join(sys.argv[1], f"rank-{rank}"), "w") as f:
+    json.dump({"t_start": t_start, "t_imported": t_imported, "t_first": time.time()}, f)
+dist.destroy_process_group()
+"""
+
+
+def torchrun(n: int, repeats: int) -> dict:
+    """`torchrun` executed -> first allreduce in every worker (s, median); `launcher_s`: until the first worker's
+    first line ran; `import_s`: until every worker imported torch; `exit_s`: until the command returned."""
+    runs = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as out:
+            worker = Path(out, "worker.py")
+            worker.write_text(TORCHRUN_WORKER)
+            t0 = time.time()
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                            str(worker), out], check=True, capture_output=True, timeout=300)
+            t_exit = time.time()
+            ranks = [json.loads(Path(out, f"rank-{r}").read_text()) for r in range(n)]
+        runs.append({"first_allreduce_s": max(r["t_first"] for r in ranks) - t0,
+                     "launcher_s": min(r["t_start"] for r in ranks) - t0,
+                     "import_s": max(r["t_imported"] for r in ranks) - t0, "exit_s": t_exit - t0})
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["runs"] = runs
+    return out
 
 
 def _barrier_worker(rank: int, n: int, port: int, out: str, iters: int) -> None:
@@ -164,15 +207,24 @@ def torch_startup(n: int, repeats: int) -> dict | None:
     return run_baseline("startup", n, repeats=repeats)
 
 
+def torchrun_startup(n: int, repeats: int) -> dict | None:
+    return run_baseline("torchrun", n, repeats=repeats)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=("startup", "barrier"))
+    ap.add_argument("kind", choices=("startup", "torchrun", "barrier"))
     ap.add_argument("-n", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--iters", type=int, default=1000)
     args = ap.parse_args()
     os.environ.update(SAFE_ENV)
-    result = startup(args.n, args.repeats) if args.kind == "startup" else barrier(args.n, args.iters)
+    if args.kind == "startup":
+        result = startup(args.n, args.repeats)
+    elif args.kind == "torchrun":
+        result = torchrun(args.n, args.repeats)
+    else:
+        result = barrier(args.n, args.iters)
     print(json.dumps(result))
     return 0
 
