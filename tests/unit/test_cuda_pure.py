@@ -387,12 +387,15 @@ def test_gpus_counted_from_proc_without_the_driver(tmp_path, monkeypatch) -> Non
     assert cuda_pkg.gpu_count() == 0
 
 
-@pytest.mark.parametrize("why", ["uuid", "node missing", "node not writable", "mig", "no nvidiactl", "excluded"])
+@pytest.mark.parametrize("why", ["uuid", "twice", "node missing", "node not writable", "mig", "no nvidiactl",
+                                 "excluded"])
 def test_gpus_the_driver_must_count(tmp_path, monkeypatch, why) -> None:
     cuda_pkg, dev, caps = _fake_gpus(tmp_path, monkeypatch, {"0000:07:00.0": 0, "0000:1b:00.0": 3},
                                      excluded="Yes" if why == "excluded" else "No")
     if why == "uuid":
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0f3a")
+    elif why == "twice":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,1")
     elif why == "node missing":
         (dev / "nvidia3").unlink()  # a container given one of the host's two GPUs
     elif why == "node not writable":

@@ -121,7 +121,9 @@ def proc_gpu_count() -> int | None:
     nvidiactl) this process cannot open for reading and writing (a container given fewer GPUs than
     the host has)."""
     buses = _proc_bus_ids()
-    if buses is None or not os.access(os.path.join(_DEV, "nvidiactl"), os.R_OK | os.W_OK):
+    if buses is None or len(set(buses)) != len(buses):  # an ordinal named twice: the driver's rules decide
+        return None
+    if not os.access(os.path.join(_DEV, "nvidiactl"), os.R_OK | os.W_OK):
         return None
     for bus in buses:
         info = _proc_info(bus)
