@@ -1,4 +1,4 @@
-"""tray.lazy: a module loaded on first use, and the head's start importing neither zmq nor psutil."""
+"""tray.lazy: a module loaded on first use; what the head imports before it spawns its ranks."""
 
 from __future__ import annotations
 
@@ -25,3 +25,11 @@ def test_the_head_module_imports_no_zmq_psutil_or_wire_until_used():
             "print(*[type(sys.modules[m]).__name__ for m in ('zmq', 'psutil', 'tray.handshake.wire')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["_LazyModule"] * 3, out.stdout + out.stderr
+
+
+def test_the_head_start_imports_neither_numpy_nor_the_rank_nor_the_programs():
+    """What `tray launch` loads before its first spawn stays light: no numpy, tray.rank, bench parsers or CUDA."""
+    code = ("import sys; import tray.cli, tray.launch.head, tray.launch.pick; tray.cli.build_parser('launch'); "
+            "print(*[m in sys.modules for m in ('numpy', 'tray.rank', 'tray.programs', 'cuda')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False"] * 4, out.stdout + out.stderr
