@@ -1,4 +1,5 @@
 """Offer/Table wire format, rendezvous client, fd passing."""
 
-# a rank's heartbeat period (the client sends, the head expects); here so the head needs no zmq to know it
+# NOTE: a rank's heartbeat period (the client sends, the head expects): every 0.5 s lets the head declare a rank
+# dead after a few seconds without costing the rank anything measurable. Here, so the head needs no zmq to know it.
 HEARTBEAT_INTERVAL_S = 0.5

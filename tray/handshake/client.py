@@ -15,9 +15,6 @@ import zmq
 from tray.errors import HandshakeError
 from tray.handshake import HEARTBEAT_INTERVAL_S, wire
 
-# NOTE: a heartbeat every 0.5 s lets the head declare a rank dead after a few seconds without
-# costing the rank anything measurable.
-
 
 class RendezvousClient:
     """Talks to the head at `endpoint` as rank `rank`, signing every message with `token`."""
