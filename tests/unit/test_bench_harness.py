@@ -122,6 +122,27 @@ def test_tp_crossover_and_peer_pick():
     assert slow["ar_tray_path"] == "ar_nccl" and slow["us"]["ar_tray"] == 190.0 and slow["us"]["ar_peer"] == 200.0
 
 
+def test_tp_ratios_are_against_nccls_faster_formulation_and_a_wrong_window_sum_fails():
+    from tray.programs.tp_mlp.bench import summarize_sizes
+
+    def entry(nbytes, one, nccl, win, win_wrong=0):
+        us = {"ar_oneshot": one, "ar_twoshot": 50.0, "ar_nccl": nccl, "ar_nccl_win": win}
+        return {"bytes": nbytes, "count": nbytes // 2, "us": us,
+                "checks": {"wrong": {k: (win_wrong if k == "ar_nccl_win" else 0) for k in us},
+                           "ar_oneshot_identical_on_all_ranks": True, "ar_twoshot_identical_on_all_ranks": True}}
+
+    small, large = summarize_sizes([{"sizes": [entry(512, 4.0, 8.0, 5.0), entry(1 << 20, 9.0, 12.0, 8.0)]}])
+    assert small["nccl_best_path"] == "ar_nccl_win" and small["us"]["ar_nccl_best"] == 5.0
+    assert small["ratios"]["ar_peer_vs_nccl"] == 4.0 / 5.0 and small["ratios"]["ar_peer_vs_nccl_plain"] == 0.5
+    assert small["ratios"]["ar_nccl_win_vs_nccl"] == 5.0 / 8.0 and small["ar_tray_path"] == "ar_oneshot"
+    assert large["ar_tray_path"] == "ar_nccl_win" and large["us"]["ar_tray"] == 8.0  # windows beat the peer path
+    bad = summarize_sizes([{"sizes": [entry(512, 4.0, 8.0, 5.0, win_wrong=7)]}])[0]
+    assert not bad["checks"]["passed"] and bad["checks"]["wrong"]["ar_nccl_win"] == 7
+    plain = summarize_sizes([{"sizes": [{**entry(512, 4.0, 8.0, 5.0), "us": {"ar_oneshot": 4.0, "ar_twoshot": 50.0,
+                                                                              "ar_nccl": 8.0}}]}])[0]
+    assert plain["nccl_best_path"] == "ar_nccl" and "ar_peer_vs_nccl_plain" not in plain["ratios"]
+
+
 def test_tp_low_latency_path_is_used_up_to_its_threshold_and_its_crossover_reported():
     from tray.programs.tp_mlp.bench import ll_wins_up_to, summarize_sizes
 

@@ -130,6 +130,13 @@ class FakeNccl:
     def comm_abort(self, comm: Comm) -> None:
         self._do("comm_abort", comm.handle)
 
+    def comm_window_register(self, comm: Comm, buff: int, size: int, flags: int) -> int:
+        self._do("comm_window_register", comm.handle, buff, size, flags)
+        return 0x7000 + buff
+
+    def comm_window_deregister(self, comm: Comm, win: int) -> None:
+        self._do("comm_window_deregister", comm.handle, win)
+
     def comm_get_async_error(self, comm: Comm) -> int:
         self._do("comm_get_async_error", comm.handle)
         return self.async_status
@@ -380,6 +387,33 @@ def test_close_failure_aborts(fake: FakeNccl) -> None:
         g.close()
     assert fake.names() == ["comm_destroy", "comm_abort"]
     g.close()
+
+
+def test_windows_are_symmetric_and_go_before_the_destroy(fake: FakeNccl) -> None:
+    g = group(fake)
+    g.register_window(0x100, 4096)
+    g.register_window(0x200, 4096)
+    assert fake.calls == [("comm_window_register", (0xC0, 0x100, 4096, 1)),
+                          ("comm_window_register", (0xC0, 0x200, 4096, 1))]  # NCCL_WIN_COLL_SYMMETRIC
+    with pytest.raises(UsageError, match="0 bytes"):
+        g.register_window(0x300, 0)
+    g.close()
+    assert fake.names()[2:] == ["comm_window_deregister", "comm_window_deregister", "comm_destroy"]
+    assert [args[1] for name, args in fake.calls if name == "comm_window_deregister"] == [0x7100, 0x7200]
+
+
+def test_a_failed_window_registration_aborts(fake: FakeNccl) -> None:
+    fake.fail["comm_window_register"] = 4
+    g = group(fake)
+    with pytest.raises(DeviceError, match="ncclCommWindowRegister.*ncclInvalidArgument.*aborted"):
+        g.register_window(0x100, 4096)
+    assert fake.names() == ["comm_window_register", "comm_abort"]
+
+
+def test_an_nccl_without_windows_says_so(fake: FakeNccl, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(FakeNccl, "comm_window_register")
+    with pytest.raises(UsageError, match="has no windows.*2.27"):
+        group(fake).register_window(0x100, 4096)
 
 
 def test_abort(fake: FakeNccl) -> None:

@@ -95,6 +95,8 @@ _REDUCESCATTER = ("sendbuff", "recvbuff", "recvcount", "datatype", "op", "comm",
 _SEND = ("sendbuff", "count", "datatype", "peer", "comm", "stream")
 _RECV = ("recvbuff", "count", "datatype", "peer", "comm", "stream")
 _COMM = ("comm",)
+_WINDOW = ("comm", "buff", "size", "winFlags")
+WIN_COLL_SYMMETRIC = 0x01  # nccl.h: NCCL_WIN_COLL_SYMMETRIC
 
 _bindings: Any = None
 
@@ -285,6 +287,7 @@ class NcclGroup(Collectives):
         self._state = "open"  # -> "closed" (destroyed) | "aborted"
         self._failure = ""
         self._in_group = 0  # depth of group_start calls this object made and has not ended
+        self._windows: list[Any] = []  # registered with register_window; deregistered before the destroy
 
     def __repr__(self) -> str:
         return f"NcclGroup({self._where}, {self._state})"
@@ -364,6 +367,20 @@ class NcclGroup(Collectives):
             self.send(send_ptr, count, dtype, peer_index, stream)
             self.recv(recv_ptr, count, dtype, peer_index, stream)
 
+    def register_window(self, ptr: int, nbytes: int) -> None:
+        """See Collectives.register_window: ncclCommWindowRegister(comm, ptr, nbytes, NCCL_WIN_COLL_SYMMETRIC).
+        `ptr` must be VMM memory exportable as a POSIX fd (every tray buffer is). UsageError where this NCCL has
+        no windows (before 2.27)."""
+        self._live("ncclCommWindowRegister")
+        if not hasattr(self._mod, "comm_window_register"):
+            raise UsageError(f"{self._where}: NCCL {version()} has no windows (ncclCommWindowRegister: 2.27 or "
+                             "later)")
+        if nbytes <= 0:
+            raise UsageError(f"{self._where}: a window of {nbytes} bytes; expected a positive size")
+        win = self._call("ncclCommWindowRegister", _WINDOW, self._mod.comm_window_register,
+                         self.comm, ptr, nbytes, WIN_COLL_SYMMETRIC)
+        self._windows.append(win)
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Fuse the calls made inside into one NCCL group (ncclGroupStart ... ncclGroupEnd).
@@ -416,8 +433,12 @@ class NcclGroup(Collectives):
         done = threading.Event()
         failure: list[Exception] = []
 
+        windows, self._windows = self._windows, []
+
         def destroy() -> None:
             try:
+                for win in windows:  # NOTE: a window goes before its communicator
+                    self._mod.comm_window_deregister(self.comm, win)
                 self._mod.comm_destroy(self.comm)
             except Exception as exc:
                 failure.append(exc)

@@ -74,6 +74,7 @@ PEER_PATHS = ("ar_oneshot", "ar_twoshot")
 LL_PATH = "ar_ll"  # the low-latency one-shot, 2 bf16 and a 32-bit flag per 8-byte word
 LL3_PATH = "ar_ll3"  # the same with dense lines: 3 bf16 and a 16-bit flag per word (1.5x fewer bytes sent)
 LL_PATHS = (LL_PATH, LL3_PATH)
+NCCL_PATHS = ("ar_nccl", "ar_nccl_win")  # NCCL plain, and on buffers registered as symmetric windows (cuda)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 
 def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per allreduce size: µs (slowest rank) per path, elements wrong (all ranks), the path the tray uses
-    (the low-latency one up to the ranks' ll_max_bytes where it was timed, else the faster of the others)."""
+    (the low-latency one up to the ranks' ll_max_bytes where it was timed, else the faster of the others), and
+    NCCL's faster formulation (`ar_nccl_best`: plain or on windows), which the ratios compare against."""
     rows = []
     ll_max_bytes = int(per_rank[0].get("ll_max_bytes", 0))
     for i, e0 in enumerate(per_rank[0]["sizes"]):
@@ -212,12 +214,18 @@ def summarize_sizes(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ll is not None and e0["bytes"] <= ll_max_bytes:
             path = ll
         us["ar_peer"] = us[path]
+        # NCCL's best formulation timed at this size: plain, or on symmetric windows (cuda, NCCL 2.27+)
+        nccl = min(NCCL_PATHS, key=lambda k: us.get(k, math.inf))
+        us["ar_nccl_best"] = us[nccl]
         # the tray's allreduce: the faster peer path, or NCCL where NCCL measured faster at this size
-        tray_path = path if us[path] <= us["ar_nccl"] else "ar_nccl"
+        tray_path = path if us[path] <= us[nccl] else nccl
         us["ar_tray"] = us[tray_path]
         rows.append({"bytes": e0["bytes"], "count": e0["count"], "us": us, "ar_peer_path": path,
-                     "ar_tray_path": tray_path,
-                     "ratios": {"ar_peer_vs_nccl": us["ar_peer"] / us["ar_nccl"],
+                     "ar_tray_path": tray_path, "nccl_best_path": nccl,
+                     "ratios": {"ar_peer_vs_nccl": us["ar_peer"] / us[nccl],
+                                **({"ar_peer_vs_nccl_plain": us["ar_peer"] / us["ar_nccl"],
+                                    "ar_nccl_win_vs_nccl": us["ar_nccl_win"] / us["ar_nccl"]}
+                                   if "ar_nccl_win" in us else {}),
                                 **({"ar_ll_vs_oneshot": us[LL_PATH] / us["ar_oneshot"]} if LL_PATH in us else {}),
                                 **({"ar_ll3_vs_ll": us[LL3_PATH] / us[LL_PATH]}
                                    if LL3_PATH in us and LL_PATH in us else {})},
@@ -332,13 +340,15 @@ def print_report(report: dict[str, Any]) -> None:
           f"baseline {base} ({'NCCL' if base == 'nccl' else 'the host backend’s shared-memory collectives'})")
     print(format_table(allreduce_rows(report)))
     print(f"  {'bytes':>9} {'low-lat':>9} {'ll dense':>9} {'one-shot':>9} {'two-shot':>9} {base:>9} "
-          f"{'peer/' + base:>9} {'peer path':>10}  check")
+          f"{base + ' win':>9} {'peer/best':>9} {'peer path':>10}  check")
     for r in report["sizes"]:
         u = r["us"]
         ll = " ".join(f"{u[k]:>9.2f}" if k in u else f"{'-':>9}" for k in LL_PATHS)
+        win = f"{u['ar_nccl_win']:>9.2f}" if "ar_nccl_win" in u else f"{'-':>9}"
         print(f"  {r['bytes']:>9} {ll} {u['ar_oneshot']:>9.2f} {u['ar_twoshot']:>9.2f} {u['ar_nccl']:>9.2f} "
-              f"{r['ratios']['ar_peer_vs_nccl']:>9.2f} {r['ar_peer_path'][3:]:>10}  "
+              f"{win} {r['ratios']['ar_peer_vs_nccl']:>9.2f} {r['ar_peer_path'][3:]:>10}  "
               f"{'ok' if r['checks']['passed'] else 'FAILED'}")
+    print(f"  (peer/best: the peer path over the faster of {base} and {base} on symmetric windows, where timed)")
     wins = report["ll_wins_up_to_bytes"]
     timed = any(best_ll(r["us"]) for r in report["sizes"])
     print(f"  low-latency path: the tray uses it up to {report['ll_max_bytes']} B (ll_max_bytes); measured: "
@@ -373,7 +383,8 @@ def allreduce_rows(report: dict[str, Any]) -> list[Row]:
     rows = []
     names = {LL_PATH: "allreduce low-latency", LL3_PATH: "allreduce low-latency dense",
              "ar_oneshot": "allreduce one-shot", "ar_twoshot": "allreduce two-shot",
-             "ar_nccl": f"allreduce {baseline_name(report['backend'])}"}
+             "ar_nccl": f"allreduce {baseline_name(report['backend'])}",
+             "ar_nccl_win": f"allreduce {baseline_name(report['backend'])} windows"}
     for r in report["sizes"]:
         for path, name in names.items():
             if path not in r["us"]:
@@ -389,7 +400,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     series: dict[str, tuple[list[float], list[float]]] = {}
     for key, label in ((LL_PATH, "allreduce low-latency"), (LL3_PATH, "allreduce low-latency dense"),
                        ("ar_oneshot", "allreduce one-shot"),
-                       ("ar_twoshot", "allreduce two-shot"), ("ar_nccl", f"allreduce {base}")):
+                       ("ar_twoshot", "allreduce two-shot"), ("ar_nccl", f"allreduce {base}"),
+                       ("ar_nccl_win", f"allreduce {base} windows")):
         timed = [r for r in report["sizes"] if key in r["us"]]
         series[label] = ([r["bytes"] for r in timed], [r["us"][key] for r in timed])
     plot_lines(path, series, title=f"tp: {report['nprocs']} ranks, {report['backend']} backend",
@@ -452,7 +464,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
                           "default_ll3": ll_default_keys(per_rank[0])["ar_ll3"],
                           "best_per_size": ll_shapes_summary(sizes, ll_default_keys(per_rank[0]))}}
            if a.ll_shapes else {}),
-        "nccl_faster_bytes": [r["bytes"] for r in sizes if r["ar_tray_path"] == "ar_nccl"],
+        "nccl_faster_bytes": [r["bytes"] for r in sizes if r["ar_tray_path"] in NCCL_PATHS],
         "tokens": tokens,
         "passed": all(s["checks"]["passed"] for s in sizes + tokens) and tp_within_nodes(per_rank, a.tp_size),
         "setup_s": max(r["setup_s"] for r in per_rank),

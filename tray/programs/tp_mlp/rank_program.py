@@ -7,8 +7,9 @@ flag per word; `ar_ll3`: 3 bf16 and a 16-bit flag), at the sizes up to the confi
 receive slots hold: S <= 2 * ll_max_count; also at the config's other launch shapes, keys `ar_ll[t512,l2]`,
 `ar_ll3[t128,l1]`), the one-shot (`ar_one`) and the
 two-shot (`ar_two`) peer allreduces to the bit against the member-order float32 sum every rank computes
-on the host (and identical on every rank); NCCL's (`ar_nccl`) element by element within bf16 tolerance of
-the float64 sum. `wrong` counts the elements that failed. After the low-latency path's replays its state
+on the host (and identical on every rank); NCCL's (`ar_nccl`, and on cuda `ar_nccl_win`: the same allreduce
+on buffers registered as symmetric NCCL windows, NCCL's window kernels) element by element within bf16 tolerance
+of the float64 sum. `wrong` counts the elements that failed. After the low-latency path's replays its state
 words are read: a timeout raises LLTimeout naming the missing ranks, a refused launch UsageError.
 
 MLP, per token count T: the TP layer (x [T, hidden] replicated, w13 column-split, w2 row-split) through
@@ -53,6 +54,7 @@ class TpRank:
         self.me = tp.index
         self.H, self.F = cfg["hidden"], cfg["ffn"]
         self.FL = self.F // self.G
+        self.windows = False  # win_send / win_recv registered as NCCL windows (register_windows)
 
     def launch(self, kernel: str, total: int, args: list[Any]) -> None:
         grid = max(1, min(MAX_FILL_GRID, math.ceil(total / FILL_BLOCK)))
@@ -137,7 +139,35 @@ class TpRank:
         with np.errstate(invalid="ignore"):
             bad = ~(np.abs(got - exact) <= NCCL_REL_TOL * (np.abs(exact) + rms))
         checks["wrong"]["ar_nccl"] = int(np.count_nonzero(bad))
+        if self.windows:
+            # NCCL's strongest formulation here: the same allreduce on buffers registered as symmetric windows
+            # (its window kernels, NCCL 2.27+); part0's bytes copied in, the result checked as above
+            send = rank.buffer("win_send")
+            self.backend.copy(send.ptr, rank.buffer("part0").ptr, count * 2)
+            self.poison("win_recv", count * 2)
+            rank.synchronize()
+            us["ar_nccl_win"] = sampler.us_per_call(lambda: rank.run("ar_nccl_win", v))
+            got = _f64(self.read_out("win_recv", count))
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.abs(got - exact) <= NCCL_REL_TOL * (np.abs(exact) + rms))
+            checks["wrong"]["ar_nccl_win"] = int(np.count_nonzero(bad))
         return us, checks
+
+    def register_windows(self) -> bool:
+        """Register win_send and win_recv as symmetric NCCL windows of the TP group (a group-wide step: every rank
+        calls it); False where the collectives have none (the host backend, an NCCL before 2.27), said once."""
+        from tray.errors import UsageError
+
+        coll = self.rank.collectives(TP_GROUP)
+        try:
+            for name in ("win_send", "win_recv"):
+                buf = self.rank.buffer(name)
+                coll.register_window(buf.ptr, buf.nbytes)
+        except UsageError as exc:
+            if self.rank.rank == 0:
+                print(f"tp: no NCCL windows: {exc}", flush=True)
+            return False
+        return True
 
     def ll_timed(self, count: int) -> bool:
         """Whether the low-latency path is timed at `count` elements: within the config's ll_sweep_bytes and
@@ -245,6 +275,8 @@ def main(argv: list[str]) -> int:
                                                  tp.manifest_ll_shape("ar_ll3").lines]}
         t_start = time.perf_counter()
         sizes = cfg["sizes"] if tp.G > 1 else []
+        if sizes and rank.backend.name == "cuda":
+            tp.windows = tp.register_windows()
         for i, size in enumerate(sizes):
             count = size // 2
             us, checks = tp.allreduce(sampler, count)
