@@ -53,6 +53,7 @@ def _job_of(args: argparse.Namespace):  # -> JobSpec | None
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from tray.launch import TraySpec, placements_for, run_tray
+    from tray.launch.spawn import process_started_at
     from tray.manifest.names import resolve_manifest
 
     cmd = list(args.cmd)
@@ -85,7 +86,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
                     heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
                     redirects=redirects, local_ranks_filter=ranks, barrier_timeout_s=args.barrier_timeout_s,
-                    max_restarts=args.max_restarts)
+                    max_restarts=args.max_restarts, launched_at=process_started_at())
     if job is None:
         return run_tray(spec).exit_code
     from tray.launch.node import NodeHead

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from conftest import MANIFESTS
 
@@ -45,6 +46,12 @@ def test_four_ranks_share_memory_barrier_and_exchange(tray_env):
     assert "tray up in" in run.stderr  # the startup timeline
     for phase in ("import", "manifest", "allocate", "table", "import_peers", "join", "ready"):
         assert phase in run.stderr
+    # from `tray launch` started: the head's own start (interpreter, imports) counted before the first spawn
+    m = re.search(r"tray up in ([0-9.]+) s after the first spawn, ([0-9.]+) s after `tray launch` started",
+                  run.stderr)
+    assert m and float(m.group(2)) > float(m.group(1)) > 0, run.stderr
+    head = re.search(r"head +([0-9.]+) ms  the head's own start", run.stderr)
+    assert head and 0 < float(head.group(1)) < 1000 * (float(m.group(2)) - float(m.group(1))) + 20, run.stderr
 
 
 def test_host_collectives_match_numpy(tray_env):

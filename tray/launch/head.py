@@ -46,7 +46,7 @@ else:  # NOTE: loaded on first use, after the ranks are spawned (tray.lazy): the
 EXIT_RANK_FAILED = 1
 EXIT_HANDSHAKE = 3
 _POLL_MS = 20
-PHASES = ("spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
+PHASES = ("head", "spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
           "ready")
 # A rank's phases up to `run`, in the order it passes them. Heartbeats travel on their own socket and
 # may arrive after a later step's message: a heartbeat never moves a rank back along this order.
@@ -629,7 +629,10 @@ class Head:
 
     # --- reporting ------------------------------------------------------------------------------
     def _timeline(self) -> dict[str, tuple[float, int]]:
-        out: dict[str, tuple[float, int]] = {"spawn": (self.t_spawned, self.procs[-1].rank)}
+        out: dict[str, tuple[float, int]] = {}
+        if self.spec.launched_at is not None and self.procs:  # `tray launch` started -> its first rank spawned
+            out["head"] = (max(0.0, self.procs[0].t_spawn - self.spec.launched_at), self.procs[0].rank)
+        out["spawn"] = (self.t_spawned, self.procs[-1].rank)
         for r in (p.rank for p in self.procs):
             timings = dict(self.offers[r].timings) if r in self.offers else {}
             if r in self.ready:
@@ -648,12 +651,15 @@ class Head:
         t0 = min(p.t_spawn for p in self.procs)
         total = (self.t_go or t0) - t0
         tl = self._timeline()
-        _say(f"tray up in {total:.3f} s ({self.spec.nprocs} ranks, {self.spec.backend} backend); "
-             "slowest rank per phase:")
+        since = ("" if self.spec.launched_at is None else
+                 f", {(self.t_go or t0) - self.spec.launched_at:.3f} s after `tray launch` started")
+        _say(f"tray up in {total:.3f} s after the first spawn{since} ({self.spec.nprocs} ranks, "
+             f"{self.spec.backend} backend); slowest rank per phase:")
         for phase in PHASES:
             if phase in tl:
                 secs, r = tl[phase]
-                _say(f"  {phase:<13}{secs * 1e3:9.1f} ms  rank {r}")
+                who = "the head's own start, until its first rank was spawned" if phase == "head" else f"rank {r}"
+                _say(f"  {phase:<13}{secs * 1e3:9.1f} ms  {who}")
 
     def _print_root_cause(self) -> None:
         f = self.failure

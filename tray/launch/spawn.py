@@ -113,6 +113,20 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)
 
 
+def process_started_at() -> float | None:
+    """When this process started, on time.time()'s scale (the kernel counts in clock ticks: 10 ms); None
+    without /proc. `tray launch` passes it on, so the timeline counts the head's own start too."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of proc(5): starttime
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - max(0.0, age)
+
+
 def _reader_gone(dst: TextIO) -> None:
     """The terminal stream `dst` lost its reader (`tray launch ... | head`): from now on what goes to it is
     dropped (its fd points at /dev/null), said once on the other stream; the tray runs on, log files keep
