@@ -276,6 +276,7 @@ def test_cuda_ranks_get_nccl_runtime_connect_and_the_barrier_timeout(tray_env):
     with tray.init() as rank:
         print("env", os.environ.get("NCCL_RUNTIME_CONNECT"), rank.barrier_timeout_s)
     """
-    run = tray_env.launch(2, body, "--barrier-timeout-s", "7", backend="cuda")
+    n = min(2, ngpus())
+    run = tray_env.launch(n, body, "--barrier-timeout-s", "7", backend="cuda")
     assert run.returncode == 0, run.output
-    assert run.stdout.count("env 0 7.0") == 2, run.stdout
+    assert run.stdout.count("env 0 7.0") == n, run.stdout
