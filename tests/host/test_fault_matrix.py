@@ -380,6 +380,9 @@ with tray.init() as rank:
     assert run.returncode == 0, run.output
     assert "attempt 1 of 3 failed (exit 1): rank 1 reported RuntimeError: first attempt fails" in run.stderr
     assert run.stdout.count("attempt 1 ok") == 2 and "attempt 2" not in run.stdout
+    # both attempts printed a timeline; only the first has the head's own start (the second's would hold attempt 1)
+    assert run.stderr.count("tray up in") == 2 and run.stderr.count("after `tray launch` started") == 1, run.stderr
+    assert run.stderr.count("the head's own start") == 1, run.stderr
     run = tray_env.launch(2, "sys.exit(3)\n", "--max-restarts", "1")
     assert run.returncode == 1, run.output
     assert "attempt 1 of 2 failed (exit 1)" in run.stderr and "attempt 2 of 2" not in run.stderr

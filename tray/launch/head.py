@@ -628,10 +628,16 @@ class Head:
         psutil.wait_procs(adopted, timeout=2.0)
 
     # --- reporting ------------------------------------------------------------------------------
+    def _launched_at(self) -> float | None:
+        """When `tray launch` started, for the first attempt only (a restart's head phase would hold the attempts
+        before it)."""
+        return self.spec.launched_at if self.restart_count == 0 else None
+
     def _timeline(self) -> dict[str, tuple[float, int]]:
         out: dict[str, tuple[float, int]] = {}
-        if self.spec.launched_at is not None and self.procs:  # `tray launch` started -> its first rank spawned
-            out["head"] = (max(0.0, self.procs[0].t_spawn - self.spec.launched_at), self.procs[0].rank)
+        launched = self._launched_at()
+        if launched is not None and self.procs:  # `tray launch` started -> its first rank spawned
+            out["head"] = (max(0.0, self.procs[0].t_spawn - launched), self.procs[0].rank)
         out["spawn"] = (self.t_spawned, self.procs[-1].rank)
         for r in (p.rank for p in self.procs):
             timings = dict(self.offers[r].timings) if r in self.offers else {}
@@ -651,8 +657,8 @@ class Head:
         t0 = min(p.t_spawn for p in self.procs)
         total = (self.t_go or t0) - t0
         tl = self._timeline()
-        since = ("" if self.spec.launched_at is None else
-                 f", {(self.t_go or t0) - self.spec.launched_at:.3f} s after `tray launch` started")
+        launched = self._launched_at()
+        since = "" if launched is None else f", {(self.t_go or t0) - launched:.3f} s after `tray launch` started"
         _say(f"tray up in {total:.3f} s after the first spawn{since} ({self.spec.nprocs} ranks, "
              f"{self.spec.backend} backend); slowest rank per phase:")
         for phase in PHASES:
