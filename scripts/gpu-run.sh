@@ -17,6 +17,7 @@
 # `expert-gemm` (one GPU, ~3 min): the experts' masked GEMMs at the EP2 rank's shapes, every tile shape of
 # bench/expert_gemm.py beside cuBLAS per expert and the GPU's read rate over the same weights ($OUT/expert_gemm.json).
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
+# TP_ARGS: extra arguments to the tp stage (e.g. "--no-nccl-windows", if NCCL refuses the window registration).
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json:
 # the spanning barrier hierarchical, eager / eager-sync / captured, next to the relayed barrier of the same run).
 # `ep-nodes2` runs `tray bench ep-moe -n 2 --nnodes 2` on GPUs 0 and 1 as two one-GPU nodes (each its own
@@ -236,7 +237,7 @@ for s in "${STAGES[@]}"; do
                 $ncu_sections $PY bench/expert_gemm.py --only wgmma --tokens 8192 --routing uniform --repeats 1
             cat "$LOGS/gemm_ncu.log" "$LOGS/gemm_ncu_cublas.log" > "$OUT/gemm_ncu.txt" ;;
         # the sweep 8 B .. 64 MiB: low-latency (timed up to 4 MiB), one-shot, two-shot, NCCL; then the layer
-        tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda --json "$OUT/tp.json" ;;
+        tp) stage tp 400 $PY -m tray bench tp -n "$N" --backend cuda ${TP_ARGS:-} --json "$OUT/tp.json" ;;
         # every TP path checked after timed graph replays at 2 and 4 ranks on small sizes; the bounded LL wait
         tp-tests) stage tp_tests 540 $PY -m pytest -q -m gpu tests/gpu/test_tp_cuda.py ;;
         tp-ll) stage_live tp_ll 200 $PY -m tray bench tp -n "$N" --backend cuda --sizes 8,16,32,64,128,256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288,1048576 \

@@ -96,6 +96,7 @@ class TpBenchArgs:
     ll_sweep_bytes: int | None = None  # None: DEFAULTS[backend]
     ll_shapes: tuple[LLShape, ...] = ()  # launch shapes of the low-latency path timed beside the manifest's
     nnodes: int = 1  # nodes of the N-rank job (TP within each node: nprocs // nnodes ranks per TP group)
+    nccl_windows: bool = True  # cuda: also time NCCL on buffers registered as symmetric windows (ar_nccl_win)
 
     @property
     def tp_size(self) -> int:
@@ -111,7 +112,7 @@ class TpBenchArgs:
             seed=self.seed, repeats=self.repeats or d["repeats"], warmup=self.warmup, json_path=self.json_path,
             log_dir=self.log_dir, keep=self.keep, plot_path=self.plot_path, ll_max_bytes=self.ll_max_bytes,
             ll_sweep_bytes=d["ll_sweep_bytes"] if self.ll_sweep_bytes is None else self.ll_sweep_bytes,
-            ll_shapes=self.ll_shapes, nnodes=self.nnodes)
+            ll_shapes=self.ll_shapes, nnodes=self.nnodes, nccl_windows=self.nccl_windows)
 
 
 def baseline_name(backend: str) -> str:
@@ -158,6 +159,7 @@ def _launch(a: TpBenchArgs, nprocs: int, work: Path, name: str) -> list[dict[str
         "target_s": 2e-3 if a.backend == "cuda" else 0.0,
         "ll_sweep_bytes": a.ll_sweep_bytes,
         "ll_shapes": [[s.threads, s.lines, s.program] for s in a.ll_shapes],
+        "nccl_windows": a.nccl_windows,
     }
     if nprocs > 1 and a.nnodes > 1:
         from tray.bench.nodes import NodeJob, run_rank_program_nodes

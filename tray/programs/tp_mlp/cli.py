@@ -26,6 +26,9 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     b.add_argument("--nnodes", type=int, default=1, metavar="K",
                    help="run the N-rank tray as a job of K nodes on this machine (N / K ranks each; cuda: each its "
                    "share of the GPUs and its own NCCL_HOSTID); TP runs within each node (default 1)")
+    b.add_argument("--no-nccl-windows", dest="nccl_windows", action="store_false",
+                   help="cuda: leave out NCCL on buffers registered as symmetric windows (ar_nccl_win), e.g. where "
+                        "the registration fails (which aborts the communicator, and the run)")
     b.add_argument("--plot", default=None, metavar="PNG", help="latency vs size as a PNG (the `plot` extra)")
     b.set_defaults(fn=cmd_bench_tp)
 
@@ -62,6 +65,7 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
             ll_max_bytes=args.ll_max_bytes,
             ll_sweep_bytes=args.ll_sweep_bytes,
             nnodes=args.nnodes,
+            nccl_windows=args.nccl_windows,
             **extra,
         )
     )

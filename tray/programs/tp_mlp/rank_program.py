@@ -275,7 +275,7 @@ def main(argv: list[str]) -> int:
                                                  tp.manifest_ll_shape("ar_ll3").lines]}
         t_start = time.perf_counter()
         sizes = cfg["sizes"] if tp.G > 1 else []
-        if sizes and rank.backend.name == "cuda":
+        if sizes and rank.backend.name == "cuda" and cfg.get("nccl_windows", True):
             tp.windows = tp.register_windows()
         for i, size in enumerate(sizes):
             count = size // 2
