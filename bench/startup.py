@@ -140,13 +140,9 @@ def wake_once(n: int, backend: str, workdir: Path, cache_dir: Path, pages: int) 
     manifest = bench_manifest(workdir / "startup_wake.json", n, pages)
     out = workdir / f"wake-{time.monotonic_ns()}"
     out.mkdir()
-    cmd = launch_command(n, backend, str(manifest), [sys.executable, str(prog), str(out), str(pages)])
     t0 = time.time()
-    done = subprocess.run(cmd, env=dict(os.environ, TRAY_CACHE_DIR=str(cache_dir)), capture_output=True, text=True,
-                          timeout=TRAY_TIMEOUT_S)
-    if done.returncode != 0:
-        raise SystemExit(f"tray launch (wake from park) failed (exit {done.returncode}):\n"
-                         f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    run_launch(launch_command(n, backend, str(manifest), [sys.executable, str(prog), str(out), str(pages)]),
+               cache_dir, "tray launch (wake from park)")
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
     return {
         "ready_s": max(r["t_ready"] for r in ranks) - t0,
@@ -164,6 +160,15 @@ def launch_command(n: int, backend: str, manifest: str, cmd: list[str]) -> list[
             manifest, "-q", "--", *cmd]
 
 
+def run_launch(cmd: list[str], cache_dir: Path, what: str) -> None:
+    """Run `cmd` (a `tray launch`) with the kernel cache `cache_dir`, at most TRAY_TIMEOUT_S; SystemExit with
+    its output's tail when it fails."""
+    done = subprocess.run(cmd, env=dict(os.environ, TRAY_CACHE_DIR=str(cache_dir)), capture_output=True, text=True,
+                          timeout=TRAY_TIMEOUT_S)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+
+
 def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command: bool = True) -> dict:
     """One tray of RANK_PROGRAM. `from_command`: the clock starts before `tray launch` is executed (the head's own
     start and imports included, as a user waits for them); else `run_tray` in this already-running Python.
@@ -177,12 +182,7 @@ def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command
     rank_cmd = [sys.executable, str(prog), str(out)]
     t0 = time.time()
     if from_command:
-        env = dict(os.environ, TRAY_CACHE_DIR=str(cache_dir))
-        done = subprocess.run(launch_command(n, backend, manifest, rank_cmd), env=env, capture_output=True,
-                              text=True, timeout=TRAY_TIMEOUT_S)
-        if done.returncode != 0:
-            raise SystemExit(f"tray launch failed (exit {done.returncode}):\n"
-                             f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        run_launch(launch_command(n, backend, manifest, rank_cmd), cache_dir, "tray launch")
     else:
         result = run_tray(TraySpec(nprocs=n, cmd=tuple(rank_cmd), backend=backend, manifest=manifest, quiet=True,
                                    extra_env=(("TRAY_CACHE_DIR", str(cache_dir)),)))

@@ -110,10 +110,6 @@ class LazyCollectives:
         joined, self._joined = self._joined, {}
         ready, self._ready = self._ready, {}
         comms = [*(joined or {}).values(), *ready.values()]
-        if len(comms) <= 1:
-            for c in comms:
-                c.close()
-            return
         failures: list[BaseException] = []
 
         def close_one(c: Collectives) -> None:

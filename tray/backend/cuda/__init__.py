@@ -19,17 +19,23 @@ _PROC_CAPS = "/proc/driver/nvidia/capabilities"  # gpu<minor>/mig/gi<N>: a GPU's
 _DEV = "/dev"  # nvidiactl and nvidia<minor>: the device nodes a CUDA process opens
 
 
+def _proc_infos() -> dict[str, dict[str, str]] | None:
+    """Every GPU's /proc/driver/nvidia/gpus/<bus>/information as {bus (lowercase): {key: value}}; None when
+    any cannot be read."""
+    try:
+        out = {}
+        for name in os.listdir(_PROC_GPUS):
+            with open(os.path.join(_PROC_GPUS, name, "information")) as f:
+                out[name.lower()] = {k.strip(): v.strip() for k, sep, v in (line.partition(":") for line in f) if sep}
+        return out
+    except OSError:
+        return None
+
+
 def _identical_gpus() -> bool:
     """All GPUs the driver lists share one model (then FASTEST_FIRST is PCI order)."""
-    root = _PROC_GPUS
-    models = set()
-    try:
-        for bus in os.listdir(root):
-            with open(os.path.join(root, bus, "information")) as f:
-                models.update(line.split(":", 1)[1].strip() for line in f if line.startswith("Model:"))
-    except OSError:
-        return False
-    return len(models) == 1
+    infos = _proc_infos()
+    return infos is not None and len({i["Model"] for i in infos.values() if "Model" in i}) == 1
 
 
 class DriverWarmup:
@@ -103,16 +109,6 @@ def _proc_bus_ids() -> list[str] | None:
     return picked
 
 
-def _proc_info(bus: str) -> dict[str, str] | None:
-    """The `information` file of GPU `bus` (lowercase) as {key: value}; None when it cannot be read."""
-    try:
-        names = {d.lower(): d for d in os.listdir(_PROC_GPUS)}
-        with open(os.path.join(_PROC_GPUS, names[bus], "information")) as f:
-            return {k.strip(): v.strip() for k, sep, v in (line.partition(":") for line in f) if sep}
-    except (OSError, KeyError):
-        return None
-
-
 def proc_gpu_count() -> int | None:
     """The GPUs CUDA will see, counted from /proc/driver/nvidia/gpus with CUDA_VISIBLE_DEVICES applied,
     without initialising CUDA (the head counts before it spawns, and a cuInit there would delay every rank).
@@ -123,12 +119,13 @@ def proc_gpu_count() -> int | None:
     buses = _proc_bus_ids()
     if buses is None or len(set(buses)) != len(buses):  # an ordinal named twice: the driver's rules decide
         return None
-    if not os.access(os.path.join(_DEV, "nvidiactl"), os.R_OK | os.W_OK):
+    infos = _proc_infos()
+    if infos is None or not os.access(os.path.join(_DEV, "nvidiactl"), os.R_OK | os.W_OK):
         return None
     for bus in buses:
-        info = _proc_info(bus)
-        minor = (info or {}).get("Device Minor", "")
-        if info is None or not minor.isdigit() or info.get("GPU Excluded", "No") != "No":
+        info = infos.get(bus, {})
+        minor = info.get("Device Minor", "")
+        if not minor.isdigit() or info.get("GPU Excluded", "No") != "No":
             return None
         if not os.access(os.path.join(_DEV, f"nvidia{minor}"), os.R_OK | os.W_OK):
             return None

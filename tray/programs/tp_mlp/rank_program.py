@@ -134,11 +134,7 @@ class TpRank:
         rank.synchronize()
         us["ar_nccl"] = sampler.us_per_call(lambda: rank.run("ar_nccl", v))
         exact = sum(_f64(p) for p in p0)
-        got = _f64(self.read_out("out_nccl", count))
-        rms = float(np.sqrt(np.mean(exact**2))) if count else 0.0
-        with np.errstate(invalid="ignore"):
-            bad = ~(np.abs(got - exact) <= NCCL_REL_TOL * (np.abs(exact) + rms))
-        checks["wrong"]["ar_nccl"] = int(np.count_nonzero(bad))
+        checks["wrong"]["ar_nccl"] = _nccl_wrong(_f64(self.read_out("out_nccl", count)), exact)
         if self.windows:
             # NCCL's strongest formulation here: the same allreduce on buffers registered as symmetric windows
             # (its window kernels, NCCL 2.27+); part0's bytes copied in, the result checked as above
@@ -147,10 +143,7 @@ class TpRank:
             self.poison("win_recv", count * 2)
             rank.synchronize()
             us["ar_nccl_win"] = sampler.us_per_call(lambda: rank.run("ar_nccl_win", v))
-            got = _f64(self.read_out("win_recv", count))
-            with np.errstate(invalid="ignore"):
-                bad = ~(np.abs(got - exact) <= NCCL_REL_TOL * (np.abs(exact) + rms))
-            checks["wrong"]["ar_nccl_win"] = int(np.count_nonzero(bad))
+            checks["wrong"]["ar_nccl_win"] = _nccl_wrong(_f64(self.read_out("win_recv", count)), exact)
         return us, checks
 
     def register_windows(self) -> bool:
@@ -237,6 +230,14 @@ class TpRank:
             if "mlp_nccl" in outs:
                 np.save(out_dir / f"T{tokens}_nccl.npy", outs["mlp_nccl"])
         return us, checks
+
+
+def _nccl_wrong(got: np.ndarray, exact: np.ndarray) -> int:
+    """Elements of an NCCL sum `got` off the float64 `exact` by more than NCCL_REL_TOL of their magnitude plus
+    NCCL_REL_TOL of the message's rms (NaN counts as off)."""
+    rms = float(np.sqrt(np.mean(exact**2))) if exact.size else 0.0
+    with np.errstate(invalid="ignore"):
+        return int(np.count_nonzero(~(np.abs(got - exact) <= NCCL_REL_TOL * (np.abs(exact) + rms))))
 
 
 def _f64(bits: np.ndarray) -> np.ndarray:
