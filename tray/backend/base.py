@@ -202,8 +202,10 @@ class Collectives(abc.ABC):
         """Register `nbytes` at `ptr` (this rank's buffer; every member passes one of the same size, at the same
         step) as a symmetric window of this group, so collectives whose buffers all lie in such windows, at the
         same offsets on every member, may run the library's window kernels (NCCL 2.27 and later:
-        ncclCommWindowRegister with NCCL_WIN_COLL_SYMMETRIC). A group-wide step; the windows are deregistered
-        when the collectives close. UsageError where these collectives have no windows."""
+        ncclCommWindowRegister with NCCL_WIN_COLL_SYMMETRIC). A group-wide step that blocks until every member
+        has registered: make a bounded tray-wide step first (`rank.exchange`, which names a rank that never
+        comes). The windows are deregistered when the collectives close. UsageError where these collectives have
+        no windows."""
         raise UsageError(f"group {self.group.name!r}: these collectives have no windows (NCCL 2.27 or later, "
                          "cuda backend)")
 

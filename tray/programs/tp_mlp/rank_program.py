@@ -152,6 +152,9 @@ class TpRank:
         from tray.errors import UsageError
 
         coll = self.rank.collectives(TP_GROUP)
+        # NOTE: the registration blocks until every member registers; this tray-wide step first is bounded and
+        # names a rank that never comes
+        self.rank.exchange("tp.windows", 0)
         try:
             for name in ("win_send", "win_recv"):
                 buf = self.rank.buffer(name)
