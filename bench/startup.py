@@ -4,8 +4,11 @@ The clock starts before `tray launch` is executed, as a user waits: the head's o
 (`head`: until the first rank is spawned) count. Then per phase the slowest rank, median over repeats. The same
 tray started by `run_tray` from this already-running Python (the head's start excluded) is timed too
 (`in_process`): that is the figure compared with torch's, whose workers are spawned from a running Python too.
-The collectives join on first use (the NCCL join, ~0.5 s, is not part of "ready"): `first_allreduce_s`
-includes it, `collectives_s` says how long it took. The first run starts with an empty kernel cache (`cold`:
+The collectives join on first use (`--join-collectives lazy`; the NCCL join, ~0.5 s, is not part of "ready"):
+`first_allreduce_s` includes it, `collectives_s` says how long it took. On cuda the same tray with NCCL joined
+while the ranks start (`--join-collectives early`) is timed in alternation with it (`tray_early`: its
+`nccl_early_s` is the join's time on its thread, `collectives_s` what the allreduce still waited for).
+The first run starts with an empty kernel cache (`cold`:
 NVRTC compiles the barrier); the timed repeats reuse it (`warm`); the page cache is warm for both
 (the same Python files).
 The head initialises the driver on a thread right after the spawn, and each rank starts its own on a
@@ -67,13 +70,15 @@ want = rank.world_size * (rank.world_size + 1) / 2
 assert got == want, (got, want)
 t_first = time.time()
 collectives_s = rank.timings.get("collectives")
+nccl_early_s = rank.timings.get("nccl_early")
 me, path = rank.rank, f"{sys.argv[1]}/rank-{rank.rank}.json"
 rank.close()
 t_closed = time.time()
 close = {k.split(".", 1)[1]: v for k, v in rank.timings.items() if k.startswith("close.")}
 with open(path, "w") as f:
     json.dump({"t_ready": t_ready, "t_first_allreduce": t_first, "t_closed": t_closed, "timings": timings,
-               "close_s": close, "t_spawn": float(os.environ["TRAY_T_SPAWN"]), "collectives_s": collectives_s}, f)
+               "close_s": close, "t_spawn": float(os.environ["TRAY_T_SPAWN"]), "collectives_s": collectives_s,
+               "nccl_early_s": nccl_early_s}, f)
 """
 
 WAKE_PROGRAM = """
@@ -153,11 +158,11 @@ def wake_once(n: int, backend: str, workdir: Path, cache_dir: Path, pages: int) 
     }
 
 
-def launch_command(n: int, backend: str, manifest: str, cmd: list[str]) -> list[str]:
+def launch_command(n: int, backend: str, manifest: str, cmd: list[str], join: str = "auto") -> list[str]:
     """`tray launch` as a user types it, with this Python (-P: an installed tray, not a checkout's tray/ in the
     working directory)."""
     return [sys.executable, "-P", "-m", "tray", "launch", "-n", str(n), "--backend", backend, "--manifest",
-            manifest, "-q", "--", *cmd]
+            manifest, "-q", "--join-collectives", join, "--", *cmd]
 
 
 def run_launch(cmd: list[str], cache_dir: Path, what: str) -> None:
@@ -169,9 +174,11 @@ def run_launch(cmd: list[str], cache_dir: Path, what: str) -> None:
         raise SystemExit(f"{what} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
 
 
-def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command: bool = True) -> dict:
+def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command: bool = True,
+              join: str = "lazy") -> dict:
     """One tray of RANK_PROGRAM. `from_command`: the clock starts before `tray launch` is executed (the head's own
-    start and imports included, as a user waits for them); else `run_tray` in this already-running Python.
+    start and imports included, as a user waits for them); else `run_tray` in this already-running Python. `join`:
+    when the ranks join NCCL (`--join-collectives`: lazy, at the allreduce; early, while they start).
     Phases: `head` (clock start -> first rank spawned), `spawn` (first -> last rank spawned), then per phase the
     slowest rank's own time."""
     prog = workdir / "startup_rank.py"
@@ -182,10 +189,10 @@ def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command
     rank_cmd = [sys.executable, str(prog), str(out)]
     t0 = time.time()
     if from_command:
-        run_launch(launch_command(n, backend, manifest, rank_cmd), cache_dir, "tray launch")
+        run_launch(launch_command(n, backend, manifest, rank_cmd, join), cache_dir, f"tray launch ({join} join)")
     else:
         result = run_tray(TraySpec(nprocs=n, cmd=tuple(rank_cmd), backend=backend, manifest=manifest, quiet=True,
-                                   extra_env=(("TRAY_CACHE_DIR", str(cache_dir)),)))
+                                   extra_env=(("TRAY_CACHE_DIR", str(cache_dir)),), join_collectives=join))
         if result.exit_code != 0:
             raise SystemExit(f"tray failed: {result.root_cause}")
     t_exit = time.time()
@@ -201,6 +208,7 @@ def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command
         "close_s": max(r["t_closed"] - r["t_first_allreduce"] for r in ranks),
         "close_steps_s": {k: max(r["close_s"].get(k, 0.0) for r in ranks) for k in ranks[0]["close_s"]},
         "collectives_s": max(r["collectives_s"] or 0.0 for r in ranks),
+        "nccl_early_s": max(r.get("nccl_early_s") or 0.0 for r in ranks),
         "driver_warmup_s": max(r["timings"].get("driver_warmup", 0.0) for r in ranks),
         "phases": phases,
     }
@@ -211,7 +219,7 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
     phases = sorted({p for r in runs for p in r["phases"]})
     out: dict[str, Any] = {k: median([r[k] for r in runs])
                            for k in ("ready_s", "first_allreduce_s", "exit_s", "close_s", "collectives_s",
-                                     "driver_warmup_s")}
+                                     "nccl_early_s", "driver_warmup_s")}
     out["close_steps_s"] = {k: median([r["close_steps_s"].get(k, 0.0) for r in runs]) for k in runs[0]["close_steps_s"]}
     out["phases_s"] = {p: median([r["phases"].get(p, 0.0) for r in runs]) for p in phases}
     return out
@@ -278,12 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         cache = Path(tmp) / "kernel-cache"  # empty: the first run compiles (cold), the others load (warm)
         t0 = stage(BENCH, 1, STAGES, f"{args.n} ranks, {backend} backend: `tray launch` with an empty kernel cache")
         cold = tray_once(args.n, backend, Path(tmp), cache)
-        stage(BENCH, 2, STAGES, f"{args.repeats} runs of `tray launch` with the kernel cache warm (previous stage "
-                                f"{time.monotonic() - t0:.1f} s)")
-        runs = []
+        early = backend == "cuda"  # the early NCCL join exists on cuda only
+        stage(BENCH, 2, STAGES, f"{args.repeats} runs of `tray launch` with the kernel cache warm"
+                                + (", NCCL joined lazily and early in alternation" if early else "")
+                                + f" (previous stage {time.monotonic() - t0:.1f} s)")
+        runs, early_runs = [], []
         for i in range(args.repeats):
             t_run = time.monotonic()
             runs.append(tray_once(args.n, backend, Path(tmp), cache))
+            if early:
+                early_runs.append(tray_once(args.n, backend, Path(tmp), cache, join="early"))
             print(f"{BENCH}: run {i + 1}/{args.repeats} in {time.monotonic() - t_run:.1f} s", flush=True)
         stage(BENCH, 3, STAGES, f"{args.repeats} runs from this running Python (run_tray: the head's start excluded, "
                                 "as for the torch baseline's spawn)")
@@ -297,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             w = wake_runs[-1]
             print(f"{BENCH}: wake run {i + 1}/{wake_repeats}: wake {w['wake_s'] * 1e3:.1f} ms, "
                   f"load {w['load_s'] * 1e3:.1f} ms, ready {w['ready_s']:.3f} s", flush=True)
-    summary = {**summarize(runs), "kernel_cache": "warm", "clock": "from `tray launch` executed"}
+    summary = {**summarize(runs), "kernel_cache": "warm", "clock": "from `tray launch` executed",
+               "join_collectives": "lazy"}
     inproc = {**summarize(in_process), "kernel_cache": "warm", "clock": "run_tray in a running Python",
               "runs": in_process}
     inproc["after_import_s"] = inproc["first_allreduce_s"] - inproc["phases_s"]["head"] \
@@ -306,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"bench": "startup", "nprocs": args.n, "backend": backend, "manifest": manifest,
               "repeats": args.repeats, "tray": summary,
               "cold": {**cold, "kernel_cache": "cold"}, "runs": runs, "in_process": inproc}
+    if early_runs:
+        report["tray_early"] = {**summarize(early_runs), "kernel_cache": "warm", "clock": "from `tray launch` executed",
+                                "join_collectives": "early", "runs": early_runs}
+        report["ratio_first_allreduce_early_vs_lazy"] = ratio(report["tray_early"]["first_allreduce_s"],
+                                                              summary["first_allreduce_s"])
     if wake_runs:
         nbytes = wake_runs[0]["nbytes_per_rank"]
         wake = {"gib_per_rank": nbytes / (1 << 30), "wake_s": median([w["wake_s"] for w in wake_runs]),
@@ -339,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
           f"(cold kernel cache: {cold['ready_s']:.3f} s)")
     print(f"  `tray launch` -> first allreduce  {summary['first_allreduce_s']:.3f} s  (of which the collectives' join "
           f"{summary['collectives_s']:.3f} s); the command returned after {summary['exit_s']:.3f} s")
+    if "tray_early" in report:
+        e = report["tray_early"]
+        print(f"  NCCL joined early (--join-collectives early): ready {e['ready_s']:.3f} s, first allreduce "
+              f"{e['first_allreduce_s']:.3f} s (the join {e['nccl_early_s']:.3f} s on its thread, waited for "
+              f"{e['collectives_s']:.3f} s); ratio to the lazy join "
+              f"{report['ratio_first_allreduce_early_vs_lazy']:.2f}")
     print(f"  close (slowest rank)             {summary['close_s']:.3f} s: " +
           ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["close_steps_s"].items()))
     print(f"  from a running Python (run_tray): ready {inproc['ready_s']:.3f} s, first allreduce "

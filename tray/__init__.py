@@ -38,20 +38,26 @@ __version__ = "0.1.0"
 
 def init(**kwargs):
     """Join the tray this process was launched into; see `tray.rank.init`."""
-    warmup = None
+    warmup = early = None
     if os.environ.get("TRAY_BACKEND") == "cuda":
-        # the driver starts on a thread now, while the rank's modules (numpy, zmq, ...) import below
+        # the driver starts on a thread now, while the rank's modules (numpy, zmq, ...) import below; so does
+        # the NCCL join when the head made the ids for it (tray/collectives/early.py)
         try:
             ordinal = int(os.environ.get("TRAY_DEVICE") or os.environ.get("TRAY_RANK") or "")
+            rank = int(os.environ.get("TRAY_RANK") or "")
         except ValueError:
-            ordinal = -1  # malformed: tray.rank.init reports it
+            ordinal = rank = -1  # malformed: tray.rank.init reports it
         if ordinal >= 0:
             from tray.backend.cuda import DriverWarmup
 
             warmup = DriverWarmup(ordinal)
+            if rank >= 0:
+                from tray.collectives import early as early_join
+
+                early = early_join.from_environ(rank, ordinal, float(kwargs.get("timeout_s", 60.0)))
     from tray.rank import init as _init
 
-    return _init(warmup=warmup, **kwargs)
+    return _init(warmup=warmup, early=early, **kwargs)
 
 
 def twin(name: str):

@@ -86,7 +86,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
                     heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
                     redirects=redirects, local_ranks_filter=ranks, barrier_timeout_s=args.barrier_timeout_s,
-                    max_restarts=args.max_restarts, launched_at=process_started_at())
+                    max_restarts=args.max_restarts, launched_at=process_started_at(),
+                    join_collectives=args.join_collectives)
     if job is None:
         return run_tray(spec).exit_code
     from tray.launch.node import NodeHead
@@ -225,6 +226,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="a rank silent this long is stopped or frozen: the tray fails (default 10)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="after a failure, tear down and start the tray again up to K times (default 0)")
+    p.add_argument("--join-collectives", choices=("auto", "early", "lazy"), default="auto",
+                   help="cuda, one node: when ranks join their NCCL groups: early (while they start, ids made by "
+                        "the head), lazy (at the first collective), auto (early when a manifest program has a "
+                        "collective op; the default)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="PROGRAM.py ARGS... (run with this Python), or -- CMD ARGS...")
     p.set_defaults(fn=cmd_launch)
 

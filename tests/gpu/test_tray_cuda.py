@@ -83,6 +83,53 @@ def test_nccl_collectives_match_numpy(tray_env):
     assert run.stdout.count("nccl ok") == n
 
 
+def test_nccl_joined_early_while_ranks_start(tray_env, tmp_path):
+    """`--join-collectives early`: every rank's groups joined on a thread during its start (ids from the head);
+    the first allreduce takes them, with no tray-wide step, and gives numpy's sums eagerly and in a graph.
+    `auto` joins early for a manifest whose program has a collective op, lazily for one without."""
+    manifest = tmp_path / "sum.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "sum", "vars": {"count": 4096},
+        "groups": [{"name": "world", "ranks": "all"}, {"name": "solo", "size": 1}],
+        "buffers": [{"name": "a", "dtype": "f32", "shape": ["count"]},
+                    {"name": "b", "dtype": "f32", "shape": ["count"]}],
+        "programs": [{"name": "sum", "ops": [{"op": "nccl", "collective": "allreduce", "group": "world",
+                                              "send": "a", "recv": "b", "count": "count", "dtype": "f32"}]}]}))
+    body = """
+    import time
+    with tray.init() as rank:
+        me, n = rank.rank, rank.world_size
+        rng = np.random.default_rng(11)
+        inputs = rng.integers(-1000, 1000, (n, 4096)).astype(np.float32)
+        rank.write("a", inputs[me])
+        rank.run("sum"); rank.backend.synchronize()
+        assert np.array_equal(rank.read("b"), inputs.sum(0))
+        c = rank.collectives("world")
+        g = rank.backend.capture(lambda: c.allreduce(rank.buffer("a").ptr, rank.buffer("b").ptr, 4096, "f32"))
+        rank.write("b", np.zeros(4096, np.float32))
+        g.replay(); rank.backend.synchronize(); g.close()
+        assert np.array_equal(rank.read("b"), inputs.sum(0))
+        t = rank.timings
+        print(f"joined {'early' if 'nccl_early' in t else 'lazily'} in {t.get('nccl_early', t['collectives']):.3f} s, "
+              f"waited {t['collectives']:.3f} s")
+    """
+    n = ngpus()
+    for mode, want in (("early", "early"), ("auto", "early"), ("lazy", "lazily")):
+        run = tray_env.launch(n, body, "--manifest", str(manifest), "--join-collectives", mode, backend="cuda",
+                              timeout_s=180)
+        assert run.returncode == 0, run.output
+        assert run.stdout.count(f"joined {want} in") == n, (mode, run.output)
+    manifest_plain = tmp_path / "plain.json"
+    doc = json.loads(manifest.read_text())
+    del doc["programs"]
+    manifest_plain.write_text(json.dumps(doc))
+    body_plain = body.replace('rank.run("sum")', 'c0 = rank.collectives("world"); c0.allreduce(rank.buffer("a").ptr, '
+                              'rank.buffer("b").ptr, 4096, "f32")')
+    run = tray_env.launch(n, body_plain, "--manifest", str(manifest_plain), backend="cuda", timeout_s=180)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("joined lazily in") == n, run.output
+
+
 def test_nccl_windows_on_tray_buffers(tray_env, tmp_path):
     """Tray buffers (local and exported) registered as symmetric NCCL windows: an allreduce on them, eager and
     captured, gives numpy's sums; the windows go before their communicator at close."""

@@ -43,3 +43,8 @@ class Joiner(abc.ABC):
     @abc.abstractmethod
     def join(self, joins: Sequence[GroupJoin]) -> dict[str, Collectives]:
         """Join every group at once; keyed by group name. The caller owns (closes) the results."""
+
+    def adopt(self, joins: Sequence[GroupJoin], joined: dict[str, Collectives]) -> dict[str, Collectives]:
+        """Collectives joined before the rank was wired (tray/collectives/early.py), made ready for `joins`
+        (e.g. given the rank's stream). Only joiners that join early override this."""
+        raise NotImplementedError(f"{type(self).__name__} does not join early")

@@ -645,6 +645,16 @@ class NcclJoiner(Joiner):
         return dict(join_all([(j.group, j.join_info) for j in joins], self.backend.stream_handle,
                              self.backend.info.ordinal))
 
+    def adopt(self, joins: Sequence[GroupJoin], joined: dict[str, Collectives]) -> dict[str, Collectives]:
+        """Groups joined on the early join's thread get the rank's stream (they had 0 until now)."""
+        for group in joined.values():
+            assert isinstance(group, NcclGroup)
+            if group.device != self.backend.info.ordinal:
+                raise DeviceError(f"{group!r} was joined early on device {group.device}, but this rank's backend "
+                                  f"is device {self.backend.info.ordinal}")
+            group.stream = self.backend.stream_handle
+        return dict(joined)
+
 
 __all__ = [
     "NCCL_DTYPES",

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tray.collectives import early as early_join
 from tray.errors import BarrierTimeout, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
@@ -148,6 +149,9 @@ class Head:
         self.shm: set[str] = set()
         self._t_shm = 0.0
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
+        # the ranks join NCCL while they start (tray/collectives/early.py); the head's time making the ids
+        self.early_ids = self._joins_early()
+        self.t_nccl_ids: float | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> TrayResult:
@@ -175,6 +179,8 @@ class Head:
             t0 = time.time()
             self._spawn_all(job.path, endpoint, watchdog.pgid)
             self.t_spawned = time.time() - t0
+            if self.early_ids:
+                self._write_nccl_ids(job.path / early_join.IDS_FILE)
             pump = OutputPump(self.procs, self.routing)
             if self.spec.backend == "cuda":
                 # NOTE: with the driver initialised in a live process (here, the head), each rank's
@@ -209,7 +215,25 @@ class Head:
                            manifest=manifest, t_spawn=t_spawn, restart_count=self.restart_count,
                            master_port=self.master_port.port if self.master_port else None)
             env.update(self._job_env(r))
+            if self.early_ids:
+                env[early_join.IDS_ENV] = str(job_dir / early_join.IDS_FILE)
             self.procs.append(spawn_rank(self.spec, self.rank_base + r, env, self.placements[r], process_group))
+
+    def _write_nccl_ids(self, path: Path) -> None:
+        """Every rank's NCCL groups with their unique ids, for the ranks' early join (made here, after the
+        spawn, while the ranks import: ncclGetUniqueId needs no CUDA). When NCCL cannot make them, the file
+        says why and every rank joins lazily; the head goes on."""
+        t0 = time.perf_counter()
+        try:
+            from tray.collectives.nccl import get_unique_id
+
+            plans = early_join.plan(self.resolved, range(self.rank_base, self.rank_base + self.spec.nprocs),
+                                    get_unique_id)
+        except Exception as exc:  # NOTE: an early join is an optimisation; the lazy one still works (or says why not)
+            early_join.write_ids(path, None, error=f"the head could not make NCCL ids: {exc}")
+        else:
+            early_join.write_ids(path, plans)
+        self.t_nccl_ids = time.perf_counter() - t0
 
     def _loop(self, sock: zmq.Socket, job: JobDir) -> None:
         """Supervise until every rank exited or one failure is known (the root cause)."""
@@ -251,6 +275,10 @@ class Head:
             raise KeyboardInterrupt(f"signal {self._signals[0]}")
 
     # --- hooks: a head of a job of several trays (tray/launch/node.py) overrides these ------------------
+    def _joins_early(self) -> bool:
+        """Whether the ranks join their NCCL groups while they start (--join-collectives)."""
+        return early_join.wanted(self.spec.join_collectives, self.spec.backend, self.resolved)
+
     def _job_env(self, local_rank: int) -> dict[str, str]:
         """Variables a rank gets beyond the tray's own (none on one host)."""
         return {}

@@ -143,6 +143,10 @@ class NodeHead(Head):
         self._root_lost = False  # no verdict can come: the root refused this node, or is gone
 
     # --- hooks of Head ---------------------------------------------------------------------------
+    def _joins_early(self) -> bool:
+        """A job of several nodes joins NCCL lazily: its groups' ids travel through the root."""
+        return False
+
     def _job_env(self, local_rank: int) -> dict[str, str]:
         return job_rank_env(self.job, local_rank, self.spec.nprocs)
 

@@ -40,11 +40,13 @@ if TYPE_CHECKING:
 __all__ = ["Buffer", "BufferView", "PeerTable", "Rank", "RankContext", "init"]
 
 
-def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = None) -> Rank:
+def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = None, early: Any = None) -> Rank:
     """Join the tray this process was launched into. Blocks until every rank is ready (`go`).
 
     `manifest` overrides TRAY_MANIFEST (every rank must load the same one: the head checks).
-    `warmup`: a started `tray.backend.cuda.DriverWarmup` (tray.init makes one on the cuda backend).
+    `warmup`: a started `tray.backend.cuda.DriverWarmup` (tray.init makes one on the cuda backend);
+    `early`: a started `tray.collectives.early.EarlyJoin` (tray.init starts one when the head made NCCL ids;
+    started here otherwise, since every member of a group must join it).
     Raises UsageError outside a tray, HandshakeError when the tray cannot form.
     """
     try:
@@ -53,7 +55,11 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
         if warmup is not None:
             warmup.release()
         raise
-    parts = Parts(env, PhaseClock())
+    if early is None:
+        from tray.collectives import early as early_join
+
+        early = early_join.from_environ(env.rank, env.device, timeout_s)
+    parts = Parts(env, PhaseClock(), early=early)
     try:
         wiring = lifecycle.start(parts, manifest or env.manifest or None, timeout_s, warmup)
     except BaseException as exc:

@@ -51,7 +51,8 @@ def boot_id() -> str:
 
 def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any = None) -> Wiring:
     """Run the eight steps into `parts`; the wiring once the head said go. `warmup` (a started
-    DriverWarmup or None) is released once the backend is open, whatever happens.
+    DriverWarmup or None) is released once the backend is open, whatever happens. `parts.early` (an
+    EarlyJoin started with the rank, or None) goes to the collectives.
 
     Every wait on the head lasts at most `timeout_s`. Raises what a step raised (HandshakeError,
     ManifestError, DeviceError, ...); `parts` then holds what was built, for the caller to report the
@@ -284,7 +285,7 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
             group=g, join_info=b"", barrier=barriers[g.name],
             buffer=parts.buffers.get(GROUP_BUFFER_PREFIX + g.name),
             peer_buffers=parts.ptr_tables.get(GROUP_BUFFER_PREFIX + g.name)))
-    parts.collectives = LazyCollectives(joiner, joins, parts.phases, ready=relayed)
+    parts.collectives = LazyCollectives(joiner, joins, parts.phases, ready=relayed, early=parts.early)
     if pending:
         _join_leaders(parts, backend, joiner, pending)
 

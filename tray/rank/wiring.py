@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PeerMapping, PtrTable
 from tray.collectives.base import GroupJoin, Joiner
@@ -17,6 +17,9 @@ from tray.handshake.fdpass import FdServer
 from tray.manifest import Manifest, ResolvedBuffer, ResolvedManifest
 from tray.rank.env import RankEnv
 from tray.rank.phases import PhaseClock
+
+if TYPE_CHECKING:
+    from tray.collectives.early import EarlyJoin
 
 # Buffers the tray itself allocates and exports per group (named "tray:<role>:<group>"); users never
 # see them through `buffer()` or `peers()`.
@@ -65,16 +68,23 @@ class LazyCollectives:
     matched by one on every rank (a program with a collective op does this in lockstep; so does a first
     `rank.collectives()` called by every rank). Member 0 of each group makes the join info then and every
     rank receives it through `exchange`; the time lands in `phases.timings["collectives"]`.
+
+    With an `early` join (tray/collectives/early.py: NCCL joined on a thread while the rank started), the
+    first use takes its communicators instead, waiting only for what is left of it, and no tray-wide step is
+    made. Where it joined other groups than this rank's manifest gives (every rank then sees the same
+    mismatch: the ids come from the head), or the head made no ids, the join is lazy as above.
     """
 
     def __init__(self, joiner: Joiner, pending: Sequence[GroupJoin], phases: PhaseClock,
-                 ready: Mapping[str, Collectives] | None = None, timeout_s: float = 60.0) -> None:
+                 ready: Mapping[str, Collectives] | None = None, timeout_s: float = 60.0,
+                 early: EarlyJoin | None = None) -> None:
         self._joiner = joiner
         self._pending = tuple(pending)
         self._phases = phases
         self._ready = dict(ready or {})  # groups whose collectives need no join (relayed across nodes)
         self._timeout_s = timeout_s
         self._joined: dict[str, Collectives] | None = None
+        self._early = early
 
     @property
     def joined(self) -> bool:
@@ -92,6 +102,9 @@ class LazyCollectives:
     def _join(self, exchange: Exchange) -> None:
         with self._phases.showing("collectives"):
             t0 = time.perf_counter()
+            if self._early is not None and self._take_early():
+                self._phases.timings["collectives"] = time.perf_counter() - t0
+                return
             mine = {j.group.name: self._joiner.join_info(j.group) for j in self._pending if j.group.index == 0}
             votes = exchange(JOIN_TOPIC, mine, self._timeout_s)
             joins = []
@@ -102,6 +115,22 @@ class LazyCollectives:
             self._joined = self._joiner.join(joins)
             self._phases.timings["collectives"] = time.perf_counter() - t0
 
+    def _take_early(self) -> bool:
+        """The early join's collectives as this rank's (True), or False when the join is lazy after all."""
+        early = self._early
+        assert early is not None
+        groups = early.take(self._timeout_s)
+        if early.seconds is not None:
+            self._phases.timings["nccl_early"] = early.seconds
+        if groups is None:
+            return False
+        if not early.matches(j.group for j in self._pending):
+            self._close_all(list(groups.values()))
+            early.release()
+            return False
+        self._joined = self._joiner.adopt(self._pending, groups)
+        return True
+
     def close(self) -> None:
         """Close every group's collectives at once, each on its own thread: an NCCL communicator's destroy
         takes ~0.5 s (measured on one H200) and is mostly waiting, so a rank of several groups waits for one
@@ -110,6 +139,19 @@ class LazyCollectives:
         joined, self._joined = self._joined, {}
         ready, self._ready = self._ready, {}
         comms = [*(joined or {}).values(), *ready.values()]
+        early, self._early = self._early, None
+        if early is not None:
+            from tray.collectives.nccl import close_timeout_s
+
+            comms += early.leftovers(close_timeout_s()).values()
+        try:
+            self._close_all(comms)
+        finally:
+            if early is not None:
+                early.release()
+
+    @staticmethod
+    def _close_all(comms: Sequence[Collectives]) -> None:
         failures: list[BaseException] = []
 
         def close_one(c: Collectives) -> None:
@@ -173,11 +215,22 @@ class Parts:
     barriers: dict[str, Barrier] | None = None
     collectives: LazyCollectives | None = None
     mappings: dict[tuple[int, str], PeerMapping] | None = None
+    # the NCCL join started with the rank (tray/collectives/early.py); the collectives own it once they exist
+    early: EarlyJoin | None = None
     spanning: set[str] = field(default_factory=set)  # groups with members on other nodes
     # per spanning group: its members on this node (named as the group, in member order)
     span_local: dict[str, GroupInfo] = field(default_factory=dict)
 
     def close(self) -> None:
+        if self.collectives is None and self.early is not None:
+            # a start-up that failed: abort what the early join finished (no waiting on members that may be
+            # gone); one still running is left to the process's end
+            early, self.early = self.early, None
+            try:
+                for group in early.leftovers(0.0).values():
+                    group.abort()
+            finally:
+                early.release()
         _release(self.collectives, self.barriers or {}, self.ptr_tables or {}, self.fd_server,
                  self.backend, self.client)
 

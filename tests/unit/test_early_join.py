@@ -1,0 +1,335 @@
+"""The NCCL join made while ranks start (tray/collectives/early.py): the head's plan and ids file, the rank's
+thread, and how the collectives take (or refuse) what it joined. NCCL itself is faked here; the real join
+runs in tests/gpu/test_tray_cuda.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tray.backend.base import GroupInfo
+from tray.collectives import early
+from tray.collectives.base import GroupJoin
+from tray.errors import DeviceError, HandshakeError, UsageError
+from tray.manifest import parse_manifest
+from tray.rank.phases import PhaseClock
+from tray.rank.wiring import LazyCollectives
+
+
+def _resolved(n: int = 4, collective: bool = False):
+    doc: dict = {"format": 1, "name": "m", "groups": [{"name": "world", "ranks": "all"}, {"name": "pairs", "size": 2}],
+                 "buffers": [{"name": "x", "dtype": "f32", "shape": [4]}, {"name": "y", "dtype": "f32", "shape": [4]}]}
+    if collective:
+        doc["programs"] = [{"name": "sum", "ops": [{"op": "nccl", "collective": "allreduce", "group": "world",
+                                                    "send": "x", "recv": "y", "count": 4, "dtype": "f32"}]}]
+    return parse_manifest(doc, "<test>", ".").resolve(n)
+
+
+def _ids():
+    counter = itertools.count()
+    return lambda: next(counter).to_bytes(2, "little") * 64
+
+
+def test_plan_gives_one_id_per_group_instance_shared_by_its_members() -> None:
+    plans = early.plan(_resolved(4), range(4), _ids())
+    assert sorted(plans) == [0, 1, 2, 3]
+    by_instance: dict[tuple[str, tuple[int, ...]], set[bytes]] = {}
+    for rank, entries in plans.items():
+        assert [e.group for e in entries] == ["world", "pairs"]
+        for e in entries:
+            assert e.members[e.index] == rank and len(e.uid) == 128
+            by_instance.setdefault((e.group, e.members), set()).add(e.uid)
+    assert sorted(by_instance) == [("pairs", (0, 1)), ("pairs", (2, 3)), ("world", (0, 1, 2, 3))]
+    assert all(len(uids) == 1 for uids in by_instance.values())  # one id per instance...
+    assert len({u for uids in by_instance.values() for u in uids}) == 3  # ...and a fresh one for each
+
+
+@pytest.mark.parametrize(("mode", "backend", "collective", "want"), [
+    ("auto", "cuda", True, True), ("auto", "cuda", False, False), ("early", "cuda", False, True),
+    ("lazy", "cuda", True, False), ("early", "host", True, False), ("auto", "host", True, False)])
+def test_which_trays_join_early(mode: str, backend: str, collective: bool, want: bool) -> None:
+    assert early.wanted(mode, backend, _resolved(2, collective)) is want
+
+
+def test_an_unknown_mode_is_a_usage_error_naming_the_choices() -> None:
+    with pytest.raises(UsageError, match="auto, early, lazy, got 'soon'"):
+        early.wanted("soon", "cuda", _resolved(2))
+
+
+def test_ids_file_round_trip_private_and_written_whole(tmp_path: Path) -> None:
+    path = tmp_path / early.IDS_FILE
+    plans = early.plan(_resolved(4), range(4), _ids())
+    early.write_ids(path, plans)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and not list(tmp_path.glob("*.tmp"))
+    for rank in range(4):
+        assert early.read_ids(str(path), rank, 1.0) == (plans[rank], "")
+    with pytest.raises(HandshakeError, match="no valid entries for rank 7"):
+        early.read_ids(str(path), 7, 1.0)
+    early.write_ids(path, None, error="no NCCL here")
+    assert early.read_ids(str(path), 0, 1.0) == (None, "no NCCL here")
+
+
+def test_a_rank_waits_for_the_ids_and_names_the_file_when_they_never_come(tmp_path: Path) -> None:
+    path = tmp_path / early.IDS_FILE
+    plans = early.plan(_resolved(2), range(2), _ids())
+    threading.Timer(0.1, early.write_ids, (path, plans)).start()
+    t0 = time.monotonic()
+    assert early.read_ids(str(path), 1, 5.0)[0] == plans[1]
+    assert 0.09 < time.monotonic() - t0 < 2.0
+    with pytest.raises(HandshakeError, match=r"did not write the NCCL ids \(.*missing.json\) within 0.2 s"):
+        early.read_ids(str(tmp_path / "missing.json"), 0, 0.2)
+
+
+class _Comm:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.closed = self.aborted = False
+        self.stream = 0
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _FakeJoin:
+    """Stands in for NCCL: records what it joined; optionally blocks until `go` or fails."""
+
+    def __init__(self, fail: bool = False, block: bool = False) -> None:
+        self.fail = fail
+        self.go = threading.Event()
+        if not block:
+            self.go.set()
+        self.released = 0
+        self.joined: list[early.Entry] = []
+
+    def __call__(self, entries, ordinal):
+        self.go.wait(10)
+        if self.fail:
+            raise DeviceError("ncclCommInitRank failed: fake")
+        self.joined = list(entries)
+        return {e.group: _Comm(e.group) for e in entries}, self._release
+
+    def _release(self) -> None:
+        self.released += 1
+
+
+def _early(tmp_path: Path, rank: int, join: _FakeJoin, n: int = 2) -> early.EarlyJoin:
+    path = tmp_path / early.IDS_FILE
+    if not path.exists():
+        early.write_ids(path, early.plan(_resolved(n), range(n), _ids()))
+    return early.EarlyJoin(str(path), rank, ordinal=rank, timeout_s=5.0, join=join)
+
+
+def test_take_hands_over_what_was_joined_once(tmp_path: Path) -> None:
+    join = _FakeJoin()
+    ej = _early(tmp_path, 1, join)
+    groups = ej.take(5.0)
+    assert groups is not None and sorted(groups) == ["pairs", "world"]
+    assert ej.seconds is not None and ej.waited_s is not None and ej.matches(
+        [GroupInfo("world", (0, 1), 1), GroupInfo("pairs", (0, 1), 1)])
+    assert not ej.matches([GroupInfo("world", (0, 1), 1)])
+    with pytest.raises(UsageError, match="twice"):
+        ej.take(1.0)
+    ej.release()
+    ej.release()
+    assert join.released == 1
+
+
+def test_a_failed_join_is_raised_where_the_collectives_are_first_used(tmp_path: Path) -> None:
+    ej = _early(tmp_path, 0, _FakeJoin(fail=True))
+    with pytest.raises(DeviceError, match="ncclCommInitRank failed: fake"):
+        ej.take(5.0)
+
+
+def test_a_join_that_never_ends_is_named_not_waited_for_forever(tmp_path: Path) -> None:
+    join = _FakeJoin(block=True)
+    ej = _early(tmp_path, 0, join)
+    with pytest.raises(DeviceError, match="rank 0: the NCCL join started at start-up .* did not finish within 0.2 s"):
+        ej.take(0.2)
+    join.go.set()
+
+
+def test_leftovers_at_close_and_nothing_when_the_join_is_still_running(tmp_path: Path) -> None:
+    ej = _early(tmp_path, 0, _FakeJoin())
+    left = ej.leftovers(5.0)
+    assert sorted(left) == ["pairs", "world"]
+    assert ej.leftovers(5.0) == {}
+    join = _FakeJoin(block=True)
+    (tmp_path / early.IDS_FILE).unlink()
+    ej = _early(tmp_path, 1, join)
+    assert ej.leftovers(0.05) == {}
+    join.go.set()
+
+
+def test_from_environ_only_for_cuda_ranks_the_head_made_ids_for(tmp_path: Path) -> None:
+    assert early.from_environ(0, 0, 1.0, {"TRAY_BACKEND": "cuda"}) is None
+    assert early.from_environ(0, 0, 1.0, {"TRAY_BACKEND": "host", early.IDS_ENV: str(tmp_path / "x")}) is None
+
+
+# --- the collectives taking the early join ----------------------------------------------------------------
+
+
+class _Joiner:
+    def __init__(self) -> None:
+        self.lazy_joins: list[list[GroupJoin]] = []
+
+    def join_info(self, group: GroupInfo) -> bytes:
+        return b"lazy-id"
+
+    def join(self, joins):
+        self.lazy_joins.append(list(joins))
+        return {j.group.name: _Comm(j.group.name) for j in joins}
+
+    def adopt(self, joins, joined):
+        for c in joined.values():
+            c.stream = 77
+        return dict(joined)
+
+
+def _pending(rank: int, n: int = 2) -> list[GroupJoin]:
+    members = tuple(range(n))
+    return [GroupJoin(GroupInfo("world", members, rank), b"", barrier=None),  # type: ignore[arg-type]
+            GroupJoin(GroupInfo("pairs", (0, 1), rank), b"", barrier=None)]  # type: ignore[arg-type]
+
+
+def _no_exchange(topic, value, timeout_s):
+    raise AssertionError("an early join makes no tray-wide step")
+
+
+def test_first_use_takes_the_early_join_without_a_tray_wide_step(tmp_path: Path) -> None:
+    join = _FakeJoin()
+    joiner = _Joiner()
+    clock = PhaseClock()
+    coll = LazyCollectives(joiner, _pending(1), clock, early=_early(tmp_path, 1, join))  # type: ignore[arg-type]
+    world = coll.of("world", _no_exchange)
+    assert world.stream == 77 and coll.of("pairs", _no_exchange).name == "pairs"
+    assert joiner.lazy_joins == [] and {"collectives", "nccl_early"} <= set(clock.timings)
+    coll.close()
+    assert world.closed and join.released == 1
+
+
+def test_groups_other_than_the_manifests_are_closed_and_the_join_is_lazy(tmp_path: Path) -> None:
+    join = _FakeJoin()
+    joiner = _Joiner()
+    ej = _early(tmp_path, 0, join, n=4)  # the head planned 4 ranks; this rank's manifest says 2
+    coll = LazyCollectives(joiner, _pending(0, n=2), PhaseClock(), early=ej)  # type: ignore[arg-type]
+    votes = []
+
+    def exchange(topic, value, timeout_s):
+        votes.append(value)
+        return [value, {}]
+
+    assert coll.of("world", exchange).name == "world"
+    assert votes == [{"world": b"lazy-id", "pairs": b"lazy-id"}] and len(joiner.lazy_joins) == 1
+    assert join.released == 1
+    coll.close()
+
+
+def test_no_ids_from_the_head_means_the_lazy_join(tmp_path: Path) -> None:
+    early.write_ids(tmp_path / early.IDS_FILE, None, error="no NCCL in the head's Python")
+    join = _FakeJoin()
+    ej = early.EarlyJoin(str(tmp_path / early.IDS_FILE), 0, 0, timeout_s=5.0, join=join)
+    joiner = _Joiner()
+    coll = LazyCollectives(joiner, _pending(0), PhaseClock(), early=ej)  # type: ignore[arg-type]
+    coll.of("world", lambda topic, value, timeout_s: [value, {}])
+    assert len(joiner.lazy_joins) == 1 and join.joined == [] and ej.lazy_because == "no NCCL in the head's Python"
+    coll.close()
+
+
+def test_close_without_first_use_closes_what_the_early_join_made(tmp_path: Path) -> None:
+    join = _FakeJoin()
+    ej = _early(tmp_path, 0, join)
+    coll = LazyCollectives(_Joiner(), _pending(0), PhaseClock(), early=ej)  # type: ignore[arg-type]
+    while not ej.done:
+        time.sleep(0.01)
+    groups = dict(ej._groups or {})
+    coll.close()
+    assert groups and all(c.closed for c in groups.values()) and join.released == 1
+
+
+def test_a_failed_start_aborts_what_the_early_join_made(tmp_path: Path) -> None:
+    from tray.rank.env import RankEnv
+    from tray.rank.wiring import Parts
+
+    join = _FakeJoin()
+    ej = _early(tmp_path, 0, join)
+    while not ej.done:
+        time.sleep(0.01)
+    groups = dict(ej._groups or {})
+    env = RankEnv(rank=0, world_size=2, local_rank=0, device=0, endpoint="", job_dir="", token="t", manifest="",
+                  backend="cuda", vars=(), t_spawn=None)
+    Parts(env, PhaseClock(), early=ej).close()
+    assert all(c.aborted and not c.closed for c in groups.values()) and join.released == 1
+
+
+# --- the head ------------------------------------------------------------------------------------------------
+
+
+def _head(tmp_path: Path, backend: str, mode: str, collective: bool = True):
+    from tray.launch.head import Head
+    from tray.launch.spec import TraySpec
+
+    manifest = tmp_path / "m.json"
+    doc = {"format": 1, "name": "m", "groups": [{"name": "world", "ranks": "all"}],
+           "buffers": [{"name": "x", "dtype": "f32", "shape": [4]}, {"name": "y", "dtype": "f32", "shape": [4]}]}
+    if collective:
+        doc["programs"] = [{"name": "sum", "ops": [{"op": "nccl", "collective": "allreduce", "group": "world",
+                                                    "send": "x", "recv": "y", "count": 4, "dtype": "f32"}]}]
+    manifest.write_text(json.dumps(doc))
+    return Head(TraySpec(nprocs=2, cmd=("true",), backend=backend, manifest=str(manifest), join_collectives=mode))
+
+
+def test_the_head_writes_every_ranks_ids_or_why_it_could_not(tmp_path: Path, monkeypatch) -> None:
+    import tray.collectives.nccl as nccl
+
+    head = _head(tmp_path, "cuda", "auto")
+    assert head.early_ids and not _head(tmp_path, "cuda", "lazy").early_ids
+    assert not _head(tmp_path, "host", "early").early_ids and not _head(tmp_path, "cuda", "auto", False).early_ids
+    monkeypatch.setattr(nccl, "get_unique_id", _ids())
+    path = tmp_path / early.IDS_FILE
+    head._write_nccl_ids(path)
+    assert [early.read_ids(str(path), r, 1.0)[0][0].members for r in (0, 1)] == [(0, 1), (0, 1)]
+    assert head.t_nccl_ids is not None
+
+    def no_nccl() -> bytes:
+        raise DeviceError("nccl4py is not installed")
+
+    monkeypatch.setattr(nccl, "get_unique_id", no_nccl)
+    head._write_nccl_ids(path)
+    assert early.read_ids(str(path), 0, 1.0) == (None, "the head could not make NCCL ids: nccl4py is not installed")
+
+
+def test_the_ids_path_reaches_the_ranks_of_a_head_that_joins_early(tmp_path: Path, monkeypatch) -> None:
+    from tray.launch import head as head_mod
+
+    head = _head(tmp_path, "cuda", "early")
+    envs = []
+    monkeypatch.setattr(head_mod, "spawn_rank", lambda spec, rank, env, placement, pgid: envs.append(env))
+    head._spawn_all(tmp_path, "ipc://x", os.getpgid(0))
+    assert [e[early.IDS_ENV] for e in envs] == [str(tmp_path / early.IDS_FILE)] * 2
+    head = _head(tmp_path, "cuda", "lazy")
+    envs.clear()
+    head._spawn_all(tmp_path, "ipc://x", os.getpgid(0))
+    assert all(early.IDS_ENV not in e for e in envs)
+
+
+def test_the_real_join_is_imported_lazily() -> None:
+    """Importing the module (the head does) loads neither NCCL nor the driver."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tray.collectives.early; "
+            "print([m for m in sys.modules if m.startswith(('nccl', 'cuda', 'tray.backend.cuda', 'numpy'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+

@@ -1,0 +1,242 @@
+"""NCCL joined while the ranks start (cuda backend, one node), instead of at the first collective.
+
+An NCCL join costs ~0.5 s per rank, and the lazy join (tray/rank/wiring.py, LazyCollectives) pays it after
+"ready", at the first collective. When a tray will use its collectives, that time can overlap the ranks'
+start instead:
+
+  1. the head makes one unique id per group instance right after spawning the ranks (ncclGetUniqueId needs
+     no CUDA: it opens NCCL's bootstrap socket in the head) and writes every rank's groups with their ids
+     to `nccl-ids.json` in the job dir (0700), whose path the ranks got as TRAY_NCCL_IDS;
+  2. each rank, on a thread started by `tray.init()` before its imports (`EarlyJoin`), waits for that file,
+     makes its device's primary context current and joins its groups (one ncclGroupStart/End), while its
+     main thread imports, opens the device, allocates and offers;
+  3. the first collective takes the communicators (`EarlyJoin.take`), waiting only for what is left.
+
+Which trays join early (`tray launch --join-collectives`): `early` always on cuda, `lazy` never, `auto` (the
+default) when a manifest program has a collective op. A job of several nodes joins lazily (its ids travel
+through the root). When the head cannot make the ids (no NCCL in its Python) it writes why, and every rank
+joins lazily: the choice is the head's, so all ranks make the same one.
+
+Pure at import: the head imports this module; NCCL and the driver are imported on the join's thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tray.errors import DeviceError, HandshakeError, UsageError
+
+if TYPE_CHECKING:
+    from tray.backend.base import GroupInfo
+    from tray.manifest import ResolvedManifest
+
+IDS_ENV = "TRAY_NCCL_IDS"  # the ids file's path, set by the head for ranks that join early
+IDS_FILE = "nccl-ids.json"
+JOIN_MODES = ("auto", "early", "lazy")
+_POLL_S = 0.002  # how often a rank looks for the ids file (the head writes it ~0.1 s after the spawn)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One group instance of one rank: its members (global ranks, member order), this rank's index and the
+    instance's NCCL unique id."""
+
+    group: str
+    members: tuple[int, ...]
+    index: int
+    uid: bytes
+
+
+def uses_collectives(resolved: ResolvedManifest) -> bool:
+    """Whether a program of the manifest has a collective op (`"op": "nccl"`)."""
+    return any(op.op == "nccl" for p in resolved.programs.values() for op in p.ops)
+
+
+def wanted(mode: str, backend: str, resolved: ResolvedManifest) -> bool:
+    """Whether a one-node tray joins early: `mode` is one of JOIN_MODES (UsageError otherwise)."""
+    if mode not in JOIN_MODES:
+        raise UsageError(f"--join-collectives must be one of {', '.join(JOIN_MODES)}, got {mode!r}")
+    if backend != "cuda" or mode == "lazy":
+        return False
+    return mode == "early" or uses_collectives(resolved)
+
+
+def plan(resolved: ResolvedManifest, ranks: Iterable[int], make_id: Callable[[], bytes]) -> dict[int, list[Entry]]:
+    """Every rank's group instances with their ids: one `make_id()` per instance, shared by its members.
+    The instances are those `tray.rank.lifecycle` gives a rank (`resolved.group_of`), in manifest order."""
+    ids: dict[tuple[str, tuple[int, ...]], bytes] = {}
+    out: dict[int, list[Entry]] = {}
+    for rank in ranks:
+        entries = out[rank] = []
+        for name in resolved.groups:
+            members = resolved.group_of(name, rank)
+            if members is None:
+                continue
+            key = (name, tuple(members))
+            if key not in ids:
+                ids[key] = make_id()
+            entries.append(Entry(name, tuple(members), members.index(rank), ids[key]))
+    return out
+
+
+def write_ids(path: Path, plans: dict[int, list[Entry]] | None, error: str = "") -> None:
+    """The ids file, atomically (a rank never reads half of it): every rank's entries, or `error` (why the
+    head made none: the ranks then join lazily)."""
+    body: dict[str, Any] = {"error": error} if plans is None else {
+        "ranks": {str(r): [[e.group, list(e.members), e.index, e.uid.hex()] for e in es] for r, es in plans.items()}}
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(body, f)
+    os.replace(tmp, path)
+
+
+def read_ids(path: str, rank: int, timeout_s: float) -> tuple[list[Entry] | None, str]:
+    """This rank's entries once the head wrote them, or (None, why) when the head made none. Waits at most
+    `timeout_s` for the file (HandshakeError naming it past that)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                body = json.load(f)
+            break
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise HandshakeError(f"the head did not write the NCCL ids ({path}) within {timeout_s:g} s of this "
+                                     f"rank's start; is the head alive?") from None
+            time.sleep(_POLL_S)
+    if "ranks" not in body:
+        return None, str(body.get("error", "the head made no ids"))
+    try:
+        rows = body["ranks"][str(rank)]
+        return [Entry(str(g), tuple(int(m) for m in ms), int(i), bytes.fromhex(u)) for g, ms, i, u in rows], ""
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HandshakeError(f"{path} holds no valid entries for rank {rank}: {exc!r}") from None
+
+
+def _nccl_join(entries: Sequence[Entry], ordinal: int) -> tuple[dict[str, Any], Callable[[], None]]:
+    """The real join (cuda): device `ordinal`'s primary context retained and made current on this thread,
+    then every group joined at once. Returns the NcclGroups (stream 0 until adopted) and what releases the
+    context reference once they are destroyed."""
+    from tray.backend.base import GroupInfo
+    from tray.backend.cuda import driver as drv
+    from tray.collectives.nccl import join_all
+
+    drv.init()
+    device = drv.device_get(ordinal)
+    ctx = drv.primary_ctx_retain(device)
+    try:
+        drv.ctx_set_current(ctx, ordinal)
+        groups = join_all([(GroupInfo(e.group, e.members, e.index), e.uid) for e in entries], 0, ordinal)
+    except BaseException:
+        drv.primary_ctx_release(device)
+        raise
+    return dict(groups), lambda: drv.primary_ctx_release(device)
+
+
+class EarlyJoin:
+    """A rank's early join, on its own thread from construction: read the ids, join (`join`, by default
+    NCCL on device `ordinal`). `take()` hands the joined collectives over once; at close, `leftovers()`
+    gives what nothing took, and `release()` drops the context reference once they are closed. `seconds`
+    is the join's time on its thread (the wait for the ids included), `waited_s` how long `take()` waited."""
+
+    def __init__(self, path: str, rank: int, ordinal: int, timeout_s: float = 60.0,
+                 join: Callable[[Sequence[Entry], int], tuple[dict[str, Any], Callable[[], None]]] = _nccl_join
+                 ) -> None:
+        self.path = path
+        self.rank = rank
+        self.ordinal = ordinal
+        self.seconds: float | None = None
+        self.waited_s: float | None = None
+        self.lazy_because = ""  # why the head made no ids (the rank then joins lazily)
+        self._timeout_s = timeout_s
+        self._join = join
+        self._entries: list[Entry] | None = None
+        self._groups: dict[str, Any] | None = None
+        self._release: Callable[[], None] | None = None
+        self._failure: BaseException | None = None
+        self._taken = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tray-nccl-early", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._entries, self.lazy_because = read_ids(self.path, self.rank, self._timeout_s)
+            if self._entries is not None:
+                self._groups, self._release = self._join(self._entries, self.ordinal)
+        except BaseException as exc:  # NOTE: raised on the rank's thread by take()
+            self._failure = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _wait(self, timeout_s: float, what: str) -> None:
+        if not self._done.wait(timeout_s):
+            raise DeviceError(
+                f"rank {self.rank}: the NCCL join started at start-up ({what}) did not finish within {timeout_s:g} s; "
+                "every rank of the tray passed its start, so NCCL itself is stuck (NCCL_DEBUG=INFO shows where)")
+
+    def take(self, timeout_s: float = 60.0) -> dict[str, Any] | None:
+        """The joined collectives by group name, or None when the head made no ids (join lazily then).
+        Waits at most `timeout_s`. Raises DeviceError (or what the join raised) when the join failed."""
+        if self._taken:
+            raise UsageError("EarlyJoin.take() called twice")
+        t0 = time.perf_counter()
+        self._wait(timeout_s, "its first use")
+        self.waited_s = time.perf_counter() - t0
+        self._taken = True
+        if self._failure is not None:
+            if isinstance(self._failure, (DeviceError, HandshakeError, UsageError)):
+                raise self._failure
+            raise DeviceError(f"rank {self.rank}: the NCCL join started at start-up failed: {self._failure!r}") \
+                from self._failure
+        return self._groups
+
+    def matches(self, groups: Iterable[GroupInfo]) -> bool:
+        """Whether the early join joined exactly `groups` (name, members, index), the groups the rank's
+        own manifest gives it."""
+        mine = {(g.name, tuple(g.members), g.index) for g in groups}
+        return self._entries is not None and mine == {(e.group, e.members, e.index) for e in self._entries}
+
+    def release(self) -> None:
+        """Drop the join's context reference (after its communicators are closed)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def leftovers(self, timeout_s: float) -> dict[str, Any]:
+        """At close: what the join made when nothing took it (the caller closes it, then `release()`s).
+        Waits for the join at most `timeout_s`; a join still running then, or failed, leaves nothing."""
+        if self._taken:
+            return {}
+        self._taken = True
+        if not self._done.wait(timeout_s):
+            return {}
+        groups, self._groups = self._groups or {}, None
+        return groups
+
+
+def from_environ(rank: int, ordinal: int, timeout_s: float, environ: dict[str, str] | None = None) -> EarlyJoin | None:
+    """The early join this rank takes part in (TRAY_NCCL_IDS set by the head), started; None otherwise."""
+    env = os.environ if environ is None else environ
+    path = env.get(IDS_ENV)
+    if not path or env.get("TRAY_BACKEND") != "cuda":
+        return None
+    return EarlyJoin(path, rank, ordinal, timeout_s)
+
+
+__all__ = ["IDS_ENV", "IDS_FILE", "JOIN_MODES", "EarlyJoin", "Entry", "from_environ", "plan", "read_ids",
+           "uses_collectives", "wanted", "write_ids"]
