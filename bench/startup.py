@@ -58,6 +58,7 @@ RANK_PROGRAM = """
 import json, os, sys, time
 import numpy as np
 import tray
+t_init = time.time()
 rank = tray.init()
 t_ready = time.time()
 timings = dict(rank.timings)
@@ -71,6 +72,7 @@ assert got == want, (got, want)
 t_first = time.time()
 collectives_s = rank.timings.get("collectives")
 nccl_early_s = rank.timings.get("nccl_early")
+early_steps = {k.split(".", 1)[1]: v for k, v in rank.timings.items() if k.startswith("nccl_early.")}
 me, path = rank.rank, f"{sys.argv[1]}/rank-{rank.rank}.json"
 rank.close()
 t_closed = time.time()
@@ -78,7 +80,7 @@ close = {k.split(".", 1)[1]: v for k, v in rank.timings.items() if k.startswith(
 with open(path, "w") as f:
     json.dump({"t_ready": t_ready, "t_first_allreduce": t_first, "t_closed": t_closed, "timings": timings,
                "close_s": close, "t_spawn": float(os.environ["TRAY_T_SPAWN"]), "collectives_s": collectives_s,
-               "nccl_early_s": nccl_early_s}, f)
+               "nccl_early_s": nccl_early_s, "early_steps": early_steps, "t_init": t_init}, f)
 """
 
 WAKE_PROGRAM = """
@@ -209,6 +211,8 @@ def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command
         "close_steps_s": {k: max(r["close_s"].get(k, 0.0) for r in ranks) for k in ranks[0]["close_s"]},
         "collectives_s": max(r["collectives_s"] or 0.0 for r in ranks),
         "nccl_early_s": max(r.get("nccl_early_s") or 0.0 for r in ranks),
+        "nccl_early_steps_s": {k: max(r["early_steps"].get(k, 0.0) for r in ranks) for k in ranks[0]["early_steps"]},
+        "init_called_s": max(r["t_init"] - r["t_spawn"] for r in ranks),
         "driver_warmup_s": max(r["timings"].get("driver_warmup", 0.0) for r in ranks),
         "phases": phases,
     }
@@ -219,7 +223,9 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
     phases = sorted({p for r in runs for p in r["phases"]})
     out: dict[str, Any] = {k: median([r[k] for r in runs])
                            for k in ("ready_s", "first_allreduce_s", "exit_s", "close_s", "collectives_s",
-                                     "nccl_early_s", "driver_warmup_s")}
+                                     "nccl_early_s", "driver_warmup_s", "init_called_s")}
+    out["nccl_early_steps_s"] = {k: median([r["nccl_early_steps_s"].get(k, 0.0) for r in runs])
+                                 for k in runs[0]["nccl_early_steps_s"]}
     out["close_steps_s"] = {k: median([r["close_steps_s"].get(k, 0.0) for r in runs]) for k in runs[0]["close_steps_s"]}
     out["phases_s"] = {p: median([r["phases"].get(p, 0.0) for r in runs]) for p in phases}
     return out
@@ -362,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  NCCL joined early (--join-collectives early): ready {e['ready_s']:.3f} s, first allreduce "
               f"{e['first_allreduce_s']:.3f} s (the join {e['nccl_early_s']:.3f} s on its thread, waited for "
               f"{e['collectives_s']:.3f} s); ratio to the lazy join "
-              f"{report['ratio_first_allreduce_early_vs_lazy']:.2f}")
+              f"{report['ratio_first_allreduce_early_vs_lazy']:.2f}; the join's parts: "
+              + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in e["nccl_early_steps_s"].items())
+              + f" (tray.init() called {e['init_called_s'] * 1e3:.0f} ms after the spawn)")
     print(f"  close (slowest rank)             {summary['close_s']:.3f} s: " +
           ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["close_steps_s"].items()))
     print(f"  from a running Python (run_tray): ready {inproc['ready_s']:.3f} s, first allreduce "

@@ -249,7 +249,7 @@ for s in "${STAGES[@]}"; do
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" --plot "$OUT/peer_barrier.png" ;;
         import-cost) stage import_cost 200 $PY bench/import_cost.py --backend cuda --repeats 5 --json "$OUT/import_cost.json" ;;
         launch-cost) stage launch_cost 120 $PY bench/launch_cost.py --json "$OUT/launch_cost.json" ;;
-        bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda --repeats 3 --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;
+        bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda ${STARTUP_ARGS:---repeats 3} --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;
         torch) stage torch 240 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;
         ep-nodes2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT stage_live ep_moe_nodes2 300 $PY -m tray bench ep-moe -n "${EP_NODES_N:-2}" --nnodes 2 --backend cuda --tokens 128,4096 --routing uniform,zipf --capacity 4 --gemm masked --sms all ${EP_ARGS:-} --json "$OUT/ep_moe_nodes2.json"

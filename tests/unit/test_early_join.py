@@ -111,8 +111,9 @@ class _FakeJoin:
         self.released = 0
         self.joined: list[early.Entry] = []
 
-    def __call__(self, entries, ordinal):
+    def __call__(self, entries, ordinal, steps):
         self.go.wait(10)
+        steps["init"] = 0.0
         if self.fail:
             raise DeviceError("ncclCommInitRank failed: fake")
         self.joined = list(entries)
@@ -212,7 +213,8 @@ def test_first_use_takes_the_early_join_without_a_tray_wide_step(tmp_path: Path)
     coll = LazyCollectives(joiner, _pending(1), clock, early=_early(tmp_path, 1, join))  # type: ignore[arg-type]
     world = coll.of("world", _no_exchange)
     assert world.stream == 77 and coll.of("pairs", _no_exchange).name == "pairs"
-    assert joiner.lazy_joins == [] and {"collectives", "nccl_early"} <= set(clock.timings)
+    assert joiner.lazy_joins == [] and {"collectives", "nccl_early", "nccl_early.ids", "nccl_early.init"} <= set(
+        clock.timings)
     coll.close()
     assert world.closed and join.released == 1
 

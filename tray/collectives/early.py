@@ -121,20 +121,29 @@ def read_ids(path: str, rank: int, timeout_s: float) -> tuple[list[Entry] | None
         raise HandshakeError(f"{path} holds no valid entries for rank {rank}: {exc!r}") from None
 
 
-def _nccl_join(entries: Sequence[Entry], ordinal: int) -> tuple[dict[str, Any], Callable[[], None]]:
+def _nccl_join(entries: Sequence[Entry], ordinal: int, steps: dict[str, float]) -> tuple[dict[str, Any],
+                                                                                     Callable[[], None]]:
     """The real join (cuda): device `ordinal`'s primary context retained and made current on this thread,
     then every group joined at once. Returns the NcclGroups (stream 0 until adopted) and what releases the
-    context reference once they are destroyed."""
+    context reference once they are destroyed; `steps` gets the seconds of each part (context, import, init)."""
+    t0 = time.perf_counter()
     from tray.backend.base import GroupInfo
     from tray.backend.cuda import driver as drv
-    from tray.collectives.nccl import join_all
 
     drv.init()
     device = drv.device_get(ordinal)
     ctx = drv.primary_ctx_retain(device)
+    t1 = time.perf_counter()
+    steps["context"] = t1 - t0
     try:
         drv.ctx_set_current(ctx, ordinal)
+        from tray.collectives.nccl import _nccl, join_all
+
+        _nccl()
+        t2 = time.perf_counter()
+        steps["import"] = t2 - t1
         groups = join_all([(GroupInfo(e.group, e.members, e.index), e.uid) for e in entries], 0, ordinal)
+        steps["init"] = time.perf_counter() - t2
     except BaseException:
         drv.primary_ctx_release(device)
         raise
@@ -145,17 +154,19 @@ class EarlyJoin:
     """A rank's early join, on its own thread from construction: read the ids, join (`join`, by default
     NCCL on device `ordinal`). `take()` hands the joined collectives over once; at close, `leftovers()`
     gives what nothing took, and `release()` drops the context reference once they are closed. `seconds`
-    is the join's time on its thread (the wait for the ids included), `waited_s` how long `take()` waited."""
+    is the join's time on its thread (the wait for the ids included), `waited_s` how long `take()` waited,
+    `steps` the seconds of its parts (ids: waiting for the head's file; then those `join` reports)."""
 
     def __init__(self, path: str, rank: int, ordinal: int, timeout_s: float = 60.0,
-                 join: Callable[[Sequence[Entry], int], tuple[dict[str, Any], Callable[[], None]]] = _nccl_join
-                 ) -> None:
+                 join: Callable[[Sequence[Entry], int, dict[str, float]],
+                                tuple[dict[str, Any], Callable[[], None]]] = _nccl_join) -> None:
         self.path = path
         self.rank = rank
         self.ordinal = ordinal
         self.seconds: float | None = None
         self.waited_s: float | None = None
         self.lazy_because = ""  # why the head made no ids (the rank then joins lazily)
+        self.steps: dict[str, float] = {}
         self._timeout_s = timeout_s
         self._join = join
         self._entries: list[Entry] | None = None
@@ -171,8 +182,9 @@ class EarlyJoin:
         t0 = time.perf_counter()
         try:
             self._entries, self.lazy_because = read_ids(self.path, self.rank, self._timeout_s)
+            self.steps["ids"] = time.perf_counter() - t0
             if self._entries is not None:
-                self._groups, self._release = self._join(self._entries, self.ordinal)
+                self._groups, self._release = self._join(self._entries, self.ordinal, self.steps)
         except BaseException as exc:  # NOTE: raised on the rank's thread by take()
             self._failure = exc
         finally:

@@ -122,6 +122,7 @@ class LazyCollectives:
         groups = early.take(self._timeout_s)
         if early.seconds is not None:
             self._phases.timings["nccl_early"] = early.seconds
+            self._phases.timings.update({f"nccl_early.{k}": v for k, v in early.steps.items()})
         if groups is None:
             return False
         if not early.matches(j.group for j in self._pending):
