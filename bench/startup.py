@@ -7,7 +7,9 @@ tray started by `run_tray` from this already-running Python (the head's start ex
 The collectives join on first use (`--join-collectives lazy`; the NCCL join, ~0.5 s, is not part of "ready"):
 `first_allreduce_s` includes it, `collectives_s` says how long it took. On cuda the same tray with NCCL joined
 while the ranks start (`--join-collectives early`) is timed in alternation with it (`tray_early`: its
-`nccl_early_s` is the join's time on its thread, `collectives_s` what the allreduce still waited for).
+`nccl_early_s` is the join's time on its thread, `collectives_s` what the allreduce still waited for), and both
+again with the program busy `--work-ms` between ready and its first allreduce (`tray_busy`: a program that
+loads weights, say, before it reduces; it sleeps here).
 The first run starts with an empty kernel cache (`cold`:
 NVRTC compiles the barrier); the timed repeats reuse it (`warm`); the page cache is warm for both
 (the same Python files).
@@ -62,6 +64,7 @@ t_init = time.time()
 rank = tray.init()
 t_ready = time.time()
 timings = dict(rank.timings)
+time.sleep(float(sys.argv[2]) / 1e3)  # --work-ms: the program busy elsewhere before its first collective
 send, recv = rank.buffer("send"), rank.buffer("recv")
 rank.write("send", np.full(send.shape, rank.rank + 1, np.float32))
 rank.collectives("world").allreduce(send.ptr, recv.ptr, 1, "f32")
@@ -177,10 +180,11 @@ def run_launch(cmd: list[str], cache_dir: Path, what: str) -> None:
 
 
 def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command: bool = True,
-              join: str = "lazy") -> dict:
+              join: str = "lazy", work_ms: float = 0.0) -> dict:
     """One tray of RANK_PROGRAM. `from_command`: the clock starts before `tray launch` is executed (the head's own
     start and imports included, as a user waits for them); else `run_tray` in this already-running Python. `join`:
-    when the ranks join NCCL (`--join-collectives`: lazy, at the allreduce; early, while they start).
+    when the ranks join NCCL (`--join-collectives`: lazy, at the allreduce; early, while they start). `work_ms`:
+    how long each rank sleeps between ready and the allreduce (a program busy elsewhere, e.g. loading weights).
     Phases: `head` (clock start -> first rank spawned), `spawn` (first -> last rank spawned), then per phase the
     slowest rank's own time."""
     prog = workdir / "startup_rank.py"
@@ -188,7 +192,7 @@ def tray_once(n: int, backend: str, workdir: Path, cache_dir: Path, from_command
     out = workdir / f"out-{time.monotonic_ns()}"
     out.mkdir()
     manifest = str(bench_manifest(workdir / "startup.json", n))
-    rank_cmd = [sys.executable, str(prog), str(out)]
+    rank_cmd = [sys.executable, str(prog), str(out), repr(work_ms)]
     t0 = time.time()
     if from_command:
         run_launch(launch_command(n, backend, manifest, rank_cmd, join), cache_dir, f"tray launch ({join} join)")
@@ -272,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wake-gib", type=float, default=None,
                     help="GiB of parked state per rank to wake, apart from the cold start (0: skip; default "
                          f"{WAKE_DEFAULT_GIB['host']} on host, {WAKE_DEFAULT_GIB['cuda']} on cuda)")
+    ap.add_argument("--work-ms", type=float, default=500.0,
+                    help="cuda: also time lazy and early NCCL joins in a program that is busy this long between ready "
+                         "and its first allreduce (0: skip; default 500)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="the phases stacked, warm vs cold, torch beside them (the `plot` extra)")
     args = ap.parse_args(argv)
@@ -303,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
             if early:
                 early_runs.append(tray_once(args.n, backend, Path(tmp), cache, join="early"))
             print(f"{BENCH}: run {i + 1}/{args.repeats} in {time.monotonic() - t_run:.1f} s", flush=True)
+        work_runs: dict[str, list[dict]] = {"lazy": [], "early": []}
+        if early and args.work_ms > 0:
+            print(f"{BENCH}: {args.repeats} more of each, the program busy {args.work_ms:g} ms between ready and "
+                  "its first allreduce", flush=True)
+            for _ in range(args.repeats):
+                for join in ("lazy", "early"):
+                    work_runs[join].append(tray_once(args.n, backend, Path(tmp), cache, join=join,
+                                                     work_ms=args.work_ms))
         stage(BENCH, 3, STAGES, f"{args.repeats} runs from this running Python (run_tray: the head's start excluded, "
                                 "as for the torch baseline's spawn)")
         in_process = [tray_once(args.n, backend, Path(tmp), cache, from_command=False) for _ in range(args.repeats)]
@@ -330,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                                 "join_collectives": "early", "runs": early_runs}
         report["ratio_first_allreduce_early_vs_lazy"] = ratio(report["tray_early"]["first_allreduce_s"],
                                                               summary["first_allreduce_s"])
+    if work_runs["lazy"]:
+        busy = {join: {**summarize(r), "runs": r} for join, r in work_runs.items()}
+        report["tray_busy"] = {"work_ms": args.work_ms, **busy, "ratio_first_allreduce_early_vs_lazy": ratio(
+            busy["early"]["first_allreduce_s"], busy["lazy"]["first_allreduce_s"])}
     if wake_runs:
         nbytes = wake_runs[0]["nbytes_per_rank"]
         wake = {"gib_per_rank": nbytes / (1 << 30), "wake_s": median([w["wake_s"] for w in wake_runs]),
@@ -371,6 +390,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{report['ratio_first_allreduce_early_vs_lazy']:.2f}; the join's parts: "
               + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in e["nccl_early_steps_s"].items())
               + f" (tray.init() called {e['init_called_s'] * 1e3:.0f} ms after the spawn)")
+    if "tray_busy" in report:
+        b = report["tray_busy"]
+        print(f"  busy {b['work_ms']:g} ms between ready and the first allreduce: lazy join ready "
+              f"{b['lazy']['ready_s']:.3f} s, first allreduce {b['lazy']['first_allreduce_s']:.3f} s (join "
+              f"{b['lazy']['collectives_s']:.3f} s); early join ready {b['early']['ready_s']:.3f} s, first allreduce "
+              f"{b['early']['first_allreduce_s']:.3f} s (waited {b['early']['collectives_s']:.3f} s); ratio "
+              f"{b['ratio_first_allreduce_early_vs_lazy']:.2f}")
     print(f"  close (slowest rank)             {summary['close_s']:.3f} s: " +
           ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["close_steps_s"].items()))
     print(f"  from a running Python (run_tray): ready {inproc['ready_s']:.3f} s, first allreduce "

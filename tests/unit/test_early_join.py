@@ -127,7 +127,9 @@ def _early(tmp_path: Path, rank: int, join: _FakeJoin, n: int = 2) -> early.Earl
     path = tmp_path / early.IDS_FILE
     if not path.exists():
         early.write_ids(path, early.plan(_resolved(n), range(n), _ids()))
-    return early.EarlyJoin(str(path), rank, ordinal=rank, timeout_s=5.0, join=join)
+    ej = early.EarlyJoin(str(path), rank, ordinal=rank, timeout_s=5.0, join=join)
+    ej.begin()
+    return ej
 
 
 def test_take_hands_over_what_was_joined_once(tmp_path: Path) -> None:
@@ -169,6 +171,20 @@ def test_leftovers_at_close_and_nothing_when_the_join_is_still_running(tmp_path:
     ej = _early(tmp_path, 1, join)
     assert ej.leftovers(0.05) == {}
     join.go.set()
+
+
+def test_the_join_waits_for_begin_and_a_cancelled_one_never_joins(tmp_path: Path) -> None:
+    early.write_ids(tmp_path / early.IDS_FILE, early.plan(_resolved(2), range(2), _ids()))
+    join = _FakeJoin()
+    ej = early.EarlyJoin(str(tmp_path / early.IDS_FILE), 0, 0, timeout_s=5.0, join=join)
+    time.sleep(0.1)
+    assert not ej.done and join.joined == [] and "ids" in ej.steps  # the ids are read; the join waits
+    ej.begin()
+    assert sorted(ej.take(5.0) or {}) == ["pairs", "world"] and ej.steps["begin"] >= 0.1
+    join = _FakeJoin()
+    ej = early.EarlyJoin(str(tmp_path / early.IDS_FILE), 1, 1, timeout_s=5.0, join=join)
+    ej.cancel()
+    assert ej.take(5.0) is None and join.joined == []
 
 
 def test_from_environ_only_for_cuda_ranks_the_head_made_ids_for(tmp_path: Path) -> None:
@@ -240,6 +256,7 @@ def test_no_ids_from_the_head_means_the_lazy_join(tmp_path: Path) -> None:
     early.write_ids(tmp_path / early.IDS_FILE, None, error="no NCCL in the head's Python")
     join = _FakeJoin()
     ej = early.EarlyJoin(str(tmp_path / early.IDS_FILE), 0, 0, timeout_s=5.0, join=join)
+    ej.begin()
     joiner = _Joiner()
     coll = LazyCollectives(joiner, _pending(0), PhaseClock(), early=ej)  # type: ignore[arg-type]
     coll.of("world", lambda topic, value, timeout_s: [value, {}])

@@ -155,7 +155,8 @@ class EarlyJoin:
     NCCL on device `ordinal`). `take()` hands the joined collectives over once; at close, `leftovers()`
     gives what nothing took, and `release()` drops the context reference once they are closed. `seconds`
     is the join's time on its thread (the wait for the ids included), `waited_s` how long `take()` waited,
-    `steps` the seconds of its parts (ids: waiting for the head's file; then those `join` reports)."""
+    `steps` the seconds of its parts from the thread's start (ids: the head's file read; begin: the rank let the
+    join start), then those `join` reports (context, import, init)."""
 
     def __init__(self, path: str, rank: int, ordinal: int, timeout_s: float = 60.0,
                  join: Callable[[Sequence[Entry], int, dict[str, float]],
@@ -174,6 +175,8 @@ class EarlyJoin:
         self._release: Callable[[], None] | None = None
         self._failure: BaseException | None = None
         self._taken = False
+        self._go = threading.Event()  # begin() or cancel()
+        self._cancelled = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tray-nccl-early", daemon=True)
         self._thread.start()
@@ -183,7 +186,9 @@ class EarlyJoin:
         try:
             self._entries, self.lazy_because = read_ids(self.path, self.rank, self._timeout_s)
             self.steps["ids"] = time.perf_counter() - t0
-            if self._entries is not None:
+            self._go.wait()
+            self.steps["begin"] = time.perf_counter() - t0
+            if self._entries is not None and not self._cancelled:
                 self._groups, self._release = self._join(self._entries, self.ordinal, self.steps)
         except BaseException as exc:  # NOTE: raised on the rank's thread by take()
             self._failure = exc
@@ -194,6 +199,15 @@ class EarlyJoin:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def begin(self) -> None:
+        """Let the join start (the rank's device is open and its buffers allocated)."""
+        self._go.set()
+
+    def cancel(self) -> None:
+        """A start-up that failed before `begin()`: the thread ends without joining."""
+        self._cancelled = True
+        self._go.set()
 
     def _wait(self, timeout_s: float, what: str) -> None:
         if not self._done.wait(timeout_s):

@@ -83,6 +83,8 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any
         # the collectives join on first use (LazyCollectives): their join info travels then, not here
         join_info = {g.name: b"" for g in groups.values() if g.index == 0}
         join_info.update(_leaders_join_info(parts, joiner))
+    if parts.early is not None:
+        parts.early.begin()  # the NCCL join runs from here, beside the offer, table, peers and go (early.py)
     with phases.timed("offer"):
         offer = _offer(parts, backend, host, join_info)
     client.send(offer)

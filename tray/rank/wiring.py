@@ -227,6 +227,7 @@ class Parts:
             # a start-up that failed: abort what the early join finished (no waiting on members that may be
             # gone); one still running is left to the process's end
             early, self.early = self.early, None
+            early.cancel()
             try:
                 for group in early.leftovers(0.0).values():
                     group.abort()
