@@ -18,6 +18,8 @@
 # bench/expert_gemm.py beside cuBLAS per expert and the GPU's read rate over the same weights ($OUT/expert_gemm.json).
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
 # TP_ARGS: extra arguments to the tp stage (e.g. "--no-nccl-windows", if NCCL refuses the window registration).
+# TESTS_K: a pytest -k expression for the tests stage (all GPU tests without it); STARTUP_ARGS: the startup
+# bench's arguments after -n and --backend (default "--repeats 3").
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json:
 # the spanning barrier hierarchical, eager / eager-sync / captured, next to the relayed barrier of the same run).
 # `ep-nodes2` runs `tray bench ep-moe -n 2 --nnodes 2` on GPUs 0 and 1 as two one-GPU nodes (each its own
@@ -153,7 +155,7 @@ for s in "${STAGES[@]}"; do
         env) stage env 60 bash -c 'nvidia-smi -L; nvidia-smi topo -m; python3 -c "import sys, torch, cuda.bindings, nccl.bindings.nccl as n; print(sys.version, torch.__version__, cuda.bindings.__version__, n.get_version())"' ;;
         doctor) stage doctor 120 $PY -m tray doctor --json; cp "$LOGS/doctor.log" "$OUT/doctor.json" ;;
         unit) stage unit 300 $PY -m pytest -q -x tests/gpu/test_cuda_backend.py ;;
-        tests) stage tests 300 $PY -m pytest -q -m gpu tests/gpu ;;
+        tests) stage tests 300 $PY -m pytest -q -m gpu tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
         gate) stage gate 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;
         stress) stage stress 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --stress --iters 1000 --replays 9 --json "$OUT/gate_stress.json" ;;
         drop) stage drop 60 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;

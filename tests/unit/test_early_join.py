@@ -69,11 +69,11 @@ def test_ids_file_round_trip_private_and_written_whole(tmp_path: Path) -> None:
     early.write_ids(path, plans)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and not list(tmp_path.glob("*.tmp"))
     for rank in range(4):
-        assert early.read_ids(str(path), rank, 1.0) == (plans[rank], "")
+        assert early.read_ids(str(path), rank, 1.0) == (plans[rank], "", 0.0)
     with pytest.raises(HandshakeError, match="no valid entries for rank 7"):
         early.read_ids(str(path), 7, 1.0)
-    early.write_ids(path, None, error="no NCCL here")
-    assert early.read_ids(str(path), 0, 1.0) == (None, "no NCCL here")
+    early.write_ids(path, None, error="no NCCL here", made_s=0.25)
+    assert early.read_ids(str(path), 0, 1.0) == (None, "no NCCL here", 0.25)
 
 
 def test_a_rank_waits_for_the_ids_and_names_the_file_when_they_never_come(tmp_path: Path) -> None:
@@ -317,14 +317,14 @@ def test_the_head_writes_every_ranks_ids_or_why_it_could_not(tmp_path: Path, mon
     path = tmp_path / early.IDS_FILE
     head._write_nccl_ids(path)
     assert [early.read_ids(str(path), r, 1.0)[0][0].members for r in (0, 1)] == [(0, 1), (0, 1)]
-    assert head.t_nccl_ids is not None
+    assert head.t_nccl_ids is not None and early.read_ids(str(path), 0, 1.0)[2] == head.t_nccl_ids
 
     def no_nccl() -> bytes:
         raise DeviceError("nccl4py is not installed")
 
     monkeypatch.setattr(nccl, "get_unique_id", no_nccl)
     head._write_nccl_ids(path)
-    assert early.read_ids(str(path), 0, 1.0) == (None, "the head could not make NCCL ids: nccl4py is not installed")
+    assert early.read_ids(str(path), 0, 1.0)[:2] == (None, "the head could not make NCCL ids: nccl4py is not installed")
 
 
 def test_the_ids_path_reaches_the_ranks_of_a_head_that_joins_early(tmp_path: Path, monkeypatch) -> None:

@@ -86,11 +86,12 @@ def plan(resolved: ResolvedManifest, ranks: Iterable[int], make_id: Callable[[],
     return out
 
 
-def write_ids(path: Path, plans: dict[int, list[Entry]] | None, error: str = "") -> None:
+def write_ids(path: Path, plans: dict[int, list[Entry]] | None, error: str = "", made_s: float = 0.0) -> None:
     """The ids file, atomically (a rank never reads half of it): every rank's entries, or `error` (why the
-    head made none: the ranks then join lazily)."""
+    head made none: the ranks then join lazily); `made_s`, the head's time making them."""
     body: dict[str, Any] = {"error": error} if plans is None else {
         "ranks": {str(r): [[e.group, list(e.members), e.index, e.uid.hex()] for e in es] for r, es in plans.items()}}
+    body["made_s"] = made_s
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -98,9 +99,9 @@ def write_ids(path: Path, plans: dict[int, list[Entry]] | None, error: str = "")
     os.replace(tmp, path)
 
 
-def read_ids(path: str, rank: int, timeout_s: float) -> tuple[list[Entry] | None, str]:
-    """This rank's entries once the head wrote them, or (None, why) when the head made none. Waits at most
-    `timeout_s` for the file (HandshakeError naming it past that)."""
+def read_ids(path: str, rank: int, timeout_s: float) -> tuple[list[Entry] | None, str, float]:
+    """This rank's entries once the head wrote them, or None and why when the head made none; and the head's
+    time making them. Waits at most `timeout_s` for the file (HandshakeError naming it past that)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -112,11 +113,12 @@ def read_ids(path: str, rank: int, timeout_s: float) -> tuple[list[Entry] | None
                 raise HandshakeError(f"the head did not write the NCCL ids ({path}) within {timeout_s:g} s of this "
                                      f"rank's start; is the head alive?") from None
             time.sleep(_POLL_S)
+    made_s = float(body.get("made_s", 0.0))
     if "ranks" not in body:
-        return None, str(body.get("error", "the head made no ids"))
+        return None, str(body.get("error", "the head made no ids")), made_s
     try:
         rows = body["ranks"][str(rank)]
-        return [Entry(str(g), tuple(int(m) for m in ms), int(i), bytes.fromhex(u)) for g, ms, i, u in rows], ""
+        return [Entry(str(g), tuple(int(m) for m in ms), int(i), bytes.fromhex(u)) for g, ms, i, u in rows], "", made_s
     except (KeyError, TypeError, ValueError) as exc:
         raise HandshakeError(f"{path} holds no valid entries for rank {rank}: {exc!r}") from None
 
@@ -156,7 +158,7 @@ class EarlyJoin:
     gives what nothing took, and `release()` drops the context reference once they are closed. `seconds`
     is the join's time on its thread (the wait for the ids included), `waited_s` how long `take()` waited,
     `steps` the seconds of its parts from the thread's start (ids: the head's file read; begin: the rank let the
-    join start), then those `join` reports (context, import, init)."""
+    join start), then those `join` reports (context, import, init); and head_ids, the head's time making them."""
 
     def __init__(self, path: str, rank: int, ordinal: int, timeout_s: float = 60.0,
                  join: Callable[[Sequence[Entry], int, dict[str, float]],
@@ -184,7 +186,8 @@ class EarlyJoin:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            self._entries, self.lazy_because = read_ids(self.path, self.rank, self._timeout_s)
+            self._entries, self.lazy_because, self.steps["head_ids"] = read_ids(self.path, self.rank,
+                                                                                 self._timeout_s)
             self.steps["ids"] = time.perf_counter() - t0
             self._go.wait()
             self.steps["begin"] = time.perf_counter() - t0

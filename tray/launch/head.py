@@ -74,6 +74,10 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+# how long the teardown waits for the thread making the NCCL ids (loading NCCL takes ~0.1 s)
+_IDS_JOIN_S = 10.0
+
+
 def _init_driver() -> None:
     from tray.backend.cuda import visible_gpu_count
 
@@ -168,6 +172,7 @@ class Head:
         job = make_job_dir(self.spec.nprocs)
         endpoint = f"ipc://{job.path}/head.sock"
         ctx = sock = watchdog = pump = None
+        ids_thread: threading.Thread | None = None
         _set_child_subreaper(True)
         try:
             self.master_port = PortReservation()  # MASTER_PORT: held until the tray is down
@@ -179,14 +184,18 @@ class Head:
             t0 = time.time()
             self._spawn_all(job.path, endpoint, watchdog.pgid)
             self.t_spawned = time.time() - t0
-            if self.early_ids:
-                self._write_nccl_ids(job.path / early_join.IDS_FILE)
             pump = OutputPump(self.procs, self.routing)
             if self.spec.backend == "cuda":
                 # NOTE: with the driver initialised in a live process (here, the head), each rank's
                 # cuInit + context costs ~0.7 s instead of ~1.5 s (measured on 4x H200, no persistence
                 # daemon). Started after the spawn: no thread may exist while ranks are forked.
                 threading.Thread(target=_init_driver, name="tray-driver", daemon=True).start()
+            if self.early_ids:
+                # on a thread, after the driver's: made on the head's own thread, the ids delayed its driver
+                # warm-up and with it the ranks' device phase; the head binds its socket meanwhile
+                ids_thread = threading.Thread(target=self._write_nccl_ids, args=(job.path / early_join.IDS_FILE,),
+                                              name="tray-nccl-ids", daemon=True)
+                ids_thread.start()
             ctx = zmq.Context()
             sock = _bind_router(ctx, endpoint, job)
             self._start_job(ctx, sock)
@@ -201,6 +210,8 @@ class Head:
                 ctx.term()
             if watchdog is not None:
                 watchdog.done()
+            if ids_thread is not None:
+                ids_thread.join(_IDS_JOIN_S)  # it writes into the job dir: done before the dir goes
             job.close()
             _set_child_subreaper(False)
             if self.master_port is not None:
@@ -220,20 +231,24 @@ class Head:
             self.procs.append(spawn_rank(self.spec, self.rank_base + r, env, self.placements[r], process_group))
 
     def _write_nccl_ids(self, path: Path) -> None:
-        """Every rank's NCCL groups with their unique ids, for the ranks' early join (made here, after the
+        """Every rank's NCCL groups with their unique ids, for the ranks' early join (made on a thread after the
         spawn, while the ranks import: ncclGetUniqueId needs no CUDA). When NCCL cannot make them, the file
         says why and every rank joins lazily; the head goes on."""
         t0 = time.perf_counter()
+        plans = None
+        error = ""
         try:
             from tray.collectives.nccl import get_unique_id
 
             plans = early_join.plan(self.resolved, range(self.rank_base, self.rank_base + self.spec.nprocs),
                                     get_unique_id)
         except Exception as exc:  # NOTE: an early join is an optimisation; the lazy one still works (or says why not)
-            early_join.write_ids(path, None, error=f"the head could not make NCCL ids: {exc}")
-        else:
-            early_join.write_ids(path, plans)
+            error = f"the head could not make NCCL ids: {exc}"
         self.t_nccl_ids = time.perf_counter() - t0
+        try:
+            early_join.write_ids(path, plans, error=error, made_s=self.t_nccl_ids)
+        except OSError:
+            pass  # the tray already ended (its job dir is gone): no rank waits for the file
 
     def _loop(self, sock: zmq.Socket, job: JobDir) -> None:
         """Supervise until every rank exited or one failure is known (the root cause)."""
