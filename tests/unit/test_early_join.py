@@ -178,7 +178,7 @@ def test_the_join_waits_for_begin_and_a_cancelled_one_never_joins(tmp_path: Path
     join = _FakeJoin()
     ej = early.EarlyJoin(str(tmp_path / early.IDS_FILE), 0, 0, timeout_s=5.0, join=join)
     time.sleep(0.1)
-    assert not ej.done and join.joined == [] and "ids" in ej.steps  # the ids are read; the join waits
+    assert not ej.done and join.joined == [] and ej.steps == {}  # nothing before begin(), not even the file
     ej.begin()
     assert sorted(ej.take(5.0) or {}) == ["pairs", "world"] and ej.steps["begin"] >= 0.1
     join = _FakeJoin()

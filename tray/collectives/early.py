@@ -157,8 +157,8 @@ class EarlyJoin:
     NCCL on device `ordinal`). `take()` hands the joined collectives over once; at close, `leftovers()`
     gives what nothing took, and `release()` drops the context reference once they are closed. `seconds`
     is the join's time on its thread (the wait for the ids included), `waited_s` how long `take()` waited,
-    `steps` the seconds of its parts from the thread's start (ids: the head's file read; begin: the rank let the
-    join start), then those `join` reports (context, import, init); and head_ids, the head's time making them."""
+    `steps` the seconds of its parts from the thread's start (begin: the rank let the join start; ids: the head's
+    file read), then those `join` reports (context, import, init); and head_ids, the head's time making them."""
 
     def __init__(self, path: str, rank: int, ordinal: int, timeout_s: float = 60.0,
                  join: Callable[[Sequence[Entry], int, dict[str, float]],
@@ -186,12 +186,16 @@ class EarlyJoin:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
+            # NOTE: nothing before begin(): a thread polling for the file while the rank imports would take the GIL
+            # from the imports every few ms
+            self._go.wait()
+            self.steps["begin"] = time.perf_counter() - t0
+            if self._cancelled:
+                return
             self._entries, self.lazy_because, self.steps["head_ids"] = read_ids(self.path, self.rank,
                                                                                  self._timeout_s)
             self.steps["ids"] = time.perf_counter() - t0
-            self._go.wait()
-            self.steps["begin"] = time.perf_counter() - t0
-            if self._entries is not None and not self._cancelled:
+            if self._entries is not None:
                 self._groups, self._release = self._join(self._entries, self.ordinal, self.steps)
         except BaseException as exc:  # NOTE: raised on the rank's thread by take()
             self._failure = exc
