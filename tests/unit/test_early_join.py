@@ -313,7 +313,7 @@ def test_the_head_writes_every_ranks_ids_or_why_it_could_not(tmp_path: Path, mon
     head = _head(tmp_path, "cuda", "auto")
     assert head.early_ids and not _head(tmp_path, "cuda", "lazy").early_ids
     assert not _head(tmp_path, "host", "early").early_ids and not _head(tmp_path, "cuda", "auto", False).early_ids
-    monkeypatch.setattr(nccl, "get_unique_id", _ids())
+    monkeypatch.setattr(early, "unique_id_maker", _ids)
     path = tmp_path / early.IDS_FILE
     head._write_nccl_ids(path)
     assert [early.read_ids(str(path), r, 1.0)[0][0].members for r in (0, 1)] == [(0, 1), (0, 1)]
@@ -322,9 +322,30 @@ def test_the_head_writes_every_ranks_ids_or_why_it_could_not(tmp_path: Path, mon
     def no_nccl() -> bytes:
         raise DeviceError("nccl4py is not installed")
 
-    monkeypatch.setattr(nccl, "get_unique_id", no_nccl)
+    def no_pathfinder():
+        raise ImportError("no module named cuda.pathfinder")
+
+    monkeypatch.setattr(early, "unique_id_maker", no_pathfinder)  # the head falls back to nccl4py's call...
+    monkeypatch.setattr(nccl, "get_unique_id", no_nccl)  # ...and says why when that fails too
     head._write_nccl_ids(path)
     assert early.read_ids(str(path), 0, 1.0)[:2] == (None, "the head could not make NCCL ids: nccl4py is not installed")
+
+
+def test_the_heads_ids_come_from_libnccl_without_nccl4py_or_cuda() -> None:
+    """Where cuda.pathfinder finds a libnccl (the `gpu` extra; this machine may have one without a GPU), the head
+    makes real ids through ctypes: 128 bytes each, a fresh one per call, no nccl4py, numpy or driver imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom tray.collectives.early import unique_id_maker\nmake = unique_id_maker()\n"
+            "a, b = make(), make()\nassert len(a) == len(b) == 128 and a != b\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nccl', 'numpy', 'cuda') and "
+            "'pathfinder' not in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if "ImportError" in out.stderr or "NotFoundError" in out.stderr:
+        pytest.skip(f"no cuda.pathfinder or no libnccl here: {out.stderr.strip().splitlines()[-1]}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("[]", "['cuda']"), out.stdout
 
 
 def test_the_ids_path_reaches_the_ranks_of_a_head_that_joins_early(tmp_path: Path, monkeypatch) -> None:

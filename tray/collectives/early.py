@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 IDS_ENV = "TRAY_NCCL_IDS"  # the ids file's path, set by the head for ranks that join early
 IDS_FILE = "nccl-ids.json"
 JOIN_MODES = ("auto", "early", "lazy")
+UNIQUE_ID_NBYTES = 128
 _POLL_S = 0.002  # how often a rank looks for the ids file (the head writes it ~0.1 s after the spawn)
 
 
@@ -66,6 +67,30 @@ def wanted(mode: str, backend: str, resolved: ResolvedManifest) -> bool:
     if backend != "cuda" or mode == "lazy":
         return False
     return mode == "early" or uses_collectives(resolved)
+
+
+def unique_id_maker() -> Callable[[], bytes]:
+    """ncclGetUniqueId through ctypes, on the libnccl that nccl4py loads (cuda.pathfinder finds it), for the head:
+    without nccl4py's import (numpy, cuda.core: the head took ~0.4 s on the H200 host to make the ids through it)
+    and without CUDA. Raises ImportError or cuda.pathfinder's error where either is missing (then
+    `tray.collectives.nccl.get_unique_id`)."""
+    import ctypes
+
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    fn = ctypes.CDLL(load_nvidia_dynamic_lib("nccl").abs_path).ncclGetUniqueId
+    fn.argtypes = [ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+
+    def make() -> bytes:
+        buf = ctypes.create_string_buffer(UNIQUE_ID_NBYTES)
+        status = fn(buf)
+        if status != 0:
+            raise DeviceError(f"ncclGetUniqueId returned ncclResult {status}: NCCL's bootstrap needs a network "
+                              "interface and a listening socket; NCCL_DEBUG=INFO says which it tried")
+        return buf.raw
+
+    return make
 
 
 def plan(resolved: ResolvedManifest, ranks: Iterable[int], make_id: Callable[[], bytes]) -> dict[int, list[Entry]]:

@@ -238,10 +238,11 @@ class Head:
         plans = None
         error = ""
         try:
-            from tray.collectives.nccl import get_unique_id
-
-            plans = early_join.plan(self.resolved, range(self.rank_base, self.rank_base + self.spec.nprocs),
-                                    get_unique_id)
+            try:
+                make_id = early_join.unique_id_maker()
+            except Exception:  # no cuda.pathfinder, or it finds no libnccl: nccl4py's own way
+                from tray.collectives.nccl import get_unique_id as make_id
+            plans = early_join.plan(self.resolved, range(self.rank_base, self.rank_base + self.spec.nprocs), make_id)
         except Exception as exc:  # NOTE: an early join is an optimisation; the lazy one still works (or says why not)
             error = f"the head could not make NCCL ids: {exc}"
         self.t_nccl_ids = time.perf_counter() - t0
