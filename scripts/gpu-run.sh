@@ -18,6 +18,7 @@
 # bench/expert_gemm.py beside cuBLAS per expert and the GPU's read rate over the same weights ($OUT/expert_gemm.json).
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
 # TP_ARGS: extra arguments to the tp stage (e.g. "--no-nccl-windows", if NCCL refuses the window registration).
+# TRAY_JOIN_COLLECTIVES (auto, early, lazy) reaches every tray the stages start, the benches' among them.
 # TESTS_K: a pytest -k expression for the tests stage (all GPU tests without it); STARTUP_ARGS: the startup
 # bench's arguments after -n and --backend (default "--repeats 3").
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json:

@@ -78,7 +78,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     Routing(log_dir=args.log_dir, tee=tee, redirects=redirects)  # refuses --tee/--redirects without --log-dir
     if args.barrier_timeout_s is not None and not 0 < args.barrier_timeout_s < float("inf"):
         raise UsageError(f"--barrier-timeout-s must be a number of seconds > 0, got {args.barrier_timeout_s}")
-    from tray.envvars import barrier_timeout
+    from tray.envvars import barrier_timeout, join_collectives
 
     barrier_timeout(os.environ.get("TRAY_BARRIER_TIMEOUT_S"))  # a bad value fails here, not in every rank
     manifest = resolve_manifest(args.manifest) if args.manifest else None
@@ -87,7 +87,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                     heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
                     redirects=redirects, local_ranks_filter=ranks, barrier_timeout_s=args.barrier_timeout_s,
                     max_restarts=args.max_restarts, launched_at=process_started_at(),
-                    join_collectives=args.join_collectives)
+                    join_collectives=join_collectives(args.join_collectives, os.environ.get("TRAY_JOIN_COLLECTIVES")))
     if job is None:
         return run_tray(spec).exit_code
     from tray.launch.node import NodeHead
@@ -226,10 +226,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="a rank silent this long is stopped or frozen: the tray fails (default 10)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="after a failure, tear down and start the tray again up to K times (default 0)")
-    p.add_argument("--join-collectives", choices=("auto", "early", "lazy"), default="auto",
+    p.add_argument("--join-collectives", choices=("auto", "early", "lazy"), default=None,
                    help="cuda, one node: when ranks join their NCCL groups: early (while they start, ids made by "
                         "the head), lazy (at the first collective), auto (early when a manifest program has a "
-                        "collective op; the default)")
+                        "collective op); default: $TRAY_JOIN_COLLECTIVES, else auto")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="PROGRAM.py ARGS... (run with this Python), or -- CMD ARGS...")
     p.set_defaults(fn=cmd_launch)
 

@@ -20,3 +20,16 @@ def barrier_timeout(text: str | None) -> float | None:
     if not (math.isfinite(value) and value > 0):
         raise UsageError(f"TRAY_BARRIER_TIMEOUT_S must be a number of seconds > 0, got {text!r}")
     return value
+
+
+JOIN_MODES = ("auto", "early", "lazy")
+
+
+def join_collectives(flag: str | None, text: str | None) -> str:
+    """When the ranks join NCCL: `flag` (--join-collectives) if given, else TRAY_JOIN_COLLECTIVES (`text`), else
+    "auto". Raises UsageError naming the choices."""
+    value = flag if flag is not None else (text or "auto")
+    if value not in JOIN_MODES:
+        where = "--join-collectives" if flag is not None else "TRAY_JOIN_COLLECTIVES"
+        raise UsageError(f"{where} must be one of {', '.join(JOIN_MODES)}, got {value!r}")
+    return value

@@ -63,6 +63,22 @@ def test_an_unknown_mode_is_a_usage_error_naming_the_choices() -> None:
         early.wanted("soon", "cuda", _resolved(2))
 
 
+def test_the_flag_wins_over_the_environment_and_both_are_checked(tmp_path: Path, monkeypatch) -> None:
+    from tray.envvars import join_collectives
+
+    assert join_collectives(None, None) == "auto" and join_collectives(None, "") == "auto"
+    assert join_collectives(None, "lazy") == "lazy" and join_collectives("early", "lazy") == "early"
+    with pytest.raises(UsageError, match="TRAY_JOIN_COLLECTIVES must be one of auto, early, lazy, got 'never'"):
+        join_collectives(None, "never")
+    with pytest.raises(UsageError, match="--join-collectives must be one of"):
+        join_collectives("x", None)
+    monkeypatch.setenv("TRAY_JOIN_COLLECTIVES", "lazy")
+    assert not _head(tmp_path, "cuda", None).early_ids  # a bench's tray: no flag, the environment decides
+    assert _head(tmp_path, "cuda", "early").early_ids
+    monkeypatch.setenv("TRAY_JOIN_COLLECTIVES", "early")
+    assert _head(tmp_path, "cuda", None, collective=False).early_ids
+
+
 def test_ids_file_round_trip_private_and_written_whole(tmp_path: Path) -> None:
     path = tmp_path / early.IDS_FILE
     plans = early.plan(_resolved(4), range(4), _ids())
@@ -293,7 +309,7 @@ def test_a_failed_start_aborts_what_the_early_join_made(tmp_path: Path) -> None:
 # --- the head ------------------------------------------------------------------------------------------------
 
 
-def _head(tmp_path: Path, backend: str, mode: str, collective: bool = True):
+def _head(tmp_path: Path, backend: str, mode: str | None, collective: bool = True):
     from tray.launch.head import Head
     from tray.launch.spec import TraySpec
 

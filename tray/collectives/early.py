@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tray.envvars import JOIN_MODES
 from tray.errors import DeviceError, HandshakeError, UsageError
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 IDS_ENV = "TRAY_NCCL_IDS"  # the ids file's path, set by the head for ranks that join early
 IDS_FILE = "nccl-ids.json"
-JOIN_MODES = ("auto", "early", "lazy")
 UNIQUE_ID_NBYTES = 128
 _POLL_S = 0.002  # how often a rank looks for the ids file (the head writes it ~0.1 s after the spawn)
 

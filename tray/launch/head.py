@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tray.collectives import early as early_join
+from tray.envvars import join_collectives
 from tray.errors import BarrierTimeout, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
@@ -293,7 +294,8 @@ class Head:
     # --- hooks: a head of a job of several trays (tray/launch/node.py) overrides these ------------------
     def _joins_early(self) -> bool:
         """Whether the ranks join their NCCL groups while they start (--join-collectives)."""
-        return early_join.wanted(self.spec.join_collectives, self.spec.backend, self.resolved)
+        mode = join_collectives(self.spec.join_collectives, os.environ.get("TRAY_JOIN_COLLECTIVES"))
+        return early_join.wanted(mode, self.spec.backend, self.resolved)
 
     def _job_env(self, local_rank: int) -> dict[str, str]:
         """Variables a rank gets beyond the tray's own (none on one host)."""

@@ -38,8 +38,9 @@ class TraySpec:
     # the barrier timeout of the ranks' programs (TRAY_BARRIER_TIMEOUT_S); None: the manifest's or 2 s
     barrier_timeout_s: float | None = None
     # when the ranks join their NCCL groups (tray/collectives/early.py): "auto" (early when a manifest program
-    # has a collective op), "early" (while the ranks start) or "lazy" (at the first collective)
-    join_collectives: str = "auto"
+    # has a collective op), "early" (while the ranks start) or "lazy" (at the first collective); None: the
+    # environment's TRAY_JOIN_COLLECTIVES, else "auto" (how the benches' trays get it)
+    join_collectives: str | None = None
     # when the `tray launch` process started (time.time(); None: the head runs in a longer-lived Python): the
     # timeline then counts the head's own start, interpreter and imports, until its first rank is spawned
     launched_at: float | None = None
