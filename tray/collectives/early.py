@@ -7,10 +7,16 @@ start instead:
   1. the head makes one unique id per group instance right after spawning the ranks (ncclGetUniqueId needs
      no CUDA: it opens NCCL's bootstrap socket in the head) and writes every rank's groups with their ids
      to `nccl-ids.json` in the job dir (0700), whose path the ranks got as TRAY_NCCL_IDS;
-  2. each rank, on a thread started by `tray.init()` before its imports (`EarlyJoin`), waits for that file,
-     makes its device's primary context current and joins its groups (one ncclGroupStart/End), while its
-     main thread imports, opens the device, allocates and offers;
+  2. each rank, on a thread started by `tray.init()` (`EarlyJoin`), once its main thread has opened the device
+     and allocated its buffers (`begin()`), reads that file, makes the device's primary context current and
+     joins its groups (one ncclGroupStart/End), while the main thread offers, waits for the table, maps its
+     peers, waits for the go and runs the program up to its first collective;
   3. the first collective takes the communicators (`EarlyJoin.take`), waiting only for what is left.
+
+Why not sooner: the join needs the CUDA context, which the driver warm-up makes (~0.3 s) while the rank still
+imports, and a join started as soon as the context existed slowed the device's opening and the allocations
+beside it (one H200: ready 1.008 against 0.868 s, bench/results/h200/startup_early_at_context.json) for no gain,
+the rank's own work after the context (~0.15 s) being shorter than the join (~0.45 s).
 
 Which trays join early (`tray launch --join-collectives`): `early` always on cuda, `lazy` never, `auto` (the
 default) when a manifest program has a collective op. A job of several nodes joins lazily (its ids travel
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
 IDS_ENV = "TRAY_NCCL_IDS"  # the ids file's path, set by the head for ranks that join early
 IDS_FILE = "nccl-ids.json"
 UNIQUE_ID_NBYTES = 128
-_POLL_S = 0.002  # how often a rank looks for the ids file (the head writes it ~0.1 s after the spawn)
+_POLL_S = 0.002  # how often a rank looks for the ids file (the head writes it ~0.13 s after the spawn: long before)
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,7 @@ class EarlyJoin:
     """A rank's early join, on its own thread from construction: read the ids, join (`join`, by default
     NCCL on device `ordinal`). `take()` hands the joined collectives over once; at close, `leftovers()`
     gives what nothing took, and `release()` drops the context reference once they are closed. `seconds`
-    is the join's time on its thread (the wait for the ids included), `waited_s` how long `take()` waited,
+    is the thread's time to the join's end (the wait for begin() included), `waited_s` how long `take()` waited,
     `steps` the seconds of its parts from the thread's start (begin: the rank let the join start; ids: the head's
     file read), then those `join` reports (context, import, init); and head_ids, the head's time making them."""
 
