@@ -9,7 +9,9 @@
 # ep-moe-worst ep-ll-phases
 # ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
-# bench-barrier bench-startup import-cost launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
+# bench-barrier bench-startup import-cost nccl-lifecycle launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
+# `nccl-lifecycle` (one GPU, ~60 s): 1-rank NCCL communicators joined and closed three ways, with NCCL_RUNTIME_CONNECT
+# 0 and 1, and NCCL's own INFO account of a join ($OUT/nccl_lifecycle.json).
 # `import-cost` (one GPU, ~30 s): a rank's imports in fresh interpreters, with and without the driver warm-up
 # thread running, and their -X importtime profile (bench/import_cost.py; $OUT/import_cost.json).
 # `launch-cost` times one launch from Python per launch path on GPU 0 (bench/launch_cost.py; $OUT/launch_cost.json),
@@ -250,6 +252,7 @@ for s in "${STAGES[@]}"; do
         tune) stage tune 190 bash -c tune_stage ;;
         park) stage park 200 $PY -m tray bench park -n "$N" --backend cuda --gib 2 --repeats 3 --json "$OUT/park.json" ;;
         bench-barrier) stage bench_barrier 300 $PY bench/peer_barrier.py -n "$N" --backend cuda --json "$OUT/peer_barrier.json" --plot "$OUT/peer_barrier.png" ;;
+        nccl-lifecycle) stage nccl_lifecycle 200 $PY bench/nccl_lifecycle.py --repeats 2 --comms 3 --json "$OUT/nccl_lifecycle.json" ;;
         import-cost) stage import_cost 200 $PY bench/import_cost.py --backend cuda --repeats 5 --json "$OUT/import_cost.json" ;;
         launch-cost) stage launch_cost 120 $PY bench/launch_cost.py --json "$OUT/launch_cost.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda ${STARTUP_ARGS:---repeats 3} --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;

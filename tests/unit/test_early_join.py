@@ -389,3 +389,4 @@ def test_the_real_join_is_imported_lazily() -> None:
     assert out.stdout.strip() == "[]"
 
 
+
