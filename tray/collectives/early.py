@@ -1,6 +1,7 @@
 """NCCL joined while the ranks start (cuda backend, one node), instead of at the first collective.
 
-An NCCL join costs ~0.5 s per rank, and the lazy join (tray/rank/wiring.py, LazyCollectives) pays it after
+A rank's first NCCL join costs 0.3-0.45 s, most of it NCCL setting up its kernels on the device (once per process:
+bench/results/h200/nccl_lifecycle.json), and the lazy join (tray/rank/wiring.py, LazyCollectives) pays it after
 "ready", at the first collective. When a tray will use its collectives, that time can overlap the ranks'
 start instead:
 
@@ -303,4 +304,4 @@ def from_environ(rank: int, ordinal: int, timeout_s: float, environ: dict[str, s
 
 
 __all__ = ["IDS_ENV", "IDS_FILE", "JOIN_MODES", "EarlyJoin", "Entry", "from_environ", "plan", "read_ids",
-           "uses_collectives", "wanted", "write_ids"]
+           "unique_id_maker", "uses_collectives", "wanted", "write_ids"]
