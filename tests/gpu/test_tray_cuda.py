@@ -119,6 +119,7 @@ def test_nccl_joined_early_while_ranks_start(tray_env, tmp_path):
                               timeout_s=180)
         assert run.returncode == 0, run.output
         assert run.stdout.count(f"joined {want} in") == n, (mode, run.output)
+        assert ("NCCL: the ranks join their groups on a thread" in run.stderr) is (want == "early"), run.stderr
     manifest_plain = tmp_path / "plain.json"
     doc = json.loads(manifest.read_text())
     del doc["programs"]

@@ -364,6 +364,20 @@ def test_the_heads_ids_come_from_libnccl_without_nccl4py_or_cuda() -> None:
     assert out.stdout.strip() in ("[]", "['cuda']"), out.stdout
 
 
+def test_the_timeline_says_when_the_ranks_join_early(tmp_path: Path, capsys) -> None:
+    import types as _types
+
+    for mode, says in (("early", True), ("lazy", False)):
+        head = _head(tmp_path, "cuda", mode)
+        head.procs = [_types.SimpleNamespace(rank=r, t_spawn=100.0) for r in range(2)]  # type: ignore[misc]
+        head.t_go, head.t_nccl_ids = 100.5, 0.0123
+        head._print_timeline()
+        err = capsys.readouterr().err
+        assert "tray up in 0.500 s" in err
+        assert ("NCCL: the ranks join their groups on a thread" in err) is says
+        assert ("the head made their ids in 12 ms" in err) is says
+
+
 def test_the_ids_path_reaches_the_ranks_of_a_head_that_joins_early(tmp_path: Path, monkeypatch) -> None:
     from tray.launch import head as head_mod
 

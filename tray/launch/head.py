@@ -712,6 +712,10 @@ class Head:
                 secs, r = tl[phase]
                 who = "the head's own start, until its first rank was spawned" if phase == "head" else f"rank {r}"
                 _say(f"  {phase:<13}{secs * 1e3:9.1f} ms  {who}")
+        if self.early_ids:
+            made = f" (the head made their ids in {self.t_nccl_ids * 1e3:.0f} ms)" if self.t_nccl_ids else ""
+            _say(f"  NCCL: the ranks join their groups on a thread from their allocations on{made}; the first "
+                 "collective waits for what is left (--join-collectives lazy: at the first collective instead)")
 
     def _print_root_cause(self) -> None:
         f = self.failure
