@@ -264,6 +264,14 @@ def test_on_torch_stream_inside_a_cuda_graph(tray_env, manifest, part):
     assert "did not return within" not in run.stderr, _tail(run.stderr)
 
 
+def test_torch_graph_capture_after_an_early_nccl_join(tray_env, manifest):
+    """NCCL joined early (--join-collectives early): the warm-up's first allreduce waits for the join, so the
+    torch.cuda.graph capture that follows (global mode) meets no allocation on the join's thread."""
+    n, run = _launch(tray_env, _graph_program("allreduce"), "--manifest", manifest, "--join-collectives", "early")
+    assert run.stdout.count(f"graph ok {n}") == n, _tail(run.output)
+    assert "NCCL: the ranks join their groups on a thread" in run.stderr, _tail(run.stderr)
+
+
 def test_torch_graph_kept_past_close_does_not_hang_it(tray_env, manifest, monkeypatch):
     """A graph that captured tray's NCCL work and outlives rank.close(): close waits a bounded time, says
     why, and the program goes on (the communicator is destroyed once the graph is)."""

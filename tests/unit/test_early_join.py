@@ -153,9 +153,10 @@ def test_take_hands_over_what_was_joined_once(tmp_path: Path) -> None:
     ej = _early(tmp_path, 1, join)
     groups = ej.take(5.0)
     assert groups is not None and sorted(groups) == ["pairs", "world"]
-    assert ej.seconds is not None and ej.waited_s is not None and ej.matches(
-        [GroupInfo("world", (0, 1), 1), GroupInfo("pairs", (0, 1), 1)])
-    assert not ej.matches([GroupInfo("world", (0, 1), 1)])
+    assert ej.seconds is not None and ej.waited_s is not None and ej.mismatch(
+        [GroupInfo("world", (0, 1), 1), GroupInfo("pairs", (0, 1), 1)]) == ""
+    assert ej.mismatch([GroupInfo("world", (0, 1), 1)]) == (
+        "the head planned pairs [0, 1] as member 1; this rank's manifest gives none")
     with pytest.raises(UsageError, match="twice"):
         ej.take(1.0)
     ej.release()
@@ -172,7 +173,9 @@ def test_a_failed_join_is_raised_where_the_collectives_are_first_used(tmp_path: 
 def test_a_join_that_never_ends_is_named_not_waited_for_forever(tmp_path: Path) -> None:
     join = _FakeJoin(block=True)
     ej = _early(tmp_path, 0, join)
-    with pytest.raises(DeviceError, match="rank 0: the NCCL join started at start-up .* did not finish within 0.2 s"):
+    with pytest.raises(DeviceError, match=r"rank 0: the NCCL join started with the rank did not finish within 0.2 s "
+                                          r"of its first collective; its thread is in ncclCommInitRank for world "
+                                          r"\(ranks 0, 1\), pairs \(ranks 0, 1\)"):
         ej.take(0.2)
     join.go.set()
 
@@ -204,8 +207,15 @@ def test_the_join_waits_for_begin_and_a_cancelled_one_never_joins(tmp_path: Path
 
 
 def test_from_environ_only_for_cuda_ranks_the_head_made_ids_for(tmp_path: Path) -> None:
-    assert early.from_environ(0, 0, 1.0, {"TRAY_BACKEND": "cuda"}) is None
-    assert early.from_environ(0, 0, 1.0, {"TRAY_BACKEND": "host", early.IDS_ENV: str(tmp_path / "x")}) is None
+    ids = str(tmp_path / early.IDS_FILE)
+    assert early.from_environ(0, 0, 1.0, {"TRAY_BACKEND": "cuda", "TRAY_JOB": str(tmp_path)}) is None
+    host = {"TRAY_BACKEND": "host", "TRAY_JOB": str(tmp_path), early.IDS_ENV: ids}
+    assert early.from_environ(0, 0, 1.0, host) is None
+    # a file outside this rank's job dir is another tray's (a stray variable): no early join
+    assert early.from_environ(0, 0, 1.0, {"TRAY_BACKEND": "cuda", "TRAY_JOB": "/elsewhere", early.IDS_ENV: ids}) is None
+    ej = early.from_environ(0, 0, 1.0, {"TRAY_BACKEND": "cuda", "TRAY_JOB": str(tmp_path), early.IDS_ENV: ids})
+    assert ej is not None
+    ej.cancel()
 
 
 # --- the collectives taking the early join ----------------------------------------------------------------
@@ -251,21 +261,52 @@ def test_first_use_takes_the_early_join_without_a_tray_wide_step(tmp_path: Path)
     assert world.closed and join.released == 1
 
 
-def test_groups_other_than_the_manifests_are_closed_and_the_join_is_lazy(tmp_path: Path) -> None:
+def test_groups_other_than_the_manifests_are_a_named_error_and_are_aborted(tmp_path: Path) -> None:
     join = _FakeJoin()
     joiner = _Joiner()
     ej = _early(tmp_path, 0, join, n=4)  # the head planned 4 ranks; this rank's manifest says 2
     coll = LazyCollectives(joiner, _pending(0, n=2), PhaseClock(), early=ej)  # type: ignore[arg-type]
-    votes = []
-
-    def exchange(topic, value, timeout_s):
-        votes.append(value)
-        return [value, {}]
-
-    assert coll.of("world", exchange).name == "world"
-    assert votes == [{"world": b"lazy-id", "pairs": b"lazy-id"}] and len(joiner.lazy_joins) == 1
-    assert join.released == 1
+    while not ej.done:
+        time.sleep(0.01)
+    groups = dict(ej._groups or {})
+    with pytest.raises(DeviceError, match=r"not this rank's: the head planned world \[0, 1, 2, 3\] as member 0; "
+                                          r"this rank's manifest gives world \[0, 1\] as member 0"):
+        coll.of("world", _no_exchange)  # no lazy join on one rank alone: the others would wait for it
+    assert joiner.lazy_joins == [] and all(c.aborted for c in groups.values()) and join.released == 1
     coll.close()
+
+
+def test_a_failed_join_fails_every_later_use_the_same_way(tmp_path: Path) -> None:
+    coll = LazyCollectives(_Joiner(), _pending(0), PhaseClock(),  # type: ignore[arg-type]
+                           early=_early(tmp_path, 0, _FakeJoin(fail=True)))
+    for _ in range(2):
+        with pytest.raises(DeviceError, match="ncclCommInitRank failed: fake"):
+            coll.of("world", _no_exchange)
+    coll.close()
+
+
+def test_a_start_that_fails_after_the_collectives_exist_aborts_without_waiting(tmp_path: Path) -> None:
+    from tray.rank.env import RankEnv
+    from tray.rank.wiring import Parts
+
+    join = _FakeJoin()
+    ej = _early(tmp_path, 0, join)
+    while not ej.done:
+        time.sleep(0.01)
+    groups = dict(ej._groups or {})
+    env = RankEnv(rank=0, world_size=2, local_rank=0, device=0, endpoint="", job_dir="", token="t", manifest="",
+                  backend="cuda", vars=(), t_spawn=None)
+    coll = LazyCollectives(_Joiner(), _pending(0), PhaseClock(), early=ej)  # type: ignore[arg-type]
+    Parts(env, PhaseClock(), collectives=coll, early=ej).close()
+    assert all(c.aborted and not c.closed for c in groups.values()) and join.released == 1
+    blocked = _FakeJoin(block=True)
+    (tmp_path / early.IDS_FILE).unlink()
+    ej = _early(tmp_path, 1, blocked)
+    coll = LazyCollectives(_Joiner(), _pending(1), PhaseClock(), early=ej)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    Parts(env, PhaseClock(), collectives=coll, early=ej).close()  # the join still runs: not waited for
+    assert time.monotonic() - t0 < 1.0
+    blocked.go.set()
 
 
 def test_no_ids_from_the_head_means_the_lazy_join(tmp_path: Path) -> None:
@@ -376,6 +417,12 @@ def test_the_timeline_says_when_the_ranks_join_early(tmp_path: Path, capsys) -> 
         assert "tray up in 0.500 s" in err
         assert ("NCCL: the ranks join their groups on a thread" in err) is says
         assert ("the head made their ids in 12 ms" in err) is says
+    head = _head(tmp_path, "cuda", "early")
+    head.procs = [_types.SimpleNamespace(rank=0, t_spawn=100.0)]  # type: ignore[misc]
+    head.t_go, head.nccl_ids_error = 100.5, "the head could not make NCCL ids: no libnccl"
+    head._print_timeline()
+    assert "NCCL: the ranks join at the first collective: the head could not make NCCL ids: no libnccl" in (
+        capsys.readouterr().err)
 
 
 def test_the_ids_path_reaches_the_ranks_of_a_head_that_joins_early(tmp_path: Path, monkeypatch) -> None:
@@ -388,8 +435,9 @@ def test_the_ids_path_reaches_the_ranks_of_a_head_that_joins_early(tmp_path: Pat
     assert [e[early.IDS_ENV] for e in envs] == [str(tmp_path / early.IDS_FILE)] * 2
     head = _head(tmp_path, "cuda", "lazy")
     envs.clear()
+    monkeypatch.setenv(early.IDS_ENV, "/tmp/another-tray/nccl-ids.json")  # e.g. a tray launched from a rank
     head._spawn_all(tmp_path, "ipc://x", os.getpgid(0))
-    assert all(early.IDS_ENV not in e for e in envs)
+    assert len(envs) == 2 and all(early.IDS_ENV not in e for e in envs)
 
 
 def test_the_real_join_is_imported_lazily() -> None:

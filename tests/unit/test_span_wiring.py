@@ -93,7 +93,7 @@ def wired(rank: int, offered: bytes | None = UID):
     offers = [SimpleNamespace(groups={}) for _ in range(4)]
     if offered is not None:
         offers[0].groups[LEADERS_PREFIX + "world"] = offered
-    lifecycle._join(parts, backend, joiner, SimpleNamespace(offers=offers))
+    lifecycle._join(parts, backend, joiner, SimpleNamespace(offers=offers), 60.0)
     return parts, joiner, offered_info, backend
 
 

@@ -143,7 +143,7 @@ def read_ids(path: str, rank: int, timeout_s: float) -> tuple[list[Entry] | None
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise HandshakeError(f"the head did not write the NCCL ids ({path}) within {timeout_s:g} s of this "
-                                     f"rank's start; is the head alive?") from None
+                                     f"rank's allocations; is the head alive?") from None
             time.sleep(_POLL_S)
     made_s = float(body.get("made_s", 0.0))
     if "ranks" not in body:
@@ -202,6 +202,7 @@ class EarlyJoin:
         self.waited_s: float | None = None
         self.lazy_because = ""  # why the head made no ids (the rank then joins lazily)
         self.steps: dict[str, float] = {}
+        self.step = "waiting for the rank's allocations"  # where the thread is, for a timeout's message
         self._timeout_s = timeout_s
         self._join = join
         self._entries: list[Entry] | None = None
@@ -224,11 +225,15 @@ class EarlyJoin:
             self.steps["begin"] = time.perf_counter() - t0
             if self._cancelled:
                 return
+            self.step = f"waiting for the head's NCCL ids ({self.path})"
             self._entries, self.lazy_because, self.steps["head_ids"] = read_ids(self.path, self.rank,
                                                                                  self._timeout_s)
             self.steps["ids"] = time.perf_counter() - t0
             if self._entries is not None:
+                self.step = "in ncclCommInitRank for " + ", ".join(
+                    f"{e.group} (ranks {', '.join(map(str, e.members))})" for e in self._entries)
                 self._groups, self._release = self._join(self._entries, self.ordinal, self.steps)
+                self.step = "joined"
         except BaseException as exc:  # NOTE: raised on the rank's thread by take()
             self._failure = exc
         finally:
@@ -248,19 +253,19 @@ class EarlyJoin:
         self._cancelled = True
         self._go.set()
 
-    def _wait(self, timeout_s: float, what: str) -> None:
-        if not self._done.wait(timeout_s):
-            raise DeviceError(
-                f"rank {self.rank}: the NCCL join started at start-up ({what}) did not finish within {timeout_s:g} s; "
-                "every rank of the tray passed its start, so NCCL itself is stuck (NCCL_DEBUG=INFO shows where)")
-
     def take(self, timeout_s: float = 60.0) -> dict[str, Any] | None:
         """The joined collectives by group name, or None when the head made no ids (join lazily then).
-        Waits at most `timeout_s`. Raises DeviceError (or what the join raised) when the join failed."""
-        if self._taken:
+        Waits at most `timeout_s`. Raises DeviceError (or what the join raised) when the join failed, and
+        again at every later call."""
+        if self._taken and self._failure is None:
             raise UsageError("EarlyJoin.take() called twice")
         t0 = time.perf_counter()
-        self._wait(timeout_s, "its first use")
+        if not self._done.wait(timeout_s):
+            raise DeviceError(
+                f"rank {self.rank}: the NCCL join started with the rank did not finish within {timeout_s:g} s of its "
+                f"first collective; its thread is {self.step}. Every rank of the tray passed its start, so a member "
+                "that never joined, or NCCL itself, is stuck (NCCL_DEBUG=INFO shows where; --join-collectives lazy "
+                "joins at the first collective instead)")
         self.waited_s = time.perf_counter() - t0
         self._taken = True
         if self._failure is not None:
@@ -270,11 +275,15 @@ class EarlyJoin:
                 from self._failure
         return self._groups
 
-    def matches(self, groups: Iterable[GroupInfo]) -> bool:
-        """Whether the early join joined exactly `groups` (name, members, index), the groups the rank's
-        own manifest gives it."""
+    def mismatch(self, groups: Iterable[GroupInfo]) -> str:
+        """"" when the early join joined exactly `groups` (name, members, index), the groups the rank's own
+        manifest gives it; else what differs."""
         mine = {(g.name, tuple(g.members), g.index) for g in groups}
-        return self._entries is not None and mine == {(e.group, e.members, e.index) for e in self._entries}
+        joined = {(e.group, e.members, e.index) for e in self._entries or ()}
+        if mine == joined:
+            return ""
+        fmt = lambda items: ", ".join(f"{n} {list(m)} as member {i}" for n, m, i in sorted(items)) or "none"  # noqa: E731
+        return f"the head planned {fmt(joined - mine)}; this rank's manifest gives {fmt(mine - joined)}"
 
     def release(self) -> None:
         """Drop the join's context reference (after its communicators are closed)."""
@@ -298,8 +307,9 @@ def from_environ(rank: int, ordinal: int, timeout_s: float, environ: dict[str, s
     """The early join this rank takes part in (TRAY_NCCL_IDS set by the head), started; None otherwise."""
     env = os.environ if environ is None else environ
     path = env.get(IDS_ENV)
-    if not path or env.get("TRAY_BACKEND") != "cuda":
-        return None
+    job = env.get("TRAY_JOB")
+    if not path or not job or env.get("TRAY_BACKEND") != "cuda" or Path(path).parent != Path(job):
+        return None  # only a file in this rank's own job dir: the head of this tray made it
     return EarlyJoin(path, rank, ordinal, timeout_s)
 
 

@@ -157,6 +157,7 @@ class Head:
         # the ranks join NCCL while they start (tray/collectives/early.py); the head's time making the ids
         self.early_ids = self._joins_early()
         self.t_nccl_ids: float | None = None
+        self.nccl_ids_error = ""  # why the head made no ids (the ranks then join lazily)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> TrayResult:
@@ -247,10 +248,13 @@ class Head:
         except Exception as exc:  # NOTE: an early join is an optimisation; the lazy one still works (or says why not)
             error = f"the head could not make NCCL ids: {exc}"
         self.t_nccl_ids = time.perf_counter() - t0
+        self.nccl_ids_error = error
         try:
             early_join.write_ids(path, plans, error=error, made_s=self.t_nccl_ids)
-        except OSError:
-            pass  # the tray already ended (its job dir is gone): no rank waits for the file
+        except OSError as exc:
+            if path.parent.is_dir():  # else the tray already ended (its job dir is gone): no rank waits for the file
+                _say(f"cannot write the NCCL ids for the ranks' early join to {path}: {exc.strerror}; the ranks' first "
+                     "collective will fail naming that file (--join-collectives lazy avoids it)")
 
     def _loop(self, sock: zmq.Socket, job: JobDir) -> None:
         """Supervise until every rank exited or one failure is known (the root cause)."""
@@ -712,7 +716,9 @@ class Head:
                 secs, r = tl[phase]
                 who = "the head's own start, until its first rank was spawned" if phase == "head" else f"rank {r}"
                 _say(f"  {phase:<13}{secs * 1e3:9.1f} ms  {who}")
-        if self.early_ids:
+        if self.early_ids and self.nccl_ids_error:
+            _say(f"  NCCL: the ranks join at the first collective: {self.nccl_ids_error}")
+        elif self.early_ids:
             made = f" (the head made their ids in {self.t_nccl_ids * 1e3:.0f} ms)" if self.t_nccl_ids else ""
             _say(f"  NCCL: the ranks join their groups on a thread from their allocations on{made}; the first "
                  "collective waits for what is left (--join-collectives lazy: at the first collective instead)")

@@ -55,6 +55,7 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
     (0 on the first attempt)."""
     env = dict(os.environ)
     env.pop("TRAY_JOB_TOKEN", None)  # the job's secret is for the heads only; a rank never needs it
+    env.pop("TRAY_NCCL_IDS", None)  # only this head says whether its ranks join early (a tray launched from a rank)
     env.update(dict(spec.extra_env))
     env.update({
         "TRAY_RANK": str(rank),

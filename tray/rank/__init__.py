@@ -54,6 +54,8 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
     except BaseException:
         if warmup is not None:
             warmup.release()
+        if early is not None:
+            early.cancel()
         raise
     if early is None:
         from tray.collectives import early as early_join

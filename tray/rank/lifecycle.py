@@ -97,7 +97,7 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any
     with phases.timed("import_peers"):
         _import_peers(parts, backend, table, timeout_s)
     with phases.timed("join"):
-        _join(parts, backend, joiner, table)
+        _join(parts, backend, joiner, table, timeout_s)
     with phases.timed("ready"):
         client.send(wire.Ready(token=env.token, rank=env.rank,
                                timings={k: v for k, v in phases.timings.items() if k in READY_TIMINGS}))
@@ -268,7 +268,7 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
         peer_tables[name] = PeerTable(name, g, tuple(ptrs), ptr_tables[name].ptr)
 
 
-def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table) -> None:
+def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table, timeout_s: float) -> None:
     """Every group's barrier; its collectives are set up to join on first use (LazyCollectives). The node
     leaders of spanning groups join their cross-node collectives now, all in one call (their barrier
     needs them from the first launch, which may be inside a capture)."""
@@ -287,7 +287,8 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
             group=g, join_info=b"", barrier=barriers[g.name],
             buffer=parts.buffers.get(GROUP_BUFFER_PREFIX + g.name),
             peer_buffers=parts.ptr_tables.get(GROUP_BUFFER_PREFIX + g.name)))
-    parts.collectives = LazyCollectives(joiner, joins, parts.phases, ready=relayed, early=parts.early)
+    parts.collectives = LazyCollectives(joiner, joins, parts.phases, ready=relayed, early=parts.early,
+                                        timeout_s=timeout_s)
     if pending:
         _join_leaders(parts, backend, joiner, pending)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tray.backend.base import Backend, Barrier, Collectives, DeviceBuffer, GroupInfo, PeerMapping, PtrTable
 from tray.collectives.base import GroupJoin, Joiner
-from tray.errors import UsageError
+from tray.errors import DeviceError, UsageError
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer
 from tray.manifest import Manifest, ResolvedBuffer, ResolvedManifest
@@ -116,7 +116,8 @@ class LazyCollectives:
             self._phases.timings["collectives"] = time.perf_counter() - t0
 
     def _take_early(self) -> bool:
-        """The early join's collectives as this rank's (True), or False when the join is lazy after all."""
+        """The early join's collectives as this rank's (True), or False when the head made no ids (the join
+        is lazy then, on every rank alike)."""
         early = self._early
         assert early is not None
         groups = early.take(self._timeout_s)
@@ -125,12 +126,26 @@ class LazyCollectives:
             self._phases.timings.update({f"nccl_early.{k}": v for k, v in early.steps.items()})
         if groups is None:
             return False
-        if not early.matches(j.group for j in self._pending):
-            self._close_all(list(groups.values()))
+        try:
+            differs = early.mismatch(j.group for j in self._pending)
+            if differs:
+                # NOTE: not a lazy join instead: a rank alone in the tray-wide step would wait for the others
+                raise DeviceError(f"the NCCL groups joined at start-up are not this rank's: {differs} (every rank "
+                                  "must load the manifest the head loaded)")
+            self._joined = self._joiner.adopt(self._pending, groups)
+        except BaseException:
+            for group in groups.values():
+                group.abort()
             early.release()
-            return False
-        self._joined = self._joiner.adopt(self._pending, groups)
+            raise
         return True
+
+    def abort_early(self) -> None:
+        """A start-up that failed after the collectives were made: abort what the early join finished without
+        waiting for it or for members that may be gone (close() would wait for both)."""
+        early, self._early = self._early, None
+        if early is not None:
+            _abort_early(early)
 
     def close(self) -> None:
         """Close every group's collectives at once, each on its own thread: an NCCL communicator's destroy
@@ -169,6 +184,16 @@ class LazyCollectives:
             t.join()
         if failures:
             raise failures[0]
+
+
+def _abort_early(early: EarlyJoin) -> None:
+    """Stop an early join's thread if it has not begun, abort the communicators it finished, drop its context."""
+    early.cancel()
+    try:
+        for group in early.leftovers(0.0).values():
+            group.abort()
+    finally:
+        early.release()
 
 
 def _release(collectives: LazyCollectives | None, barriers: Mapping[str, Barrier],
@@ -223,16 +248,13 @@ class Parts:
     span_local: dict[str, GroupInfo] = field(default_factory=dict)
 
     def close(self) -> None:
-        if self.collectives is None and self.early is not None:
-            # a start-up that failed: abort what the early join finished (no waiting on members that may be
-            # gone); one still running is left to the process's end
-            early, self.early = self.early, None
-            early.cancel()
-            try:
-                for group in early.leftovers(0.0).values():
-                    group.abort()
-            finally:
-                early.release()
+        # a start-up that failed: abort what the early join finished (no waiting on members that may be gone);
+        # a join still running is left to the process's end
+        if self.collectives is not None:
+            self.collectives.abort_early()
+        elif self.early is not None:
+            _abort_early(self.early)
+        self.early = None
         _release(self.collectives, self.barriers or {}, self.ptr_tables or {}, self.fd_server,
                  self.backend, self.client)
 
