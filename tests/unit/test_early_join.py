@@ -264,11 +264,9 @@ def test_first_use_takes_the_early_join_without_a_tray_wide_step(tmp_path: Path)
 def test_groups_other_than_the_manifests_are_a_named_error_and_are_aborted(tmp_path: Path) -> None:
     join = _FakeJoin()
     joiner = _Joiner()
-    ej = _early(tmp_path, 0, join, n=4)  # the head planned 4 ranks; this rank's manifest says 2
-    coll = LazyCollectives(joiner, _pending(0, n=2), PhaseClock(), early=ej)  # type: ignore[arg-type]
-    while not ej.done:
-        time.sleep(0.01)
-    groups = dict(ej._groups or {})
+    early.write_ids(tmp_path / early.IDS_FILE, early.plan(_resolved(4), range(4), _ids()))  # the head planned 4
+    ej, groups = _joined(tmp_path, 0, join)
+    coll = LazyCollectives(joiner, _pending(0, n=2), PhaseClock(), early=ej)  # type: ignore[arg-type]  # manifest: 2
     with pytest.raises(DeviceError, match=r"not this rank's: the head planned world \[0, 1, 2, 3\] as member 0; "
                                           r"this rank's manifest gives world \[0, 1\] as member 0"):
         coll.of("world", _no_exchange)  # no lazy join on one rank alone: the others would wait for it
@@ -285,17 +283,27 @@ def test_a_failed_join_fails_every_later_use_the_same_way(tmp_path: Path) -> Non
     coll.close()
 
 
-def test_a_start_that_fails_after_the_collectives_exist_aborts_without_waiting(tmp_path: Path) -> None:
+def _joined(tmp_path: Path, rank: int, join: _FakeJoin) -> tuple[early.EarlyJoin, dict]:
+    """An early join run to its end, and the communicators it made."""
+    ej = _early(tmp_path, rank, join)
+    while not ej.done:
+        time.sleep(0.01)
+    return ej, dict(ej._groups or {})
+
+
+def _rank_env():
     from tray.rank.env import RankEnv
+
+    return RankEnv(rank=0, world_size=2, local_rank=0, device=0, endpoint="", job_dir="", token="t", manifest="",
+                   backend="cuda", vars=(), t_spawn=None)
+
+
+def test_a_start_that_fails_after_the_collectives_exist_aborts_without_waiting(tmp_path: Path) -> None:
     from tray.rank.wiring import Parts
 
     join = _FakeJoin()
-    ej = _early(tmp_path, 0, join)
-    while not ej.done:
-        time.sleep(0.01)
-    groups = dict(ej._groups or {})
-    env = RankEnv(rank=0, world_size=2, local_rank=0, device=0, endpoint="", job_dir="", token="t", manifest="",
-                  backend="cuda", vars=(), t_spawn=None)
+    ej, groups = _joined(tmp_path, 0, join)
+    env = _rank_env()
     coll = LazyCollectives(_Joiner(), _pending(0), PhaseClock(), early=ej)  # type: ignore[arg-type]
     Parts(env, PhaseClock(), collectives=coll, early=ej).close()
     assert all(c.aborted and not c.closed for c in groups.values()) and join.released == 1
@@ -323,27 +331,18 @@ def test_no_ids_from_the_head_means_the_lazy_join(tmp_path: Path) -> None:
 
 def test_close_without_first_use_closes_what_the_early_join_made(tmp_path: Path) -> None:
     join = _FakeJoin()
-    ej = _early(tmp_path, 0, join)
+    ej, groups = _joined(tmp_path, 0, join)
     coll = LazyCollectives(_Joiner(), _pending(0), PhaseClock(), early=ej)  # type: ignore[arg-type]
-    while not ej.done:
-        time.sleep(0.01)
-    groups = dict(ej._groups or {})
     coll.close()
     assert groups and all(c.closed for c in groups.values()) and join.released == 1
 
 
 def test_a_failed_start_aborts_what_the_early_join_made(tmp_path: Path) -> None:
-    from tray.rank.env import RankEnv
     from tray.rank.wiring import Parts
 
     join = _FakeJoin()
-    ej = _early(tmp_path, 0, join)
-    while not ej.done:
-        time.sleep(0.01)
-    groups = dict(ej._groups or {})
-    env = RankEnv(rank=0, world_size=2, local_rank=0, device=0, endpoint="", job_dir="", token="t", manifest="",
-                  backend="cuda", vars=(), t_spawn=None)
-    Parts(env, PhaseClock(), early=ej).close()
+    ej, groups = _joined(tmp_path, 0, join)
+    Parts(_rank_env(), PhaseClock(), early=ej).close()
     assert all(c.aborted and not c.closed for c in groups.values()) and join.released == 1
 
 
