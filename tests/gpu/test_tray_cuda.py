@@ -96,7 +96,7 @@ def test_nccl_joined_early_while_ranks_start(tray_env, tmp_path):
         "programs": [{"name": "sum", "ops": [{"op": "nccl", "collective": "allreduce", "group": "world",
                                               "send": "a", "recv": "b", "count": "count", "dtype": "f32"}]}]}))
     body = """
-    import time
+    import os, time
     with tray.init() as rank:
         me, n = rank.rank, rank.world_size
         rng = np.random.default_rng(11)
@@ -112,6 +112,21 @@ def test_nccl_joined_early_while_ranks_start(tray_env, tmp_path):
         t = rank.timings
         print(f"joined {'early' if 'nccl_early' in t else 'lazily'} in {t.get('nccl_early', t['collectives']):.3f} s, "
               f"waited {t['collectives']:.3f} s")
+        # the head's id process ends by itself once its NCCL roots served every member
+        def id_process_alive():
+            for p in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{p}/cmdline", "rb") as f:  # a zombie's is empty
+                        if os.getpgid(int(p)) == os.getpgid(0) and b"tray.collectives.idmaker" in f.read():
+                            return True
+                except OSError:
+                    pass
+            return False
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5.0 and id_process_alive():
+            time.sleep(0.01)
+        print(f"id process gone after {time.monotonic() - t0:.3f} s" if time.monotonic() - t0 < 5.0 else
+              "id process still there")
     """
     n = ngpus()
     for mode, want in (("early", "early"), ("auto", "early"), ("lazy", "lazily")):
@@ -119,6 +134,7 @@ def test_nccl_joined_early_while_ranks_start(tray_env, tmp_path):
                               timeout_s=180)
         assert run.returncode == 0, run.output
         assert run.stdout.count(f"joined {want} in") == n, (mode, run.output)
+        assert run.stdout.count("id process gone after") == n, run.output
         assert ("NCCL: the ranks join their groups on a thread" in run.stderr) is (want == "early"), run.stderr
     manifest_plain = tmp_path / "plain.json"
     doc = json.loads(manifest.read_text())
@@ -129,6 +145,39 @@ def test_nccl_joined_early_while_ranks_start(tray_env, tmp_path):
     run = tray_env.launch(n, body_plain, "--manifest", str(manifest_plain), backend="cuda", timeout_s=180)
     assert run.returncode == 0, run.output
     assert run.stdout.count("joined lazily in") == n, run.output
+
+
+def test_a_tray_that_fails_before_its_ranks_join_leaves_no_nccl_root_behind(tmp_path):
+    """An early-join tray whose ranks fail before joining, twice (--max-restarts 1), run from a long-lived Python:
+    NCCL's bootstrap roots (a listening socket and a thread each) lived in the head before; now they live in the
+    head's id process, which the teardown ends with the tray."""
+    import subprocess
+
+    manifest = tmp_path / "sum.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "sum", "groups": [{"name": "world", "ranks": "all"}, {"name": "solo", "size": 1}],
+        "buffers": [{"name": "a", "dtype": "f32", "shape": [4]}, {"name": "b", "dtype": "f32", "shape": [4]}],
+        "programs": [{"name": "sum", "ops": [{"op": "nccl", "collective": "allreduce", "group": "world",
+                                              "send": "a", "recv": "b", "count": 4, "dtype": "f32"}]}]}))
+    code = f"""
+import os, sys, psutil
+from tray.launch import run_tray
+from tray.launch.spec import TraySpec
+def listening():
+    return sorted(c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN")
+def id_processes():
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if "tray.collectives.idmaker" in (p.info["cmdline"] or [])]
+before = listening()
+spec = TraySpec(nprocs={ngpus()}, cmd=(sys.executable, "-c", "import sys; sys.exit(1)"), backend="cuda",
+                manifest={str(manifest)!r}, join_collectives="early", max_restarts=1, quiet=True)
+result = run_tray(spec)
+print("attempts", result.attempts, "exit", result.exit_code)
+print("new listening sockets", [p for p in listening() if p not in before], "id processes", id_processes())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "attempts 2 exit 1" in out.stdout, out.stdout + out.stderr
+    assert "new listening sockets [] id processes []" in out.stdout, out.stdout + out.stderr
 
 
 def test_nccl_windows_on_tray_buffers(tray_env, tmp_path):

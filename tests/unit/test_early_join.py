@@ -363,28 +363,141 @@ def _head(tmp_path: Path, backend: str, mode: str | None, collective: bool = Tru
     return Head(TraySpec(nprocs=2, cmd=("true",), backend=backend, manifest=str(manifest), join_collectives=mode))
 
 
-def test_the_head_writes_every_ranks_ids_or_why_it_could_not(tmp_path: Path, monkeypatch) -> None:
-    import tray.collectives.nccl as nccl
+class _FakeIdMaker:
+    def __init__(self, ids=None, error: str = "") -> None:
+        self.t_start = time.perf_counter()
+        self.ids, self.error = ids, error
 
+    def answer(self) -> list[bytes]:
+        if self.error:
+            raise DeviceError(self.error)
+        return self.ids
+
+
+def test_the_head_writes_every_ranks_ids_or_why_it_could_not(tmp_path: Path) -> None:
     head = _head(tmp_path, "cuda", "auto")
     assert head.early_ids and not _head(tmp_path, "cuda", "lazy").early_ids
     assert not _head(tmp_path, "host", "early").early_ids and not _head(tmp_path, "cuda", "auto", False).early_ids
-    monkeypatch.setattr(early, "unique_id_maker", _ids)
+    assert early.instance_count(head.resolved, range(2)) == 1
+    head.id_maker = _FakeIdMaker([b"\x07" * 128])
     path = tmp_path / early.IDS_FILE
     head._write_nccl_ids(path)
     assert [early.read_ids(str(path), r, 1.0)[0][0].members for r in (0, 1)] == [(0, 1), (0, 1)]
+    assert early.read_ids(str(path), 1, 1.0)[0][0].uid == b"\x07" * 128
     assert head.t_nccl_ids is not None and early.read_ids(str(path), 0, 1.0)[2] == head.t_nccl_ids
-
-    def no_nccl() -> bytes:
-        raise DeviceError("nccl4py is not installed")
-
-    def no_pathfinder():
-        raise ImportError("no module named cuda.pathfinder")
-
-    monkeypatch.setattr(early, "unique_id_maker", no_pathfinder)  # the head falls back to nccl4py's call...
-    monkeypatch.setattr(nccl, "get_unique_id", no_nccl)  # ...and says why when that fails too
+    head.id_maker = _FakeIdMaker(error="no libnccl and no nccl4py")  # NCCL could not: why, and the lazy join
     head._write_nccl_ids(path)
-    assert early.read_ids(str(path), 0, 1.0)[:2] == (None, "the head could not make NCCL ids: nccl4py is not installed")
+    assert early.read_ids(str(path), 0, 1.0)[:2] == (None, "the head could not make NCCL ids: "
+                                                      "no libnccl and no nccl4py")
+    head = _head(tmp_path, "cuda", "auto")
+    head.nccl_ids_error = "the head could not start its NCCL id process (/x/python): No such file"
+    head._write_nccl_ids(path)  # no id process at all
+    assert early.read_ids(str(path), 1, 1.0)[:2] == (None, head.nccl_ids_error)
+
+
+def test_plan_asks_one_id_per_instance_as_instance_count_says() -> None:
+    resolved = _resolved(4)
+    made = []
+    early.plan(resolved, range(4), lambda: made.append(1) or bytes(128))
+    assert len(made) == early.instance_count(resolved, range(4)) == 3  # world, and two pairs
+    assert early.instance_count(resolved, [2, 3]) == 2
+
+
+# --- the head's id process (tray/collectives/idmaker.py) -------------------------------------------------------
+
+
+def _id_maker_or_skip(count: int, pgid: int):
+    from tray.collectives.idmaker import IdMaker
+
+    maker = IdMaker(count, pgid)
+    try:
+        return maker, maker.answer(30.0)
+    except DeviceError as exc:
+        maker.close()
+        if "pathfinder" in str(exc) or "nccl" in str(exc).lower():
+            pytest.skip(f"no libnccl here: {exc}")
+        raise
+
+
+def test_the_id_process_holds_its_roots_until_released_and_lives_in_the_trays_process_group() -> None:
+    """Real ids from libnccl (where cuda.pathfinder finds one): the process keeps one NCCL bootstrap root thread
+    per id while no member came, stays in the process group it was given (the tray's, which the teardown and
+    the watchdog kill), and ends when the head closes its stdin."""
+    import subprocess
+    import sys
+
+    from tray.launch.watchdog import group_members, kill_group
+
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+    try:
+        maker, ids = _id_maker_or_skip(3, leader.pid)
+        assert len(ids) == len(set(ids)) == 3 and all(len(u) == early.UNIQUE_ID_NBYTES for u in ids)
+        assert os.getpgid(maker.popen.pid) == leader.pid
+        time.sleep(0.2)
+        assert maker.popen.poll() is None  # nobody joined: the roots wait, here and not in the head
+        assert len(os.listdir(f"/proc/{maker.popen.pid}/task")) == 1 + 3
+        t0 = time.monotonic()
+        assert maker.close() == 0 and time.monotonic() - t0 < 2.0
+        maker, _ = _id_maker_or_skip(1, leader.pid)  # a tray's teardown: its process group killed
+        assert kill_group(leader.pid, frozenset()) == []  # (and reaped there: close() has no status left to read)
+        assert maker.close() is not None and not os.path.exists(f"/proc/{maker.popen.pid}")
+        assert group_members(leader.pid) == []
+    finally:
+        leader.kill()
+        leader.wait(10)
+
+
+def test_the_id_process_ends_once_its_roots_have_served_their_members() -> None:
+    from tray.collectives.idmaker import wait_for_roots
+
+    threads = [4, 4, 3, 2, 1]
+    r, w = os.pipe()
+    try:
+        assert wait_for_roots(1, r, lambda: threads.pop(0), poll_s=0.001) == "served" and threads == []
+        os.write(w, b"ignored")
+        os.close(w)
+        w = -1
+        assert wait_for_roots(1, r, lambda: 2, poll_s=0.001) == "released"
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+@pytest.mark.parametrize(("code", "says"), [
+    ("print('{\"error\": \"ncclGetUniqueId returned ncclResult 2\", \"made_s\": 0.1}')",
+     "^ncclGetUniqueId returned ncclResult 2$"),
+    ("import sys; sys.exit(3)", r"ended without ids \(exit status 3\)"),
+    ("print('{\"ids\": [\"00\"]}')", "gave 1 ids, expected 2"),
+    ("print('not json')", "answered b'not json"),
+    ("import time; time.sleep(30)", "gave no ids within 0.3 s"),
+])
+def test_the_heads_wait_for_its_id_process_is_bounded_and_says_why(code: str, says: str) -> None:
+    import re
+    import subprocess
+    import sys
+
+    from tray.collectives.idmaker import IdMaker
+
+    maker = IdMaker.__new__(IdMaker)
+    maker.count, maker.t_start = 2, time.perf_counter()
+    maker.popen = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        with pytest.raises(DeviceError) as info:
+            maker.answer(0.3 if "sleep" in code else 30.0)
+        assert re.search(says, str(info.value)), str(info.value)
+    finally:
+        maker.popen.kill()
+        maker.close()
+
+
+def test_the_id_process_refuses_a_bad_count() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tray.collectives.idmaker", "three"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "COUNT" in out.stderr and out.stdout == ""
 
 
 def test_the_heads_ids_come_from_libnccl_without_nccl4py_or_cuda() -> None:
@@ -415,7 +528,7 @@ def test_the_timeline_says_when_the_ranks_join_early(tmp_path: Path, capsys) -> 
         err = capsys.readouterr().err
         assert "tray up in 0.500 s" in err
         assert ("NCCL: the ranks join their groups on a thread" in err) is says
-        assert ("the head made their ids in 12 ms" in err) is says
+        assert ("their ids made in 12 ms by the head's id process" in err) is says
     head = _head(tmp_path, "cuda", "early")
     head.procs = [_types.SimpleNamespace(rank=0, t_spawn=100.0)]  # type: ignore[misc]
     head.t_go, head.nccl_ids_error = 100.5, "the head could not make NCCL ids: no libnccl"

@@ -5,9 +5,11 @@ bench/results/h200/nccl_lifecycle.json), and the lazy join (tray/rank/wiring.py,
 "ready", at the first collective. When a tray will use its collectives, that time can overlap the ranks'
 start instead:
 
-  1. the head makes one unique id per group instance right after spawning the ranks (ncclGetUniqueId needs
-     no CUDA: it opens NCCL's bootstrap socket in the head) and writes every rank's groups with their ids
-     to `nccl-ids.json` in the job dir (0700), whose path the ranks got as TRAY_NCCL_IDS;
+  1. the head has one unique id made per group instance right after spawning the ranks, by a process of its
+     own in the tray's process group (tray/collectives/idmaker.py: ncclGetUniqueId needs no CUDA, but leaves
+     NCCL's bootstrap root, a thread and a socket, in its caller until every member came), and writes every
+     rank's groups with their ids to `nccl-ids.json` in the job dir (0700), whose path the ranks got as
+     TRAY_NCCL_IDS;
   2. each rank, on a thread started by `tray.init()` (`EarlyJoin`), once its main thread has opened the device
      and allocated its buffers (`begin()`), reads that file, makes the device's primary context current and
      joins its groups (one ncclGroupStart/End), while the main thread offers, waits for the table, maps its
@@ -33,7 +35,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,8 +79,8 @@ def wanted(mode: str, backend: str, resolved: ResolvedManifest) -> bool:
 
 
 def unique_id_maker() -> Callable[[], bytes]:
-    """ncclGetUniqueId through ctypes, on the libnccl that nccl4py loads (cuda.pathfinder finds it), for the head:
-    without nccl4py's import (numpy, cuda.core: the head took ~0.4 s on the H200 host to make the ids through it)
+    """ncclGetUniqueId through ctypes, on the libnccl that nccl4py loads (cuda.pathfinder finds it), for the head's
+    id process: without nccl4py's import (numpy, cuda.core: ~0.4 s on the H200 host to make the ids through it)
     and without CUDA. Raises ImportError or cuda.pathfinder's error where either is missing (then
     `tray.collectives.nccl.get_unique_id`)."""
     import ctypes
@@ -100,21 +102,30 @@ def unique_id_maker() -> Callable[[], bytes]:
     return make
 
 
-def plan(resolved: ResolvedManifest, ranks: Iterable[int], make_id: Callable[[], bytes]) -> dict[int, list[Entry]]:
-    """Every rank's group instances with their ids: one `make_id()` per instance, shared by its members.
-    The instances are those `tray.rank.lifecycle` gives a rank (`resolved.group_of`), in manifest order."""
-    ids: dict[tuple[str, tuple[int, ...]], bytes] = {}
-    out: dict[int, list[Entry]] = {}
+def _instances(resolved: ResolvedManifest, ranks: Iterable[int]) -> Iterator[tuple[int, str, tuple[int, ...]]]:
+    """(rank, group, members) of every group instance of every rank in `ranks`: those `tray.rank.lifecycle`
+    gives a rank (`resolved.group_of`), in manifest order."""
     for rank in ranks:
-        entries = out[rank] = []
         for name in resolved.groups:
             members = resolved.group_of(name, rank)
-            if members is None:
-                continue
-            key = (name, tuple(members))
-            if key not in ids:
-                ids[key] = make_id()
-            entries.append(Entry(name, tuple(members), members.index(rank), ids[key]))
+            if members is not None:
+                yield rank, name, tuple(members)
+
+
+def instance_count(resolved: ResolvedManifest, ranks: Iterable[int]) -> int:
+    """How many ids `plan` asks for: one per distinct group instance of `ranks`."""
+    return len({(name, members) for _, name, members in _instances(resolved, ranks)})
+
+
+def plan(resolved: ResolvedManifest, ranks: Iterable[int], make_id: Callable[[], bytes]) -> dict[int, list[Entry]]:
+    """Every rank's group instances with their ids: one `make_id()` per instance, shared by its members."""
+    ranks = list(ranks)
+    ids: dict[tuple[str, tuple[int, ...]], bytes] = {}
+    out: dict[int, list[Entry]] = {rank: [] for rank in ranks}
+    for rank, name, members in _instances(resolved, ranks):
+        if (name, members) not in ids:
+            ids[name, members] = make_id()
+        out[rank].append(Entry(name, members, members.index(rank), ids[name, members]))
     return out
 
 
@@ -313,5 +324,5 @@ def from_environ(rank: int, ordinal: int, timeout_s: float, environ: dict[str, s
     return EarlyJoin(path, rank, ordinal, timeout_s)
 
 
-__all__ = ["IDS_ENV", "IDS_FILE", "JOIN_MODES", "EarlyJoin", "Entry", "from_environ", "plan", "read_ids",
-           "unique_id_maker", "uses_collectives", "wanted", "write_ids"]
+__all__ = ["IDS_ENV", "IDS_FILE", "JOIN_MODES", "EarlyJoin", "Entry", "from_environ", "instance_count", "plan",
+           "read_ids", "unique_id_maker", "uses_collectives", "wanted", "write_ids"]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tray.collectives import early as early_join
+from tray.collectives.idmaker import IdMaker
 from tray.envvars import join_collectives
 from tray.errors import BarrierTimeout, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S
@@ -158,6 +159,7 @@ class Head:
         self.early_ids = self._joins_early()
         self.t_nccl_ids: float | None = None
         self.nccl_ids_error = ""  # why the head made no ids (the ranks then join lazily)
+        self.id_maker: IdMaker | None = None  # the process that makes them and holds NCCL's bootstrap roots
 
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> TrayResult:
@@ -186,6 +188,8 @@ class Head:
             t0 = time.time()
             self._spawn_all(job.path, endpoint, watchdog.pgid)
             self.t_spawned = time.time() - t0
+            if self.early_ids:
+                self._start_id_maker(watchdog.pgid)  # before any thread of the head: a fork from a lone thread
             pump = OutputPump(self.procs, self.routing)
             if self.spec.backend == "cuda":
                 # NOTE: with the driver initialised in a live process (here, the head), each rank's
@@ -193,8 +197,8 @@ class Head:
                 # daemon). Started after the spawn: no thread may exist while ranks are forked.
                 threading.Thread(target=_init_driver, name="tray-driver", daemon=True).start()
             if self.early_ids:
-                # on a thread, after the driver's: made on the head's own thread, the ids delayed its driver
-                # warm-up and with it the ranks' device phase; the head binds its socket meanwhile
+                # the id process's answer read on a thread, after the driver's is started: the head binds its
+                # socket meanwhile
                 ids_thread = threading.Thread(target=self._write_nccl_ids, args=(job.path / early_join.IDS_FILE,),
                                               name="tray-nccl-ids", daemon=True)
                 ids_thread.start()
@@ -214,6 +218,8 @@ class Head:
                 watchdog.done()
             if ids_thread is not None:
                 ids_thread.join(_IDS_JOIN_S)  # it writes into the job dir: done before the dir goes
+            if self.id_maker is not None:
+                self.id_maker.close()  # killed with the tray's process group by now, or done: reaped here
             job.close()
             _set_child_subreaper(False)
             if self.master_port is not None:
@@ -232,19 +238,28 @@ class Head:
                 env[early_join.IDS_ENV] = str(job_dir / early_join.IDS_FILE)
             self.procs.append(spawn_rank(self.spec, self.rank_base + r, env, self.placements[r], process_group))
 
-    def _write_nccl_ids(self, path: Path) -> None:
-        """Every rank's NCCL groups with their unique ids, for the ranks' early join (made on a thread after the
-        spawn, while the ranks import: ncclGetUniqueId needs no CUDA). When NCCL cannot make them, the file
-        says why and every rank joins lazily; the head goes on."""
-        t0 = time.perf_counter()
-        plans = None
-        error = ""
+    def _start_id_maker(self, process_group: int) -> None:
+        """The process that makes the ids of the ranks' early join and holds their NCCL bootstrap roots
+        (tray/collectives/idmaker.py: a root left in the head by a tray that failed before its ranks joined
+        would stay until the head exits), in the tray's process group: the teardown reaches it."""
+        ranks = range(self.rank_base, self.rank_base + self.spec.nprocs)
         try:
-            try:
-                make_id = early_join.unique_id_maker()
-            except Exception:  # no cuda.pathfinder, or it finds no libnccl: nccl4py's own way
-                from tray.collectives.nccl import get_unique_id as make_id
-            plans = early_join.plan(self.resolved, range(self.rank_base, self.rank_base + self.spec.nprocs), make_id)
+            self.id_maker = IdMaker(early_join.instance_count(self.resolved, ranks), process_group)
+        except OSError as exc:
+            self.nccl_ids_error = f"the head could not start its NCCL id process ({sys.executable}): {exc.strerror}"
+
+    def _write_nccl_ids(self, path: Path) -> None:
+        """Every rank's NCCL groups with their unique ids, for the ranks' early join (made by the id process
+        while the ranks import: ncclGetUniqueId needs no CUDA). When NCCL cannot make them, the file says why
+        and every rank joins lazily; the head goes on."""
+        t0 = self.id_maker.t_start if self.id_maker is not None else time.perf_counter()
+        plans = None
+        error = self.nccl_ids_error
+        try:
+            if self.id_maker is not None:
+                ids = iter(self.id_maker.answer())
+                plans = early_join.plan(self.resolved, range(self.rank_base, self.rank_base + self.spec.nprocs),
+                                        lambda: next(ids))
         except Exception as exc:  # NOTE: an early join is an optimisation; the lazy one still works (or says why not)
             error = f"the head could not make NCCL ids: {exc}"
         self.t_nccl_ids = time.perf_counter() - t0
@@ -719,7 +734,8 @@ class Head:
         if self.early_ids and self.nccl_ids_error:
             _say(f"  NCCL: the ranks join at the first collective: {self.nccl_ids_error}")
         elif self.early_ids:
-            made = f" (the head made their ids in {self.t_nccl_ids * 1e3:.0f} ms)" if self.t_nccl_ids else ""
+            made = (f" (their ids made in {self.t_nccl_ids * 1e3:.0f} ms by the head's id process)"
+                    if self.t_nccl_ids else "")
             _say(f"  NCCL: the ranks join their groups on a thread from their allocations on{made}; the first "
                  "collective waits for what is left (--join-collectives lazy: at the first collective instead)")
 
