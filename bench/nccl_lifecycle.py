@@ -10,7 +10,8 @@ one way:
   abort              ncclCommAbort
 each with NCCL_RUNTIME_CONNECT=0 (what the launcher gives ranks, so a capture makes no connection) and =1 (NCCL's
 default). One more run with NCCL_DEBUG=INFO keeps NCCL's own account of the join (its "Init timings" line) and of
-the close. Medians; writes JSON (with the environment).
+the close, its lines stamped to the microsecond: when, after the destroy began, each of NCCL's proxy threads
+exited and the destroy completed (`close_timeline`). Medians; writes JSON (with the environment).
 
     python bench/nccl_lifecycle.py [--repeats 3] [--comms 3] [--json bench/results/h200/nccl_lifecycle.json]
 """
@@ -60,6 +61,7 @@ for _ in range(comms):
     assert got[0] == 1.0, got
     row = {"init_s": t1 - t0, "first_allreduce_s": t2 - t1}
     t3 = time.perf_counter()
+    print(f"STAMP close-begin {time.time():.6f}", flush=True)
     if close_how == "destroy":
         mod.comm_destroy(group.comm)
     elif close_how == "abort":
@@ -69,6 +71,7 @@ for _ in range(comms):
         row["finalize_s"] = time.perf_counter() - t3
         mod.comm_destroy(group.comm)
     row["close_s"] = time.perf_counter() - t3
+    print(f"STAMP close-end {time.time():.6f}", flush=True)
     group._state = "closed"  # closed here, by the call under test
     out.append(row)
 print("RESULT " + json.dumps(out), flush=True)
@@ -79,15 +82,45 @@ def run_case(close: str, runtime_connect: str, comms: int, debug: bool = False) 
     """One fresh interpreter: `comms` communicators joined, used and closed `close`'s way; its rows, and NCCL's
     own INFO lines about the join's and close's timings when `debug`."""
     env = dict(os.environ, NCCL_RUNTIME_CONNECT=runtime_connect)
-    if debug:
-        env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT")
+    if debug:  # INFO lines stamped to the microsecond on the same clock as the child's STAMP lines
+        env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,PROXY", NCCL_DEBUG_TIMESTAMP_LEVELS="INFO",
+                   NCCL_DEBUG_TIMESTAMP_FORMAT="[%s.%6f] ")
     done = subprocess.run([sys.executable, "-c", CHILD, close, str(comms)], env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{BENCH}: the {close} case failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     rows = next(json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    notes = [line for line in done.stdout.splitlines() if "timings" in line.lower() or "destroy" in line.lower()]
+    if debug:
+        stamps = [line for line in done.stdout.splitlines() if line.startswith("STAMP ")]
+        rows = [{**rows[0], "close_timeline": close_timeline(
+            [line for line in done.stdout.splitlines() if "NCCL INFO" in line], stamps)}]
+    notes = [line for line in done.stdout.splitlines() if "timings" in line.lower() or "destroy" in line.lower()
+             or "[Proxy Service" in line or "Connection closed" in line]
     return rows, notes
+
+
+CLOSE_EVENTS = ("[Proxy Service UDS] exit", "Connection closed by localRank", "Destroy COMPLETE", "close-end")
+
+
+def close_timeline(notes: list[str], stamps: list[str]) -> list[dict[str, Any]]:
+    """Milliseconds after the (first) close began at which NCCL's stamped INFO lines of the close came: its proxy
+    threads' exits and the destroy's end (from `notes`, "[epoch.micro] ... NCCL INFO ...") and the call's return
+    (`stamps`, the child's "STAMP close-begin|close-end epoch")."""
+    begin = next((float(s.split()[2]) for s in stamps if s.startswith("STAMP close-begin")), None)
+    if begin is None:
+        return []
+    out = []
+    for line in notes + stamps:
+        event = next((e for e in CLOSE_EVENTS if e in line), None)
+        if event is None:
+            continue
+        try:
+            t = float(line.split()[2]) if line.startswith("STAMP") else float(line[1:line.index("]")])
+        except ValueError:
+            continue
+        if t >= begin:
+            out.append({"ms": round((t - begin) * 1e3, 3), "event": event, "line": line.strip()[:240]})
+    return sorted(out, key=lambda e: e["ms"])
 
 
 def summarize(rows_by_round: list[list[dict]]) -> dict[str, Any]:
@@ -116,12 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         for close, rc in cases:
             rounds[(close, rc)].append(run_case(close, rc, args.comms)[0])
         print(f"{BENCH}: round {i + 1}/{args.repeats} done", flush=True)
-    stage(BENCH, 2, 2, "NCCL_DEBUG=INFO: NCCL's own account of a join and a destroy")
-    _, notes = run_case("destroy", "0", 1, debug=True)
+    stage(BENCH, 2, 2, "NCCL_DEBUG=INFO: NCCL's own account of a join and a destroy, stamped")
+    debug_rows, notes = run_case("destroy", "0", 1, debug=True)
+    timeline = debug_rows[0]["close_timeline"]
     report: dict[str, Any] = {"bench": BENCH, "repeats": args.repeats, "comms": args.comms, "ranks": 1,
                               "cases": [{"close": close, "runtime_connect": int(rc), **summarize(rounds[(close, rc)]),
                                          "rounds": rounds[(close, rc)]} for close, rc in cases],
-                              "nccl_debug": notes}
+                              "nccl_debug": notes, "close_timeline": timeline}
     print(f"{BENCH}: one-rank communicators, medians (first of a process / later ones):")
     for case in report["cases"]:
         first, later = case["first"], case.get("later", {})
@@ -132,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                  else ""))
     for line in notes:
         print(f"  NCCL: {line.strip()}")
+    print("  a destroy, ms after it began (NCCL_DEBUG=INFO, stamped):")
+    for e in timeline:
+        print(f"    {e['ms']:9.3f}  {e['event']}")
     write_report(report, args.json)
     return 0
 
