@@ -21,6 +21,7 @@
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
 # TP_ARGS: extra arguments to the tp stage (e.g. "--no-nccl-windows", if NCCL refuses the window registration).
 # TRAY_JOIN_COLLECTIVES (auto, early, lazy) reaches every tray the stages start, the benches' among them.
+# TORCH_K: a pytest -k expression for the torch stage, whose tests then also print their output (-s).
 # TESTS_K: a pytest -k expression for the tests stage (all GPU tests without it); STARTUP_ARGS: the startup
 # bench's arguments after -n and --backend (default "--repeats 3").
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json:
@@ -69,7 +70,7 @@ torch_stage() {  # the installed wheel inside torch programs; JSON from pytest's
     local junit="$LOGS/torch.xml"
     rm -f "$junit"
     NCCL_DEBUG=WARN timeout -k 5 200 $TORCH_PY -P -m pytest -q -m gpu tests/gpu/test_torch.py -p no:cacheprovider \
-        --timeout 60 --junitxml "$junit"
+        --timeout 60 --junitxml "$junit" ${TORCH_K:+-s -k "$TORCH_K"}
     local rc=$?
     $TORCH_PY -P - "$junit" "$OUT/torch.json" <<'PYEOF'
 import json, platform, subprocess, sys, xml.etree.ElementTree as ET

@@ -100,12 +100,12 @@ def _rank_logs(log_dir: Path) -> str:
     return "\n".join(parts) or "(no rank logs)"
 
 
-def _launch(tray_env, body: str, *args: str, n: int | None = None):
+def _launch(tray_env, body: str, *args: str, n: int | None = None, min_gpus: int = 2):
     """Run `body` on n GPUs under `tray launch`; on failure the message holds the last TAIL_LINES lines of
     the ranks' stderr (faulthandler's stacks when a rank hung)."""
     n = n or ngpus()
-    if n < 2:
-        pytest.skip(f"needs 2 GPUs, {n} visible")
+    if n < min_gpus:
+        pytest.skip(f"needs {min_gpus} GPUs, {n} visible")
     log_dir = tray_env.tmp / "rank-logs"
     try:
         run = tray_env.launch(n, _HEAD + body, "--log-dir", str(log_dir), *args, backend="cuda",
@@ -270,6 +270,63 @@ def test_torch_graph_capture_after_an_early_nccl_join(tray_env, manifest):
     n, run = _launch(tray_env, _graph_program("allreduce"), "--manifest", manifest, "--join-collectives", "early")
     assert run.stdout.count(f"graph ok {n}") == n, _tail(run.output)
     assert "NCCL: the ranks join their groups on a thread" in run.stderr, _tail(run.stderr)
+
+
+_CAPTURE_DURING_THE_JOIN = """
+import tray.backend.cuda.driver as drv
+if {unrelaxed}:                                       # the join's thread left in the default GLOBAL mode
+    drv.thread_capture_mode_relaxed = lambda: None
+    drv.thread_capture_mode_restore = lambda previous: None
+with tray.init() as rank:
+    me, n = rank.rank, rank.world_size
+    early = rank._wiring.collectives._early
+    joining = early is not None and not early.done
+    y = torch.zeros(1024, device=device)
+    graph = torch.cuda.CUDAGraph()
+    say("capture")
+    try:
+        with torch.cuda.graph(graph):                 # GLOBAL mode, torch's default, begun while NCCL joins
+            y.add_(1.0)
+            time.sleep(1.5)                           # open long after the join's ~0.4 s
+            y.mul_(3.0)
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+        captured = "ok" if bool(torch.all(y == 12.0)) else f"wrong {{y[:2].tolist()}}"
+    except Exception as exc:
+        captured = f"{{type(exc).__name__}}: {{str(exc).splitlines()[0][:160]}}"
+    try:
+        s = torch.from_dlpack(rank.buffer("s"))
+        s.fill_(float(me + 1)); torch.cuda.synchronize()
+        rank.collectives("world").allreduce(rank.buffer("s").ptr, rank.buffer("s").ptr, 8, "f32")
+        rank.synchronize()
+        joined = "ok" if s.tolist() == [n * (n + 1) / 2] * 8 else f"wrong {{s.tolist()}}"
+    except Exception as exc:
+        joined = f"{{type(exc).__name__}}: {{str(exc).splitlines()[0][:160]}}"
+    print(f"joining at capture {{joining}}; capture {{captured}}; collectives {{joined}}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("relaxed", [True, False], ids=["relaxed", "global"])
+def test_a_global_torch_capture_while_nccl_joins_early(tray_env, manifest, relaxed):
+    """A torch.cuda.graph capture (GLOBAL mode) begun right after tray.init(), while the early join's thread is
+    still in ncclCommInitRank. tray relaxes that thread's capture mode, so the capture and the join both succeed.
+    With the thread left in GLOBAL mode ("global", the join's calls are prohibited while the capture is open)
+    the test records what breaks; it may only pass where neither does."""
+    body = _CAPTURE_DURING_THE_JOIN.format(unrelaxed=not relaxed)
+    proc_n = ngpus()
+    if proc_n < 1:
+        pytest.skip("needs a GPU")
+    log_dir = tray_env.tmp / "rank-logs"
+    run = tray_env.launch(proc_n, _HEAD + body, "--manifest", manifest, "--join-collectives", "early",
+                          "--log-dir", str(log_dir), backend="cuda", timeout_s=LAUNCH_BOUND_S)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("joining at capture")]
+    print("\n".join(lines))
+    assert len(lines) == proc_n, _tail(run.output)
+    assert all(line.startswith("joining at capture True") for line in lines), lines  # the overlap happened
+    if relaxed:
+        assert run.returncode == 0, _tail(run.output)
+        assert all(line.endswith("capture ok; collectives ok") for line in lines), lines
 
 
 def test_torch_graph_kept_past_close_does_not_hang_it(tray_env, manifest, monkeypatch):

@@ -187,7 +187,14 @@ def _nccl_join(entries: Sequence[Entry], ordinal: int, steps: dict[str, float]) 
         _nccl()
         t2 = time.perf_counter()
         steps["import"] = t2 - t1
-        groups = join_all([(GroupInfo(e.group, e.members, e.index), e.uid) for e in entries], 0, ordinal)
+        # NOTE: the rank's program may begin a CUDA graph capture in GLOBAL mode (torch.cuda.graph's default)
+        # while this runs: that mode prohibits allocations and module loads on every thread that has not relaxed
+        # its own mode, so the join's calls would fail and invalidate the program's capture
+        previous = drv.thread_capture_mode_relaxed()
+        try:
+            groups = join_all([(GroupInfo(e.group, e.members, e.index), e.uid) for e in entries], 0, ordinal)
+        finally:
+            drv.thread_capture_mode_restore(previous)
         steps["init"] = time.perf_counter() - t2
     except BaseException:
         drv.primary_ctx_release(device)

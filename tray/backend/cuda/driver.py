@@ -330,6 +330,19 @@ def stream_begin_capture(stream: Any) -> None:
     _drv("cuStreamBeginCapture", stream, mode, what="THREAD_LOCAL")
 
 
+def thread_capture_mode_relaxed() -> Any:
+    """Make this thread's stream capture mode RELAXED (cuThreadExchangeStreamCaptureMode): a capture another
+    thread began in GLOBAL mode (torch.cuda.graph's default) no longer prohibits this thread's allocations and
+    module loads. Returns the previous mode, for `thread_capture_mode_restore`."""
+    relaxed = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    return _drv("cuThreadExchangeStreamCaptureMode", relaxed, what="RELAXED")
+
+
+def thread_capture_mode_restore(previous: Any) -> None:
+    """Put back the mode `thread_capture_mode_relaxed` returned."""
+    _drv("cuThreadExchangeStreamCaptureMode", previous, what=str(getattr(previous, "name", previous)))
+
+
 def stream_end_capture(stream: Any) -> Any:
     """The captured graph (None if the capture was invalidated and the driver returned none)."""
     return _drv("cuStreamEndCapture", stream)
