@@ -29,6 +29,7 @@ from tray.errors import DeviceError
 
 ANSWER_TIMEOUT_S = 20.0  # the head's wait for the ids; past it the ranks join lazily (a loaded host's start)
 _POLL_S = 0.02  # how often the process looks whether its roots are done
+_EXIT_WAIT_S = 1.0  # for the exit status of a process whose stdout ended without ids
 
 
 def thread_count() -> int:
@@ -105,7 +106,10 @@ class IdMaker:
                                   f"{timeout_s:g} s")
             chunk = os.read(fd, 65536)
             if not chunk:
-                rc = self.popen.poll()
+                try:
+                    rc: int | None = self.popen.wait(timeout=_EXIT_WAIT_S)  # its stdout ended: it exits, or was killed
+                except subprocess.TimeoutExpired:
+                    rc = None
                 raise DeviceError(f"the head's NCCL id process (pid {self.popen.pid}) ended without ids"
                                   + (f" (exit status {rc})" if rc is not None else "") + "; its stderr is the head's")
             line += chunk
