@@ -188,8 +188,9 @@ def _nccl_join(entries: Sequence[Entry], ordinal: int, steps: dict[str, float]) 
         t2 = time.perf_counter()
         steps["import"] = t2 - t1
         # NOTE: the rank's program may begin a CUDA graph capture in GLOBAL mode (torch.cuda.graph's default)
-        # while this runs: that mode prohibits allocations and module loads on every thread that has not relaxed
-        # its own mode, so the join's calls would fail and invalidate the program's capture
+        # while this runs: that mode prohibits unsafe calls on every thread that has not relaxed its own. With
+        # this thread in GLOBAL mode, such a capture failed and so did the join (ncclUnhandledCudaError), one H200:
+        # tests/gpu/test_torch.py -k global_torch_capture
         previous = drv.thread_capture_mode_relaxed()
         try:
             groups = join_all([(GroupInfo(e.group, e.members, e.index), e.uid) for e in entries], 0, ordinal)
