@@ -21,7 +21,7 @@
 # EP_ARGS: extra arguments to the ep-moe and ep-moe-cublas stages (e.g. "--nccl-timing captured").
 # TP_ARGS: extra arguments to the tp stage (e.g. "--no-nccl-windows", if NCCL refuses the window registration).
 # TRAY_JOIN_COLLECTIVES (auto, early, lazy) reaches every tray the stages start, the benches' among them.
-# TORCH_K: a pytest -k expression for the torch stage, whose tests then also print their output (-s).
+# TORCH_K: a pytest -k expression for the torch stage ($OUT/torch.json keeps what each test printed).
 # TESTS_K: a pytest -k expression for the tests stage (all GPU tests without it); STARTUP_ARGS: the startup
 # bench's arguments after -n and --backend (default "--repeats 3").
 # `nodes2` runs two `tray launch --nnodes 2` over half the GPUs each (scripts/gpu-nodes2.sh; $OUT/nodes2.json:
@@ -70,10 +70,10 @@ torch_stage() {  # the installed wheel inside torch programs; JSON from pytest's
     local junit="$LOGS/torch.xml"
     rm -f "$junit"
     NCCL_DEBUG=WARN timeout -k 5 200 $TORCH_PY -P -m pytest -q -m gpu tests/gpu/test_torch.py -p no:cacheprovider \
-        --timeout 60 --junitxml "$junit" ${TORCH_K:+-s -k "$TORCH_K"}
+        --timeout 60 --junitxml "$junit" -o junit_logging=system-out ${TORCH_K:+-k "$TORCH_K"}
     local rc=$?
     $TORCH_PY -P - "$junit" "$OUT/torch.json" <<'PYEOF'
-import json, platform, subprocess, sys, xml.etree.ElementTree as ET
+import json, os, platform, subprocess, sys, xml.etree.ElementTree as ET
 import torch, tray
 tests = []
 try:
@@ -91,8 +91,10 @@ for case in cases:
             detail = (node.get("message") or "")[:2000]
             tail = (node.text or "").splitlines()[-80:]  # the ranks' stderr tail (faulthandler stacks)
             break
+    out = case.find("system-out")  # what the test printed (-o junit_logging=system-out)
     tests.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
-                  "detail": detail, "tail": tail})
+                  "detail": detail, "tail": tail,
+                  "stdout": [] if out is None else (out.text or "").strip().splitlines()[-20:]})
     print(f"{outcome:8} {float(case.get('time', 0)):6.1f} s  {case.get('name')}")
 try:
     gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
@@ -101,7 +103,7 @@ except OSError:
     gpus = []
 json.dump({"stage": "torch", "tests": tests, "passed": sum(t["outcome"] == "passed" for t in tests),
            "env": {"python": platform.python_version(), "torch": torch.__version__, "tray": tray.__file__,
-                   "gpus": gpus}}, open(sys.argv[2], "w"), indent=2)
+                   "gpus": gpus, "commit": os.environ.get("TRAY_COMMIT", "")}}, open(sys.argv[2], "w"), indent=2)
 print(f"wrote {sys.argv[2]}: {sum(t['outcome'] == 'passed' for t in tests)}/{len(tests)} passed")
 PYEOF
     return $rc
