@@ -84,11 +84,12 @@ class IdMaker:
 
     def __init__(self, count: int, process_group: int) -> None:
         env = dict(os.environ)  # NCCL_SOCKET_IFNAME and the like choose the roots' address, as in the head
+        # this tray, whatever the working directory holds (-P: no cwd on sys.path)
         package_parent = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
         self.count = count
         self.t_start = time.perf_counter()
-        self.popen = subprocess.Popen([sys.executable, "-m", "tray.collectives.idmaker", str(count)],
+        self.popen = subprocess.Popen([sys.executable, "-P", "-m", "tray.collectives.idmaker", str(count)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=process_group,
                                       env=env, close_fds=True)
 

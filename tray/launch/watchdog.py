@@ -87,7 +87,8 @@ class Watchdog:
         env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "tray.launch.watchdog", str(root), job_name, str(read_fd), str(lock_fd)],
+                [sys.executable, "-P", "-m", "tray.launch.watchdog", str(root), job_name, str(read_fd),
+                 str(lock_fd)],
                 stdin=subprocess.DEVNULL, pass_fds=(read_fd, lock_fd), process_group=0, env=env,
             )
         except BaseException:
