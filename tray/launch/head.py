@@ -254,7 +254,7 @@ class Head:
         and every rank joins lazily; the head goes on."""
         t0 = self.id_maker.t_start if self.id_maker is not None else time.perf_counter()
         plans = None
-        error = self.nccl_ids_error
+        error = self.nccl_ids_error or ("" if self.id_maker is not None else "the head started no NCCL id process")
         try:
             if self.id_maker is not None:
                 ids = iter(self.id_maker.answer())
