@@ -5,6 +5,14 @@
 #   scripts/gpu-run.sh tests gate bench-barrier bench-startup doctor
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
+# A 4-GPU pass (nvidia-h200-x4; results to bench/results/h200x4/ and h200x4-2nodes/), in calls of at most ~9 min:
+#   1. N=4 TESTS_K=early scripts/gpu-run.sh tests       the early NCCL join at 4 ranks (~15 s); should it fail,
+#                                                       export TRAY_JOIN_COLLECTIVES=lazy for every later stage
+#   2. N=4 scripts/gpu-run.sh ep-moe bench-barrier      EP4 and the barrier beside torch's SymmetricMemory
+#   3. N=4 scripts/gpu-run.sh tp bench-startup          the TP sweep with NCCL's window kernels; launch -> 4 ready
+#   4. EP_NODES_N=4 scripts/gpu-run.sh ep-nodes2; TP_NODES_N=4 scripts/gpu-run.sh tp-nodes2; N=4 ... nodes2
+#   5. N=4 scripts/gpu-run.sh tests torch               every GPU test at 4 ranks
+#
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-wgmma ep-moe-nccl24
 # ep-moe-worst ep-ll-phases
 # ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu
