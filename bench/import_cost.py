@@ -8,9 +8,6 @@ run (the page cache warm); medians:
   rank          spawn -> `tray.rank` imported (what a rank has loaded when its handshake starts: the startup
                 bench's "import" phase), then the backend's modules (imported in its "device" phase)
   rank+warmup   the same with `DriverWarmup(0)` started first, as `tray.init` does (cuda only); then its wait
-  rank+warmup_bindings
-                the same with the warm-up made as before 2026-12-01, through the bindings (the thread first
-                imports tray.backend.cuda.driver, then cuInit and the context through it): the baseline
   warmup        `DriverWarmup(0)` alone, waited for: cuInit and the primary context on a thread (cuda only)
 Then `-X importtime` of the `rank` case: the top-level modules by cumulative time, and the slowest modules
 below them. Writes JSON (with the environment).
@@ -37,35 +34,12 @@ TIMEOUT_S = 120.0
 CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
-backend, warm, only_warmup = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+backend, warm, only_warmup = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 out = {}
 warmup = None
-if warm == "1":
+if warm:
     from tray.backend.cuda import DriverWarmup
     warmup = DriverWarmup(0)
-elif warm == "bindings":
-    import threading
-
-    class BindingsWarmup:  # the warm-up as tray made it before: through the bindings, imported on the thread
-        def __init__(self):
-            self.seconds = None
-            self.thread = threading.Thread(target=self.run, daemon=True)
-            self.thread.start()
-
-        def run(self):
-            t = time.perf_counter()
-            from tray.backend.cuda import driver as drv
-            drv.init()
-            self.device = drv.device_get(0)
-            drv.primary_ctx_retain(self.device)
-            self.seconds = time.perf_counter() - t
-
-        def release(self, timeout_s):
-            self.thread.join(timeout_s)
-            from tray.backend.cuda import driver as drv
-            drv.primary_ctx_release(self.device)
-
-    warmup = BindingsWarmup()
 if not only_warmup:
     import tray.rank
     out["t_rank"] = time.time()
@@ -86,13 +60,11 @@ print(json.dumps(out))
 """
 
 
-def run_child(backend: str, warm: bool | str, only_warmup: bool = False, importtime: bool = False) -> dict[str, Any]:
+def run_child(backend: str, warm: bool, only_warmup: bool = False, importtime: bool = False) -> dict[str, Any]:
     """One fresh interpreter; its JSON line with `spawn_to_rank_s` / `spawn_to_end_s` (wall, from before the
-    spawn) added, and its -X importtime lines as `importtime` when asked. `warm`: True (tray's DriverWarmup),
-    "bindings" (the warm-up through the bindings, the baseline) or False (none)."""
-    how = warm if isinstance(warm, str) else ("1" if warm else "0")
-    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-c", CHILD, backend, how,
-           "1" if only_warmup else "0"]
+    spawn) added, and its -X importtime lines as `importtime` when asked."""
+    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-c", CHILD, backend,
+           "1" if warm else "0", "1" if only_warmup else "0"]
     t0 = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     if done.returncode != 0:
@@ -150,18 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     backend = args.backend or detect_backend()
     t_start = time.monotonic()
-    cases: dict[str, list[dict[str, Any]]] = {"bare": [], "rank": [], "rank+warmup": [], "rank+warmup_bindings": [],
-                                              "warmup": []}
-    more = ", rank+warmup, rank+warmup_bindings, warmup" if backend == "cuda" else ""
+    cases: dict[str, list[dict[str, Any]]] = {"bare": [], "rank": [], "rank+warmup": [], "warmup": []}
     stage(BENCH, 1, STAGES, f"{args.repeats} rounds of fresh interpreters, {backend} backend "
-                            f"(bare, rank{more}), interleaved")
+                            f"(bare, rank{', rank+warmup, warmup' if backend == 'cuda' else ''}), interleaved")
     run_child(backend, False)  # untimed: the page cache warm, as for the startup bench's timed runs
     for _ in range(args.repeats):
         cases["bare"].append({"spawn_to_end_s": bare_start()})
         cases["rank"].append(run_child(backend, False))
         if backend == "cuda":
             cases["rank+warmup"].append(run_child(backend, True))
-            cases["rank+warmup_bindings"].append(run_child(backend, "bindings"))
             cases["warmup"].append(run_child(backend, True, only_warmup=True))
     t0 = stage(BENCH, 2, STAGES, "-X importtime of the rank case")
     profile = summarize_importtime(run_child(backend, False, importtime=True)["importtime"])
@@ -183,13 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  the same with the driver warm-up running  {w['spawn_to_rank_s'] * 1e3:7.1f} ms "
               f"(imports {w['rank_s'] * 1e3:.1f} ms, backend {w['backend_s'] * 1e3:.1f} ms, then waited "
               f"{w['warmup_wait_s'] * 1e3:.1f} ms for the warm-up of {w['warmup_s'] * 1e3:.1f} ms)")
-        if "rank+warmup_bindings" in summary:
-            b = summary["rank+warmup_bindings"]
-            print(f"  ... with the warm-up through the bindings {b['spawn_to_rank_s'] * 1e3:7.1f} ms "
-                  f"(imports {b['rank_s'] * 1e3:.1f} ms, backend {b['backend_s'] * 1e3:.1f} ms, then waited "
-                  f"{b['warmup_wait_s'] * 1e3:.1f} ms for the warm-up of {b['warmup_s'] * 1e3:.1f} ms); spawn -> end "
-                  f"{w['spawn_to_end_s'] * 1e3:.1f} against {b['spawn_to_end_s'] * 1e3:.1f} ms "
-                  f"({w['spawn_to_end_s'] / b['spawn_to_end_s']:.2f})")
         print(f"  the warm-up alone                        {a['warmup_s'] * 1e3:7.1f} ms "
               f"(spawn -> done {a['spawn_to_end_s'] * 1e3:.1f} ms)")
     print(f"  -X importtime: {profile['total_ms']:.1f} ms in all; top level: " +

@@ -40,36 +40,28 @@ def _identical_gpus() -> bool:
 
 class DriverWarmup:
     """cuInit and device `ordinal`'s primary context, made on a thread while the rank still imports its
-    Python modules: ~0.3 s of driver work overlaps the imports instead of following them. The context stays
-    retained until `release()`, called once the backend retained its own, so the driver never tears it down in
-    between. A failure here is kept quiet: the backend's own open meets it again and reports it with its
-    context.
-
-    The thread calls libcuda through ctypes, not through the bindings (driver.py, the checked facade, which
-    the backend uses from its open on): ctypes releases the GIL for each call and needs no import beside
-    the main thread's, where importing the bindings first made the warm-up contend with those imports for the
-    GIL (bench/import_cost.py, its `rank+warmup` cases)."""
+    Python modules: ~0.4 s of driver work (HARDWARE.md: cuInit 265 ms, context 129 ms) overlaps the
+    imports instead of following them. The context stays retained until `release()`, called once the
+    backend retained its own, so the driver never tears it down in between. A failure here is kept
+    quiet: the backend's own open meets it again and reports it with its context."""
 
     def __init__(self, ordinal: int) -> None:
         self.ordinal = ordinal
         self.seconds: float | None = None  # how long the warm-up took on its thread
-        self._device: int | None = None
-        self._lib: Any = None
+        self._device: Any = None
         self._thread = threading.Thread(target=self._run, name="tray-driver-warmup", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            import ctypes
+            from tray.backend.cuda import driver as drv
 
-            lib = ctypes.CDLL("libcuda.so.1")
-            device, ctx = ctypes.c_int(), ctypes.c_void_p()
-            # NOTE: a non-zero CUresult ends the warm-up quietly; CudaBackend.open meets it again and reports it
-            if (lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(device), self.ordinal) == 0
-                    and lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) == 0):
-                self._lib, self._device = lib, device.value
-        except OSError:  # no libcuda: the backend's open says so
+            drv.init()
+            device = drv.device_get(self.ordinal)
+            drv.primary_ctx_retain(device)
+            self._device = device
+        except Exception:  # NOTE: reported by CudaBackend.open, which meets the same failure
             pass
         finally:
             self.seconds = time.perf_counter() - t0
@@ -79,7 +71,9 @@ class DriverWarmup:
         self._thread.join(timeout_s)
         device, self._device = self._device, None
         if device is not None:
-            self._lib.cuDevicePrimaryCtxRelease_v2(device)
+            from tray.backend.cuda import driver as drv
+
+            drv.primary_ctx_release(device)
 
 
 def visible_gpu_count() -> int:
