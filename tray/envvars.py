@@ -1,10 +1,13 @@
-"""TRAY_* settings that the head and the ranks both read from the environment. Light (no numpy, no zmq): the
-head checks them before it spawns anything, and importing `tray.rank` for that would cost the head ~50 ms of
-imports before its first rank starts."""
+"""TRAY_* settings that the head and the ranks both read from the environment, and the environment of the
+head's own helper processes. Light (no numpy, no zmq): the head checks them before it spawns anything, and
+importing `tray.rank` for that would cost the head ~50 ms of imports before its first rank starts."""
 
 from __future__ import annotations
 
 import math
+import os
+import sys
+from pathlib import Path
 
 from tray.errors import UsageError
 
@@ -33,3 +36,11 @@ def join_collectives(flag: str | None, text: str | None) -> str:
         where = "--join-collectives" if flag is not None else "TRAY_JOIN_COLLECTIVES"
         raise UsageError(f"{where} must be one of {', '.join(JOIN_MODES)}, got {value!r}")
     return value
+
+
+def own_module(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run `python -P -m <module> <args>` of this very tray (its package first on
+    PYTHONPATH; -P: no tray/ in the working directory shadows it): the head's watchdog and NCCL id process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    return [sys.executable, "-P", "-m", module, *args], env

@@ -100,12 +100,12 @@ def _rank_logs(log_dir: Path) -> str:
     return "\n".join(parts) or "(no rank logs)"
 
 
-def _launch(tray_env, body: str, *args: str, n: int | None = None, min_gpus: int = 2):
+def _launch(tray_env, body: str, *args: str, n: int | None = None):
     """Run `body` on n GPUs under `tray launch`; on failure the message holds the last TAIL_LINES lines of
     the ranks' stderr (faulthandler's stacks when a rank hung)."""
     n = n or ngpus()
-    if n < min_gpus:
-        pytest.skip(f"needs {min_gpus} GPUs, {n} visible")
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, {n} visible")
     log_dir = tray_env.tmp / "rank-logs"
     try:
         run = tray_env.launch(n, _HEAD + body, "--log-dir", str(log_dir), *args, backend="cuda",

@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+from tray.envvars import own_module
 from tray.errors import DeviceError
 
 ANSWER_TIMEOUT_S = 20.0  # the head's wait for the ids; past it the ranks join lazily (a loaded host's start)
@@ -83,14 +83,11 @@ class IdMaker:
     tray's teardown and its watchdog reach it. `answer()` gives the ids; `close()` ends and reaps it."""
 
     def __init__(self, count: int, process_group: int) -> None:
-        env = dict(os.environ)  # NCCL_SOCKET_IFNAME and the like choose the roots' address, as in the head
-        # this tray, whatever the working directory holds (-P: no cwd on sys.path)
-        package_parent = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+        # the head's environment: NCCL_SOCKET_IFNAME and the like choose the roots' address, as in the head
+        cmd, env = own_module("tray.collectives.idmaker", str(count))
         self.count = count
         self.t_start = time.perf_counter()
-        self.popen = subprocess.Popen([sys.executable, "-P", "-m", "tray.collectives.idmaker", str(count)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=process_group,
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=process_group,
                                       env=env, close_fds=True)
 
     def answer(self, timeout_s: float = ANSWER_TIMEOUT_S) -> list[bytes]:

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from tray.envvars import own_module
 from tray.launch.jobdir import SetupError, open_root
 from tray.launch.shm import remove_recorded_shm
 
@@ -82,15 +83,10 @@ class Watchdog:
     def __init__(self, root: Path, job_name: str, lock_fd: int) -> None:
         read_fd, self._write_fd = os.pipe()
         os.set_inheritable(lock_fd, True)
-        package_parent = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+        cmd, env = own_module("tray.launch.watchdog", str(root), job_name, str(read_fd), str(lock_fd))
         try:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-P", "-m", "tray.launch.watchdog", str(root), job_name, str(read_fd),
-                 str(lock_fd)],
-                stdin=subprocess.DEVNULL, pass_fds=(read_fd, lock_fd), process_group=0, env=env,
-            )
+            self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(read_fd, lock_fd), process_group=0,
+                                          env=env)
         except BaseException:
             os.close(self._write_fd)
             raise
