@@ -17,6 +17,7 @@
 # ep-moe-worst ep-ll-phases
 # ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
+# shared-gate shared-stress shared-drop shared-ep shared-tp shared-tests (N ranks sharing the visible GPUs)
 # bench-barrier bench-startup import-cost nccl-lifecycle launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `nccl-lifecycle` (one GPU, ~60 s): 1-rank NCCL communicators joined and closed three ways, with NCCL_RUNTIME_CONNECT
 # 0 and 1, and NCCL's own INFO account of a join ($OUT/nccl_lifecycle.json).
@@ -170,6 +171,14 @@ for s in "${STAGES[@]}"; do
         doctor) stage doctor 120 $PY -m tray doctor --json; cp "$LOGS/doctor.log" "$OUT/doctor.json" ;;
         unit) stage unit 300 $PY -m pytest -q -x tests/gpu/test_cuda_backend.py ;;
         tests) stage tests 300 $PY -m pytest -q -m gpu tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
+        # N ranks sharing the visible GPUs (TRAY_SHARE_GPUS=1: rank r on GPU r mod G, time-sliced, NCCL over sockets):
+        # the multi-rank paths checked for correctness on fewer GPUs than ranks; their timings mean nothing
+        shared-gate) stage shared_gate 120 env TRAY_SHARE_GPUS=1 $PY -m tray gate peer-barrier -n "$N" --backend cuda --iters 50 --json "$OUT/shared_gate.json" ;;
+        shared-stress) stage shared_stress 150 env TRAY_SHARE_GPUS=1 $PY -m tray gate peer-barrier -n "$N" --backend cuda --stress --iters 100 --replays 3 --json "$OUT/shared_gate_stress.json" ;;
+        shared-drop) stage shared_drop 90 env TRAY_SHARE_GPUS=1 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/shared_gate_drop.json" ;;
+        shared-ep) stage_live shared_ep 240 env TRAY_SHARE_GPUS=1 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm ${EP_GEMM:-auto} --repeats 3 --json "$OUT/shared_ep_moe.json" ;;
+        shared-tp) stage_live shared_tp 240 env TRAY_SHARE_GPUS=1 $PY -m tray bench tp -n "$N" --backend cuda --sizes 8,1040,65536,4194304 --tokens 1,16 --hidden 1024 --ffn 4096 --repeats 3 --json "$OUT/shared_tp.json" ;;
+        shared-tests) stage shared_tests 420 env TRAY_SHARE_GPUS=1 $PY -m pytest -q -m gpu tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
         gate) stage gate 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;
         stress) stage stress 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --stress --iters 1000 --replays 9 --json "$OUT/gate_stress.json" ;;
         drop) stage drop 60 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;

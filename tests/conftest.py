@@ -135,6 +135,15 @@ def visible_gpus() -> int:
     return visible_gpu_count()
 
 
+def gpu_ranks(limit: int = 4) -> int:
+    """How many ranks a GPU test runs: one per visible GPU up to `limit`; with TRAY_SHARE_GPUS=1 (ranks take turns
+    on fewer GPUs: the multi-rank paths checked on one GPU) `limit` whenever a GPU is visible."""
+    gpus = visible_gpus()
+    if gpus and os.environ.get("TRAY_SHARE_GPUS", "").strip().lower() in ("1", "true", "yes"):
+        return limit
+    return min(limit, gpus)
+
+
 def slurm_cluster() -> str | None:
     """None when a Slurm cluster answers `sinfo`; otherwise why not."""
     try:

@@ -16,12 +16,12 @@ from tray.errors import TrayError, UsageError
 EXIT_USAGE = 2
 
 
-def _backend_and_n(backend: str | None, nprocs: int | None) -> tuple[str, int]:
-    """The tray's backend and size, checked against the visible GPUs before anything is spawned; a warning
-    when the ranks outnumber the cores."""
+def _backend_and_n(backend: str | None, nprocs: int | None, share: bool | None = None) -> tuple[str, int]:
+    """The tray's backend and size, checked against the visible GPUs before anything is spawned (`share`: ranks
+    may share them; None: TRAY_SHARE_GPUS); a warning when the ranks outnumber the cores."""
     from tray.launch.pick import backend_and_nprocs, warn_if_oversubscribed
 
-    chosen, n = backend_and_nprocs(backend, nprocs)
+    chosen, n = backend_and_nprocs(backend, nprocs, share)
     warn_if_oversubscribed(n)
     return chosen, n
 
@@ -72,7 +72,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if job is not None and args.max_restarts:
         raise UsageError("--max-restarts restarts one tray; a job of several nodes restarts as a whole, under its "
                          "scheduler (e.g. sbatch --requeue), so drop --max-restarts with --nnodes")
-    backend, nprocs = _backend_and_n(args.backend, job.nproc_per_node if job else args.nprocs)
+    backend, nprocs = _backend_and_n(args.backend, job.nproc_per_node if job else args.nprocs, args.share_gpus)
     tee, redirects = parse_streams("--tee", args.tee, nprocs), parse_streams("--redirects", args.redirects, nprocs)
     ranks = parse_ranks_filter(args.local_ranks_filter, nprocs)
     Routing(log_dir=args.log_dir, tee=tee, redirects=redirects)  # refuses --tee/--redirects without --log-dir
@@ -86,13 +86,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
                     heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
                     redirects=redirects, local_ranks_filter=ranks, barrier_timeout_s=args.barrier_timeout_s,
-                    max_restarts=args.max_restarts, launched_at=process_started_at(),
+                    max_restarts=args.max_restarts, launched_at=process_started_at(), share_gpus=args.share_gpus,
                     join_collectives=join_collectives(args.join_collectives, os.environ.get("TRAY_JOIN_COLLECTIVES")))
     if job is None:
         return run_tray(spec).exit_code
     from tray.launch.node import NodeHead
 
-    return NodeHead(spec, job, placements_for(backend, nprocs)).run().exit_code
+    return NodeHead(spec, job, placements_for(backend, nprocs, args.share_gpus)).run().exit_code
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -194,6 +194,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
     p.add_argument("--manifest", default=None,
                    help="manifest JSON file or built-in name (tray inspect --list); default: the world group")
+    p.add_argument("--share-gpus", action="store_true", default=None,
+                   help="more ranks than GPUs: rank r on GPU r mod G, taking turns there, NCCL over sockets; for "
+                        "checking correctness on fewer GPUs, never for timings (default: $TRAY_SHARE_GPUS)")
     job = p.add_argument_group("a job of several nodes (one `tray launch` per node; secret in $TRAY_JOB_TOKEN)")
     job.add_argument("--nnodes", type=int, default=None, help="nodes in the job")
     job.add_argument("--node-rank", type=int, default=None, help="this node's rank, 0..nnodes-1 (0 hosts the root)")

@@ -38,6 +38,19 @@ def join_collectives(flag: str | None, text: str | None) -> str:
     return value
 
 
+def share_gpus(flag: bool | None, text: str | None) -> bool:
+    """Whether ranks may share GPUs (`--share-gpus`, else TRAY_SHARE_GPUS: 1/true/yes or 0/false/no/empty).
+    Raises UsageError for any other value."""
+    if flag is not None:
+        return flag
+    value = (text or "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise UsageError(f"TRAY_SHARE_GPUS must be 1 (ranks may share GPUs) or 0, got {text!r}")
+
+
 def own_module(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run `python -P -m <module> <args>` of this very tray (its package first on
     PYTHONPATH; -P: no tray/ in the working directory shadows it): the head's watchdog and NCCL id process."""

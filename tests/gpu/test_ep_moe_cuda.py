@@ -9,7 +9,7 @@ import os
 import sys
 
 import pytest
-from conftest import MANIFESTS, visible_gpus
+from conftest import MANIFESTS, gpu_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 def test_layout_reports_drops_and_bad_ids_on_gpu(tray_env):
     from test_ep_moe import LAYOUT_REPORTS
 
-    if visible_gpus() < 2:
+    if gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs")
     vars_ = ["hidden=64", "experts=8", "topk=2", "ffn=32", "max_tokens=4", "tokens=4", "max_cap=8", "cap=8", "groups=2"]
     args = [a for v in vars_ for a in ("--var", v)]
@@ -35,7 +35,7 @@ def test_gather_gemm_equals_the_dense_gemm_over_the_fanned_out_slab_on_gpu(tray_
     GEMM writes over the slab the fanout filled (real cp.async, not the CPU emulation's)."""
     from test_ep_moe import GATHER_EQUALS_SLAB
 
-    if visible_gpus() < 2:
+    if gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs")
     vars_ = ["hidden=64", "experts=8", "topk=2", "ffn=32", "max_tokens=16", "tokens=16", "max_cap=16", "cap=16",
              "groups=2"]
@@ -52,7 +52,7 @@ def test_fp8_dispatch_writes_the_twin_recipe_bytes_on_gpu(tray_env):
     rebuilt bf16 rows of the host recipe (tray/programs/ep_moe/twins.py), subnormals and saturation included."""
     from test_ep_moe import FP8_EQUALS_TWIN
 
-    if visible_gpus() < 2:
+    if gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs")
     vars_ = ["hidden=256", "experts=8", "topk=2", "ffn=32", "max_tokens=6", "tokens=6", "max_cap=8", "cap=8",
              "groups=2"]
@@ -67,7 +67,7 @@ def test_fp8_dispatch_writes_the_twin_recipe_bytes_on_gpu(tray_env):
 def test_fp8_dispatch_bench_passes_on_gpu(tray_env, tmp_path):
     """--dispatch bf16,fp8: EP2's FP8 outputs equal EP1's byte for byte (after the timed replays too), and the
     FP8 layer's error against the bf16 layer and float64 is above zero and within e4m3's few percent."""
-    if visible_gpus() < 2:
+    if gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "ep.json"
     cmd = [sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "cuda", "--tokens", "64",
@@ -88,7 +88,7 @@ def test_ll_phases_record_every_phase_on_gpu(tray_env, tmp_path):
     boundary stamped, both clocks non-decreasing), and the figures are sane: the spans since the first block's
     entry grow boundary by boundary and fit in one launch's period, the SM clock measured against globaltimer is
     at most the driver's maximum and not far below it, and the stamps cost little beside the production figure."""
-    if visible_gpus() < 2:
+    if gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "ep.json"
     cmd = [sys.executable, "-m", "tray", "bench", "ep-moe", "-n", "2", "--backend", "cuda", "--tokens", "64",
@@ -133,7 +133,7 @@ def test_ll_phases_record_every_phase_on_gpu(tray_env, tmp_path):
     ],
 )
 def test_ep_bench_passes_on_gpu(tray_env, tmp_path, tokens, routing, capacity, gemm, nccl_timing):
-    if visible_gpus() < 2:
+    if gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs")
     if gemm == "wgmma":
         from tray.backend.cuda import CudaBackend

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import MANIFESTS, visible_gpus
+from conftest import MANIFESTS, gpu_ranks, visible_gpus
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
 from test_multinode import STAGED_BODY, TOKEN, finish, free_port, staged_fill_manifest
@@ -21,18 +21,21 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 def start_cuda_job(tray_env, body: str, timeout_s: float, manifest: str = FILL) -> tuple[int, list[subprocess.Popen]]:
-    """Two nodes of L = (visible GPUs, at most 4) // 2 ranks each; (L, the heads)."""
-    gpus = min(4, visible_gpus())
+    """Two nodes of L = (visible GPUs, at most 4) // 2 ranks each (with TRAY_SHARE_GPUS=1: 2 each, every node over
+    every visible GPU); (L, the heads)."""
+    gpus, real = gpu_ranks(), visible_gpus()
     if gpus < 2:
         pytest.skip(f"two nodes of one GPU each need 2 GPUs; {gpus} visible")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ordinals = [d for d in visible.split(",") if d] or [str(i) for i in range(gpus)]
+    ordinals = [d for d in visible.split(",") if d] or [str(i) for i in range(real)]
     per_node = gpus // 2
+    shared = gpus > real  # ranks share GPUs: each node sees them all
     port, prog = free_port(), tray_env.script(body)
     procs = []
     for node in (0, 1):
+        mine = ordinals if shared else ordinals[node * per_node:(node + 1) * per_node]
         env = {**tray_env.env(), **NO_MULTICAST, "TRAY_JOB_TOKEN": TOKEN, "NCCL_HOSTID": f"tray-span-node-{node}",
-               "CUDA_VISIBLE_DEVICES": ",".join(ordinals[node * per_node:(node + 1) * per_node])}
+               "CUDA_VISIBLE_DEVICES": ",".join(mine)}
         cmd = [sys.executable, "-m", "tray", "launch", "-n", str(per_node), "--backend", "cuda", "--manifest", manifest,
                "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--timeout-s", str(timeout_s), "--", sys.executable, str(prog), tray_env.marker]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, visible_gpus
+from conftest import REPO, gpu_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +57,7 @@ torch.cuda.set_device(device)
 
 
 def ngpus() -> int:
-    return min(4, visible_gpus())
+    return gpu_ranks()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import os
 import sys
 
 import pytest
-from conftest import MANIFESTS, visible_gpus
+from conftest import MANIFESTS, gpu_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
 
@@ -19,7 +19,7 @@ PATHS = {"ar_ll", "ar_ll3", "ar_oneshot", "ar_twoshot", "ar_nccl"}
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_bench_every_path_right_after_timed_replays(tray_env, tmp_path, n):
-    if visible_gpus() < n:
+    if gpu_ranks() < n:
         pytest.skip(f"needs {n} GPUs")
     out = tmp_path / "tp.json"
     # 8 B: one line, its tail padded; 1040 B: 520 elements, a partial last line and two-shot chunks; 64 KiB:
@@ -45,7 +45,7 @@ def test_tp_bench_every_path_right_after_timed_replays(tray_env, tmp_path, n):
 
 def test_tp_bench_within_each_node_of_a_two_node_job(tray_env, tmp_path):
     """Two nodes of two GPUs (each its own NCCL_HOSTID): every node one TP group, every path right on every rank."""
-    if visible_gpus() < 4:
+    if gpu_ranks() < 4:
         pytest.skip("needs 4 GPUs")
     out = tmp_path / "tp.json"
     run = tray_env.run([sys.executable, "-m", "tray", "bench", "tp", "-n", "4", "--nnodes", "2", "--backend", "cuda",
@@ -66,7 +66,7 @@ def test_tp_bench_within_each_node_of_a_two_node_job(tray_env, tmp_path):
 def test_ll_allreduce_wait_is_bounded_and_names_the_missing_rank(tray_env, program):
     from test_tp import LL_MISSING, LL_MISSING_VARS
 
-    if visible_gpus() < 2:
+    if gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs")
     run = tray_env.run(tray_env.command(2, LL_MISSING, "--manifest", str(MANIFESTS / "tp_mlp.json"),
                                         *[a for v in LL_MISSING_VARS for a in ("--var", v)], backend="cuda")
@@ -87,7 +87,7 @@ def test_ll_allreduce_stress_every_round_right(tray_env, n, count, stress):
     the other parity; 64 KiB and 4 MiB end in a partial line of the dense format)."""
     from test_tp import LL_STRESS, ll_stress_vars
 
-    if visible_gpus() < n:
+    if gpu_ranks() < n:
         pytest.skip(f"needs {n} GPUs")
     run = tray_env.run(tray_env.command(n, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),
                                         *ll_stress_vars(count), backend="cuda") + ["8", "25", stress],
@@ -103,7 +103,7 @@ def test_ll_allreduce_stress_at_other_launch_shapes(tray_env, threads, lines):
     each send and sum 4 lines; every round right on both ranks."""
     from test_tp import LL_STRESS, ll_stress_vars
 
-    if visible_gpus() < 2:
+    if gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs")
     shape = ["--var", f"ll_threads={threads}", "--var", f"ll_lines={lines}"]
     run = tray_env.run(tray_env.command(2, LL_STRESS, "--manifest", str(MANIFESTS / "tp_mlp.json"),

@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from conftest import MANIFESTS, visible_gpus
+from conftest import MANIFESTS, gpu_ranks, visible_gpus
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
 
@@ -16,7 +16,7 @@ FILL = str(MANIFESTS / "peer_fill.json")
 
 
 def ngpus() -> int:
-    return min(4, visible_gpus())
+    return gpu_ranks()
 
 
 def fill_gpus() -> int:
@@ -360,7 +360,8 @@ def test_head_sigkilled_after_nccl_leaves_no_segment(tray_env, watchdog_dies_too
         assert run.returncode == 0, run.output
 
 
-def test_more_ranks_than_gpus_refused_before_spawning(tray_env):
+def test_more_ranks_than_gpus_refused_before_spawning(tray_env, monkeypatch):
+    monkeypatch.delenv("TRAY_SHARE_GPUS", raising=False)  # refused unless ranks may share GPUs
     n = visible_gpus() + 1
     run = tray_env.launch(n, "raise SystemExit('a rank was spawned')", backend="cuda")
     assert run.returncode == 2, run.output

@@ -48,16 +48,18 @@ class NodeJob:
         return self.nprocs // self.nnodes
 
 
-def node_devices(nnodes: int, nprocs: int, visible: str | None, count: int) -> list[str]:
+def node_devices(nnodes: int, nprocs: int, visible: str | None, count: int, share: bool = False) -> list[str]:
     """CUDA_VISIBLE_DEVICES of each node: node i gets the i-th share of the visible GPUs (`visible`, the
-    parent's CUDA_VISIBLE_DEVICES, or ordinals 0..count-1 when unset). Raises UsageError when the shares do
-    not fit."""
+    parent's CUDA_VISIBLE_DEVICES, or ordinals 0..count-1 when unset); with `share` (ranks may share GPUs) and
+    too few GPUs for a share each, every node gets them all. Raises UsageError when the shares do not fit."""
     if visible is not None:
         gpus = [g.strip() for g in visible.split(",") if g.strip()]
     else:
         gpus = [str(i) for i in range(count)]
     if nprocs % nnodes:
         raise UsageError(f"--nnodes {nnodes} must divide -n {nprocs} (every node runs the same number of ranks)")
+    if nprocs > len(gpus) and share and gpus:
+        return [",".join(gpus)] * nnodes
     if nprocs > len(gpus):
         raise UsageError(f"{nnodes} nodes of {nprocs // nnodes} ranks need {nprocs} GPUs, {len(gpus)} visible")
     per = nprocs // nnodes
@@ -126,7 +128,10 @@ def run_rank_program_nodes(job: NodeJob, cfg: dict[str, Any], work: Path) -> lis
     if job.backend == "cuda":
         from tray.backend.cuda import visible_gpu_count
 
-        devices = node_devices(job.nnodes, job.nprocs, os.environ.get("CUDA_VISIBLE_DEVICES"), visible_gpu_count())
+        from tray.envvars import share_gpus
+
+        devices = node_devices(job.nnodes, job.nprocs, os.environ.get("CUDA_VISIBLE_DEVICES"), visible_gpu_count(),
+                               share_gpus(None, os.environ.get("TRAY_SHARE_GPUS")))
     elif job.nprocs % job.nnodes:
         raise UsageError(f"--nnodes {job.nnodes} must divide -n {job.nprocs} (every node runs the same number "
                          "of ranks)")

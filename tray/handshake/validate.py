@@ -21,11 +21,13 @@ def validate_offers(
     uid: int,
     pids: Mapping[int, int],
     group_leaders: Mapping[str, Sequence[int]],
+    shared_gpus: bool = False,
 ) -> list[str]:
     """Problems with a complete set of offers (empty when the tray may proceed).
 
     `pids`: rank -> pid of the process the head started. `group_leaders`: group name -> the ranks
-    that lead (are member 0 of) an instance of it and must offer its join info.
+    that lead (are member 0 of) an instance of it and must offer its join info. `shared_gpus`: the head placed
+    several ranks on one GPU (--share-gpus), so one device claimed twice is expected.
     Each problem names the ranks at fault and what to do.
     """
     problems: list[str] = []
@@ -59,7 +61,7 @@ def validate_offers(
     for o in offers:
         devices[(o.host, o.device.uuid)].append(o.rank)
     for (_, uuid), rs in devices.items():
-        if len(rs) > 1:
+        if len(rs) > 1 and not shared_gpus:
             problems.append(f"{_ranks(rs)} claim one device {uuid}; give each rank its own GPU "
                             "(check CUDA_VISIBLE_DEVICES and TRAY_DEVICE)")
 

@@ -10,14 +10,16 @@ from tray.numa import NumaPlacement, placement_for
 __all__ = ["Failure", "RankState", "TrayResult", "TraySpec", "placements_for", "run_tray"]
 
 
-def placements_for(backend: str, nprocs: int) -> list[NumaPlacement]:
-    """Where each rank runs: its GPU's NUMA node and CPUs; unbound (said once) without information."""
+def placements_for(backend: str, nprocs: int, share: bool | None = None) -> list[NumaPlacement]:
+    """Where each rank runs: its GPU's NUMA node and CPUs; unbound (said once) without information. `share`:
+    ranks may share GPUs (None: TRAY_SHARE_GPUS)."""
     buses: list[str | None] = [None] * nprocs
     if backend == "cuda":
         from tray.backend.cuda import pci_bus_ids
+        from tray.launch.pick import devices_for
 
         found = pci_bus_ids()
-        buses = [found[r] if r < len(found) else None for r in range(nprocs)]
+        buses = [found[d] if d < len(found) else None for d in devices_for(backend, nprocs, share)]
     placements = [placement_for(b) for b in buses]
     if backend == "cuda" and not any(p.bound for p in placements):
         print("tray: NUMA: no node information for the GPUs (sysfs numa_node -1); ranks are not bound",
@@ -36,7 +38,7 @@ def run_tray(spec: TraySpec, placements: list[NumaPlacement] | None = None) -> T
     The result is the last attempt's. Raises SetupError/ManifestError/UsageError before any rank runs."""
     from tray.launch.head import Head
 
-    where = placements or placements_for(spec.backend, spec.nprocs)
+    where = placements or placements_for(spec.backend, spec.nprocs, spec.share_gpus)
     attempt = 0
     while True:
         result = Head(spec, where, restart_count=attempt).run()

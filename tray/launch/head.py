@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from tray.errors import BarrierTimeout, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
+from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
 from tray.launch.spawn import OutputPump, log_path, rank_env, spawn_rank
@@ -139,6 +141,9 @@ class Head:
         # this head's ranks are one node of the job: its nprocs is the job's local world size
         self.resolved = self.manifest.resolve(self.world_size, dict(spec.vars), spec.nprocs)
         self.placements = placements or [placement_for(None)] * spec.nprocs
+        # local rank -> GPU; `shared`: some ranks share one (--share-gpus), each then its own host to NCCL
+        self.devices = devices_for(spec.backend, spec.nprocs, spec.share_gpus)
+        self.shared = len(set(self.devices)) < len(self.devices)
         self.routing = Routing(log_dir=spec.log_dir, tee=spec.tee, redirects=spec.redirects,
                                ranks=spec.local_ranks_filter, quiet=spec.quiet, rank_base=rank_base)
         self.token = secrets.token_hex(16)
@@ -184,6 +189,9 @@ class Head:
                 watchdog = Watchdog(job.root, job.path.name, job.lock_fd)
             except OSError as exc:
                 raise SetupError(f"cannot start the tray's watchdog ({sys.executable}): {exc.strerror}") from None
+            note = shared_note(self.devices, self.rank_base) if self.shared else None
+            if note and self.restart_count == 0:
+                _say(note)  # even when quiet: a bench's timings of shared GPUs must not pass for real ones
             self.t_start = time.monotonic()
             t0 = time.time()
             self._spawn_all(job.path, endpoint, watchdog.pgid)
@@ -232,11 +240,17 @@ class Head:
             t_spawn = time.time()
             env = rank_env(self.spec, r, job_dir=job_dir, endpoint=endpoint, token=self.token,
                            manifest=manifest, t_spawn=t_spawn, restart_count=self.restart_count,
-                           master_port=self.master_port.port if self.master_port else None)
+                           master_port=self.master_port.port if self.master_port else None, device=self.devices[r],
+                           nccl_hostid=self._nccl_hostid(r) if self.shared else None)
             env.update(self._job_env(r))
             if self.early_ids:
                 env[early_join.IDS_ENV] = str(job_dir / early_join.IDS_FILE)
             self.procs.append(spawn_rank(self.spec, self.rank_base + r, env, self.placements[r], process_group))
+
+    def _nccl_hostid(self, local_rank: int) -> str:
+        """NCCL_HOSTID of a rank on a shared GPU: this host's (the environment's NCCL_HOSTID, else its name) and
+        the rank, so NCCL, which refuses two ranks of one host on one GPU, sees every rank as a host of its own."""
+        return f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}/tray-rank-{self.rank_base + local_rank}"
 
     def _start_id_maker(self, process_group: int) -> None:
         """The process that makes the ids of the ranks' early join and holds their NCCL bootstrap roots
@@ -447,7 +461,7 @@ class Head:
         problems = validate_offers(
             [self.offers[p.rank] for p in self.procs], world_size=self.world_size,
             digest=self.manifest.digest, uid=os.getuid(), pids={p.rank: p.pid for p in self.procs},
-            group_leaders=leaders,
+            group_leaders=leaders, shared_gpus=self.shared,
         )
         if problems:
             self._fail(Failure(None, "the offers disagree; nobody proceeds:\n  " + "\n  ".join(problems),

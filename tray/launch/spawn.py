@@ -49,10 +49,12 @@ def torchrun_env(rank: int, nprocs: int, master_port: int | None, run_id: str, *
 
 
 def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: str, manifest: str,
-             t_spawn: float, restart_count: int = 0, master_port: int | None = None) -> dict[str, str]:
+             t_spawn: float, restart_count: int = 0, master_port: int | None = None, device: int | None = None,
+             nccl_hostid: str | None = None) -> dict[str, str]:
     """The environment of rank `rank`: the head's own, untouched, plus the tray's variables and
     torchrun's (`torchrun_env`). `restart_count` is how many times `--max-restarts` started the tray again
-    (0 on the first attempt)."""
+    (0 on the first attempt). `device`: its GPU (default: `rank`); `nccl_hostid`: its NCCL_HOSTID (ranks sharing a
+    GPU: NCCL refuses two ranks of one host on one GPU, so each is its own host to NCCL)."""
     env = dict(os.environ)
     env.pop("TRAY_JOB_TOKEN", None)  # the job's secret is for the heads only; a rank never needs it
     env.pop("TRAY_NCCL_IDS", None)  # only this head says whether its ranks join early (a tray launched from a rank)
@@ -62,7 +64,7 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
         "TRAY_WORLD_SIZE": str(spec.nprocs),
         "TRAY_LOCAL_RANK": str(rank),
         "TRAY_LOCAL_WORLD_SIZE": str(spec.nprocs),
-        "TRAY_DEVICE": str(rank),
+        "TRAY_DEVICE": str(rank if device is None else device),
         "TRAY_RDZV": endpoint,
         "TRAY_JOB": str(job_dir),
         "TRAY_TOKEN": token,
@@ -77,6 +79,8 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
     env.update(torchrun_env(rank, spec.nprocs, master_port, Path(job_dir).name))
     if spec.barrier_timeout_s is not None:
         env["TRAY_BARRIER_TIMEOUT_S"] = repr(spec.barrier_timeout_s)
+    if nccl_hostid is not None:
+        env["NCCL_HOSTID"] = nccl_hostid
     if spec.backend == "cuda":
         # NOTE: NCCL must not connect lazily inside a CUDA graph capture; respect a user's choice.
         env.setdefault("NCCL_RUNTIME_CONNECT", "0")

@@ -44,6 +44,9 @@ class TraySpec:
     # when the `tray launch` process started (time.time(); None: the head runs in a longer-lived Python): the
     # timeline then counts the head's own start, interpreter and imports, until its first rank is spawned
     launched_at: float | None = None
+    # ranks may share GPUs when they outnumber them (rank r on GPU r mod G, each its own NCCL_HOSTID): for checking
+    # a program's correctness on fewer GPUs than ranks; None: the environment's TRAY_SHARE_GPUS
+    share_gpus: bool | None = None
 
 
 class RankState(enum.Enum):
