@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two "nodes" on one GPU machine: two `tray launch --nnodes 2` processes, each over half the GPUs and with
 # its own NCCL_HOSTID (so NCCL sees two hosts and talks over its network transport), joined through the
-# root on 127.0.0.1. Runs scripts/nodes2_rank.py; writes $OUT/nodes2.json (every rank's report, NCCL's
+# root on 127.0.0.1 (with TRAY_SHARE_GPUS=1 each node runs over every visible GPU, its ranks sharing them). Runs scripts/nodes2_rank.py; writes $OUT/nodes2.json (every rank's report, NCCL's
 # node count) and the two heads' logs. Exit 0 only when both heads exit 0 and every rank reported.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,9 @@ pids=()
 for node in 0 1; do
     first=$((node * L))
     devices=$(seq -s, "$first" $((first + L - 1)))
+    if [ "${TRAY_SHARE_GPUS:-0}" = 1 ]; then  # ranks share GPUs: every node over every visible one
+        devices=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(($(nvidia-smi -L | wc -l) - 1)))}
+    fi
     CUDA_VISIBLE_DEVICES=$devices NCCL_HOSTID="tray-node-$node" \
         timeout -k 10 240 $PY -m tray launch --nnodes 2 --node-rank "$node" --rdzv-endpoint "127.0.0.1:$PORT" \
         -n "$L" --backend cuda --manifest manifests/peer_fill.json -- $PY scripts/nodes2_rank.py "$OUT/nodes2" \

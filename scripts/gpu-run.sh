@@ -17,7 +17,9 @@
 # ep-moe-worst ep-ll-phases
 # ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu
 # ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
-# shared-gate shared-stress shared-drop shared-ep shared-tp shared-tests (N ranks sharing the visible GPUs)
+# shared-gate shared-stress shared-drop shared-ep shared-tp shared-tests shared-nodes2 shared-ep-nodes2 shared-tp-nodes2
+# shared-torch (N ranks sharing the visible GPUs, TRAY_SHARE_GPUS=1: the multi-rank paths checked for correctness on
+# fewer GPUs than ranks; $OUT/shared_*.json; their timings mean nothing)
 # bench-barrier bench-startup import-cost nccl-lifecycle launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `nccl-lifecycle` (one GPU, ~60 s): 1-rank NCCL communicators joined and closed three ways, with NCCL_RUNTIME_CONNECT
 # 0 and 1, and NCCL's own INFO account of a join ($OUT/nccl_lifecycle.json).
@@ -178,6 +180,10 @@ for s in "${STAGES[@]}"; do
         shared-drop) stage shared_drop 90 env TRAY_SHARE_GPUS=1 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/shared_gate_drop.json" ;;
         shared-ep) stage_live shared_ep 240 env TRAY_SHARE_GPUS=1 $PY -m tray bench ep-moe -n "$N" --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --sms all --gemm ${EP_GEMM:-auto} --repeats 3 --json "$OUT/shared_ep_moe.json" ;;
         shared-tp) stage_live shared_tp 240 env TRAY_SHARE_GPUS=1 $PY -m tray bench tp -n "$N" --backend cuda --sizes 8,1040,65536,4194304 --tokens 1,16 --hidden 1024 --ffn 4096 --repeats 3 --json "$OUT/shared_tp.json" ;;
+        shared-nodes2) stage shared_nodes2 240 env TRAY_SHARE_GPUS=1 OUT="$OUT" LOGS="$LOGS" N="$N" PY=$PY scripts/gpu-nodes2.sh ;;
+        shared-ep-nodes2) stage_live shared_ep_nodes2 240 env TRAY_SHARE_GPUS=1 $PY -m tray bench ep-moe -n "$N" --nnodes 2 --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --gemm masked --sms all --repeats 3 --json "$OUT/shared_ep_moe_nodes2.json" ;;
+        shared-tp-nodes2) stage_live shared_tp_nodes2 240 env TRAY_SHARE_GPUS=1 $PY -m tray bench tp -n "$N" --nnodes 2 --backend cuda --sizes 8,1040,65536,4194304 --tokens 1,16 --hidden 1024 --ffn 4096 --repeats 3 --json "$OUT/shared_tp_nodes2.json" ;;
+        shared-torch) stage shared_torch 240 env TRAY_SHARE_GPUS=1 bash -c torch_stage; mv -f "$OUT/torch.json" "$OUT/shared_torch.json" ;;
         shared-tests) stage shared_tests 420 env TRAY_SHARE_GPUS=1 $PY -m pytest -q -m gpu tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
         gate) stage gate 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;
         stress) stage stress 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --stress --iters 1000 --replays 9 --json "$OUT/gate_stress.json" ;;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 from conftest import MANIFESTS
 
@@ -144,3 +145,24 @@ def test_log_dir_keeps_one_file_per_rank(tray_env, tmp_path):
     for r in range(2):
         text = (logs / f"rank-{r}.log").read_text()
         assert f"to the log {r}" in text
+
+
+def test_ranks_sharing_a_gpu_get_it_and_each_its_own_nccl_hostid(tray_env, monkeypatch, capfd):
+    """--share-gpus as the head wires it (the placement forced here: no GPU on this machine): every rank gets the
+    shared ordinal as TRAY_DEVICE and an NCCL_HOSTID of its own built on this host's, and the head says so."""
+    import tray.launch.head as head
+    from tray.launch import TraySpec, run_tray
+
+    monkeypatch.setattr(head, "devices_for", lambda backend, n, share: [0] * n)
+    monkeypatch.setenv("TRAY_JOBS_ROOT", str(tray_env.jobs_root))
+    monkeypatch.setenv("NCCL_HOSTID", "box")
+    prog = tray_env.script("""
+    with tray.init() as rank:
+        print("placed", rank.rank, os.environ["TRAY_DEVICE"], os.environ["NCCL_HOSTID"], flush=True)
+    """)
+    spec = TraySpec(nprocs=3, cmd=(sys.executable, str(prog), tray_env.marker), backend="host", timeline=False)
+    assert run_tray(spec).exit_code == 0
+    out, err = capfd.readouterr()
+    placed = sorted(line.split("placed ", 1)[1] for line in out.splitlines() if "placed " in line)
+    assert placed == [f"{r} 0 box/tray-rank-{r}" for r in range(3)], out
+    assert "tray: --share-gpus: 3 ranks on 1 GPU(s) (GPU 0: ranks 0,1,2)" in err, err

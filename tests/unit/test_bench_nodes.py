@@ -14,6 +14,8 @@ from tray.errors import UsageError
 def test_each_node_gets_its_share_of_the_visible_gpus():
     assert node_devices(2, 4, None, 4) == ["0,1", "2,3"]
     assert node_devices(2, 2, "5,7,9", 3) == ["5", "7"]          # the parent's CUDA_VISIBLE_DEVICES, in order
+    assert node_devices(2, 4, None, 1, share=True) == ["0", "0"]  # ranks sharing GPUs: every node over all of them
+    assert node_devices(2, 4, None, 4, share=True) == ["0,1", "2,3"]  # enough GPUs: a share each, as without
     with pytest.raises(UsageError, match="need 4 GPUs, 2 visible"):
         node_devices(2, 4, None, 2)
     with pytest.raises(UsageError, match="--nnodes 2 must divide -n 3"):

@@ -9,9 +9,10 @@ import json
 import pytest
 
 from tray.cli import build_parser, main
+from tray.envvars import share_gpus
 from tray.errors import BarrierTimeout, ManifestError, UsageError
 from tray.launch.output import BOTH, STDERR, STDOUT, Routing, check_streams, parse_ranks_filter, parse_streams, stamp
-from tray.launch.pick import check_gpus, warn_if_oversubscribed
+from tray.launch.pick import check_gpus, devices_for, rank_devices, shared_note, warn_if_oversubscribed
 from tray.manifest.load import parse_manifest
 from tray.rank.env import RankEnv
 
@@ -97,6 +98,37 @@ def test_gpu_count_checked_before_spawning():
         check_gpus(3, 2, "0,1")
     with pytest.raises(UsageError, match="no GPU is visible; use --backend host"):
         check_gpus(None, 0, None)
+    with pytest.raises(UsageError, match=r"or --share-gpus \(ranks take turns on a GPU: for checking a program's "):
+        check_gpus(3, 2, None)
+
+
+def test_shared_gpus_place_rank_r_on_gpu_r_mod_g():
+    check_gpus(4, 1, None, share=True)  # any number of ranks fits
+    with pytest.raises(UsageError, match="no GPU is visible"):
+        check_gpus(4, 0, None, share=True)
+    assert rank_devices(4, 1) == [0, 0, 0, 0]
+    assert rank_devices(5, 2) == [0, 1, 0, 1, 0]
+    assert rank_devices(2, 4) == [0, 1]  # fewer ranks than GPUs: one each, as without sharing
+    assert shared_note([0, 1]) is None
+    note = shared_note([0, 1, 0, 1], rank_base=4)
+    assert note is not None and note.startswith("--share-gpus: 4 ranks on 2 GPU(s) (GPU 0: ranks 4,6; GPU 1: ranks "
+                                                "5,7)") and "timings mean nothing" in note
+
+
+def test_share_gpus_from_the_flag_or_the_environment(monkeypatch):
+    assert share_gpus(True, None) and not share_gpus(False, "1")  # the flag wins
+    assert [share_gpus(None, v) for v in ("1", "true", "YES", "0", "", None, "no")] == [True] * 3 + [False] * 4
+    with pytest.raises(UsageError, match=r"TRAY_SHARE_GPUS must be 1 \(ranks may share GPUs\) or 0, got 'maybe'"):
+        share_gpus(None, "maybe")
+    import tray.backend.cuda as cuda
+
+    monkeypatch.setattr(cuda, "gpu_count", lambda: 1)
+    monkeypatch.setenv("TRAY_SHARE_GPUS", "1")
+    assert devices_for("cuda", 3, None) == [0, 0, 0]
+    assert devices_for("cuda", 3, False) == [0, 1, 2]  # not shared: the GPU check refuses -n 3 before this
+    assert devices_for("host", 3, True) == [0, 1, 2]  # no GPUs to share
+    monkeypatch.delenv("TRAY_SHARE_GPUS")
+    assert devices_for("cuda", 2, None) == [0, 1]
 
 
 def test_cuda_without_gpus_is_one_line_and_exit_2(capsys, monkeypatch):

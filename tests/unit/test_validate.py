@@ -39,6 +39,12 @@ def test_device_claimed_twice():
     assert "ranks 0,1 claim one device dev-0" in problem
 
 
+def test_device_claimed_twice_is_expected_when_the_head_shared_gpus():
+    offers = [offer(r, uuid="dev-0") for r in range(4)]
+    assert validate_offers(offers, world_size=4, digest=DIGEST, uid=1000, pids={r: 100 + r for r in range(4)},
+                           group_leaders={}, shared_gpus=True) == []
+
+
 def test_buffer_size_mismatch_and_uid_and_pid():
     problems = check([offer(0), offer(1, nbytes=8192), offer(2, uid=0), offer(3, pid=999)])
     text = "\n".join(problems)

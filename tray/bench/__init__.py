@@ -171,10 +171,14 @@ def invoked_command(argv: Sequence[str] | None = None) -> str:
 
 
 def write_report(report: dict[str, Any], path: str | None, extra_env: dict[str, Any] | None = None) -> None:
-    """Add `environment` (GPU, driver, NCCL, commit, ...) and `command` (the command line that made it) to
-    `report` unless present; write it as JSON to `path` (parents created) when one is given."""
+    """Add `environment` (GPU, driver, NCCL, commit, ...), `command` (the command line that made it) and, when ranks
+    shared GPUs, `shared_gpus` to `report` unless present; write it as JSON to `path` (parents created) when one is
+    given."""
     report.setdefault("command", invoked_command())
     report.setdefault("environment", environment(extra_env))
+    if os.environ.get("TRAY_SHARE_GPUS", "").strip().lower() in ("1", "true", "yes"):
+        report.setdefault(
+            "shared_gpus", "ranks shared GPUs (TRAY_SHARE_GPUS=1): the checks hold, the timings mean nothing")
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=2) + "\n")

@@ -127,7 +127,6 @@ def run_rank_program_nodes(job: NodeJob, cfg: dict[str, Any], work: Path) -> lis
     devices = None
     if job.backend == "cuda":
         from tray.backend.cuda import visible_gpu_count
-
         from tray.envvars import share_gpus
 
         devices = node_devices(job.nnodes, job.nprocs, os.environ.get("CUDA_VISIBLE_DEVICES"), visible_gpu_count(),
