@@ -323,12 +323,14 @@ def test_a_global_torch_capture_while_nccl_joins_early(tray_env, manifest, relax
     said = "joining at capture"
     lines = [line[line.index(said):] for line in run.stdout.splitlines() if said in line]  # after "[rank r] "
     print("\n".join(lines))
-    assert len(lines) == proc_n, _tail(run.output)
-    assert all(line.startswith("joining at capture True") for line in lines), lines  # the overlap happened
+    assert lines and all(line.startswith("joining at capture True") for line in lines), lines  # the overlap happened
     if relaxed:
-        assert run.returncode == 0, _tail(run.output)
+        assert run.returncode == 0 and len(lines) == proc_n, _tail(run.output)
         assert all(line.endswith("capture ok; collectives ok") for line in lines), lines
-    else:  # why the thread relaxes: in GLOBAL mode the capture failed and so did the join (NCCL 2.28.9, one H200)
+    else:  # why the thread relaxes: in GLOBAL mode the capture failed and so did the join (NCCL 2.28.9, one H200;
+        # at 4 ranks sharing one H200, 2 ranks said so and the others waited in NCCL for members that had failed,
+        # until the program's bound ended them: a rank that never reports is part of the breakage)
+        assert run.returncode != 0 or len(lines) == proc_n, _tail(run.output)
         assert not any(line.endswith("capture ok; collectives ok") for line in lines), lines
 
 
