@@ -135,13 +135,17 @@ def visible_gpus() -> int:
     return visible_gpu_count()
 
 
+def gpus_shared() -> bool:
+    """TRAY_SHARE_GPUS=1: the GPU tests' ranks take turns on fewer GPUs (the multi-rank paths checked on one GPU);
+    their checks hold, their timings mean nothing, so a test skips what it asserts of a time."""
+    return os.environ.get("TRAY_SHARE_GPUS", "").strip().lower() in ("1", "true", "yes")
+
+
 def gpu_ranks(limit: int = 4) -> int:
-    """How many ranks a GPU test runs: one per visible GPU up to `limit`; with TRAY_SHARE_GPUS=1 (ranks take turns
-    on fewer GPUs: the multi-rank paths checked on one GPU) `limit` whenever a GPU is visible."""
+    """How many ranks a GPU test runs: one per visible GPU up to `limit`; with ranks sharing GPUs (`gpus_shared`)
+    `limit` whenever a GPU is visible."""
     gpus = visible_gpus()
-    if gpus and os.environ.get("TRAY_SHARE_GPUS", "").strip().lower() in ("1", "true", "yes"):
-        return limit
-    return min(limit, gpus)
+    return limit if gpus and gpus_shared() else min(limit, gpus)
 
 
 def slurm_cluster() -> str | None:

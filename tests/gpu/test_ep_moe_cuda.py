@@ -9,7 +9,7 @@ import os
 import sys
 
 import pytest
-from conftest import MANIFESTS, gpu_ranks
+from conftest import MANIFESTS, gpu_ranks, gpus_shared
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "host"))
 
@@ -111,10 +111,12 @@ def test_ll_phases_record_every_phase_on_gpu(tray_env, tmp_path):
                 assert s["launches"] >= 8 and s["blocks"] == r["sms"]["peer"], s
                 since = [s["since_entry_us"][b] for b in s["boundaries"][1:]]
                 assert all(0 <= a <= b for a, b in zip(since, since[1:], strict=False)) and since[-1] > 0, s
+                assert all(p["median"] >= 0 and p["block0"] >= 0 for p in s["phase_us"].values()), s
+                if gpus_shared():  # time-sliced: a launch's span and its period are whatever the slices made them
+                    continue
                 # NOTE: launches in one stream run one after another: a launch's span fits in its period (+ the
                 # globaltimer's coarse granularity)
                 assert since[-1] < 1.5 * e["us_phases_build"][kernel] + 2, (since, e["us_phases_build"])
-                assert all(p["median"] >= 0 and p["block0"] >= 0 for p in s["phase_us"].values()), s
                 assert e["us_phases_build"][kernel] < 1.5 * e["us_production"][kernel] + 3, e
 
 
