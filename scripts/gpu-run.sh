@@ -184,7 +184,9 @@ for s in "${STAGES[@]}"; do
         shared-ep-nodes2) stage_live shared_ep_nodes2 240 env TRAY_SHARE_GPUS=1 $PY -m tray bench ep-moe -n "$N" --nnodes 2 --backend cuda --tokens 128 --routing uniform,zipf --capacity 4 --gemm masked --sms all --repeats 3 --json "$OUT/shared_ep_moe_nodes2.json" ;;
         shared-tp-nodes2) stage_live shared_tp_nodes2 240 env TRAY_SHARE_GPUS=1 $PY -m tray bench tp -n "$N" --nnodes 2 --backend cuda --sizes 8,1040,65536,4194304 --tokens 1,16 --hidden 1024 --ffn 4096 --repeats 3 --json "$OUT/shared_tp_nodes2.json" ;;
         shared-torch) stage shared_torch 240 env TRAY_SHARE_GPUS=1 bash -c torch_stage; mv -f "$OUT/torch.json" "$OUT/shared_torch.json" ;;
-        shared-tests) stage shared_tests 420 env TRAY_SHARE_GPUS=1 $PY -m pytest -q -m gpu tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
+        # the GPU tests that start trays (every multi-rank path; the in-process single-GPU ones left out), ~6 s a test
+        # at 4 ranks on one H200
+        shared-tests) stage shared_tests 540 env TRAY_SHARE_GPUS=1 $PY -m pytest -q -m gpu tests/gpu/test_ep_moe_cuda.py tests/gpu/test_span_barrier_cuda.py tests/gpu/test_torch.py tests/gpu/test_tp_cuda.py tests/gpu/test_tray_cuda.py ${TESTS_K:+-k "$TESTS_K"} ;;
         gate) stage gate 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --json "$OUT/gate.json" ;;
         stress) stage stress 120 $PY -m tray gate peer-barrier -n "$N" --backend cuda --stress --iters 1000 --replays 9 --json "$OUT/gate_stress.json" ;;
         drop) stage drop 60 $PY -m tray gate peer-barrier -n "$N" --backend cuda --drop $((N - 1)) --json "$OUT/gate_drop.json" ;;
