@@ -20,7 +20,7 @@
 # shared-gate shared-stress shared-drop shared-ep shared-tp shared-tests shared-nodes2 shared-ep-nodes2 shared-tp-nodes2
 # shared-torch (N ranks sharing the visible GPUs, TRAY_SHARE_GPUS=1: the multi-rank paths checked for correctness on
 # fewer GPUs than ranks; $OUT/shared_*.json; their timings mean nothing)
-# bench-barrier bench-startup import-cost nccl-lifecycle launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
+# bench-barrier bench-startup teardown import-cost nccl-lifecycle launch-cost torch examples nodes2 ep-nodes2 tp-nodes2 perf
 # `nccl-lifecycle` (one GPU, ~60 s): 1-rank NCCL communicators joined and closed three ways, with NCCL_RUNTIME_CONNECT
 # 0 and 1, and NCCL's own INFO account of a join ($OUT/nccl_lifecycle.json).
 # `import-cost` (one GPU, ~30 s): a rank's imports in fresh interpreters, with and without the driver warm-up
@@ -283,6 +283,9 @@ for s in "${STAGES[@]}"; do
         nccl-lifecycle) stage nccl_lifecycle 200 $PY bench/nccl_lifecycle.py --repeats 2 --comms 3 --json "$OUT/nccl_lifecycle.json" ;;
         import-cost) stage import_cost 200 $PY bench/import_cost.py --backend cuda --repeats 5 --json "$OUT/import_cost.json" ;;
         launch-cost) stage launch_cost 120 $PY bench/launch_cost.py --json "$OUT/launch_cost.json" ;;
+        # where a tray's end goes: rank.close() -> `tray launch` returned, the program ending normally, by os._exit,
+        # or after cuDevicePrimaryCtxReset (bench/teardown.py; $OUT/teardown.json), ~1 min at N=1
+        teardown) stage teardown 200 $PY bench/teardown.py -n "$N" --backend cuda --repeats ${TEARDOWN_REPEATS:-5} --json "$OUT/teardown.json" ;;
         bench-startup) stage bench_startup 300 $PY bench/startup.py -n "$N" --backend cuda ${STARTUP_ARGS:---repeats 3} --json "$OUT/startup.json" --plot "$OUT/startup.png" ;;
         torch) stage torch 240 bash -c torch_stage ;;
         examples) stage examples 300 $PY examples/run_all.py --backend cuda first_program allreduce lockstep park_wake user_kernel ;;

@@ -1,4 +1,5 @@
-"""The bench scripts beside the figures (bench/peer_barrier.py, bench/startup.py) on host-backend trays:
+"""The bench scripts beside the figures (bench/peer_barrier.py, bench/startup.py, bench/teardown.py) on host-backend
+trays:
 a progress line per stage, `--plot` writes a PNG, and without matplotlib `--plot` is a usage error."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BENCHES = {
     "peer_barrier": ("peer-barrier", 3, ["--iters", "20"]),
     "startup": ("startup", 6, ["--repeats", "1", "--wake-gib", "0.0625"]),
+    "teardown": ("teardown", 2, ["--repeats", "1"]),
 }
 
 
@@ -32,7 +34,17 @@ def run_bench(tray_env, name: str, *extra: str):
     return run
 
 
-@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_teardown_times_each_way_of_ending(tray_env, tmp_path):
+    report_path = tmp_path / "report.json"
+    run_bench(tray_env, "teardown", "--json", str(report_path))
+    report = json.loads(report_path.read_text())
+    assert set(report["runs"]) == {"exit", "os_exit"} and report["nprocs"] == 2  # no reset without a GPU
+    for way, m in report["median"].items():
+        assert m["close_s"] > 0 and m["tail_s"] > 0 and m["closed_to_last_s"] >= 0, (way, m)
+    assert report["finalization_s"] == report["median"]["exit"]["tail_s"] - report["median"]["os_exit"]["tail_s"]
+
+
+@pytest.mark.parametrize("name", ["peer_barrier", "startup"])
 def test_a_bench_prints_a_line_per_stage_and_keeps_its_report(tray_env, tmp_path, name):
     report_path = tmp_path / "report.json"
     run_bench(tray_env, name, "--json", str(report_path))
@@ -59,7 +71,7 @@ def test_startup_without_the_wake_stage(tray_env, tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib (the `plot` extra) is not installed")
-@pytest.mark.parametrize("name", sorted(BENCHES))
+@pytest.mark.parametrize("name", ["peer_barrier", "startup"])  # the benches with --plot
 def test_plot_writes_a_png(tray_env, tmp_path, name):
     png = tmp_path / "plots" / f"{name}.png"
     run = run_bench(tray_env, name, "--plot", str(png))
@@ -67,7 +79,7 @@ def test_plot_writes_a_png(tray_env, tmp_path, name):
     assert f"plot in {png}" in run.stdout
 
 
-@pytest.mark.parametrize("name", sorted(BENCHES))
+@pytest.mark.parametrize("name", ["peer_barrier", "startup"])  # the benches with --plot
 def test_plot_without_matplotlib_is_a_usage_error_naming_the_extra(monkeypatch, capsys, tmp_path, name):
     real_import = builtins.__import__
 
