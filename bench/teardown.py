@@ -65,7 +65,7 @@ def last():  # registered first: atexit runs it after every other exit handler o
         err, dev = cu.cuDeviceGet(device)
         (err2,) = cu.cuDevicePrimaryCtxReset(dev)
         record["reset_s"] = time.perf_counter() - t
-        record["reset_error"] = f"{err} {err2}"
+        record["reset_errors"] = [int(err), int(err2)]  # CUresult codes: 0 is CUDA_SUCCESS
     record["t_last"] = time.time()
     with open(path, "w") as f:
         json.dump(record, f)
@@ -93,8 +93,7 @@ def once(n: int, backend: str, work: Path, manifest: Path, way: str) -> dict[str
         raise SystemExit(f"tray launch ({way}) failed (exit {done.returncode}):\n{done.stdout[-2000:]}"
                          f"{done.stderr[-3000:]}")
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
-    bad = [r.get("reset_error") for r in ranks if r.get("reset_error") not in (None, "CUresult.CUDA_SUCCESS "
-                                                                                      "CUresult.CUDA_SUCCESS")]
+    bad = [r["reset_errors"] for r in ranks if any(r.get("reset_errors", ()))]
     if bad:
         raise SystemExit(f"cuDevicePrimaryCtxReset failed: {bad}")
     run = {"close_s": max(r["close_s"] for r in ranks), "tail_s": t_returned - min(r["t_last"] for r in ranks),
