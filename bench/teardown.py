@@ -8,8 +8,10 @@ allreduce; host: the relayed one), calls `rank.close()`, and ends one of these w
             kernel still closes the process's files (the GPU's device files among them) before the head sees it end
   reset     (cuda) cuDevicePrimaryCtxReset on the rank's GPU in its last exit handler, timed, then as `exit`
 Per run, the slowest rank: `close_s` (rank.close()), `tail_s` (its last exit handler -> `tray launch` returned:
-the rest of the rank's end, the head noticing it, the head's own teardown and exit) and, for `reset`, `reset_s`.
-`exit`'s tail minus `os_exit`'s is what the rank's finalization costs. Medians over `--repeats`; JSON with the
+the rest of the rank's end, the head noticing it, the head's own teardown and exit) and, for `reset`, `reset_s`;
+the tail split at the head's last exit handler (`tray launch` runs under a wrapper that registers one):
+`rank_to_head_s` (the rank's end, the head noticing it, its teardown) and `head_exit_s` (the head's finalization
+and process exit). `exit`'s tail minus `os_exit`'s is what the rank's finalization costs. Medians over `--repeats`; JSON with the
 environment.
 
     python bench/teardown.py [-n 1] [--backend host|cuda] [--repeats 5] [--json bench/results/teardown.json]
@@ -37,6 +39,15 @@ BENCH = "teardown"
 STAGES = 2
 TIMEOUT_S = 120.0
 WAYS = {"host": ("exit", "os_exit"), "cuda": ("exit", "os_exit", "reset")}
+HEAD_STAMP = "tray-teardown: the head's last exit handler at"
+# `tray launch` as the command runs it, with one exit handler registered first (so run last) that stamps the time
+HEAD = f"""
+import atexit, os, sys, time
+atexit.register(lambda: os.write(2, b"\\n{HEAD_STAMP} %r\\n" % time.time()))
+sys.argv[0] = "tray"
+from tray.cli import program
+program()
+"""
 
 RANK_PROGRAM = """
 import atexit, json, os, sys, time
@@ -84,7 +95,7 @@ def once(n: int, backend: str, work: Path, manifest: Path, way: str) -> dict[str
     prog.write_text(RANK_PROGRAM)
     out = work / f"out-{time.monotonic_ns()}"
     out.mkdir()
-    cmd = [sys.executable, "-P", "-m", "tray", "launch", "-n", str(n), "--backend", backend, "--manifest",
+    cmd = [sys.executable, "-P", "-c", HEAD, "launch", "-n", str(n), "--backend", backend, "--manifest",
            str(manifest), "-q", "--join-collectives", "lazy", "--", sys.executable, str(prog), str(out), way]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
                           env=dict(os.environ, TRAY_CACHE_DIR=str(work / "kernel-cache")))
@@ -96,7 +107,12 @@ def once(n: int, backend: str, work: Path, manifest: Path, way: str) -> dict[str
     bad = [r["reset_errors"] for r in ranks if any(r.get("reset_errors", ()))]
     if bad:
         raise SystemExit(f"cuDevicePrimaryCtxReset failed: {bad}")
-    run = {"close_s": max(r["close_s"] for r in ranks), "tail_s": t_returned - min(r["t_last"] for r in ranks),
+    t_last = min(r["t_last"] for r in ranks)
+    stamps = [float(line.rsplit(" ", 1)[1]) for line in done.stderr.splitlines() if line.startswith(HEAD_STAMP)]
+    if len(stamps) != 1:
+        raise SystemExit(f"expected one line '{HEAD_STAMP} T' from the head, saw {len(stamps)}:\n{done.stderr[-2000:]}")
+    run = {"close_s": max(r["close_s"] for r in ranks), "tail_s": t_returned - t_last,
+           "rank_to_head_s": stamps[0] - t_last, "head_exit_s": t_returned - stamps[0],
            "closed_to_last_s": max(r["t_last"] - r["t_closed"] for r in ranks)}
     if way == "reset":
         run["reset_s"] = max(r["reset_s"] for r in ranks)
@@ -133,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     for w, m in medians.items():
         extra = f", reset {1e3 * m['reset_s']:.1f} ms" if "reset_s" in m else ""
         print(f"{BENCH}: {w:8s} close {1e3 * m['close_s']:7.1f} ms{extra}, last exit handler -> `tray launch` "
-              f"returned {1e3 * m['tail_s']:7.1f} ms")
+              f"returned {1e3 * m['tail_s']:7.1f} ms (to the head's last exit handler {1e3 * m['rank_to_head_s']:.1f}"
+              f", the head's exit {1e3 * m['head_exit_s']:.1f})")
     print(f"{BENCH}: the rank's finalization (exit - os_exit tails): {1e3 * report['finalization_s']:.1f} ms")
     write_report(report, args.json)
     print(f"{BENCH}: done in {time.monotonic() - t_start:.1f} s", flush=True)
