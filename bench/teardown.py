@@ -9,9 +9,9 @@ allreduce; host: the relayed one), calls `rank.close()`, and ends one of these w
   reset     (cuda) cuDevicePrimaryCtxReset on the rank's GPU in its last exit handler, timed, then as `exit`
 Per run, the slowest rank: `close_s` (rank.close()), `tail_s` (its last exit handler -> `tray launch` returned:
 the rest of the rank's end, the head noticing it, the head's own teardown and exit) and, for `reset`, `reset_s`;
-the tail split at the head's last exit handler (`tray launch` runs under a wrapper that registers one):
-`rank_to_head_s` (the rank's end, the head noticing it, its teardown) and `head_exit_s` (the head's finalization
-and process exit). `exit`'s tail minus `os_exit`'s is what the rank's finalization costs. Medians over
+the tail split where the head's process is about to end (`tray launch` runs under a wrapper that stamps it):
+`rank_to_head_s` (the rank's end, the head noticing it, its teardown) and `head_exit_s` (the head's process
+ending: since tray.cli ends it at once after a `tray launch`, only the kernel's part). `exit`'s tail minus `os_exit`'s is what the rank's finalization costs. Medians over
 `--repeats`; JSON with the environment.
 
     python bench/teardown.py [-n 1] [--backend host|cuda] [--repeats 5] [--json bench/results/teardown.json]
@@ -39,14 +39,19 @@ BENCH = "teardown"
 STAGES = 2
 TIMEOUT_S = 120.0
 WAYS = {"host": ("exit", "os_exit"), "cuda": ("exit", "os_exit", "reset")}
-HEAD_STAMP = "tray-teardown: the head's last exit handler at"
-# `tray launch` as the command runs it, with one exit handler registered first (so run last) that stamps the time
+HEAD_STAMP = "tray-teardown: the head's process ends at"
+# `tray launch` as the command runs it, stamping the time when the head's process is about to end: from an exit
+# handler registered first (so run last), or just before tray.cli ends the process at once (_exit_now)
 HEAD = f"""
 import atexit, os, sys, time
-atexit.register(lambda: os.write(2, b"\\n{HEAD_STAMP} %r\\n" % time.time()))
+stamp = lambda: os.write(2, b"\\n{HEAD_STAMP} %r\\n" % time.time())
+atexit.register(stamp)
 sys.argv[0] = "tray"
-from tray.cli import program
-program()
+import tray.cli as cli
+if hasattr(cli, "_exit_now"):
+    exit_now = cli._exit_now
+    cli._exit_now = lambda code: (stamp(), exit_now(code))
+cli.program()
 """
 
 RANK_PROGRAM = """
@@ -149,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for w, m in medians.items():
         extra = f", reset {1e3 * m['reset_s']:.1f} ms" if "reset_s" in m else ""
         print(f"{BENCH}: {w:8s} close {1e3 * m['close_s']:7.1f} ms{extra}, last exit handler -> `tray launch` "
-              f"returned {1e3 * m['tail_s']:7.1f} ms (to the head's last exit handler {1e3 * m['rank_to_head_s']:.1f}"
-              f", the head's exit {1e3 * m['head_exit_s']:.1f})")
+              f"returned {1e3 * m['tail_s']:7.1f} ms (until the head ends its process {1e3 * m['rank_to_head_s']:.1f}"
+              f", its exit {1e3 * m['head_exit_s']:.1f})")
     print(f"{BENCH}: the rank's finalization (exit - os_exit tails): {1e3 * report['finalization_s']:.1f} ms")
     write_report(report, args.json)
     print(f"{BENCH}: done in {time.monotonic() - t_start:.1f} s", flush=True)
