@@ -11,8 +11,8 @@ Per run, the slowest rank: `close_s` (rank.close()), `tail_s` (its last exit han
 the rest of the rank's end, the head noticing it, the head's own teardown and exit) and, for `reset`, `reset_s`;
 the tail split where the head's process is about to end (`tray launch` runs under a wrapper that stamps it):
 `rank_to_head_s` (the rank's end, the head noticing it, its teardown) and `head_exit_s` (the head's process
-ending: since tray.cli ends it at once after a `tray launch`, only the kernel's part). `exit`'s tail minus `os_exit`'s is what the rank's finalization costs. Medians over
-`--repeats`; JSON with the environment.
+ending: since tray.cli ends it at once after a `tray launch`, only the kernel's part). `exit`'s tail minus
+`os_exit`'s is what the rank's finalization costs. Medians over `--repeats`; JSON with the environment.
 
     python bench/teardown.py [-n 1] [--backend host|cuda] [--repeats 5] [--json bench/results/teardown.json]
 """
