@@ -191,3 +191,23 @@ def test_head_reads_missing_ranks_from_a_barrier_timeout():
     err = BarrierTimeout("world", 3, 0, [2, 5], 2.0)
     assert BarrierTimeout.missing_in(str(err)) == [2, 5]
     assert BarrierTimeout.missing_in("ValueError: boom") == []
+
+
+def test_the_command_line_takes_share_gpus_or_the_variable(monkeypatch, capsys):
+    import tray.backend.cuda as cuda
+    from tray.cli import _backend_and_n
+
+    monkeypatch.setattr(cuda, "gpu_count", lambda: 1)
+    monkeypatch.delenv("TRAY_SHARE_GPUS", raising=False)
+    assert build_parser("launch").parse_args(["launch", "--share-gpus", "-n", "4", "p.py"]).share_gpus is True
+    assert build_parser("launch").parse_args(["launch", "-n", "4", "p.py"]).share_gpus is None  # the variable decides
+    assert _backend_and_n("cuda", 4, True) == ("cuda", 4)
+    with pytest.raises(UsageError, match="-n 4 needs 4 GPUs .* or --share-gpus"):
+        _backend_and_n("cuda", 4, None)
+    monkeypatch.setenv("TRAY_SHARE_GPUS", "1")
+    assert _backend_and_n("cuda", 4, None) == ("cuda", 4)
+    with pytest.raises(UsageError, match="-n 4 needs 4 GPUs"):
+        _backend_and_n("cuda", 4, False)  # only the flag overrides the variable, and it can only turn sharing on
+    monkeypatch.setenv("TRAY_SHARE_GPUS", "often")
+    assert main(["launch", "--backend", "cuda", "-n", "2", "--", "true"]) == 2
+    assert "TRAY_SHARE_GPUS must be 1 (ranks may share GPUs) or 0, got 'often'" in capsys.readouterr().err
