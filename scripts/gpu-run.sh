@@ -6,6 +6,7 @@
 #   scripts/gpu-run.sh perf      # gate stress variants tp bench-barrier bench-startup park: 7 JSON files
 #
 # A 4-GPU pass (nvidia-h200-x4; results to bench/results/h200x4/ and h200x4-2nodes/), in calls of at most ~9 min:
+# (every step's paths already passed their checks at 4 ranks sharing one H200: the shared-* stages, h200-shared/)
 #   1. N=4 TESTS_K=early scripts/gpu-run.sh tests       the early NCCL join at 4 ranks (~15 s); should it fail,
 #                                                       export TRAY_JOIN_COLLECTIVES=lazy for every later stage
 #   2. N=4 scripts/gpu-run.sh ep-moe bench-barrier      EP4 and the barrier beside torch's SymmetricMemory
