@@ -17,7 +17,7 @@
 # Stages: env doctor unit tests gate drop stress variants ep-moe ep-moe-quick ep-moe-cublas ep-moe-wgmma ep-moe-nccl24
 # ep-moe-worst ep-ll-phases
 # ep-moe-fp8 ep-moe-fp8-tests ep-tests expert-gemm wgmma swiglu gemm-ncu
-# ep-moe-nccl-graph ep-moe-nccl-graph-noreg tp tp-tests tp-ll tune park
+# ep-moe-nccl-graph ep-moe-nccl-graph-noreg experts-ep-tp tp tp-tests tp-ll tune park
 # shared-gate shared-stress shared-drop shared-ep shared-tp shared-tests shared-nodes2 shared-ep-nodes2 shared-tp-nodes2
 # shared-torch (N ranks sharing the visible GPUs, TRAY_SHARE_GPUS=1: the multi-rank paths checked for correctness on
 # fewer GPUs than ranks; $OUT/shared_*.json; their timings mean nothing)
@@ -259,6 +259,15 @@ for s in "${STAGES[@]}"; do
             stage expert_gemm_swiglu 300 $PY bench/expert_gemm.py --tokens 256,8192 --repeats 5 \
                 --only production,wgmma,wgmma_swiglu_n256s4,wgmma_swiglu_n256s3,wgmma_tma_n256s3,wgmma_tma_n256s4 ${GEMM_ARGS:-} \
                 --json "$OUT/expert_gemm_swiglu.json" ;;
+        # the experts phase of one rank, EP4 against TP4 on one GPU (the layer's 256 experts, hidden 7168, top-8; 128 and
+        # 4096 tokens per rank, so 512 and 16384 tokens in the group): EP4 holds 64 whole experts and computes the rows
+        # routed to them; TP4 holds a quarter (expert dim 512) of all 256 and computes every routed row. The same
+        # weight bytes per rank; which GEMMs run them faster ($OUT/experts_ep4.json, $OUT/experts_tp4.json; the
+        # layers' communication, EP's dispatch and combine against TP's allreduce, needs 4 GPUs)
+        experts-ep-tp) stage experts_ep4 240 $PY bench/expert_gemm.py --experts 64 --expert-dim 2048 --tokens 512,16384 \
+                --repeats 5 --only production,wgmma,wgmma_swiglu_n256s4 --json "$OUT/experts_ep4.json"
+            stage experts_tp4 240 $PY bench/expert_gemm.py --experts 256 --expert-dim 512 --tokens 512,16384 \
+                --repeats 5 --only production,wgmma,wgmma_swiglu_n256s4 --json "$OUT/experts_tp4.json" ;;
         # the wgmma expert GEMMs under Nsight Compute (one GPU, ~3 min, bounded at 400 s; the clocks left alone): the
         # layer's two launches at the prefill shape (8192 tokens, uniform), speed of light, memory and compute
         # workload, warp states, then one cuBLAS launch of the baseline for its kernel's name and the same sections
