@@ -138,7 +138,9 @@ def visible_gpus() -> int:
 def gpus_shared() -> bool:
     """TRAY_SHARE_GPUS=1: the GPU tests' ranks take turns on fewer GPUs (the multi-rank paths checked on one GPU);
     their checks hold, their timings mean nothing, so a test skips what it asserts of a time."""
-    return os.environ.get("TRAY_SHARE_GPUS", "").strip().lower() in ("1", "true", "yes")
+    from tray.envvars import share_gpus
+
+    return share_gpus(None, os.environ.get("TRAY_SHARE_GPUS"))
 
 
 def gpu_ranks(limit: int = 4) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tray.envinfo import environment
+from tray.envvars import share_gpus
 from tray.errors import UsageError
 
 __all__ = ["Row", "TrayFailed", "buffers_nbytes", "busbw_factor", "environment", "format_gbps", "format_table",
@@ -176,7 +177,7 @@ def write_report(report: dict[str, Any], path: str | None, extra_env: dict[str, 
     given."""
     report.setdefault("command", invoked_command())
     report.setdefault("environment", environment(extra_env))
-    if os.environ.get("TRAY_SHARE_GPUS", "").strip().lower() in ("1", "true", "yes"):
+    if share_gpus(None, os.environ.get("TRAY_SHARE_GPUS")):
         report.setdefault(
             "shared_gpus", "ranks shared GPUs (TRAY_SHARE_GPUS=1): the checks hold, the timings mean nothing")
     if path:
