@@ -347,7 +347,8 @@ def _exit_now(code: int) -> NoReturn:
     """End the head's process right away: its output flushed, without the interpreter's finalization and the
     libraries' exit handlers (the CUDA driver's among them: the head initialised it for its ranks). Measured with
     bench/teardown.py: the head's exit took 103 ms on one H200 and 23 ms on the host backend ending normally
-    (f784566), 67 and 2 ms ending at once (133eb4d, 3a73068); the rest on cuda is the kernel closing the driver's files."""
+    (f784566), 67 and 2 ms ending at once (133eb4d, 3a73068); the rest on cuda is the kernel closing the driver's
+    files."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
