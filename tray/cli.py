@@ -18,12 +18,11 @@ EXIT_USAGE = 2
 
 def _backend_and_n(backend: str | None, nprocs: int | None, share: bool | None = None) -> tuple[str, int]:
     """The tray's backend and size, checked against the visible GPUs before anything is spawned (`share`: ranks
-    may share them; None: TRAY_SHARE_GPUS); a warning when the ranks outnumber the cores."""
-    from tray.launch.pick import backend_and_nprocs, warn_if_oversubscribed
+    may share them; None: TRAY_SHARE_GPUS). The caller warns when the ranks outnumber the cores, once every
+    option has been checked (pick.warn_if_oversubscribed)."""
+    from tray.launch.pick import backend_and_nprocs
 
-    chosen, n = backend_and_nprocs(backend, nprocs, share)
-    warn_if_oversubscribed(n)
-    return chosen, n
+    return backend_and_nprocs(backend, nprocs, share)
 
 
 def _parse_vars(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
@@ -53,6 +52,7 @@ def _job_of(args: argparse.Namespace):  # -> JobSpec | None
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from tray.launch import TraySpec, placements_for, run_tray
+    from tray.launch.pick import warn_if_oversubscribed
     from tray.launch.spawn import process_started_at
     from tray.manifest.names import resolve_manifest
 
@@ -66,6 +66,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
                          "tray launch -n 4 -- CMD ARGS...")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    for flag, seconds in (("--barrier-timeout-s", args.barrier_timeout_s), ("--timeout-s", args.timeout_s),
+                          ("--heartbeat-timeout-s", args.heartbeat_timeout_s)):
+        if seconds is not None and not 0 < seconds < float("inf"):
+            raise UsageError(f"{flag} must be a number of seconds > 0, got {seconds}")
     from tray.launch.output import Routing, parse_ranks_filter, parse_streams
 
     job = _job_of(args)
@@ -76,12 +80,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     tee, redirects = parse_streams("--tee", args.tee, nprocs), parse_streams("--redirects", args.redirects, nprocs)
     ranks = parse_ranks_filter(args.local_ranks_filter, nprocs)
     Routing(log_dir=args.log_dir, tee=tee, redirects=redirects)  # refuses --tee/--redirects without --log-dir
-    if args.barrier_timeout_s is not None and not 0 < args.barrier_timeout_s < float("inf"):
-        raise UsageError(f"--barrier-timeout-s must be a number of seconds > 0, got {args.barrier_timeout_s}")
     from tray.envvars import barrier_timeout, join_collectives
 
     barrier_timeout(os.environ.get("TRAY_BARRIER_TIMEOUT_S"))  # a bad value fails here, not in every rank
     manifest = resolve_manifest(args.manifest) if args.manifest else None
+    warn_if_oversubscribed(nprocs, timeout_flag="--barrier-timeout-s (or TRAY_BARRIER_TIMEOUT_S)")
     spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=manifest,
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
                     heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
@@ -106,13 +109,15 @@ def cmd_gate(args: argparse.Namespace) -> int:
         close = difflib.get_close_matches(args.gate, GATES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; known gates: {', '.join(GATES)}"
         raise UsageError(f"unknown gate {args.gate!r}{hint}")
+    from tray.launch.pick import warn_if_oversubscribed
     from tray.programs.peer_barrier.gate import GateArgs, run_gate
 
     backend, nprocs = _backend_and_n(args.backend, args.nprocs)
     return run_gate(GateArgs(nprocs=nprocs, backend=backend, iters=args.iters, drop=args.drop,
                              timeout_s=args.timeout_s, json_path=args.json, log_dir=args.log_dir,
                              stress=args.stress, replays=args.replays, skew_ns=args.skew_ns,
-                             corrupt=args.corrupt))
+                             corrupt=args.corrupt,
+                             warn=lambda: warn_if_oversubscribed(nprocs, timeout_flag="--timeout-s")))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -177,12 +182,37 @@ ranks get TRAY_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT): the attempts befo
 COMMANDS = ("launch", "gate", "inspect", "bench", "doctor")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line as every other usage error: what was wrong, and where the options
+    are listed (argparse would print the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = f"`{self.prog} --help` lists the options"
+        print(f"tray: UsageError: {self.prog}: {message} ({hint})", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _unknown_options(ap: argparse.ArgumentParser, argv: Sequence[str], extra: Sequence[str]) -> NoReturn:
+    """`extra`: what no option of the command took; each flag among them with the nearest real one."""
+    for word in (a for a in argv if not a.startswith("-")):  # down to the (sub-)command that was parsing
+        sub = next((a for a in ap._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or word not in sub.choices:
+            break
+        ap = sub.choices[word]
+    known = [o for o in ap._option_string_actions if o.startswith("--")]
+    hints = []
+    for arg in extra:
+        close = difflib.get_close_matches(arg.split("=")[0], known, n=1) if arg.startswith("--") else []
+        hints.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    ap.error(f"unrecognized arguments: {' '.join(hints)}")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `command` one of the others, `bench`'s sub-commands are left out (their
     parsers import every program: time a `tray launch` would spend before its first rank starts)."""
     from tray import __version__
 
-    ap = argparse.ArgumentParser(prog="tray", description="Run one SPMD program across the GPUs of a host.",
+    ap = _Parser(prog="tray", description="Run one SPMD program across the GPUs of a host.",
                                  epilog="docs: docs/cli.md (commands), docs/manifest.md, docs/design.md; "
                                         "`tray CMD --help` for each command")
     ap.add_argument("--version", action="version", version=f"tray {__version__} (Python {sys.version.split()[0]})")
@@ -300,7 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command in this process; returns its exit status. SIGTERM is a Ctrl-C while it runs; the
     caller's SIGTERM handler is put back afterwards (`program` is the entry point that exits instead)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    ap = build_parser(argv[0] if argv else None)
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        _unknown_options(ap, argv, extra)
     # SIGTERM to the head tears the tray down like Ctrl-C does (the ranks die with it anyway).
     previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:

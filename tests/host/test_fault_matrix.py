@@ -412,3 +412,27 @@ def test_watchdog_group_member_scan_sees_a_group():
         child.kill()
         child.wait()
     assert group_members(child.pid) == []
+
+
+def test_a_gate_killed_leaves_no_directory_the_next_tray_does_not_sweep(tray_env):
+    """The gate's ranks write their results into a scratch dir under the jobs root, locked as a job dir is: with
+    the gate SIGKILLed, its tray's watchdog removes the ranks and the job dir, and the next tray's sweep the
+    scratch dir (a temporary directory elsewhere would stay for good)."""
+    gate = subprocess.Popen([sys.executable, "-m", "tray", "gate", "peer-barrier", "-n", "2", "--backend", "host",
+                             "--iters", "100000000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=tray_env.env(), cwd=str(tray_env.tmp))
+    try:
+        assert wait_for(lambda: any(tray_env.jobs_root.glob("job-*")), 20), "the gate started no tray"
+        scratch = list(tray_env.jobs_root.glob("scratch-*"))
+        assert len(scratch) == 1 and oct(scratch[0].stat().st_mode & 0o777) == "0o700", scratch
+        gate.kill()
+        gate.wait(timeout=10)
+        assert wait_for(lambda: not any(tray_env.jobs_root.glob("job-*")), 10), "the watchdog left the job dir"
+        assert scratch[0].exists()  # nothing removes it until a tray starts ...
+        run = tray_env.launch(1, "with tray.init() as rank:\n    pass\n")
+        assert run.returncode == 0, run.output
+        assert list(tray_env.jobs_root.iterdir()) == []  # ... and that tray's sweep did
+    finally:
+        if gate.poll() is None:
+            gate.kill()
+            gate.wait(timeout=10)

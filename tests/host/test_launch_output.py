@@ -5,6 +5,7 @@ rank named slow."""
 from __future__ import annotations
 
 import re
+import time
 
 
 def test_quiet_redirects_filter_and_logs(tray_env, tmp_path):
@@ -96,3 +97,52 @@ def test_a_reader_that_goes_away_costs_no_traceback(tray_env, tmp_path):
     assert err.count("tray: stdout was closed by its reader") == 1, err
     for r in range(2):
         assert "line 399" in (logs / f"rank-{r}.log").read_text()
+
+
+def test_a_line_without_newlines_comes_in_bounded_pieces(tray_env, tmp_path):
+    """A rank writing megabytes without a newline: the head prints them as lines of at most LINE_MAX_NBYTES
+    (cut between UTF-8 characters), every byte kept and in order; it once re-split the whole unfinished line on
+    every read (quadratic: 80 MB took a minute) and held all of it."""
+    from tray.launch.spawn import OutputPump
+
+    logs = tmp_path / "logs"
+    body = """
+    with tray.init() as rank:
+        if rank.rank == 0:
+            for i in range(40):
+                sys.stdout.write(("y" * 9999 + "é") * 10)   # 100 KB, no newline; é is two bytes
+            sys.stdout.write("\\nend\\n")
+    """
+    run = tray_env.launch(2, body, "-q", "--log-dir", str(logs), "--redirects", "3")
+    assert run.returncode == 0, run.output
+    lines = [line.split(" ", 1)[1] for line in (logs / "rank-0.log").read_text(encoding="utf-8").splitlines()]
+    assert lines[-1] == "end", lines[-1:]
+    assert max(len(line.encode()) for line in lines) <= OutputPump.LINE_MAX_NBYTES
+    assert len(lines) > 40 * 100_010 // OutputPump.LINE_MAX_NBYTES
+    assert "".join(lines[:-1]) == ("y" * 9999 + "é") * 400  # nothing lost, nothing mangled
+
+
+def test_the_pump_cuts_long_lines_whatever_the_reads(tmp_path):
+    """The pump itself, fed by hand: a line held over several reads and ended by a newline in a later one
+    still comes out in pieces of at most LINE_MAX_NBYTES, cut between UTF-8 characters."""
+    import collections
+    import os
+    import types
+
+    from tray.launch.output import Routing
+    from tray.launch.spawn import OutputPump
+
+    limit = OutputPump.LINE_MAX_NBYTES
+    r, w = os.pipe()
+    proc = types.SimpleNamespace(rank=0, tail=collections.deque(maxlen=20),
+                                 popen=types.SimpleNamespace(stdout=os.fdopen(r, "rb", buffering=0), stderr=None))
+    pump = OutputPump([proc], Routing(log_dir=str(tmp_path), redirects=3))
+    text = "a" * (limit - 1) + "é" * 1000 + "b" * (limit // 2)
+    for part in (text[:limit - 10].encode(), text[limit - 10:].encode() + b"\nshort\n", "tail é".encode()):
+        os.write(w, part)
+        time.sleep(0.2)  # one read each
+    os.close(w)
+    pump.stop(5.0)
+    lines = [line.split(" ", 1)[1] for line in (tmp_path / "rank-0.log").read_text(encoding="utf-8").splitlines()]
+    assert max(len(line.encode()) for line in lines) <= limit, [len(line.encode()) for line in lines]
+    assert lines[-2:] == ["short", "tail é"] and "".join(lines[:-2]) == text

@@ -161,10 +161,36 @@ def test_version(capsys):
     (["--redirects", "0:3", "-n", "2"], "--redirects needs --log-dir"),
     (["--local-ranks-filter", "7", "-n", "2"], "ranks are 0..1 with -n 2"),
     (["--barrier-timeout-s", "0"], "--barrier-timeout-s must be a number of seconds > 0"),
+    (["--timeout-s", "-5"], "--timeout-s must be a number of seconds > 0, got -5.0"),
+    (["--heartbeat-timeout-s", "0"], "--heartbeat-timeout-s must be a number of seconds > 0"),
+    (["-n", "two"], "tray launch: argument -n/--nprocs/--nproc-per-node: invalid int value: 'two'"),
+    (["--bakend=host"], "unrecognized arguments: --bakend=host (did you mean --backend?)"),
 ])
 def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
-    assert main(["launch", "--backend", "host", *argv, "--", "false"]) == 2
-    assert message in capsys.readouterr().err
+    try:
+        code = main(["launch", "--backend", "host", *argv, "--", "false"])
+    except SystemExit as stop:  # argparse's own checks end there, through the one-line error
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["gate", "peer-barrier", "-n", "1", "--drop", "0"], "--drop needs 2 ranks or more"),
+    (["gate", "peer-barrier", "-n", "2", "--iters", "0"], "--iters and --replays must be 1 or more"),
+    (["bench", "ep-moe", "--tokenz", "3"], "tray bench ep-moe: unrecognized arguments: --tokenz (did you mean "
+                                          "--tokens?) 3 (`tray bench ep-moe --help` lists the options)"),
+    ([], "tray: UsageError: tray: the following arguments are required"),
+])
+def test_other_commands_refuse_bad_options_in_one_line(capsys, argv, message):
+    try:
+        code = main([*argv, "--backend", "host"] if argv[:1] == ["gate"] else argv)
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_barrier_timeout_from_env():

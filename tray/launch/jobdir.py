@@ -17,6 +17,8 @@ import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,18 +102,24 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
     return path, fd
 
 
-def make_job_dir(nprocs: int, root: Path | None = None) -> JobDir:
-    """Sweep stale job dirs, then make a new locked one, 0700, named `job-<pid>-<random>`.
+# the kinds of locked directory under the jobs root: a tray's job dir, and a command's scratch dir (the files a
+# gate's or bench's ranks leave for it); the sweep removes either once no live process holds its lock
+KINDS = ("job", "scratch")
+
+
+def make_job_dir(nprocs: int, root: Path | None = None, kind: str = "job") -> JobDir:
+    """Sweep stale job dirs, then make a new locked one, 0700, named `<kind>-<pid>-<random>`.
 
     The name appears only once the lock is held (made as `.new-*`, renamed), so the sweep never sees
     a live job dir without its lock. Raises SetupError when the root is unusable or a socket path
     under it would be longer than a UNIX socket allows (for ranks 0..nprocs-1)."""
+    assert kind in KINDS, kind
     path, root_fd = open_root(root)
     try:
         sweep_stale(root_fd)
-        name = f"job-{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"{kind}-{os.getpid()}-{secrets.token_hex(4)}"
         longest = max(len(str(path / name / f"rank-{nprocs - 1}.fds")), len(str(path / name / "head.sock")))
-        if longest > MAX_SOCKET_PATH:
+        if kind == "job" and longest > MAX_SOCKET_PATH:
             raise SetupError(
                 f"socket paths under the jobs root {path} would be {longest} characters; UNIX sockets allow "
                 f"{MAX_SOCKET_PATH}: set TRAY_JOBS_ROOT to a shorter directory (e.g. /tmp/tray-{os.getuid()})")
@@ -131,6 +139,26 @@ def make_job_dir(nprocs: int, root: Path | None = None) -> JobDir:
         os.close(root_fd)
         raise
     return JobDir(path=path / name, root=path, root_fd=root_fd, fd=fd, lock_fd=lock_fd)
+
+
+@contextmanager
+def scratch_dir() -> Iterator[Path]:
+    """A private directory (0700) under the jobs root for the files a command's ranks write for it, removed when
+    the block ends; locked as a job dir is, so that if this process is killed the next tray's sweep removes it."""
+    scratch = make_job_dir(1, kind="scratch")
+    try:
+        yield scratch.path
+    finally:
+        scratch.close()
+
+
+def work_dir(keep_prefix: str | None) -> tuple[Path, Callable[[], None]]:
+    """A gate's or bench's working directory and what removes it: a scratch dir (scratch_dir), or with
+    `keep_prefix` (--keep) a plain temporary directory named so, which is kept."""
+    if keep_prefix is not None:
+        return Path(tempfile.mkdtemp(prefix=keep_prefix)), lambda: None
+    scratch = make_job_dir(1, kind="scratch")
+    return scratch.path, scratch.close
 
 
 def _remove_entry(root_fd: int, name: str) -> None:
@@ -181,7 +209,7 @@ def sweep_stale(root_fd: int) -> list[str]:
     now = time.time()
     for entry in os.scandir(root_fd):
         name = entry.name
-        if name.startswith(".new-job-"):
+        if name.startswith(tuple(f".new-{kind}-" for kind in KINDS)):
             try:
                 old = now - entry.stat(follow_symlinks=False).st_mtime > HALF_MADE_AGE_S
             except OSError:
@@ -190,7 +218,7 @@ def sweep_stale(root_fd: int) -> list[str]:
                 _remove_entry(root_fd, name)
                 removed.append(name)
             continue
-        if not name.startswith("job-"):
+        if not name.startswith(tuple(f"{kind}-" for kind in KINDS)):
             continue
         lock_fd = try_lock(root_fd, name)
         if lock_fd is None:

@@ -90,13 +90,12 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def warn_if_oversubscribed(nprocs: int, ncores: int | None = None) -> bool:
+def warn_if_oversubscribed(nprocs: int, ncores: int | None = None, timeout_flag: str = "--barrier-timeout-s") -> bool:
     """Say on stderr when `nprocs` ranks outnumber the cores (a rank then waits for a core: barriers and
-    heartbeats run late). Returns whether it warned."""
+    heartbeats run late), naming the command's own barrier timeout option. Returns whether it warned."""
     ncores = cores() if ncores is None else ncores
     if nprocs <= ncores:
         return False
     print(f"tray: warning: {nprocs} ranks on {ncores} CPU cores: ranks wait for a core, so barriers and "
-          "steps take longer; raise --barrier-timeout-s (or TRAY_BARRIER_TIMEOUT_S) if they time out",
-          file=sys.stderr, flush=True)
+          f"steps take longer; raise {timeout_flag} if they time out", file=sys.stderr, flush=True)
     return True

@@ -163,7 +163,18 @@ class _Stream:
         self.fd = src.fileno()
         self.dst = dst  # None: not shown on the terminal
         self.log = log  # None: not kept in the rank's file
-        self.partial = b""
+        self.partial = bytearray()
+
+
+def _utf8_cut(data: bytearray, limit: int) -> int:
+    """Where to cut `data` at most `limit` bytes in, not inside a UTF-8 sequence (continuation bytes are
+    10xxxxxx; a sequence is at most 4 bytes: if no boundary is near, the cut is at `limit`)."""
+    if len(data) <= limit:
+        return len(data)
+    for cut in range(limit, max(limit - 3, 1) - 1, -1):
+        if data[cut] & 0xC0 != 0x80:
+            return cut
+    return limit
 
 
 class OutputPump:
@@ -177,6 +188,9 @@ class OutputPump:
     # NOTE: how long one select() waits before looking at the stop request again.
     _TICK_S = 0.05
     _CHUNK_NBYTES = 65536
+    # A line longer than this is printed in pieces of at most this many bytes (each its own prefixed line), so
+    # a rank writing without newlines costs the head time linear in its bytes and bounded memory.
+    LINE_MAX_NBYTES = 65536
 
     def __init__(self, procs: list[RankProcess], routing: Routing) -> None:
         self._logs: list[TextIO] = []
@@ -221,14 +235,28 @@ class OutputPump:
         if not chunk:
             self._finish(s)
             return
-        *lines, s.partial = (s.partial + chunk).split(b"\n")
-        for raw in lines:
-            self._emit(s, raw)
+        first, newline, rest = chunk.partition(b"\n")
+        s.partial += first  # only the new bytes are searched: a long line costs linear time
+        self._emit_pieces(s)
+        if newline:
+            self._emit(s, bytes(s.partial))
+            *lines, last = rest.split(b"\n")
+            for raw in lines:
+                self._emit(s, raw)
+            s.partial = bytearray(last)
+            self._emit_pieces(s)
+
+    def _emit_pieces(self, s: _Stream) -> None:
+        """Emit the unfinished line's leading pieces until at most LINE_MAX_NBYTES of it is held."""
+        while len(s.partial) > self.LINE_MAX_NBYTES:
+            cut = _utf8_cut(s.partial, self.LINE_MAX_NBYTES)
+            self._emit(s, bytes(s.partial[:cut]))
+            del s.partial[:cut]
 
     def _finish(self, s: _Stream) -> None:
         if s.partial:
-            self._emit(s, s.partial)
-            s.partial = b""
+            self._emit(s, bytes(s.partial))
+            s.partial = bytearray()
         self._sel.unregister(s.fd)
         s.src.close()
 

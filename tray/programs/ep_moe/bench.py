@@ -59,9 +59,7 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +69,7 @@ import numpy as np
 
 from tray.bench import TrayFailed, plot_lines, require_plot, run_rank_program, stage, write_report
 from tray.errors import TrayError, UsageError
+from tray.launch.jobdir import work_dir
 from tray.manifest.builtin import builtin_path
 
 MANIFEST = "ep_moe"  # built-in (package data), see tray.manifest.builtin
@@ -749,7 +748,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
     """Check, time, print, write JSON (and a plot). Returns the exit code: 0 passed, 1 failed."""
     validate(a)
     require_plot(a.plot_path)
-    work = Path(tempfile.mkdtemp(prefix="tray-ep-moe-"))
+    work, remove_work = work_dir("tray-ep-moe-" if a.keep else None)
     t0 = time.perf_counter()
 
     def done(what: str) -> None:  # NOTE: on stdout with the elapsed time, so a stuck stage shows which it is
@@ -780,8 +779,7 @@ def run_ep_bench(a: EpBenchArgs) -> int:
     finally:
         if a.keep:
             print(f"ep-moe: work files kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        remove_work()
     report = {
         "bench": "ep-moe",
         "nprocs": a.nprocs,

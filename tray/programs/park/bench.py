@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from tray.bench import Row, format_table, plot_lines, require_plot, stage, write_report
+from tray.launch.jobdir import scratch_dir
 from tray.manifest.builtin import builtin_path
 from tray.park.pages import fold_runs
 
@@ -305,7 +305,8 @@ def run(
     stage("park", 1, 1, f"{nprocs} ranks, leases of {pages * page_nbytes / (1 << 30):.3g} GiB (a device pool of "
                         f"twice that, a host tier of once) per rank, {nprocs + 2} rounds of {repeats} parks and wakes "
                         "(a line per round from rank 0)")
-    with tempfile.TemporaryDirectory(prefix="tray-park-bench-") as tmp:
+    with scratch_dir() as scratch:
+        tmp = str(scratch)
         cmd = (
             sys.executable,
             "-m",

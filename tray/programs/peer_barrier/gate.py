@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tray.bench import Row, format_table, median, write_report
 from tray.envinfo import environment
 from tray.launch import TraySpec, run_tray
+from tray.launch.jobdir import work_dir
 from tray.manifest.builtin import builtin_path
 
 # NOTE: docs/design.md section 6: every surviving rank must name the dropped one within timeout + 0.5 s.
@@ -38,6 +37,7 @@ class GateArgs:
     replays: int = 5
     skew_ns: int = 2000
     corrupt: int | None = None  # --stress: this rank sends one wrong word (the gate must then fail)
+    warn: Callable[[], object] | None = None  # called once the arguments are checked (too many ranks for the cores)
 
 
 def run_gate(args: GateArgs) -> int:
@@ -46,11 +46,21 @@ def run_gate(args: GateArgs) -> int:
         print(f"tray: --drop {args.drop} is not a rank of a {args.nprocs}-rank tray (0..{args.nprocs - 1})",
               file=sys.stderr)
         return 2
+    if args.drop is not None and args.nprocs < 2:
+        print(f"tray: --drop needs 2 ranks or more: the others must name the dropped one; got -n {args.nprocs}",
+              file=sys.stderr)
+        return 2
+    if not (args.iters >= 1 and args.replays >= 1 and 0 < args.timeout_s < float("inf")):
+        print(f"tray: --iters and --replays must be 1 or more and --timeout-s a number of seconds > 0; got --iters "
+              f"{args.iters}, --replays {args.replays}, --timeout-s {args.timeout_s}", file=sys.stderr)
+        return 2
     if args.corrupt is not None and not (args.stress and 0 <= args.corrupt < args.nprocs):
         print(f"tray: --corrupt {args.corrupt} needs --stress and a rank of the tray (0..{args.nprocs - 1})",
               file=sys.stderr)
         return 2
-    out_dir = Path(tempfile.mkdtemp(prefix="tray-gate-"))
+    if args.warn is not None:
+        args.warn()
+    out_dir, remove_out_dir = work_dir(None)
     try:
         cmd = [sys.executable, "-m", "tray.programs.peer_barrier.rank_program", "--iters", str(args.iters),
                "--timeout-s", str(args.timeout_s), "--out", str(out_dir)]
@@ -72,7 +82,7 @@ def run_gate(args: GateArgs) -> int:
             if path.exists():
                 per_rank.append(json.loads(path.read_text()))
     finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        remove_out_dir()
     report = _report(args, result, per_rank)
     _print(report)
     write_report(report, args.json_path)

@@ -32,9 +32,7 @@ rank's TP group was the ranks of its node. The report says `"nnodes"`, `"tp_size
 from __future__ import annotations
 
 import math
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +52,7 @@ from tray.bench import (
     write_report,
 )
 from tray.errors import UsageError
+from tray.launch.jobdir import work_dir
 from tray.manifest.builtin import builtin_path
 from tray.programs.tp_mlp.ll import LLShape
 
@@ -422,7 +421,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
     validate(a)
     require_plot(a.plot_path)
     assert a.sizes is not None and a.tokens is not None
-    work = Path(tempfile.mkdtemp(prefix="tray-tp-"))
+    work, remove_work = work_dir("tray-tp-" if a.keep else None)
     try:
         try:
             mib = buffers_nbytes(str(builtin_path(MANIFEST)), a.nprocs, launch_vars(a, a.tp_size),
@@ -444,8 +443,7 @@ def run_tp_bench(a: TpBenchArgs) -> int:
     finally:
         if a.keep:
             print(f"tp: work files kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        remove_work()
     report = {
         "bench": "tp",
         "nprocs": a.nprocs,
