@@ -194,6 +194,36 @@ def test_a_killed_head_is_named_within_the_timeout(tray_env, victim):
         assert "node 1: lost the root (node 0 at 127.0.0.1:" in cause and "nothing heard" in cause, run.output
 
 
+@pytest.mark.parametrize("victim, sig", [(1, signal.SIGINT), (0, signal.SIGTERM)])
+def test_an_interrupted_head_stops_the_job_at_once_naming_itself(tray_env, victim, sig):
+    """Ctrl-C (or SIGTERM) to one node's head: it exits 130, and the other head hears it as the job's root cause
+    at once, not as a lost node a heartbeat timeout (5 s here) later. A tray-wide step left waiting is reported
+    only for ranks that take part in it (a node leaders' step: the leader, never its other ranks)."""
+    body = """
+    with tray.init() as rank:
+        open(f"up-{rank.rank}", "w").close()
+        while True:
+            rank.barrier()
+    """
+    procs = start_job(tray_env, body)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(tray_env.tmp.glob("up-*"))) < 4:
+        time.sleep(0.05)
+    assert len(list(tray_env.tmp.glob("up-*"))) == 4
+    time.sleep(0.3)
+    t_signal = time.monotonic()
+    procs[victim].send_signal(sig)
+    survivor = finish([procs[1 - victim]], timeout_s=20)[0]
+    interrupted = finish([procs[victim]])[0]
+    assert interrupted.returncode == 130, interrupted.output
+    assert survivor.returncode == 1 and time.monotonic() - t_signal < 3.0, survivor.output
+    assert _root_cause(survivor) == (f"tray: FAILED: node {victim}: its head was interrupted ({sig.name}); the job "
+                                     "stops"), survivor.output
+    for line in survivor.stderr.splitlines():
+        if "was still waiting for rank" in line and ":leaders'" in line:
+            assert line.endswith(f"rank {2 * (1 - victim)}"), survivor.output  # the survivor's leader
+
+
 def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
     """The head with the wrong token fails at once (its handshake with the root fails) and stops dialling;
     node 0 waits for the join deadline (a failed handshake may be a stranger's), then names the failed

@@ -25,6 +25,7 @@ from tray.collectives.idmaker import IdMaker
 from tray.envvars import join_collectives
 from tray.errors import BarrierTimeout, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S
+from tray.handshake.steps import step_voters
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
@@ -160,6 +161,7 @@ class Head:
         self.shm: set[str] = set()
         self._t_shm = 0.0
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
+        self._failed_said = False  # the root cause's line is out (at the teardown's start)
         # the ranks join NCCL while they start (tray/collectives/early.py); the head's time making the ids
         self.early_ids = self._joins_early()
         self.t_nccl_ids: float | None = None
@@ -658,6 +660,8 @@ class Head:
         group, and orphans the head adopted as subreaper), remove collective segments no live process maps,
         and read the ranks' last output for at most DRAIN_S."""
         self._sample_shm(job, force=True)
+        if self.failure:  # the root cause first; its report and the ranks' ends follow the teardown
+            self._say_failed()
         alive = [p for p in self.procs if p.popen.poll() is None]
         if alive:
             if self.failure:
@@ -753,18 +757,30 @@ class Head:
             _say(f"  NCCL: the ranks join their groups on a thread from their allocations on{made}; the first "
                  "collective waits for what is left (--join-collectives lazy: at the first collective instead)")
 
-    def _print_root_cause(self) -> None:
+    def _say_failed(self) -> None:
+        """The root cause's line and notes, once."""
         f = self.failure
         assert f is not None
+        if self._failed_said:
+            return
+        self._failed_said = True
         _say(f"FAILED: {f.summary}")
         for note in f.notes:
             _say(f"  {note}")
+
+    def _print_root_cause(self) -> None:
+        f = self.failure
+        assert f is not None
+        self._say_failed()
         if f.report.strip():
             _say("error report:")
             for line in f.report.rstrip().splitlines():
                 _say(f"  {line}")
         for (topic, rnd), box in self.votes.items():
-            missing = ",".join(str(p.rank) for p in self.procs if p.rank not in box)
+            # only this head's ranks that take part in the step (a node leaders' step: the leader alone)
+            voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
+            missing = ",".join(str(p.rank) for p in self.procs
+                               if p.rank not in box and (voters is None or p.rank in voters))
             if missing:
                 _say(f"tray-wide step {topic!r} (round {rnd}) was still waiting for rank {missing}")
         if f.tail:

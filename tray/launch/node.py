@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import sys
 import time
@@ -141,6 +142,7 @@ class NodeHead(Head):
         self.done_sent = False
         self._rank_sock: zmq.Socket | None = None
         self._root_lost = False  # no verdict can come: the root refused this node, or is gone
+        self._interrupt_told = False
 
     # --- hooks of Head ---------------------------------------------------------------------------
     def _joins_early(self) -> bool:
@@ -192,6 +194,20 @@ class NodeHead(Head):
 
     def _finished(self) -> bool:
         return self.job_end
+
+    def _raise_if_signalled(self) -> None:
+        """A SIGINT/SIGTERM to this head stops the job, not only this node: the other heads hear it as the job's
+        root cause now, rather than as this node's silence a heartbeat timeout later."""
+        if self._signals and not self._interrupt_told and self.job_stop is None:
+            self._interrupt_told = True
+            name = signal.Signals(self._signals[0]).name
+            summary = f"node {self.job.node_rank}: its head was interrupted ({name}); the job stops"
+            if self.root is not None:  # node 0: the root tells every head itself
+                self.root.stop_job(self.job.node_rank, summary)
+            elif self.link is not None:
+                self.link.send(jobwire.NodeFailure(token=self.job.token, node_rank=self.job.node_rank, rank=-1,
+                                                   summary=summary, report="", tail=(), exit_code=1))
+        super()._raise_if_signalled()
 
     def _handshake_is_ours(self) -> bool:
         # while every local rank waits on the root (for the table or for go), the root bounds the wait

@@ -355,6 +355,10 @@ class Root:
                 del self.steps[key]
                 self._decide(key, step, missing=tuple(r for r in step.voters if r not in step.values))
 
+    def stop_job(self, node: int, summary: str) -> None:
+        """Stop the job from the root's own node (its head was interrupted): `summary` is the root cause."""
+        self._stop(node, -1, summary)
+
     # --- sending ----------------------------------------------------------------------------------
     def _stop(self, node: int | None, rank: int, summary: str, *, report: str = "", tail: tuple[str, ...] = (),
               exit_code: int = EXIT_JOB) -> None:
