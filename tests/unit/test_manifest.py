@@ -753,6 +753,19 @@ def test_tp_manifest_runs_tp_within_each_node(world_size: int, local: int | None
     assert kinds == {"ResolvedCollective", "ResolvedBarrier"}
 
 
+def test_every_builtin_inspects_at_its_defaults() -> None:
+    """`tray inspect NAME` (world size 4, no --var) works for every built-in manifest; a var that does not fit a
+    world size is named with how to set it."""
+    from tray.manifest.builtin import builtin_names, builtin_path
+
+    for name in builtin_names():
+        assert "digest" in format_inspect(load_manifest(builtin_path(name)), 4), name
+    with pytest.raises(ManifestError, match=r"vars \(groups, hidden, tokens\) do not fit world_size 8: set them "
+                                            r"with --var NAME=INT"):
+        load_manifest(builtin_path("ep_moe")).resolve(8)
+    assert load_manifest(builtin_path("ep_moe")).resolve(8, {"groups": 8}).world_size == 8
+
+
 def test_peer_barrier_manifest_loads() -> None:
     m = load_manifest(REPO / "manifests" / "peer_barrier.json")
     assert m.name == "peer_barrier" and m.vars == {"iters": 1000}

@@ -13,6 +13,7 @@ from tray.manifest.expr import (
     describe,
     did_you_mean,
     eval_expr,
+    expr_names,
     known_list,
     split_ref,
 )
@@ -111,7 +112,10 @@ class _Resolver:
             self.fail(jp, str(exc))
         if minimum is not None and result < minimum:
             source = "" if isinstance(value, int) else f" from {describe(value, self.env)}"
-            self.fail(jp, f"must be >= {minimum}, got {result}{source}")
+            settable = [] if isinstance(value, int) else sorted(n for n in expr_names(value) if n in self.m.vars)
+            hint = (f"; the manifest's vars ({', '.join(settable)}) do not fit world_size {self.world_size}: set them "
+                    f"with --var NAME=INT (tray launch, tray inspect)") if settable else ""
+            self.fail(jp, f"must be >= {minimum}, got {result}{source}{hint}")
         return result
 
     def run(self) -> ResolvedManifest:
