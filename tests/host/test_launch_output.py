@@ -57,16 +57,26 @@ def test_redirects_per_local_rank(tray_env, tmp_path):
 
 
 def test_a_slow_rank_is_named_slow_not_dead(tray_env):
+    """...and its Python stack shows where it is: the head has it written to the rank's stderr (a signal the rank
+    registered with faulthandler) before it is stopped."""
     body = """
+    def somewhere_else():
+        time.sleep(2.0)   # alive and heartbeating, just late
+
     with tray.init() as rank:
         if rank.rank == 1:
-            time.sleep(2.0)   # alive and heartbeating, just late
+            somewhere_else()
         rank.barrier()
     """
     run = tray_env.launch(2, body, "--barrier-timeout-s", "0.5")
     assert run.returncode == 1, run.output
     assert "waited 0.50 s for rank 1" in run.stderr
-    assert re.search(r"rank 1 is alive, last heartbeat [0-9.]+ s ago, phase running: slow, not dead", run.stderr)
+    assert re.search(r"rank 1 is alive, last heartbeat [0-9.]+ s ago, phase running: running but not at this "
+                     r"barrier, slow or stuck elsewhere", run.stderr), run.stderr
+    stack = [line for line in run.stderr.splitlines() if line.startswith("[rank 1]")]
+    assert any("in somewhere_else" in line for line in stack), run.stderr
+    assert not any(line.startswith("[rank 0]") and "somewhere_else" in line for line in run.stderr.splitlines())
+    assert run.stderr.index("in somewhere_else") < run.stderr.index("tray: FAILED:")
 
 
 def test_a_reader_that_goes_away_costs_no_traceback(tray_env, tmp_path):

@@ -24,7 +24,7 @@ from tray.collectives import early as early_join
 from tray.collectives.idmaker import IdMaker
 from tray.envvars import join_collectives
 from tray.errors import BarrierTimeout, WireError
-from tray.handshake import HEARTBEAT_INTERVAL_S
+from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
 from tray.handshake.steps import step_voters
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
@@ -64,6 +64,9 @@ SHM_SAMPLE_S = 1.0
 # NOTE: after every rank and leftover is gone, the output still in the pipes is read for this long
 # at most; a pipe that some escaped process holds open cannot delay the verdict longer.
 DRAIN_S = 1.0
+# NOTE: how long the head lets a rank's stack dump reach the output pump before the teardown signals the rank (a
+# standard signal pending beside a real-time one is delivered first)
+_STACK_DUMP_WAIT_S = 0.3
 PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -424,8 +427,10 @@ class Head:
             self._note_phase(proc, msg.phase, force=True)
             notes: tuple[str, ...] = ()
             if msg.error_type == BarrierTimeout.__name__:
-                notes = tuple(self._status(self.procs[r]) for r in BarrierTimeout.missing_in(msg.message)
-                              if 0 <= r < len(self.procs))
+                late = [self.procs[r - self.rank_base] for r in BarrierTimeout.missing_in(msg.message)
+                        if 0 <= r - self.rank_base < len(self.procs)]
+                notes = tuple(self._status(p) for p in late)
+                self._dump_stacks([p for p in late if self._heartbeating(p)])
             self._fail(Failure(rank, f"rank {rank} reported {msg.error_type}: {msg.message}",
                                report=f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail), notes=notes))
         elif isinstance(msg, wire.Vote):
@@ -604,6 +609,26 @@ class Head:
             return "alive"
         return f"exited with code {code}" if code >= 0 else f"killed by {_signal_name(code)}"
 
+    @staticmethod
+    def _heartbeating(p: RankProcess) -> bool:
+        """Alive and heartbeating: running, just not where it was waited for."""
+        # NOTE: heartbeats come every HEARTBEAT_INTERVAL_S; two missed ones mean the process is not running.
+        return (p.popen.poll() is None and p.last_heartbeat is not None
+                and time.monotonic() - p.last_heartbeat <= 2 * HEARTBEAT_INTERVAL_S + 0.5)
+
+    def _dump_stacks(self, procs: list[RankProcess]) -> None:
+        """Have each rank write every thread's Python stack to its stderr (tray.rank registered the signal before
+        it first reached the head), and give the output pump a moment to carry it before the teardown's SIGTERM."""
+        sent = False
+        for p in procs:
+            try:
+                os.kill(p.pid, signal.SIGRTMIN + STACK_DUMP_SIGNAL_OFFSET)
+                sent = True
+            except OSError:  # gone meanwhile
+                pass
+        if sent:
+            time.sleep(_STACK_DUMP_WAIT_S)
+
     def _status(self, p: RankProcess) -> str:
         """What the head knows of rank `p` now: dead (how), or alive with its last heartbeat and phase, and
         whether that makes it slow (heartbeating) or stopped (silent)."""
@@ -615,10 +640,11 @@ class Head:
             return f"rank {p.rank} is alive but never reached the head (last phase: {self._phase_of(p)})"
         silent_s = time.monotonic() - p.last_heartbeat
         head = f"rank {p.rank} is alive, last heartbeat {silent_s:.1f} s ago, phase {p.phase}"
-        # NOTE: heartbeats come every HEARTBEAT_INTERVAL_S; two missed ones mean the process is not running.
-        if silent_s <= 2 * HEARTBEAT_INTERVAL_S + 0.5:
-            return (f"{head}: slow, not dead; give barriers more time (--barrier-timeout-s S, "
-                    "TRAY_BARRIER_TIMEOUT_S or the manifest's barrier_timeout_s) or run fewer ranks than cores")
+        if self._heartbeating(p):
+            return (f"{head}: running but not at this barrier, slow or stuck elsewhere (its Python stack, every "
+                    f"thread, went to its stderr just now: the [rank {p.rank}] lines above, or its log); if it is "
+                    "slow, give barriers more time (--barrier-timeout-s S, TRAY_BARRIER_TIMEOUT_S or the manifest's "
+                    "barrier_timeout_s) or run fewer ranks than cores")
         return f"{head}: stopped or frozen (no heartbeat)"
 
     def _log_error_reports(self, job_dir: Path) -> None:

@@ -19,7 +19,7 @@ from tray import collectives
 from tray.backend import open_backend
 from tray.backend.base import Backend, Barrier, Collectives, ExportedHandle, GroupInfo
 from tray.errors import DeviceError, HandshakeError
-from tray.handshake import wire
+from tray.handshake import STACK_DUMP_SIGNAL_OFFSET, wire
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer, fetch_fds
 from tray.handshake.steps import node_leaders, node_parts, spans_nodes
@@ -49,6 +49,22 @@ def boot_id() -> str:
         return os.uname().nodename
 
 
+def register_stack_dump() -> bool:
+    """Make STACK_DUMP_SIGNAL write every thread's Python stack to stderr (faulthandler); left alone when the
+    program handles or ignores that signal itself. Returns whether it registered."""
+    import faulthandler
+    import signal
+
+    sig = signal.SIGRTMIN + STACK_DUMP_SIGNAL_OFFSET
+    try:
+        if signal.getsignal(sig) != signal.SIG_DFL:
+            return False
+        faulthandler.register(sig, file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, RuntimeError, ValueError):  # no stderr with a file descriptor
+        return False
+    return True
+
+
 def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any = None) -> Wiring:
     """Run the eight steps into `parts`; the wiring once the head said go. `warmup` (a started
     DriverWarmup or None) is released once the backend is open, whatever happens. `parts.early` (an
@@ -61,6 +77,7 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any
     env, phases = parts.env, parts.phases
     if env.t_spawn is not None:
         phases.timings["import"] = time.time() - env.t_spawn
+    register_stack_dump()  # before the head can see this rank: it signals only ranks that reached it
     client = parts.client = RendezvousClient(env.endpoint, env.token, env.rank)
     phases.sink = client
 
