@@ -15,8 +15,10 @@ export NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 
 PY="${PYTHON:-python3}"
-if ! "$PY" -c "import tray" 2>/dev/null; then
-    echo "launch/single-host.sh: 'import tray' fails for $PY; pip install 'tray[gpu]' (or set PYTHON)" >&2
+# tray's launcher with its dependencies, not merely a tray/ directory that happens to be the current one
+if ! "$PY" -c "import tray.launch.head" 2>/dev/null; then
+    echo "launch/single-host.sh: 'import tray.launch.head' fails for $PY (tray or one of its dependencies is" \
+         "missing); pip install 'tray[gpu]', or in a checkout run make and set PYTHON=.venv/bin/python" >&2
     exit 2
 fi
 

@@ -14,6 +14,8 @@ from typing import NoReturn
 from tray.errors import TrayError, UsageError
 
 EXIT_USAGE = 2
+# the modules of pyproject's dependencies: a command that cannot import one says how to install them (one line)
+DEPENDENCIES = frozenset({"numpy", "msgpack", "zmq", "psutil", "ml_dtypes", "safetensors"})
 
 
 def _backend_and_n(backend: str | None, nprocs: int | None, share: bool | None = None) -> tuple[str, int]:
@@ -340,6 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.fn(args))
     except TrayError as exc:
         print(f"tray: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] not in DEPENDENCIES:
+            raise
+        print(f"tray: SetupError: this Python ({sys.executable}) has tray but not {exc.name!r}, one of its "
+              "dependencies: install tray with them (pip install tray, or `make` in a checkout, then use "
+              ".venv/bin/tray)", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         # a second signal now is held until the line is out (then raised, as any signal would be)

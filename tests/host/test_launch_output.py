@@ -159,3 +159,17 @@ def test_the_pump_cuts_long_lines_whatever_the_reads(tmp_path):
     lines = [line.split(" ", 1)[1] for line in (tmp_path / "rank-0.log").read_text(encoding="utf-8").splitlines()]
     assert max(len(line.encode()) for line in lines) <= limit, [len(line.encode()) for line in lines]
     assert lines[-2:] == ["short", "tail é"] and "".join(lines[:-2]) == text
+
+
+def test_a_python_that_cannot_import_tray_is_named(tray_env):
+    """The command's Python is not tray's (here: one without site-packages): the report says which interpreter the
+    command started and which one tray runs in, and how to run the program with tray's."""
+    import sys
+
+    prog = tray_env.script("with tray.init() as rank:\n    pass\n")
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", "2", "-q", "--backend", "host", "--",
+                        sys.executable, "-I", "-S", str(prog)])
+    assert run.returncode == 1, run.output
+    assert "ModuleNotFoundError: No module named 'numpy'" in run.stderr  # the test program imports it first
+    assert f"Python cannot import tray (or its dependencies): the command starts {sys.executable!r}" in run.stderr
+    assert "name the program alone (tray launch -n N prog.py: tray's Python runs it)" in run.stderr

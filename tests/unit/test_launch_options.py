@@ -237,3 +237,19 @@ def test_the_command_line_takes_share_gpus_or_the_variable(monkeypatch, capsys):
     monkeypatch.setenv("TRAY_SHARE_GPUS", "often")
     assert main(["launch", "--backend", "cuda", "-n", "2", "--", "true"]) == 2
     assert "TRAY_SHARE_GPUS must be 1 (ranks may share GPUs) or 0, got 'often'" in capsys.readouterr().err
+
+
+def test_a_python_without_trays_dependencies_gets_one_line_saying_how_to_install_them():
+    """`python -m tray launch` from a checkout, with a Python that has none of tray's dependencies (-S: no
+    site-packages): one SetupError line naming the missing module and what to do, exit 2, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    for argv in (["launch", "-n", "2", "--backend", "host", "x.py"], ["gate", "peer-barrier", "--backend", "host"]):
+        run = subprocess.run([sys.executable, "-S", "-m", "tray", *argv], cwd=repo, capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.startswith("tray: SetupError: this Python") and run.stderr.count("\n") == 1, run.stderr
+        assert "one of its dependencies: install tray with them" in run.stderr

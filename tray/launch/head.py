@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -809,10 +810,22 @@ class Head:
                                if p.rank not in box and (voters is None or p.rank in voters))
             if missing:
                 _say(f"tray-wide step {topic!r} (round {rnd}) was still waiting for rank {missing}")
-        if f.tail:
+        tail = list(f.tail)
+        local = f.rank is not None and 0 <= f.rank - self.rank_base < len(self.procs)
+        if local and f.rank is not None:  # its output drained by now: the lines it wrote as it ended are there too
+            tail = list(self.procs[f.rank - self.rank_base].tail) or tail
+        if tail:
             _say(f"last lines of rank {f.rank}:")
-            for line in f.tail[-10:]:
+            for line in tail[-10:]:
                 _say(f"  | {line}")
+        from tray.cli import DEPENDENCIES
+
+        missing = {f"No module named '{name}'" for name in ("tray", *DEPENDENCIES)}
+        if local and any(m in line for line in tail for m in missing):
+            program = self.spec.cmd[0]
+            _say(f"rank {f.rank}'s Python cannot import tray (or its dependencies): the command starts {program!r} "
+                 f"({shutil.which(program) or 'not found on PATH'}), while tray runs in {sys.executable}; name the "
+                 "program alone (tray launch -n N prog.py: tray's Python runs it), or activate tray's environment")
 
     def _result(self, job_dir: Path) -> TrayResult:
         """The TrayResult; prints the root cause first when the tray failed."""
