@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 # in the order a newcomer reads them
-EXAMPLES = ("first_program", "allreduce", "lockstep", "park_wake", "user_kernel", "torch_ep_dispatch")
+EXAMPLES = ("tour", "first_program", "allreduce", "lockstep", "park_wake", "user_kernel", "torch_ep_dispatch")
 # example -> the module it needs beyond tray's own dependencies (skipped, and said so, without it)
 NEEDS = {"torch_ep_dispatch": "torch"}
 # NOTE: a 2-rank host tray starts in ~1 s on 2 cores; 120 s only stops a hang.
@@ -28,11 +28,16 @@ TIMEOUT_S = 120.0
 
 
 def run_line(name: str) -> str:
-    """The `tray launch ...` command of example `name`, from its docstring. Raises ValueError if absent."""
-    doc = ast.get_docstring(ast.parse((HERE / f"{name}.py").read_text())) or ""
+    """The `tray launch ...` command of example `name`, from its docstring (`Run: ...`) or, for the README's own
+    example, its first line (`# NAME.py, started as: ...`). Raises ValueError if absent."""
+    text = (HERE / f"{name}.py").read_text()
+    doc = ast.get_docstring(ast.parse(text)) or ""
     for line in doc.splitlines():
         if line.startswith("Run: "):
             return line.removeprefix("Run: ").strip()
+    first = text.partition("\n")[0]
+    if first.startswith(f"# {name}.py, started as: "):
+        return first.partition(", started as: ")[2].strip()
     raise ValueError(f"examples/{name}.py: its docstring has no 'Run: tray launch ...' line")
 
 

@@ -52,6 +52,23 @@ def _job_of(args: argparse.Namespace):  # -> JobSpec | None
         node_heartbeat_timeout_s=args.node_heartbeat_timeout_s), os.environ)
 
 
+def _note_options_after_the_program(cmd: Sequence[str], launch: argparse.ArgumentParser) -> None:
+    """`tray launch prog.py -n 2`: as under torchrun, what follows the program is the program's; when that looks
+    like one of tray's options, a note says so (the command runs as given). Not with `--`: the split is explicit."""
+    if not cmd or cmd[0] == "--":
+        return
+    ours = [a for a in cmd[1:] if a.partition("=")[0] in launch._option_string_actions and a not in ("-h", "--help")]
+    if ours:
+        print(f"tray: note: {' '.join(ours)} after the program {cmd[0]!r} go to the program, not to tray launch; put "
+              "tray's options before the program", file=sys.stderr, flush=True)
+
+
+def _check_program(cmd: Sequence[str], dashed: bool) -> None:
+    """A program named without `--` that is no file: one line saying so, before anything starts."""
+    if not dashed and cmd[0].endswith(".py") and not os.path.isfile(cmd[0]):
+        raise UsageError(f"{cmd[0]}: no such file (the program to run: a path to a .py file, or -- CMD ARGS...)")
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from tray.launch import TraySpec, placements_for, run_tray
     from tray.launch.pick import warn_if_oversubscribed
@@ -59,13 +76,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from tray.manifest.names import resolve_manifest
 
     cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
+    dashed = bool(cmd) and cmd[0] == "--"
+    if dashed:
         cmd = cmd[1:]
     elif cmd and cmd[0].endswith(".py") and os.path.isfile(cmd[0]):
         cmd = [sys.executable, *cmd]  # `tray launch -n 4 prog.py`: as torchrun, with this Python
     if not cmd:
         raise UsageError("tray launch needs a command: tray launch -n 4 program.py, or "
                          "tray launch -n 4 -- CMD ARGS...")
+    _check_program(cmd, dashed)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     for flag, seconds in (("--barrier-timeout-s", args.barrier_timeout_s), ("--timeout-s", args.timeout_s),
@@ -194,13 +213,19 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
-def _unknown_options(ap: argparse.ArgumentParser, argv: Sequence[str], extra: Sequence[str]) -> NoReturn:
-    """`extra`: what no option of the command took; each flag among them with the nearest real one."""
-    for word in (a for a in argv if not a.startswith("-")):  # down to the (sub-)command that was parsing
+def _command_parser(ap: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The (sub-)command's parser that parsed `argv`."""
+    for word in (a for a in argv if not a.startswith("-")):
         sub = next((a for a in ap._actions if isinstance(a, argparse._SubParsersAction)), None)
         if sub is None or word not in sub.choices:
             break
         ap = sub.choices[word]
+    return ap
+
+
+def _unknown_options(ap: argparse.ArgumentParser, argv: Sequence[str], extra: Sequence[str]) -> NoReturn:
+    """`extra`: what no option of the command took; each flag among them with the nearest real one."""
+    ap = _command_parser(ap, argv)
     known = [o for o in ap._option_string_actions if o.startswith("--")]
     hints = []
     for arg in extra:
@@ -336,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = ap.parse_known_args(argv)
     if extra:
         _unknown_options(ap, argv, extra)
+    if args.command == "launch":
+        _note_options_after_the_program(args.cmd, _command_parser(ap, argv))
     # SIGTERM to the head tears the tray down like Ctrl-C does (the ranks die with it anyway).
     previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:

@@ -45,5 +45,5 @@ def test_example_runs_as_documented(tray_env, name):
 
 
 def test_every_example_is_listed():
-    scripts = {p.stem for p in (REPO / "examples").glob("*.py")} - {"run_all", "tour"}
+    scripts = {p.stem for p in (REPO / "examples").glob("*.py")} - {"run_all"}
     assert scripts == set(run_all.EXAMPLES), "examples/run_all.py EXAMPLES and examples/*.py differ"

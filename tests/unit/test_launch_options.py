@@ -247,9 +247,34 @@ def test_a_python_without_trays_dependencies_gets_one_line_saying_how_to_install
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    for argv in (["launch", "-n", "2", "--backend", "host", "x.py"], ["gate", "peer-barrier", "--backend", "host"]):
+    for argv in (["launch", "-n", "2", "--backend", "host", "--", "x"], ["gate", "peer-barrier", "--backend", "host"]):
         run = subprocess.run([sys.executable, "-S", "-m", "tray", *argv], cwd=repo, capture_output=True, text=True,
                              timeout=60)
         assert run.returncode == 2, run.stderr
         assert run.stderr.startswith("tray: SetupError: this Python") and run.stderr.count("\n") == 1, run.stderr
         assert "one of its dependencies: install tray with them" in run.stderr
+
+
+def test_tray_options_after_the_program_are_the_programs_with_a_note(capsys):
+    from tray.cli import _command_parser, _note_options_after_the_program
+
+    launch = _command_parser(build_parser("launch"), ["launch"])
+    _note_options_after_the_program(["prog.py", "-n", "2", "--backend=host", "--lr", "3"], launch)
+    err = capsys.readouterr().err
+    assert err == ("tray: note: -n --backend=host after the program 'prog.py' go to the program, not to tray launch; "
+                   "put tray's options before the program\n")
+    _note_options_after_the_program(["--", "prog.py", "-n", "2"], launch)  # `--`: the split is explicit
+    _note_options_after_the_program(["prog.py", "--lr", "3"], launch)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_missing_or_unexecutable_program_is_one_line_saying_what_to_do(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAY_JOBS_ROOT", str(tmp_path / "jobs"))
+    assert main(["launch", "-n", "2", "--backend", "host", "nothere.py"]) == 2
+    assert capsys.readouterr().err == ("tray: UsageError: nothere.py: no such file (the program to run: a path to a "
+                                       ".py file, or -- CMD ARGS...)\n")
+    prog = tmp_path / "hello.py"
+    prog.write_text("print(1)\n")  # not executable
+    assert main(["launch", "-n", "2", "-q", "--backend", "host", "--", str(prog)]) == 2
+    err = capsys.readouterr().err
+    assert f"Permission denied; {prog} is not executable: name it without `--`" in err and err.count("\n") == 1, err

@@ -4,6 +4,7 @@ output pumps that prefix every line with `[rank R]`."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import selectors
 import signal
@@ -113,8 +114,12 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
             preexec_fn=_preexec(prepare_binding(placement)), close_fds=True, process_group=process_group,
         )
     except OSError as exc:
-        raise UsageError(f"cannot start rank {rank}: {spec.cmd[0]!r}: {exc.strerror}; "
-                         "check the command after `--` (a path, or a program on PATH)") from None
+        program = spec.cmd[0]
+        hint = "check the command: a path, or a program on PATH"
+        if exc.errno == errno.EACCES and program.endswith(".py"):
+            hint = (f"{program} is not executable: name it without `--` (tray launch -n N {program}: this Python "
+                    f"runs it), or start it with python (-- python {program})")
+        raise UsageError(f"cannot start rank {rank}: {program!r}: {exc.strerror}; {hint}") from None
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)
 
 
