@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from tray.errors import TrayError, UsageError
+from tray.lazy import DEPENDENCIES
 
 EXIT_USAGE = 2
-# the modules of pyproject's dependencies: a command that cannot import one says how to install them (one line)
-DEPENDENCIES = frozenset({"numpy", "msgpack", "zmq", "psutil", "ml_dtypes", "safetensors"})
 
 
 def _backend_and_n(backend: str | None, nprocs: int | None, share: bool | None = None) -> tuple[str, int]:

@@ -7,6 +7,9 @@ import importlib.util
 import sys
 from types import ModuleType
 
+# the modules of pyproject's dependencies: a command that cannot import one says how to install them (one line)
+DEPENDENCIES = frozenset({"numpy", "msgpack", "zmq", "psutil", "ml_dtypes", "safetensors"})
+
 
 def lazy_import(name: str) -> ModuleType:
     """Module `name`, loaded when one of its attributes is first read (at once if it is already loaded).

@@ -818,7 +818,7 @@ class Head:
             _say(f"last lines of rank {f.rank}:")
             for line in tail[-10:]:
                 _say(f"  | {line}")
-        from tray.cli import DEPENDENCIES
+        from tray.lazy import DEPENDENCIES
 
         missing = {f"No module named '{name}'" for name in ("tray", *DEPENDENCIES)}
         if local and any(m in line for line in tail for m in missing):
