@@ -48,11 +48,20 @@ def argv(command: str) -> list[str]:
     return [sys.executable if w == "python" else w for w in out]
 
 
+def command_for(name: str, backend: str = "host") -> str:
+    """Example `name`'s documented command on `backend` (its `--backend host` replaced, or added where it names none:
+    the README's tour would otherwise take the GPUs it sees)."""
+    command = run_line(name)
+    if "--backend" not in command.split():
+        command = command.replace("tray launch ", "tray launch --backend host ", 1)
+    return command.replace("--backend host", f"--backend {backend}")
+
+
 def run(name: str, timeout_s: float = TIMEOUT_S, env: dict[str, str] | None = None,
         backend: str = "host") -> subprocess.CompletedProcess[str]:
     """Run example `name` from the repository root with `env` (default: ours) on `backend` (the documented
     command's `--backend host` replaced); output captured (text)."""
-    command = run_line(name).replace("--backend host", f"--backend {backend}")
+    command = command_for(name, backend)
     return subprocess.run(argv(command), cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env)
 
 

@@ -6,6 +6,7 @@ import argparse
 import difflib
 import json
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -64,8 +65,9 @@ def _note_options_after_the_program(cmd: Sequence[str], launch: argparse.Argumen
 
 def _check_program(cmd: Sequence[str], dashed: bool) -> None:
     """A program named without `--` that is no file: one line saying so, before anything starts."""
-    if not dashed and cmd[0].endswith(".py") and not os.path.isfile(cmd[0]):
-        raise UsageError(f"{cmd[0]}: no such file (the program to run: a path to a .py file, or -- CMD ARGS...)")
+    if not dashed and cmd[0].endswith(".py") and not os.path.isfile(cmd[0]) and not shutil.which(cmd[0]):
+        raise UsageError(f"{cmd[0]}: no such file here or on PATH (the program to run: a path to a .py file, or "
+                         "-- CMD ARGS...)")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -90,6 +92,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           ("--heartbeat-timeout-s", args.heartbeat_timeout_s)):
         if seconds is not None and not 0 < seconds < float("inf"):
             raise UsageError(f"{flag} must be a number of seconds > 0, got {seconds}")
+    from tray.handshake import HEARTBEAT_INTERVAL_S
+
+    if args.heartbeat_timeout_s < 2 * HEARTBEAT_INTERVAL_S:
+        raise UsageError(f"--heartbeat-timeout-s must be at least {2 * HEARTBEAT_INTERVAL_S:g} s: ranks heartbeat "
+                         f"every {HEARTBEAT_INTERVAL_S:g} s, so a shorter one fails healthy ranks; got "
+                         f"{args.heartbeat_timeout_s:g}")
     from tray.launch.output import Routing, parse_ranks_filter, parse_streams
 
     job = _job_of(args)

@@ -47,3 +47,9 @@ def test_example_runs_as_documented(tray_env, name):
 def test_every_example_is_listed():
     scripts = {p.stem for p in (REPO / "examples").glob("*.py")} - {"run_all"}
     assert scripts == set(run_all.EXAMPLES), "examples/run_all.py EXAMPLES and examples/*.py differ"
+
+
+def test_every_example_runs_on_the_backend_asked_for():
+    for name in run_all.EXAMPLES:
+        words = run_all.command_for(name, "cuda").split()
+        assert words.count("--backend") == 1 and words[words.index("--backend") + 1] == "cuda", words

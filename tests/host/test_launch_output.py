@@ -173,3 +173,51 @@ def test_a_python_that_cannot_import_tray_is_named(tray_env):
     assert "ModuleNotFoundError: No module named 'numpy'" in run.stderr  # the test program imports it first
     assert f"Python cannot import tray (or its dependencies): the command starts {sys.executable!r}" in run.stderr
     assert "name the program alone (tray launch -n N prog.py: tray's Python runs it)" in run.stderr
+
+
+def test_a_line_of_exactly_the_limit_ending_in_crlf_is_one_line(tmp_path):
+    import collections
+    import os
+    import types
+
+    from tray.launch.output import Routing
+    from tray.launch.spawn import OutputPump
+
+    limit = OutputPump.LINE_MAX_NBYTES
+    r, w = os.pipe()
+    proc = types.SimpleNamespace(rank=0, tail=collections.deque(maxlen=20),
+                                 popen=types.SimpleNamespace(stdout=os.fdopen(r, "rb", buffering=0), stderr=None))
+    pump = OutputPump([proc], Routing(log_dir=str(tmp_path), redirects=3))
+    for part in (b"a" * (limit - 10), b"a" * 10 + b"\r", b"\nnext\n"):
+        os.write(w, part)
+        time.sleep(0.2)  # one read each
+    os.close(w)
+    pump.stop(5.0)
+    lines = [line.split(" ", 1)[1] for line in (tmp_path / "rank-0.log").read_text().splitlines()]
+    assert lines == ["a" * limit, "next"], [len(line) for line in lines]
+
+
+def test_a_stack_is_written_even_when_the_program_replaced_stderr(tray_env):
+    """A program whose sys.stderr has no file descriptor: the rank registers the stack dump on fd 2, so the late
+    rank's stack still comes out, and the head's signal never ends it."""
+    body = """
+    import io
+
+    class ToLog(io.TextIOBase):
+        def write(self, text):
+            return len(text)
+
+    def somewhere_else():
+        time.sleep(2.0)
+
+    sys.stderr = ToLog()
+    with tray.init() as rank:
+        if rank.rank == 1:
+            somewhere_else()
+        rank.barrier()
+    """
+    run = tray_env.launch(2, body, "--barrier-timeout-s", "0.5")
+    assert run.returncode == 1, run.output
+    assert any(line.startswith("[rank 1]") and "in somewhere_else" in line for line in run.stderr.splitlines()), \
+        run.stderr
+    assert "killed by signal" not in run.stderr, run.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 
 import pytest
 
@@ -163,6 +164,7 @@ def test_version(capsys):
     (["--barrier-timeout-s", "0"], "--barrier-timeout-s must be a number of seconds > 0"),
     (["--timeout-s", "-5"], "--timeout-s must be a number of seconds > 0, got -5.0"),
     (["--heartbeat-timeout-s", "0"], "--heartbeat-timeout-s must be a number of seconds > 0"),
+    (["--heartbeat-timeout-s", "0.2"], "--heartbeat-timeout-s must be at least 1 s: ranks heartbeat every 0.5 s"),
     (["-n", "two"], "tray launch: argument -n/--nprocs/--nproc-per-node: invalid int value: 'two'"),
     (["--bakend=host"], "unrecognized arguments: --bakend=host (did you mean --backend?)"),
 ])
@@ -271,10 +273,21 @@ def test_tray_options_after_the_program_are_the_programs_with_a_note(capsys):
 def test_a_missing_or_unexecutable_program_is_one_line_saying_what_to_do(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("TRAY_JOBS_ROOT", str(tmp_path / "jobs"))
     assert main(["launch", "-n", "2", "--backend", "host", "nothere.py"]) == 2
-    assert capsys.readouterr().err == ("tray: UsageError: nothere.py: no such file (the program to run: a path to a "
-                                       ".py file, or -- CMD ARGS...)\n")
+    assert capsys.readouterr().err == ("tray: UsageError: nothere.py: no such file here or on PATH (the program to "
+                                       "run: a path to a .py file, or -- CMD ARGS...)\n")
     prog = tmp_path / "hello.py"
     prog.write_text("print(1)\n")  # not executable
     assert main(["launch", "-n", "2", "-q", "--backend", "host", "--", str(prog)]) == 2
     err = capsys.readouterr().err
     assert f"Permission denied; {prog} is not executable: name it without `--`" in err and err.count("\n") == 1, err
+
+
+def test_a_py_program_on_path_needs_no_dashes(tmp_path, monkeypatch):
+    from tray.cli import _check_program
+
+    (tmp_path / "onpath.py").write_text("#!/usr/bin/env python3\n")
+    (tmp_path / "onpath.py").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    _check_program(["onpath.py"], dashed=False)  # found on PATH: run as given
+    with pytest.raises(UsageError, match="nothere.py: no such file here or on PATH"):
+        _check_program(["nothere.py"], dashed=False)

@@ -760,9 +760,11 @@ def test_every_builtin_inspects_at_its_defaults() -> None:
 
     for name in builtin_names():
         assert "digest" in format_inspect(load_manifest(builtin_path(name)), 4), name
-    with pytest.raises(ManifestError, match=r"vars \(groups, hidden, tokens\) do not fit world_size 8: set them "
-                                            r"with --var NAME=INT"):
+    with pytest.raises(ManifestError, match=r"the manifest's defaults of groups, hidden, tokens do not fit "
+                                            r"world_size 8: set them with --var NAME=INT"):
         load_manifest(builtin_path("ep_moe")).resolve(8)
+    with pytest.raises(ManifestError, match=r"got 0 from 'max_tokens' with max_tokens=0; max_tokens given by --var$"):
+        load_manifest(builtin_path("ep_moe")).resolve(4, {"max_tokens": 0})
     assert load_manifest(builtin_path("ep_moe")).resolve(8, {"groups": 8}).world_size == 8
 
 

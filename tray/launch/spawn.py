@@ -252,8 +252,9 @@ class OutputPump:
             self._emit_pieces(s)
 
     def _emit_pieces(self, s: _Stream) -> None:
-        """Emit the unfinished line's leading pieces until at most LINE_MAX_NBYTES of it is held."""
-        while len(s.partial) > self.LINE_MAX_NBYTES:
+        """Emit the unfinished line's leading pieces until at most LINE_MAX_NBYTES of it is held (and a `\r` that
+        may be the first half of its `\r\n`: a line of exactly the limit comes out whole)."""
+        while len(s.partial) > self.LINE_MAX_NBYTES + s.partial.endswith(b"\r"):
             cut = _utf8_cut(s.partial, self.LINE_MAX_NBYTES)
             self._emit(s, bytes(s.partial[:cut]))
             del s.partial[:cut]

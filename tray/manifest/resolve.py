@@ -105,6 +105,21 @@ class _Resolver:
     def fail(self, json_path: str, message: str) -> NoReturn:
         raise ManifestError(self.m.path, json_path, message)
 
+    def _vars_hint(self, value: IntOrExpr) -> str:
+        """What to change when `value` came out too small: the vars given by --var, or the manifest's defaults
+        (said not to fit the world size only when the expression depends on it)."""
+        names = set() if isinstance(value, int) else expr_names(value)
+        mine = sorted(n for n in names if n in self.m.vars)
+        given = [n for n in mine if self.env[n] != self.m.vars[n]]
+        defaults = [n for n in mine if n not in given]
+        parts = [f"{', '.join(given)} given by --var"] if given else []
+        if defaults:
+            fit = (f" do not fit world_size {self.world_size}" if names & {WORLD_SIZE_VAR, LOCAL_WORLD_SIZE_VAR}
+                   else " make it too small")
+            parts.append(f"the manifest's defaults of {', '.join(defaults)}{fit}: set them with --var NAME=INT "
+                         "(tray launch, tray inspect)")
+        return "".join(f"; {p}" for p in parts)
+
     def int_(self, value: IntOrExpr, jp: str, minimum: int | None = None) -> int:
         try:
             result = eval_expr(value, self.env)
@@ -112,10 +127,7 @@ class _Resolver:
             self.fail(jp, str(exc))
         if minimum is not None and result < minimum:
             source = "" if isinstance(value, int) else f" from {describe(value, self.env)}"
-            settable = [] if isinstance(value, int) else sorted(n for n in expr_names(value) if n in self.m.vars)
-            hint = (f"; the manifest's vars ({', '.join(settable)}) do not fit world_size {self.world_size}: set them "
-                    f"with --var NAME=INT (tray launch, tray inspect)") if settable else ""
-            self.fail(jp, f"must be >= {minimum}, got {result}{source}{hint}")
+            self.fail(jp, f"must be >= {minimum}, got {result}{source}{self._vars_hint(value)}")
         return result
 
     def run(self) -> ResolvedManifest:

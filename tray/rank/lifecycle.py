@@ -56,13 +56,16 @@ def register_stack_dump() -> bool:
     import signal
 
     sig = signal.SIGRTMIN + STACK_DUMP_SIGNAL_OFFSET
-    try:
-        if signal.getsignal(sig) != signal.SIG_DFL:
-            return False
-        faulthandler.register(sig, file=sys.stderr, all_threads=True)
-    except (AttributeError, OSError, RuntimeError, ValueError):  # no stderr with a file descriptor
+    if signal.getsignal(sig) != signal.SIG_DFL:
         return False
-    return True
+    for where in (sys.stderr, 2):  # the stream, or its descriptor when the program replaced it by one without
+        try:
+            faulthandler.register(sig, file=where, all_threads=True)
+            return True
+        except (AttributeError, OSError, RuntimeError, ValueError):
+            continue
+    signal.signal(sig, signal.SIG_IGN)  # the head's signal must never end the rank (a real-time signal's default)
+    return False
 
 
 def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any = None) -> Wiring:
