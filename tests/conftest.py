@@ -82,9 +82,9 @@ class Tray:
     def launch(self, n: int, body: str, *launch_args: str, timeout_s: float = 60.0, backend: str = "host") -> Run:
         return self.run(self.command(n, body, *launch_args, backend=backend), timeout_s)
 
-    def run(self, cmd: list[str], timeout_s: float = 60.0) -> Run:
+    def run(self, cmd: list[str], timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Run:
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=self.env(),
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env or self.env(),
                               cwd=str(self.tmp))
         return Run(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
 

@@ -100,7 +100,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
                          f"{args.heartbeat_timeout_s:g}")
     from tray.launch.output import Routing, parse_ranks_filter, parse_streams
 
+    if args.standalone and args.nnodes not in (None, 1):
+        raise UsageError(f"--standalone is one host; --nnodes {args.nnodes} is several: drop one of them")
     job = _job_of(args)
+    master_port = None
+    if job is None and args.master_port is not None:  # one host: torchrun's --master-port is MASTER_PORT there
+        if not 1 <= args.master_port <= 65535:
+            raise UsageError(f"--master-port must be a TCP port, 1..65535, got {args.master_port}")
+        master_port = args.master_port
     if job is not None and args.max_restarts:
         raise UsageError("--max-restarts restarts one tray; a job of several nodes restarts as a whole, under its "
                          "scheduler (e.g. sbatch --requeue), so drop --max-restarts with --nnodes")
@@ -118,6 +125,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                     heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
                     redirects=redirects, local_ranks_filter=ranks, barrier_timeout_s=args.barrier_timeout_s,
                     max_restarts=args.max_restarts, launched_at=process_started_at(), share_gpus=args.share_gpus,
+                    run_id=args.rdzv_id if job is None else None, master_port=master_port,
                     join_collectives=join_collectives(args.join_collectives, os.environ.get("TRAY_JOIN_COLLECTIVES")))
     if job is None:
         code = run_tray(spec).exit_code
@@ -272,6 +280,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     job.add_argument("--rdzv-id", default=None, help="a name of the job (the same on every node)")
     job.add_argument("--master-addr", default=None, help="the root's host (torchrun's spelling)")
     job.add_argument("--master-port", type=int, default=None, help="the root's port (torchrun's spelling)")
+    job.add_argument("--standalone", action="store_true",
+                     help="torchrun's: one host, rendezvous on it (what tray launch does without --nnodes)")
     job.add_argument("--slurm", action="store_true",
                      help="read the job from Slurm (automatic inside `srun --ntasks-per-node=1`)")
     job.add_argument("--node-heartbeat-timeout-s", type=float, default=5.0,

@@ -370,14 +370,18 @@ def test_max_restarts_runs_again_after_a_failure(tray_env):
     body = """
 attempt = int(os.environ["TRAY_RESTART_COUNT"])
 assert os.environ["TORCHELASTIC_RESTART_COUNT"] == str(attempt)
+assert os.environ["TORCHELASTIC_MAX_RESTARTS"] == "2"
 with tray.init() as rank:
     if attempt == 0 and rank.rank == 1:
         raise RuntimeError("first attempt fails")
     rank.barrier(timeout_s=30)
-    print("attempt", attempt, "ok", flush=True)
+    print("attempt", attempt, "ok", "run", os.environ["TORCHELASTIC_RUN_ID"], flush=True)
 """
     run = tray_env.launch(2, body, "--max-restarts", "2")
     assert run.returncode == 0, run.output
+    # a restart is the same run, as under torchrun (checkpoints keyed on the run id resume)
+    first = [line for line in run.stdout.splitlines() if " run " in line]
+    assert len({line.split(" run ")[1] for line in first}) == 1, run.stdout
     assert "attempt 1 of 3 failed (exit 1): rank 1 reported RuntimeError: first attempt fails" in run.stderr
     assert run.stdout.count("attempt 1 ok") == 2 and "attempt 2" not in run.stdout
     # both attempts printed a timeline; only the first has the head's own start (the second's would hold attempt 1)
@@ -386,6 +390,39 @@ with tray.init() as rank:
     run = tray_env.launch(2, "sys.exit(3)\n", "--max-restarts", "1")
     assert run.returncode == 1, run.output
     assert "attempt 1 of 2 failed (exit 1)" in run.stderr and "attempt 2 of 2" not in run.stderr
+
+
+def test_a_second_tray_init_in_one_process_is_refused_at_once(tray_env):
+    run = tray_env.launch(2, """
+with tray.init() as rank:
+    rank.barrier()
+with tray.init() as rank:
+    pass
+""")
+    assert run.returncode == 1, run.output
+    assert "UsageError: tray.init() was already called in this process" in run.stderr, run.stderr
+    assert "exited with code 1 (last phase: bye)" in run.stderr  # its first tray closed: it raised in the program
+    assert run.seconds < 15
+
+
+def test_torchruns_one_host_flags_and_variables(tray_env):
+    """--rdzv-id is the run id and --master-port the MASTER_PORT on one host, --standalone is accepted, and
+    OMP_NUM_THREADS is 1 in every rank of a tray of several unless it is set (as torchrun)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = """
+print("env", os.environ["TORCHELASTIC_RUN_ID"], os.environ["MASTER_PORT"], os.environ.get("OMP_NUM_THREADS"))
+"""
+    run = tray_env.launch(2, body, "--standalone", "--rdzv-id", "myjob", "--master-port", str(port))
+    assert run.returncode == 0, run.output
+    assert run.stdout.count(f"env myjob {port} 1") == 2, run.stdout
+    env = tray_env.env()
+    env["OMP_NUM_THREADS"] = "3"
+    run = tray_env.run(tray_env.command(2, body), env=env)
+    assert run.returncode == 0 and run.stdout.count(" 3\n") == 2, run.output
 
 
 def test_duplicate_ready_sends_go_once(tray_env):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import secrets
 import sys
 
 from tray.launch.spec import Failure, RankState, TrayResult, TraySpec
@@ -39,6 +42,8 @@ def run_tray(spec: TraySpec, placements: list[NumaPlacement] | None = None) -> T
     from tray.launch.head import Head
 
     where = placements or placements_for(spec.backend, spec.nprocs, spec.share_gpus)
+    if spec.run_id is None:  # one per launch: a restart is the same run (checkpoints keyed on it resume)
+        spec = dataclasses.replace(spec, run_id=f"tray-{os.getpid()}-{secrets.token_hex(4)}")
     attempt = 0
     while True:
         result = Head(spec, where, restart_count=attempt).run()

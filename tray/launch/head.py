@@ -30,7 +30,7 @@ from tray.handshake.steps import step_voters
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
-from tray.launch.ports import PortReservation
+from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
 from tray.launch.spawn import OutputPump, log_path, rank_env, spawn_rank
 from tray.launch.spec import Failure, RankProcess, RankState, TrayResult, TraySpec
@@ -190,7 +190,11 @@ class Head:
         ids_thread: threading.Thread | None = None
         _set_child_subreaper(True)
         try:
-            self.master_port = PortReservation()  # MASTER_PORT: held until the tray is down
+            try:
+                self.master_port = PortReservation(port=self.spec.master_port or 0)  # held until the tray is down
+            except OSError as exc:
+                raise SetupError(f"--master-port {self.spec.master_port}: cannot reserve it on {MASTER_ADDR} "
+                                 f"({exc.strerror}); choose another, or leave it out (a free port)") from None
             try:
                 watchdog = Watchdog(job.root, job.path.name, job.lock_fd)
             except OSError as exc:

@@ -19,11 +19,12 @@ class PortReservation:
     fails with EADDRINUSE while the job runs; none can take it from under rank 0.
     """
 
-    def __init__(self, host: str = MASTER_ADDR) -> None:
+    def __init__(self, host: str = MASTER_ADDR, port: int = 0) -> None:
+        """`port` 0: a free one; else that one (OSError when it is taken)."""
         self.host = host
         self._sock: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            self._sock.bind((host, 0))
+            self._sock.bind((host, port))
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         except BaseException:
             self._sock.close()

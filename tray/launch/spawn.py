@@ -75,9 +75,12 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
         "TRAY_T_SPAWN": repr(t_spawn),
         "TRAY_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "PYTHONUNBUFFERED": "1",
     })
-    env.update(torchrun_env(rank, spec.nprocs, master_port, Path(job_dir).name))
+    env.update(torchrun_env(rank, spec.nprocs, master_port, spec.run_id or Path(job_dir).name))
+    if spec.nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks of a CPU thread pool each would share the cores
     if spec.barrier_timeout_s is not None:
         env["TRAY_BARRIER_TIMEOUT_S"] = repr(spec.barrier_timeout_s)
     if nccl_hostid is not None:

@@ -47,6 +47,10 @@ class TraySpec:
     # ranks may share GPUs when they outnumber them (rank r on GPU r mod G, each its own NCCL_HOSTID): for checking
     # a program's correctness on fewer GPUs than ranks; None: the environment's TRAY_SHARE_GPUS
     share_gpus: bool | None = None
+    # torchrun's TORCHELASTIC_RUN_ID, the same on every attempt of a launch (None: made by run_tray, once per launch)
+    run_id: str | None = None
+    # MASTER_PORT on one host (--master-port; None: a free port the head reserves)
+    master_port: int | None = None
 
 
 class RankState(enum.Enum):

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["Buffer", "BufferView", "PeerTable", "Rank", "RankContext", "init"]
 
 
+# tray.init() was called in this process (it may be called once: a second offer would be refused by the head)
+_initialised = False
+
+
 def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = None, early: Any = None) -> Rank:
     """Join the tray this process was launched into. Blocks until every rank is ready (`go`).
 
@@ -47,8 +51,17 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
     `warmup`: a started `tray.backend.cuda.DriverWarmup` (tray.init makes one on the cuda backend);
     `early`: a started `tray.collectives.early.EarlyJoin` (tray.init starts one when the head made NCCL ids;
     started here otherwise, since every member of a group must join it).
-    Raises UsageError outside a tray, HandshakeError when the tray cannot form.
+    Raises UsageError outside a tray or when this process already called it, HandshakeError when the tray cannot
+    form.
     """
+    global _initialised
+    if _initialised:
+        if warmup is not None:
+            warmup.release()
+        if early is not None:
+            early.cancel()
+        raise UsageError("tray.init() was already called in this process: a rank joins its tray once (the head "
+                         "knows it by its process); keep the first Rank, or launch a new tray")
     try:
         env = RankEnv.from_environ()
     except BaseException:
@@ -57,6 +70,7 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
         if early is not None:
             early.cancel()
         raise
+    _initialised = True
     if early is None:
         from tray.collectives import early as early_join
 
