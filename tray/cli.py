@@ -302,7 +302,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="how long programs' barriers wait (default: the manifest's barrier_timeout_s, or 2); "
                         "sets TRAY_BARRIER_TIMEOUT_S for every rank")
     p.add_argument("--timeout-s", type=float, default=30.0, metavar="S",
-                   help="every rank must offer and report ready within S (default 30)")
+                   help="once a rank called tray.init(), every rank must offer and report ready within S of it "
+                        "(default 30)")
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0, metavar="S",
                    help="a rank silent this long is stopped or frozen: the tray fails (default 10)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",

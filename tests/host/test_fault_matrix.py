@@ -355,12 +355,29 @@ with tray.init() as rank:
     assert run.seconds < 10
 
 
-def test_no_rank_ever_heard_fails_at_the_deadline_naming_every_rank(tray_env):
-    run = tray_env.launch(3, "time.sleep(600)\n", "--timeout-s", "2")
+def test_a_program_that_never_calls_init_runs_on_as_under_torchrun(tray_env):
+    """No rank called tray.init() within --timeout-s: said once, and the program runs on (a torch program loading
+    its weights, say); its exits are still watched: one failing ends the tray naming it."""
+    run = tray_env.launch(3, "time.sleep(3)\nprint('done', os.environ['RANK'])\n", "--timeout-s", "1")
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("done") == 3 and run.stderr.count("no rank has called tray.init() 1 s after") == 1
+    run = tray_env.launch(3, "time.sleep(2)\nsys.exit(int(os.environ['RANK']) == 1)\n", "--timeout-s", "1")
+    assert run.returncode == 1 and "FAILED: rank 1" in run.stderr and "exited with code 1" in run.stderr, run.output
+
+
+def test_once_a_rank_joined_the_others_must_within_the_timeout(tray_env):
+    """The handshake's clock starts at the first rank's contact: ranks that all start late (loading weights before
+    tray.init()) still form a tray; one that never joins is named --timeout-s after the first did."""
+    run = tray_env.launch(2, "time.sleep(2.5)\nwith tray.init() as rank:\n    rank.barrier()\n", "--timeout-s", "2")
+    assert run.returncode == 0, run.output
+    run = tray_env.launch(3, """
+time.sleep(600 if os.environ["RANK"] == "2" else 0)
+with tray.init() as rank:
+    rank.barrier(timeout_s=60)
+""", "--timeout-s", "2")
     assert run.returncode == 3, run.output
-    for r in range(3):
-        assert (f"rank {r} did not offer within 2 s (process alive, last phase: spawn: never contacted the head)"
-                in run.stderr)
+    assert ("rank 2 did not offer within 2 s of the first rank's contact (--timeout-s; process alive, last phase: "
+            "spawn: never contacted the head)") in run.stderr, run.stderr
     assert run.seconds < 10
 
 

@@ -166,6 +166,8 @@ class Head:
         self._t_shm = 0.0
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
         self._failed_said = False  # the root cause's line is out (at the teardown's start)
+        self.t_first_contact: float | None = None  # when the head first heard a rank (monotonic): the handshake's clock
+        self._no_contact_said = False
         # the ranks join NCCL while they start (tray/collectives/early.py); the head's time making the ids
         self.early_ids = self._joins_early()
         self.t_nccl_ids: float | None = None
@@ -587,13 +589,24 @@ class Head:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         timeout_s = self.spec.handshake_timeout_s
-        if not self.t_go and now - self.t_start > timeout_s and self._handshake_is_ours():
-            # the deadline runs from the spawn: a tray whose ranks never reach the head fails too
+        if self.t_first_contact is None and (self.offers or any(p.last_heartbeat is not None for p in self.procs)):
+            self.t_first_contact = now
+        if not self.t_go and self.t_first_contact is None and now - self.t_start > timeout_s:
+            # no rank called tray.init(): a program that does not use the tray (a torch program, say) runs on, as
+            # under torchrun, its ranks' exits still watched; said once, in case they are stuck before tray.init()
+            if not self._no_contact_said:
+                self._no_contact_said = True
+                _say(f"no rank has called tray.init() {timeout_s:.0f} s after the spawn (--timeout-s): supervising "
+                     "them as a plain launcher until one does (a rank's exit still ends the tray; Ctrl-C stops it)")
+        elif (not self.t_go and self.t_first_contact is not None and now - self.t_first_contact > timeout_s
+              and self._handshake_is_ours()):
+            # the deadline runs from the first rank's contact: once one joins, every rank must, within --timeout-s
             missing = [p for p in self.procs if p.rank not in self.offers] or \
                       [p for p in self.procs if p.rank not in self.ready]
             what = "offer" if len(self.offers) < self.spec.nprocs else "report ready"
-            names = "; ".join(f"rank {p.rank} did not {what} within {timeout_s:.0f} s (process "
-                              f"{self._liveness(p)}, last phase: {self._phase_of(p)})" for p in missing)
+            names = "; ".join(f"rank {p.rank} did not {what} within {timeout_s:.0f} s of the first rank's contact "
+                              f"(--timeout-s; process {self._liveness(p)}, last phase: {self._phase_of(p)})"
+                              for p in missing)
             self._fail(Failure(missing[0].rank if missing else None, names, exit_code=EXIT_HANDSHAKE,
                                tail=tuple(missing[0].tail) if missing else ()))
             return
