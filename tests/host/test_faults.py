@@ -246,3 +246,34 @@ def test_exchange_timeout_names_who_never_joined_the_step(tray_env):
     assert "no decision on 'step' from the head within 1.0 s" in run.stderr
     assert "tray-wide step 'step' (round 1) was still waiting for rank 2" in run.stderr
     assert run.seconds < 15
+
+
+def test_a_rank_holding_the_gil_is_busy_not_frozen_unless_it_uses_no_cpu(tray_env):
+    """The heartbeat thread needs the GIL: a rank that holds it in a long C call sends none. Busy (a regex
+    backtracking, a CPU used) it is watched, not failed; asleep in such a call (no CPU) it is failed at the
+    timeout, the message saying how to give it longer."""
+    busy = """
+import re
+with tray.init() as rank:
+    rank.barrier()
+    if rank.rank == 0:
+        re.match(r"(a+)+$", "a" * 27 + "b")   # seconds in C with the GIL held
+    rank.barrier(timeout_s=120)
+    print("ok", rank.rank)
+"""
+    run = tray_env.launch(2, busy, "--heartbeat-timeout-s", "1", timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert "rank 0 has sent no heartbeat for" in run.stderr and "but keeps a CPU busy" in run.stderr, run.stderr
+    asleep = """
+import ctypes
+with tray.init() as rank:
+    rank.barrier()
+    if rank.rank == 0:
+        ctypes.PyDLL(None).sleep(30)   # asleep with the GIL held
+    rank.barrier(timeout_s=60)
+"""
+    run = tray_env.launch(2, asleep, "--heartbeat-timeout-s", "1")
+    assert run.returncode == 1, run.output
+    assert "FAILED: rank 0" in run.stderr and "used no CPU meanwhile: stopped or frozen (or sleeping in a call that " \
+        "holds the GIL: raise --heartbeat-timeout-s)" in run.stderr, run.stderr
+    assert run.seconds < 20

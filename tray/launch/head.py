@@ -65,6 +65,11 @@ SHM_SAMPLE_S = 1.0
 # NOTE: after every rank and leftover is gone, the output still in the pipes is read for this long
 # at most; a pipe that some escaped process holds open cannot delay the verdict longer.
 DRAIN_S = 1.0
+# NOTE: a rank whose heartbeat is this late (two periods and some) is not being scheduled or holds the GIL: from here
+# the head compares the CPU its process uses with the time that passes; half a CPU or more is busy, not frozen
+_LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
+_BUSY_CPU_FRACTION = 0.5
+_MIN_WINDOW_S = 0.5  # CPU time is counted in clock ticks (10 ms): a shorter window would misjudge
 # NOTE: how long the head lets a rank's stack dump reach the output pump before the teardown signals the rank (a
 # standard signal pending beside a real-time one is delivered first)
 _STACK_DUMP_WAIT_S = 0.3
@@ -168,6 +173,7 @@ class Head:
         self._failed_said = False  # the root cause's line is out (at the teardown's start)
         self.t_first_contact: float | None = None  # when the head first heard a rank (monotonic): the handshake's clock
         self._no_contact_said = False
+        self._busy_said: set[int] = set()  # ranks said to be busy without heartbeats
         # the ranks join NCCL while they start (tray/collectives/early.py); the head's time making the ids
         self.early_ids = self._joins_early()
         self.t_nccl_ids: float | None = None
@@ -613,12 +619,36 @@ class Head:
         for p in self.procs:
             if p.returncode is None and p.last_heartbeat is not None and p.phase != "bye":
                 silent = now - p.last_heartbeat
-                if silent > self.spec.heartbeat_timeout_s:
+                if silent <= _LATE_S:
+                    p.cpu_mark = None
+                    continue
+                if p.cpu_mark is None:  # late: how much CPU it uses from here tells busy from frozen
+                    p.cpu_mark = (now, _cpu_seconds(p.pid))
+                # the CPU it used is judged over windows that end at the timeout, and are long enough to measure
+                if now - p.cpu_mark[0] >= max(self.spec.heartbeat_timeout_s - _LATE_S, _MIN_WINDOW_S):
+                    if self._busy(p, now):
+                        continue
                     self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) sent no heartbeat for "
-                                       f"{silent:.1f} s (timeout {self.spec.heartbeat_timeout_s:.1f} s, "
-                                       f"last phase: {p.phase}, reported {now - p.phase_at:.1f} s ago): "
-                                       "stopped or frozen", tail=tuple(p.tail)))
+                                       f"{silent:.1f} s (timeout {self.spec.heartbeat_timeout_s:.1f} s, last phase: "
+                                       f"{p.phase}, reported {now - p.phase_at:.1f} s ago) and used no CPU meanwhile: "
+                                       "stopped or frozen (or sleeping in a call that holds the GIL: raise "
+                                       "--heartbeat-timeout-s)", tail=tuple(p.tail)))
                     return
+
+    def _busy(self, p: RankProcess, now: float) -> bool:
+        """A rank silent for a whole heartbeat window: whether its process kept a CPU busy over it (a call that holds
+        the GIL starves the heartbeat thread; a process stopped or blocked uses none). Said once per rank; its next
+        window starts now."""
+        assert p.cpu_mark is not None
+        since, before = p.cpu_mark
+        cpu = _cpu_seconds(p.pid)
+        p.cpu_mark = (now, cpu)
+        busy = before is not None and cpu is not None and cpu - before >= _BUSY_CPU_FRACTION * (now - since)
+        if busy and p.rank not in self._busy_said:
+            self._busy_said.add(p.rank)
+            _say(f"rank {p.rank} has sent no heartbeat for {now - (p.last_heartbeat or now):.1f} s but keeps a CPU "
+                 "busy (a call that holds the GIL?): not frozen; still watching it")
+        return busy
 
     @staticmethod
     def _liveness(p: RankProcess) -> str:
@@ -859,6 +889,16 @@ class Head:
             returncodes=codes, timeline=self._timeline() if self.offers else {},
             startup_s=(self.t_go - t0) if self.t_go else None, job_dir=str(job_dir), rejected=self.rejected,
         )
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (/proc/PID/stat); None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _bind_router(ctx: zmq.Context, endpoint: str, job: JobDir) -> zmq.Socket:
