@@ -224,6 +224,15 @@ def test_an_interrupted_head_stops_the_job_at_once_naming_itself(tray_env, victi
             assert line.endswith(f"rank {2 * (1 - victim)}"), survivor.output  # the survivor's leader
 
 
+def test_a_root_host_that_does_not_resolve_is_one_line_not_a_hang(tray_env):
+    env = tray_env.env()
+    env["TRAY_JOB_TOKEN"] = TOKEN
+    run = tray_env.run(launch_cmd("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "nosuchhost.invalid:29500",
+                                  "--", sys.executable, "-c", "pass"), timeout_s=30, env=env)
+    assert run.returncode == 2, run.output
+    assert "the root's host 'nosuchhost.invalid' does not resolve" in run.stderr and run.seconds < 20, run.output
+
+
 def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
     """The head with the wrong token fails at once (its handshake with the root fails) and stops dialling;
     node 0 waits for the join deadline (a failed handshake may be a stranger's), then names the failed

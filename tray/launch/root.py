@@ -106,6 +106,9 @@ class Root:
         self.auth_failures = 0  # of those, refused by ZAP: the only ones whose peer address is known
         self._failures_logged = 0
         self._last_failure_log: float | None = None
+        # resolved first: a name that does not resolve must fail before any socket exists (one left open would
+        # keep the context's term() waiting for ever)
+        self.endpoint = bind_address(job.root_host, job.root_port)
         keys = job_keys(job.token)
         self.zap = ZapHandler(ctx, keys)
         self.sock = make_server(ctx, keys)
@@ -117,7 +120,6 @@ class Root:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                                                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        self.endpoint = bind_address(job.root_host, job.root_port)
         try:
             self.sock.bind(self.endpoint)
         except zmq.ZMQError as exc:
