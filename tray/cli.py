@@ -358,6 +358,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return ap
 
 
+def _which_signal(exc: KeyboardInterrupt) -> str:
+    """` (SIGTERM: ...)` for an interruption the head raised for a signal it got; `""` for a plain Ctrl-C."""
+    words = str(exc).split()
+    if len(words) != 2 or words[0] != "signal" or not words[1].isdigit():
+        return ""
+    name = signal.Signals(int(words[1])).name
+    if name == "SIGTERM" and os.environ.get("SLURM_JOB_ID"):
+        return f" ({name}: under Slurm, scancel or the job's time limit)"
+    return f" ({name})"
+
+
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -395,11 +406,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "dependencies: install tray with them (pip install tray, or `make` in a checkout, then use "
               ".venv/bin/tray)", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # a second signal now is held until the line is out (then raised, as any signal would be)
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            print("tray: interrupted; the tray was stopped", file=sys.stderr, flush=True)
+            print(f"tray: interrupted{_which_signal(exc)}; the tray was stopped", file=sys.stderr, flush=True)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return 130

@@ -201,7 +201,7 @@ with tray.init() as rank:
             head.send_signal(signal.SIGTERM)
             time.sleep(0.005)
         assert head.wait(timeout=5) == 130
-        assert "tray: interrupted; the tray was stopped" in head.stderr.read()
+        assert "tray: interrupted (SIGTERM); the tray was stopped" in head.stderr.read()
     finally:
         if head.poll() is None:
             head.kill()
@@ -490,3 +490,32 @@ def test_a_gate_killed_leaves_no_directory_the_next_tray_does_not_sweep(tray_env
         if gate.poll() is None:
             gate.kill()
             gate.wait(timeout=10)
+
+
+def test_a_signal_to_the_whole_step_is_an_interruption_not_a_rank_failure(tray_env):
+    """scancel, a time limit or Ctrl-C signal the head and its ranks at once: a rank dead of that SIGTERM is not
+    blamed; the head says it was interrupted (by what, under Slurm) and exits 130."""
+    env = tray_env.env()
+    env["SLURM_JOB_ID"] = "77"
+    head = subprocess.Popen(tray_env.command(2, """
+with tray.init() as rank:
+    open(f"up-{rank.rank}", "w").close()
+    time.sleep(60)
+"""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tray_env.tmp))
+    try:
+        assert wait_for(lambda: len(list(tray_env.tmp.glob("up-*"))) == 2, 30)
+        ranks = [c.pid for c in psutil.Process(head.pid).children() if "up-" not in " ".join(c.cmdline())
+                 and tray_env.marker in " ".join(c.cmdline())]
+        assert len(ranks) == 2, ranks
+        for pid in ranks:  # the ranks first, as a step-wide signal may reach them before the head
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.05)  # Slurm's signals are not simultaneous either: the head sees the ranks die first
+        head.send_signal(signal.SIGTERM)
+        assert head.wait(timeout=20) == 130
+        err = head.stderr.read()
+        assert "FAILED" not in err, err
+        assert "tray: interrupted (SIGTERM: under Slurm, scancel or the job's time limit); the tray was stopped" in err
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stderr.close()

@@ -91,7 +91,10 @@ def test_slurm_automatic_inside_a_one_task_per_node_step():
     job = resolve_job(JobArgs(), SLURM)
     assert job is not None
     assert (job.nnodes, job.node_rank, job.root_host, job.root_port) == (4, 2, "gpu07", slurm_port("4242"))
-    assert job.root_port == 20000 + 4242 and job.source == "slurm" and job.rdzv_id == "slurm-4242.0"
+    assert job.root_port == 20000 + 2 * 4242 and job.source == "slurm" and job.rdzv_id == "slurm-4242.0"
+    # consecutive jobs on one node: each job's root and MASTER_PORT (root + 1) never meet the next job's
+    ports = {p for j in range(4240, 4250) for p in (slurm_port(str(j)), slurm_port(str(j)) + 1)}
+    assert len(ports) == 20
     # several tasks per node: not automatic (each task may be its own tray) ...
     assert resolve_job(JobArgs(), {**SLURM, "SLURM_STEP_NUM_TASKS": "8"}) is None
     # ... and an error when asked for
@@ -240,3 +243,19 @@ def test_ops_that_cannot_span_nodes_are_named():
     assert spanning_problems(resolved, local_world_size=4) == []   # one node: nothing spans
     # bound one program at a time: the barrier program over the spanning group alone has nothing to refuse
     assert spanning_problems(resolved, 2, (resolved.program("g"),)) == []
+
+
+def test_an_old_pytorchjob_environment_is_noted_not_silently_a_lone_tray(capsys):
+    env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "MASTER_ADDR": "tray-job-master-0", "MASTER_PORT": "23456",
+           "WORLD_SIZE": "2", "RANK": "1"}
+    assert resolve_job(JobArgs(), env) is None
+    assert "this pod runs one tray alone. A PyTorchJob needs training-operator 1.7" in capsys.readouterr().err
+    assert resolve_job(JobArgs(), {"WORLD_SIZE": "2", "MASTER_ADDR": "h"}) is None  # not in a pod: nothing said
+    assert capsys.readouterr().err == ""
+
+
+def test_lws_names_the_job_by_its_leader():
+    env = {"LWS_LEADER_ADDRESS": "tray-job-0.tray-job.default", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1",
+           "TRAY_JOB_TOKEN": "f" * 32}
+    job = resolve_job(JobArgs(nproc_per_node=4), env)
+    assert job is not None and job.rdzv_id == "tray-job-0.tray-job.default" and job.node_rank == 1

@@ -69,6 +69,8 @@ DRAIN_S = 1.0
 # the head compares the CPU its process uses with the time that passes; half a CPU or more is busy, not frozen
 _LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 _BUSY_CPU_FRACTION = 0.5
+# NOTE: how long the head waits, after a rank died of SIGTERM/SIGINT, for the same signal to reach itself
+_SIGNAL_SIBLING_S = 0.2
 _MIN_WINDOW_S = 0.5  # CPU time is counted in clock ticks (10 ms): a shorter window would misjudge
 # NOTE: how long the head lets a rank's stack dump reach the output pump before the teardown signals the rank (a
 # standard signal pending beside a real-time one is delivered first)
@@ -556,12 +558,22 @@ class Head:
             self._drain(sock, 0)
             if self.failure:
                 return
+            if code in (-signal.SIGTERM, -signal.SIGINT) and self._interrupted_too():
+                return  # the signal came to the whole job (Ctrl-C, scancel, a time limit): the loop says so
             how = f"exited with code {code}" if code > 0 else f"was killed by {_signal_name(code)}"
             report = self._error_file(job_dir, p.rank)
             self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
                                report=report, tail=tuple(p.tail)))
             return
         self._check_early_exits()
+
+    def _interrupted_too(self) -> bool:
+        """A rank ended by SIGTERM/SIGINT: whether the head got one too (Ctrl-C to the terminal's process group,
+        Slurm's scancel or time limit signal every process of the step at once), waiting briefly for it."""
+        deadline = time.monotonic() + _SIGNAL_SIBLING_S
+        while not self._signals and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return bool(self._signals)
 
     def _check_early_exits(self) -> None:
         """A rank that exited 0 before the tray was up can never join it: once any rank called

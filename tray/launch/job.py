@@ -9,6 +9,7 @@ of one field on the command line that disagree, are usage errors naming both. No
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,7 +27,9 @@ DEFAULT_PORT = 29500
 # NOTE: the Slurm port is derived from the job id so every node computes the same one without talking;
 # 20000-29999 lies below Linux's ephemeral range (32768+), where outgoing connections take their ports.
 SLURM_PORT_BASE = 20000
-SLURM_PORT_SPAN = 10000
+# NOTE: two ports per job, the root's and MASTER_PORT (the root's + 1), so consecutive jobs sharing a node never
+# take each other's: the root at 20000 + 2 x (job id mod 5000)
+SLURM_PORT_JOBS = 5000
 # NOTE: a lost node is named within this bound; heartbeats go every HEARTBEAT_INTERVAL_S (node.py).
 DEFAULT_NODE_HEARTBEAT_TIMEOUT_S = 5.0
 
@@ -72,11 +75,12 @@ class JobSpec:
 
 
 def slurm_port(job_id: str) -> int:
-    """The root's port for Slurm job `job_id` (same on every node): 20000 + id mod 10000."""
+    """The root's port for Slurm job `job_id` (same on every node): 20000 + 2 x (id mod 5000); the program's
+    MASTER_PORT is the next one."""
     digits = job_id.split("_")[0]  # array jobs: "1234_7"
     if not digits.isdigit():
         raise UsageError(f"SLURM_JOB_ID {job_id!r} is not a number; give the port: --rdzv-endpoint HOST:PORT")
-    return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
+    return SLURM_PORT_BASE + 2 * (int(digits) % SLURM_PORT_JOBS)
 
 
 def _int(value: str, name: str, lo: int) -> int:
@@ -186,7 +190,7 @@ def _from_lws(env: Mapping[str, str]) -> _Found:
         nnodes=_int(env["LWS_GROUP_SIZE"], "LWS_GROUP_SIZE", 1) if env.get("LWS_GROUP_SIZE") else None,
         node_rank=_int(env["LWS_WORKER_INDEX"], "LWS_WORKER_INDEX", 0) if env.get("LWS_WORKER_INDEX") else None,
         host=env.get("LWS_LEADER_ADDRESS") or None,
-        rdzv_id=env.get("LWS_NAME") or None,
+        rdzv_id=env.get("LWS_LEADER_ADDRESS") or None,  # one per group (LWS sets no name of its own)
     )
 
 
@@ -206,6 +210,16 @@ def _scheduler(args: JobArgs, env: Mapping[str, str]) -> _Found | None:
     return present[0][1](env) if present else None
 
 
+def _note_a_job_not_found(env: Mapping[str, str]) -> None:
+    """In a Kubernetes pod whose environment describes a torch job of several processes (an operator older than
+    the PET_* variables: training-operator < 1.7) but no job tray reads: say that this runs one tray alone."""
+    world = env.get("WORLD_SIZE", "")
+    if "KUBERNETES_SERVICE_HOST" in env and env.get("MASTER_ADDR") and world.isdigit() and int(world) > 1:
+        print(f"tray: note: WORLD_SIZE={world} and MASTER_ADDR={env['MASTER_ADDR']} are set, but no job of several "
+              "nodes was found (no --nnodes, SLURM_*, PET_* or LWS_*): this pod runs one tray alone. A PyTorchJob "
+              "needs training-operator 1.7 or later (PET_* variables)", file=sys.stderr, flush=True)
+
+
 def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     """The job this head belongs to, or None for a tray of one host (no source names more than one node).
 
@@ -217,6 +231,7 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
         if cli.node_rank is not None or cli.host is not None:
             raise UsageError("--node-rank/--rdzv-endpoint/--master-addr without --nnodes; a job of several "
                              "trays needs all three: --nnodes N --node-rank I --rdzv-endpoint HOST:PORT")
+        _note_a_job_not_found(env)
         return None
     s = sched or _Found("none")
     used: set[str] = set()
