@@ -54,6 +54,8 @@ def test_rank_segfaults(tray_env):
     run = tray_env.launch(4, fault("import ctypes; ctypes.string_at(0)"))
     assert run.returncode == 1, run.output
     assert "rank 2" in run.stderr and "was killed by SIGSEGV" in run.stderr
+    # the rank enabled faulthandler: where it crashed is in its output
+    assert "[rank 2] Fatal Python error: Segmentation fault" in run.stderr, run.stderr
     assert run.seconds < 15
 
 

@@ -151,6 +151,7 @@ class Rank:
         rank's device (cuda: this GPU's ordinal), typed and shaped as the manifest says. `member` must be
         in the buffer's group; this rank's own gives its own buffer. The mapping stays while a view of it
         lives, even past close(). Raises UsageError for an unknown buffer or member, or after close()."""
+        self._require_open(f"peer_view({name!r}, {member})")
         table = self.peers(name)
         check_member(name, member, table.group.members, table.group.name)
         b = self._wiring.buffer(name)
@@ -203,11 +204,13 @@ class Rank:
 
     def read(self, name: str) -> np.ndarray:
         """A host copy of buffer `name`, typed and shaped as the manifest says."""
+        self._require_open(f"read({name!r})")
         b = self.buffer(name)
         return self.backend.read(b.ptr, b.nbytes).view(numpy_dtype(b.dtype)).reshape(b.shape)
 
     def write(self, name: str, data: np.ndarray) -> None:
         """Copy `data` (any dtype; its bytes must fit) into buffer `name` from offset 0."""
+        self._require_open(f"write({name!r})")
         b = self.buffer(name)
         arr = np.ascontiguousarray(data)
         if arr.nbytes > b.nbytes:

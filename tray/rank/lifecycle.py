@@ -61,6 +61,8 @@ def register_stack_dump() -> bool:
     for where in (sys.stderr, 2):  # the stream, or its descriptor when the program replaced it by one without
         try:
             faulthandler.register(sig, file=where, all_threads=True)
+            if not faulthandler.is_enabled():  # and a rank that crashes (SIGSEGV, SIGBUS, ...) shows where
+                faulthandler.enable(file=where, all_threads=True)
             return True
         except (AttributeError, OSError, RuntimeError, ValueError):
             continue
