@@ -56,19 +56,22 @@ def test_redirects_per_local_rank(tray_env, tmp_path):
     assert "out 0" in log0 and "err 0" in log0, log0
 
 
+# rank 1 keeps the others waiting at a barrier, alive and heartbeating, just late
+LATE_RANK = """
+def somewhere_else():
+    time.sleep(2.0)
+
+with tray.init() as rank:
+    if rank.rank == 1:
+        somewhere_else()
+    rank.barrier()
+"""
+
+
 def test_a_slow_rank_is_named_slow_not_dead(tray_env):
     """...and its Python stack shows where it is: the head has it written to the rank's stderr (a signal the rank
     registered with faulthandler) before it is stopped."""
-    body = """
-    def somewhere_else():
-        time.sleep(2.0)   # alive and heartbeating, just late
-
-    with tray.init() as rank:
-        if rank.rank == 1:
-            somewhere_else()
-        rank.barrier()
-    """
-    run = tray_env.launch(2, body, "--barrier-timeout-s", "0.5")
+    run = tray_env.launch(2, LATE_RANK, "--barrier-timeout-s", "0.5")
     assert run.returncode == 1, run.output
     assert "waited 0.50 s for rank 1" in run.stderr
     assert re.search(r"rank 1 is alive, last heartbeat [0-9.]+ s ago, phase running: running but not at this "
@@ -200,23 +203,16 @@ def test_a_line_of_exactly_the_limit_ending_in_crlf_is_one_line(tmp_path):
 def test_a_stack_is_written_even_when_the_program_replaced_stderr(tray_env):
     """A program whose sys.stderr has no file descriptor: the rank registers the stack dump on fd 2, so the late
     rank's stack still comes out, and the head's signal never ends it."""
-    body = """
-    import io
+    replaced = """
+import io
 
-    class ToLog(io.TextIOBase):
-        def write(self, text):
-            return len(text)
+class ToLog(io.TextIOBase):
+    def write(self, text):
+        return len(text)
 
-    def somewhere_else():
-        time.sleep(2.0)
-
-    sys.stderr = ToLog()
-    with tray.init() as rank:
-        if rank.rank == 1:
-            somewhere_else()
-        rank.barrier()
-    """
-    run = tray_env.launch(2, body, "--barrier-timeout-s", "0.5")
+sys.stderr = ToLog()
+"""
+    run = tray_env.launch(2, replaced + LATE_RANK, "--barrier-timeout-s", "0.5")
     assert run.returncode == 1, run.output
     assert any(line.startswith("[rank 1]") and "in somewhere_else" in line for line in run.stderr.splitlines()), \
         run.stderr
