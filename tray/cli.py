@@ -94,10 +94,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} must be a number of seconds > 0, got {seconds}")
     from tray.handshake import HEARTBEAT_INTERVAL_S
 
-    if args.heartbeat_timeout_s < 2 * HEARTBEAT_INTERVAL_S:
-        raise UsageError(f"--heartbeat-timeout-s must be at least {2 * HEARTBEAT_INTERVAL_S:g} s: ranks heartbeat "
-                         f"every {HEARTBEAT_INTERVAL_S:g} s, so a shorter one fails healthy ranks; got "
-                         f"{args.heartbeat_timeout_s:g}")
+    if args.heartbeat_timeout_s < 4 * HEARTBEAT_INTERVAL_S:
+        raise UsageError(f"--heartbeat-timeout-s must be at least {4 * HEARTBEAT_INTERVAL_S:g} s: ranks heartbeat "
+                         f"every {HEARTBEAT_INTERVAL_S:g} s, and a silent rank's CPU use is measured over the last "
+                         f"half second before it is judged frozen; got {args.heartbeat_timeout_s:g}")
     from tray.launch.output import Routing, parse_ranks_filter, parse_streams
 
     if args.standalone and args.nnodes not in (None, 1):

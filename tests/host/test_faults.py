@@ -259,11 +259,11 @@ import re
 with tray.init() as rank:
     rank.barrier()
     if rank.rank == 0:
-        re.match(r"(a+)+$", "a" * 27 + "b")   # seconds in C with the GIL held
+        re.match(r"(a+)+$", "a" * 28 + "b")   # seconds in C with the GIL held
     rank.barrier(timeout_s=120)
     print("ok", rank.rank)
 """
-    run = tray_env.launch(2, busy, "--heartbeat-timeout-s", "1", timeout_s=120)
+    run = tray_env.launch(2, busy, "--heartbeat-timeout-s", "2", timeout_s=120)
     assert run.returncode == 0, run.output
     assert "rank 0 has sent no heartbeat for" in run.stderr and "but keeps a CPU busy" in run.stderr, run.stderr
     asleep = """
@@ -274,8 +274,27 @@ with tray.init() as rank:
         ctypes.PyDLL(None).sleep(30)   # asleep with the GIL held
     rank.barrier(timeout_s=60)
 """
-    run = tray_env.launch(2, asleep, "--heartbeat-timeout-s", "1")
+    run = tray_env.launch(2, asleep, "--heartbeat-timeout-s", "2")
     assert run.returncode == 1, run.output
     assert "FAILED: rank 0" in run.stderr and "used no CPU meanwhile: stopped or frozen (or sleeping in a call that " \
         "holds the GIL: raise --heartbeat-timeout-s)" in run.stderr, run.stderr
     assert run.seconds < 20
+
+
+def test_a_rank_busy_holding_the_gil_is_named_running_with_its_stack_when_a_barrier_gives_up(tray_env):
+    body = """
+import re
+def somewhere_busy():
+    re.match(r"(a+)+$", "a" * 30 + "b")   # far longer than the barrier waits, the GIL held
+
+with tray.init() as rank:
+    if rank.rank == 1:
+        somewhere_busy()
+    rank.barrier(timeout_s=4)
+"""
+    run = tray_env.launch(2, body, "--heartbeat-timeout-s", "2", timeout_s=60)
+    assert run.returncode == 1, run.output
+    assert "(busy in a call that holds the GIL: a CPU in use, no heartbeat): running but not at this barrier" \
+        in run.stderr, run.stderr
+    assert any(line.startswith("[rank 1]") and "in somewhere_busy" in line for line in run.stderr.splitlines()), \
+        run.stderr

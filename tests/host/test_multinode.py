@@ -224,6 +224,21 @@ def test_an_interrupted_head_stops_the_job_at_once_naming_itself(tray_env, victi
             assert line.endswith(f"rank {2 * (1 - victim)}"), survivor.output  # the survivor's leader
 
 
+def test_a_node_whose_ranks_never_join_is_named_within_the_timeout(tray_env):
+    """A job of several nodes keeps --timeout-s from the spawn on every node: a node whose ranks never call
+    tray.init() is named, not left waiting (one host instead waits for a first contact)."""
+    body = """
+    if os.environ["GROUP_RANK"] == "1":
+        time.sleep(60)
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    runs = finish(start_job(tray_env, body, "--timeout-s", "3"), timeout_s=40)
+    assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
+    assert "did not offer within 3 s of the spawn" in runs[1].stderr, runs[1].output
+    assert all(run.seconds < 20 for run in runs), [r.seconds for r in runs]
+
+
 def test_a_root_host_that_does_not_resolve_is_one_line_not_a_hang(tray_env):
     env = tray_env.env()
     env["TRAY_JOB_TOKEN"] = TOKEN

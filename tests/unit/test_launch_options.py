@@ -164,7 +164,7 @@ def test_version(capsys):
     (["--barrier-timeout-s", "0"], "--barrier-timeout-s must be a number of seconds > 0"),
     (["--timeout-s", "-5"], "--timeout-s must be a number of seconds > 0, got -5.0"),
     (["--heartbeat-timeout-s", "0"], "--heartbeat-timeout-s must be a number of seconds > 0"),
-    (["--heartbeat-timeout-s", "0.2"], "--heartbeat-timeout-s must be at least 1 s: ranks heartbeat every 0.5 s"),
+    (["--heartbeat-timeout-s", "1.5"], "--heartbeat-timeout-s must be at least 2 s: ranks heartbeat every 0.5 s"),
     (["-n", "two"], "tray launch: argument -n/--nprocs/--nproc-per-node: invalid int value: 'two'"),
     (["--bakend=host"], "unrecognized arguments: --bakend=host (did you mean --backend?)"),
 ])

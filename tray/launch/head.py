@@ -345,6 +345,11 @@ class Head:
             raise KeyboardInterrupt(f"signal {self._signals[0]}")
 
     # --- hooks: a head of a job of several trays (tray/launch/node.py) overrides these ------------------
+    def _deadline_from_first_contact(self) -> bool:
+        """Whether --timeout-s runs from the first rank's contact (one host: ranks may load weights before
+        tray.init(), a program may not use the tray at all) rather than from the spawn."""
+        return True
+
     def _joins_early(self) -> bool:
         """Whether the ranks join their NCCL groups while they start (--join-collectives)."""
         mode = join_collectives(self.spec.join_collectives, os.environ.get("TRAY_JOIN_COLLECTIVES"))
@@ -609,6 +614,8 @@ class Head:
         timeout_s = self.spec.handshake_timeout_s
         if self.t_first_contact is None and (self.offers or any(p.last_heartbeat is not None for p in self.procs)):
             self.t_first_contact = now
+        if not self._deadline_from_first_contact():
+            self.t_first_contact = self.t_start
         if not self.t_go and self.t_first_contact is None and now - self.t_start > timeout_s:
             # no rank called tray.init(): a program that does not use the tray (a torch program, say) runs on, as
             # under torchrun, its ranks' exits still watched; said once, in case they are stuck before tray.init()
@@ -622,7 +629,8 @@ class Head:
             missing = [p for p in self.procs if p.rank not in self.offers] or \
                       [p for p in self.procs if p.rank not in self.ready]
             what = "offer" if len(self.offers) < self.spec.nprocs else "report ready"
-            names = "; ".join(f"rank {p.rank} did not {what} within {timeout_s:.0f} s of the first rank's contact "
+            since = "the first rank's contact" if self._deadline_from_first_contact() else "the spawn"
+            names = "; ".join(f"rank {p.rank} did not {what} within {timeout_s:.0f} s of {since} "
                               f"(--timeout-s; process {self._liveness(p)}, last phase: {self._phase_of(p)})"
                               for p in missing)
             self._fail(Failure(missing[0].rank if missing else None, names, exit_code=EXIT_HANDSHAKE,
@@ -669,12 +677,14 @@ class Head:
             return "alive"
         return f"exited with code {code}" if code >= 0 else f"killed by {_signal_name(code)}"
 
-    @staticmethod
-    def _heartbeating(p: RankProcess) -> bool:
-        """Alive and heartbeating: running, just not where it was waited for."""
-        # NOTE: heartbeats come every HEARTBEAT_INTERVAL_S; two missed ones mean the process is not running.
-        return (p.popen.poll() is None and p.last_heartbeat is not None
-                and time.monotonic() - p.last_heartbeat <= 2 * HEARTBEAT_INTERVAL_S + 0.5)
+    def _heartbeating(self, p: RankProcess) -> bool:
+        """Alive and heartbeating, or busy holding the GIL (judged so by its CPU): running, just not where it was
+        waited for."""
+        # NOTE: heartbeats come every HEARTBEAT_INTERVAL_S; two missed ones mean the process is not running, unless
+        # it keeps a CPU busy in a call that holds the GIL (_busy)
+        if p.popen.poll() is not None or p.last_heartbeat is None:
+            return False
+        return time.monotonic() - p.last_heartbeat <= _LATE_S or (p.rank in self._busy_said and p.cpu_mark is not None)
 
     def _dump_stacks(self, procs: list[RankProcess]) -> None:
         """Have each rank write every thread's Python stack to its stderr (tray.rank registered the signal before
@@ -701,6 +711,8 @@ class Head:
         silent_s = time.monotonic() - p.last_heartbeat
         head = f"rank {p.rank} is alive, last heartbeat {silent_s:.1f} s ago, phase {p.phase}"
         if self._heartbeating(p):
+            if silent_s > _LATE_S:
+                head += " (busy in a call that holds the GIL: a CPU in use, no heartbeat)"
             return (f"{head}: running but not at this barrier, slow or stuck elsewhere (its Python stack, every "
                     f"thread, went to its stderr just now: the [rank {p.rank}] lines above, or its log); if it is "
                     "slow, give barriers more time (--barrier-timeout-s S, TRAY_BARRIER_TIMEOUT_S or the manifest's "

@@ -195,6 +195,12 @@ class NodeHead(Head):
     def _finished(self) -> bool:
         return self.job_end
 
+    def _deadline_from_first_contact(self) -> bool:
+        """A job of several nodes: --timeout-s from the spawn on every node (each head's clock is its own; one
+        started at its ranks' first contact would leave a node whose ranks never join unbounded, the root bounding
+        only the nodes' join)."""
+        return False
+
     def _raise_if_signalled(self) -> None:
         """A SIGINT/SIGTERM to this head stops the job, not only this node: the other heads hear it as the job's
         root cause now, rather than as this node's silence a heartbeat timeout later."""

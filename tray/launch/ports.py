@@ -24,6 +24,8 @@ class PortReservation:
         self.host = host
         self._sock: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
+            if port:  # a port asked for: a connection of its last user left in TIME_WAIT must not refuse it
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         except BaseException:

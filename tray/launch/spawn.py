@@ -79,7 +79,7 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
         "PYTHONUNBUFFERED": "1",
     })
     env.update(torchrun_env(rank, spec.nprocs, master_port, spec.run_id or Path(job_dir).name))
-    if spec.nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
+    if spec.nprocs > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks of a CPU thread pool each would share the cores
     if spec.barrier_timeout_s is not None:
         env["TRAY_BARRIER_TIMEOUT_S"] = repr(spec.barrier_timeout_s)
