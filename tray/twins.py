@@ -19,6 +19,7 @@ The generic kernels every tray may use (`peer_fill`) are registered by the host 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from collections.abc import Callable
 from typing import Any
@@ -71,22 +72,62 @@ def registered() -> tuple[str, ...]:
     return tuple(sorted(_TWINS))
 
 
+# The memory a rank's host backend mapped (start -> end): its buffers, its peers' mappings, its host pools and
+# pointer tables. In a rank, a twin's view outside all of them is an error naming the range (a buffer the manifest
+# sized too small for what the kernel reads or writes), not a silent overwrite of whatever lies next to it, nor a
+# SIGSEGV. Empty (unchecked) outside a rank: twins called on plain numpy arrays, in tests.
+_REGIONS: dict[int, int] = {}
+_STARTS: list[int] = []
+
+
+def add_region(ptr: int, nbytes: int) -> None:
+    """Memory at [ptr, ptr + nbytes) that twins may touch."""
+    _REGIONS[ptr] = ptr + nbytes
+    _STARTS[:] = sorted(_REGIONS)
+
+
+def remove_region(ptr: int) -> None:
+    if _REGIONS.pop(ptr, None) is not None:
+        _STARTS[:] = sorted(_REGIONS)
+
+
+def check_range(ptr: int, nbytes: int) -> None:
+    """Raise UsageError when [ptr, ptr + nbytes) is not inside one registered region (nothing is checked while
+    none is registered)."""
+    if not _REGIONS or nbytes <= 0:
+        return
+    i = bisect.bisect_right(_STARTS, ptr) - 1
+    if i >= 0 and ptr + nbytes <= _REGIONS[_STARTS[i]]:
+        return
+    from tray.errors import UsageError
+
+    where = (f"{ptr - _STARTS[i]} B into a region of {_REGIONS[_STARTS[i]] - _STARTS[i]} B" if i >= 0 else
+             "below every region")
+    raise UsageError(f"a kernel twin reaches {nbytes} B at {ptr:#x} ({where}), past the end of the memory it was "
+                     "given: a buffer in the manifest is smaller than what the kernel reads or writes there (on a GPU "
+                     "this would overwrite or read whatever lies next to it); check the buffer's shape against the "
+                     "kernel's args")
+
+
 def at(ptr: int, count: int, dtype: Any) -> np.ndarray:
     """A typed view of `count` elements of `dtype` at address `ptr` (no copy; empty when count <= 0)."""
     dt = np.dtype(dtype)
     if count <= 0:
         return np.zeros(0, dt)
+    check_range(ptr, count * dt.itemsize)
     raw = np.ctypeslib.as_array((ctypes.c_uint8 * (count * dt.itemsize)).from_address(ptr))
     return raw.view(dt)
 
 
 def u32_at(ptr: int, count: int) -> np.ndarray:
     """A u32 view of `count` words at `ptr` (no copy)."""
+    check_range(ptr, 4 * count)
     return np.ctypeslib.as_array((ctypes.c_uint32 * count).from_address(ptr))
 
 
 def u64_at(ptr: int, count: int) -> np.ndarray:
     """A u64 view of `count` words at `ptr` (no copy)."""
+    check_range(ptr, 8 * count)
     return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(ptr))
 
 

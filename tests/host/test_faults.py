@@ -298,3 +298,34 @@ with tray.init() as rank:
         in run.stderr, run.stderr
     assert any(line.startswith("[rank 1]") and "in somewhere_busy" in line for line in run.stderr.splitlines()), \
         run.stderr
+
+
+def test_a_twin_past_its_buffer_is_an_error_naming_it_not_a_silent_overwrite(tray_env):
+    """A manifest buffer smaller than what a kernel's twin writes: in a rank, the twin's view is checked against the
+    memory the backend mapped, so the launch fails saying so (it wrote past the buffer silently, or crashed)."""
+    import json
+
+    kernels = tray_env.tmp / "kernels"
+    kernels.mkdir()
+    (kernels / "fill.cu").write_text('extern "C" __global__ void my_fill(float* y, int count) {}\n')
+    manifest = tray_env.tmp / "fill.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "fill", "vars": {"count": 256},
+        "buffers": [{"name": "y", "dtype": "f32", "shape": ["count // 4"]}],   # a quarter of what fill writes
+        "kernels": [{"name": "fill", "source": "kernels/fill.cu", "entry": "my_fill"}],
+        "programs": [{"name": "go", "ops": [{"op": "launch", "kernel": "fill", "grid": 1, "block": 32,
+                                              "args": ["y", "count"]}]}]}))
+    body = """
+from tray.twins import f32_at
+
+@tray.twin("fill")
+def fill(backend, grid, block, y_ptr, count):
+    f32_at(y_ptr, count)[:] = 1.0
+
+with tray.init() as rank:
+    rank.run("go")
+"""
+    run = tray_env.launch(2, body, "--manifest", str(manifest))
+    assert run.returncode == 1, run.output
+    assert "UsageError: a kernel twin reaches 1024 B at 0x" in run.stderr and "0 B into a region of 256 B" in run.stderr
+    assert "a buffer in the manifest is smaller than what the kernel reads or writes there" in run.stderr

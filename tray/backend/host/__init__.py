@@ -59,6 +59,26 @@ def check_memfd(fd: int, nbytes: int) -> None:
         raise HandshakeError("its memfd is not sealed against shrinking and growing (F_SEAL_SHRINK|F_SEAL_GROW)")
 
 
+def _track(ptr: int, nbytes: int) -> None:
+    """In a rank, memory its twins may touch (tray.twins.check_range); outside one (tests calling the backend
+    directly) nothing is tracked, so twins on plain arrays stay unchecked."""
+    if _IN_RANK:
+        from tray.twins import add_region
+
+        add_region(ptr, nbytes)
+
+
+def _untrack(ptr: int) -> None:
+    if _IN_RANK:
+        from tray.twins import remove_region
+
+        remove_region(ptr)
+
+
+# a rank started by `tray launch` (its environment names its rank)
+_IN_RANK = "TRAY_RANK" in os.environ
+
+
 def _round_up(nbytes: int, granule: int) -> int:
     return max(granule, (nbytes + granule - 1) // granule * granule)
 
@@ -100,6 +120,7 @@ class HostBuffer(DeviceBuffer):
         except BaseException:
             os.close(self.fd)
             raise
+        _track(self.ptr, nbytes)
 
     def handle(self) -> ExportedHandle:
         if not self.export:
@@ -108,6 +129,7 @@ class HostBuffer(DeviceBuffer):
 
     def close(self) -> None:
         if self.fd >= 0:
+            _untrack(self.ptr)
             unmap(self.ptr, self.mapped_nbytes)
             os.close(self.fd)
             self.fd = -1
@@ -125,9 +147,11 @@ class HostRegion(HostMemory):
         if addr in (None, _MAP_FAILED):
             raise DeviceError(f"mmap(host pool, {nbytes} B): {os.strerror(ctypes.get_errno())}")
         self.ptr = int(addr)
+        _track(self.ptr, nbytes)
 
     def close(self) -> None:
         if self.ptr:
+            _untrack(self.ptr)
             unmap(self.ptr, self._mapped)
             self.ptr = 0
 
@@ -137,9 +161,11 @@ class HostMapping(PeerMapping):
         self.ptr = ptr
         self.nbytes = nbytes
         self._open = True
+        _track(ptr, nbytes)
 
     def close(self) -> None:
         if self._open:
+            _untrack(self.ptr)
             unmap(self.ptr, self.nbytes)
             self._open = False
 
@@ -149,9 +175,10 @@ class HostPtrTable(PtrTable):
         self.ptrs = tuple(int(p) for p in ptrs)
         self.array = np.array(self.ptrs, dtype=np.uint64)
         self.ptr = int(self.array.ctypes.data)
+        _track(self.ptr, self.array.nbytes)
 
     def close(self) -> None:
-        pass
+        _untrack(self.ptr)
 
 
 class HostTimer(Timer):
