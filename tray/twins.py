@@ -58,10 +58,11 @@ def lookup(name: str) -> Twin:
     fn = _TWINS.get(name)
     if fn is None:
         from tray.errors import UsageError
+        from tray.manifest.expr import did_you_mean
 
         known = ", ".join(sorted(_TWINS)) or "none"
         raise UsageError(
-            f"kernel {name!r} has no host twin (registered: {known}); define one with "
+            f"kernel {name!r} has no host twin (registered: {known}{did_you_mean(name, _TWINS)}); define one with "
             f'@tray.twin("{name}") in a module the rank imports before tray.init(), or run with --backend cuda'
         )
     return fn

@@ -329,3 +329,23 @@ with tray.init() as rank:
     assert run.returncode == 1, run.output
     assert "UsageError: a kernel twin reaches 1024 B at 0x" in run.stderr and "0 B into a region of 256 B" in run.stderr
     assert "a buffer in the manifest is smaller than what the kernel reads or writes there" in run.stderr
+
+
+def test_a_twin_that_does_not_take_the_manifests_arguments_is_named_at_bind(tray_env):
+    """The launch op passes two arguments, the twin takes three: a UsageError naming the kernel, the count and the
+    twin's file and line, before anything runs; and a twin registered under a near name is suggested."""
+    from tray.backend.host import HostBackend
+    from tray.errors import UsageError
+    from tray.twins import lookup, twin
+
+    @twin("unit_scale")
+    def unit_scale(backend, grid, block, y_ptr, count, factor):
+        pass
+
+    kernel = HostBackend(0).load_kernel("unit_scale", b"", "unit_scale", (), False)
+    with pytest.raises(UsageError, match=r"kernel 'unit_scale': the manifest passes 2 arguments, which its host twin "
+                                         r"'.*unit_scale' \(.*test_faults.py:\d+\) does not take"):
+        kernel.bind((1, 1, 1), (32, 1, 1), [0, 4])
+    kernel.bind((1, 1, 1), (32, 1, 1), [0, 4, 2.0])
+    with pytest.raises(UsageError, match="did you mean 'unit_scale'"):
+        lookup("unit_scal")

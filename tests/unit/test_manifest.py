@@ -974,3 +974,10 @@ def test_kernel_programmatic_flag() -> None:
     m = load_manifest(REPO / "manifests" / "tp_mlp.json")
     flags = {k.name: k.programmatic for k in m.kernels}
     assert flags["tp_sum_peers"] and flags["tp_rs_peers"] and flags["tp_ag_peers"] and not flags["ep_fill"]
+
+
+def test_did_you_mean_takes_a_name_that_differs_only_in_case():
+    from tray.manifest.expr import did_you_mean
+
+    assert did_you_mean("Go", ["go", "stop"]) == "; did you mean 'go'?"
+    assert did_you_mean("stmap", ["stamp"]) == "; did you mean 'stamp'?"

@@ -35,7 +35,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     # answer and keeps a multi-MB word from costing difflib seconds.
     if not names or len(word) > 3 * max(len(n) for n in names):
         return ""
-    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    same_case = [n for n in names if n.lower() == word.lower()]  # `Go` for `go`: difflib's ratio is only 0.5
+    close = same_case or difflib.get_close_matches(word, names, n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
 
 

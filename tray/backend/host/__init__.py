@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import inspect
 import mmap
 import os
 import time
@@ -230,6 +231,16 @@ class HostKernel(Kernel):
              shmem_nbytes: int = 0, programmatic: bool = False) -> BoundLaunch:
         frozen = tuple(args)
         backend, twin = self._backend, self._twin
+        try:  # the manifest's arguments against the twin's parameters, now rather than at the first launch
+            inspect.signature(twin).bind(backend, grid, block, *frozen)
+        except TypeError as exc:
+            code = getattr(twin, "__code__", None)
+            where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+            raise UsageError(f"kernel {self.name!r}: the manifest passes {len(frozen)} arguments, which its host twin "
+                             f"{getattr(twin, '__qualname__', twin)!r}{where} does not take after (backend, grid, "
+                             f"block): {exc}; make the launch op's args and the twin's parameters match") from None
+        except ValueError:  # no signature to read (a builtin): the call itself will tell
+            pass
         return HostBoundLaunch(lambda: twin(backend, grid, block, *frozen))
 
 
