@@ -74,9 +74,9 @@ def registered() -> tuple[str, ...]:
 
 
 # The memory a rank's host backend mapped (start -> end): its buffers, its peers' mappings, its host pools and
-# pointer tables. In a rank, a twin's view outside all of them is an error naming the range (a buffer the manifest
-# sized too small for what the kernel reads or writes), not a silent overwrite of whatever lies next to it, nor a
-# SIGSEGV. Empty (unchecked) outside a rank: twins called on plain numpy arrays, in tests.
+# pointer tables. In a rank, a twin's view that starts in one of them and runs past its end is an error naming the
+# range (a buffer the manifest sized too small for what the kernel reads or writes), not a silent overwrite of
+# whatever lies next to it, nor a SIGSEGV. Empty (unchecked) outside a rank: twins called on plain numpy arrays.
 _REGIONS: dict[int, int] = {}
 _STARTS: list[int] = []
 
@@ -93,17 +93,16 @@ def remove_region(ptr: int) -> None:
 
 
 def check_range(ptr: int, nbytes: int) -> None:
-    """Raise UsageError when [ptr, ptr + nbytes) is not inside one registered region (nothing is checked while
-    none is registered)."""
+    """Raise UsageError when [ptr, ptr + nbytes) starts inside a registered region and runs past its end. Memory
+    outside every region is the program's own (a tensor it allocated, say) and is not judged."""
     if not _REGIONS or nbytes <= 0:
         return
     i = bisect.bisect_right(_STARTS, ptr) - 1
-    if i >= 0 and ptr + nbytes <= _REGIONS[_STARTS[i]]:
+    if i < 0 or ptr >= _REGIONS[_STARTS[i]] or ptr + nbytes <= _REGIONS[_STARTS[i]]:
         return
     from tray.errors import UsageError
 
-    where = (f"{ptr - _STARTS[i]} B into a region of {_REGIONS[_STARTS[i]] - _STARTS[i]} B" if i >= 0 else
-             "below every region")
+    where = f"{ptr - _STARTS[i]} B into a region of {_REGIONS[_STARTS[i]] - _STARTS[i]} B"
     raise UsageError(f"a kernel twin reaches {nbytes} B at {ptr:#x} ({where}), past the end of the memory it was "
                      "given: a buffer in the manifest is smaller than what the kernel reads or writes there (on a GPU "
                      "this would overwrite or read whatever lies next to it); check the buffer's shape against the "

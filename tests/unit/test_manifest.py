@@ -981,3 +981,24 @@ def test_did_you_mean_takes_a_name_that_differs_only_in_case():
 
     assert did_you_mean("Go", ["go", "stop"]) == "; did you mean 'go'?"
     assert did_you_mean("stmap", ["stamp"]) == "; did you mean 'stamp'?"
+
+
+def test_twin_views_are_judged_only_inside_the_memory_tray_mapped():
+    import numpy as np
+
+    from tray import twins
+    from tray.errors import UsageError
+
+    buf, own = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+    base = buf.ctypes.data
+    twins.add_region(base, 32)
+    try:
+        assert twins.at(base, 32, np.uint8).size == 32
+        with pytest.raises(UsageError, match=r"reaches 33 B at 0x[0-9a-f]+ \(0 B into a region of 32 B\)"):
+            twins.at(base, 33, np.uint8)
+        with pytest.raises(UsageError, match=r"8 B into a region of 32 B"):
+            twins.u64_at(base + 8, 4)
+        assert twins.u32_at(own.ctypes.data, 16).size == 16  # memory of the program's own: not judged
+    finally:
+        twins.remove_region(base)
+    assert twins.at(base, 64, np.uint8).size == 64  # nothing registered: nothing checked
