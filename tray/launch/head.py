@@ -32,7 +32,7 @@ from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
-from tray.launch.spawn import OutputPump, log_path, rank_env, spawn_rank
+from tray.launch.spawn import OutputPump, log_path, rank_env, spawn_rank, stat_fields
 from tray.launch.spec import Failure, RankProcess, RankState, TrayResult, TraySpec
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
@@ -614,17 +614,15 @@ class Head:
         timeout_s = self.spec.handshake_timeout_s
         if self.t_first_contact is None and (self.offers or any(p.last_heartbeat is not None for p in self.procs)):
             self.t_first_contact = now
-        if not self._deadline_from_first_contact():
-            self.t_first_contact = self.t_start
-        if not self.t_go and self.t_first_contact is None and now - self.t_start > timeout_s:
+        clock = self.t_first_contact if self._deadline_from_first_contact() else self.t_start
+        if not self.t_go and clock is None and now - self.t_start > timeout_s:
             # no rank called tray.init(): a program that does not use the tray (a torch program, say) runs on, as
             # under torchrun, its ranks' exits still watched; said once, in case they are stuck before tray.init()
             if not self._no_contact_said:
                 self._no_contact_said = True
                 _say(f"no rank has called tray.init() {timeout_s:.0f} s after the spawn (--timeout-s): supervising "
                      "them as a plain launcher until one does (a rank's exit still ends the tray; Ctrl-C stops it)")
-        elif (not self.t_go and self.t_first_contact is not None and now - self.t_first_contact > timeout_s
-              and self._handshake_is_ours()):
+        elif not self.t_go and clock is not None and now - clock > timeout_s and self._handshake_is_ours():
             # the deadline runs from the first rank's contact: once one joins, every rank must, within --timeout-s
             missing = [p for p in self.procs if p.rank not in self.offers] or \
                       [p for p in self.procs if p.rank not in self.ready]
@@ -917,11 +915,10 @@ class Head:
 
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process `pid` (/proc/PID/stat); None when it cannot be read."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else None
+    except (ValueError, IndexError):
         return None
 
 

@@ -145,11 +145,11 @@ def make_job_dir(nprocs: int, root: Path | None = None, kind: str = "job") -> Jo
 def scratch_dir() -> Iterator[Path]:
     """A private directory (0700) under the jobs root for the files a command's ranks write for it, removed when
     the block ends; locked as a job dir is, so that if this process is killed the next tray's sweep removes it."""
-    scratch = make_job_dir(1, kind="scratch")
+    path, remove = work_dir(None)
     try:
-        yield scratch.path
+        yield path
     finally:
-        scratch.close()
+        remove()
 
 
 def work_dir(keep_prefix: str | None) -> tuple[Path, Callable[[], None]]:

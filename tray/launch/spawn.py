@@ -126,16 +126,25 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses): state, ppid,
+    ... (field 3 of proc(5) is [0]); None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_started_at() -> float | None:
     """When this process started, on time.time()'s scale (the kernel counts in clock ticks: 10 ms); None
     without /proc. `tray launch` passes it on, so the timeline counts the head's own start too."""
+    fields = stat_fields("self")
     try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of proc(5): starttime
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, TypeError):
         return None
     return time.time() - max(0.0, age)
 
