@@ -15,6 +15,13 @@ two are equal the loop is host-bound. Paths:
   torch_graph      (torch importable) a torch CUDA graph of that add, replayed
 Correctness first: the increment counter, the barrier's epoch and the torch tensor must count every launch.
 Ratios are to `barrier_kernel`, the eager barrier launch before the graph path.
+
+In a graph (`--launches` nodes captured into one graph, replayed `--repeats` times; device µs per node, the
+floor a captured barrier sits on; host µs is the replay's host cost over its nodes):
+  graph_nodes_kernel      the tick kernel, one node after the other
+  graph_nodes_kernel_pdl  the same launched programmatically, as the barrier is (a programmatic edge per node)
+  graph_nodes_barrier     the one-member peer barrier, as the gate's captured mode records it: what a captured
+                          barrier costs without a peer to wait for
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ extern "C" __global__ void tray_launch_cost_tick(unsigned long long* count) {
 }
 """
 WARMUP = 50
+WARMUP_REPLAYS = 2
 TIMEOUT_S = 2.0
 
 
@@ -46,11 +54,7 @@ def _series(launch: Callable[[], None], n: int, repeats: int, timed: Callable[[C
             ) -> dict[str, Any]:
     for _ in range(WARMUP):
         launch()
-    pairs = [timed(launch, n) for _ in range(repeats)]
-    host = [p[0] for p in pairs]
-    device = [p[1] for p in pairs]
-    return {"host_us": statistics.median(host), "device_us": statistics.median(device),
-            "host_us_all": host, "device_us_all": device}
+    return _series_timed(partial(timed, launch, n), repeats)
 
 
 def _tray_timed(backend: Any) -> Callable[[Callable[[], None], int], tuple[float, float]]:
@@ -68,6 +72,28 @@ def _tray_timed(backend: Any) -> Callable[[Callable[[], None], int], tuple[float
         return host_s / n * 1e6, device_s / n * 1e6
 
     return timed
+
+
+def _graph_series(backend: Any, body: Callable[[], None], nodes: int, repeats: int) -> dict[str, Any]:
+    """A graph of `nodes` launches made by `body`, replayed WARMUP_REPLAYS + `repeats` times: device and host µs
+    per node (median over the timed replays)."""
+    graph = backend.capture(body)
+    try:
+        for _ in range(WARMUP_REPLAYS):
+            graph.replay()
+        row = _series_timed(partial(_tray_timed(backend), graph.replay, 1), repeats)
+    finally:
+        graph.close()
+    return {k: (v / nodes if isinstance(v, float) else [x / nodes for x in v]) for k, v in row.items()} | {
+        "nodes": nodes}
+
+
+def _series_timed(timed: Callable[[], tuple[float, float]], repeats: int) -> dict[str, Any]:
+    pairs = [timed() for _ in range(repeats)]
+    host = [p[0] for p in pairs]
+    device = [p[1] for p in pairs]
+    return {"host_us": statistics.median(host), "device_us": statistics.median(device),
+            "host_us_all": host, "device_us_all": device}
 
 
 def tray_paths(n: int, repeats: int) -> dict[str, dict[str, Any]]:
@@ -95,16 +121,27 @@ def tray_paths(n: int, repeats: int) -> dict[str, dict[str, Any]]:
                                       ("event_record", event_timer.start, False)):
             paths[name] = _series(launch, n, repeats, timed)
             ticks += (WARMUP + n * repeats) if is_tick else 0
+        replayed = n * (WARMUP_REPLAYS + repeats)
+        for name, bound in (("graph_nodes_kernel", plain), ("graph_nodes_kernel_pdl", pdl)):
+            paths[name] = _graph_series(backend, partial(_times, bound.launch, n), n, repeats)
+            ticks += replayed
+        paths["graph_nodes_barrier"] = _graph_series(backend, partial(_times, partial(barrier.launch, TIMEOUT_S), n),
+                                                     n, repeats)
         backend.synchronize()
         barrier.check()
         got = int(backend.read(count.ptr, 8).view(np.uint64)[0])
         if got != ticks:
             raise RuntimeError(f"the tick kernel counted {got} launches, {ticks} were made")
-        epoch, expected = barrier.epoch(), 2 * (WARMUP + n * repeats)
+        epoch, expected = barrier.epoch(), 2 * (WARMUP + n * repeats) + replayed
         if epoch != expected:
             raise RuntimeError(f"the barrier's epoch is {epoch} after {expected} launches")
         paths["barrier"]["mode"] = barrier.mode
     return paths
+
+
+def _times(launch: Callable[[], None], n: int) -> None:
+    for _ in range(n):
+        launch()
 
 
 def torch_paths(n: int, repeats: int) -> dict[str, dict[str, Any]] | str:

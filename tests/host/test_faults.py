@@ -4,6 +4,7 @@ and leave nothing behind (the `tray_env` fixture checks processes, job dirs and 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,20 @@ def test_rank_stopped_misses_heartbeats(tray_env):
     assert run.returncode == 1, run.output
     assert "rank 0" in run.stderr and "sent no heartbeat" in run.stderr
     assert run.seconds < 20
+
+
+def test_a_rank_that_closed_its_tray_is_not_expected_to_heartbeat(tray_env):
+    """`rank.close()` says bye: a program that goes on without the tray (writing results, say) for longer than
+    the heartbeat timeout is not failed as frozen; before, only leaving a `with` block said bye."""
+    run = tray_env.launch(2, """
+    rank = tray.init()
+    rank.barrier()
+    rank.close()
+    time.sleep(4)
+    print("after close", rank.rank, flush=True)
+    """, "--heartbeat-timeout-s", "2")
+    assert run.returncode == 0, run.output
+    assert "after close 0" in run.stdout and "after close 1" in run.stdout, run.output
 
 
 def test_offers_with_different_manifests(tray_env):
@@ -245,8 +260,42 @@ def test_exchange_timeout_names_who_never_joined_the_step(tray_env):
         rank.exchange("step", rank.rank, timeout_s=1.0)
     """)
     assert run.returncode == 1, run.output
-    assert "no decision on 'step' from the head within 1.0 s" in run.stderr
-    assert "tray-wide step 'step' (round 1) was still waiting for rank 2" in run.stderr
+    assert "no decision on exchange 'step' from the head within 1.0 s" in run.stderr
+    assert "tray-wide step: exchange 'step' (round 1) was still waiting for rank 2" in run.stderr
+    assert run.seconds < 15
+
+
+@pytest.mark.parametrize("leaves", ["exit", "close"])
+def test_a_rank_that_ends_while_others_wait_in_a_step_is_named_at_once(tray_env, leaves):
+    """Rank 2 ends (exits 0, or closes its tray and goes on) while ranks 0 and 1 wait in an exchange it never
+    joins: the tray fails at once naming it, not when their 30 s timeout passes."""
+    end = "sys.exit(0)" if leaves == "exit" else "rank.close(); time.sleep(30)"
+    run = tray_env.launch(3, f"""
+    rank = tray.init()
+    rank.barrier()
+    if rank.rank == 2:
+        {end}
+    rank.exchange("step", rank.rank, timeout_s=30.0)
+    """)
+    assert run.returncode == 1, run.output
+    how = "exited with code 0" if leaves == "exit" else "closed its tray"
+    assert f"FAILED: rank 2 (pid" in run.stderr and f") {how}" in run.stderr, run.stderr
+    assert re.search(r"while (rank [01] waits|ranks 0,1 wait) for it in exchange 'step' \(round 1\), which it never "
+                     "joined", run.stderr), run.stderr
+    assert run.seconds < 15
+
+
+def test_the_collectives_join_is_named_as_the_program_started_it(tray_env):
+    """A rank that skips its first collective: the others' wait names what they did, not tray's own topic."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        if rank.rank == 0:
+            rank.collectives("world")
+    """)
+    assert run.returncode == 1, run.output
+    assert "the join of the groups' collectives (a rank's first rank.collectives() or program collective op)" \
+        in run.stderr, run.stderr
+    assert "tray.collectives.join" not in run.stderr, run.stderr
     assert run.seconds < 15
 
 

@@ -217,3 +217,28 @@ sys.stderr = ToLog()
     assert any(line.startswith("[rank 1]") and "in somewhere_else" in line for line in run.stderr.splitlines()), \
         run.stderr
     assert "killed by signal" not in run.stderr, run.stderr
+
+
+def test_trays_own_lines_are_written_whole_under_the_lock_rank_lines_take(monkeypatch):
+    """print() writes a line's text and its newline apart, and a rank's line written by the output pump in between
+    joined the two (`... did you mean 'step'?[rank 1] ...`); `say` writes each line in one call under the
+    stderr lock the pump writes rank lines under, and a blocked stdout does not hold it."""
+    import sys
+
+    from tray.launch import spawn
+
+    calls: list[tuple[str, bool, bool]] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            calls.append((text, spawn._stderr_lock.locked(), spawn._stdout_lock.locked()))
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    with spawn._stdout_lock:   # a pump blocked writing to a stdout nobody reads
+        spawn.say("FAILED: rank 1 reported ValueError")
+    assert calls == [("tray: FAILED: rank 1 reported ValueError\n", True, True)]
+    assert spawn._lock_of(sys.stderr) is spawn._stderr_lock and spawn._lock_of(sys.stdout) is spawn._stdout_lock

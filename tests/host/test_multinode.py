@@ -50,17 +50,28 @@ def start_job(tray_env, body: str, *launch_args: str, nnodes: int = 2, tokens: t
 
 
 def finish(procs: list[subprocess.Popen], timeout_s: float = 60.0) -> list[Run]:
-    runs = []
+    """Every node's result; their pipes read at once (one at a time, a node writing more than a pipe holds would
+    block on the pipe nobody reads yet)."""
+    import threading
+
+    runs: list[Run | None] = [None] * len(procs)
     t0 = time.monotonic()
-    for p in procs:
+
+    def wait(i: int, p: subprocess.Popen) -> None:
         try:
-            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+            out, err = p.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             p.kill()
             out, err = p.communicate()
             err += "\n(test: killed after the timeout)"
-        runs.append(Run(p.returncode, out, err, time.monotonic() - t0))
-    return runs
+        runs[i] = Run(p.returncode, out, err, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=wait, args=(i, p)) for i, p in enumerate(procs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for r in runs if r is not None]
 
 
 def test_two_nodes_exchange_barrier_collectives_peer_tables(tray_env):
@@ -151,13 +162,18 @@ def _root_cause(run: Run) -> str:
     return next(line for line in run.stderr.splitlines() if line.startswith("tray: FAILED:"))
 
 
-def test_a_rank_failing_on_node_1_is_named_by_both_heads(tray_env):
-    body = """
+@pytest.mark.parametrize("line_nbytes", [0, 65_000], ids=["plain", "long_lines"])
+def test_a_rank_failing_on_node_1_is_named_by_both_heads(tray_env, line_nbytes):
+    """With long last lines too: 20 lines of 65 kB are over one control message, and node 1's head failed
+    with a WireError (exit 2) while node 0 named node 1 lost; the failure is cut to fit now."""
+    body = f"""
     with tray.init() as rank:
         rank.barrier()
         if rank.rank == 3:
+            for i in range({20 if line_nbytes else 0}):
+                print("z" * {line_nbytes}, flush=True)
             raise ValueError("rank three gives up")
-        rank.barrier()
+        rank.barrier(timeout_s=30)   # the others wait while rank 3 writes its lines
     """
     runs = finish(start_job(tray_env, body))
     assert all(run.returncode != 0 for run in runs), [r.output for r in runs]

@@ -84,6 +84,57 @@ def test_host_collectives_match_numpy(tray_env):
     assert run.stdout.count("collectives ok") == 4
 
 
+def test_host_sendrecv_is_a_step_of_the_pair_alone(tray_env):
+    """As with NCCL: ranks 0 and 1 exchange (20 rounds, both directions) while ranks 2 and 3 take no part (each
+    sends to itself once); then all four meet at one barrier. Before, sendrecv was a step of the whole group
+    sharing the group's barrier: ranks 2 and 3 waited in their sendrecv for 0 and 1's, and their last barrier
+    could pass against the barrier inside it."""
+    body = """
+    with tray.init() as rank:
+        me = rank.rank
+        c = rank.collectives("world")
+        send, recv = rank.buffer("send"), rank.buffer("recv")
+        count = send.shape[0]
+        if me < 2:
+            for k in range(20):
+                rank.write("send", np.full(count, 100 * me + k, np.float32))
+                c.sendrecv(send.ptr, recv.ptr, count, "f32", 1 - me)
+                got = rank.read("recv")
+                assert np.all(got == 100 * (1 - me) + k), (me, k, got[:4])
+        else:
+            rank.write("send", np.full(count, me, np.float32))
+            c.sendrecv(send.ptr, recv.ptr, count, "f32", me)
+            assert np.all(rank.read("recv") == me)
+        rank.barrier(timeout_s=30)
+        print("pairs ok", me, flush=True)
+    """
+    run = tray_env.launch(4, body, "--manifest", FILL, "--var", "count=256", timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert all(f"pairs ok {r}" in run.stdout for r in range(4)), run.output
+
+
+def test_host_collectives_wait_the_ranks_barrier_timeout_and_name_the_collective(tray_env):
+    """--barrier-timeout-s reaches the host backend's collectives (they waited 2 s whatever it said)."""
+    body = """
+    with tray.init() as rank:
+        c = rank.collectives("world")
+        send, recv = rank.buffer("send"), rank.buffer("recv")
+        if rank.rank == 1:
+            time.sleep(3)
+        c.allreduce(send.ptr, recv.ptr, send.shape[0], "f32")
+        print("allreduce ok", rank.rank, flush=True)
+        if rank.rank == 1:
+            time.sleep(60)
+        c.allreduce(send.ptr, recv.ptr, send.shape[0], "f32")
+    """
+    run = tray_env.launch(2, body, "--manifest", FILL, "--var", "count=256", "--barrier-timeout-s", "6",
+                          timeout_s=120)
+    assert run.returncode == 1, run.output
+    assert "allreduce ok 0" in run.stdout and "allreduce ok 1" in run.stdout, run.output
+    assert "barrier world (in allreduce) epoch 3: rank 0 waited 6.0" in run.stderr, run.stderr
+    assert run.seconds < 40
+
+
 def test_gate_peer_barrier_and_drop(tray_env, tmp_path):
     import sys
 

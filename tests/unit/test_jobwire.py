@@ -84,3 +84,24 @@ def test_step_voters_and_spanning():
     assert step_voters("tray:group:pairs@1:barrier", 4, groups) is None   # no instance led by rank 1
     assert step_voters("tray:group:nope@0:barrier", 4, groups) is None
     assert spans_nodes((0, 1, 2, 3), 2) and not spans_nodes((2, 3), 2) and spans_nodes((1, 2), 2)
+
+
+def test_a_failure_of_long_lines_is_cut_to_fit_one_message():
+    """20 last lines of 64 KiB and a long report are 1.3 MB: over the message cap, so the node's head failed
+    with a WireError and the root named the node lost instead of the rank's error. `bounded` keeps the report's
+    end (a traceback's cause), each line's start and the summary's start, cut between UTF-8 characters."""
+    tail = tuple(("é" * 40_000) + f" line {i}" for i in range(20))   # 80 KB of UTF-8 each
+    report = "Traceback ...\n" + "x" * 2_000_000 + "\nRuntimeError: the cause"
+    with pytest.raises(WireError, match="exceeds"):
+        jobwire.NodeFailure(token=TOKEN, node_rank=1, rank=3, summary="s", report=report, tail=tail,
+                            exit_code=1).to_msgpack()
+    msg = jobwire.NodeFailure.bounded(token=TOKEN, node_rank=1, rank=3, summary="rank 3 " + "y" * 100_000,
+                                      report=report, tail=tail, exit_code=1)
+    data = msg.to_msgpack()
+    assert len(data) <= wire.MAX_MESSAGE_NBYTES and jobwire.decode(data, token=TOKEN) == msg
+    assert msg.report.endswith("RuntimeError: the cause") and msg.report.startswith("...")
+    assert msg.summary.startswith("rank 3 ") and msg.summary.endswith("...")
+    assert len(msg.tail) == 20 and all(line.startswith("éé") and line.endswith("...") for line in msg.tail)
+    short = jobwire.JobStop.bounded(token=TOKEN, node_rank=1, rank=3, summary="s", report="r", tail=("a",),
+                                    exit_code=1)
+    assert (short.summary, short.report, short.tail) == ("s", "r", ("a",))

@@ -98,3 +98,28 @@ def test_collectives_close_together_and_the_first_failure_comes_after_all() -> N
     assert time.monotonic() - t0 < 0.9  # together: one destroy's time, not four
     assert all(c.closed_at is not None for c in comms.values())  # every one closed before the failure is raised
     lazy.close()  # twice is harmless
+
+
+def test_release_runs_every_step_when_one_fails_and_raises_the_first_failure() -> None:
+    """A failed collectives close (a failed NCCL destroy) must not leave the barriers, the fd server, the backend's
+    memory or the head's socket behind."""
+    from tray.rank.wiring import _release
+
+    closed: list[str] = []
+
+    def closer(name: str, fail: bool = False) -> types.SimpleNamespace:
+        def close() -> None:
+            closed.append(name)
+            if fail:
+                raise RuntimeError(f"{name} failed")
+        return types.SimpleNamespace(close=close)
+
+    backend = types.SimpleNamespace(close_graphs=lambda: closed.append("graphs"), close=closer("backend").close)
+    timings: dict[str, float] = {}
+    with pytest.raises(RuntimeError, match="collectives failed"):
+        _release(closer("collectives", fail=True), {"world": closer("barrier", fail=True)},  # type: ignore[arg-type]
+                 {"world": closer("ptr_table")}, closer("fd_server"), backend, closer("client"),  # type: ignore[arg-type]
+                 timings)
+    assert closed == ["graphs", "collectives", "barrier", "ptr_table", "fd_server", "backend", "client"]
+    assert set(timings) == {f"close.{step}" for step in
+                            ("graphs", "collectives", "barriers", "ptr_tables", "fd_server", "backend", "client")}

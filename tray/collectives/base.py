@@ -15,13 +15,17 @@ if TYPE_CHECKING:
 class GroupJoin:
     """What joining one group takes: member 0's `join_info`, the group's barrier, and this rank's
     working buffer with every member's mapped (`peer_buffers`, member order); both None when
-    `buffer_nbytes` asked for none."""
+    `buffer_nbytes` asked for none. `wait_s`: how long a collective that waits for the other members on the
+    host (the host backend's) waits: the rank's barrier timeout (None: the barrier's default).
+
+    NOTE: imports nothing at run time beyond the standard library: the NCCL id process imports this module."""
 
     group: GroupInfo
     join_info: bytes
     barrier: Barrier
     buffer: DeviceBuffer | None = None
     peer_buffers: PtrTable | None = None
+    wait_s: float | None = None
 
 
 class Joiner(abc.ABC):

@@ -134,20 +134,24 @@ class RelayCollectives(Collectives):
             acc += self._typed(raw, dtype)
         return acc
 
-    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                  stream: int | None = None) -> None:
         parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
         self._out(recv_ptr, self._sum(parts, dtype))
 
-    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                  stream: int | None = None) -> None:
         parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
         self._out(recv_ptr, np.concatenate([self._typed(p, dtype) for p in parts]))
 
-    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                      stream: int | None = None) -> None:
         parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
         me = self.group.index
         self._out(recv_ptr, self._sum(parts, dtype)[me * count:(me + 1) * count])
 
-    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str) -> None:
+    def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+                 stream: int | None = None) -> None:
         parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
         me = self.group.index
         self._out(recv_ptr, np.concatenate([self._typed(p, dtype)[me * count:(me + 1) * count] for p in parts]))
@@ -161,7 +165,9 @@ class RelayCollectives(Collectives):
         for i in members:
             view(recv_ptr + i * nbytes, nbytes)[:] = np.frombuffer(parts[i], np.uint8)[me * nbytes:(me + 1) * nbytes]
 
-    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
+    def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
+                 stream: int | None = None) -> None:
+        # NOTE: a relayed step has the whole group as its voters, so every member calls sendrecv together here
         parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
         self._out(recv_ptr, self._typed(parts[peer_index], dtype))
 

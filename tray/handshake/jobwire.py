@@ -192,6 +192,23 @@ _FAILURE_FIELDS: dict[str, Check] = {"node_rank": _int(-1), "rank": _int(-1), "s
                                      "report": _str(), "tail": _strs, "exit_code": _int(1)}
 
 
+# a failure's text, cut to fit one control message (MAX_MESSAGE_NBYTES) with room to spare: a rank's last lines
+# may each be 64 KiB, and its report a long traceback
+_SUMMARY_NBYTES = 16 << 10
+_REPORT_NBYTES = 256 << 10
+_TAIL_NBYTES = 256 << 10
+
+
+def _cut(text: str, nbytes: int, keep_end: bool = False) -> str:
+    """`text` if its UTF-8 is at most `nbytes`, else its start (or end) within that many bytes, marked '...'."""
+    raw = text.encode("utf-8", "surrogateescape")
+    if len(raw) <= nbytes:
+        return text
+    if keep_end:
+        return "..." + raw[-(nbytes - 3):].decode("utf-8", "ignore")
+    return raw[:nbytes - 3].decode("utf-8", "ignore") + "..."
+
+
 @dataclass(frozen=True, slots=True)
 class _FailureMessage(_JobMessage):
     """A failure: on which node and rank (-1: the node as a whole), why, its report and last lines."""
@@ -203,6 +220,16 @@ class _FailureMessage(_JobMessage):
     report: str
     tail: tuple[str, ...]
     exit_code: int
+
+    @classmethod
+    def bounded(cls, *, token: str, node_rank: int, rank: int, summary: str, report: str, tail: tuple[str, ...],
+                exit_code: int) -> Self:
+        """The message with its texts cut to fit: the summary's start, the report's end (a traceback's cause),
+        each of the last lines' start within an equal share of the tail's budget."""
+        share = _TAIL_NBYTES // max(1, len(tail))
+        return cls(token=token, node_rank=node_rank, rank=rank, summary=_cut(summary, _SUMMARY_NBYTES),
+                   report=_cut(report, _REPORT_NBYTES, keep_end=True), tail=tuple(_cut(line, share) for line in tail),
+                   exit_code=exit_code)
 
 
 @dataclass(frozen=True, slots=True)

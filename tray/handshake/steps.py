@@ -13,6 +13,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 GROUP_PREFIX = "tray:group:"
+# tray's own tray-wide steps, and how a message names them to a user (who never called them by that name)
+JOIN_TOPIC = "tray.collectives.join"
+PARK_TOPIC = "tray.park"
+_OWN_STEPS = {
+    JOIN_TOPIC: "the join of the groups' collectives (a rank's first rank.collectives() or program collective op)",
+    PARK_TOPIC: "a tray-wide park or wake",
+}
+
+
+def describe_step(topic: str) -> str:
+    """`topic` as a message names it: tray's own steps by what the program did to start them, a group step by
+    its group, an exchange by its topic."""
+    if topic in _OWN_STEPS:
+        return _OWN_STEPS[topic]
+    if topic.startswith(GROUP_PREFIX):
+        name_at, _, what = topic[len(GROUP_PREFIX):].rpartition(":")
+        return f"the {what} step of group {name_at.rpartition('@')[0]!r} across nodes"
+    return f"exchange {topic!r}"
 
 
 def group_topic(group: str, members: Sequence[int], what: str) -> str:

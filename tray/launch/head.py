@@ -26,13 +26,13 @@ from tray.collectives.idmaker import IdMaker
 from tray.envvars import join_collectives
 from tray.errors import BarrierTimeout, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
-from tray.handshake.steps import step_voters
+from tray.handshake.steps import describe_step, step_voters
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
-from tray.launch.spawn import OutputPump, log_path, rank_env, spawn_rank, stat_fields
+from tray.launch.spawn import OutputPump, log_path, rank_env, say, spawn_rank, stat_fields
 from tray.launch.spec import Failure, RankProcess, RankState, TrayResult, TraySpec
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
@@ -79,8 +79,7 @@ PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _say(msg: str) -> None:
-    print(f"tray: {msg}", file=sys.stderr, flush=True)
+_say = say
 
 
 def _signal_name(code: int) -> str:
@@ -457,6 +456,7 @@ class Head:
             self._on_vote(sock, msg)
         elif isinstance(msg, wire.Bye):
             self._note_phase(proc, "bye", force=True)
+            self._check_abandoned_steps()
         else:
             self._reject_log(ident, f"a rank may not send {msg.KIND!r}")
 
@@ -515,6 +515,7 @@ class Head:
         box = self.votes.setdefault(key, {})
         box[vote.rank] = vote.value
         if len(box) < self.spec.nprocs:
+            self._check_abandoned_steps()
             return
         del self.votes[key]
         decision = wire.Decision(token=self.token, topic=vote.topic, round=vote.round,
@@ -558,6 +559,11 @@ class Head:
             p.returncode = code
             p.state = RankState.EXITED if code == 0 else RankState.FAILED
             if code == 0:
+                if self.votes:  # its last votes may still be in flight: read them before judging the steps
+                    self._drain(sock, 0)
+                    self._check_abandoned_steps()
+                    if self.failure:
+                        return
                 continue
             # drain messages first: the rank's error report may still be in flight
             self._drain(sock, 0)
@@ -571,6 +577,30 @@ class Head:
                                report=report, tail=tuple(p.tail)))
             return
         self._check_early_exits()
+
+    def _check_abandoned_steps(self) -> None:
+        """A rank that exited 0 or closed its tray (said bye) takes part in no step any more: a tray-wide step
+        that other ranks wait in and it has not voted in fails now, naming it, instead of when the waiting
+        ranks' timeouts pass (60 s for an exchange)."""
+        if self.failure is not None:
+            return
+        for (topic, rnd), box in self.votes.items():
+            voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
+            for p in self.procs:
+                if p.rank in box or (voters is not None and p.rank not in voters):
+                    continue
+                if p.returncode == 0:
+                    how = "exited with code 0"
+                elif p.returncode is None and p.phase == "bye":
+                    how = "closed its tray (rank.close(), or the end of its `with tray.init()` block)"
+                else:
+                    continue
+                waiting = f"rank {next(iter(box))} waits" if len(box) == 1 else \
+                    f"ranks {','.join(str(r) for r in sorted(box))} wait"
+                self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} while {waiting} for it in "
+                                   f"{describe_step(topic)} (round {rnd}), which it never joined: every rank must "
+                                   "make the same tray-wide steps", tail=tuple(p.tail)))
+                return
 
     def _interrupted_too(self) -> bool:
         """A rank ended by SIGTERM/SIGINT: whether the head got one too (Ctrl-C to the terminal's process group,
@@ -878,7 +908,7 @@ class Head:
             missing = ",".join(str(p.rank) for p in self.procs
                                if p.rank not in box and (voters is None or p.rank in voters))
             if missing:
-                _say(f"tray-wide step {topic!r} (round {rnd}) was still waiting for rank {missing}")
+                _say(f"tray-wide step: {describe_step(topic)} (round {rnd}) was still waiting for rank {missing}")
         tail = list(f.tail)
         local = f.rank is not None and 0 <= f.rank - self.rank_base < len(self.procs)
         if local and f.rank is not None:  # its output drained by now: the lines it wrote as it ended are there too

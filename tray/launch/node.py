@@ -14,7 +14,6 @@ import dataclasses
 import os
 import signal
 import socket
-import sys
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ from tray.launch.curve import job_keys, make_client
 from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
 from tray.launch.root import EXIT_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
+from tray.launch.spawn import say
 from tray.launch.spec import Failure, TraySpec
 from tray.numa import NumaPlacement
 
@@ -78,7 +78,7 @@ class NodeLink:
             try:
                 out.append(jobwire.decode(data, token=self.job.token, sender="the root"))
             except WireError as exc:  # CURVE authenticated the root: a version skew, said and skipped
-                print(f"tray: rejected a message from the root: {exc.reason}", file=sys.stderr, flush=True)
+                say(f"rejected a message from the root: {exc.reason}")
         return out
 
     def on_monitor(self) -> None:
@@ -211,8 +211,8 @@ class NodeHead(Head):
             if self.root is not None:  # node 0: the root tells every head itself
                 self.root.stop_job(self.job.node_rank, summary)
             elif self.link is not None:
-                self.link.send(jobwire.NodeFailure(token=self.job.token, node_rank=self.job.node_rank, rank=-1,
-                                                   summary=summary, report="", tail=(), exit_code=1))
+                self.link.send(jobwire.NodeFailure.bounded(token=self.job.token, node_rank=self.job.node_rank,
+                                                           rank=-1, summary=summary, report="", tail=(), exit_code=1))
         super()._raise_if_signalled()
 
     def _handshake_is_ours(self) -> bool:
@@ -250,6 +250,7 @@ class NodeHead(Head):
         elif all(r in box for r in local):
             ranks = tuple(local)
         else:
+            self._check_abandoned_steps()
             return
         try:
             self.link.send(jobwire.NodeVote(token=self.job.token, node_rank=self.job.node_rank, topic=vote.topic,
@@ -264,7 +265,7 @@ class NodeHead(Head):
             return
         self.failure = failure
         if self.job_stop is None and self.link is not None:
-            self.link.send(jobwire.NodeFailure(
+            self.link.send(jobwire.NodeFailure.bounded(
                 token=self.job.token, node_rank=self.job.node_rank, rank=-1 if failure.rank is None else failure.rank,
                 summary=failure.summary, report=failure.report, tail=tuple(failure.tail),
                 exit_code=max(1, failure.exit_code)))
@@ -291,9 +292,9 @@ class NodeHead(Head):
             self.link.close()
         if self.root is not None:
             for line in self.root.rejected:
-                print(f"tray: root: {line}", file=sys.stderr, flush=True)
+                say(f"root: {line}")
             if not self.spec.quiet and self.spec.timeline:
-                print(f"tray: root: {self.root.summary()}", file=sys.stderr, flush=True)
+                say(f"root: {self.root.summary()}")
             self.root.close()
 
     # --- from the root ---------------------------------------------------------------------------
@@ -309,8 +310,8 @@ class NodeHead(Head):
         elif isinstance(msg, jobwire.JobGo):
             if not self.spec.quiet and self.spec.timeline:
                 first, last = self.rank_base, self.rank_base + self.spec.nprocs - 1
-                print(f"tray: node {self.job.node_rank} of {self.job.nnodes} (ranks {first}..{last} of "
-                      f"{self.world_size}): every node is ready", file=sys.stderr, flush=True)
+                say(f"node {self.job.node_rank} of {self.job.nnodes} (ranks {first}..{last} of {self.world_size}): "
+                    "every node is ready")
             Head._all_ready(self, sock)  # go to this node's ranks, as a head of one host says it
         elif isinstance(msg, jobwire.JobDecision):
             box = self.votes.pop((msg.topic, msg.round), {})

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from tray.handshake import jobwire
 from tray.handshake.steps import GROUP_PREFIX, step_voters
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import JobSpec
+from tray.launch.spawn import say
 
 # NOTE: the root says it is alive this often; a head declares the root lost after its heartbeat
 # timeout (default 5 s), i.e. after ten missed beats.
@@ -306,8 +306,8 @@ class Root:
             return
         self._last_failure_log = t
         self._failures_logged = self.handshake_failures
-        print(f"tray: root: ignored: {self._failed_handshakes(new)} (not nodes of this job; {self.handshake_failures} "
-              f"so far on {self.endpoint})", file=sys.stderr, flush=True)
+        say(f"root: ignored: {self._failed_handshakes(new)} (not nodes of this job; {self.handshake_failures} so far "
+            f"on {self.endpoint})")
 
     # --- time -------------------------------------------------------------------------------------
     def _missing_nodes(self) -> str:
@@ -367,8 +367,9 @@ class Root:
         """The first failure anywhere becomes the job's root cause; later ones are only counted."""
         if self.stop is not None:
             return
-        self.stop = jobwire.JobStop(token=self.token, node_rank=node if node is not None else -1, rank=rank,
-                                    summary=summary, report=report, tail=tuple(tail), exit_code=max(1, exit_code))
+        self.stop = jobwire.JobStop.bounded(
+            token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
+            tail=tuple(tail), exit_code=max(1, exit_code))
         self._broadcast(self.stop)
 
     def _broadcast(self, msg: Any) -> None:

@@ -24,7 +24,25 @@ from tray.numa import NumaPlacement, prepare_binding
 
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
-_print_lock = threading.Lock()
+# one lock per terminal stream: a line is written whole under its stream's lock (a stdout nobody reads then
+# blocks only what goes to stdout, never tray's own lines on stderr)
+_stdout_lock, _stderr_lock = threading.Lock(), threading.Lock()
+
+
+def _lock_of(stream: TextIO) -> threading.Lock:
+    return _stdout_lock if stream is sys.stdout else _stderr_lock
+
+
+def say(msg: str) -> None:
+    """One line of tray's own on stderr, `tray: msg`, written in one piece under the lock the output pump
+    writes the ranks' lines to stderr under: never cut by, or joined to, a rank's line (print() writes the text
+    and its newline apart, and a rank's line could come between)."""
+    with _stderr_lock:
+        try:
+            sys.stderr.write(f"tray: {msg}\n")
+            sys.stderr.flush()
+        except BrokenPipeError:
+            _reader_gone(sys.stderr)
 
 
 def torchrun_env(rank: int, nprocs: int, master_port: int | None, run_id: str, *, local_rank: int | None = None,
@@ -152,7 +170,7 @@ def process_started_at() -> float | None:
 def _reader_gone(dst: TextIO) -> None:
     """The terminal stream `dst` lost its reader (`tray launch ... | head`): from now on what goes to it is
     dropped (its fd points at /dev/null), said once on the other stream; the tray runs on, log files keep
-    every line. Called with _print_lock held."""
+    every line. Called with `dst`'s lock held."""
     try:
         null = os.open(os.devnull, os.O_WRONLY)
         try:
@@ -282,7 +300,7 @@ class OutputPump:
         line = raw.decode(errors="replace").rstrip("\r")
         s.proc.tail.append(line)
         if s.dst is not None:
-            with _print_lock:
+            with _lock_of(s.dst):
                 try:
                     s.dst.write(f"[rank {s.proc.rank}] {line}\n")
                     s.dst.flush()

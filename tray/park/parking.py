@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tray.errors import DeviceError, NoRoom, UsageError
+from tray.handshake.steps import PARK_TOPIC
 from tray.manifest import ResolvedState
 from tray.manifest.expr import did_you_mean
 from tray.numa.pool import Placement
@@ -29,7 +30,7 @@ from tray.park.pools import RankPools, StatePool
 from tray.park.session import ParkedSession, ParkStats, Session, SessionRecord, Where
 from tray.rank.wiring import RankContext
 
-TOPIC = "tray.park"
+TOPIC = PARK_TOPIC
 # NOTE: the room vote waits only for every rank to reach the call; a minute covers a rank that is
 # still finishing a program step. The landed vote also waits for the slowest rank's copy, at no less
 # than 1 GB/s (pinned copies run at 35-55 GB/s on the machines we test on).

@@ -17,14 +17,16 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype
+from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype
 from tray.errors import UsageError
 from tray.handshake import wire
+from tray.handshake.steps import describe_step
 from tray.manifest import Manifest, ResolvedManifest
 from tray.rank import lifecycle
 from tray.rank.env import RankEnv
@@ -100,10 +102,10 @@ class Rank:
         self._park: Parking | None = None
         self._leases = Leases()  # live views of this rank's memory (tray/rank/views.py)
         self._closed = False
+        self._reported = False  # an ErrorReport went to the head: no bye after it
         # the timeout of barriers without one of their own (programs' barrier ops, rank.barrier()), s:
         # the launch's or the environment's (TRAY_BARRIER_TIMEOUT_S), else the manifest's, else the default
-        self.barrier_timeout_s = (wiring.env.barrier_timeout_s or wiring.manifest.barrier_timeout_s
-                                  or DEFAULT_BARRIER_TIMEOUT_S)
+        self.barrier_timeout_s = wiring.env.barrier_wait_s(wiring.manifest.barrier_timeout_s)
 
     # --- what start-up made ------------------------------------------------------------------------
     @property
@@ -234,7 +236,7 @@ class Rank:
         self._rounds[topic] = rnd
         client.send_bytes(data)
         while True:
-            d = client.receive(wire.Decision, timeout_s, f"decision on {topic!r}")
+            d = client.receive(wire.Decision, timeout_s, f"decision on {describe_step(topic)}")
             if d.topic == topic and d.round == rnd:
                 return list(d.values)
 
@@ -293,17 +295,34 @@ class Rank:
 
     # --- ending --------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release everything this rank made, in reverse order; say bye to the head."""
+        """Say bye to the head (from here on it does not expect heartbeats: the program may go on without the
+        tray) and release everything this rank made, in reverse order. Every step runs even when one raises;
+        the first failure is raised at the end."""
         if self._closed:
             return
         self._closed = True
+        if not self._reported:
+            try:
+                self._wiring.client.send(wire.Bye(token=self.env.token, rank=self.rank))
+            except Exception:  # NOTE: a head that is gone needs no bye; the rank still releases what it holds
+                pass
+        failures: list[BaseException] = []
+
+        def attempt(step: Callable[[], None]) -> None:
+            try:
+                step()
+            except BaseException as exc:  # NOTE: re-raised below, once everything had its chance to close
+                failures.append(exc)
+
         t0 = time.perf_counter()
         for owner in (self._executor, self._park):
             if owner is not None:
-                owner.close()
-        self._leases.close(self.backend)  # memory a live view uses stays mapped until the view goes
+                attempt(owner.close)
+        attempt(lambda: self._leases.close(self.backend))  # memory a live view uses stays mapped until the view goes
         self._wiring.phases.timings["close.programs"] = time.perf_counter() - t0
-        self._wiring.close()
+        attempt(self._wiring.close)
+        if failures:
+            raise failures[0]
 
     def __enter__(self) -> Rank:
         return self
@@ -311,11 +330,7 @@ class Rank:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             _report(self.env, self.phase, self._wiring.client, exc)
-        elif not self._closed:
-            try:
-                self._wiring.client.send(wire.Bye(token=self.env.token, rank=self.rank))
-            except Exception:
-                pass
+            self._reported = True
         self.close()
 
 

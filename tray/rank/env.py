@@ -31,6 +31,13 @@ class RankEnv:
     nnodes: int = 1
     local_world_size: int = 0
 
+    def barrier_wait_s(self, manifest_s: float | None) -> float:
+        """How long barriers without a timeout of their own wait (rank.barrier(), programs' barrier ops, the
+        host backend's collectives): the launch's or TRAY_BARRIER_TIMEOUT_S, else the manifest's, else 2 s."""
+        from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S
+
+        return self.barrier_timeout_s or manifest_s or DEFAULT_BARRIER_TIMEOUT_S
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RankEnv":
         env = os.environ if environ is None else environ

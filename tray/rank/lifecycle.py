@@ -308,11 +308,17 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
         joins.append(collectives.GroupJoin(
             group=g, join_info=b"", barrier=barriers[g.name],
             buffer=parts.buffers.get(GROUP_BUFFER_PREFIX + g.name),
-            peer_buffers=parts.ptr_tables.get(GROUP_BUFFER_PREFIX + g.name)))
+            peer_buffers=parts.ptr_tables.get(GROUP_BUFFER_PREFIX + g.name), wait_s=_barrier_wait_s(parts)))
     parts.collectives = LazyCollectives(joiner, joins, parts.phases, ready=relayed, early=parts.early,
                                         timeout_s=timeout_s)
     if pending:
         _join_leaders(parts, backend, joiner, pending)
+
+
+def _barrier_wait_s(parts: Parts) -> float:
+    """The rank's barrier timeout (RankEnv.barrier_wait_s), which collectives that wait on their members use."""
+    assert parts.manifest is not None
+    return parts.env.barrier_wait_s(parts.manifest.barrier_timeout_s)
 
 
 def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table, g: GroupInfo,
@@ -336,9 +342,9 @@ def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, t
     relay = RelayBarrier(g, step, before=backend.synchronize, capturing=capturing)
     parts.barriers[g.name] = relay
     if joiner.crosses_nodes:
-        joins.append(collectives.GroupJoin(group=g, join_info=b"", barrier=relay))
+        joins.append(collectives.GroupJoin(group=g, join_info=b"", barrier=relay, wait_s=_barrier_wait_s(parts)))
     else:
-        relayed[g.name] = RelayCollectives(g, step)
+        relayed[g.name] = RelayCollectives(g, step, _barrier_wait_s(parts))
     local_group = parts.span_local[g.name]
     local = backend.barrier(local_group, parts.buffers[SPAN_FLAGS_PREFIX + g.name],
                             parts.ptr_tables[SPAN_FLAGS_PREFIX + g.name])

@@ -14,6 +14,7 @@ from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import DeviceError, UsageError
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer
+from tray.handshake.steps import JOIN_TOPIC
 from tray.manifest import Manifest, ResolvedBuffer, ResolvedManifest
 from tray.rank.env import RankEnv
 from tray.rank.phases import PhaseClock
@@ -56,7 +57,6 @@ class PeerTable:
 
 
 # The topic of the tray-wide step that joins the collectives (every rank votes its groups' join info).
-JOIN_TOPIC = "tray.collectives.join"
 Exchange = Callable[[str, Any, float], list[Any]]
 
 
@@ -201,7 +201,9 @@ def _release(collectives: LazyCollectives | None, barriers: Mapping[str, Barrier
              client: RendezvousClient | None, timings: dict[str, float] | None = None) -> None:
     """Dependents first: collectives and barriers use the tables, which use the backend's memory; the
     backend's graphs go before the collectives (NCCL's destroy waits for every graph that captured it).
-    `timings` (when given) gets each step's seconds as "close.<step>"."""
+    `timings` (when given) gets each step's seconds as "close.<step>". Every step runs even when one before
+    it raises (a failed NCCL destroy must not leave the memory, the fd server or the socket behind); the first
+    failure is raised once all have run."""
     steps: list[tuple[str, Callable[[], None]]] = []
     if backend is not None:
         steps.append(("graphs", backend.close_graphs))
@@ -215,11 +217,17 @@ def _release(collectives: LazyCollectives | None, barriers: Mapping[str, Barrier
         steps.append(("backend", backend.close))
     if client is not None:
         steps.append(("client", client.close))
+    failures: list[BaseException] = []
     for name, step in steps:
         t0 = time.perf_counter()
-        step()
+        try:
+            step()
+        except BaseException as exc:  # NOTE: re-raised below, once every step has run
+            failures.append(exc)
         if timings is not None:
             timings[f"close.{name}"] = time.perf_counter() - t0
+    if failures:
+        raise failures[0]
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -19,7 +19,26 @@ _YIELD_UNTIL_S = 0.002
 _SLEEP_S = 50e-6
 
 
-def _u64_view(ptr: int, count: int) -> np.ndarray:
+def spin_until(done: Callable[[], bool], timeout_s: float) -> float | None:
+    """Poll `done` until it holds (None) or `timeout_s` passed (the seconds waited): spin, then yield the CPU,
+    then sleep briefly between polls. A last poll after the deadline: what arrived meanwhile counts."""
+    polls = 0
+    t0 = time.perf_counter()
+    while not done():
+        polls += 1
+        if polls < _SPIN_POLLS:
+            continue
+        waited = time.perf_counter() - t0
+        if waited >= timeout_s:
+            return None if done() else waited
+        if waited < _YIELD_UNTIL_S:
+            os.sched_yield()
+        else:
+            time.sleep(_SLEEP_S)
+    return None
+
+
+def u64_view(ptr: int, count: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(ptr))
 
 
@@ -35,8 +54,8 @@ class HostBarrier(Barrier):
         self.group = group
         self.epoch = 0
         self._me = group.index
-        self._own = _u64_view(own_flags_ptr, group.size)
-        self._peers = [_u64_view(p, group.size) for p in peer_flags_ptrs]
+        self._own = u64_view(own_flags_ptr, group.size)
+        self._peers = [u64_view(p, group.size) for p in peer_flags_ptrs]
         self._broken: BarrierTimeout | None = None
 
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
@@ -47,24 +66,11 @@ class HostBarrier(Barrier):
         epoch, me, own = self.epoch, self._me, self._own
         for peer in self._peers:
             peer[me] = epoch
-        polls = 0
-        t0 = time.perf_counter()
-        while own.min() < epoch:
-            polls += 1
-            if polls < _SPIN_POLLS:
-                continue
-            waited = time.perf_counter() - t0
-            if waited >= timeout_s:
-                missing = [self.group.members[i] for i in range(self.group.size) if own[i] < epoch]
-                if not missing:  # arrived during the last poll
-                    break
-                me_rank = self.group.members[me]
-                self._broken = BarrierTimeout(self.group.name, epoch, me_rank, missing, waited)
-                raise self._broken
-            if waited < _YIELD_UNTIL_S:
-                os.sched_yield()
-            else:
-                time.sleep(_SLEEP_S)
+        waited = spin_until(lambda: bool(own.min() >= epoch), timeout_s)
+        if waited is not None:
+            missing = [self.group.members[i] for i in range(self.group.size) if own[i] < epoch]
+            self._broken = BarrierTimeout(self.group.name, epoch, self.group.members[me], missing, waited)
+            raise self._broken
 
     def check(self) -> None:
         if self._broken is not None:
