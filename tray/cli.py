@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from tray.errors import TrayError, UsageError
+from tray.launch.spec import stop_signals
 from tray.lazy import DEPENDENCIES
 
 EXIT_USAGE = 2
@@ -43,9 +44,12 @@ def _parse_vars(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
 def _job_of(args: argparse.Namespace):  # -> JobSpec | None
 
     from tray.launch.job import JobArgs, resolve_job
+    from tray.launch.root import HEARTBEAT_INTERVAL_S
 
-    if args.node_heartbeat_timeout_s <= 0:
-        raise UsageError(f"--node-heartbeat-timeout-s must be positive, got {args.node_heartbeat_timeout_s}")
+    least = 2 * HEARTBEAT_INTERVAL_S
+    if not least <= args.node_heartbeat_timeout_s < float("inf"):
+        raise UsageError(f"--node-heartbeat-timeout-s must be a number of seconds of at least {least:g} (heads and "
+                         f"the root heartbeat every {HEARTBEAT_INTERVAL_S:g} s), got {args.node_heartbeat_timeout_s}")
     return resolve_job(JobArgs(
         nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         master_addr=args.master_addr, master_port=args.master_port, nproc_per_node=args.nprocs, slurm=args.slurm,
@@ -366,7 +370,13 @@ def _which_signal(exc: KeyboardInterrupt) -> str:
     name = signal.Signals(int(words[1])).name
     if name == "SIGTERM" and os.environ.get("SLURM_JOB_ID"):
         return f" ({name}: under Slurm, scancel or the job's time limit)"
+    if name == "SIGHUP":
+        return f" ({name}: its terminal closed; nohup tray launch ... keeps a tray running past its terminal)"
     return f" ({name})"
+
+
+# decided once, at import: whether SIGHUP stops the tray depends on whether the process was started ignoring it
+_STOP_SIGNALS = stop_signals()
 
 
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
@@ -378,7 +388,7 @@ def _ignore_late_signals() -> None:
     Ignored, not defaulted: CPython puts its handled signals back to the default while it shuts down, so a
     second SIGTERM during the exit would otherwise kill the process (-15) instead of the exit status
     saying what happened."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -392,8 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _unknown_options(ap, argv, extra)
     if args.command == "launch":
         _note_options_after_the_program(args.cmd, _command_parser(ap, argv))
-    # SIGTERM to the head tears the tray down like Ctrl-C does (the ranks die with it anyway).
-    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    # SIGTERM (and SIGHUP) to the head tears the tray down like Ctrl-C does (the ranks die with it anyway).
+    previous = {sig: signal.signal(sig, _terminate_as_interrupt) for sig in _STOP_SIGNALS if sig != signal.SIGINT}
     try:
         return int(args.fn(args))
     except TrayError as exc:
@@ -408,21 +418,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         # a second signal now is held until the line is out (then raised, as any signal would be)
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
         try:
             print(f"tray: interrupted{_which_signal(exc)}; the tray was stopped", file=sys.stderr, flush=True)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def program() -> NoReturn:
     """The `tray` command: main(), then exit with its status, signals that come after the command ended
     ignored (see _ignore_late_signals); one that lands between main's own handling and that is an
     interruption too (130)."""
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)  # what main puts back when it ends
+    _open_closed_stdio()
+    for sig in _STOP_SIGNALS:  # what main puts back when it ends
+        if sig != signal.SIGINT:
+            signal.signal(sig, _terminate_as_interrupt)
     code = 130
     try:
         try:
@@ -437,6 +451,24 @@ def program() -> NoReturn:
     sys.exit(code)
 
 
+def _open_closed_stdio() -> None:
+    """Started with stdin, stdout or stderr closed (`tray launch ... >&-`): /dev/null takes that descriptor, so
+    nothing tray opens later (a socket, a rank's pipe) lands on 0, 1 or 2 and gets written to as output, and
+    Python's sys.stdout/sys.stderr (None then) become writable; tray's lines to a closed stream are dropped."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+
+
 # `tray launch` ran to its end (its tray torn down, job dir removed, every child reaped)
 _launched = False
 
@@ -449,7 +481,8 @@ def _exit_now(code: int) -> NoReturn:
     files."""
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
             pass
     os._exit(code)

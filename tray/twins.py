@@ -78,23 +78,27 @@ def registered() -> tuple[str, ...]:
 # range (a buffer the manifest sized too small for what the kernel reads or writes), not a silent overwrite of
 # whatever lies next to it, nor a SIGSEGV. Empty (unchecked) outside a rank: twins called on plain numpy arrays.
 _REGIONS: dict[int, int] = {}
+_NAMES: dict[int, str] = {}
 _STARTS: list[int] = []
 
 
-def add_region(ptr: int, nbytes: int) -> None:
-    """Memory at [ptr, ptr + nbytes) that twins may touch."""
+def add_region(ptr: int, nbytes: int, name: str = "") -> None:
+    """Memory at [ptr, ptr + nbytes) that twins may touch; `name` says what it is ("buffer 'x'")."""
     _REGIONS[ptr] = ptr + nbytes
+    _NAMES[ptr] = name
     _STARTS[:] = sorted(_REGIONS)
 
 
 def remove_region(ptr: int) -> None:
     if _REGIONS.pop(ptr, None) is not None:
+        _NAMES.pop(ptr, None)
         _STARTS[:] = sorted(_REGIONS)
 
 
-def check_range(ptr: int, nbytes: int) -> None:
+def check_range(ptr: int, nbytes: int, what: str = "") -> None:
     """Raise UsageError when [ptr, ptr + nbytes) starts inside a registered region and runs past its end. Memory
-    outside every region is the program's own (a tensor it allocated, say) and is not judged."""
+    outside every region is the program's own (a tensor it allocated, say) and is not judged. `what` names the
+    access (default: a kernel twin's)."""
     if not _REGIONS or nbytes <= 0:
         return
     i = bisect.bisect_right(_STARTS, ptr) - 1
@@ -102,7 +106,12 @@ def check_range(ptr: int, nbytes: int) -> None:
         return
     from tray.errors import UsageError
 
-    where = f"{ptr - _STARTS[i]} B into a region of {_REGIONS[_STARTS[i]] - _STARTS[i]} B"
+    start = _STARTS[i]
+    region = _NAMES.get(start) or "a region"
+    where = f"{ptr - start} B into {region} of {_REGIONS[start] - start} B"
+    if what:
+        raise UsageError(f"{what} reaches {nbytes} B at {ptr:#x} ({where}), past its end: pass a count that fits "
+                         "the buffer (on a GPU this would read or overwrite whatever lies next to it)")
     raise UsageError(f"a kernel twin reaches {nbytes} B at {ptr:#x} ({where}), past the end of the memory it was "
                      "given: a buffer in the manifest is smaller than what the kernel reads or writes there (on a GPU "
                      "this would overwrite or read whatever lies next to it); check the buffer's shape against the "

@@ -185,6 +185,42 @@ with tray.init() as rank:
     assert list(tray_env.jobs_root.iterdir()) == []
 
 
+@pytest.mark.parametrize("nohup", [False, True], ids=["hangup", "nohup"])
+def test_sighup_stops_the_tray_as_sigterm_does_unless_the_head_was_started_ignoring_it(tray_env, nohup):
+    """The terminal closed: the head died of SIGHUP (exit 129, nothing said, a rank's setsid daemon left behind).
+    Now an interruption like SIGTERM; under nohup (SIGHUP ignored from the start) the tray runs on."""
+    body = SPAWN_LEFTOVER + """
+with tray.init() as rank:
+    print("up", flush=True)
+    time.sleep(3 if os.environ.get("NOHUP_TEST") else 600)
+"""
+    env = tray_env.env() | ({"NOHUP_TEST": "1"} if nohup else {})
+    # NOTE: `preexec_fn` sets what nohup does: SIGHUP ignored in the head from its start
+    head = subprocess.Popen(tray_env.command(2, body), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(tray_env.tmp),
+                            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
+    try:
+        seen, deadline = 0, time.monotonic() + 30
+        while seen < 2 and time.monotonic() < deadline:
+            seen += head.stdout.readline().strip().endswith("up")
+        assert seen == 2, "the ranks did not come up"
+        head.send_signal(signal.SIGHUP)
+        code = head.wait(timeout=20)
+        err = head.stderr.read()
+        if nohup:
+            assert code == 0, err
+        else:
+            assert code == 130, err
+            assert "tray: interrupted (SIGHUP: its terminal closed; nohup tray launch ... keeps a tray running past " \
+                "its terminal); the tray was stopped" in err
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+        head.stderr.close()
+    assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
+
+
 def test_sigterm_before_the_ranks_are_up_stops_the_tray(tray_env):
     # the head has its handlers once its job dir exists; the ranks are still starting (spawn, import)
     head = subprocess.Popen(tray_env.command(2, """

@@ -279,7 +279,7 @@ def test_a_rank_that_ends_while_others_wait_in_a_step_is_named_at_once(tray_env,
     """)
     assert run.returncode == 1, run.output
     how = "exited with code 0" if leaves == "exit" else "closed its tray"
-    assert f"FAILED: rank 2 (pid" in run.stderr and f") {how}" in run.stderr, run.stderr
+    assert "FAILED: rank 2 (pid" in run.stderr and f") {how}" in run.stderr, run.stderr
     assert re.search(r"while (rank [01] waits|ranks 0,1 wait) for it in exchange 'step' \(round 1\), which it never "
                      "joined", run.stderr), run.stderr
     assert run.seconds < 15
@@ -376,7 +376,8 @@ with tray.init() as rank:
 """
     run = tray_env.launch(2, body, "--manifest", str(manifest))
     assert run.returncode == 1, run.output
-    assert "UsageError: a kernel twin reaches 1024 B at 0x" in run.stderr and "0 B into a region of 256 B" in run.stderr
+    assert "UsageError: a kernel twin reaches 1024 B at 0x" in run.stderr, run.stderr
+    assert "0 B into buffer 'y' of 256 B" in run.stderr, run.stderr
     assert "a buffer in the manifest is smaller than what the kernel reads or writes there" in run.stderr
 
 

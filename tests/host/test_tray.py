@@ -6,6 +6,7 @@ import json
 import re
 import sys
 
+import pytest
 from conftest import MANIFESTS
 
 FILL = str(MANIFESTS / "peer_fill.json")
@@ -133,6 +134,97 @@ def test_host_collectives_wait_the_ranks_barrier_timeout_and_name_the_collective
     assert "allreduce ok 0" in run.stdout and "allreduce ok 1" in run.stdout, run.output
     assert "barrier world (in allreduce) epoch 3: rank 0 waited 6.0" in run.stderr, run.stderr
     assert run.seconds < 40
+
+
+@pytest.mark.parametrize("fault", ["count", "kind", "sendrecv", "range"])
+def test_host_collectives_name_members_that_called_different_collectives(tray_env, fault):
+    """With NCCL these hang or read and write past the buffers; on the host backend (before, rank 0 silently got
+    other numbers than its peers, exit 0) they fail naming who called what."""
+    call = {
+        "count": 'c.allreduce(send.ptr, recv.ptr, 128 if me == 0 else 256, "f32")',
+        "kind": 'getattr(c, "allgather" if me == 0 else "allreduce")(send.ptr, recv.ptr, 64, "f32")',
+        "sendrecv": 'c.sendrecv(send.ptr, recv.ptr, 32 if me == 0 else 64, "f32", me ^ 1)',
+        "range": 'c.allreduce(send.ptr, recv.ptr, 4096, "f32")',
+    }[fault]
+    body = f"""
+    with tray.init() as rank:
+        me = rank.rank
+        c = rank.collectives("world")
+        send, recv = rank.buffer("send"), rank.buffer("recv")
+        {call}
+        print("no error", me, flush=True)
+    """
+    run = tray_env.launch(2, body, "--manifest", FILL, "--var", "count=256", timeout_s=60)
+    assert run.returncode == 1, run.output
+    assert "no error" not in run.stdout, run.output
+    want = {
+        "count": "group 'world': its members called different collectives: rank 0: allreduce of 128 f32 (its call 1 "
+                 "on the group); rank 1: allreduce of 256 f32 (its call 1 on the group)",
+        "kind": "rank 0: allgather of 64 f32 (its call 1 on the group); rank 1: allreduce of 64 f32",
+        "sendrecv": "sendrecv round 1 between rank 0 and rank 1: rank 0 sends 128 B, rank 1 256 B; both must send the "
+                    "same count and dtype",
+        "range": "allreduce of 4096 f32 over group 'world': its send range reaches 16384 B at 0x",
+    }[fault]
+    assert want in run.stderr, run.stderr
+    if fault == "range":
+        assert "(0 B into buffer 'send' of 2048 B), past its end: pass a count that fits the buffer" in run.stderr
+
+
+def test_a_manifest_given_by_tray_init_alone_is_taken_by_the_head(tray_env, tmp_path):
+    """`tray.init(manifest=FILE)` without `tray launch --manifest` (docs/manifest.md offers both): the head, given
+    none, takes the file every rank loaded. Before, the offers 'disagreed' with the head's built-in default. Ranks
+    that load different files are named with their files."""
+    run = tray_env.launch(2, f"""
+    with tray.init(manifest={FILL!r}) as rank:
+        c = rank.collectives("world")
+        send, recv = rank.buffer("send"), rank.buffer("recv")
+        rank.write("send", np.ones(send.shape, np.float32))
+        c.allreduce(send.ptr, recv.ptr, send.shape[0], "f32")
+        assert np.all(rank.read("recv") == 2)
+        print("adopted", rank.rank, flush=True)
+    """, timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert "adopted 0" in run.stdout and "adopted 1" in run.stdout
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": 1, "name": "other"}))
+    run = tray_env.launch(2, f"""
+    with tray.init(manifest={str(other)!r} if os.environ["TRAY_RANK"] == "1" else {FILL!r}) as rank:
+        pass
+    """, timeout_s=60)
+    assert run.returncode == 3, run.output
+    assert "rank 0 offered manifest" in run.stderr and f"({FILL})" in run.stderr and f"({other})" in run.stderr
+    assert "the head loaded" in run.stderr and "(the built-in default: no --manifest given)" in run.stderr
+
+
+def test_write_refuses_data_of_another_dtype_and_a_clean_sys_exit_code_is_named(tray_env):
+    """float64 data written into an f32 buffer stored its bytes unconverted (reading back [0. 1.875 0. 1.875]);
+    raw bits (an integer array of the element's size, or uint8) are still written as they are. A rank that leaves
+    its `with` block by sys.exit(3) is named with its code in the phase it left from (not 'bye')."""
+    body = """
+    from tray.errors import UsageError
+    with tray.init() as rank:
+        rank.write("send", np.arange(4, dtype=np.float32))
+        rank.write("send", np.full(4, 0x3F800000, np.uint32))   # 1.0f as raw bits
+        assert rank.read("send")[:4].tolist() == [1.0] * 4
+        for data in (np.ones(4), [1, 2, 3], np.ones(10 ** 6, np.float32)):
+            try:
+                rank.write("send", data)
+            except UsageError as exc:
+                print("refused:", exc, flush=True)
+        if rank.rank == 0:
+            sys.exit(3)
+        time.sleep(30)
+    """
+    run = tray_env.launch(2, body, "--manifest", FILL, "--var", "count=64", timeout_s=60)
+    assert run.returncode == 1, run.output
+    refused = [line.split("refused: ", 1)[1] for line in run.stdout.splitlines() if "[rank 0] refused: " in line]
+    assert refused == [
+        "write('send'): float64 data into a f32 buffer would store its bytes unconverted; convert it first "
+        "(np.asarray(data, 'float32')), or pass the raw bits as an integer array of 4 B per element or as uint8",
+        "write('send'): int64 data into a f32 buffer would store its bytes unconverted; convert it first "
+        "(np.asarray(data, 'float32')), or pass the raw bits as an integer array of 4 B per element or as uint8",
+        "write('send'): 4000000 B (1000000 x float32) do not fit buffer 'send' of 512 B (f32[128])"] * 1, run.stdout
+    assert "rank 0 (pid" in run.stderr and "exited with code 3 (last phase: running)" in run.stderr, run.stderr
 
 
 def test_gate_peer_barrier_and_drop(tray_env, tmp_path):

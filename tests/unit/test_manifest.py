@@ -628,6 +628,14 @@ def test_json_syntax_error_position(tmp_path: Path) -> None:
     with pytest.raises(ManifestError) as info:
         load_manifest(path)
     assert_error(str(path), info.value, "line 4 column 19", "Expecting property name")
+    assert "(a comma before a closing bracket or brace? JSON allows no trailing comma):\n" \
+        '    "vars": {"a": 1,}\n                    ^' in str(info.value)
+    path.write_text('{"format": 1, "name": "x" "vars": {}}')
+    with pytest.raises(ManifestError, match="Expecting ',' delimiter \\(a missing comma between two items\\?\\)"):
+        load_manifest(path)
+    path.write_text("{'format': 1}")
+    with pytest.raises(ManifestError, match="\\(JSON strings take double quotes\\)"):
+        load_manifest(path)
 
 
 def test_duplicate_json_key(tmp_path: Path) -> None:

@@ -61,18 +61,38 @@ def _wiring() -> Wiring:
                   collectives={})
 
 
+def test_the_builtin_default_manifest_is_named_with_how_to_give_one() -> None:
+    from tray.manifest import builtin_manifest
+
+    resolved = builtin_manifest().resolve(2)
+    env = RankEnv(rank=0, world_size=2, local_rank=0, device=0, endpoint="", job_dir="", token="t",
+                  manifest="", backend="host", vars=(), t_spawn=None)
+    w = Wiring(env=env, phases=PhaseClock(), client=None, manifest=resolved.manifest, resolved=resolved,
+               backend=None, fd_server=None, groups={"world": GroupInfo("world", (0, 1), 0)}, buffers={},
+               ptr_tables={}, peer_tables={}, barriers={}, collectives={})  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"no buffer 'inp' in the built-in default manifest \(no --manifest given, "
+                                         r"no tray.init\(manifest=...\); tray launch --manifest FILE.json gives the "
+                                         r"ranks yours\); it declares \(none\)"):
+        w.buffer("inp")
+
+
 def test_wiring_lookups_name_what_exists() -> None:
     w = _wiring()
     assert w.rank == 1 and w.world_size == 4
     assert w.buffer("x") == Buffer("x", "f32", (4,), 16, 32, True)
     assert w.peers("x").ptrs == (16, 32, 48, 64) and w.group("pairs").members == (0, 1)
-    with pytest.raises(UsageError, match=r"no buffer 'z'; the manifest declares \['x', 'y'\]"):
+    with pytest.raises(UsageError, match=r"no buffer 'z' in manifest 'w' \(<test>\); it declares x, y$"):
         w.buffer("z")
+    with pytest.raises(UsageError, match=r"no buffer 'xx' .*; it declares x, y; did you mean 'x'\?"):
+        w.buffer("xx")
     with pytest.raises(UsageError, match=r"no peer table for 'y'; .* rank 1: \['x'\]"):
         w.peers("y")
     with pytest.raises(UsageError, match="no peer table for 'tray:barrier:world'"):
         w.peers("tray:barrier:world")  # the tray's own buffers stay private
-    with pytest.raises(UsageError, match=r"rank 1 is in no group 'tp'; its groups: \['pairs', 'world'\]"):
+    with pytest.raises(UsageError, match=r"no group 'pair' in manifest 'w' \(<test>\); its groups: .*pairs.*; "
+                                         r"did you mean 'pairs'\?"):
+        w.barrier("pair")
+    with pytest.raises(UsageError, match=r"no group 'tp' in manifest 'w'"):
         w.barrier("tp")
 
 
@@ -123,3 +143,14 @@ def test_release_runs_every_step_when_one_fails_and_raises_the_first_failure() -
     assert closed == ["graphs", "collectives", "barrier", "ptr_table", "fd_server", "backend", "client"]
     assert set(timings) == {f"close.{step}" for step in
                             ("graphs", "collectives", "barriers", "ptr_tables", "fd_server", "backend", "client")}
+
+
+def test_a_dtype_tray_does_not_know_is_named_with_the_names_it_takes() -> None:
+    from tray.backend.base import numpy_dtype
+
+    assert numpy_dtype("f32") == "float32" and numpy_dtype("bf16").itemsize == 2
+    with pytest.raises(UsageError, match=r"dtype 'float32' is not one tray knows \('f32' is tray's name for it\); "
+                                         r"it takes bf16, u8, .*f32, f64"):
+        numpy_dtype("float32")
+    with pytest.raises(UsageError, match="dtype 'fp8' is not one tray knows; it takes bf16"):
+        numpy_dtype("fp8")

@@ -14,7 +14,8 @@ from tray.handshake import jobwire
 from tray.launch.curve import job_keys, make_client
 from tray.launch.job import JobSpec
 from tray.launch.node import NodeLink
-from tray.launch.root import EXIT_HANDSHAKE, Root
+from tray.launch.root import Root
+from tray.launch.spec import EXIT_HANDSHAKE
 
 TOKEN = "f00dfeedf00dfeedf00dfeedf00dfeed"
 

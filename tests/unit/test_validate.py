@@ -10,13 +10,14 @@ OTHER = "b" * 64
 
 
 def offer(rank: int, *, manifest: str = DIGEST, uuid: str | None = None, nbytes: int = 4096, host: str = "boot",
-          backend: str = "host", groups: dict | None = None, uid: int = 1000, pid: int | None = None) -> Offer:
+          backend: str = "host", groups: dict | None = None, uid: int = 1000, pid: int | None = None,
+          path: str = "") -> Offer:
     return Offer(
         token="t", rank=rank, world_size=4, host=host, pid=pid or 100 + rank, uid=uid,
         device=DeviceIdentity(ordinal=rank, uuid=uuid or f"dev-{rank}", pci_bus="", numa_node=-1),
         backend=backend, manifest=manifest, fd_socket=f"/tmp/rank-{rank}.fds",
         buffers=(BufferOffer(name="x", nbytes=nbytes, handle="memfd", fabric=None),), groups=groups or {},
-        timings={},
+        timings={}, manifest_path=path,
     )
 
 
@@ -31,7 +32,16 @@ def test_agreeing_offers_pass():
 
 def test_digest_minority_named_first():
     (problem,) = check([offer(0), offer(1, manifest=OTHER), offer(2), offer(3)])
-    assert problem.startswith(f"manifests differ: rank 1 offered manifest {OTHER[:12]}...; ranks 0,2,3 offered")
+    assert problem.startswith(f"manifests differ: rank 1 offered manifest {OTHER[:12]}... (the built-in default: "
+                              "tray.init() without manifest=); ranks 0,2,3 offered")
+
+
+def test_differing_manifests_name_their_files_and_how_to_give_the_head_one():
+    (problem,) = check([offer(r, manifest=OTHER, path="/w/ring.json") for r in range(4)])
+    assert problem == (f"manifests differ: ranks 0,1,2,3 offered manifest {OTHER[:12]}... (/w/ring.json); the head "
+                       f"loaded {DIGEST[:12]}... (the built-in default: no --manifest given); run every rank with the "
+                       "same manifest file, kernels and vars; tray launch --manifest FILE gives the head (and every "
+                       "rank) the program's manifest")
 
 
 def test_device_claimed_twice():

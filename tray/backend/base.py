@@ -375,12 +375,21 @@ def itemsize(dtype: str) -> int:
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
-    """The numpy dtype of a manifest dtype name (bf16 through ml_dtypes)."""
+    """The numpy dtype of a manifest dtype name (bf16 through ml_dtypes). Raises UsageError naming the names
+    tray takes (and the one meant, for a numpy name like "float32")."""
     if dtype == "bf16":
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(NUMPY_NAMES[dtype])
+    try:
+        return np.dtype(NUMPY_NAMES[dtype])
+    except (KeyError, TypeError):
+        from tray.errors import UsageError
+
+        meant = {v: k for k, v in NUMPY_NAMES.items()} | {"bfloat16": "bf16"}
+        hint = f" ({meant[dtype]!r} is tray's name for it)" if isinstance(dtype, str) and dtype in meant else ""
+        raise UsageError(f"dtype {dtype!r} is not one tray knows{hint}; it takes "
+                         f"{', '.join(['bf16', *NUMPY_NAMES])}") from None
 
 
 NUMPY_NAMES = {

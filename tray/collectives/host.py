@@ -2,6 +2,12 @@
 
 Every member sums in member order, so every member gets the same bytes (like a ring that does not
 depend on who reduces).
+
+The host backend is where a program is checked before it meets a GPU, so these collectives also check
+what NCCL cannot: every member posts what it called (which collective, how many elements, which dtype,
+its call number) and all compare after the first barrier, so members that called different collectives
+fail naming who called what (with NCCL that hangs, or reads and writes past the buffers); and a send or
+receive range that runs past the end of the buffer it starts in is named before it is touched.
 """
 
 from __future__ import annotations
@@ -10,20 +16,37 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Collectives, DeviceBuffer, GroupInfo, PtrTable, numpy_dtype
+from tray.backend.base import (
+    DEFAULT_BARRIER_TIMEOUT_S,
+    NUMPY_NAMES,
+    Collectives,
+    DeviceBuffer,
+    GroupInfo,
+    PtrTable,
+    numpy_dtype,
+)
 from tray.backend.host import PAGE_NBYTES, view
 from tray.backend.host.barrier import HostBarrier, spin_until, u64_view
 from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import BarrierTimeout, UsageError
+from tray.twins import check_range
 
-# NOTE: a member's scratch ends in a trailer of three u64 words per member: the collectives' own barrier flags
-# (so a program's rank.barrier() never pairs with a barrier inside a collective), then per peer the rounds of
-# sendrecv this member staged for it ("sent") and read from it ("read")
-_TRAILER_WORDS = 3
+# NOTE: a member's scratch ends in a trailer of u64 words: four per member (the collectives' own barrier flags,
+# so a program's rank.barrier() never pairs with a barrier inside a collective; then per peer the rounds of
+# sendrecv this member staged for it ("sent"), read from it ("read"), and the bytes it sends it), then this
+# member's last call (_CALL_WORDS: call number, collective, count, dtype)
+_PEER_WORDS = 4
+_CALL_WORDS = 4
+_COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall")
+_DTYPES = ("bf16", *NUMPY_NAMES)
 
 
 def _data_nbytes(largest_nbytes: int, size: int) -> int:
     return -(-max(largest_nbytes, 8 * size) // 8) * 8
+
+
+def _trailer_nbytes(size: int) -> int:
+    return 8 * (_PEER_WORDS * size + _CALL_WORDS)
 
 
 class HostJoiner(Joiner):
@@ -31,7 +54,7 @@ class HostJoiner(Joiner):
 
     def buffer_nbytes(self, group: GroupInfo, largest_nbytes: int) -> int:
         # NOTE: collectives stage a whole send buffer (alltoall sends G chunks) through scratch.
-        nbytes = _data_nbytes(largest_nbytes, group.size) + _TRAILER_WORDS * 8 * group.size
+        nbytes = _data_nbytes(largest_nbytes, group.size) + _trailer_nbytes(group.size)
         return -(-nbytes // PAGE_NBYTES) * PAGE_NBYTES
 
     def join_info(self, group: GroupInfo) -> bytes:
@@ -48,9 +71,9 @@ class HostJoiner(Joiner):
 
 
 class HostCollectives(Collectives):
-    """allreduce, allgather, reducescatter and alltoall are steps of the whole group (stage, barrier, combine,
-    barrier); sendrecv is a step of the pair alone, as with NCCL. Each member makes the same calls in the same
-    order. A member that does not come is named after `wait_s`."""
+    """allreduce, allgather, reducescatter and alltoall are steps of the whole group (stage, barrier, check the
+    calls, combine, barrier); sendrecv is a step of the pair alone, as with NCCL. Each member makes the same calls
+    in the same order. A member that does not come is named after `wait_s`."""
 
     def __init__(self, group: GroupInfo, scratch: DeviceBuffer, peer_scratch: PtrTable,
                  wait_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
@@ -58,17 +81,20 @@ class HostCollectives(Collectives):
         self._wait_s = wait_s
         self._scratch = scratch
         self._peer_scratch = peer_scratch.ptrs
-        trailer = _TRAILER_WORDS * 8 * group.size
+        size, trailer = group.size, _trailer_nbytes(group.size)
         self._data_nbytes = scratch.nbytes - trailer
-        if self._data_nbytes < 8 * group.size:
+        if self._data_nbytes < 8 * size:
             raise UsageError(f"group {group.name!r}: a host scratch of {scratch.nbytes} B leaves no room for its "
                              f"{trailer} B of flags; size it with HostJoiner.buffer_nbytes")
-        flags = [p + self._data_nbytes for p in self._peer_scratch]
-        self._barrier = HostBarrier(group, scratch.ptr + self._data_nbytes, flags)
-        words = 8 * group.size
-        self._sent = [u64_view(p + words, group.size) for p in flags]  # [member][peer]
-        self._read = [u64_view(p + 2 * words, group.size) for p in flags]
-        self._rounds = [0] * group.size  # sendrecv rounds made with each peer
+        tails = [p + self._data_nbytes for p in self._peer_scratch]
+        self._barrier = HostBarrier(group, scratch.ptr + self._data_nbytes, tails)
+        row = 8 * size
+        self._sent = [u64_view(t + row, size) for t in tails]  # [member][peer]
+        self._read = [u64_view(t + 2 * row, size) for t in tails]
+        self._sends = [u64_view(t + 3 * row, size) for t in tails]
+        self._calls = [u64_view(t + 4 * row, _CALL_WORDS) for t in tails]  # [member][word]
+        self._rounds = [0] * size  # sendrecv rounds made with each peer
+        self._ncalls = 0  # group calls made
 
     def _typed(self, ptr: int, count: int, dtype: str) -> np.ndarray:
         dt = numpy_dtype(dtype)
@@ -82,9 +108,38 @@ class HostCollectives(Collectives):
             raise BarrierTimeout(f"{self.group.name} (in {what})", exc.epoch, exc.rank, exc.missing,
                                  exc.waited_s) from None
 
-    def _stage(self, send_ptr: int, nbytes: int, what: str) -> None:
-        self._stage_only(send_ptr, nbytes)
+    def _begin(self, what: str, count: int, dtype: str, send: tuple[int, int], recv: tuple[int, int]) -> None:
+        """Check this member's ranges, post its call, stage its send range, and meet the group; then every member
+        compares the calls posted."""
+        self._check_ranges(what, count, dtype, send, recv)
+        self._ncalls += 1
+        mine = (self._ncalls, _COLLECTIVES.index(what), count, _DTYPES.index(dtype))
+        self._calls[self.group.index][:] = mine
+        self._stage_only(send[0], send[1])
         self._sync(what)
+        posted = [tuple(int(w) for w in c) for c in self._calls]
+        if any(p != posted[0] for p in posted):
+            self._mismatch(posted)
+
+    def _mismatch(self, posted: list[tuple[int, ...]]) -> None:
+        members = self.group.members
+        by_call: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(posted):
+            by_call.setdefault(p, []).append(members[i])
+
+        def said(call: tuple[int, ...], ranks: list[int]) -> str:
+            n, kind, count, dtype = call
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+            return f"{who}: {_COLLECTIVES[kind]} of {count} {_DTYPES[dtype]} (its call {n} on the group)"
+
+        raise UsageError(f"group {self.group.name!r}: its members called different collectives: "
+                         f"{'; '.join(said(c, r) for c, r in by_call.items())}. Every member must make the same "
+                         "collective calls (kind, count, dtype) in the same order; with NCCL this hangs or reads and "
+                         "writes past the buffers")
+
+    def _check_ranges(self, what: str, count: int, dtype: str, send: tuple[int, int], recv: tuple[int, int]) -> None:
+        for (ptr, nbytes), side in ((send, "send"), (recv, "receive")):
+            check_range(ptr, nbytes, f"{what} of {count} {dtype} over group {self.group.name!r}: its {side} range")
 
     def _stage_only(self, send_ptr: int, nbytes: int) -> None:
         if nbytes > self._data_nbytes:
@@ -105,34 +160,34 @@ class HostCollectives(Collectives):
         return acc
 
     def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
-                      stream: int | None = None) -> None:
+                  stream: int | None = None) -> None:
         nbytes = count * numpy_dtype(dtype).itemsize
-        self._stage(send_ptr, nbytes, "allreduce")
+        self._begin("allreduce", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes))
         result = self._reduce(0, count, dtype)
         self._sync("allreduce")  # nobody restages scratch until every member has read it
         self._typed(recv_ptr, count, dtype)[:] = result
 
     def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
-                      stream: int | None = None) -> None:
+                  stream: int | None = None) -> None:
         nbytes = count * numpy_dtype(dtype).itemsize
-        self._stage(send_ptr, nbytes, "allgather")
+        self._begin("allgather", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes * self.group.size))
         recv = self._typed(recv_ptr, count * self.group.size, dtype)
         for i in range(self.group.size):
             recv[i * count:(i + 1) * count] = self._peer(i, 0, count, dtype)
         self._sync("allgather")
 
     def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
-                          stream: int | None = None) -> None:
+                      stream: int | None = None) -> None:
         chunk = count * numpy_dtype(dtype).itemsize
-        self._stage(send_ptr, chunk * self.group.size, "reducescatter")
+        self._begin("reducescatter", count, dtype, (send_ptr, chunk * self.group.size), (recv_ptr, chunk))
         result = self._reduce(self.group.index * chunk, count, dtype)
         self._sync("reducescatter")
         self._typed(recv_ptr, count, dtype)[:] = result
 
     def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
-                     stream: int | None = None) -> None:
+                 stream: int | None = None) -> None:
         chunk = count * numpy_dtype(dtype).itemsize
-        self._stage(send_ptr, chunk * self.group.size, "alltoall")
+        self._begin("alltoall", count, dtype, (send_ptr, chunk * self.group.size), (recv_ptr, chunk * self.group.size))
         recv = self._typed(recv_ptr, count * self.group.size, dtype)
         for i in range(self.group.size):
             recv[i * count:(i + 1) * count] = self._peer(i, self.group.index * chunk, count, dtype)
@@ -140,22 +195,29 @@ class HostCollectives(Collectives):
 
     def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
                  stream: int | None = None) -> None:
-        """Exchange with one peer; the other members take no part. Round k with the peer: stage, post "sent" k,
-        wait for the peer's "sent" k, copy its rows, post "read" k, wait for the peer's "read" k (so neither
-        restages its scratch while the other still reads it)."""
+        """Exchange with one peer; the other members take no part. Round k with the peer: stage, post the bytes
+        sent and "sent" k, wait for the peer's "sent" k, check the two sizes agree, copy its rows, post "read" k,
+        wait for the peer's "read" k (so neither restages its scratch while the other still reads it)."""
         nbytes = count * numpy_dtype(dtype).itemsize
         me, peer = self.group.index, peer_index
         if not 0 <= peer < self.group.size:
             raise UsageError(f"group {self.group.name!r}: sendrecv with member {peer}; the group has members "
                              f"0..{self.group.size - 1}")
+        self._check_ranges("sendrecv", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes))
         if peer == me:
             view(recv_ptr, nbytes)[:] = view(send_ptr, nbytes)
             return
         self._rounds[peer] += 1
         k = self._rounds[peer]
         self._stage_only(send_ptr, nbytes)
+        self._sends[me][peer] = nbytes
         self._post(self._sent, peer, k)
         self._await(self._sent, peer, k, "staged its rows")
+        theirs = int(self._sends[peer][me])
+        if theirs != nbytes:
+            (a, na), (b, nb) = sorted([(self.group.members[me], nbytes), (self.group.members[peer], theirs)])
+            raise UsageError(f"group {self.group.name!r}: sendrecv round {k} between rank {a} and rank {b}: rank {a} "
+                             f"sends {na} B, rank {b} {nb} B; both must send the same count and dtype")
         view(recv_ptr, nbytes)[:] = view(self._peer_scratch[peer], nbytes)
         self._post(self._read, peer, k)
         self._await(self._read, peer, k, "read this member's rows")
@@ -175,4 +237,4 @@ class HostCollectives(Collectives):
 
     def close(self) -> None:
         self._barrier.close()
-        self._sent = self._read = []
+        self._sent = self._read = self._sends = self._calls = []

@@ -13,6 +13,14 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ",".join(str(r) for r in rs)
 
 
+def _source(path: str, head: bool = False) -> str:
+    if path:
+        return path
+    if head:
+        return "the built-in default: no --manifest given"
+    return "the built-in default: tray.init() without manifest="
+
+
 def validate_offers(
     offers: Sequence[Offer],
     *,
@@ -22,12 +30,14 @@ def validate_offers(
     pids: Mapping[int, int],
     group_leaders: Mapping[str, Sequence[int]],
     shared_gpus: bool = False,
+    manifest_path: str = "",
 ) -> list[str]:
     """Problems with a complete set of offers (empty when the tray may proceed).
 
     `pids`: rank -> pid of the process the head started. `group_leaders`: group name -> the ranks
     that lead (are member 0 of) an instance of it and must offer its join info. `shared_gpus`: the head placed
-    several ranks on one GPU (--share-gpus), so one device claimed twice is expected.
+    several ranks on one GPU (--share-gpus), so one device claimed twice is expected. `manifest_path`: where the
+    head's manifest came from ("" for the built-in default), for the message when the manifests differ.
     Each problem names the ranks at fault and what to do.
     """
     problems: list[str] = []
@@ -42,14 +52,18 @@ def validate_offers(
             problems.append(f"rank {o.rank} offered from pid {o.pid}, but the head started pid "
                             f"{pids.get(o.rank)}; only processes the head started may join")
 
-    digests: dict[str, list[int]] = defaultdict(list)
+    digests: dict[tuple[str, str], list[int]] = defaultdict(list)
     for o in offers:
-        digests[o.manifest].append(o.rank)
-    if len(digests) > 1 or digest not in digests:
+        digests[(o.manifest, o.manifest_path)].append(o.rank)
+    if len({d for d, _ in digests}) > 1 or digest not in {d for d, _ in digests}:
         parts = sorted(digests.items(), key=lambda kv: len(kv[1]))
-        said = "; ".join(f"{_ranks(rs)} offered manifest {d[:12]}..." for d, rs in parts)
-        problems.append(f"manifests differ: {said}; the head loaded {digest[:12]}...; run every rank "
-                        "with the same manifest file, kernels and vars")
+        said = "; ".join(f"{_ranks(rs)} offered manifest {d[:12]}... ({_source(path)})"
+                         for (d, path), rs in parts)
+        hint = "; tray launch --manifest FILE gives the head (and every rank) the program's manifest" \
+            if not manifest_path else ""
+        head = _source(manifest_path, head=True)
+        problems.append(f"manifests differ: {said}; the head loaded {digest[:12]}... ({head}); run every rank with "
+                        f"the same manifest file, kernels and vars{hint}")
 
     backends: dict[str, list[int]] = defaultdict(list)
     for o in offers:

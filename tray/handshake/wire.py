@@ -12,7 +12,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from tray.errors import WireError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
@@ -278,7 +278,8 @@ class Offer(_Message):
     """rank -> head: who this rank is, what it exports (docs/design.md section 5). `host` is the boot id, `manifest`
     the manifest's sha256 hex, `groups` {group name: join info} for the groups whose member 0 is this
     rank (opaque bytes the collectives of the group need to join it, at most MAX_JOIN_INFO_NBYTES;
-    empty when they need none), `timings` {phase: seconds}."""
+    empty when they need none), `timings` {phase: seconds}. `manifest_path`: the file the rank loaded its manifest
+    from, absolute ("" for the built-in default), which a head given none loads too and messages name."""
 
     KIND: ClassVar[str] = "offer"
     rank: int
@@ -293,6 +294,7 @@ class Offer(_Message):
     buffers: tuple[BufferOffer, ...]
     groups: dict[str, bytes]
     timings: dict[str, float]
+    manifest_path: str = ""
 
     def _payload(self) -> dict[str, Any]:
         return {
@@ -308,6 +310,7 @@ class Offer(_Message):
             "buffers": [b.to_body() for b in self.buffers],
             "groups": dict(sorted(self.groups.items())),
             "timings": _timings_body(self.timings),
+            "manifest_path": self.manifest_path,
         }
 
     @classmethod
@@ -339,6 +342,7 @@ class Offer(_Message):
             ),
             groups=_as_blob_map(b["groups"], p + "groups", MAX_JOIN_INFO_NBYTES),
             timings=_as_float_map(b["timings"], p + "timings"),
+            manifest_path=_as_str(b["manifest_path"], p + "manifest_path"),
         )
 
 

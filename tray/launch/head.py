@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tray.collectives import early as early_join
 from tray.collectives.idmaker import IdMaker
 from tray.envvars import join_collectives
-from tray.errors import BarrierTimeout, WireError
+from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
 from tray.handshake.steps import describe_step, step_voters
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
@@ -33,9 +33,10 @@ from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
 from tray.launch.spawn import OutputPump, log_path, rank_env, say, spawn_rank, stat_fields
-from tray.launch.spec import Failure, RankProcess, RankState, TrayResult, TraySpec
+from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, RankState, TrayResult, TraySpec, stop_signals
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
+from tray.manifest.builtin import BUILTIN_PATH
 from tray.numa import NumaPlacement, placement_for
 
 if TYPE_CHECKING:
@@ -51,7 +52,6 @@ else:  # NOTE: loaded on first use, after the ranks are spawned (tray.lazy): the
     wire = lazy_import("tray.handshake.wire")
 
 EXIT_RANK_FAILED = 1
-EXIT_HANDSHAKE = 3
 _POLL_MS = 20
 PHASES = ("head", "spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
           "ready")
@@ -106,8 +106,8 @@ def _set_child_subreaper(on: bool) -> None:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[list[int]]:
-    """SIGINT and SIGTERM only note their number in the list yielded; the head acts on it where it
-    chooses, and a signal that came is raised as KeyboardInterrupt once the block ends without another
+    """SIGINT, SIGTERM and SIGHUP (spec.stop_signals) only note their number in the list yielded; the head acts
+    on it where it chooses, and a signal that came is raised as KeyboardInterrupt once the block ends without another
     exception. A KeyboardInterrupt raised by the handler itself lands wherever the head happens to be,
     e.g. inside `Popen.poll` between taking and releasing the Popen's waitpid lock: that rank can then
     never be waited for, and the teardown fails with TimeoutExpired (exit 1 instead of 130). Outside
@@ -118,7 +118,7 @@ def _signals_held() -> Iterator[list[int]]:
         return
     saved: dict[int, Any] = {}
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stop_signals():
             # a signal pending now is handled by the old handler first (it may raise: nothing is held yet)
             saved[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
         yield got
@@ -482,6 +482,7 @@ class Head:
         self._note_phase(proc, "table")
         if len(self.offers) < self.spec.nprocs:
             return
+        self._adopt_ranks_manifest()
         leaders = {name: [members[0] for members in instances] for name, instances in self.resolved.groups.items()}
         from tray.handshake.validate import validate_offers
 
@@ -489,12 +490,36 @@ class Head:
             [self.offers[p.rank] for p in self.procs], world_size=self.world_size,
             digest=self.manifest.digest, uid=os.getuid(), pids={p.rank: p.pid for p in self.procs},
             group_leaders=leaders, shared_gpus=self.shared,
+            manifest_path="" if self.manifest.path == BUILTIN_PATH else os.path.abspath(self.manifest.path),
         )
         if problems:
             self._fail(Failure(None, "the offers disagree; nobody proceeds:\n  " + "\n  ".join(problems),
                                exit_code=EXIT_HANDSHAKE))
             return
         self._offers_complete(sock)
+
+    # a head of one host given no --manifest takes the one its ranks loaded; a node of a job of several trays
+    # does not (the root checks every node against the manifest each head was given)
+    _adopts_ranks_manifest = True
+
+    def _adopt_ranks_manifest(self) -> None:
+        """Given no --manifest, take the manifest every rank loaded from one file (tray.init(manifest=...)) once
+        that file's digest here is the one they offered; anything else is left to validate_offers to name."""
+        if self.spec.manifest or not self._adopts_ranks_manifest:
+            return
+        offered = {(o.manifest, o.manifest_path) for o in self.offers.values()}
+        if len(offered) != 1:
+            return
+        ((digest, path),) = offered
+        if not path or digest == self.manifest.digest:
+            return
+        try:
+            manifest = load_manifest(path)
+            resolved = manifest.resolve(self.world_size, dict(self.spec.vars), self.spec.nprocs)
+        except (TrayError, OSError):
+            return
+        if manifest.digest == digest:
+            self.manifest, self.resolved = manifest, resolved
 
     def _on_ready(self, sock: zmq.Socket, proc: RankProcess, ready: wire.Ready) -> None:
         if proc.rank in self.ready:

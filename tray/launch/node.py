@@ -26,13 +26,11 @@ from tray.handshake.steps import GROUP_PREFIX, step_voters
 from tray.launch.curve import job_keys, make_client
 from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
-from tray.launch.root import EXIT_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
+from tray.launch.root import FAILED_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
 from tray.launch.spawn import say
-from tray.launch.spec import Failure, TraySpec
+from tray.launch.spec import EXIT_HANDSHAKE, Failure, TraySpec
 from tray.numa import NumaPlacement
 
-_FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 # NOTE: after a local failure the head waits this long for the root's verdict (the job's root cause may
 # be an earlier failure elsewhere) before it tears down with its own.
 VERDICT_WAIT_S = 2.0
@@ -84,7 +82,7 @@ class NodeLink:
     def on_monitor(self) -> None:
         """Read the link's monitor events; at the first failed handshake, close the link (`refused`)."""
         while not self.refused and self.monitor.poll(0, zmq.POLLIN):
-            if recv_monitor_message(self.monitor)["event"] in _FAILED_HANDSHAKE:
+            if recv_monitor_message(self.monitor)["event"] in FAILED_HANDSHAKE:
                 self.refused = True
                 # NOTE: closed, not disconnected: libzmq 4.3 keeps redialling a disconnected endpoint until the
                 # socket closes, every 100 ms one more failed handshake at the root; a refusal stays a refusal.
@@ -127,6 +125,8 @@ class NodeLink:
 
 class NodeHead(Head):
     """`tray launch --nnodes N ...`: this node's ranks plus the link to the root (and, on node 0, the root)."""
+
+    _adopts_ranks_manifest = False
 
     def __init__(self, spec: TraySpec, job: JobSpec, placements: list[NumaPlacement] | None = None) -> None:
         super().__init__(spec, placements, rank_base=job.node_rank * spec.nprocs,

@@ -27,14 +27,14 @@ from tray.handshake.steps import GROUP_PREFIX, step_voters
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import JobSpec
 from tray.launch.spawn import say
+from tray.launch.spec import EXIT_HANDSHAKE
 
 # NOTE: the root says it is alive this often; a head declares the root lost after its heartbeat
 # timeout (default 5 s), i.e. after ten missed beats.
 HEARTBEAT_INTERVAL_S = 0.5
 EXIT_JOB = 1
-EXIT_HANDSHAKE = 3
-_FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 # NOTE: failed handshakes are logged at most this often: a head with another token redials every 100 ms,
 # a port scanner faster; one line per interval says how many failed since the last.
 HANDSHAKE_LOG_INTERVAL_S = 5.0
@@ -147,7 +147,7 @@ class Root:
         elif sock is self.monitor:
             while self.monitor.poll(0, zmq.POLLIN):
                 event = recv_monitor_message(self.monitor)["event"]
-                if event in _FAILED_HANDSHAKE:
+                if event in FAILED_HANDSHAKE:
                     self.handshake_failures += 1
                     self.auth_failures += event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
             self._log_handshake_failures()

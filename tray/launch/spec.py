@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import enum
+import signal
 import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop a tray as Ctrl-C does: SIGINT, SIGTERM (kill, scancel, a time limit) and SIGHUP (its
+    terminal closed), unless this process ignores SIGHUP (started by nohup: it asked to outlive its terminal)."""
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        sigs.append(signal.SIGHUP)
+    return tuple(sigs)
+
+
+# the exit status of a tray (or job) whose ranks (or nodes) never formed it: offers that disagree, a deadline
+EXIT_HANDSHAKE = 3
 
 
 @dataclass(frozen=True)

@@ -182,12 +182,31 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     try:
         doc = json.loads(text, object_pairs_hook=_pairs_hook)
     except json.JSONDecodeError as exc:
-        raise ManifestError(where, f"line {exc.lineno} column {exc.colno}", exc.msg) from None
+        raise ManifestError(where, f"line {exc.lineno} column {exc.colno}", _json_error(exc)) from None
     except RecursionError:
         raise ManifestError(where, "$", f"JSON nested too deeply (at most {MAX_DEPTH} levels)") from None
     except ValueError as exc:  # e.g. an integer literal past Python's digit limit
         raise ManifestError(where, "$", f"invalid JSON: {exc}") from None
     return parse_manifest(doc, where, os.path.dirname(os.path.abspath(where)))
+
+
+def _json_error(exc: json.JSONDecodeError) -> str:
+    """json's message, the line it points into (with a caret), and the usual cause where it is recognisable."""
+    lines = exc.doc.splitlines()
+    line = lines[exc.lineno - 1] if 0 < exc.lineno <= len(lines) else ""
+    before = exc.doc[:exc.pos].rstrip()
+    hint = ""
+    if exc.msg.startswith(("Expecting property name", "Expecting value")) and before.endswith(","):
+        hint = " (a comma before a closing bracket or brace? JSON allows no trailing comma)"
+    elif exc.msg.startswith("Expecting property name") and exc.pos < len(exc.doc) and exc.doc[exc.pos] == "'":
+        hint = " (JSON strings take double quotes)"
+    elif exc.msg.startswith("Expecting ',' delimiter"):
+        hint = " (a missing comma between two items?)"
+    shown = line.strip()
+    if len(shown) > 100 or not shown:
+        return exc.msg + hint
+    caret = " " * (exc.colno - 1 - (len(line) - len(line.lstrip()))) + "^"
+    return f"{exc.msg}{hint}:\n    {shown}\n    {caret}"
 
 
 def parse_manifest(doc: dict[str, Any], path: str, base_dir: str) -> Manifest:

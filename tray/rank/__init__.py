@@ -211,12 +211,22 @@ class Rank:
         return self.backend.read(b.ptr, b.nbytes).view(numpy_dtype(b.dtype)).reshape(b.shape)
 
     def write(self, name: str, data: np.ndarray) -> None:
-        """Copy `data` (any dtype; its bytes must fit) into buffer `name` from offset 0."""
+        """Copy `data` into buffer `name` from offset 0: of the buffer's dtype, or its raw bits (an integer array of
+        the element's size, e.g. bf16 as uint16, or uint8); its bytes must fit. Raises UsageError otherwise (float64
+        data into an f32 buffer would have stored its bytes unconverted)."""
         self._require_open(f"write({name!r})")
         b = self.buffer(name)
         arr = np.ascontiguousarray(data)
+        want = numpy_dtype(b.dtype)
+        # NOTE: raw bits are fine: an unsigned or signed integer array of the element's size (bf16 as uint16), or bytes
+        raw = arr.dtype == np.uint8 or (arr.dtype.kind in "ui" and arr.dtype.itemsize == want.itemsize)
+        if arr.dtype != want and not raw:
+            raise UsageError(f"write({name!r}): {arr.dtype} data into a {b.dtype} buffer would store its bytes "
+                             f"unconverted; convert it first (np.asarray(data, {want.name!r})), or pass the raw bits "
+                             f"as an integer array of {want.itemsize} B per element or as uint8")
         if arr.nbytes > b.nbytes:
-            raise UsageError(f"{arr.nbytes} B do not fit buffer {name!r} of {b.nbytes} B")
+            raise UsageError(f"write({name!r}): {arr.nbytes} B ({arr.size} x {arr.dtype}) do not fit buffer "
+                             f"{name!r} of {b.nbytes} B ({b.dtype}{list(b.shape)})")
         self.backend.write(b.ptr, arr)
 
     def exchange(self, topic: str, value: Any, timeout_s: float = 60.0) -> list[Any]:
@@ -331,6 +341,8 @@ class Rank:
         if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             _report(self.env, self.phase, self._wiring.client, exc)
             self._reported = True
+        elif isinstance(exc, SystemExit) and exc.code not in (None, 0):
+            self._reported = True  # no bye: the head names the exit code, in the phase the rank left from
         self.close()
 
 

@@ -23,7 +23,8 @@ from tray.handshake import STACK_DUMP_SIGNAL_OFFSET, wire
 from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer, fetch_fds
 from tray.handshake.steps import node_leaders, node_parts, spans_nodes
-from tray.manifest import builtin_manifest, load_manifest
+from tray.manifest import Manifest, builtin_manifest, load_manifest
+from tray.manifest.builtin import BUILTIN_PATH
 from tray.rank.wiring import (
     FLAGS_PREFIX,
     GROUP_BUFFER_PREFIX,
@@ -242,8 +243,13 @@ def _offer(parts: Parts, backend: Backend, host: str, join_info: dict[str, bytes
         backend=backend.name, manifest=parts.manifest.digest, fd_socket=fd_path,
         buffers=tuple(wire.BufferOffer(name=n, nbytes=h.nbytes, handle=h.kind, fabric=h.fabric)
                       for n, h in sorted(handles.items())),
-        groups=join_info, timings=dict(parts.phases.timings),
+        groups=join_info, timings=dict(parts.phases.timings), manifest_path=_manifest_path(parts.manifest),
     )
+
+
+def _manifest_path(manifest: Manifest) -> str:
+    """Where the rank's manifest came from, absolute; "" for the built-in default (not a file)."""
+    return "" if manifest.path == BUILTIN_PATH else os.path.abspath(manifest.path)
 
 
 def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: float) -> None:
@@ -317,8 +323,7 @@ def _join(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wir
 
 def _barrier_wait_s(parts: Parts) -> float:
     """The rank's barrier timeout (RankEnv.barrier_wait_s), which collectives that wait on their members use."""
-    assert parts.manifest is not None
-    return parts.env.barrier_wait_s(parts.manifest.barrier_timeout_s)
+    return parts.env.barrier_wait_s(parts.manifest.barrier_timeout_s if parts.manifest is not None else None)
 
 
 def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, table: wire.Table, g: GroupInfo,

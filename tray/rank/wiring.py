@@ -16,6 +16,8 @@ from tray.handshake.client import RendezvousClient
 from tray.handshake.fdpass import FdServer
 from tray.handshake.steps import JOIN_TOPIC
 from tray.manifest import Manifest, ResolvedBuffer, ResolvedManifest
+from tray.manifest.builtin import BUILTIN_PATH
+from tray.manifest.expr import did_you_mean, known_list
 from tray.rank.env import RankEnv
 from tray.rank.phases import PhaseClock
 
@@ -308,8 +310,18 @@ class Wiring:
     def spec(self, name: str) -> ResolvedBuffer:
         """The resolved manifest buffer `name`."""
         if name not in self._specs:
-            raise UsageError(f"no buffer {name!r}; the manifest declares {sorted(self._specs) or 'none'}")
+            declared = [b for b in sorted(self._specs) if not b.startswith("tray:")]
+            raise UsageError(f"no buffer {name!r} in {self._manifest_said()}; it declares "
+                             f"{known_list(declared)}{did_you_mean(name, declared)}")
         return self._specs[name]
+
+    def _manifest_said(self) -> str:
+        """The rank's manifest as a message names it: its name and file, or the built-in default and how to give
+        one (the usual cause of a missing name)."""
+        if self.manifest.path == BUILTIN_PATH:
+            return ("the built-in default manifest (no --manifest given, no tray.init(manifest=...); tray launch "
+                    "--manifest FILE.json gives the ranks yours)")
+        return f"manifest {self.manifest.name!r} ({self.manifest.path})"
 
     def buffer(self, name: str) -> Buffer:
         """The manifest buffer `name` on this rank."""
@@ -332,7 +344,11 @@ class Wiring:
 
     def group(self, name: str) -> GroupInfo:
         if name not in self.groups:
-            raise UsageError(f"rank {self.rank} is in no group {name!r}; its groups: {sorted(self.groups)}")
+            if name in self.resolved.groups:
+                raise UsageError(f"rank {self.rank} is no member of group {name!r} (its instances: "
+                                 f"{[list(m) for m in self.resolved.groups[name]]}); its groups: {sorted(self.groups)}")
+            raise UsageError(f"no group {name!r} in {self._manifest_said()}; its groups: "
+                             f"{known_list(sorted(self.resolved.groups))}{did_you_mean(name, self.resolved.groups)}")
         return self.groups[name]
 
     def barrier(self, group: str) -> Barrier:

@@ -60,13 +60,13 @@ def check_memfd(fd: int, nbytes: int) -> None:
         raise HandshakeError("its memfd is not sealed against shrinking and growing (F_SEAL_SHRINK|F_SEAL_GROW)")
 
 
-def _track(ptr: int, nbytes: int) -> None:
+def _track(ptr: int, nbytes: int, name: str) -> None:
     """In a rank, memory its twins may touch (tray.twins.check_range); outside one (tests calling the backend
     directly) nothing is tracked, so twins on plain arrays stay unchecked."""
     if _IN_RANK:
         from tray.twins import add_region
 
-        add_region(ptr, nbytes)
+        add_region(ptr, nbytes, name)
 
 
 def _untrack(ptr: int) -> None:
@@ -121,7 +121,7 @@ class HostBuffer(DeviceBuffer):
         except BaseException:
             os.close(self.fd)
             raise
-        _track(self.ptr, nbytes)
+        _track(self.ptr, nbytes, f"buffer {name!r}")
 
     def handle(self) -> ExportedHandle:
         if not self.export:
@@ -148,7 +148,7 @@ class HostRegion(HostMemory):
         if addr in (None, _MAP_FAILED):
             raise DeviceError(f"mmap(host pool, {nbytes} B): {os.strerror(ctypes.get_errno())}")
         self.ptr = int(addr)
-        _track(self.ptr, nbytes)
+        _track(self.ptr, nbytes, "a host pool")
 
     def close(self) -> None:
         if self.ptr:
@@ -162,7 +162,7 @@ class HostMapping(PeerMapping):
         self.ptr = ptr
         self.nbytes = nbytes
         self._open = True
-        _track(ptr, nbytes)
+        _track(ptr, nbytes, "a peer's buffer as mapped here")
 
     def close(self) -> None:
         if self._open:
@@ -176,7 +176,7 @@ class HostPtrTable(PtrTable):
         self.ptrs = tuple(int(p) for p in ptrs)
         self.array = np.array(self.ptrs, dtype=np.uint64)
         self.ptr = int(self.array.ctypes.data)
-        _track(self.ptr, self.array.nbytes)
+        _track(self.ptr, self.array.nbytes, "a pointer table")
 
     def close(self) -> None:
         _untrack(self.ptr)
