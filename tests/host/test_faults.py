@@ -115,6 +115,33 @@ def test_a_rank_that_closed_its_tray_is_not_expected_to_heartbeat(tray_env):
     assert "after close 0" in run.stdout and "after close 1" in run.stdout, run.output
 
 
+@pytest.mark.parametrize("death", ["os._exit(3)", "os.kill(os.getpid(), 9)", "os._exit(0)"])
+def test_a_rank_dying_while_its_peers_map_its_buffers_is_the_root_cause(tray_env, death):
+    """Rank 1 dies as the ranks fetch each other's buffers: the others' fetch from it fails, and their report (which
+    came first) was printed as the root cause, rank 1 only in the teardown's line."""
+    run = tray_env.launch(4, f"""
+    import tray.rank.lifecycle as lifecycle
+    mapping = lifecycle._import_peers
+
+    def dying(parts, *args):
+        if parts.env.rank == 1:   # its fd socket holds the others' requests, and it dies meanwhile
+            parts.fd_server._table_ready.clear()
+            time.sleep(0.5)
+            {death}
+        return mapping(parts, *args)
+
+    lifecycle._import_peers = dying
+    with tray.init() as rank:
+        rank.barrier()
+    """, "--manifest", str(MANIFESTS / "peer_fill.json"))
+    assert run.returncode == 1, run.output
+    how = {"os._exit(3)": "exited with code 3", "os.kill(os.getpid(), 9)": "was killed by SIGKILL",
+           "os._exit(0)": "exited with code 0"}[death]
+    cause = next(line for line in run.stderr.splitlines() if line.startswith("tray: FAILED:"))
+    assert cause.startswith("tray: FAILED: rank 1 (pid") and how in cause, run.stderr
+    assert run.seconds < 15
+
+
 def test_offers_with_different_manifests(tray_env):
     other = MANIFESTS / "peer_fill.json"
     run = tray_env.launch(4, f"""

@@ -517,3 +517,34 @@ def test_a_gloo_program_spans_the_nodes_through_torchruns_variables(tray_env):
     for node, run in enumerate(runs):
         assert run.returncode == 0, run.output
         assert f"gloo across nodes ok {node}" in run.stdout, run.output
+
+
+@pytest.mark.parametrize("stranger", ["other_job", "node_rank_again"])
+def test_a_head_that_cannot_join_a_running_job_is_refused_alone(tray_env, stranger):
+    """Same endpoint and token, the job already up: a head of another job (--rdzv-id) or a second node 1 is refused
+    by name, and the job runs to its end (before, both of its heads failed with exit 3)."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        open(f"up-{rank.rank}", "w").close()
+        time.sleep(4)
+        rank.barrier()
+        print(f"rank {rank.rank} done", flush=True)
+    """
+    port = free_port()
+    procs = start_job(tray_env, body, port=port)
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tray_env.tmp / f"up-{r}").exists() for r in range(4)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        args = ("--rdzv-id", "other") if stranger == "other_job" else ()
+        late = start_job(tray_env, body, nodes=(1,), port=port, node_args={1: args})
+        late_run = finish(late, timeout_s=30)[0]
+    finally:
+        runs = finish(procs, timeout_s=60)
+    assert late_run.returncode == 3, late_run.output
+    why = "rendezvous id 'other', the root's is 'test'" if stranger == "other_job" else "node rank 1 joined twice"
+    assert "cannot join this job" in late_run.stderr and why in late_run.stderr, late_run.stderr
+    for run in runs:
+        assert run.returncode == 0, run.output
+    assert "tray: root: refused node 1" in runs[0].stderr and why in runs[0].stderr, runs[0].stderr

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -68,6 +69,9 @@ DRAIN_S = 1.0
 # NOTE: a rank whose heartbeat is this late (two periods and some) is not being scheduled or holds the GIL: from here
 # the head compares the CPU its process uses with the time that passes; half a CPU or more is busy, not frozen
 _LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
+# a rank whose fd socket reset under a peer has died, or is dying: its exit is seen within this (else the report
+# stands as the root cause)
+_DEATH_SEEN_WITHIN_S = 0.5
 _BUSY_CPU_FRACTION = 0.5
 # NOTE: how long the head waits, after a rank died of SIGTERM/SIGINT, for the same signal to reach itself
 _SIGNAL_SIBLING_S = 0.2
@@ -170,6 +174,7 @@ class Head:
         self.t_start = time.monotonic()
         self.shm: set[str] = set()
         self._t_shm = 0.0
+        self._job_path: Path | None = None  # the job dir, once made
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
         self._failed_said = False  # the root cause's line is out (at the teardown's start)
         self.t_first_contact: float | None = None  # when the head first heard a rank (monotonic): the handshake's clock
@@ -194,6 +199,7 @@ class Head:
     def _run(self) -> Path:
         """run() with the signals held; returns the job dir (removed by now)."""
         job = make_job_dir(self.spec.nprocs)
+        self._job_path = job.path
         endpoint = f"ipc://{job.path}/head.sock"
         ctx = sock = watchdog = pump = None
         ids_thread: threading.Thread | None = None
@@ -444,6 +450,8 @@ class Head:
             self._on_ready(sock, proc, msg)
         elif isinstance(msg, wire.ErrorReport):
             self._note_phase(proc, msg.phase, force=True)
+            if self._fail_on_a_death_first(rank, msg):
+                return
             notes: tuple[str, ...] = ()
             if msg.error_type == BarrierTimeout.__name__:
                 late = [self.procs[r - self.rank_base] for r in BarrierTimeout.missing_in(msg.message)
@@ -596,12 +604,46 @@ class Head:
                 return
             if code in (-signal.SIGTERM, -signal.SIGINT) and self._interrupted_too():
                 return  # the signal came to the whole job (Ctrl-C, scancel, a time limit): the loop says so
-            how = f"exited with code {code}" if code > 0 else f"was killed by {_signal_name(code)}"
-            report = self._error_file(job_dir, p.rank)
-            self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
-                               report=report, tail=tuple(p.tail)))
+            self._fail(self._death(p, code))
             return
         self._check_early_exits()
+
+    def _death(self, p: RankProcess, code: int, notes: tuple[str, ...] = ()) -> Failure:
+        """The failure of rank `p` that ended with status `code` (non-zero), its error file's report if it left
+        one."""
+        how = f"exited with code {code}" if code > 0 else f"was killed by {_signal_name(code)}"
+        report = self._error_file(self._job_path, p.rank) if self._job_path is not None else ""
+        return Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
+                       report=report, tail=tuple(p.tail), notes=notes)
+
+    def _fail_on_a_death_first(self, rank: int, msg: wire.ErrorReport) -> bool:
+        """A rank's error that another rank's death caused (that rank's fd socket reset while this one fetched its
+        buffers, say) is not the root cause: the rank that died before the report arrived is (an exit other than
+        0, or 0 before the tray was up). A rank the message names ("rank 1's fd socket") is waited for briefly,
+        its exit perhaps not seen yet. Fails the tray with that death, the report as a note; False if none."""
+        if msg.error_type == BarrierTimeout.__name__:
+            return False  # a barrier's timeout names who it missed; the head says there whether they are dead
+        named = {int(r) for r in re.findall(r"\brank (\d+)'s", msg.message)}
+        deadline = time.monotonic() + (_DEATH_SEEN_WITHIN_S if named - {rank} else 0.0)
+        while True:
+            for p in self.procs:
+                if p.rank == rank:
+                    continue
+                code = p.returncode if p.returncode is not None else p.popen.poll()
+                if code is None or (code == 0 and self.t_go is not None):
+                    continue
+                p.returncode = code
+                p.state = RankState.EXITED if code == 0 else RankState.FAILED
+                note = (f"rank {rank} then reported {msg.error_type}: {msg.message}",)
+                if code == 0:
+                    self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) exited with code 0 before the tray was "
+                                       f"up (last phase: {self._phase_of(p)})", tail=tuple(p.tail), notes=note))
+                else:
+                    self._fail(self._death(p, code, note))
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
     def _check_abandoned_steps(self) -> None:
         """A rank that exited 0 or closed its tray (said bye) takes part in no step any more: a tray-wide step

@@ -223,7 +223,17 @@ class Root:
                             "own --node-rank")
         if problems:
             who = f"node {join.node_rank} ({join.hostname}, head pid {join.pid})"
-            self._stop(None, -1, f"{who} cannot join this job: " + "; ".join(problems), exit_code=EXIT_HANDSHAKE)
+            summary = f"{who} cannot join this job: " + "; ".join(problems)
+            if join.rdzv_id != self.job.rdzv_id or len(self.nodes) == self.nnodes:
+                # a head of another job, or any head once every node is in: not this job's to fail; only it is told
+                say(f"root: refused {summary}")
+                self._send(ident, jobwire.JobStop.bounded(token=self.token, node_rank=join.node_rank, rank=-1,
+                                                          summary=summary, report="", tail=(),
+                                                          exit_code=EXIT_HANDSHAKE))
+                return
+            # a node of this job that cannot be one of it (its -n, its node rank...) while the job forms: the job
+            # cannot form without it, so it fails now, naming why
+            self._stop(None, -1, summary, exit_code=EXIT_HANDSHAKE)
             if self.stop is not None:  # the refused head is not a member: tell it too
                 self._send(ident, self.stop)
             return
