@@ -478,6 +478,32 @@ print("env", os.environ["TORCHELASTIC_RUN_ID"], os.environ["MASTER_PORT"], os.en
     assert run.returncode == 0 and run.stdout.count(" 3\n") == 2, run.output
 
 
+def test_a_master_port_another_tray_holds_is_refused_naming_it(tray_env):
+    """Two trays given one --master-port: both started (a port asked for is bound with SO_REUSEADDR, which the
+    other holder had set too), and the first one's torch store then failed to bind. The second is refused now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = start_head(tray_env, 1, """
+with tray.init() as rank:
+    print("up", flush=True)
+    time.sleep(600)
+""", "--master-port", str(port))
+    try:
+        run = tray_env.launch(1, "print('second ran')", "--master-port", str(port))
+        assert run.returncode == 2, run.output
+        assert f"tray: SetupError: --master-port {port}: cannot reserve it on 127.0.0.1 (another tray (head pid " \
+            f"{first.pid}) holds it)" in run.stderr, run.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=20)
+        first.stdout.close()
+    run = tray_env.launch(1, "print('third ran')", "--master-port", str(port))   # free again, no file left
+    assert run.returncode == 0 and "third ran" in run.stdout, run.output
+
+
 def test_duplicate_ready_sends_go_once(tray_env):
     run = tray_env.launch(2, """
 from tray.handshake import wire

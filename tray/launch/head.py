@@ -206,7 +206,8 @@ class Head:
         _set_child_subreaper(True)
         try:
             try:
-                self.master_port = PortReservation(port=self.spec.master_port or 0)  # held until the tray is down
+                # held until the tray is down
+                self.master_port = PortReservation(port=self.spec.master_port or 0, lock_dir_fd=job.root_fd)
             except OSError as exc:
                 raise SetupError(f"--master-port {self.spec.master_port}: cannot reserve it on {MASTER_ADDR} "
                                  f"({exc.strerror}); choose another, or leave it out (a free port)") from None
@@ -253,10 +254,10 @@ class Head:
                 ids_thread.join(_IDS_JOIN_S)  # it writes into the job dir: done before the dir goes
             if self.id_maker is not None:
                 self.id_maker.close()  # killed with the tray's process group by now, or done: reaped here
+            if self.master_port is not None:
+                self.master_port.close()  # before the job: its lock file is removed through the jobs root's fd
             job.close()
             _set_child_subreaper(False)
-            if self.master_port is not None:
-                self.master_port.close()
         return job.path
 
     def _spawn_all(self, job_dir: Path, endpoint: str, process_group: int) -> None:

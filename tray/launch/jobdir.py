@@ -202,6 +202,21 @@ def try_lock(root_fd: int, name: str) -> int | None:
     return lock_fd
 
 
+def _remove_unlocked(root_fd: int, name: str) -> None:
+    """Remove lock file `name` when no live process holds it (tray/launch/ports.py)."""
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(name, dir_fd=root_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def sweep_stale(root_fd: int) -> list[str]:
     """Remove job dirs no live head holds (a head killed with SIGKILL, and its watchdog, gone), and
     the NCCL segments their ranks left in /dev/shm. Returns the names removed."""
@@ -217,6 +232,9 @@ def sweep_stale(root_fd: int) -> list[str]:
             if old:
                 _remove_entry(root_fd, name)
                 removed.append(name)
+            continue
+        if name.startswith("port-") and name.endswith(".lock"):  # a --master-port lock its tray did not remove
+            _remove_unlocked(root_fd, name)
             continue
         if not name.startswith(tuple(f"{kind}-" for kind in KINDS)):
             continue

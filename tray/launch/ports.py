@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import socket
 
 # NOTE: one host: ranks reach rank 0's store over loopback (torchrun's standalone mode does the same).
 MASTER_ADDR = "127.0.0.1"
+
+
+def _lock_port(dir_fd: int, port: int) -> int:
+    """Hold `port-<port>.lock` under `dir_fd` (its fd, the holder's pid written in it); OSError(EADDRINUSE) naming
+    the holder when another process holds it. The holder removes the file as it lets go (_unlock_port); the jobs
+    root's sweep removes one a killed holder left."""
+    fd = os.open(f"port-{port}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise OSError(errno.EADDRINUSE, f"another tray (head pid {holder}) holds it") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 class PortReservation:
@@ -17,19 +36,28 @@ class PortReservation:
     listens) can still bind it while this socket holds it: a non-listening holder does not conflict then.
     The window left open: a process that binds this exact port number by itself, without SO_REUSEADDR,
     fails with EADDRINUSE while the job runs; none can take it from under rank 0.
+
+    A port asked for is bound with SO_REUSEADDR (a connection of its last user left in TIME_WAIT must not refuse
+    it), which another holder that set it too would not refuse either: so another tray of this user is kept off it
+    by a lock, `port-<P>.lock` in the jobs root (`lock_dir_fd`), held while this reservation is.
     """
 
-    def __init__(self, host: str = MASTER_ADDR, port: int = 0) -> None:
-        """`port` 0: a free one; else that one (OSError when it is taken)."""
+    def __init__(self, host: str = MASTER_ADDR, port: int = 0, lock_dir_fd: int | None = None) -> None:
+        """`port` 0: a free one; else that one (OSError when it is taken, EADDRINUSE naming the tray that holds
+        it when another tray of this user does)."""
         self.host = host
+        self._lock_fd: int | None = None
+        self._lock_at = (lock_dir_fd, f"port-{port}.lock")
         self._sock: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            if port:  # a port asked for: a connection of its last user left in TIME_WAIT must not refuse it
+            if port and lock_dir_fd is not None:
+                self._lock_fd = _lock_port(lock_dir_fd, port)
+            if port:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         except BaseException:
-            self._sock.close()
+            self.close()
             raise
         self.port: int = self._sock.getsockname()[1]
 
@@ -37,6 +65,14 @@ class PortReservation:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._lock_fd is not None:
+            dir_fd, name = self._lock_at
+            try:  # NOTE: removed while still held, so no other tray can find it unlocked in between
+                os.unlink(name, dir_fd=dir_fd)
+            except OSError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> PortReservation:
         return self
