@@ -145,6 +145,33 @@ print("done", flush=True)
     assert run.seconds < 10
 
 
+@pytest.mark.parametrize("escape", ["session", "process_group", "grandchild_group"])
+def test_a_ranks_descendant_that_left_the_trays_process_group_is_killed_at_the_end(tray_env, escape):
+    """A rank's child in a session or process group of its own (setsid, `Popen(process_group=0)`, or a grandchild
+    that did setpgid) outlives its rank; at the tray's end it is killed. Before, only a new session was, and the
+    others ran on, reparented to pid 1. (The fixture's check finds any left: each carries the test's marker.)"""
+    spawn = {
+        "session": "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], "
+                   "start_new_session=True)",
+        "process_group": "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], "
+                         "process_group=0)",
+        "grandchild_group": "subprocess.Popen([sys.executable, '-c', 'import os, subprocess, sys, time; "
+                            "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(600)\", sys.argv[1]], "
+                            "process_group=0); time.sleep(600)', sys.argv[1]])",
+    }[escape]
+    run = tray_env.launch(2, f"""
+import subprocess
+with tray.init() as rank:
+    {spawn}
+    time.sleep(0.5)
+    rank.barrier()
+print("done", flush=True)
+""", timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("done") == 2
+    assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
+
+
 def test_head_sigkilled_takes_ranks_and_their_children(tray_env):
     head = start_head(tray_env, 3, SPAWN_LEFTOVER + """
 with tray.init() as rank:

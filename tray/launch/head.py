@@ -108,6 +108,18 @@ def _set_child_subreaper(on: bool) -> None:
     _libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
 
 
+def _own_children() -> set[int]:
+    """This process's children now, from /proc (no psutil import on the start's path); empty if unreadable."""
+    pids: set[int] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids.update(int(pid) for pid in f.read().split())
+    except OSError:
+        pass
+    return pids
+
+
 @contextlib.contextmanager
 def _signals_held() -> Iterator[list[int]]:
     """SIGINT, SIGTERM and SIGHUP (spec.stop_signals) only note their number in the list yielded; the head acts
@@ -175,6 +187,7 @@ class Head:
         self.shm: set[str] = set()
         self._t_shm = 0.0
         self._job_path: Path | None = None  # the job dir, once made
+        self._children_before: set[int] = set()  # this process's children before the tray (run_tray in a program)
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
         self._failed_said = False  # the root cause's line is out (at the teardown's start)
         self.t_first_contact: float | None = None  # when the head first heard a rank (monotonic): the handshake's clock
@@ -200,6 +213,7 @@ class Head:
         """run() with the signals held; returns the job dir (removed by now)."""
         job = make_job_dir(self.spec.nprocs)
         self._job_path = job.path
+        self._children_before = _own_children()
         endpoint = f"ipc://{job.path}/head.sock"
         ctx = sock = watchdog = pump = None
         ids_thread: threading.Thread | None = None
@@ -876,7 +890,8 @@ class Head:
         survivors: list[int] = []
         if watchdog is not None:
             survivors = kill_group(watchdog.pgid, frozenset({watchdog.popen.pid}))
-        self._kill_adopted(exclude={p.pid for p in self.procs} | ({watchdog.popen.pid} if watchdog else set()))
+        self._kill_adopted(exclude={p.pid for p in self.procs} | ({watchdog.popen.pid} if watchdog else set())
+                           | ({self.id_maker.popen.pid} if self.id_maker is not None else set()))
         if survivors:
             _say(f"processes {survivors} of the tray survived SIGKILL for {REAP_TIMEOUT_S:.0f} s "
                  "(uninterruptible sleep?)")
@@ -886,15 +901,17 @@ class Head:
             pump.stop(DRAIN_S)
         self._log_error_reports(job.path)
 
-    @staticmethod
-    def _kill_adopted(exclude: set[int]) -> None:
+    def _kill_adopted(self, exclude: set[int]) -> None:
         """Kill the head's children it did not start: orphans of the ranks' descendants (reparented
-        here, the head being a subreaper) that left the tray's process group for a session of their
-        own. Children of another session only; they are reaped so none lingers as a zombie."""
+        here, the head being a subreaper) that left the tray's process group, for a session of their
+        own or a process group of their own (setsid, setpgid, `Popen(process_group=0)`). Not children this
+        process had before the tray (run_tray() called from a program with children of its own), nor any
+        in this process's own group; they are reaped so none lingers as a zombie."""
         me = psutil.Process()
         try:
-            sid = os.getsid(0)
-            adopted = [c for c in me.children() if c.pid not in exclude and os.getsid(c.pid) != sid]
+            sid, pgid = os.getsid(0), os.getpgid(0)
+            adopted = [c for c in me.children() if c.pid not in exclude and c.pid not in self._children_before
+                       and (os.getsid(c.pid) != sid or os.getpgid(c.pid) != pgid)]
         except (psutil.Error, OSError):
             return
         for c in adopted:
