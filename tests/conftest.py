@@ -66,7 +66,8 @@ class Tray:
         env = dict(os.environ)
         env["TRAY_JOBS_ROOT"] = str(self.jobs_root)
         if _TRAY_FROM_CHECKOUT:  # an installed tray (GPU runs of the wheel) is tested as installed
-            env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+            # NOTE: no empty entry: it would put each process's working directory on its sys.path
+            env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
         return env
 
     def script(self, body: str) -> Path:

@@ -55,5 +55,8 @@ def own_module(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run `python -P -m <module> <args>` of this very tray (its package first on
     PYTHONPATH; -P: no tray/ in the working directory shadows it): the head's watchdog and NCCL id process."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    # NOTE: no empty entry (PYTHONPATH unset or ending in ':'): an empty entry is the working directory, which -P
+    # keeps off sys.path for a reason
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *rest])
     return [sys.executable, "-P", "-m", module, *args], env

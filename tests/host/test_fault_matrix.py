@@ -172,6 +172,22 @@ print("done", flush=True)
     assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
 
 
+def test_a_removed_working_directory_is_a_setup_error(tray_env, tmp_path):
+    """Started in a directory since removed, the tray's watchdog could not start (its interpreter cannot make
+    paths absolute) while the tray ran on unguarded; now a one-line SetupError before anything starts."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    cmd = tray_env.command(2, "print('ran')")
+    # NOTE: the `tray` script, as a user types it: `python -m tray` cannot start there at all (-m puts the
+    # working directory on sys.path, which Python cannot make absolute)
+    cmd[:3] = [str(Path(sys.executable).parent / "tray")]
+    proc = subprocess.run(["/bin/sh", "-c", 'cd "$1" && rmdir "$1" && shift && exec "$@"', "sh", str(gone), *cmd],
+                          capture_output=True, text=True, timeout=60, env=tray_env.env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert one_error_line(proc.stderr) == "tray: SetupError: the current directory was removed: the ranks (and the " \
+        "tray's watchdog) would start in a directory that is gone; cd to one that exists"
+
+
 def test_head_sigkilled_takes_ranks_and_their_children(tray_env):
     head = start_head(tray_env, 3, SPAWN_LEFTOVER + """
 with tray.init() as rank:

@@ -312,3 +312,41 @@ def test_a_body_that_raises_clears_the_recording_mark(fake_backend) -> None:
     with pytest.raises(RuntimeError, match="boom"), fake_backend.joined(0x99):
         boom()
     assert not fake_backend._own_capture.active
+
+
+def test_a_watchdog_that_exited_stops_the_tray_naming_it() -> None:
+    """A watchdog whose interpreter could not start (it died at once) left a killed head's ranks behind, the tray
+    running on as if guarded; now the head's loop sees it gone and stops the tray."""
+    from tray.launch.head import Head
+    from tray.launch.spec import EXIT_HANDSHAKE, TraySpec
+
+    head = Head(TraySpec(nprocs=1, cmd=("true",), backend="host"))
+    head._check_watchdog()  # none yet: nothing to judge
+    assert head.failure is None
+    alive = SimpleNamespace(popen=SimpleNamespace(pid=4242, poll=lambda: None))
+    head._watchdog = alive  # type: ignore[assignment]
+    head._check_watchdog()
+    assert head.failure is None
+    head._watchdog = SimpleNamespace(popen=SimpleNamespace(pid=4242, poll=lambda: 1))  # type: ignore[assignment]
+    head._check_watchdog()
+    assert head.failure is not None and head.failure.exit_code == EXIT_HANDSHAKE
+    assert head.failure.summary.startswith("the tray's watchdog (pid 4242, ") and "exited with code 1" in \
+        head.failure.summary
+
+
+@pytest.mark.parametrize("before", [None, "", "/a::/b:"])
+def test_own_module_puts_no_working_directory_on_the_path(monkeypatch, before) -> None:
+    """An empty PYTHONPATH entry is the working directory: the watchdog and the id process run with -P so that no
+    tray/ there shadows theirs, and `tray:` + an unset PYTHONPATH gave them one."""
+    import os
+
+    from tray.envvars import own_module
+
+    if before is None:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONPATH", before)
+    cmd, env = own_module("tray.launch.watchdog")
+    entries = env["PYTHONPATH"].split(os.pathsep)
+    assert cmd[1:4] == ["-P", "-m", "tray.launch.watchdog"] and "" not in entries
+    assert entries[1:] == ([] if not before else ["/a", "/b"])

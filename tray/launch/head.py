@@ -187,6 +187,7 @@ class Head:
         self.shm: set[str] = set()
         self._t_shm = 0.0
         self._job_path: Path | None = None  # the job dir, once made
+        self._watchdog: Watchdog | None = None
         self._children_before: set[int] = set()  # this process's children before the tray (run_tray in a program)
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
         self._failed_said = False  # the root cause's line is out (at the teardown's start)
@@ -211,6 +212,11 @@ class Head:
 
     def _run(self) -> Path:
         """run() with the signals held; returns the job dir (removed by now)."""
+        try:
+            os.getcwd()
+        except FileNotFoundError:
+            raise SetupError("the current directory was removed: the ranks (and the tray's watchdog) would start "
+                             "in a directory that is gone; cd to one that exists") from None
         job = make_job_dir(self.spec.nprocs)
         self._job_path = job.path
         self._children_before = _own_children()
@@ -226,7 +232,7 @@ class Head:
                 raise SetupError(f"--master-port {self.spec.master_port}: cannot reserve it on {MASTER_ADDR} "
                                  f"({exc.strerror}); choose another, or leave it out (a free port)") from None
             try:
-                watchdog = Watchdog(job.root, job.path.name, job.lock_fd)
+                watchdog = self._watchdog = Watchdog(job.root, job.path.name, job.lock_fd)
             except OSError as exc:
                 raise SetupError(f"cannot start the tray's watchdog ({sys.executable}): {exc.strerror}") from None
             note = shared_note(self.devices, self.rank_base) if self.shared else None
@@ -347,9 +353,22 @@ class Head:
                 self._check_children(sock, job.path)
             if not self.failure:
                 self._check_deadlines()
+            if not self.failure:
+                self._check_watchdog()
             self._sample_shm(job)
             if self._finished():
                 return
+
+    def _check_watchdog(self) -> None:
+        """The watchdog ends only when told (done()): one that exited (at its start, say: its interpreter could
+        not start) leaves a killed head's ranks behind, so the tray stops, naming it."""
+        wd = self._watchdog
+        if wd is None or (code := wd.popen.poll()) is None:
+            return
+        self._fail(Failure(None, f"the tray's watchdog (pid {wd.popen.pid}, {sys.executable} -m "
+                           f"tray.launch.watchdog) exited with code {code}; without it a killed head would leave its "
+                           "ranks running, so the tray stops (its stderr, above, says why it ended)",
+                           exit_code=EXIT_HANDSHAKE))
 
     def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:
         """Handle the messages waiting (the first after up to `timeout_ms`) until a failure is known."""
