@@ -350,3 +350,31 @@ def test_own_module_puts_no_working_directory_on_the_path(monkeypatch, before) -
     entries = env["PYTHONPATH"].split(os.pathsep)
     assert cmd[1:4] == ["-P", "-m", "tray.launch.watchdog"] and "" not in entries
     assert entries[1:] == ([] if not before else ["/a", "/b"])
+
+
+def test_the_fd_limit_is_raised_to_what_the_ranks_need_or_named() -> None:
+    """ZeroMQ aborted the head (`Too many open files`, exit 134) under a low `ulimit -n`; the soft limit is raised
+    where the hard one allows, else a SetupError names both and what the tray needs."""
+    import resource
+    import subprocess
+    import sys
+
+    code = """
+import resource, sys
+from tray.launch.spawn import ensure_fd_limit
+from tray.launch.jobdir import SetupError
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 200))
+ensure_fd_limit(12)
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 60))
+try:
+    ensure_fd_limit(12)
+except SetupError as exc:
+    print(exc)
+"""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 200:
+        pytest.skip("this machine's hard open-file limit is below 200")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == [
+        "92", "the open-file limit (ulimit -n) is 40 (at most 60); a tray of 12 ranks needs about 92 descriptors in "
+              "its head: raise it, or run fewer ranks"], out.stdout + out.stderr

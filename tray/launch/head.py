@@ -33,7 +33,7 @@ from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
-from tray.launch.spawn import OutputPump, log_path, rank_env, say, spawn_rank, stat_fields
+from tray.launch.spawn import OutputPump, ensure_fd_limit, log_path, rank_env, say, spawn_rank, stat_fields
 from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, RankState, TrayResult, TraySpec, stop_signals
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
@@ -212,6 +212,7 @@ class Head:
 
     def _run(self) -> Path:
         """run() with the signals held; returns the job dir (removed by now)."""
+        ensure_fd_limit(self.spec.nprocs)
         try:
             os.getcwd()
         except FileNotFoundError:
