@@ -75,6 +75,15 @@ def test_jobs_root_symlink_is_refused(tray_env, tmp_path):
     assert list(elsewhere.iterdir()) == []
 
 
+def test_jobs_root_under_a_file_names_the_file(tray_env, tmp_path):
+    """TRAY_JOBS_ROOT=/dev/null/x said 'File exists', which names neither the file nor the fault."""
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    run = launch_with_root(tray_env, afile / "x")
+    assert run.returncode == 2, run.stderr
+    assert f"cannot create the jobs root {afile / 'x'}: {afile} is not a directory" in one_error_line(run.stderr)
+
+
 def test_jobs_root_open_to_others_is_refused(tray_env, tmp_path):
     root = tmp_path / "shared-root"
     root.mkdir()

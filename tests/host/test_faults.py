@@ -42,6 +42,8 @@ def test_rank_raises_reports_its_error(tray_env):
     assert "FAILED: rank 2 reported ValueError: bad input 42" in run.stderr
     assert "Traceback" in run.stderr
     assert run.seconds < 15
+    run = tray_env.launch(2, fault("raise MemoryError()").replace("rank.rank == 2", "rank.rank == 1"))
+    assert "FAILED: rank 1 reported MemoryError (no message)\n" in run.stderr, run.stderr
 
 
 def test_rank_sigkilled(tray_env):

@@ -66,6 +66,7 @@ def test_cli_job_and_aliases():
     (JobArgs(nnodes=2, node_rank=0), "--rdzv-endpoint"),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h"), "HOST:PORT"),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:70000"), "1..65535"),
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="[::1]:29500"), "an IPv6 address; the heads reach the root"),
     (JobArgs(node_rank=0, rdzv_endpoint="h:1"), "without --nnodes"),
     (JobArgs(nnodes=0), "at least 1"),
 ])

@@ -493,7 +493,8 @@ class Head:
                         if 0 <= r - self.rank_base < len(self.procs)]
                 notes = tuple(self._status(p) for p in late)
                 self._dump_stacks([p for p in late if self._heartbeating(p)])
-            self._fail(Failure(rank, f"rank {rank} reported {msg.error_type}: {msg.message}",
+            said = f"{msg.error_type}: {msg.message}" if msg.message else f"{msg.error_type} (no message)"
+            self._fail(Failure(rank, f"rank {rank} reported {said}",
                                report=f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail), notes=notes))
         elif isinstance(msg, wire.Vote):
             self._on_vote(sock, msg)

@@ -97,7 +97,11 @@ def _split_endpoint(endpoint: str, name: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port:
         raise UsageError(f"{name} {endpoint!r}: expected HOST:PORT, e.g. node001:29500")
-    return host.strip("[]"), _port(port, name)
+    host = host.strip("[]")
+    if ":" in host:
+        raise UsageError(f"{name} {endpoint!r}: an IPv6 address; the heads reach the root over IPv4: give a host name "
+                         "or an IPv4 address")
+    return host, _port(port, name)
 
 
 def _port(value: str | int, name: str) -> int:

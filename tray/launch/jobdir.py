@@ -89,6 +89,8 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise SetupError(f"jobs root {path} is a symbolic link or not a directory; {hint}") from None
+        if exc.errno == errno.EEXIST and exc.filename not in (None, str(path)):  # makedirs met a file on the way
+            raise SetupError(f"cannot create the jobs root {path}: {exc.filename} is not a directory; {hint}") from None
         raise SetupError(f"cannot create the jobs root {path}: {exc.strerror}; {hint}") from None
     st = os.fstat(fd)
     problem = None

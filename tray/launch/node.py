@@ -111,7 +111,7 @@ class NodeLink:
         silent = now - self.last_heard
         if silent > self.job.node_heartbeat_timeout_s:
             return (f"lost {where}: nothing heard for {silent:.1f} s (timeout {self.job.node_heartbeat_timeout_s:.1f} "
-                    "s): node 0's head was killed, its machine is down, or the network is cut")
+                    "s): node 0's head was killed or stopped, its machine is down, or the network is cut")
         return None
 
     def close(self, linger_ms: int | None = None) -> None:

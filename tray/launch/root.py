@@ -360,7 +360,8 @@ class Root:
             if not state.done and silent > limit:
                 j = state.join
                 self._stop(n, -1, f"node {n} ({j.hostname}, head pid {j.pid}) lost: no heartbeat for {silent:.1f} s "
-                           f"(timeout {limit:.1f} s): its head was killed, its machine is down, or the network is cut")
+                           f"(timeout {limit:.1f} s): its head was killed or stopped, its machine is down, or the "
+                           "network is cut")
                 return
         for key, step in list(self.steps.items()):
             if step.timeout_s is not None and now - step.t0 > step.timeout_s:
