@@ -487,6 +487,29 @@ def test_a_barrier_over_a_spanning_group_names_who_is_missing(tray_env, dropped)
         assert float(found.group(1)) < 2.5, runs[r // 2].output
 
 
+def test_a_spanning_barrier_missing_ranks_on_both_nodes_names_them_all_with_the_time_it_waited(tray_env):
+    """Ranks 1, 2 and 3 stay away: rank 0's local stage times out (rank 1), then its leaders' step waits for node
+    1's leader (rank 2) in vain. Before, it said it waited 0.5 s for rank 1 alone, after about 1.5 s."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 0:
+            t = time.monotonic()
+            try:
+                rank.barrier(timeout_s=0.5)
+            except tray.BarrierTimeout as exc:
+                print("missing", exc.missing, round(exc.waited_s, 2), round(time.monotonic() - t, 2), flush=True)
+        else:
+            time.sleep(3)
+    """
+    runs = finish(start_job(tray_env, body))
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    found = re.search(r"\[rank 0\] missing \[1, 2\] ([0-9.]+) ([0-9.]+)", runs[0].stdout)
+    assert found, runs[0].output
+    said, took = float(found.group(1)), float(found.group(2))
+    assert 1.0 < said <= took < 3.0, runs[0].output   # the local 0.5 s, then the leaders' step (bounded at 1 s)
+
+
 def test_node_0_must_run_where_the_endpoint_points(tray_env):
     env = tray_env.env()
     env["TRAY_JOB_TOKEN"] = TOKEN

@@ -235,8 +235,12 @@ class HostSpanBarrier(SpanBarrier):
         except BarrierTimeout as exc:
             first = first or self._as_span(exc)
         if first is not None:
-            self._broken = first
-            raise first
+            missing = set(first.missing)
+            if self.is_leader:  # the other nodes' missing members too, from the words the cross step gathered
+                missing |= set(missing_from_words(self._gathered(self._span.ptr), self.parts)[1])
+            self._broken = BarrierTimeout(self.group.name, first.epoch, self.me, sorted(missing),
+                                          time.perf_counter() - t0)
+            raise self._broken
         try:
             self._raise_gathered(self._gathered(self._leader_span_ptr), time.perf_counter() - t0)
         except BarrierTimeout as exc:
