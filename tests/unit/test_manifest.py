@@ -712,14 +712,14 @@ def test_digest_golden(tmp_path: Path) -> None:
     kernels = [{"name": "b", "source": "b.cu"}, {"name": "a", "source": "a.cu"}]
     m2 = parse_manifest({"format": 1, "name": "k", "kernels": kernels}, "<memory>", str(_kernel_pair_dir(tmp_path)))
     h = hashlib.sha256(json.dumps(m2.doc, sort_keys=True, separators=(",", ":")).encode())
-    h.update(b"\0kernel\0a\0A")
-    h.update(b"\0kernel\0b\0B")
+    h.update(b"\0kernel\0a\0void a()")
+    h.update(b"\0kernel\0b\0void b()")
     assert m2.digest == h.hexdigest()
 
 
 def _kernel_pair_dir(d: Path) -> Path:
-    (d / "a.cu").write_bytes(b"A")
-    (d / "b.cu").write_bytes(b"B")
+    (d / "a.cu").write_bytes(b"void a()")
+    (d / "b.cu").write_bytes(b"void b()")
     return d
 
 
@@ -1010,3 +1010,31 @@ def test_twin_views_are_judged_only_inside_the_memory_tray_mapped():
     finally:
         twins.remove_region(base)
     assert twins.at(base, 64, np.uint8).size == 64  # nothing registered: nothing checked
+
+
+def test_an_entry_its_source_does_not_name_is_refused_with_the_kernels_it_defines(root: Path) -> None:
+    """A typo in "entry" passed `tray inspect` and every host run, to fail on a GPU alone (the module lacks the
+    symbol); a source that includes files or pastes tokens may define it out of sight and is not judged."""
+    (root / "kernels" / "two.cu").write_text(
+        'extern "C" __global__ void my_fill(float* y) {}\n'
+        'extern "C" __global__ void __launch_bounds__(128) my_scale(float* y) {}\n')
+    doc = {"format": 1, "name": "t", "kernels": [{"name": "fill", "source": "kernels/two.cu", "entry": "my_fil"}]}
+    path, exc = load_error(root, doc)
+    assert_error(path, exc, "$.kernels[0].entry", 'entry "my_fil" is not in its source',
+                 "it defines my_fill, my_scale; did you mean 'my_fill'?")
+    doc["kernels"][0]["entry"] = "my_scale"
+    load_manifest(write(root, doc))
+    (root / "kernels" / "made.cu").write_text('#include "k.cuh"\nMAKE_KERNEL(my_fill)\n')
+    doc["kernels"] = [{"name": "fill", "source": "kernels/made.cu", "entry": "tray_fill"}]
+    load_manifest(write(root, doc))   # out of sight: not judged
+
+
+def test_a_collective_whose_dtype_is_not_its_buffers_is_refused(root: Path) -> None:
+    """An allreduce in f32 over i32 buffers passed `tray inspect` and ran, summing integers' bytes as floats."""
+    doc = node_doc()
+    doc["buffers"][0]["dtype"] = "i32"
+    path = write(root, doc)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path).resolve(4)
+    assert_error(path, info.value, "$.programs[0].ops[1].dtype", "allreduce of count 64 bf16 over group 'node'",
+                 "its send buffer 'part' holds i32; the op's dtype must be its buffers'")

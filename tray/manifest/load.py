@@ -524,6 +524,7 @@ class _Parser:
                     where,
                     f'entry {show(entry)} is not a C identifier; give "entry" the kernel\'s function name',
                 )
+            self.check_entry_in_source(entry, self.sources[name], full, child(jp, "entry") if "entry" in spec else jp)
             ojp = child(jp, "options")
             options = tuple(
                 self.str_(o, child(ojp, k), "compiler option")
@@ -534,6 +535,18 @@ class _Parser:
             out.append(KernelSpec(name, full, entry, options, peers, self.sources[name], programmatic))
         self.kernels = {k.name: k for k in out}
         return tuple(out)
+
+    def check_entry_in_source(self, entry: str, code: bytes, path: str, jp: str) -> None:
+        """An entry that its source never names (a typo) would surface on a GPU only, as a symbol the compiled
+        module lacks; the host backend runs twins and never looks. Sources that include files or paste tokens
+        (#include, ##) may define it out of sight, so they are not judged."""
+        text = code.decode("utf-8", "replace")
+        if re.search(rf"\b{re.escape(entry)}\b", text) or "#include" in text or "##" in text:
+            return
+        bounds = r"(?:__launch_bounds__\([^)]*\)\s*)?"
+        kernels = re.findall(rf"__global__\s+{bounds}void\s+{bounds}(\w+)", text)
+        found = f"; it defines {known_list(kernels)}{did_you_mean(entry, kernels)}" if kernels else ""
+        self.fail(jp, f"entry {show(entry)} is not in its source {path}{found}")
 
     def parse_programs(self, raw: object) -> tuple[ProgramSpec, ...]:
         out: list[ProgramSpec] = []

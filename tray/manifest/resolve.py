@@ -250,6 +250,11 @@ class _Resolver:
         what = f"{coll} of count {count} {spec.dtype} over group '{spec.group}' ({group_size} ranks)"
         send = self.room(spec.send, f"{jp}.send", send_elems * item, what)
         recv = self.room(spec.recv, f"{jp}.recv", recv_elems * item, what)
+        for ref, key in ((send, "send"), (recv, "recv")):
+            held = self.buffers[ref.name].dtype
+            if held != spec.dtype:
+                self.fail(f"{jp}.dtype", f"{what}: its {key} buffer '{ref.name}' holds {held}; the op's dtype must be "
+                                         f"its buffers' (the collective would read their bytes as {spec.dtype})")
         return ResolvedCollective(coll, spec.group, send, recv, count, spec.dtype, peer, jp, spec.across)
 
     def stage(self, spec: StageSpec) -> ResolvedStage:
