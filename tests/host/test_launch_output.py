@@ -242,3 +242,14 @@ def test_trays_own_lines_are_written_whole_under_the_lock_rank_lines_take(monkey
         spawn.say("FAILED: rank 1 reported ValueError")
     assert calls == [("tray: FAILED: rank 1 reported ValueError\n", True, True)]
     assert spawn._lock_of(sys.stderr) is spawn._stderr_lock and spawn._lock_of(sys.stdout) is spawn._stdout_lock
+
+
+def test_a_log_dir_that_cannot_be_written_is_a_setup_error_before_any_rank_starts(tray_env, tmp_path):
+    """--log-dir under a file gave a FileNotFoundError traceback and exit 1, after the ranks had started."""
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    run = tray_env.launch(2, "print('ran', flush=True)", "--log-dir", str(afile / "logs"))
+    assert run.returncode == 2, run.output
+    assert run.stderr.strip().splitlines()[-1] == (f"tray: SetupError: --log-dir {afile / 'logs'}: cannot write "
+                                                  "there (Not a directory); give a directory of yours"), run.stderr
+    assert "ran" not in run.stdout and "Traceback" not in run.stderr

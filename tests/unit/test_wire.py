@@ -447,3 +447,45 @@ def test_fuzz_valid_bodies_with_a_field_changed(data: st.DataObject) -> None:
     else:
         target[key] = data.draw(msgpack_values)
     _outcome(_raw(body))
+
+
+@pytest.mark.parametrize("reply", [{"ok": True}, {"ok": True, "names": "x"}, [1, 2], {"ok": False, "reason": "no"}])
+def test_a_malformed_or_refusing_fd_reply_closes_the_fds_it_brought(tmp_path, reply) -> None:
+    """An fd socket that sends an fd with a reply of the wrong shape: a HandshakeError naming the owner, and the
+    fd received with it closed (a KeyError escaped, and the fd leaked)."""
+    import os
+    import socket
+    import threading
+
+    import msgpack
+
+    from tray.errors import HandshakeError
+    from tray.handshake.fdpass import fetch_fds
+
+    path = str(tmp_path / "fake.fds")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    r, w = os.pipe()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            body = msgpack.packb(reply)
+            socket.send_fds(conn, [len(body).to_bytes(4, "big") + body], [r])
+
+    t = threading.Thread(target=serve)
+    t.start()
+    before = set(os.listdir("/proc/self/fd"))
+    try:
+        with pytest.raises(HandshakeError, match="rank 9"):
+            fetch_fds(path, "tok", ["x"], "rank 9", 5.0)
+        t.join(5)
+        extra = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in set(os.listdir("/proc/self/fd")) - before
+                 if os.path.exists(f"/proc/self/fd/{fd}")}
+        assert not extra, extra  # the received copy of the pipe's end is closed
+    finally:
+        server.close()
+        os.close(r)
+        os.close(w)

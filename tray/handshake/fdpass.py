@@ -148,6 +148,28 @@ def _frame(obj: object) -> bytes:
     return struct.pack("!I", len(body)) + body
 
 
+def _reply(sock: socket.socket, data: bytes, nfds: int, owner: str) -> tuple[list[str], bool]:
+    """One reply of an fd socket, checked: (the buffer names its `nfds` fds are, whether more replies follow).
+    Raises HandshakeError naming `owner` for a refusal or a reply of the wrong shape."""
+    if len(data) < 4:
+        raise HandshakeError(f"{owner}'s fd socket closed without an answer")
+    (length,) = struct.unpack("!I", data[:4])
+    body = data[4:]
+    while len(body) < length:
+        body += _recv_exact(sock, length - len(body))
+    reply = msgpack.unpackb(body, raw=False)
+    if not isinstance(reply, dict):
+        raise HandshakeError(f"{owner}'s fd socket answered {type(reply).__name__}, not a map")
+    if not reply.get("ok"):
+        raise HandshakeError(f"{owner}'s fd socket refused: {reply.get('reason')}")
+    names = reply.get("names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise HandshakeError(f"{owner}'s fd socket answered without the list of buffer names")
+    if nfds != len(names):
+        raise HandshakeError(f"{owner} sent {nfds} fds for {len(names)} buffers")
+    return names, bool(reply.get("more"))
+
+
 def fetch_fds(path: str, token: str, names: list[str], owner: str, timeout_s: float) -> dict[str, int]:
     """Ask the fd socket at `path` (of `owner`, e.g. "rank 2") for `names`; returns name -> fd
     (the caller owns and closes them). Raises HandshakeError naming the owner on refusal/timeout."""
@@ -169,23 +191,14 @@ def fetch_fds(path: str, token: str, names: list[str], owner: str, timeout_s: fl
         sock.sendall(_frame({"token": token, "names": names}))
         while True:
             data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST_NBYTES, _MAX_FDS)
-            if len(data) < 4:
-                raise HandshakeError(f"{owner}'s fd socket closed without an answer")
-            (length,) = struct.unpack("!I", data[:4])
-            body = data[4:]
-            while len(body) < length:
-                body += _recv_exact(sock, length - len(body))
-            reply = msgpack.unpackb(body, raw=False)
-            if not reply.get("ok"):
-                for fd in fds:
+            try:
+                names, more = _reply(sock, data, len(fds), owner)
+            except BaseException:
+                for fd in fds:  # NOTE: this reply's fds are not in `received` yet: closed here, whatever failed
                     os.close(fd)
-                raise HandshakeError(f"{owner}'s fd socket refused: {reply.get('reason')}")
-            if len(fds) != len(reply["names"]):
-                for fd in fds:
-                    os.close(fd)
-                raise HandshakeError(f"{owner} sent {len(fds)} fds for {len(reply['names'])} buffers")
-            received.update(zip(reply["names"], fds))
-            if not reply.get("more"):
+                raise
+            received.update(zip(names, fds))
+            if not more:
                 return received
     except TimeoutError:
         for fd in received.values():

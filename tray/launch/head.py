@@ -15,7 +15,9 @@ import secrets
 import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -33,9 +35,9 @@ from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
-from tray.launch.spawn import OutputPump, ensure_fd_limit, log_path, rank_env, say, spawn_rank, stat_fields
+from tray.launch.spawn import OutputPump, ensure_fd_limit, log_path, rank_env, say, spawn_rank
 from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, RankState, TrayResult, TraySpec, stop_signals
-from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group
+from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fields
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
 from tray.numa import NumaPlacement, placement_for
@@ -106,6 +108,17 @@ def _init_driver() -> None:
 def _set_child_subreaper(on: bool) -> None:
     """Orphans of the ranks' descendants reparent to the head while it lives (found at teardown)."""
     _libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+
+
+def _check_log_dir(log_dir: str) -> None:
+    """--log-dir made, and writable, before any rank starts (the rank files are opened once ranks run)."""
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=log_dir, prefix=".tray-probe-")
+        probe.close()
+    except OSError as exc:
+        raise SetupError(f"--log-dir {log_dir}: cannot write there ({exc.strerror}); give a directory of "
+                         "yours") from None
 
 
 def _own_children() -> set[int]:
@@ -213,6 +226,8 @@ class Head:
     def _run(self) -> Path:
         """run() with the signals held; returns the job dir (removed by now)."""
         ensure_fd_limit(self.spec.nprocs)
+        if self.spec.log_dir:
+            _check_log_dir(self.spec.log_dir)
         try:
             os.getcwd()
         except FileNotFoundError:
@@ -488,9 +503,11 @@ class Head:
             if self._fail_on_a_death_first(rank, msg):
                 return
             notes: tuple[str, ...] = ()
-            if msg.error_type == BarrierTimeout.__name__:
-                late = [self.procs[r - self.rank_base] for r in BarrierTimeout.missing_in(msg.message)
-                        if 0 <= r - self.rank_base < len(self.procs)]
+            # any wait on ranks that timed out (a barrier's, the low-latency allreduce's: errors.WaitedForRanks) says
+            # whom it missed: the head says what each is doing and has those still running write their stacks
+            late = [self.procs[r - self.rank_base] for r in BarrierTimeout.missing_in(msg.message)
+                    if 0 <= r - self.rank_base < len(self.procs)]
+            if late:
                 notes = tuple(self._status(p) for p in late)
                 self._dump_stacks([p for p in late if self._heartbeating(p)])
             said = f"{msg.error_type}: {msg.message}" if msg.message else f"{msg.error_type} (no message)"
@@ -657,8 +674,8 @@ class Head:
         buffers, say) is not the root cause: the rank that died before the report arrived is (an exit other than
         0, or 0 before the tray was up). A rank the message names ("rank 1's fd socket") is waited for briefly,
         its exit perhaps not seen yet. Fails the tray with that death, the report as a note; False if none."""
-        if msg.error_type == BarrierTimeout.__name__:
-            return False  # a barrier's timeout names who it missed; the head says there whether they are dead
+        if BarrierTimeout.missing_in(msg.message):
+            return False  # a wait that timed out names whom it missed; the head says there whether they are dead
         named = {int(r) for r in re.findall(r"\brank (\d+)'s", msg.message)}
         deadline = time.monotonic() + (_DEATH_SEEN_WITHIN_S if named - {rank} else 0.0)
         while True:
@@ -844,8 +861,9 @@ class Head:
         if self._heartbeating(p):
             if silent_s > _LATE_S:
                 head += " (busy in a call that holds the GIL: a CPU in use, no heartbeat)"
-            return (f"{head}: running but not at this barrier, slow or stuck elsewhere (its Python stack, every "
-                    f"thread, went to its stderr just now: the [rank {p.rank}] lines above, or its log); if it is "
+            return (f"{head}: running but not where the others wait for it, slow or stuck elsewhere (its Python "
+                    f"stack, every thread, went to its stderr just now: the [rank {p.rank}] lines above, or its log); "
+                    "if it is "
                     "slow, give barriers more time (--barrier-timeout-s S, TRAY_BARRIER_TIMEOUT_S or the manifest's "
                     "barrier_timeout_s) or run fewer ranks than cores")
         return f"{head}: stopped or frozen (no heartbeat)"
@@ -902,15 +920,18 @@ class Head:
             for p in alive:
                 try:
                     p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except Exception:
+                except subprocess.TimeoutExpired:
                     p.popen.kill()
-                    p.popen.wait(timeout=5.0)
+        stuck: list[int] = []
         for p in self.procs:
             if p.returncode is None:
-                p.returncode = p.popen.wait(timeout=5.0)
-        survivors: list[int] = []
+                try:
+                    p.returncode = p.popen.wait(timeout=REAP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:  # SIGKILLed and still there: uninterruptible sleep (a hung driver)
+                    stuck.append(p.pid)
+        survivors: list[int] = stuck
         if watchdog is not None:
-            survivors = kill_group(watchdog.pgid, frozenset({watchdog.popen.pid}))
+            survivors = stuck + kill_group(watchdog.pgid, frozenset({watchdog.popen.pid, *stuck}))
         self._kill_adopted(exclude={p.pid for p in self.procs} | ({watchdog.popen.pid} if watchdog else set())
                            | ({self.id_maker.popen.pid} if self.id_maker is not None else set()))
         if survivors:
@@ -1037,8 +1058,7 @@ class Head:
         codes = {p.rank: p.returncode for p in self.procs}
         if self.failure:
             self._print_root_cause()
-            others = [f"rank {r}: {'killed by ' + _signal_name(c) if c and c < 0 else f'exit {c}'}"
-                      for r, c in codes.items() if r != self.failure.rank]
+            others = [f"rank {r}: {_end_of(c)}" for r, c in codes.items() if r != self.failure.rank]
             if others:
                 _say("after teardown: " + "; ".join(others))
         t0 = min((p.t_spawn for p in self.procs), default=0.0)
@@ -1047,6 +1067,13 @@ class Head:
             returncodes=codes, timeline=self._timeline() if self.offers else {},
             startup_s=(self.t_go - t0) if self.t_go else None, job_dir=str(job_dir), rejected=self.rejected,
         )
+
+
+def _end_of(code: int | None) -> str:
+    """How a rank ended, for the line after the teardown."""
+    if code is None:
+        return "still there after SIGKILL (uninterruptible sleep?)"
+    return f"killed by {_signal_name(code)}" if code < 0 else f"exit {code}"
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -170,14 +170,6 @@ def _remove_entry(root_fd: int, name: str) -> None:
         pass
 
 
-def head_pid_of(job_dir: Path) -> int | None:
-    """The pid in a job dir's name (informational only: liveness is the lock)."""
-    try:
-        return int(job_dir.name.split("-")[1])
-    except (IndexError, ValueError):
-        return None
-
-
 def try_lock(root_fd: int, name: str) -> int | None:
     """The fd of `name`'s lock, now held by us, if no live head holds it; None if it is live (or not
     a real directory of ours). A job dir without a lock file is stale (a live one always has it)."""

@@ -20,6 +20,7 @@ from tray.errors import UsageError
 from tray.launch.output import STDERR, STDOUT, Routing, stamp
 from tray.launch.ports import MASTER_ADDR
 from tray.launch.spec import RankProcess, TraySpec
+from tray.launch.watchdog import stat_fields
 from tray.numa import NumaPlacement, prepare_binding
 
 PR_SET_PDEATHSIG = 1
@@ -172,16 +173,6 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
             hint = "no more processes may start: raise the process limit (ulimit -u), or run fewer ranks"
         raise UsageError(f"cannot start rank {rank}: {program!r}: {exc.strerror}; {hint}") from None
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)
-
-
-def stat_fields(pid: int | str) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses): state, ppid,
-    ... (field 3 of proc(5) is [0]); None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
 
 
 def process_started_at() -> float | None:

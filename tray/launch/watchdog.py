@@ -29,6 +29,16 @@ DONE = b"done\n"
 REAP_TIMEOUT_S = 5.0
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses): state, ppid,
+    ... (field 3 of proc(5) is [0]); None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def group_members(pgid: int, exclude: frozenset[int] = frozenset()) -> list[int]:
     """Pids of the live processes in process group `pgid` (from /proc), minus `exclude`."""
     found = []
@@ -38,14 +48,8 @@ def group_members(pgid: int, exclude: frozenset[int] = frozenset()) -> list[int]
         pid = int(entry)
         if pid in exclude:
             continue
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # fields after the command (which may hold spaces and parentheses): state ppid pgrp ...
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+        fields = stat_fields(pid)  # state ppid pgrp ...
+        if fields is not None and len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             found.append(pid)
     return found
 

@@ -187,12 +187,6 @@ class _Interface:
         self._view = view
 
 
-def peer_resource(rank_of_member: int, me: int, own: Any, mappings: dict[tuple[int, str], Any],
-                  name: str) -> Any:
-    """The resource backing `name` of global rank `rank_of_member` on this rank."""
-    return own if rank_of_member == me else mappings[(rank_of_member, name)]
-
-
 def check_member(name: str, member: int, members: tuple[int, ...], group: str) -> None:
     """UsageError unless `member` (a global rank) is in the buffer's group."""
     if not isinstance(member, int) or member not in members:
