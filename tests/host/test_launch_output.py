@@ -74,8 +74,8 @@ def test_a_slow_rank_is_named_slow_not_dead(tray_env):
     run = tray_env.launch(2, LATE_RANK, "--barrier-timeout-s", "0.5")
     assert run.returncode == 1, run.output
     assert "waited 0.50 s for rank 1" in run.stderr
-    assert re.search(r"rank 1 is alive, last heartbeat [0-9.]+ s ago, phase running: running but not at this "
-                     r"barrier, slow or stuck elsewhere", run.stderr), run.stderr
+    assert re.search(r"rank 1 is alive, last heartbeat [0-9.]+ s ago, phase running: running but not where the "
+                     r"others wait for it, slow or stuck elsewhere", run.stderr), run.stderr
     stack = [line for line in run.stderr.splitlines() if line.startswith("[rank 1]")]
     assert any("in somewhere_else" in line for line in stack), run.stderr
     assert not any(line.startswith("[rank 0]") and "somewhere_else" in line for line in run.stderr.splitlines())
