@@ -383,6 +383,9 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+_terminate_as_interrupt.stops_tray = True  # type: ignore[attr-defined]  # (spec.stop_signals)
+
+
 def _ignore_late_signals() -> None:
     """The command is over (its tray stopped): a SIGINT/SIGTERM now would only change how the process ends.
     Ignored, not defaulted: CPython puts its handled signals back to the default while it shuts down, so a

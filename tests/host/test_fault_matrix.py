@@ -141,6 +141,47 @@ def test_in_process_tray_leaves_no_fd(tray_env, monkeypatch):
     assert set(os.listdir("/proc/self/fd")) == fds
 
 
+def test_run_tray_in_a_program_spares_its_own_children_and_its_own_sighup_handler(tray_env, monkeypatch):
+    """run_tray() in a program with children of its own (started before the tray and while it runs, in process
+    groups of their own) and a SIGHUP handler of its own: the teardown kills only what carries the tray's job in
+    its environment, and a SIGHUP during the tray reaches the program's handler, not a KeyboardInterrupt."""
+    import signal as sig
+    import threading
+
+    monkeypatch.setenv("TRAY_JOBS_ROOT", str(tray_env.jobs_root))
+    prog = tray_env.script("""
+    import subprocess
+    with tray.init() as rank:
+        if rank.rank == 0:   # the tray's own: killed at the end though it left the tray's process group
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1]], process_group=0)
+        time.sleep(1.5)
+        rank.barrier(timeout_s=30)
+    """)
+    mine = [subprocess.Popen(["sleep", "60"], start_new_session=True)]
+    got: list[int] = []
+    old = sig.signal(sig.SIGHUP, lambda signum, frame: got.append(signum))
+    try:
+        def meanwhile() -> None:
+            time.sleep(0.8)
+            mine.append(subprocess.Popen(["sleep", "60"], process_group=0))
+            os.kill(os.getpid(), sig.SIGHUP)
+
+        t = threading.Thread(target=meanwhile)
+        t.start()
+        result = run_tray(TraySpec(nprocs=2, cmd=(sys.executable, str(prog), tray_env.marker), backend="host",
+                                   quiet=True))
+        t.join()
+        assert result.exit_code == 0
+        assert got == [sig.SIGHUP]
+        assert [p.poll() for p in mine] == [None, None]   # both alive: the program's, not the tray's
+        assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
+    finally:
+        sig.signal(sig.SIGHUP, old)
+        for p in mine:
+            p.kill()
+            p.wait()
+
+
 # --- 2. leftover processes -----------------------------------------------------------------------------
 
 def test_leftover_child_holding_stdout_does_not_hang_the_tray(tray_env):

@@ -378,3 +378,33 @@ except SetupError as exc:
     assert out.stdout.splitlines() == [
         "92", "the open-file limit (ulimit -n) is 40 (at most 60); a tray of 12 ranks needs about 92 descriptors in "
               "its head: raise it, or run fewer ranks"], out.stdout + out.stderr
+
+
+def test_a_port_lock_removed_under_a_tray_is_not_taken_for_a_lock(tmp_path) -> None:
+    """A tray that opened `port-P.lock` just before its holder removed it would lock a file no one else sees; the
+    next tray would make a new one and lock that too: two trays on one --master-port. The inode is checked."""
+    import fcntl
+    import os
+    import socket
+
+    from tray.launch.ports import PortReservation, _still_named
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    name = f"port-{port}.lock"
+    try:
+        a = PortReservation(port=port, lock_dir_fd=dir_fd)
+        stale = os.open(name, os.O_RDWR, dir_fd=dir_fd)  # a second tray got this far when ...
+        a.close()  # ... the first removed the file and let go
+        c = PortReservation(port=port, lock_dir_fd=dir_fd)
+        fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the stale inode locks: it is no one's lock any more
+        assert not _still_named(stale, name, dir_fd)
+        os.close(stale)
+        with pytest.raises(OSError, match=rf"another tray \(head pid {os.getpid()}\) holds it"):
+            PortReservation(port=port, lock_dir_fd=dir_fd)
+        c.close()
+        assert os.listdir(tmp_path) == []
+    finally:
+        os.close(dir_fd)

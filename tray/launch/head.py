@@ -121,6 +121,15 @@ def _check_log_dir(log_dir: str) -> None:
                          "yours") from None
 
 
+def _environ_of(pid: int) -> bytes:
+    """Process `pid`'s environment as /proc has it, each entry between NULs; empty when unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"\0" + f.read() + b"\0"
+    except OSError:
+        return b""
+
+
 def _own_children() -> set[int]:
     """This process's children now, from /proc (no psutil import on the start's path); empty if unreadable."""
     pids: set[int] = set()
@@ -566,7 +575,8 @@ class Head:
     def _adopt_ranks_manifest(self) -> None:
         """Given no --manifest, take the manifest every rank loaded from one file (tray.init(manifest=...)) once
         that file's digest here is the one they offered; anything else is left to validate_offers to name."""
-        if self.spec.manifest or not self._adopts_ranks_manifest:
+        if self.spec.manifest or not self._adopts_ranks_manifest or self.early_ids:
+            # NOTE: an early join planned its groups from the head's manifest: another one's would not match
             return
         offered = {(o.manifest, o.manifest_path) for o in self.offers.values()}
         if len(offered) != 1:
@@ -944,18 +954,19 @@ class Head:
         self._log_error_reports(job.path)
 
     def _kill_adopted(self, exclude: set[int]) -> None:
-        """Kill the head's children it did not start: orphans of the ranks' descendants (reparented
-        here, the head being a subreaper) that left the tray's process group, for a session of their
-        own or a process group of their own (setsid, setpgid, `Popen(process_group=0)`). Not children this
-        process had before the tray (run_tray() called from a program with children of its own), nor any
-        in this process's own group; they are reaped so none lingers as a zombie."""
+        """Kill the head's children it did not start: orphans of the ranks' descendants (reparented here, the
+        head being a subreaper) that left the tray's process group (setsid, setpgid, `Popen(process_group=0)`).
+        In `tray launch` every other child is one; in a program that called run_tray() (children of its own,
+        started before the tray or meanwhile), only those whose environment names this tray's job dir (a rank's
+        descendants inherit it). They are reaped so none lingers as a zombie."""
         me = psutil.Process()
         try:
-            sid, pgid = os.getsid(0), os.getpgid(0)
-            adopted = [c for c in me.children() if c.pid not in exclude and c.pid not in self._children_before
-                       and (os.getsid(c.pid) != sid or os.getpgid(c.pid) != pgid)]
-        except (psutil.Error, OSError):
+            adopted = [c for c in me.children() if c.pid not in exclude and c.pid not in self._children_before]
+        except psutil.Error:
             return
+        if self.spec.launched_at is None and self._job_path is not None:
+            mark = f"\0TRAY_JOB={self._job_path}\0".encode()
+            adopted = [c for c in adopted if mark in _environ_of(c.pid)]
         for c in adopted:
             try:
                 c.kill()

@@ -15,16 +15,40 @@ def _lock_port(dir_fd: int, port: int) -> int:
     """Hold `port-<port>.lock` under `dir_fd` (its fd, the holder's pid written in it); OSError(EADDRINUSE) naming
     the holder when another process holds it. The holder removes the file as it lets go (_unlock_port); the jobs
     root's sweep removes one a killed holder left."""
-    fd = os.open(f"port-{port}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    name = f"port-{port}.lock"
+    for _ in range(_LOCK_TRIES):
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except OSError:
+            locked = False
+        if not _still_named(fd, name, dir_fd):
+            # NOTE: its holder (or the sweep) removed it between our open and our flock: that inode is no one's
+            # lock any more, whoever holds it now; try the file as it is named now
+            os.close(fd)
+            continue
+        if not locked:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OSError(errno.EADDRINUSE, f"another tray (head pid {holder}) holds it")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+    raise OSError(errno.EADDRINUSE, f"its lock file {name} kept changing under this tray")
+
+
+_LOCK_TRIES = 8
+
+
+def _still_named(fd: int, name: str, dir_fd: int) -> bool:
+    """Whether `name` under `dir_fd` is still the file open at `fd` (not removed, nor made anew)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise OSError(errno.EADDRINUSE, f"another tray (head pid {holder}) holds it") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 class PortReservation:

@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 
 def stop_signals() -> tuple[int, ...]:
     """The signals that stop a tray as Ctrl-C does: SIGINT, SIGTERM (kill, scancel, a time limit) and SIGHUP (its
-    terminal closed), unless this process ignores SIGHUP (started by nohup: it asked to outlive its terminal)."""
+    terminal closed) where SIGHUP would end this process anyway: its handler is the default, or tray's own. Not
+    under nohup (SIGHUP ignored: it asked to outlive its terminal), nor in a program that handles SIGHUP itself
+    (a reload, say) and calls run_tray()."""
     sigs = [signal.SIGINT, signal.SIGTERM]
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+    handler = signal.getsignal(signal.SIGHUP)
+    if handler is signal.SIG_DFL or getattr(handler, "stops_tray", False):
         sigs.append(signal.SIGHUP)
     return tuple(sigs)
 

@@ -218,8 +218,8 @@ class Rank:
         b = self.buffer(name)
         arr = np.ascontiguousarray(data)
         want = numpy_dtype(b.dtype)
-        # NOTE: raw bits are fine: an unsigned or signed integer array of the element's size (bf16 as uint16), or bytes
-        raw = arr.dtype == np.uint8 or (arr.dtype.kind in "ui" and arr.dtype.itemsize == want.itemsize)
+        # NOTE: raw bits are fine: an integer array of the element's size (bf16 as uint16; bool as u8), or bytes
+        raw = arr.dtype == np.uint8 or (arr.dtype.kind in "uib" and arr.dtype.itemsize == want.itemsize)
         if arr.dtype != want and not raw:
             raise UsageError(f"write({name!r}): {arr.dtype} data into a {b.dtype} buffer would store its bytes "
                              f"unconverted; convert it first (np.asarray(data, {want.name!r})), or pass the raw bits "
