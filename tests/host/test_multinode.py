@@ -510,6 +510,31 @@ def test_a_spanning_barrier_missing_ranks_on_both_nodes_names_them_all_with_the_
     assert 1.0 < said <= took < 3.0, runs[0].output   # the local 0.5 s, then the leaders' step (bounded at 1 s)
 
 
+@pytest.mark.parametrize("leaves", ["exit", "close"])
+def test_ranks_that_end_on_one_node_while_another_waits_in_a_step_are_named_at_once(tray_env, leaves):
+    """Ranks 0 and 1 (node 0) end while ranks 2 and 3 (node 1) wait in an exchange they never join: node 0's head
+    tells the root, which stops the job naming them, instead of the exchange's 20 s timing out (rank 3 votes a
+    second after rank 2: node 1's votes go on to the root together)."""
+    end = "sys.exit(0)" if leaves == "exit" else "rank.close(); time.sleep(30)"
+    body = f"""
+    rank = tray.init()
+    rank.barrier()
+    if rank.rank < 2:
+        {end}
+    if rank.rank == 3:
+        time.sleep(1)
+    rank.exchange("early", rank.rank, timeout_s=20)   # ranks 2 and 3 only: node 1's step
+    """
+    runs = finish(start_job(tray_env, body), timeout_s=60)
+    how = "exited with code 0" if leaves == "exit" else "closed its tray"
+    for run in runs:
+        assert run.returncode == 1, run.output
+        cause = _root_cause(run)
+        assert re.search(rf"rank [01] {how}.* while ranks 2,3 wait for it in exchange 'early' \(round 1\)",
+                         cause), run.output
+        assert run.seconds < 15, run.output
+
+
 def test_node_0_must_run_where_the_endpoint_points(tray_env):
     env = tray_env.env()
     env["TRAY_JOB_TOKEN"] = TOKEN

@@ -36,6 +36,7 @@ MESSAGES = [
                         exit_code=1),
     jobwire.JobStop(token=TOKEN, node_rank=-1, rank=-1, summary="node 1 lost", report="", tail=(), exit_code=3),
     jobwire.NodeDone(token=TOKEN, node_rank=1),
+    jobwire.NodeLeft(token=TOKEN, node_rank=1, rank=3, how="exited with code 0"),
     jobwire.JobEnd(token=TOKEN, nnodes=2),
     jobwire.Beat(token=TOKEN, node_rank=0, seq=7),
 ]

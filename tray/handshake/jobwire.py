@@ -256,6 +256,18 @@ class NodeDone(_JobMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class NodeLeft(_JobMessage):
+    """head -> root: rank `rank` of this node takes part in no step any more (after go): it exited 0 or closed its
+    tray; `how` says which. The root fails a job-wide step other ranks wait in that it never voted in."""
+
+    KIND: ClassVar[str] = "node_left"
+    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "rank": _int(0), "how": _str()}
+    node_rank: int
+    rank: int
+    how: str
+
+
+@dataclass(frozen=True, slots=True)
 class JobEnd(_JobMessage):
     """root -> every head: every node is done; the job succeeded."""
 
@@ -275,10 +287,10 @@ class Beat(_JobMessage):
 
 
 JobMessage: TypeAlias = (NodeJoin | NodeOffers | JobTable | NodeReady | JobGo | NodeVote | JobDecision | NodeFailure
-                         | JobStop | NodeDone | JobEnd | Beat)
+                         | JobStop | NodeDone | NodeLeft | JobEnd | Beat)
 KINDS: dict[str, type[JobMessage]] = {cls.KIND: cls for cls in (
     NodeJoin, NodeOffers, JobTable, NodeReady, JobGo, NodeVote, JobDecision, NodeFailure, JobStop, NodeDone,
-    JobEnd, Beat)}
+    NodeLeft, JobEnd, Beat)}
 
 
 def decode(data: bytes, *, token: str, sender: str | None = None) -> JobMessage:

@@ -22,6 +22,12 @@ _OWN_STEPS = {
 }
 
 
+def who_waits(ranks: Sequence[int]) -> str:
+    """'rank 2 waits' / 'ranks 2,3 wait' for a message."""
+    rs = sorted(ranks)
+    return f"rank {rs[0]} waits" if len(rs) == 1 else f"ranks {','.join(map(str, rs))} wait"
+
+
 def describe_step(topic: str) -> str:
     """`topic` as a message names it: tray's own steps by what the program did to start them, a group step by
     its group, an exchange by its topic."""

@@ -29,7 +29,7 @@ from tray.collectives.idmaker import IdMaker
 from tray.envvars import join_collectives
 from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
-from tray.handshake.steps import describe_step, step_voters
+from tray.handshake.steps import describe_step, step_voters, who_waits
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
@@ -71,6 +71,7 @@ DRAIN_S = 1.0
 # NOTE: a rank whose heartbeat is this late (two periods and some) is not being scheduled or holds the GIL: from here
 # the head compares the CPU its process uses with the time that passes; half a CPU or more is busy, not frozen
 _LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
+_CLOSED_ITS_TRAY = "closed its tray (rank.close(), or the end of its `with tray.init()` block)"
 # a rank whose fd socket reset under a peer has died, or is dying: its exit is seen within this (else the report
 # stands as the root cause)
 _DEATH_SEEN_WITHIN_S = 0.5
@@ -526,6 +527,7 @@ class Head:
             self._on_vote(sock, msg)
         elif isinstance(msg, wire.Bye):
             self._note_phase(proc, "bye", force=True)
+            self._rank_left(proc, _CLOSED_ITS_TRAY)
             self._check_abandoned_steps()
         else:
             self._reject_log(ident, f"a rank may not send {msg.KIND!r}")
@@ -655,11 +657,12 @@ class Head:
             p.returncode = code
             p.state = RankState.EXITED if code == 0 else RankState.FAILED
             if code == 0:
-                if self.votes:  # its last votes may still be in flight: read them before judging the steps
-                    self._drain(sock, 0)
-                    self._check_abandoned_steps()
-                    if self.failure:
-                        return
+                self._drain(sock, 0)  # its last votes may still be in flight: read them before judging the steps
+                if self.t_go is not None and not self.failure:
+                    self._rank_left(p, "exited with code 0")
+                self._check_abandoned_steps()
+                if self.failure:
+                    return
                 continue
             # drain messages first: the rank's error report may still be in flight
             self._drain(sock, 0)
@@ -708,6 +711,10 @@ class Head:
                 return False
             time.sleep(0.01)
 
+    def _rank_left(self, p: RankProcess, how: str) -> None:
+        """Rank `p` takes part in no step any more (it exited 0, or closed its tray): this head judges its own
+        steps (_check_abandoned_steps); a node of a job of several also tells the root, which judges the job's."""
+
     def _check_abandoned_steps(self) -> None:
         """A rank that exited 0 or closed its tray (said bye) takes part in no step any more: a tray-wide step
         that other ranks wait in and it has not voted in fails now, naming it, instead of when the waiting
@@ -722,12 +729,10 @@ class Head:
                 if p.returncode == 0:
                     how = "exited with code 0"
                 elif p.returncode is None and p.phase == "bye":
-                    how = "closed its tray (rank.close(), or the end of its `with tray.init()` block)"
+                    how = _CLOSED_ITS_TRAY
                 else:
                     continue
-                waiting = f"rank {next(iter(box))} waits" if len(box) == 1 else \
-                    f"ranks {','.join(str(r) for r in sorted(box))} wait"
-                self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} while {waiting} for it in "
+                self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} while {who_waits(list(box))} for it in "
                                    f"{describe_step(topic)} (round {rnd}), which it never joined: every rank must "
                                    "make the same tray-wide steps", tail=tuple(p.tail)))
                 return

@@ -28,7 +28,7 @@ from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
 from tray.launch.root import FAILED_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
 from tray.launch.spawn import say
-from tray.launch.spec import EXIT_HANDSHAKE, Failure, TraySpec
+from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, TraySpec
 from tray.numa import NumaPlacement
 
 # NOTE: after a local failure the head waits this long for the root's verdict (the job's root cause may
@@ -137,6 +137,9 @@ class NodeHead(Head):
                 self.routing, ranks=tuple(self.rank_base + r for r in spec.local_ranks_filter))
         self.root: Root | None = None
         self.link: NodeLink | None = None
+        self._left: dict[int, str] = {}  # ranks that left, not yet told to the root (their votes still held here)
+        self._told_left: set[int] = set()
+        self._forwarded: set[tuple[str, int]] = set()  # steps whose votes of this node went on to the root
         self.job_stop: jobwire.JobStop | None = None
         self.job_end = False
         self.done_sent = False
@@ -259,6 +262,27 @@ class NodeHead(Head):
             self._fail(Failure(vote.rank, f"step {vote.topic!r} (round {vote.round}): the votes of ranks "
                                f"{','.join(map(str, ranks))} cannot be sent to the root ({exc.reason}); vote smaller "
                                "values"))
+            return
+        self._forwarded.add(key)
+        self._tell_left()
+
+    def _rank_left(self, p: RankProcess, how: str) -> None:
+        if p.rank not in self._told_left:
+            self._left[p.rank] = how
+            self._tell_left()
+
+    def _tell_left(self) -> None:
+        """Tell the root which ranks left, each once its votes held here (a step's box waiting for this node's
+        other voters) went on to the root: the root, seeing it leave first, would judge it never voted."""
+        if self.link is None:
+            return
+        held = {r for key, box in self.votes.items() if key not in self._forwarded for r in box}
+        for rank, how in list(self._left.items()):
+            if rank in held:
+                continue
+            del self._left[rank]
+            self._told_left.add(rank)
+            self.link.send(jobwire.NodeLeft(token=self.job.token, node_rank=self.job.node_rank, rank=rank, how=how))
 
     def _fail(self, failure: Failure) -> None:
         if self.failure is not None:
@@ -315,6 +339,7 @@ class NodeHead(Head):
             Head._all_ready(self, sock)  # go to this node's ranks, as a head of one host says it
         elif isinstance(msg, jobwire.JobDecision):
             box = self.votes.pop((msg.topic, msg.round), {})
+            self._forwarded.discard((msg.topic, msg.round))
             decision = wire.Decision(token=self.token, topic=msg.topic, round=msg.round, values=msg.values)
             for r in sorted(box):
                 self._send(sock, f"rank-{r}", decision)

@@ -23,7 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tray.errors import UsageError, WireError
 from tray.handshake import jobwire
-from tray.handshake.steps import GROUP_PREFIX, step_voters
+from tray.handshake.steps import GROUP_PREFIX, describe_step, step_voters, who_waits
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import JobSpec
 from tray.launch.spawn import say
@@ -91,6 +91,7 @@ class Root:
         self.by_ident: dict[bytes, int] = {}
         self.steps: dict[tuple[str, int], _Step] = {}
         self.expired: dict[tuple[str, int], jobwire.JobDecision] = {}
+        self.left: dict[int, str] = {}  # ranks that take part in no step any more (NodeLeft): how they left
         self.stop: jobwire.JobStop | None = None
         self.ended = False
         self.rejected: list[str] = []
@@ -191,6 +192,9 @@ class Root:
             self._on_vote(node, msg)
         elif isinstance(msg, jobwire.NodeFailure):
             self._stop(node, msg.rank, msg.summary, report=msg.report, tail=msg.tail, exit_code=msg.exit_code)
+        elif isinstance(msg, jobwire.NodeLeft):
+            self.left[msg.rank] = msg.how
+            self._check_left()
         elif isinstance(msg, jobwire.NodeDone):
             state.done = True
             if len(self.nodes) == self.nnodes and all(s.done for s in self.nodes.values()) and self.stop is None:
@@ -279,6 +283,21 @@ class Root:
         if all(r in step.values for r in step.voters):
             del self.steps[key]
             self._decide(key, step, missing=())
+        elif self.left:
+            self._check_left()
+
+    def _check_left(self) -> None:
+        """A step some ranks wait in whose voters include a rank that left (exited 0, closed its tray) without
+        voting can never be decided: the job stops now, naming that rank, not when the waiters' timeouts pass."""
+        for (topic, rnd), step in self.steps.items():
+            gone = [r for r in step.voters if r in self.left and r not in step.values]
+            if gone:
+                r = gone[0]
+                waiting = who_waits(list(step.values))
+                self._stop(r // self.local_world_size, r, f"rank {r} {self.left[r]} while {waiting} for it in "
+                           f"{describe_step(topic)} (round {rnd}), which it never joined: every rank must make the "
+                           "same tray-wide steps")
+                return
 
     def _decide(self, key: tuple[str, int], step: _Step, missing: tuple[int, ...]) -> None:
         decision = jobwire.JobDecision(token=self.token, topic=key[0], round=key[1], ranks=step.voters,
