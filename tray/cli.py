@@ -174,6 +174,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nccl_version() -> str | None:
+    try:
+        from tray.collectives import nccl
+
+        return str(nccl.version())
+    except Exception:  # NOTE: no NCCL in this Python: the report says "not found"
+        return None
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from tray.backend.cuda import visible_gpu_count
 
@@ -184,7 +193,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 0
     from tray.backend.cuda.doctor import doctor_report, format_doctor
 
-    report = doctor_report()
+    report = doctor_report(_nccl_version())
     if args.json:
         print(json.dumps(report, indent=2))
     else:

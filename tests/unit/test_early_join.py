@@ -16,7 +16,7 @@ import pytest
 
 from tray.backend.base import GroupInfo
 from tray.collectives import early
-from tray.collectives.base import GroupJoin
+from tray.collectives.base import UNIQUE_ID_NBYTES, GroupJoin
 from tray.errors import DeviceError, HandshakeError, UsageError
 from tray.manifest import parse_manifest
 from tray.rank.phases import PhaseClock
@@ -73,10 +73,10 @@ def test_the_flag_wins_over_the_environment_and_both_are_checked(tmp_path: Path,
     with pytest.raises(UsageError, match="--join-collectives must be one of"):
         join_collectives("x", None)
     monkeypatch.setenv("TRAY_JOIN_COLLECTIVES", "lazy")
-    assert not _head(tmp_path, "cuda", None).early_ids  # a bench's tray: no flag, the environment decides
-    assert _head(tmp_path, "cuda", "early").early_ids
+    assert not _head(tmp_path, "cuda", None).start_join.wanted  # a bench's tray: no flag, the environment decides
+    assert _head(tmp_path, "cuda", "early").start_join.wanted
     monkeypatch.setenv("TRAY_JOIN_COLLECTIVES", "early")
-    assert _head(tmp_path, "cuda", None, collective=False).early_ids
+    assert _head(tmp_path, "cuda", None, collective=False).start_join.wanted
 
 
 def test_ids_file_round_trip_private_and_written_whole(tmp_path: Path) -> None:
@@ -376,23 +376,25 @@ class _FakeIdMaker:
 
 def test_the_head_writes_every_ranks_ids_or_why_it_could_not(tmp_path: Path) -> None:
     head = _head(tmp_path, "cuda", "auto")
-    assert head.early_ids and not _head(tmp_path, "cuda", "lazy").early_ids
-    assert not _head(tmp_path, "host", "early").early_ids and not _head(tmp_path, "cuda", "auto", False).early_ids
+    assert head.start_join.wanted and not _head(tmp_path, "cuda", "lazy").start_join.wanted
+    assert not _head(tmp_path, "host", "early").start_join.wanted
+    assert not _head(tmp_path, "cuda", "auto", False).start_join.wanted
     assert early.instance_count(head.resolved, range(2)) == 1
-    head.id_maker = _FakeIdMaker([b"\x07" * 128])
+    join = head.start_join
+    join._maker = _FakeIdMaker([b"\x07" * 128])  # type: ignore[assignment]
     path = tmp_path / early.IDS_FILE
-    head._write_nccl_ids(path)
+    join.write(tmp_path, print)
     assert [early.read_ids(str(path), r, 1.0)[0][0].members for r in (0, 1)] == [(0, 1), (0, 1)]
     assert early.read_ids(str(path), 1, 1.0)[0][0].uid == b"\x07" * 128
-    assert head.t_nccl_ids is not None and early.read_ids(str(path), 0, 1.0)[2] == head.t_nccl_ids
-    head.id_maker = _FakeIdMaker(error="no libnccl and no nccl4py")  # NCCL could not: why, and the lazy join
-    head._write_nccl_ids(path)
+    assert join.made_s is not None and early.read_ids(str(path), 0, 1.0)[2] == join.made_s
+    join._maker = _FakeIdMaker(error="no libnccl and no nccl4py")  # type: ignore[assignment]  # NCCL could not
+    join.write(tmp_path, print)
     assert early.read_ids(str(path), 0, 1.0)[:2] == (None, "the head could not make NCCL ids: "
                                                       "no libnccl and no nccl4py")
-    head = _head(tmp_path, "cuda", "auto")
-    head.nccl_ids_error = "the head could not start its NCCL id process (/x/python): No such file"
-    head._write_nccl_ids(path)  # no id process at all
-    assert early.read_ids(str(path), 1, 1.0)[:2] == (None, head.nccl_ids_error)
+    join = _head(tmp_path, "cuda", "auto").start_join
+    join.error = "the head could not start its NCCL id process (/x/python): No such file"
+    join.write(tmp_path, print)  # no id process at all
+    assert early.read_ids(str(path), 1, 1.0)[:2] == (None, join.error)
 
 
 def test_plan_asks_one_id_per_instance_as_instance_count_says() -> None:
@@ -408,10 +410,10 @@ def test_plan_asks_one_id_per_instance_as_instance_count_says() -> None:
 
 def _id_maker_or_skip(count: int, pgid: int):
     """An id process and its ids; skips where this Python finds no libnccl (cuda.pathfinder, the `gpu` extra)."""
-    from tray.collectives.idmaker import IdMaker
+    from tray.collectives.idmaker import IdMaker, unique_id_maker
 
     try:
-        early.unique_id_maker()
+        unique_id_maker()
     except Exception as exc:
         pytest.skip(f"no libnccl here: {exc!r}")
     maker = IdMaker(count, pgid)
@@ -434,7 +436,7 @@ def test_the_id_process_holds_its_roots_until_released_and_lives_in_the_trays_pr
     leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
     try:
         maker, ids = _id_maker_or_skip(3, leader.pid)
-        assert len(ids) == len(set(ids)) == 3 and all(len(u) == early.UNIQUE_ID_NBYTES for u in ids)
+        assert len(ids) == len(set(ids)) == 3 and all(len(u) == UNIQUE_ID_NBYTES for u in ids)
         assert os.getpgid(maker.popen.pid) == leader.pid
         time.sleep(0.2)
         assert maker.popen.poll() is None  # nobody joined: the roots wait, here and not in the head
@@ -520,7 +522,7 @@ def test_the_heads_ids_come_from_libnccl_without_nccl4py_or_cuda() -> None:
     import subprocess
     import sys
 
-    code = ("import sys\nfrom tray.collectives.early import unique_id_maker\nmake = unique_id_maker()\n"
+    code = ("import sys\nfrom tray.collectives.idmaker import unique_id_maker\nmake = unique_id_maker()\n"
             "a, b = make(), make()\nassert len(a) == len(b) == 128 and a != b\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nccl', 'numpy', 'cuda') and "
             "'pathfinder' not in m))")
@@ -537,7 +539,7 @@ def test_the_timeline_says_when_the_ranks_join_early(tmp_path: Path, capsys) -> 
     for mode, says in (("early", True), ("lazy", False)):
         head = _head(tmp_path, "cuda", mode)
         head.procs = [_types.SimpleNamespace(rank=r, t_spawn=100.0) for r in range(2)]  # type: ignore[misc]
-        head.t_go, head.t_nccl_ids = 100.5, 0.0123
+        head.t_go, head.start_join.made_s = 100.5, 0.0123
         head._print_timeline()
         err = capsys.readouterr().err
         assert "tray up in 0.500 s" in err
@@ -545,7 +547,7 @@ def test_the_timeline_says_when_the_ranks_join_early(tmp_path: Path, capsys) -> 
         assert ("their ids made in 12 ms by the head's id process" in err) is says
     head = _head(tmp_path, "cuda", "early")
     head.procs = [_types.SimpleNamespace(rank=0, t_spawn=100.0)]  # type: ignore[misc]
-    head.t_go, head.nccl_ids_error = 100.5, "the head could not make NCCL ids: no libnccl"
+    head.t_go, head.start_join.error = 100.5, "the head could not make NCCL ids: no libnccl"
     head._print_timeline()
     assert "NCCL: the ranks join at the first collective: the head could not make NCCL ids: no libnccl" in (
         capsys.readouterr().err)

@@ -116,6 +116,21 @@ def test_the_infrastructure_never_imports_a_program():
     assert bad == []
 
 
+def test_rank_the_head_and_the_backends_never_reach_a_collectives_implementation():
+    """DESIGN §12: Rank -> collectives -> backend, never back, and Rank and the head never say NCCL: they use the
+    collectives through tray.collectives (base, the joiner a backend names, early's StartJoin), never their NCCL
+    module or its id process; a backend imports no collectives at all."""
+    implementations = ("tray.collectives.nccl", "tray.collectives.idmaker")
+    bad = []
+    for m, targets in graph(module_level_only=False).items():
+        layer = m.split(".")[1] if m.count(".") else ""
+        if layer in ("rank", "launch", "handshake"):
+            bad += [f"{m} -> {t}" for t in targets if t in implementations]
+        elif layer == "backend":
+            bad += [f"{m} -> {t}" for t in targets if t.startswith("tray.collectives")]
+    assert bad == []
+
+
 def test_nothing_in_tray_touches_sys_path():
     offenders = []
     for m, path in tray_sources().items():

@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# the size of an NCCL unique id: the join info member 0 of an NCCL group hands the others
+UNIQUE_ID_NBYTES = 128
+
 if TYPE_CHECKING:
     from tray.backend.base import Barrier, Collectives, DeviceBuffer, GroupInfo, PtrTable
 

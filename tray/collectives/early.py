@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tray.collectives.idmaker import IdMaker
 from tray.envvars import JOIN_MODES
 from tray.errors import DeviceError, HandshakeError, UsageError
 
@@ -49,7 +52,6 @@ if TYPE_CHECKING:
 
 IDS_ENV = "TRAY_NCCL_IDS"  # the ids file's path, set by the head for ranks that join early
 IDS_FILE = "nccl-ids.json"
-UNIQUE_ID_NBYTES = 128
 _POLL_S = 0.002  # how often a rank looks for the ids file (the head writes it ~0.13 s after the spawn: long before)
 
 
@@ -76,30 +78,6 @@ def wanted(mode: str, backend: str, resolved: ResolvedManifest) -> bool:
     if backend != "cuda" or mode == "lazy":
         return False
     return mode == "early" or uses_collectives(resolved)
-
-
-def unique_id_maker() -> Callable[[], bytes]:
-    """ncclGetUniqueId through ctypes, on the libnccl that nccl4py loads (cuda.pathfinder finds it), for the head's
-    id process: without nccl4py's import (numpy, cuda.core: ~0.4 s on the H200 host to make the ids through it)
-    and without CUDA. Raises ImportError or cuda.pathfinder's error where either is missing (then
-    `tray.collectives.nccl.get_unique_id`)."""
-    import ctypes
-
-    from cuda.pathfinder import load_nvidia_dynamic_lib
-
-    fn = ctypes.CDLL(load_nvidia_dynamic_lib("nccl").abs_path).ncclGetUniqueId
-    fn.argtypes = [ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-
-    def make() -> bytes:
-        buf = ctypes.create_string_buffer(UNIQUE_ID_NBYTES)
-        status = fn(buf)
-        if status != 0:
-            raise DeviceError(f"ncclGetUniqueId returned ncclResult {status}: NCCL's bootstrap needs a network "
-                              "interface and a listening socket; NCCL_DEBUG=INFO says which it tried")
-        return buf.raw
-
-    return make
 
 
 def _instances(resolved: ResolvedManifest, ranks: Iterable[int]) -> Iterator[tuple[int, str, tuple[int, ...]]]:
@@ -140,6 +118,80 @@ def write_ids(path: Path, plans: dict[int, list[Entry]] | None, error: str = "",
     with os.fdopen(fd, "w") as f:
         json.dump(body, f)
     os.replace(tmp, path)
+
+
+class StartJoin:
+    """The head's part of the early join (step 1 above) for its ranks `ranks` of manifest `resolved`: `wanted`,
+    whether they join while they start; `start(process_group)`, the id process, right after the spawn (before
+    any thread of the head: a fork from a lone thread); `write(job_dir)` (on a thread), the ranks' ids file;
+    `rank_env(job_dir)`, what a rank needs to find it; `pid`, the id process's; `close()`, its end; `said()`, the
+    line the head's startup summary prints. The head knows the early join by no more than this."""
+
+    def __init__(self, mode: str, backend: str, resolved: ResolvedManifest, ranks: range) -> None:
+        self.wanted = wanted(mode, backend, resolved)
+        self._resolved = resolved
+        self._ranks = ranks
+        self.made_s: float | None = None  # the head's time making the ids (the id process's start included)
+        self.error = ""  # why no ids were made (the ranks then join lazily)
+        self._maker: IdMaker | None = None
+
+    def start(self, process_group: int) -> None:
+        if not self.wanted:
+            return
+        try:
+            self._maker = IdMaker(instance_count(self._resolved, self._ranks), process_group)
+        except OSError as exc:
+            self.error = f"the head could not start its NCCL id process ({sys.executable}): {exc.strerror}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._maker.popen.pid if self._maker is not None else None
+
+    def rank_env(self, job_dir: Path) -> dict[str, str]:
+        return {IDS_ENV: str(job_dir / IDS_FILE)} if self.wanted else {}
+
+    def write(self, job_dir: Path, say: Callable[[str], None]) -> None:
+        """Every rank's NCCL groups with their unique ids, made by the id process while the ranks import
+        (ncclGetUniqueId needs no CUDA). When NCCL cannot make them, the file says why and every rank joins
+        lazily; the head goes on (`say` tells it, should the file itself be impossible to write)."""
+        path = job_dir / IDS_FILE
+        t0 = self._maker.t_start if self._maker is not None else time.perf_counter()
+        plans = None
+        error = self.error or ("" if self._maker is not None else "the head started no NCCL id process")
+        try:
+            if self._maker is not None:
+                ids = iter(self._maker.answer())
+                plans = plan(self._resolved, self._ranks, lambda: next(ids))
+        except Exception as exc:  # NOTE: an early join is an optimisation; the lazy one still works (or says why not)
+            error = f"the head could not make NCCL ids: {exc}"
+        self.made_s = time.perf_counter() - t0
+        self.error = error
+        try:
+            write_ids(path, plans, error=error, made_s=self.made_s)
+        except OSError as exc:
+            if path.parent.is_dir():  # else the tray already ended (its job dir is gone): no rank waits for the file
+                say(f"cannot write the NCCL ids for the ranks' early join to {path}: {exc.strerror}; the ranks' "
+                    "first collective will fail naming that file (--join-collectives lazy avoids it)")
+
+    def close(self) -> None:
+        if self._maker is not None:
+            self._maker.close()  # killed with the tray's process group by now, or done: reaped here
+
+    def said(self) -> str | None:
+        """The startup summary's line on the early join; None when the ranks join at their first collective."""
+        if not self.wanted:
+            return None
+        if self.error:
+            return f"NCCL: the ranks join at the first collective: {self.error}"
+        made = f" (their ids made in {self.made_s * 1e3:.0f} ms by the head's id process)" if self.made_s else ""
+        return (f"NCCL: the ranks join their groups on a thread from their allocations on{made}; the first "
+                "collective waits for what is left (--join-collectives lazy: at the first collective instead)")
+
+    @staticmethod
+    def shared_gpu_env(rank: int) -> dict[str, str]:
+        """A rank on a GPU other ranks share (--share-gpus): NCCL refuses two ranks of one host on one GPU, so
+        each gets a host of its own, this host's (the environment's NCCL_HOSTID, else its name) and the rank."""
+        return {"NCCL_HOSTID": f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}/tray-rank-{rank}"}
 
 
 def read_ids(path: str, rank: int, timeout_s: float) -> tuple[list[Entry] | None, str, float]:
@@ -310,9 +362,14 @@ class EarlyJoin:
         if release is not None:
             release()
 
-    def leftovers(self, timeout_s: float) -> dict[str, Any]:
+    def leftovers(self, timeout_s: float | None = None) -> dict[str, Any]:
         """At close: what the join made when nothing took it (the caller closes it, then `release()`s).
-        Waits for the join at most `timeout_s`; a join still running then, or failed, leaves nothing."""
+        Waits for the join at most `timeout_s` (default: as long as a communicator's close may take, NcclGroup's
+        close_timeout_s); a join still running then, or failed, leaves nothing."""
+        if timeout_s is None:
+            from tray.collectives.nccl import close_timeout_s
+
+            timeout_s = close_timeout_s()
         if self._taken:
             return {}
         self._taken = True
@@ -333,4 +390,4 @@ def from_environ(rank: int, ordinal: int, timeout_s: float, environ: dict[str, s
 
 
 __all__ = ["IDS_ENV", "IDS_FILE", "JOIN_MODES", "EarlyJoin", "Entry", "from_environ", "instance_count", "plan",
-           "read_ids", "unique_id_maker", "uses_collectives", "wanted", "write_ids"]
+           "read_ids", "uses_collectives", "wanted", "write_ids"]

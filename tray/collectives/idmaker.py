@@ -24,12 +24,37 @@ import sys
 import time
 from collections.abc import Callable
 
+from tray.collectives.base import UNIQUE_ID_NBYTES
 from tray.envvars import own_module
 from tray.errors import DeviceError
 
 ANSWER_TIMEOUT_S = 20.0  # the head's wait for the ids; past it the ranks join lazily (a loaded host's start)
 _POLL_S = 0.02  # how often the process looks whether its roots are done
 _EXIT_WAIT_S = 1.0  # for the exit status of a process whose stdout ended without ids
+
+
+def unique_id_maker() -> Callable[[], bytes]:
+    """ncclGetUniqueId through ctypes, on the libnccl that nccl4py loads (cuda.pathfinder finds it), for the head's
+    id process: without nccl4py's import (numpy, cuda.core: ~0.4 s on the H200 host to make the ids through it)
+    and without CUDA. Raises ImportError or cuda.pathfinder's error where either is missing (then
+    `tray.collectives.nccl.get_unique_id`)."""
+    import ctypes
+
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    fn = ctypes.CDLL(load_nvidia_dynamic_lib("nccl").abs_path).ncclGetUniqueId
+    fn.argtypes = [ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+
+    def make() -> bytes:
+        buf = ctypes.create_string_buffer(UNIQUE_ID_NBYTES)
+        status = fn(buf)
+        if status != 0:
+            raise DeviceError(f"ncclGetUniqueId returned ncclResult {status}: NCCL's bootstrap needs a network "
+                              "interface and a listening socket; NCCL_DEBUG=INFO says which it tried")
+        return buf.raw
+
+    return make
 
 
 def thread_count() -> int:
@@ -50,8 +75,6 @@ def wait_for_roots(before: int, stdin_fd: int, count: Callable[[], int] = thread
 
 
 def _make(count: int) -> dict[str, object]:
-    from tray.collectives.early import unique_id_maker
-
     try:
         make = unique_id_maker()
     except Exception:  # no cuda.pathfinder, or it finds no libnccl: nccl4py's own way

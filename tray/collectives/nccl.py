@@ -34,10 +34,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tray.backend.base import Collectives, GroupInfo, itemsize
-from tray.collectives.base import GroupJoin, Joiner
+from tray.collectives.base import UNIQUE_ID_NBYTES, GroupJoin, Joiner
 from tray.errors import DeviceError, HandshakeError, UsageError
-
-UNIQUE_ID_NBYTES = 128
 
 # manifest dtype -> (ncclDataType_t value from nccl.h, member name in nccl.bindings.nccl.DataType)
 NCCL_DTYPES: dict[str, tuple[int, str]] = {

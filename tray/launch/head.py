@@ -14,7 +14,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,8 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tray.collectives import early as early_join
-from tray.collectives.idmaker import IdMaker
+from tray.collectives.early import StartJoin
 from tray.envvars import join_collectives
 from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
@@ -218,10 +216,9 @@ class Head:
         self._no_contact_said = False
         self._busy_said: set[int] = set()  # ranks said to be busy without heartbeats
         # the ranks join NCCL while they start (tray/collectives/early.py); the head's time making the ids
-        self.early_ids = self._joins_early()
-        self.t_nccl_ids: float | None = None
-        self.nccl_ids_error = ""  # why the head made no ids (the ranks then join lazily)
-        self.id_maker: IdMaker | None = None  # the process that makes them and holds NCCL's bootstrap roots
+        # the ranks' collectives join while they start (tray/collectives/early.py), or at their first use
+        self.start_join = StartJoin(self._join_mode(), spec.backend, self.resolved,
+                                    range(self.rank_base, self.rank_base + spec.nprocs))
 
     # --- lifecycle ------------------------------------------------------------------------------
     def run(self) -> TrayResult:
@@ -268,19 +265,17 @@ class Head:
             t0 = time.time()
             self._spawn_all(job.path, endpoint, watchdog.pgid)
             self.t_spawned = time.time() - t0
-            if self.early_ids:
-                self._start_id_maker(watchdog.pgid)  # before any thread of the head: a fork from a lone thread
+            self.start_join.start(watchdog.pgid)  # before any thread of the head: a fork from a lone thread
             pump = OutputPump(self.procs, self.routing)
             if self.spec.backend == "cuda":
                 # NOTE: with the driver initialised in a live process (here, the head), each rank's
                 # cuInit + context costs ~0.7 s instead of ~1.5 s (measured on 4x H200, no persistence
                 # daemon). Started after the spawn: no thread may exist while ranks are forked.
                 threading.Thread(target=_init_driver, name="tray-driver", daemon=True).start()
-            if self.early_ids:
-                # the id process's answer read on a thread, after the driver's is started: the head binds its
-                # socket meanwhile
-                ids_thread = threading.Thread(target=self._write_nccl_ids, args=(job.path / early_join.IDS_FILE,),
-                                              name="tray-nccl-ids", daemon=True)
+            if self.start_join.wanted:
+                # the ids read on a thread, after the driver's is started: the head binds its socket meanwhile
+                ids_thread = threading.Thread(target=self.start_join.write, args=(job.path, _say),
+                                              name="tray-join-ids", daemon=True)
                 ids_thread.start()
             ctx = zmq.Context()
             sock = _bind_router(ctx, endpoint, job)
@@ -298,8 +293,7 @@ class Head:
                 watchdog.done()
             if ids_thread is not None:
                 ids_thread.join(_IDS_JOIN_S)  # it writes into the job dir: done before the dir goes
-            if self.id_maker is not None:
-                self.id_maker.close()  # killed with the tray's process group by now, or done: reaped here
+            self.start_join.close()
             if self.master_port is not None:
                 self.master_port.close()  # before the job: its lock file is removed through the jobs root's fd
             job.close()
@@ -313,49 +307,10 @@ class Head:
             env = rank_env(self.spec, r, job_dir=job_dir, endpoint=endpoint, token=self.token,
                            manifest=manifest, t_spawn=t_spawn, restart_count=self.restart_count,
                            master_port=self.master_port.port if self.master_port else None, device=self.devices[r],
-                           nccl_hostid=self._nccl_hostid(r) if self.shared else None)
+                           shared_env=self.start_join.shared_gpu_env(self.rank_base + r) if self.shared else None)
             env.update(self._job_env(r))
-            if self.early_ids:
-                env[early_join.IDS_ENV] = str(job_dir / early_join.IDS_FILE)
+            env.update(self.start_join.rank_env(job_dir))
             self.procs.append(spawn_rank(self.spec, self.rank_base + r, env, self.placements[r], process_group))
-
-    def _nccl_hostid(self, local_rank: int) -> str:
-        """NCCL_HOSTID of a rank on a shared GPU: this host's (the environment's NCCL_HOSTID, else its name) and
-        the rank, so NCCL, which refuses two ranks of one host on one GPU, sees every rank as a host of its own."""
-        return f"{os.environ.get('NCCL_HOSTID') or socket.gethostname()}/tray-rank-{self.rank_base + local_rank}"
-
-    def _start_id_maker(self, process_group: int) -> None:
-        """The process that makes the ids of the ranks' early join and holds their NCCL bootstrap roots
-        (tray/collectives/idmaker.py: a root left in the head by a tray that failed before its ranks joined
-        would stay until the head exits), in the tray's process group: the teardown reaches it."""
-        ranks = range(self.rank_base, self.rank_base + self.spec.nprocs)
-        try:
-            self.id_maker = IdMaker(early_join.instance_count(self.resolved, ranks), process_group)
-        except OSError as exc:
-            self.nccl_ids_error = f"the head could not start its NCCL id process ({sys.executable}): {exc.strerror}"
-
-    def _write_nccl_ids(self, path: Path) -> None:
-        """Every rank's NCCL groups with their unique ids, for the ranks' early join (made by the id process
-        while the ranks import: ncclGetUniqueId needs no CUDA). When NCCL cannot make them, the file says why
-        and every rank joins lazily; the head goes on."""
-        t0 = self.id_maker.t_start if self.id_maker is not None else time.perf_counter()
-        plans = None
-        error = self.nccl_ids_error or ("" if self.id_maker is not None else "the head started no NCCL id process")
-        try:
-            if self.id_maker is not None:
-                ids = iter(self.id_maker.answer())
-                plans = early_join.plan(self.resolved, range(self.rank_base, self.rank_base + self.spec.nprocs),
-                                        lambda: next(ids))
-        except Exception as exc:  # NOTE: an early join is an optimisation; the lazy one still works (or says why not)
-            error = f"the head could not make NCCL ids: {exc}"
-        self.t_nccl_ids = time.perf_counter() - t0
-        self.nccl_ids_error = error
-        try:
-            early_join.write_ids(path, plans, error=error, made_s=self.t_nccl_ids)
-        except OSError as exc:
-            if path.parent.is_dir():  # else the tray already ended (its job dir is gone): no rank waits for the file
-                _say(f"cannot write the NCCL ids for the ranks' early join to {path}: {exc.strerror}; the ranks' first "
-                     "collective will fail naming that file (--join-collectives lazy avoids it)")
 
     def _loop(self, sock: zmq.Socket, job: JobDir) -> None:
         """Supervise until every rank exited or one failure is known (the root cause)."""
@@ -415,10 +370,9 @@ class Head:
         tray.init(), a program may not use the tray at all) rather than from the spawn."""
         return True
 
-    def _joins_early(self) -> bool:
-        """Whether the ranks join their NCCL groups while they start (--join-collectives)."""
-        mode = join_collectives(self.spec.join_collectives, os.environ.get("TRAY_JOIN_COLLECTIVES"))
-        return early_join.wanted(mode, self.spec.backend, self.resolved)
+    def _join_mode(self) -> str:
+        """When the ranks join their groups' collectives (--join-collectives: early, lazy, auto)."""
+        return join_collectives(self.spec.join_collectives, os.environ.get("TRAY_JOIN_COLLECTIVES"))
 
     def _job_env(self, local_rank: int) -> dict[str, str]:
         """Variables a rank gets beyond the tray's own (none on one host)."""
@@ -577,7 +531,7 @@ class Head:
     def _adopt_ranks_manifest(self) -> None:
         """Given no --manifest, take the manifest every rank loaded from one file (tray.init(manifest=...)) once
         that file's digest here is the one they offered; anything else is left to validate_offers to name."""
-        if self.spec.manifest or not self._adopts_ranks_manifest or self.early_ids:
+        if self.spec.manifest or not self._adopts_ranks_manifest or self.start_join.wanted:
             # NOTE: an early join planned its groups from the head's manifest: another one's would not match
             return
         offered = {(o.manifest, o.manifest_path) for o in self.offers.values()}
@@ -948,7 +902,7 @@ class Head:
         if watchdog is not None:
             survivors = stuck + kill_group(watchdog.pgid, frozenset({watchdog.popen.pid, *stuck}))
         self._kill_adopted(exclude={p.pid for p in self.procs} | ({watchdog.popen.pid} if watchdog else set())
-                           | ({self.id_maker.popen.pid} if self.id_maker is not None else set()))
+                           | ({self.start_join.pid} if self.start_join.pid is not None else set()))
         if survivors:
             _say(f"processes {survivors} of the tray survived SIGKILL for {REAP_TIMEOUT_S:.0f} s "
                  "(uninterruptible sleep?)")
@@ -1018,13 +972,9 @@ class Head:
                 secs, r = tl[phase]
                 who = "the head's own start, until its first rank was spawned" if phase == "head" else f"rank {r}"
                 _say(f"  {phase:<13}{secs * 1e3:9.1f} ms  {who}")
-        if self.early_ids and self.nccl_ids_error:
-            _say(f"  NCCL: the ranks join at the first collective: {self.nccl_ids_error}")
-        elif self.early_ids:
-            made = (f" (their ids made in {self.t_nccl_ids * 1e3:.0f} ms by the head's id process)"
-                    if self.t_nccl_ids else "")
-            _say(f"  NCCL: the ranks join their groups on a thread from their allocations on{made}; the first "
-                 "collective waits for what is left (--join-collectives lazy: at the first collective instead)")
+        joined = self.start_join.said()
+        if joined:
+            _say(f"  {joined}")
 
     def _say_failed(self) -> None:
         """The root cause's line and notes, once."""

@@ -148,9 +148,9 @@ class NodeHead(Head):
         self._interrupt_told = False
 
     # --- hooks of Head ---------------------------------------------------------------------------
-    def _joins_early(self) -> bool:
-        """A job of several nodes joins NCCL lazily: its groups' ids travel through the root."""
-        return False
+    def _join_mode(self) -> str:
+        """A job of several nodes joins its collectives lazily: its groups' ids travel through the root."""
+        return "lazy"
 
     def _job_env(self, local_rank: int) -> dict[str, str]:
         return job_rank_env(self.job, local_rank, self.spec.nprocs)

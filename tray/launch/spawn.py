@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TextIO
 
+from tray.collectives.early import IDS_ENV
 from tray.errors import UsageError
 from tray.launch.output import STDERR, STDOUT, Routing, stamp
 from tray.launch.ports import MASTER_ADDR
@@ -96,14 +97,14 @@ def torchrun_env(rank: int, nprocs: int, master_port: int | None, run_id: str, *
 
 def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: str, manifest: str,
              t_spawn: float, restart_count: int = 0, master_port: int | None = None, device: int | None = None,
-             nccl_hostid: str | None = None) -> dict[str, str]:
+             shared_env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of rank `rank`: the head's own, untouched, plus the tray's variables and
     torchrun's (`torchrun_env`). `restart_count` is how many times `--max-restarts` started the tray again
-    (0 on the first attempt). `device`: its GPU (default: `rank`); `nccl_hostid`: its NCCL_HOSTID (ranks sharing a
-    GPU: NCCL refuses two ranks of one host on one GPU, so each is its own host to NCCL)."""
+    (0 on the first attempt). `device`: its GPU (default: `rank`); `shared_env`: what a rank on a GPU other ranks
+    share needs (the collectives' StartJoin.shared_gpu_env)."""
     env = dict(os.environ)
     env.pop("TRAY_JOB_TOKEN", None)  # the job's secret is for the heads only; a rank never needs it
-    env.pop("TRAY_NCCL_IDS", None)  # only this head says whether its ranks join early (a tray launched from a rank)
+    env.pop(IDS_ENV, None)  # only this head says whether its ranks join early (a tray launched from a rank)
     env.update(dict(spec.extra_env))
     env.update({
         "TRAY_RANK": str(rank),
@@ -128,8 +129,8 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks of a CPU thread pool each would share the cores
     if spec.barrier_timeout_s is not None:
         env["TRAY_BARRIER_TIMEOUT_S"] = repr(spec.barrier_timeout_s)
-    if nccl_hostid is not None:
-        env["NCCL_HOSTID"] = nccl_hostid
+    if shared_env is not None:
+        env.update(shared_env)
     if spec.backend == "cuda":
         # NOTE: NCCL must not connect lazily inside a CUDA graph capture; respect a user's choice.
         env.setdefault("NCCL_RUNTIME_CONNECT", "0")

@@ -159,9 +159,7 @@ class LazyCollectives:
         comms = [*(joined or {}).values(), *ready.values()]
         early, self._early = self._early, None
         if early is not None:
-            from tray.collectives.nccl import close_timeout_s
-
-            comms += early.leftovers(close_timeout_s()).values()
+            comms += early.leftovers().values()
         try:
             self._close_all(comms)
         finally:

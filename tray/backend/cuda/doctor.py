@@ -38,15 +38,6 @@ def _numa_node(pci_bus: str) -> int:
         return -1
 
 
-def _nccl_version() -> str | None:
-    try:
-        from tray.collectives import nccl
-
-        return str(nccl.version())
-    except Exception:
-        return None
-
-
 def _in_context(gpu: _Gpu, fn: Callable[..., None], *args: Any) -> None:
     """Run a release step with its GPU's context current (callbacks of the teardown stack)."""
     drv.ctx_set_current(gpu.context, gpu.ordinal)
@@ -163,16 +154,17 @@ def _pool_placement(g: Any) -> dict[str, Any]:
         mem.close()
 
 
-def doctor_report() -> dict[str, Any]:
+def doctor_report(nccl_version: str | None = None) -> dict[str, Any]:
     """A dict with REPORT_KEYS: versions, `gpus` (one dict per GPU), `p2p` (one dict per ordered pair),
     `handle_types` ({ordinal, posix, fabric}: "ok" or the error code), `host_copy_gbps` ({ordinal, h2d,
     d2h}) and `peer_copy_gbps` ({src, dst, gbps}; None without peer access). GB/s = 1e9 bytes/s.
 
+    `nccl_version` is the collectives' to say (the caller asks them: the backend knows no NCCL).
     Raises CudaError (a DeviceError) if the driver cannot be used at all.
     """
     drv.init()
     report: dict[str, Any] = {"driver_version": _version_text(drv.driver_version()),
-                              "nccl_version": _nccl_version()}
+                              "nccl_version": nccl_version}
     with ExitStack() as stack:
         stack.callback(drv.ctx_set_current, drv.ctx_get_current(), None)  # the caller's context, back
         gpus = []
