@@ -144,6 +144,22 @@ def test_a_rank_dying_while_its_peers_map_its_buffers_is_the_root_cause(tray_env
     assert run.seconds < 15
 
 
+def test_a_barrier_that_misses_a_rank_which_closed_its_tray_says_so(tray_env):
+    """The note on the missing rank said 'stopped or frozen (no heartbeat)' of a rank that had closed its tray."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 0:
+            rank.barrier(timeout_s=1)
+    if os.environ["TRAY_RANK"] == "1":
+        time.sleep(20)
+    """)
+    assert run.returncode == 1, run.output
+    assert re.search(r"rank 1 closed its tray \(rank.close\(\), or the end of its `with tray.init\(\)` block\) "
+                     r"[0-9.]+ s ago: it takes part in no barrier or step any more", run.stderr), run.stderr
+    assert run.seconds < 15
+
+
 def test_offers_with_different_manifests(tray_env):
     other = MANIFESTS / "peer_fill.json"
     run = tray_env.launch(4, f"""

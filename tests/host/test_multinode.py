@@ -535,6 +535,47 @@ def test_ranks_that_end_on_one_node_while_another_waits_in_a_step_are_named_at_o
         assert run.seconds < 15, run.output
 
 
+@pytest.mark.parametrize("case", ["pairs", "kind", "range"])
+def test_relayed_collectives_pair_and_check_like_one_hosts(tray_env, case):
+    """The host backend's collectives of a group spanning nodes (relayed through the root): a sendrecv is a step
+    of its pair alone (it was a gather of the whole group, so members that made none failed it), and calls that
+    differ or run past their buffers fail naming it (they passed silently, or crashed in numpy)."""
+    body = {
+        "pairs": """
+    with tray.init() as rank:
+        c = rank.collectives("world")
+        s, r = rank.buffer("send"), rank.buffer("recv")
+        if rank.rank in (0, 2):   # across the nodes; ranks 1 and 3 make none
+            rank.write("send", np.full(s.shape, rank.rank, np.float32))
+            c.sendrecv(s.ptr, r.ptr, 16, "f32", 2 - rank.rank)
+            print("got", rank.rank, int(rank.read("recv")[0]), flush=True)
+        rank.barrier(timeout_s=30)
+    """,
+        "kind": """
+    with tray.init() as rank:
+        c = rank.collectives("world")
+        s, r = rank.buffer("send"), rank.buffer("recv")
+        getattr(c, "allgather" if rank.rank == 2 else "allreduce")(s.ptr, r.ptr, 16, "f32")
+    """,
+        "range": """
+    with tray.init() as rank:
+        c = rank.collectives("world")
+        s, r = rank.buffer("send"), rank.buffer("recv")
+        c.allgather(s.ptr, r.ptr, s.shape[0], "f32")   # the receive buffer holds a quarter of that
+    """}[case]
+    runs = finish(start_job(tray_env, body, "--manifest", FILL, "--var", "count=16"), timeout_s=60)
+    if case == "pairs":
+        assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+        assert "got 0 2" in runs[0].stdout and "got 2 0" in runs[1].stdout, [r.output for r in runs]
+        return
+    assert all(run.returncode != 0 for run in runs), [r.output for r in runs]
+    cause = _root_cause(runs[0])
+    want = ("its members called different collectives: rank 0: allreduce of 16 f32; rank 1: allreduce of 16 f32; "
+            "rank 2: allgather of 16 f32" if case == "kind" else
+            "allgather of 64 f32 over group 'world': its receive range reaches 1024 B")
+    assert want in cause, [r.output for r in runs]
+
+
 def test_node_0_must_run_where_the_endpoint_points(tray_env):
     env = tray_env.env()
     env["TRAY_JOB_TOKEN"] = TOKEN

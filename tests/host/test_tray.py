@@ -114,6 +114,26 @@ def test_host_sendrecv_is_a_step_of_the_pair_alone(tray_env):
     assert all(f"pairs ok {r}" in run.stdout for r in range(4)), run.output
 
 
+def test_a_manifest_sendrecv_exchanges_with_the_member_its_peer_counts_to(tray_env, tmp_path):
+    """docs/manifest.md's op: `"peer": 1` in a group of 2 pairs its members (it was member index 1 for both, so
+    member 1 exchanged with itself: NCCL would hang; the host backend's pairwise sendrecv waited for it)."""
+    manifest = tmp_path / "swap.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "swap", "groups": [{"name": "pairs", "size": 2}],
+        "buffers": [{"name": "a", "dtype": "f32", "shape": [64]}, {"name": "b", "dtype": "f32", "shape": [64]}],
+        "programs": [{"name": "swap", "ops": [{"op": "nccl", "collective": "sendrecv", "group": "pairs", "send": "a",
+                                               "recv": "b", "count": 64, "dtype": "f32", "peer": 1}]}]}))
+    run = tray_env.launch(4, """
+    with tray.init() as rank:
+        rank.write("a", np.full(64, rank.rank, np.float32))
+        rank.run("swap")
+        print("got", rank.rank, int(rank.read("b")[0]), flush=True)
+    """, "--manifest", str(manifest), timeout_s=60)
+    assert run.returncode == 0, run.output
+    for me, other in ((0, 1), (1, 0), (2, 3), (3, 2)):
+        assert f"got {me} {other}" in run.stdout, run.output
+
+
 def test_host_collectives_wait_the_ranks_barrier_timeout_and_name_the_collective(tray_env):
     """--barrier-timeout-s reaches the host backend's collectives (they waited 2 s whatever it said)."""
     body = """
@@ -161,8 +181,8 @@ def test_host_collectives_name_members_that_called_different_collectives(tray_en
         "count": "group 'world': its members called different collectives: rank 0: allreduce of 128 f32 (its call 1 "
                  "on the group); rank 1: allreduce of 256 f32 (its call 1 on the group)",
         "kind": "rank 0: allgather of 64 f32 (its call 1 on the group); rank 1: allreduce of 64 f32",
-        "sendrecv": "sendrecv round 1 between rank 0 and rank 1: rank 0 sends 128 B, rank 1 256 B; both must send the "
-                    "same count and dtype",
+        "sendrecv": "sendrecv round 1 between rank 0 and rank 1: rank 0 sends 32 f32, rank 1 64 f32; both must send "
+                    "the same count and dtype",
         "range": "allreduce of 4096 f32 over group 'world': its send range reaches 16384 B at 0x",
     }[fault]
     assert want in run.stderr, run.stderr
@@ -185,6 +205,16 @@ def test_a_manifest_given_by_tray_init_alone_is_taken_by_the_head(tray_env, tmp_
     """, timeout_s=60)
     assert run.returncode == 0, run.output
     assert "adopted 0" in run.stdout and "adopted 1" in run.stdout
+    base, link = tmp_path / "base.json", tmp_path / "link.json"   # one file by two names, and a var for it
+    base.write_text(json.dumps({"format": 1, "name": "b", "vars": {"count": 4},
+                                "buffers": [{"name": "send", "dtype": "f32", "shape": ["count"]}]}))
+    link.symlink_to(base)
+    run = tray_env.launch(2, f"""
+    with tray.init(manifest={str(link)!r} if os.environ["TRAY_RANK"] == "1" else {str(base)!r}) as rank:
+        print("count", rank.rank, rank.buffer("send").shape[0], flush=True)
+    """, "--var", "count=32", timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert "count 0 32" in run.stdout and "count 1 32" in run.stdout, run.output
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"format": 1, "name": "other"}))
     run = tray_env.launch(2, f"""
@@ -225,6 +255,24 @@ def test_write_refuses_data_of_another_dtype_and_a_clean_sys_exit_code_is_named(
         "(np.asarray(data, 'float32')), or pass the raw bits as an integer array of 4 B per element or as uint8",
         "write('send'): 4000000 B (1000000 x float32) do not fit buffer 'send' of 512 B (f32[128])"] * 1, run.stdout
     assert "rank 0 (pid" in run.stderr and "exited with code 3 (last phase: running)" in run.stderr, run.stderr
+
+
+def test_a_group_that_leaves_ranks_out_forms_and_its_members_meet(tray_env, tmp_path):
+    """A rank may be in no instance of a group (docs/manifest.md): it exports none of its buffers, and the head
+    refused the offers because not every rank exported the same set."""
+    manifest = tmp_path / "some.json"
+    manifest.write_text(json.dumps({"format": 1, "name": "some", "groups": [{"name": "some", "ranks": [[3, 1]]}],
+                                    "buffers": [{"name": "x", "dtype": "u32", "shape": [8], "export": True,
+                                                 "group": "some"}]}))
+    run = tray_env.launch(4, """
+    with tray.init() as rank:
+        if rank.rank in (1, 3):
+            rank.barrier("some", timeout_s=30)
+            print("met", rank.rank, rank.peers("x").group.members, flush=True)
+        rank.barrier(timeout_s=30)
+    """, "--manifest", str(manifest), timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert "met 1 (3, 1)" in run.stdout and "met 3 (3, 1)" in run.stdout, run.output
 
 
 def test_gate_peer_barrier_and_drop(tray_env, tmp_path):

@@ -1038,3 +1038,20 @@ def test_a_collective_whose_dtype_is_not_its_buffers_is_refused(root: Path) -> N
         load_manifest(path).resolve(4)
     assert_error(path, info.value, "$.programs[0].ops[1].dtype", "allreduce of count 64 bf16 over group 'node'",
                  "its send buffer 'part' holds i32; the op's dtype must be its buffers'")
+
+
+def test_a_sendrecv_peer_that_pairs_no_member_with_its_partner_is_refused(root: Path) -> None:
+    """`peer` counts from the member (member i exchanges with i + peer mod G); a peer whose partner would name
+    another member (a ring offset) would hang NCCL, so only 0 and G/2 resolve."""
+    doc = {"format": 1, "name": "ring", "groups": [{"name": "world", "ranks": "all"}],
+           "buffers": [{"name": "a", "dtype": "f32", "shape": [4]}, {"name": "b", "dtype": "f32", "shape": [4]}],
+           "programs": [{"name": "swap", "ops": [{"op": "nccl", "collective": "sendrecv", "group": "world",
+                                                  "send": "a", "recv": "b", "count": 4, "dtype": "f32", "peer": 1}]}]}
+    path = write(root, doc)
+    load_manifest(path).resolve(2)  # the other member of two
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path).resolve(4)
+    assert_error(path, info.value, "$.programs[0].ops[0].peer", "peer 1 pairs member i of group 'world' with member",
+                 "would send to member i + 2 (instances of 4 ranks)")
+    doc["programs"][0]["ops"][0]["peer"] = 2
+    load_manifest(write(root, doc)).resolve(4)

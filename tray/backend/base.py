@@ -187,9 +187,8 @@ class Collectives(abc.ABC):
     @abc.abstractmethod
     def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
                  stream: int | None = None) -> None:
-        """Send `count` elements to member `peer_index` and receive as many from it; both make the call. Only the
-        pair takes part, except in relayed collectives (a group spanning nodes on the host backend), where every
-        member of the group calls sendrecv together."""
+        """Send `count` elements to member `peer_index` and receive as many from it; both make the call, with the
+        same count and dtype, and only the pair takes part."""
 
     def alltoall_among(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, members: Sequence[int],
                        stream: int | None = None) -> None:

@@ -210,14 +210,16 @@ class HostCollectives(Collectives):
         self._rounds[peer] += 1
         k = self._rounds[peer]
         self._stage_only(send_ptr, nbytes)
-        self._sends[me][peer] = nbytes
+        self._sends[me][peer] = count * len(_DTYPES) + _DTYPES.index(dtype)  # the call: its count and dtype
         self._post(self._sent, peer, k)
         self._await(self._sent, peer, k, "staged its rows")
         theirs = int(self._sends[peer][me])
-        if theirs != nbytes:
-            (a, na), (b, nb) = sorted([(self.group.members[me], nbytes), (self.group.members[peer], theirs)])
+        if theirs != int(self._sends[me][peer]):
+            said = {self.group.members[me]: f"{count} {dtype}",
+                    self.group.members[peer]: f"{theirs // len(_DTYPES)} {_DTYPES[theirs % len(_DTYPES)]}"}
+            (a, sa), (b, sb) = sorted(said.items())
             raise UsageError(f"group {self.group.name!r}: sendrecv round {k} between rank {a} and rank {b}: rank {a} "
-                             f"sends {na} B, rank {b} {nb} B; both must send the same count and dtype")
+                             f"sends {sa}, rank {b} {sb}; both must send the same count and dtype")
         view(recv_ptr, nbytes)[:] = view(self._peer_scratch[peer], nbytes)
         self._post(self._read, peer, k)
         self._await(self._read, peer, k, "read this member's rows")

@@ -17,8 +17,9 @@ from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Barrier, Collectives, G
 from tray.backend.host import view
 from tray.errors import BarrierTimeout, UsageError
 from tray.handshake import wire
-from tray.handshake.steps import group_topic
+from tray.handshake.steps import group_topic, pair_step
 from tray.handshake.wire import MAX_MESSAGE_NBYTES
+from tray.twins import check_range
 
 # NOTE: the rank waits this much longer than the step's timeout, so that the root's verdict (which
 # names who is missing) arrives before the rank gives up on its own.
@@ -107,19 +108,33 @@ class RelayCollectives(Collectives):
         self._timeout_s = timeout_s
         self._topic = group_topic(group.name, group.members, "gather")
 
-    def _gather(self, send_ptr: int, nbytes: int) -> list[bytes]:
-        if nbytes * self.group.size > RELAY_NBYTES:
-            total = nbytes * self.group.size
+    def _gather(self, what: str, count: int, dtype: str, send: tuple[int, int], recv: tuple[int, int],
+                topic: str | None = None, voters: Sequence[int] | None = None) -> list[bytes]:
+        """Every voter's send bytes (the group's members, or `voters` of `topic`), in voter order, after checking
+        this member's ranges and, once gathered, that every voter made the same call (kind, count, dtype)."""
+        members = self.group.members if voters is None else voters
+        send_ptr, nbytes = send
+        if nbytes * len(members) > RELAY_NBYTES:
+            total = nbytes * len(members)
             raise UsageError(f"group {self.group.name!r} spans nodes: a relayed collective carries at most "
-                             f"{RELAY_NBYTES} B for all {self.group.size} members, this one {total} B; split the "
+                             f"{RELAY_NBYTES} B for all {len(members)} members, this one {total} B; split the "
                              "call, or use a group within one node")
+        for (ptr, n), side in ((send, "send"), (recv, "receive")):
+            check_range(ptr, n, f"{what} of {count} {dtype} over group {self.group.name!r}: its {side} range")
         data = view(send_ptr, nbytes).tobytes()
-        values = self._step(self._topic, {"timeout_s": self._timeout_s, "data": data},
+        call = [what, count, dtype]
+        values = self._step(topic or self._topic, {"timeout_s": self._timeout_s, "data": data, "call": call},
                             self._timeout_s + VERDICT_MARGIN_S)
-        missing = [m for m, v in zip(self.group.members, values) if v is None]
+        missing = [m for m, v in zip(members, values) if v is None]
         if missing:
             me = self.group.members[self.group.index]
-            raise BarrierTimeout(self.group.name, 0, me, missing, self._timeout_s)
+            raise BarrierTimeout(f"{self.group.name} (in {what})", 0, me, missing, self._timeout_s)
+        calls = [tuple(v.get("call") or ()) for v in values]
+        if any(c != calls[0] for c in calls):
+            said = "; ".join(f"rank {m}: {c[0]} of {c[1]} {c[2]}" if len(c) == 3 else f"rank {m}: ?"
+                             for m, c in zip(members, calls))
+            raise UsageError(f"group {self.group.name!r}: its members called different collectives: {said}. Every "
+                             "member must make the same collective calls (kind, count, dtype) in the same order")
         return [v["data"] for v in values]
 
     def _typed(self, raw: bytes, dtype: str) -> np.ndarray:
@@ -136,23 +151,28 @@ class RelayCollectives(Collectives):
 
     def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                   stream: int | None = None) -> None:
-        parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
+        nbytes = count * numpy_dtype(dtype).itemsize
+        parts = self._gather("allreduce", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes))
         self._out(recv_ptr, self._sum(parts, dtype))
 
     def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                   stream: int | None = None) -> None:
-        parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
+        nbytes = count * numpy_dtype(dtype).itemsize
+        parts = self._gather("allgather", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes * self.group.size))
         self._out(recv_ptr, np.concatenate([self._typed(p, dtype) for p in parts]))
 
     def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                       stream: int | None = None) -> None:
-        parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
+        chunk = count * numpy_dtype(dtype).itemsize
+        parts = self._gather("reducescatter", count, dtype, (send_ptr, chunk * self.group.size), (recv_ptr, chunk))
         me = self.group.index
         self._out(recv_ptr, self._sum(parts, dtype)[me * count:(me + 1) * count])
 
     def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                  stream: int | None = None) -> None:
-        parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
+        chunk = count * numpy_dtype(dtype).itemsize
+        parts = self._gather("alltoall", count, dtype, (send_ptr, chunk * self.group.size),
+                             (recv_ptr, chunk * self.group.size))
         me = self.group.index
         self._out(recv_ptr, np.concatenate([self._typed(p, dtype)[me * count:(me + 1) * count] for p in parts]))
 
@@ -160,16 +180,29 @@ class RelayCollectives(Collectives):
                        stream: int | None = None) -> None:
         # NOTE: every member of the group takes part in the relayed step (its voters are the instance), so
         # this rank's whole send buffer travels; only the listed members' blocks are written
-        parts = self._gather(send_ptr, count * self.group.size * numpy_dtype(dtype).itemsize)
-        me, nbytes = self.group.index, count * numpy_dtype(dtype).itemsize
+        nbytes = count * numpy_dtype(dtype).itemsize
+        parts = self._gather("alltoall", count, dtype, (send_ptr, nbytes * self.group.size),
+                             (recv_ptr, nbytes * self.group.size))
+        me = self.group.index
         for i in members:
             view(recv_ptr + i * nbytes, nbytes)[:] = np.frombuffer(parts[i], np.uint8)[me * nbytes:(me + 1) * nbytes]
 
     def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
                  stream: int | None = None) -> None:
-        # NOTE: a relayed step has the whole group as its voters, so every member calls sendrecv together here
-        parts = self._gather(send_ptr, count * numpy_dtype(dtype).itemsize)
-        self._out(recv_ptr, self._typed(parts[peer_index], dtype))
+        """A step of the pair alone (as with NCCL): its topic names the two members (steps.pair_step)."""
+        nbytes = count * numpy_dtype(dtype).itemsize
+        me, peer = self.group.members[self.group.index], self.group.members[peer_index]
+        if me == peer:
+            for ptr, side in ((send_ptr, "send"), (recv_ptr, "receive")):
+                check_range(ptr, nbytes, f"sendrecv of {count} {dtype} over group {self.group.name!r}: its {side} "
+                                         "range")
+            view(recv_ptr, nbytes)[:] = view(send_ptr, nbytes)
+            return
+        pair = (min(me, peer), max(me, peer))
+        topic = group_topic(self.group.name, self.group.members, pair_step(*pair))
+        parts = self._gather("sendrecv", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes), topic=topic,
+                             voters=pair)
+        self._out(recv_ptr, self._typed(parts[pair.index(peer)], dtype))
 
     def close(self) -> None:
         pass

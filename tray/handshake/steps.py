@@ -35,7 +35,10 @@ def describe_step(topic: str) -> str:
         return _OWN_STEPS[topic]
     if topic.startswith(GROUP_PREFIX):
         name_at, _, what = topic[len(GROUP_PREFIX):].rpartition(":")
-        return f"the {what} step of group {name_at.rpartition('@')[0]!r} across nodes"
+        group = name_at.rpartition("@")[0]
+        if what.startswith(PAIR):
+            return f"a sendrecv of ranks {what[len(PAIR):].replace('-', ' and ')} (group {group!r}, across nodes)"
+        return f"the {what} step of group {group!r} across nodes"
     return f"exchange {topic!r}"
 
 
@@ -45,6 +48,12 @@ def group_topic(group: str, members: Sequence[int], what: str) -> str:
 
 
 LEADERS = "leaders"
+PAIR = "pair-"  # `pair-A-B`: a step of two members of the instance alone (a relayed sendrecv), A < B global ranks
+
+
+def pair_step(a: int, b: int) -> str:
+    """The `<what>` of a group step between members `a` and `b` alone (global ranks)."""
+    return f"{PAIR}{min(a, b)}-{max(a, b)}"
 
 
 def step_voters(topic: str, world_size: int, groups: Mapping[str, Sequence[Sequence[int]]],
@@ -60,6 +69,10 @@ def step_voters(topic: str, world_size: int, groups: Mapping[str, Sequence[Seque
         return None
     for members in groups[name]:
         if members and members[0] == int(leader):
+            if what.startswith(PAIR):
+                a, _, b = what[len(PAIR):].partition("-")
+                pair = (int(a), int(b)) if a.isdigit() and b.isdigit() else ()
+                return pair if len(pair) == 2 and pair[0] < pair[1] and set(pair) <= set(members) else None
             if what != LEADERS:
                 return tuple(members)
             return None if local_world_size is None else node_leaders(members, local_world_size)

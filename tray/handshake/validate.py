@@ -86,19 +86,16 @@ def validate_offers(
             problems.append(f"{_ranks(local)} offered host-local handles (posix/memfd) but the tray spans "
                             f"{len(hosts)} hosts; such handles only work within one host")
 
-    reference = by_rank.get(0, offers[0] if offers else None)
-    if reference is not None:
-        ref = {b.name: b.nbytes for b in reference.buffers}
-        for o in offers:
-            mine = {b.name: b.nbytes for b in o.buffers}
-            if set(mine) != set(ref):
-                problems.append(f"rank {o.rank} exports buffers {sorted(mine)}, rank {reference.rank} "
-                                f"exports {sorted(ref)}")
-                continue
-            for name, nbytes in mine.items():
-                if nbytes != ref[name]:
-                    problems.append(f"rank {o.rank} offered buffer {name!r} of {nbytes} B, rank "
-                                    f"{reference.rank} of {ref[name]} B; check the vars of each rank")
+    # NOTE: which buffers a rank exports depends on the groups it is in (a rank in no instance of a group exports
+    # none of its buffers), so the sets may differ; a buffer several ranks export has one size (the digest proved
+    # one manifest: a size that differs means the vars did)
+    first: dict[str, tuple[int, int]] = {}  # buffer -> (rank, nbytes) of the first rank that exports it
+    for o in sorted(offers, key=lambda o: o.rank):
+        for b in o.buffers:
+            seen = first.setdefault(b.name, (o.rank, b.nbytes))
+            if seen[1] != b.nbytes:
+                problems.append(f"rank {o.rank} offered buffer {b.name!r} of {b.nbytes} B, rank {seen[0]} of "
+                                f"{seen[1]} B; check the vars of each rank")
 
     for group, leaders in group_leaders.items():
         for r in leaders:

@@ -67,13 +67,15 @@ SHM_SAMPLE_S = 1.0
 # at most; a pipe that some escaped process holds open cannot delay the verdict longer.
 DRAIN_S = 1.0
 # NOTE: a rank whose heartbeat is this late (two periods and some) is not being scheduled or holds the GIL: from here
-# the head compares the CPU its process uses with the time that passes; half a CPU or more is busy, not frozen
+# the head counts the CPU its process uses; any (two clock ticks or more) is busy, not frozen: a stopped process, or
+# one asleep in a call that holds the GIL, uses none, while a busy one on a machine with more ranks than cores may
+# get far less than a whole CPU (on 2 cores under load, under half: it was judged frozen then)
 _LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 _CLOSED_ITS_TRAY = "closed its tray (rank.close(), or the end of its `with tray.init()` block)"
 # a rank whose fd socket reset under a peer has died, or is dying: its exit is seen within this (else the report
 # stands as the root cause)
 _DEATH_SEEN_WITHIN_S = 0.5
-_BUSY_CPU_FRACTION = 0.5
+_BUSY_CPU_S = 0.02
 # NOTE: how long the head waits, after a rank died of SIGTERM/SIGINT, for the same signal to reach itself
 _SIGNAL_SIBLING_S = 0.2
 _MIN_WINDOW_S = 0.5  # CPU time is counted in clock ticks (10 ms): a shorter window would misjudge
@@ -186,8 +188,10 @@ class Head:
         self.rank_base = rank_base
         self.world_size = world_size or spec.nprocs
         self.manifest: Manifest = load_manifest(spec.manifest) if spec.manifest else builtin_manifest()
-        # this head's ranks are one node of the job: its nprocs is the job's local world size
-        self.resolved = self.manifest.resolve(self.world_size, dict(spec.vars), spec.nprocs)
+        # this head's ranks are one node of the job: its nprocs is the job's local world size; --var without
+        # --manifest is for the manifest the ranks load (tray.init(manifest=...)), which the head takes later
+        self.resolved = self.manifest.resolve(self.world_size, dict(spec.vars) if spec.manifest else None,
+                                              spec.nprocs)
         self.placements = placements or [placement_for(None)] * spec.nprocs
         # local rank -> GPU; `shared`: some ranks share one (--share-gpus), each then its own host to NCCL
         self.devices = devices_for(spec.backend, spec.nprocs, spec.share_gpus)
@@ -534,19 +538,20 @@ class Head:
         if self.spec.manifest or not self._adopts_ranks_manifest or self.start_join.wanted:
             # NOTE: an early join planned its groups from the head's manifest: another one's would not match
             return
-        offered = {(o.manifest, o.manifest_path) for o in self.offers.values()}
-        if len(offered) != 1:
+        digests = {o.manifest for o in self.offers.values()}
+        paths = sorted({o.manifest_path for o in self.offers.values()} - {""})
+        if len(digests) != 1 or not paths or self.manifest.digest in digests:
             return
-        ((digest, path),) = offered
-        if not path or digest == self.manifest.digest:
-            return
-        try:
-            manifest = load_manifest(path)
-            resolved = manifest.resolve(self.world_size, dict(self.spec.vars), self.spec.nprocs)
-        except (TrayError, OSError):
-            return
-        if manifest.digest == digest:
-            self.manifest, self.resolved = manifest, resolved
+        (digest,) = digests
+        for path in paths:  # one file, or copies of it (a link, another checkout): the digest says they agree
+            try:
+                manifest = load_manifest(path)
+                resolved = manifest.resolve(self.world_size, dict(self.spec.vars), self.spec.nprocs)
+            except (TrayError, OSError):
+                continue
+            if manifest.digest == digest:
+                self.manifest, self.resolved = manifest, resolved
+                return
 
     def _on_ready(self, sock: zmq.Socket, proc: RankProcess, ready: wire.Ready) -> None:
         if proc.rank in self.ready:
@@ -777,10 +782,10 @@ class Head:
         the GIL starves the heartbeat thread; a process stopped or blocked uses none). Said once per rank; its next
         window starts now."""
         assert p.cpu_mark is not None
-        since, before = p.cpu_mark
+        _, before = p.cpu_mark
         cpu = _cpu_seconds(p.pid)
         p.cpu_mark = (now, cpu)
-        busy = before is not None and cpu is not None and cpu - before >= _BUSY_CPU_FRACTION * (now - since)
+        busy = before is not None and cpu is not None and cpu - before >= _BUSY_CPU_S
         if busy and p.rank not in self._busy_said:
             self._busy_said.add(p.rank)
             _say(f"rank {p.rank} has sent no heartbeat for {now - (p.last_heartbeat or now):.1f} s but keeps a CPU "
@@ -825,6 +830,9 @@ class Head:
             return f"rank {p.rank} {how} (last phase: {p.phase}): dead, not slow"
         if p.last_heartbeat is None:
             return f"rank {p.rank} is alive but never reached the head (last phase: {self._phase_of(p)})"
+        if p.phase == "bye":
+            return (f"rank {p.rank} {_CLOSED_ITS_TRAY} {time.monotonic() - p.phase_at:.1f} s ago: it takes part in "
+                    "no barrier or step any more")
         silent_s = time.monotonic() - p.last_heartbeat
         head = f"rank {p.rank} is alive, last heartbeat {silent_s:.1f} s ago, phase {p.phase}"
         if self._heartbeating(p):

@@ -204,7 +204,9 @@ def _remove_unlocked(root_fd: int, name: str) -> None:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.unlink(name, dir_fd=root_fd)
+        st, own = os.stat(name, dir_fd=root_fd, follow_symlinks=False), os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):  # else a new tray's file took that name meanwhile
+            os.unlink(name, dir_fd=root_fd)
     except OSError:
         pass
     finally:

@@ -244,6 +244,13 @@ class _Resolver:
             peer = self.int_(spec.peer, f"{jp}.peer", 0)
             if peer >= group_size:
                 self.fail(f"{jp}.peer", f"peer {peer} is outside group '{spec.group}' of {group_size} ranks")
+            # member i exchanges with member i + peer, which must exchange with i: 2 * peer = 0 (mod the size)
+            unpaired = sorted({len(inst) for inst in self.groups[spec.group] if (2 * peer) % len(inst)})
+            if unpaired:
+                self.fail(f"{jp}.peer", f"peer {peer} pairs member i of group '{spec.group}' with member i + "
+                                        f"{peer}, which would send to member i + {2 * peer} (instances of "
+                                        f"{unpaired[0]} ranks): a sendrecv needs both members of a pair to name each "
+                                        "other; give 0 (itself) or half the group's size")
         item = DTYPE_ITEMSIZE[spec.dtype]
         send_elems = count * group_size if coll in ("reducescatter", "alltoall") else count
         recv_elems = count * group_size if coll in ("allgather", "alltoall") else count

@@ -39,7 +39,7 @@ def describe_op(op: ResolvedOp) -> str:
             return f"launch {op.kernel}"
         case ResolvedCollective():
             per = " per member" if op.collective in ("allgather", "reducescatter", "alltoall") else ""
-            peer = f" with member {op.peer}" if op.peer is not None else ""
+            peer = f" with the member {op.peer} on" if op.peer is not None else ""
             across = f" across {op.across}" if op.across else ""
             return f"nccl {op.collective}{across} on group {op.group!r}{peer} ({op.count} x {op.dtype}{per})"
         case ResolvedGemm():
@@ -247,7 +247,8 @@ class Executor:
             return lambda: among.alltoall_among(send, recv, count, dtype, members)
         coll = self.wiring.collectives_of(op.group, self.ctx.exchange)
         if op.peer is not None:
-            peer = op.peer
+            g = self.wiring.group(op.group)
+            peer = (g.index + op.peer) % g.size  # counted from this member: 1 in a group of 2 is the other one
             return lambda: coll.sendrecv(send, recv, count, dtype, peer)
         fn = getattr(coll, op.collective)
         return lambda: fn(send, recv, count, dtype)
