@@ -253,3 +253,31 @@ def test_a_log_dir_that_cannot_be_written_is_a_setup_error_before_any_rank_start
     assert run.stderr.strip().splitlines()[-1] == (f"tray: SetupError: --log-dir {afile / 'logs'}: cannot write "
                                                   "there (Not a directory); give a directory of yours"), run.stderr
     assert "ran" not in run.stdout and "Traceback" not in run.stderr
+
+
+def test_a_progress_bar_and_a_prompt_show_before_their_line_ends(tray_env, tmp_path):
+    """An unfinished line was held until its newline (or 64 KiB): a progress bar redrawn with \\r showed nothing
+    until it finished, and then every state at once; a prompt never showed. Now a line unfinished for a second is
+    shown as a terminal would show it (its text after the last \\r)."""
+    logs = tmp_path / "logs"
+    run = tray_env.launch(1, """
+    with tray.init() as rank:
+        for i in range(1, 4):
+            sys.stderr.write(f"\\rstep {i}/3")
+            sys.stderr.flush()
+            time.sleep(1.3)
+        sys.stderr.write("\\rstep 3/3 done\\n")
+        sys.stdout.write("continue? ")
+        sys.stdout.flush()
+        time.sleep(1.5)
+        print("yes")
+    """, "--log-dir", str(logs), timeout_s=60)
+    assert run.returncode == 0, run.output
+    shown = [line for line in run.stderr.splitlines() if line.startswith("[rank 0] step")]
+    assert shown[:3] == ["[rank 0] step 1/3", "[rank 0] step 2/3", "[rank 0] step 3/3"], run.stderr
+    assert shown[-1] == "[rank 0] step 3/3 done" and "\\r" not in run.stderr, run.stderr
+    assert run.stdout.splitlines()[:2] == ["[rank 0] continue? ", "[rank 0] yes"], run.stdout
+    stamped = (logs / "rank-0.log").read_text().splitlines()
+    asked = next(line for line in stamped if line.endswith("continue? "))
+    answered = next(line for line in stamped if line.endswith(" yes"))
+    assert asked[:23] < answered[:23], stamped   # the prompt's stamp is from before the answer

@@ -221,6 +221,7 @@ class _Stream:
         self.dst = dst  # None: not shown on the terminal
         self.log = log  # None: not kept in the rank's file
         self.partial = bytearray()
+        self.partial_since: float | None = None  # when the unfinished line began (monotonic)
 
 
 def _utf8_cut(data: bytearray, limit: int) -> int:
@@ -248,6 +249,10 @@ class OutputPump:
     # A line longer than this is printed in pieces of at most this many bytes (each its own prefixed line), so
     # a rank writing without newlines costs the head time linear in its bytes and bounded memory.
     LINE_MAX_NBYTES = 65536
+    # An unfinished line this old is shown as it stands (a progress bar redrawn with \r, a prompt without a
+    # newline): what a terminal would show of it, its text after the last \r; the rest of the line follows as
+    # its own line.
+    PARTIAL_SHOWN_AFTER_S = 1.0
 
     def __init__(self, procs: list[RankProcess], routing: Routing) -> None:
         self._logs: list[TextIO] = []
@@ -277,6 +282,7 @@ class OutputPump:
                     break
                 for key, _ in self._sel.select(self._TICK_S):
                     self._read(key.data)
+                self._show_old_partials(time.monotonic())
         finally:
             for key in list(self._sel.get_map().values()):
                 self._finish(key.data)
@@ -302,6 +308,19 @@ class OutputPump:
                 self._emit(s, raw)
             s.partial = bytearray(last)
             self._emit_pieces(s)
+        if not s.partial:
+            s.partial_since = None
+        elif s.partial_since is None or newline:
+            s.partial_since = time.monotonic()
+
+    def _show_old_partials(self, now: float) -> None:
+        for key in list(self._sel.get_map().values()):
+            s = key.data
+            if s.partial and s.partial_since is not None and now - s.partial_since >= self.PARTIAL_SHOWN_AFTER_S:
+                if s.partial.rstrip(b"\r").rpartition(b"\r")[2].strip():  # nothing to show: wait for more
+                    self._emit(s, bytes(s.partial))
+                    s.partial = bytearray()
+                s.partial_since = None if not s.partial else now
 
     def _emit_pieces(self, s: _Stream) -> None:
         """Emit the unfinished line's leading pieces until at most LINE_MAX_NBYTES of it is held (and a `\r` that
@@ -319,7 +338,8 @@ class OutputPump:
         s.src.close()
 
     def _emit(self, s: _Stream, raw: bytes) -> None:
-        line = raw.decode(errors="replace").rstrip("\r")
+        # what a terminal shows of a line redrawn with \r (a progress bar): its text after the last \r
+        line = raw.decode(errors="replace").rstrip("\r").rpartition("\r")[2]
         s.proc.tail.append(line)
         if s.dst is not None:
             with _lock_of(s.dst):
