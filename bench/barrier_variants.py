@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tray.backend.cuda.barrier import BARRIER_SOURCE
 from tray.bench import median, write_report
+from tray.launch.jobdir import scratch_dir
 from tray.manifest.builtin import kernel_dir
 from tray.programs.peer_barrier.gate import GateArgs, run_gate
 
@@ -143,7 +143,7 @@ def main() -> int:
         ap.error(str(exc))
     results: dict[str, dict] = {}
     report = {"variants": results}
-    with tempfile.TemporaryDirectory(prefix="tray-barrier-variants-") as tmp:
+    with scratch_dir() as tmp:  # locked under the jobs root: the next tray removes it if this process is killed
         for v in chosen:
             kdir = Path(tmp) / v.name
             kdir.mkdir()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from torch_baselines import run_baseline  # beside this script
 from tray.backend import detect_backend
 from tray.bench import Row, format_table, plot_bars, ratio, require_plot, stage, write_report
 from tray.errors import UsageError
+from tray.launch.jobdir import scratch_dir
 from tray.programs.peer_barrier.gate import GateArgs, run_gate
 
 BENCH = "peer-barrier"
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     backend = args.backend or detect_backend()
     t0 = stage(BENCH, 1, STAGES, f"tray gate: {args.n} ranks, {backend} backend, {args.iters} barriers per repeat")
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch_dir() as tmp:  # locked under the jobs root: the next tray removes it if this process is killed
         gate_json = Path(tmp) / "gate.json"
         code = run_gate(GateArgs(nprocs=args.n, backend=backend, iters=args.iters, json_path=str(gate_json),
                                  quiet=True))

@@ -45,7 +45,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from tray.backend import detect_backend
 from tray.bench import median, plot_bars, ratio, require_plot, stage, write_report
 from tray.errors import UsageError
 from tray.launch import TraySpec, run_tray
+from tray.launch.jobdir import scratch_dir
 from tray.manifest.builtin import builtin_path
 
 RANK_PROGRAM = """
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--wake-gib {wake_gib} is less than one page ({PAGE_NBYTES >> 20} MiB); use 0 to skip")
     wake_runs: list[dict] = []
     t_start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tray-startup-") as tmp:
+    with scratch_dir() as tmp:  # locked under the jobs root: the next tray removes it if this process is killed
         cache = Path(tmp) / "kernel-cache"  # empty: the first run compiles (cold), the others load (warm)
         t0 = stage(BENCH, 1, STAGES, f"{args.n} ranks, {backend} backend: `tray launch` with an empty kernel cache")
         cold = tray_once(args.n, backend, Path(tmp), cache)

@@ -18,7 +18,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tray.envinfo import environment
+from tray.launch.jobdir import scratch_dir
 
 ITERS = 50
 RANK_PROGRAM = f"""
@@ -87,7 +87,7 @@ def main() -> int:
     args = ap.parse_args()
     counts = [int(k) for k in args.nnodes.split(",")]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="tray-nodes-") as tmp:
+    with scratch_dir() as tmp:  # locked under the jobs root: the next tray removes it if this process is killed
         job_once(1, args.n, Path(tmp))  # warm the page cache
         for k in counts:
             runs = [job_once(k, args.n, Path(tmp)) for _ in range(args.repeats)]

@@ -24,13 +24,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from tray.backend import detect_backend
 from tray.bench import median, stage, write_report
+from tray.launch.jobdir import scratch_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from startup import bench_manifest  # bench/startup.py: the same manifest
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or detect_backend()
     ways = WAYS[backend]
     t_start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tray-teardown-") as tmp:
+    with scratch_dir() as tmp:  # locked under the jobs root: the next tray removes it if this process is killed
         work = Path(tmp)
         manifest = bench_manifest(work / "teardown.json", args.n)
         stage(BENCH, 1, STAGES, f"{args.n} ranks, {backend} backend: one untimed run (kernel cache, page cache)")
