@@ -281,3 +281,27 @@ def test_a_progress_bar_and_a_prompt_show_before_their_line_ends(tray_env, tmp_p
     asked = next(line for line in stamped if line.endswith("continue? "))
     answered = next(line for line in stamped if line.endswith(" yes"))
     assert asked[:23] < answered[:23], stamped   # the prompt's stamp is from before the answer
+
+
+def test_a_line_shown_unfinished_ends_without_an_empty_line_or_a_split_character(tray_env, tmp_path):
+    """Its newline (or the \\n of a \\r\\n) coming later added an empty line; a character split between two writes
+    was shown as two replacement characters; the log file keeps what was written."""
+    logs = tmp_path / "logs"
+    run = tray_env.launch(1, """
+    with tray.init() as rank:
+        os.write(1, b"loading...")
+        time.sleep(1.5)
+        os.write(1, b"\\n")
+        os.write(1, b"crlf\\r")
+        time.sleep(1.5)
+        os.write(1, b"\\nnext\\r\\n")
+        os.write(1, b"caf\\xc3")
+        time.sleep(1.5)
+        os.write(1, b"\\xa9 ok\\n")
+    """, "--log-dir", str(logs), timeout_s=60)
+    assert run.returncode == 0, run.output
+    lines = [line for line in run.stdout.splitlines() if line.startswith("[rank 0]")]
+    assert lines == ["[rank 0] loading...", "[rank 0] crlf", "[rank 0] next", "[rank 0] caf", "[rank 0] é ok"], \
+        run.stdout
+    logged = [line[24:] for line in (logs / "rank-0.log").read_text().splitlines()]
+    assert logged == ["loading...", "crlf", "next", "caf", "é ok"], logged

@@ -576,6 +576,32 @@ def test_relayed_collectives_pair_and_check_like_one_hosts(tray_env, case):
     assert want in cause, [r.output for r in runs]
 
 
+def test_a_group_with_instances_spanning_nodes_and_within_one_runs_its_collectives(tray_env, tmp_path):
+    """Two nodes of 3 ranks, a group of pairs: (0,1) and (4,5) within a node, (2,3) across. The spanning pair's
+    collectives are relayed and needed no join, so its members never made the tray-wide join step the others
+    waited in; every rank makes it now."""
+    manifest = tmp_path / "duo.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "duo", "groups": [{"name": "duo", "size": 2}],
+        "buffers": [{"name": "x", "dtype": "f32", "shape": [4], "export": True, "group": "duo"},
+                    {"name": "y", "dtype": "f32", "shape": [4]}],
+        "programs": [{"name": "sum", "ops": [{"op": "barrier", "group": "duo"},
+                                             {"op": "nccl", "collective": "allreduce", "group": "duo", "send": "x",
+                                              "recv": "y", "count": 4, "dtype": "f32"}]}]}))
+    body = """
+    with tray.init() as rank:
+        rank.write("x", np.full(4, rank.rank, np.float32))
+        rank.run("sum")
+        print("sum", rank.rank, int(rank.read("y")[0]), flush=True)
+        rank.barrier(timeout_s=30)
+    """
+    runs = finish(start_job(tray_env, body, "-n", "3", "--manifest", str(manifest)), timeout_s=60)
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    out = runs[0].stdout + runs[1].stdout
+    for r, total in ((0, 1), (1, 1), (2, 5), (3, 5), (4, 9), (5, 9)):
+        assert f"sum {r} {total}" in out, out
+
+
 def test_node_0_must_run_where_the_endpoint_points(tray_env):
     env = tray_env.env()
     env["TRAY_JOB_TOKEN"] = TOKEN

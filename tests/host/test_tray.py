@@ -261,18 +261,27 @@ def test_a_group_that_leaves_ranks_out_forms_and_its_members_meet(tray_env, tmp_
     """A rank may be in no instance of a group (docs/manifest.md): it exports none of its buffers, and the head
     refused the offers because not every rank exported the same set."""
     manifest = tmp_path / "some.json"
-    manifest.write_text(json.dumps({"format": 1, "name": "some", "groups": [{"name": "some", "ranks": [[3, 1]]}],
-                                    "buffers": [{"name": "x", "dtype": "u32", "shape": [8], "export": True,
-                                                 "group": "some"}]}))
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "some", "groups": [{"name": "some", "ranks": [[3, 1]]}],
+        "buffers": [{"name": "x", "dtype": "u32", "shape": [8], "export": True, "group": "some"},
+                    {"name": "y", "dtype": "u32", "shape": [8], "group": "some"}],
+        "programs": [{"name": "sum", "ops": [{"op": "barrier", "group": "some"},
+                                              {"op": "nccl", "collective": "allreduce", "group": "some", "send": "x",
+                                               "recv": "y", "count": 8, "dtype": "u32"}]}]}))
     run = tray_env.launch(4, """
     with tray.init() as rank:
         if rank.rank in (1, 3):
             rank.barrier("some", timeout_s=30)
             print("met", rank.rank, rank.peers("x").group.members, flush=True)
+            rank.write("x", np.full(8, rank.rank, np.uint32))
+        rank.run("sum")   # the program's ops over 'some' are nothing on ranks 0 and 2
+        if rank.rank in (1, 3):
+            print("sum", rank.rank, int(rank.read("y")[0]), flush=True)
         rank.barrier(timeout_s=30)
     """, "--manifest", str(manifest), timeout_s=60)
     assert run.returncode == 0, run.output
     assert "met 1 (3, 1)" in run.stdout and "met 3 (3, 1)" in run.stdout, run.output
+    assert "sum 1 4" in run.stdout and "sum 3 4" in run.stdout, run.output
 
 
 def test_gate_peer_barrier_and_drop(tray_env, tmp_path):

@@ -1052,6 +1052,10 @@ def test_a_sendrecv_peer_that_pairs_no_member_with_its_partner_is_refused(root: 
     with pytest.raises(ManifestError) as info:
         load_manifest(path).resolve(4)
     assert_error(path, info.value, "$.programs[0].ops[0].peer", "peer 1 pairs member i of group 'world' with member",
-                 "would send to member i + 2 (instances of 4 ranks)")
+                 "in instances of 4 ranks is not a partner naming it back (or is itself)")
     doc["programs"][0]["ops"][0]["peer"] = 2
     load_manifest(write(root, doc)).resolve(4)
+    doc["groups"] = [{"name": "uneven", "ranks": [[0, 1, 2, 3], [4, 5]]}]   # peer 2 in an instance of 2: itself
+    doc["programs"][0]["ops"][0]["group"] = "uneven"
+    with pytest.raises(ManifestError, match="in instances of 2 ranks is not a partner"):
+        load_manifest(write(root, doc)).resolve(6)

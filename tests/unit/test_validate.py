@@ -76,3 +76,21 @@ def test_join_info_of_every_leader_checked_empty_is_fine():
     assert check(offers, leaders) == ["rank 2 leads group 'pairs' but offered no join info for it"]
     offers[2] = offer(2, groups={"pairs": b""})
     assert check(offers, leaders) == []
+
+
+def test_buffer_sets_may_differ_and_trays_own_buffers_are_sized_per_instance():
+    """A rank in no instance of a group exports none of its buffers; tray's own buffers are sized per instance,
+    and instances may differ in size. A manifest buffer of two sizes still means the vars differ."""
+    def with_buffers(r: int, *buffers: tuple[str, int]) -> Offer:
+        o = offer(r)
+        return Offer(token=o.token, rank=r, world_size=4, host=o.host, pid=o.pid, uid=o.uid, device=o.device,
+                     backend=o.backend, manifest=o.manifest, fd_socket=o.fd_socket, groups={}, timings={},
+                     buffers=tuple(BufferOffer(name=n, nbytes=b, handle="memfd", fabric=None) for n, b in buffers))
+
+    own = "tray:collectives:g"
+    offers = [with_buffers(0, (own, 8192)), with_buffers(1, (own, 8192)), with_buffers(2, (own, 4096)),
+              with_buffers(3, (own, 4096), ("x", 64))]
+    assert check(offers) == []
+    offers[2] = with_buffers(2, (own, 4096), ("x", 128))
+    (problem,) = check(offers)
+    assert problem == "rank 3 offered buffer 'x' of 64 B, rank 2 of 128 B; check the vars of each rank"

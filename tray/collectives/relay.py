@@ -191,6 +191,9 @@ class RelayCollectives(Collectives):
                  stream: int | None = None) -> None:
         """A step of the pair alone (as with NCCL): its topic names the two members (steps.pair_step)."""
         nbytes = count * numpy_dtype(dtype).itemsize
+        if not 0 <= peer_index < self.group.size:
+            raise UsageError(f"group {self.group.name!r}: sendrecv with member {peer_index}; the group has members "
+                             f"0..{self.group.size - 1}")
         me, peer = self.group.members[self.group.index], self.group.members[peer_index]
         if me == peer:
             for ptr, side in ((send_ptr, "send"), (recv_ptr, "receive")):

@@ -92,6 +92,8 @@ def validate_offers(
     first: dict[str, tuple[int, int]] = {}  # buffer -> (rank, nbytes) of the first rank that exports it
     for o in sorted(offers, key=lambda o: o.rank):
         for b in o.buffers:
+            if b.name.startswith("tray:"):  # tray's own, sized per group instance (instances may differ in size)
+                continue
             seen = first.setdefault(b.name, (o.rank, b.nbytes))
             if seen[1] != b.nbytes:
                 problems.append(f"rank {o.rank} offered buffer {b.name!r} of {b.nbytes} B, rank {seen[0]} of "

@@ -222,6 +222,18 @@ class _Stream:
         self.log = log  # None: not kept in the rank's file
         self.partial = bytearray()
         self.partial_since: float | None = None  # when the unfinished line began (monotonic)
+        self.shown = False  # its line was shown unfinished, and nothing came since: its newline ends nothing new
+
+
+def _incomplete_utf8_tail(data: bytearray) -> int:
+    """How many bytes at the end of `data` begin a UTF-8 sequence that is not complete yet (0 when none)."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 == 0x80:
+            continue  # a continuation byte: its lead is further back
+        need = 1 if b < 0x80 else 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+        return back if back < need else 0
+    return 0
 
 
 def _utf8_cut(data: bytearray, limit: int) -> int:
@@ -298,6 +310,11 @@ class OutputPump:
         if not chunk:
             self._finish(s)
             return
+        if s.shown and not s.partial:  # the line shown unfinished ends here: its newline adds no empty line
+            chunk = chunk[2:] if chunk.startswith(b"\r\n") else chunk[1:] if chunk.startswith(b"\n") else chunk
+        s.shown = False
+        if not chunk:
+            return
         first, newline, rest = chunk.partition(b"\n")
         s.partial += first  # only the new bytes are searched: a long line costs linear time
         self._emit_pieces(s)
@@ -317,9 +334,12 @@ class OutputPump:
         for key in list(self._sel.get_map().values()):
             s = key.data
             if s.partial and s.partial_since is not None and now - s.partial_since >= self.PARTIAL_SHOWN_AFTER_S:
-                if s.partial.rstrip(b"\r").rpartition(b"\r")[2].strip():  # nothing to show: wait for more
-                    self._emit(s, bytes(s.partial))
-                    s.partial = bytearray()
+                keep = _incomplete_utf8_tail(s.partial)  # a character split between two writes stays whole
+                ready = s.partial[:len(s.partial) - keep]
+                if ready.rstrip(b"\r").rpartition(b"\r")[2].strip():  # nothing to show: wait for more
+                    self._emit(s, bytes(ready))
+                    s.partial = s.partial[len(ready):]
+                    s.shown = not s.partial
                 s.partial_since = None if not s.partial else now
 
     def _emit_pieces(self, s: _Stream) -> None:
@@ -338,8 +358,10 @@ class OutputPump:
         s.src.close()
 
     def _emit(self, s: _Stream, raw: bytes) -> None:
-        # what a terminal shows of a line redrawn with \r (a progress bar): its text after the last \r
-        line = raw.decode(errors="replace").rstrip("\r").rpartition("\r")[2]
+        text = raw.decode(errors="replace").rstrip("\r")
+        # the terminal and the failure report get what a terminal shows of a line redrawn with \r (a progress
+        # bar): its text after the last \r; the log file keeps the line as written
+        line = text.rpartition("\r")[2]
         s.proc.tail.append(line)
         if s.dst is not None:
             with _lock_of(s.dst):
@@ -349,7 +371,7 @@ class OutputPump:
                 except BrokenPipeError:
                     _reader_gone(s.dst)
         if s.log is not None:
-            s.log.write(f"{stamp()} {line}\n")
+            s.log.write(f"{stamp()} {text}\n")
 
     def stop(self, drain_s: float) -> None:
         """Read for at most `drain_s` more seconds (until every stream ended), then stop and return."""

@@ -245,12 +245,14 @@ class _Resolver:
             if peer >= group_size:
                 self.fail(f"{jp}.peer", f"peer {peer} is outside group '{spec.group}' of {group_size} ranks")
             # member i exchanges with member i + peer, which must exchange with i: 2 * peer = 0 (mod the size)
-            unpaired = sorted({len(inst) for inst in self.groups[spec.group] if (2 * peer) % len(inst)})
+            unpaired = sorted({len(inst) for inst in self.groups[spec.group]
+                               if (2 * peer) % len(inst) or (peer and peer % len(inst) == 0)})
             if unpaired:
                 self.fail(f"{jp}.peer", f"peer {peer} pairs member i of group '{spec.group}' with member i + "
-                                        f"{peer}, which would send to member i + {2 * peer} (instances of "
-                                        f"{unpaired[0]} ranks): a sendrecv needs both members of a pair to name each "
-                                        "other; give 0 (itself) or half the group's size")
+                                        f"{peer} (mod the instance's size), which in instances of {unpaired[0]} ranks "
+                                        "is not a partner naming it back (or is itself): a sendrecv needs both "
+                                        "members of a pair to name each other; give 0 (itself) or half the size of "
+                                        "every instance")
         item = DTYPE_ITEMSIZE[spec.dtype]
         send_elems = count * group_size if coll in ("reducescatter", "alltoall") else count
         recv_elems = count * group_size if coll in ("allgather", "alltoall") else count

@@ -39,7 +39,7 @@ def describe_op(op: ResolvedOp) -> str:
             return f"launch {op.kernel}"
         case ResolvedCollective():
             per = " per member" if op.collective in ("allgather", "reducescatter", "alltoall") else ""
-            peer = f" with the member {op.peer} on" if op.peer is not None else ""
+            peer = f" with member i+{op.peer} (mod its size)" if op.peer is not None else ""
             across = f" across {op.across}" if op.across else ""
             return f"nccl {op.collective}{across} on group {op.group!r}{peer} ({op.count} x {op.dtype}{per})"
         case ResolvedGemm():
@@ -88,6 +88,11 @@ def spanning_problems(resolved: ResolvedManifest, local_world_size: int,
                         "group that stays within one node, stage the table for the other nodes (\"stage\" on the "
                         "launch, then an alltoall with \"across\": \"nodes\"), or use a collective"))
     return problems
+
+
+def _nothing() -> None:
+    """The step of an op over a group this rank is in no instance of (docs/manifest.md: no barrier, no
+    collectives for that group): nothing."""
 
 
 @dataclass
@@ -187,6 +192,11 @@ class Executor:
                 programmatic = self._programmatic.get(op.kernel, False)
                 return kernel.bind(op.grid, op.block, [self._arg(a, op) for a in op.args], op.shmem,
                                    programmatic=programmatic).launch
+            case ResolvedCollective() if op.group not in self.wiring.groups:
+                # a rank in no instance of the group takes no part in its collectives, only in the tray-wide step
+                # that joins every group's (made once, by the first collective op of any rank's program)
+                self.wiring.collectives.ensure_joined(self.ctx.exchange)
+                return _nothing
             case ResolvedCollective():
                 return self._collective(op)
             case ResolvedGemm():
@@ -194,6 +204,8 @@ class Executor:
                 a, b, c = self._ptr(op.a), self._ptr(op.b), self._ptr(op.c)
                 m, n, k, dtype, accumulate = op.m, op.n, op.k, op.dtype, op.accumulate
                 return lambda: backend.gemm(a, b, c, m, n, k, dtype, accumulate)
+            case ResolvedBarrier() if op.group not in self.wiring.groups:
+                return _nothing  # nor in its barrier
             case ResolvedBarrier():
                 barrier = self.wiring.barrier(op.group)
                 timeout_s = self.barrier_timeout_s

@@ -93,13 +93,18 @@ class LazyCollectives:
         return self._joined is not None
 
     def of(self, group: str, exchange: Exchange) -> Collectives:
-        """The collectives of `group` (a group of this rank), joining every group first if needed."""
-        if group in self._ready:
-            return self._ready[group]
+        """The collectives of `group` (a group of this rank), joining every group first if needed: also when this
+        rank's groups are all relayed (ready), so every rank makes the same tray-wide step whatever its groups
+        (a rank of a spanning instance and one of a node-local instance of one group, say)."""
+        self.ensure_joined(exchange)
+        assert self._joined is not None
+        return self._ready[group] if group in self._ready else self._joined[group]
+
+    def ensure_joined(self, exchange: Exchange) -> None:
+        """Make the tray-wide join step if this rank has not yet: also a rank in no instance of the group whose
+        collective op starts it, which takes part in nothing else of it."""
         if self._joined is None:
             self._join(exchange)
-        assert self._joined is not None
-        return self._joined[group]
 
     def _join(self, exchange: Exchange) -> None:
         with self._phases.showing("collectives"):
