@@ -22,6 +22,10 @@ floor a captured barrier sits on; host µs is the replay's host cost over its no
   graph_nodes_kernel_pdl  the same launched programmatically, as the barrier is (a programmatic edge per node)
   graph_nodes_barrier     the one-member peer barrier, as the gate's captured mode records it: what a captured
                           barrier costs without a peer to wait for
+  graph_nodes_flag_table  the barrier's own path pared down (one thread, programmatic: wait, epoch, fence, flag
+                          store, acquire poll), the flag's address read from a pointer table in device memory
+                          as the barrier reads its members'
+  graph_nodes_flag_param  the same with the address a kernel parameter: what that dependent load costs
 """
 
 from __future__ import annotations
@@ -43,6 +47,31 @@ from tray.bench import write_report
 NOOP_SOURCE = r"""
 extern "C" __global__ void tray_launch_cost_tick(unsigned long long* count) {
     atomicAdd(count, 1ull);  // atomic: programmatic launches may overlap the previous one
+}
+"""
+FLAG_SOURCE = r"""
+__device__ __forceinline__ void flag_round(unsigned long long* flag, unsigned long long* counter) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    const unsigned long long e = *counter + 1ull;
+    *counter = e;
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(e) : "memory");
+    unsigned long long seen = 0ull;
+    do {
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(seen) : "l"(flag) : "memory");
+    } while (seen < e);
+}
+
+extern "C" __global__ void tray_launch_cost_flag_table(unsigned long long* const* table,
+                                                       unsigned long long* counter) {
+    flag_round(table[0], counter);
+}
+
+extern "C" __global__ void tray_launch_cost_flag_param(unsigned long long* flag, unsigned long long* counter) {
+    flag_round(flag, counter);
 }
 """
 WARMUP = 50
@@ -127,6 +156,20 @@ def tray_paths(n: int, repeats: int) -> dict[str, dict[str, Any]]:
             ticks += replayed
         paths["graph_nodes_barrier"] = _graph_series(backend, partial(_times, partial(barrier.launch, TIMEOUT_S), n),
                                                      n, repeats)
+        pd = backend.capability >= (9, 0)
+        rounds = backend.allocate("launch_cost_rounds", 16, export=False)
+        backend.write(rounds.ptr, np.zeros(2, np.uint64))
+        flag = backend.allocate("launch_cost_flag", 8, export=True)
+        table = backend.ptr_table([flag.ptr])
+        for name, entry, first in (("graph_nodes_flag_table", "tray_launch_cost_flag_table", table),
+                                   ("graph_nodes_flag_param", "tray_launch_cost_flag_param", flag)):
+            kernel = backend.load_kernel(entry, FLAG_SOURCE.encode(), entry, [], peers=False)
+            bound = kernel.bind((1, 1, 1), (1, 1, 1), [first, rounds], programmatic=pd)
+            paths[name] = _graph_series(backend, partial(_times, bound.launch, n), n, repeats)
+        backend.synchronize()
+        done = int(backend.read(rounds.ptr, 8).view(np.uint64)[0])
+        if done != 2 * replayed or int(backend.read(flag.ptr, 8).view(np.uint64)[0]) != done:
+            raise RuntimeError(f"the flag kernels made {done} rounds, {2 * replayed} were launched")
         backend.synchronize()
         barrier.check()
         got = int(backend.read(count.ptr, 8).view(np.uint64)[0])
