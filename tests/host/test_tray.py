@@ -156,7 +156,7 @@ def test_host_collectives_wait_the_ranks_barrier_timeout_and_name_the_collective
     assert run.seconds < 40
 
 
-@pytest.mark.parametrize("fault", ["count", "kind", "sendrecv", "range"])
+@pytest.mark.parametrize("fault", ["count", "kind", "sendrecv", "range", "sendrecv_vs_group"])
 def test_host_collectives_name_members_that_called_different_collectives(tray_env, fault):
     """With NCCL these hang or read and write past the buffers; on the host backend (before, rank 0 silently got
     other numbers than its peers, exit 0) they fail naming who called what."""
@@ -165,6 +165,8 @@ def test_host_collectives_name_members_that_called_different_collectives(tray_en
         "kind": 'getattr(c, "allgather" if me == 0 else "allreduce")(send.ptr, recv.ptr, 64, "f32")',
         "sendrecv": 'c.sendrecv(send.ptr, recv.ptr, 32 if me == 0 else 64, "f32", me ^ 1)',
         "range": 'c.allreduce(send.ptr, recv.ptr, 4096, "f32")',
+        "sendrecv_vs_group": 'c.sendrecv(send.ptr, recv.ptr, 64, "f32", 1) if me == 0 else '
+                             'c.allreduce(send.ptr, recv.ptr, 64, "f32")',
     }[fault]
     body = f"""
     with tray.init() as rank:
@@ -184,8 +186,13 @@ def test_host_collectives_name_members_that_called_different_collectives(tray_en
         "sendrecv": "sendrecv round 1 between rank 0 and rank 1: rank 0 sends 32 f32, rank 1 64 f32; both must send "
                     "the same count and dtype",
         "range": "allreduce of 4096 f32 over group 'world': its send range reaches 16384 B at 0x",
+        "sendrecv_vs_group": "every member must make the same collective calls in the same order",
     }[fault]
     assert want in run.stderr, run.stderr
+    if fault == "sendrecv_vs_group":   # either side may be first to say it
+        assert ("rank 0 called sendrecv with rank 1, which called allreduce of 64 f32 (its call 1 on the group)"
+                in run.stderr or "rank 1 called allreduce (its call 1 on the group) while rank 0 called sendrecv "
+                "with it" in run.stderr), run.stderr
     if fault == "range":
         assert "(0 B into buffer 'send' of 2048 B), past its end: pass a count that fits the buffer" in run.stderr
 

@@ -105,6 +105,13 @@ class HostCollectives(Collectives):
         try:
             self._barrier.launch(self._wait_s)
         except BarrierTimeout as exc:
+            members, me = self.group.members, self.group.index
+            for m in exc.missing:  # a member that staged a sendrecv for this one called that instead
+                i = members.index(m)
+                if int(self._sent[i][me]) > self._rounds[i]:
+                    raise UsageError(f"group {self.group.name!r}: rank {members[me]} called {what} (its call "
+                                     f"{self._ncalls} on the group) while rank {m} called sendrecv with it: every "
+                                     "member must make the same collective calls in the same order") from None
             raise BarrierTimeout(f"{self.group.name} (in {what})", exc.epoch, exc.rank, exc.missing,
                                  exc.waited_s) from None
 
@@ -234,6 +241,12 @@ class HostCollectives(Collectives):
         waited = spin_until(lambda: bool(theirs[me] >= k), self._wait_s)
         if waited is not None:
             members = self.group.members
+            n, kind, count, dtype = (int(w) for w in self._calls[peer])
+            if n > self._ncalls:  # the peer is in a group collective this member never called: it waits there
+                raise UsageError(f"group {self.group.name!r}: rank {members[me]} called sendrecv with rank "
+                                 f"{members[peer]}, which called {_COLLECTIVES[kind]} of {count} {_DTYPES[dtype]} "
+                                 f"(its call {n} on the group): every member must make the same collective calls "
+                                 "in the same order")
             raise BarrierTimeout(f"{self.group.name} (in sendrecv with rank {members[peer]}: it never {what})", k,
                                  members[me], [members[peer]], waited)
 
