@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from tray.envvars import stop_signals
 from tray.errors import TrayError, UsageError
-from tray.launch.spec import stop_signals
 from tray.lazy import DEPENDENCIES
 
 EXIT_USAGE = 2
@@ -392,7 +392,7 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-_terminate_as_interrupt.stops_tray = True  # type: ignore[attr-defined]  # (spec.stop_signals)
+_terminate_as_interrupt.stops_tray = True  # type: ignore[attr-defined]  # (envvars.stop_signals)
 
 
 def _ignore_late_signals() -> None:

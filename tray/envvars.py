@@ -1,11 +1,13 @@
-"""TRAY_* settings that the head and the ranks both read from the environment, and the environment of the
-head's own helper processes. Light (no numpy, no zmq): the head checks them before it spawns anything, and
-importing `tray.rank` for that would cost the head ~50 ms of imports before its first rank starts."""
+"""TRAY_* settings that the head and the ranks both read from the environment, the environment of the head's
+own helper processes, and the signals that stop a tray. Light (no numpy, no zmq): the head checks them before
+it spawns anything, and importing `tray.rank` for that would cost the head ~50 ms of imports before its first
+rank starts."""
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -60,3 +62,15 @@ def own_module(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *rest])
     return [sys.executable, "-P", "-m", module, *args], env
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop a tray as Ctrl-C does: SIGINT, SIGTERM (kill, scancel, a time limit) and SIGHUP (its
+    terminal closed) where SIGHUP would end this process anyway: its handler is the default, or tray's own. Not
+    under nohup (SIGHUP ignored: it asked to outlive its terminal), nor in a program that handles SIGHUP itself
+    (a reload, say) and calls run_tray()."""
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    handler = signal.getsignal(signal.SIGHUP)
+    if handler is signal.SIG_DFL or getattr(handler, "stops_tray", False):
+        sigs.append(signal.SIGHUP)
+    return tuple(sigs)

@@ -387,7 +387,8 @@ def test_a_port_lock_removed_under_a_tray_is_not_taken_for_a_lock(tmp_path) -> N
     import os
     import socket
 
-    from tray.launch.ports import PortReservation, _still_named
+    from tray.launch.jobdir import still_named
+    from tray.launch.ports import PortReservation
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -400,7 +401,7 @@ def test_a_port_lock_removed_under_a_tray_is_not_taken_for_a_lock(tmp_path) -> N
         a.close()  # ... the first removed the file and let go
         c = PortReservation(port=port, lock_dir_fd=dir_fd)
         fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the stale inode locks: it is no one's lock any more
-        assert not _still_named(stale, name, dir_fd)
+        assert not still_named(stale, name, dir_fd)
         os.close(stale)
         with pytest.raises(OSError, match=rf"another tray \(head pid {os.getpid()}\) holds it"):
             PortReservation(port=port, lock_dir_fd=dir_fd)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tray.collectives.early import StartJoin
-from tray.envvars import join_collectives
+from tray.envvars import join_collectives, stop_signals
 from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
 from tray.handshake.steps import describe_step, step_voters, who_waits
@@ -34,7 +34,7 @@ from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
 from tray.launch.spawn import OutputPump, ensure_fd_limit, log_path, rank_env, say, spawn_rank
-from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, RankState, TrayResult, TraySpec, stop_signals
+from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, RankState, TrayResult, TraySpec
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fields
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
@@ -145,7 +145,7 @@ def _own_children() -> set[int]:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[list[int]]:
-    """SIGINT, SIGTERM and SIGHUP (spec.stop_signals) only note their number in the list yielded; the head acts
+    """SIGINT, SIGTERM and SIGHUP (envvars.stop_signals) only note their number in the list yielded; the head acts
     on it where it chooses, and a signal that came is raised as KeyboardInterrupt once the block ends without another
     exception. A KeyboardInterrupt raised by the handler itself lands wherever the head happens to be,
     e.g. inside `Popen.poll` between taking and releasing the Popen's waitpid lock: that rank can then
@@ -335,7 +335,7 @@ class Head:
             else:
                 self._drain(sock, _POLL_MS)
             if not self.failure:
-                self._check_children(sock, job.path)
+                self._check_children(sock)
             if not self.failure:
                 self._check_deadlines()
             if not self.failure:
@@ -606,7 +606,7 @@ class Head:
         """Whether the ranks are forming a tray: one of them called tray.init() (the head heard it)."""
         return bool(self.offers) or any(p.last_heartbeat is not None for p in self.procs)
 
-    def _check_children(self, sock: zmq.Socket, job_dir: Path) -> None:
+    def _check_children(self, sock: zmq.Socket) -> None:
         for p in self.procs:
             if p.returncode is not None:
                 continue
@@ -636,7 +636,7 @@ class Head:
     def _death(self, p: RankProcess, code: int, notes: tuple[str, ...] = ()) -> Failure:
         """The failure of rank `p` that ended with status `code` (non-zero), its error file's report if it left
         one."""
-        how = f"exited with code {code}" if code > 0 else f"was killed by {_signal_name(code)}"
+        how = _how_it_ended(code)
         report = self._error_file(self._job_path, p.rank) if self._job_path is not None else ""
         return Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
                        report=report, tail=tuple(p.tail), notes=notes)
@@ -826,7 +826,7 @@ class Head:
         whether that makes it slow (heartbeating) or stopped (silent)."""
         code = p.popen.poll()
         if code is not None:
-            how = f"exited with code {code}" if code >= 0 else f"was killed by {_signal_name(code)}"
+            how = _how_it_ended(code)
             return f"rank {p.rank} {how} (last phase: {p.phase}): dead, not slow"
         if p.last_heartbeat is None:
             return f"rank {p.rank} is alive but never reached the head (last phase: {self._phase_of(p)})"
@@ -1041,6 +1041,11 @@ class Head:
             returncodes=codes, timeline=self._timeline() if self.offers else {},
             startup_s=(self.t_go - t0) if self.t_go else None, job_dir=str(job_dir), rejected=self.rejected,
         )
+
+
+def _how_it_ended(code: int) -> str:
+    """`exited with code N` or `was killed by SIGNAL`, for a rank's exit status `code`."""
+    return f"exited with code {code}" if code >= 0 else f"was killed by {_signal_name(code)}"
 
 
 def _end_of(code: int | None) -> str:

@@ -196,6 +196,16 @@ def try_lock(root_fd: int, name: str) -> int | None:
     return lock_fd
 
 
+def still_named(fd: int, name: str, dir_fd: int) -> bool:
+    """Whether `name` under `dir_fd` is still the file open at `fd` (not removed, nor made anew)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
 def _remove_unlocked(root_fd: int, name: str) -> None:
     """Remove lock file `name` when no live process holds it (tray/launch/ports.py)."""
     try:
@@ -204,8 +214,7 @@ def _remove_unlocked(root_fd: int, name: str) -> None:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        st, own = os.stat(name, dir_fd=root_fd, follow_symlinks=False), os.fstat(fd)
-        if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):  # else a new tray's file took that name meanwhile
+        if still_named(fd, name, root_fd):  # else a new tray's file took that name meanwhile
             os.unlink(name, dir_fd=root_fd)
     except OSError:
         pass

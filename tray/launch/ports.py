@@ -7,14 +7,16 @@ import fcntl
 import os
 import socket
 
+from tray.launch.jobdir import still_named
+
 # NOTE: one host: ranks reach rank 0's store over loopback (torchrun's standalone mode does the same).
 MASTER_ADDR = "127.0.0.1"
 
 
 def _lock_port(dir_fd: int, port: int) -> int:
     """Hold `port-<port>.lock` under `dir_fd` (its fd, the holder's pid written in it); OSError(EADDRINUSE) naming
-    the holder when another process holds it. The holder removes the file as it lets go (_unlock_port); the jobs
-    root's sweep removes one a killed holder left."""
+    the holder when another process holds it. The holder removes the file as it lets go (PortReservation.close);
+    the jobs root's sweep removes one a killed holder left."""
     name = f"port-{port}.lock"
     for _ in range(_LOCK_TRIES):
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
@@ -23,7 +25,7 @@ def _lock_port(dir_fd: int, port: int) -> int:
             locked = True
         except OSError:
             locked = False
-        if not _still_named(fd, name, dir_fd):
+        if not still_named(fd, name, dir_fd):
             # NOTE: its holder (or the sweep) removed it between our open and our flock: that inode is no one's
             # lock any more, whoever holds it now; try the file as it is named now
             os.close(fd)
@@ -39,16 +41,6 @@ def _lock_port(dir_fd: int, port: int) -> int:
 
 
 _LOCK_TRIES = 8
-
-
-def _still_named(fd: int, name: str, dir_fd: int) -> bool:
-    """Whether `name` under `dir_fd` is still the file open at `fd` (not removed, nor made anew)."""
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 class PortReservation:

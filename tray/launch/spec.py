@@ -3,24 +3,10 @@
 from __future__ import annotations
 
 import enum
-import signal
 import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
-
-
-def stop_signals() -> tuple[int, ...]:
-    """The signals that stop a tray as Ctrl-C does: SIGINT, SIGTERM (kill, scancel, a time limit) and SIGHUP (its
-    terminal closed) where SIGHUP would end this process anyway: its handler is the default, or tray's own. Not
-    under nohup (SIGHUP ignored: it asked to outlive its terminal), nor in a program that handles SIGHUP itself
-    (a reload, say) and calls run_tray()."""
-    sigs = [signal.SIGINT, signal.SIGTERM]
-    handler = signal.getsignal(signal.SIGHUP)
-    if handler is signal.SIG_DFL or getattr(handler, "stops_tray", False):
-        sigs.append(signal.SIGHUP)
-    return tuple(sigs)
-
 
 # the exit status of a tray (or job) whose ranks (or nodes) never formed it: offers that disagree, a deadline
 EXIT_HANDSHAKE = 3
