@@ -5,6 +5,7 @@ one-barrier graph and a kernel launch, over a fake driver."""
 from __future__ import annotations
 
 import ctypes
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -409,3 +410,36 @@ def test_a_port_lock_removed_under_a_tray_is_not_taken_for_a_lock(tmp_path) -> N
         assert os.listdir(tmp_path) == []
     finally:
         os.close(dir_fd)
+
+
+@pytest.mark.parametrize("groups", ["world", "world+pairs"])
+def test_a_head_joining_early_takes_the_ranks_manifest_only_when_its_ids_hold_for_it(tmp_path, groups) -> None:
+    """Given no --manifest, a head whose ranks join NCCL early made the ids for its own (built-in) manifest's groups
+    before any rank loaded theirs. It takes the ranks' manifest when that gives every rank the same group
+    instances (the ids hold); otherwise it says why it did not, and what to pass, instead of only 'manifests
+    differ'."""
+    from tray.launch.head import Head
+    from tray.launch.spec import TraySpec
+    from tray.manifest import load_manifest
+
+    doc: dict = {"format": 1, "name": "mine", "groups": [{"name": "world", "ranks": "all"}],
+                 "buffers": [{"name": "x", "dtype": "f32", "shape": [4]}]}
+    if groups == "world+pairs":
+        doc["groups"].append({"name": "pairs", "size": 2})
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(doc))
+    digest = load_manifest(str(path)).digest
+    head = Head(TraySpec(nprocs=4, cmd=("true",), backend="host"))
+    head.start_join.wanted = True  # as on cuda with --join-collectives early: planned from the built-in manifest
+    head.offers = {r: SimpleNamespace(manifest=digest, manifest_path=str(path)) for r in range(4)}  # type: ignore[misc]
+    note = head._adopt_ranks_manifest()
+    if groups == "world":
+        assert note == "" and head.manifest.digest == digest
+    else:
+        assert head.manifest.digest != digest
+        assert note == (f"the ranks' manifest ({path}) was not taken for the head's: the NCCL ids of the early join "
+                        "(--join-collectives early) were made for the head's groups before the ranks loaded it, and "
+                        "the ids are for none where the ranks' manifest has pairs [0, 1], pairs [2, 3]; pass tray "
+                        f"launch --manifest {path} (or --join-collectives lazy)")
+    head.start_join.wanted = False  # without an early join the same manifest is taken
+    assert head._adopt_ranks_manifest() == "" and head.manifest.digest == digest

@@ -173,6 +173,15 @@ class StartJoin:
                 say(f"cannot write the NCCL ids for the ranks' early join to {path}: {exc.strerror}; the ranks' "
                     "first collective will fail naming that file (--join-collectives lazy avoids it)")
 
+    def differs(self, resolved: ResolvedManifest) -> str:
+        """"" when manifest `resolved` gives this head's ranks the group instances the ids are planned for (so the
+        ids hold for it too); else what differs."""
+        planned, theirs = set(_instances(self._resolved, self._ranks)), set(_instances(resolved, self._ranks))
+        if planned == theirs:
+            return ""
+        fmt = lambda items: ", ".join(sorted({f"{n} {list(m)}" for _, n, m in items})) or "none"  # noqa: E731
+        return f"the ids are for {fmt(planned - theirs)} where the ranks' manifest has {fmt(theirs - planned)}"
+
     def close(self) -> None:
         if self._maker is not None:
             self._maker.close()  # killed with the tray's process group by now, or done: reaped here

@@ -512,7 +512,7 @@ class Head:
         self._note_phase(proc, "table")
         if len(self.offers) < self.spec.nprocs:
             return
-        self._adopt_ranks_manifest()
+        not_adopted = self._adopt_ranks_manifest()
         leaders = {name: [members[0] for members in instances] for name, instances in self.resolved.groups.items()}
         from tray.handshake.validate import validate_offers
 
@@ -523,6 +523,7 @@ class Head:
             manifest_path="" if self.manifest.path == BUILTIN_PATH else os.path.abspath(self.manifest.path),
         )
         if problems:
+            problems += [not_adopted] if not_adopted else []
             self._fail(Failure(None, "the offers disagree; nobody proceeds:\n  " + "\n  ".join(problems),
                                exit_code=EXIT_HANDSHAKE))
             return
@@ -532,16 +533,16 @@ class Head:
     # does not (the root checks every node against the manifest each head was given)
     _adopts_ranks_manifest = True
 
-    def _adopt_ranks_manifest(self) -> None:
+    def _adopt_ranks_manifest(self) -> str:
         """Given no --manifest, take the manifest every rank loaded from one file (tray.init(manifest=...)) once
-        that file's digest here is the one they offered; anything else is left to validate_offers to name."""
-        if self.spec.manifest or not self._adopts_ranks_manifest or self.start_join.wanted:
-            # NOTE: an early join planned its groups from the head's manifest: another one's would not match
-            return
+        that file's digest here is the one they offered; anything else is left to validate_offers to name. Returns
+        why a manifest the ranks agree on was not taken ("" when taken or not at issue)."""
+        if self.spec.manifest or not self._adopts_ranks_manifest:
+            return ""
         digests = {o.manifest for o in self.offers.values()}
         paths = sorted({o.manifest_path for o in self.offers.values()} - {""})
         if len(digests) != 1 or not paths or self.manifest.digest in digests:
-            return
+            return ""
         (digest,) = digests
         for path in paths:  # one file, or copies of it (a link, another checkout): the digest says they agree
             try:
@@ -549,9 +550,18 @@ class Head:
                 resolved = manifest.resolve(self.world_size, dict(self.spec.vars), self.spec.nprocs)
             except (TrayError, OSError):
                 continue
-            if manifest.digest == digest:
-                self.manifest, self.resolved = manifest, resolved
-                return
+            if manifest.digest != digest:
+                continue
+            # an early join planned its groups' ids from the head's manifest before any rank loaded its own: they
+            # hold for the ranks' manifest only when it gives every rank the same group instances
+            differs = self.start_join.differs(resolved) if self.start_join.wanted else ""
+            if differs:
+                return (f"the ranks' manifest ({path}) was not taken for the head's: the NCCL ids of the early join "
+                        f"(--join-collectives early) were made for the head's groups before the ranks loaded it, and "
+                        f"{differs}; pass tray launch --manifest {path} (or --join-collectives lazy)")
+            self.manifest, self.resolved = manifest, resolved
+            return ""
+        return ""
 
     def _on_ready(self, sock: zmq.Socket, proc: RankProcess, ready: wire.Ready) -> None:
         if proc.rank in self.ready:
