@@ -131,3 +131,28 @@ def test_jobs_root_swapped_for_a_link_is_refused(tmp_path):
     with pytest.raises(SetupError, match="is a symbolic link"):
         make_job_dir(1, root)
     assert list(Path(target).iterdir()) == []
+
+
+def test_a_port_lock_held_a_moment_by_a_sweep_is_taken_but_a_trays_hold_refuses(tmp_path):
+    """Another tray's sweep locks a stale `port-P.lock` for the moment it takes to remove it: a tray asking for P
+    just then was refused as if a tray held P. A lock held that briefly is now waited for; one held on is a tray's."""
+    import errno
+    import threading
+
+    from tray.launch.ports import _lock_port
+
+    root_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sweep = os.open("port-4321.lock", os.O_RDWR | os.O_CREAT, 0o600, dir_fd=root_fd)
+        fcntl.flock(sweep, fcntl.LOCK_EX)
+        timer = threading.Timer(0.01, lambda: os.close(sweep))  # the sweep lets go 10 ms in
+        timer.start()
+        fd = _lock_port(root_fd, 4321)
+        timer.join()
+        assert os.pread(fd, 32, 0).decode() == str(os.getpid())
+        with pytest.raises(OSError) as refused:  # held on, by the tray that just took it
+            _lock_port(root_fd, 4321)
+        assert refused.value.errno == errno.EADDRINUSE and f"head pid {os.getpid()}" in str(refused.value)
+        os.close(fd)
+    finally:
+        os.close(root_fd)

@@ -6,6 +6,7 @@ import errno
 import fcntl
 import os
 import socket
+import time
 
 from tray.launch.jobdir import still_named
 
@@ -20,11 +21,7 @@ def _lock_port(dir_fd: int, port: int) -> int:
     name = f"port-{port}.lock"
     for _ in range(_LOCK_TRIES):
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked = True
-        except OSError:
-            locked = False
+        locked = _flock_soon(fd)
         if not still_named(fd, name, dir_fd):
             # NOTE: its holder (or the sweep) removed it between our open and our flock: that inode is no one's
             # lock any more, whoever holds it now; try the file as it is named now
@@ -41,6 +38,22 @@ def _lock_port(dir_fd: int, port: int) -> int:
 
 
 _LOCK_TRIES = 8
+_HELD_RECHECKS_S = (0.005, 0.02, 0.05)  # a held lock is tried again after each of these waits
+
+
+def _flock_soon(fd: int) -> bool:
+    """Whether `fd` got its exclusive lock, now or after the waits of _HELD_RECHECKS_S."""
+    for wait_s in (*_HELD_RECHECKS_S, None):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if wait_s is None:
+                return False
+            # NOTE: another tray's sweep holds a stale lock for the moment it takes to remove it; a tray's own hold
+            # lasts its whole run, so a lock still held after these short waits is a tray's
+            time.sleep(wait_s)
+    return False
 
 
 class PortReservation:
