@@ -330,6 +330,38 @@ def test_a_rank_that_ends_while_others_wait_in_a_step_is_named_at_once(tray_env,
     assert run.seconds < 15
 
 
+def test_ranks_waiting_in_different_steps_are_named_at_once(tray_env):
+    """Rank 0 waits in exchange 'a', ranks 1 and 2 in exchange 'b' (a topic that differs by rank, or exchanges in
+    another order): neither can ever be decided. The head sees it as the last of them votes and fails the tray
+    naming both steps, instead of each rank's 60 s timeout passing."""
+    run = tray_env.launch(3, """
+    with tray.init() as rank:
+        rank.barrier()
+        rank.exchange("a" if rank.rank == 0 else "b", rank.rank)
+    """)
+    assert run.returncode == 1, run.output
+    assert "the ranks wait in steps that wait for one another, so none can ever end:" in run.stderr, run.stderr
+    assert re.search(r"exchange '([ab])' \(round 1\) waits for rank \d, which waits in exchange '(?!\1)[ab]' "
+                     r"\(round 1\)", run.stderr), run.stderr
+    assert "in the same order" in run.stderr
+    assert run.seconds < 15
+
+
+def test_steps_in_the_same_order_are_not_taken_for_crossed_ones(tray_env):
+    """Ranks that reach the same steps at different times (rank 2 late) are no deadlock, whatever else waits."""
+    run = tray_env.launch(3, """
+    with tray.init() as rank:
+        for i in range(3):
+            if rank.rank == 2:
+                time.sleep(0.3)
+            assert rank.exchange(f"s{i}", rank.rank) == [0, 1, 2]
+            assert rank.exchange("t", i) == [i, i, i]
+        print("steps ok", rank.rank, flush=True)
+    """)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("steps ok") == 3
+
+
 def test_the_collectives_join_is_named_as_the_program_started_it(tray_env):
     """A rank that skips its first collective: the others' wait names what they did, not tray's own topic."""
     run = tray_env.launch(2, """

@@ -10,7 +10,7 @@ Pure data: the head, the root and the rank all derive the same voters from the t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 GROUP_PREFIX = "tray:group:"
 # tray's own tray-wide steps, and how a message names them to a user (who never called them by that name)
@@ -96,3 +96,49 @@ def node_leaders(members: Sequence[int], local_world_size: int) -> tuple[int, ..
 def spans_nodes(members: Sequence[int], local_world_size: int) -> bool:
     """Whether a group instance has members on more than one node (node of rank r = r // L)."""
     return len({r // local_world_size for r in members}) > 1
+
+
+def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
+                  voters_of: Callable[[str], Sequence[int] | None],
+                  ranks: Iterable[int]) -> list[tuple[tuple[str, int], int]]:
+    """Steps that can never be decided: `boxes` holds each undecided step's votes so far ((topic, round) -> {rank:
+    value}); a rank that voted waits in that step until it is decided. A step waits for each of its voters among
+    `ranks` that has not voted in it; when such a rank waits in another step, that step must end first. A cycle of
+    such waits is a deadlock. Returns one cycle as [(step, the rank it waits for, which waits in the next step)],
+    or [] when there is none. A rank found in two steps (it gave up on one) is judged free: no false deadlock."""
+    ours = set(ranks)
+    where: dict[int, tuple[str, int]] = {}
+    twice: set[int] = set()
+    for key, box in boxes.items():
+        for r in box:
+            (twice.add(r) if r in where else where.__setitem__(r, key))
+    waits: dict[tuple[str, int], list[tuple[int, tuple[str, int]]]] = {}
+    for key, box in boxes.items():
+        voters = voters_of(key[0]) or ()
+        waits[key] = [(r, where[r]) for r in voters
+                      if r in ours and r not in box and r in where and r not in twice and where[r] != key]
+    finished: set[tuple[str, int]] = set()
+    path: list[tuple[tuple[str, int], int]] = []  # (step, the rank it waits for there), from the walk's start
+    on_path: dict[tuple[str, int], int] = {}
+
+    def walk(key: tuple[str, int]) -> list[tuple[tuple[str, int], int]]:
+        on_path[key] = len(path)
+        for r, nxt in waits[key]:
+            path.append((key, r))
+            if nxt in on_path:
+                return path[on_path[nxt]:]
+            if nxt not in finished:
+                cycle = walk(nxt)
+                if cycle:
+                    return cycle
+            path.pop()
+        del on_path[key]
+        finished.add(key)
+        return []
+
+    for start in boxes:
+        if start not in finished:
+            cycle = walk(start)
+            if cycle:
+                return cycle
+    return []

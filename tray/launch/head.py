@@ -27,7 +27,7 @@ from tray.collectives.early import StartJoin
 from tray.envvars import join_collectives, stop_signals
 from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
-from tray.handshake.steps import describe_step, step_voters, who_waits
+from tray.handshake.steps import crossed_steps, describe_step, step_voters, who_waits
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
@@ -583,6 +583,7 @@ class Head:
         box[vote.rank] = vote.value
         if len(box) < self.spec.nprocs:
             self._check_abandoned_steps()
+            self._check_crossed_steps()
             return
         del self.votes[key]
         decision = wire.Decision(token=self.token, topic=vote.topic, round=vote.round,
@@ -705,6 +706,25 @@ class Head:
                                    f"{describe_step(topic)} (round {rnd}), which it never joined: every rank must "
                                    "make the same tray-wide steps", tail=tuple(p.tail)))
                 return
+
+    def _check_crossed_steps(self) -> None:
+        """A rank waits in one step at a time (exchange and tray's own steps return only with the decision): steps
+        that wait for one another's ranks in a cycle (rank 0 in exchange 'a', rank 1 in exchange 'b') can never be
+        decided. The tray fails now, naming them, instead of when the waiting ranks' timeouts pass. Only this
+        head's ranks are judged: a rank of another node may still come."""
+        if self.failure is not None:
+            return
+        cycle = crossed_steps(self.votes, lambda topic: step_voters(topic, self.world_size, self.resolved.groups,
+                                                                     self.spec.nprocs),
+                              range(self.rank_base, self.rank_base + self.spec.nprocs))
+        if not cycle:
+            return
+        links = "; ".join(f"{describe_step(topic)} (round {rnd}) waits for rank {r}, which waits in "
+                          f"{describe_step(nxt[0])} (round {nxt[1]})"
+                          for ((topic, rnd), r), (nxt, _) in zip(cycle, cycle[1:] + cycle[:1]))
+        self._fail(Failure(cycle[0][1], f"the ranks wait in steps that wait for one another, so none can ever end: "
+                           f"{links}. Every rank must make the same tray-wide steps (exchange topics, collectives' "
+                           "first use, park/wake) in the same order"))
 
     def _interrupted_too(self) -> bool:
         """A rank ended by SIGTERM/SIGINT: whether the head got one too (Ctrl-C to the terminal's process group,
@@ -1016,10 +1036,10 @@ class Head:
         for (topic, rnd), box in self.votes.items():
             # only this head's ranks that take part in the step (a node leaders' step: the leader alone)
             voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
-            missing = ",".join(str(p.rank) for p in self.procs
-                               if p.rank not in box and (voters is None or p.rank in voters))
+            missing = [p.rank for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)]
             if missing:
-                _say(f"tray-wide step: {describe_step(topic)} (round {rnd}) was still waiting for rank {missing}")
+                who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {','.join(map(str, missing))}"
+                _say(f"tray-wide step: {describe_step(topic)} (round {rnd}) was still waiting for {who}")
         tail = list(f.tail)
         local = f.rank is not None and 0 <= f.rank - self.rank_base < len(self.procs)
         if local and f.rank is not None:  # its output drained by now: the lines it wrote as it ended are there too

@@ -254,6 +254,7 @@ class NodeHead(Head):
             ranks = tuple(local)
         else:
             self._check_abandoned_steps()
+            self._check_crossed_steps()
             return
         try:
             self.link.send(jobwire.NodeVote(token=self.job.token, node_rank=self.job.node_rank, topic=vote.topic,
@@ -265,6 +266,7 @@ class NodeHead(Head):
             return
         self._forwarded.add(key)
         self._tell_left()
+        self._check_crossed_steps()
 
     def _rank_left(self, p: RankProcess, how: str) -> None:
         if p.rank not in self._told_left:
