@@ -74,6 +74,21 @@ def _check_program(cmd: Sequence[str], dashed: bool) -> None:
                          "-- CMD ARGS...)")
 
 
+def _nprocs_of(args: argparse.Namespace) -> int | None:
+    """-n as a number (None: the default), torchrun's words resolved: gpu needs a visible GPU, cpu counts cores."""
+    n = args.nprocs
+    if n == "cpu":
+        return len(os.sched_getaffinity(0))
+    if n == "gpu":
+        from tray.backend import detect_backend
+
+        if (args.backend or detect_backend()) != "cuda":
+            raise UsageError("--nproc-per-node gpu: no GPU is visible (or --backend host was given); give a number "
+                             "of ranks: the host backend runs them without a GPU")
+        return None
+    return None if n == "auto" else n
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from tray.launch import TraySpec, placements_for, run_tray
     from tray.launch.pick import warn_if_oversubscribed
@@ -84,12 +99,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
     dashed = bool(cmd) and cmd[0] == "--"
     if dashed:
         cmd = cmd[1:]
-    elif cmd and cmd[0].endswith(".py") and os.path.isfile(cmd[0]):
-        cmd = [sys.executable, *cmd]  # `tray launch -n 4 prog.py`: as torchrun, with this Python
+    if sum((args.module, args.no_python, args.run_path)) > 1:
+        raise UsageError("-m/--module, --no-python and --run-path say three ways of starting the program; give one")
     if not cmd:
-        raise UsageError("tray launch needs a command: tray launch -n 4 program.py, or "
-                         "tray launch -n 4 -- CMD ARGS...")
-    _check_program(cmd, dashed)
+        what = "a module: tray launch -n 4 -m package.module" if args.module else \
+            "tray launch -n 4 program.py, or tray launch -n 4 -- CMD ARGS..."
+        raise UsageError(f"tray launch needs a command: {what}")
+    if args.module:
+        cmd = [sys.executable, "-m", *cmd]  # torchrun's -m: `python -m MODULE ARGS`
+    elif args.run_path or (not args.no_python and not dashed and cmd[0].endswith(".py") and os.path.isfile(cmd[0])):
+        cmd = [sys.executable, *cmd]  # `tray launch -n 4 prog.py`: as torchrun, with this Python
+    else:
+        _check_program(cmd, dashed)
+    _note_torchrun_flags(args)
+    args.nprocs = _nprocs_of(args)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     for flag, seconds in (("--barrier-timeout-s", args.barrier_timeout_s), ("--timeout-s", args.timeout_s),
@@ -262,6 +285,68 @@ def _unknown_options(ap: argparse.ArgumentParser, argv: Sequence[str], extra: Se
     ap.error(f"unrecognized arguments: {' '.join(hints)}")
 
 
+NPROCS_WORDS = ("gpu", "auto", "cpu")  # torchrun's --nproc-per-node words
+
+
+def _nprocs_arg(text: str) -> int | str:
+    """-n/--nproc-per-node: a number of ranks, or torchrun's words: gpu (every visible GPU), auto (the default:
+    the visible GPUs, else HOST_DEFAULT_NPROCS host ranks), cpu (one host rank per CPU core)."""
+    if text in NPROCS_WORDS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of ranks (or {', '.join(NPROCS_WORDS)}), got "
+                                         f"{text!r}") from None
+
+
+def _nnodes_arg(text: str) -> int:
+    """--nnodes N, or torchrun's MIN:MAX when MIN == MAX (an elastic range is refused: tray's jobs are fixed)."""
+    low, sep, high = text.partition(":")
+    try:
+        n, m = int(low), int(high if sep else low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of nodes, got {text!r}") from None
+    if n != m:
+        raise argparse.ArgumentTypeError(f"{text!r} is an elastic range (torchrun's MIN:MAX); a job of trays has a "
+                                         "fixed number of nodes: give one number")
+    return n
+
+
+# torchrun's flags that change nothing here: (what tray does instead, the values that mean just that; None: any)
+TORCHRUN_NO_EFFECT: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "--rdzv-backend": ("the nodes of a job meet at the root's --rdzv-endpoint (tray's own rendezvous)",
+                       ("c10d", "static")),
+    "--rdzv-conf": ("tray's waits are --timeout-s and --node-heartbeat-timeout-s", ()),
+    "--monitor-interval": ("the head watches its ranks all the time", None),
+    "--start-method": ("every rank is a fresh process, as torchrun's spawn", ("spawn",)),
+    "--role": ("ROLE_NAME is 'default'", ("default",)),
+    "--local-addr": ("ranks reach each other over this host's loopback and the root over --rdzv-endpoint", ()),
+    "--logs-specs": ("rank logs are --log-dir, --tee and --redirects", ()),
+    "--event-log-handler": ("tray logs no torchelastic events", ("null",)),
+}
+
+
+def _note_torchrun_flags(args: argparse.Namespace) -> None:
+    """One note per torchrun flag given that changes nothing here, unless its value means what tray does."""
+    for flag, (instead, fine) in TORCHRUN_NO_EFFECT.items():
+        value = getattr(args, "torchrun_" + flag[2:].replace("-", "_"), None)
+        if value is None or fine is None or value in fine:
+            continue
+        print(f"tray: note: {flag} {value} is torchrun's and has no effect under tray launch: {instead}",
+              file=sys.stderr, flush=True)
+
+
+def _accept_underscores(p: argparse.ArgumentParser) -> None:
+    """torchrun takes --nproc_per_node as well as --nproc-per-node: so does `tray launch`, for every option. The
+    underscore spelling is only parsed: the help and the messages name each option as tray spells it."""
+    for action in list(p._actions):
+        for opt in list(action.option_strings):
+            alias = "--" + opt[2:].replace("-", "_")
+            if opt.startswith("--") and alias != opt and alias not in p._option_string_actions:
+                p._option_string_actions[alias] = action
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `command` one of the others, `bench`'s sub-commands are left out (their
     parsers import every program: time a `tray launch` would spend before its first rank starts)."""
@@ -277,9 +362,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        description="Spawn N ranks of CMD, form the tray (handshake, peer mappings, groups),\n"
                                    "supervise them, and stop all of them at the first failure.",
                        epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", "--nprocs", "--nproc-per-node", type=int, default=None,
+    p.add_argument("-n", "--nprocs", "--nproc-per-node", type=_nprocs_arg, default=None,
                    help="ranks (default: the visible GPUs; host backend: 4); checked against the visible GPUs "
-                        "and CUDA_VISIBLE_DEVICES before anything starts")
+                        "and CUDA_VISIBLE_DEVICES before anything starts; torchrun's gpu, auto (the default) and "
+                        "cpu (one host rank per core) too")
     p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
     p.add_argument("--manifest", default=None,
                    help="manifest JSON file or built-in name (tray inspect --list); default: the world group")
@@ -287,7 +373,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="more ranks than GPUs: rank r on GPU r mod G, taking turns there, NCCL over sockets; for "
                         "checking correctness on fewer GPUs, never for timings (default: $TRAY_SHARE_GPUS)")
     job = p.add_argument_group("a job of several nodes (one `tray launch` per node; secret in $TRAY_JOB_TOKEN)")
-    job.add_argument("--nnodes", type=int, default=None, help="nodes in the job")
+    job.add_argument("--nnodes", type=_nnodes_arg, default=None, help="nodes in the job (torchrun's N:N too)")
     job.add_argument("--node-rank", type=int, default=None, help="this node's rank, 0..nnodes-1 (0 hosts the root)")
     job.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="where node 0's root listens")
     job.add_argument("--rdzv-id", default=None, help="a name of the job (the same on every node)")
@@ -303,10 +389,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="override a manifest var (repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="no startup timeline (rank output and errors stay)")
     p.add_argument("--log-dir", default=None, metavar="DIR", help="keep one log file per rank here (rank-R.log)")
-    p.add_argument("--tee", default="0", metavar="S|R:S,...",
+    p.add_argument("-t", "--tee", default="0", metavar="S|R:S,...",
                    help="streams to the log file AND the terminal: 0 none, 1 stdout, 2 stderr, 3 both; for every "
                         "rank, or per local rank as 0:3,1:2 (ranks not listed: 0)")
-    p.add_argument("--redirects", default="0", metavar="S|R:S,...",
+    p.add_argument("-r", "--redirects", default="0", metavar="S|R:S,...",
                    help="streams to the log file ONLY: 0 none, 1 stdout, 2 stderr, 3 both; for every rank, or per "
                         "local rank as 0:3,1:2 (ranks not listed: 0)")
     p.add_argument("--local-ranks-filter", default=None, metavar="R[,R...]",
@@ -325,7 +411,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="cuda, one node: when ranks join their NCCL groups: early (while they start, ids made by "
                         "the head), lazy (at the first collective), auto (early when a manifest program has a "
                         "collective op); default: $TRAY_JOIN_COLLECTIVES, else auto")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="torchrun's: the program is a module, run as `python -m MODULE ARGS...` with this Python")
+    p.add_argument("--no-python", action="store_true",
+                   help="torchrun's: run the program as the command it is, a .py file too (no Python put before it)")
+    p.add_argument("--run-path", action="store_true",
+                   help="torchrun's: run the program with this Python whatever its name (a .py file is anyway)")
+    for flag in TORCHRUN_NO_EFFECT:  # accepted, a note when they would change something under torchrun
+        p.add_argument(flag, dest="torchrun_" + flag[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="PROGRAM.py ARGS... (run with this Python), or -- CMD ARGS...")
+    _accept_underscores(p)
     p.set_defaults(fn=cmd_launch)
 
     p = sub.add_parser("gate", help="qualification runs: peer-barrier",

@@ -98,3 +98,28 @@ with tray.init() as rank:
 """, "--manifest", "peer_fill")
     assert run.returncode == 0, run.output
     assert run.stdout.count("buffer (8192,)") == 2, run.output
+
+
+def test_torchruns_module_and_no_python_and_spellings(tray_env):
+    """`-m MODULE` runs `python -m MODULE` with this Python (its directory, the working one, on the path, as python
+    -m puts it); `--no-python` runs an executable .py file as the command it is; torchrun's underscore spellings
+    and its one-node rendezvous flags are taken."""
+    (tray_env.tmp / "trainpkg").mkdir()
+    (tray_env.tmp / "trainpkg" / "__init__.py").write_text("")
+    (tray_env.tmp / "trainpkg" / "train.py").write_text(
+        "import os, sys\nimport tray\nwith tray.init() as rank:\n"
+        "    print('module ok', rank.rank, __name__, sys.argv[1:], flush=True)\n")
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "--nproc_per_node", "2", "--backend", "host",
+                        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--max_restarts", "0",
+                        "-m", "trainpkg.train", "--lr", "0.1", tray_env.marker])
+    assert run.returncode == 0, run.output
+    for r in (0, 1):
+        assert f"module ok {r} __main__ ['--lr', '0.1', '{tray_env.marker}']" in run.stdout, run.output
+    assert "note" not in run.stderr, run.stderr   # c10d is what tray does: nothing to say
+    script = tray_env.tmp / "direct.py"
+    script.write_text("#!/bin/sh\necho \"direct $TRAY_RANK\"\n")
+    script.chmod(0o755)
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", "2", "--backend", "host", "--no-python",
+                        str(script), tray_env.marker])
+    assert run.returncode == 0, run.output
+    assert "direct 0" in run.stdout and "direct 1" in run.stdout, run.output

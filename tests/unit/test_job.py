@@ -260,3 +260,26 @@ def test_lws_names_the_job_by_its_leader():
            "TRAY_JOB_TOKEN": "f" * 32}
     job = resolve_job(JobArgs(nproc_per_node=4), env)
     assert job is not None and job.rdzv_id == "tray-job-0.tray-job.default" and job.node_rank == 1
+
+
+@pytest.mark.parametrize("args", [JobArgs(master_addr="localhost", master_port=29513),
+                                  JobArgs(rdzv_endpoint="127.0.0.1:29400"), JobArgs(node_rank=0, master_addr="localhost")])
+def test_torchruns_one_node_forms_name_this_host_and_make_one_tray(args):
+    """torchrun --master-addr localhost / --rdzv-endpoint localhost:0 without --nnodes (torchrun's default is one
+    node): one tray, not a usage error."""
+    assert resolve_job(args, {}) is None
+
+
+def test_a_root_elsewhere_without_nnodes_is_named():
+    with pytest.raises(UsageError, match=r"host '10\.255\.255\.1' \(--rdzv-endpoint/--master-addr\), not this machine, "
+                                         "without --nnodes"):
+        resolve_job(JobArgs(master_addr="10.255.255.1"), {})
+    with pytest.raises(UsageError, match="--node-rank 1 without --nnodes"):
+        resolve_job(JobArgs(node_rank=1), {})
+
+
+def test_torchruns_any_port_serves_one_node_but_not_a_job():
+    assert resolve_job(JobArgs(rdzv_endpoint="localhost:0"), {}) is None
+    assert resolve_job(JobArgs(nnodes=1, rdzv_endpoint="localhost:0"), {}) is None
+    with pytest.raises(UsageError, match="--rdzv-endpoint h:0: every node's head must reach the root at a port"):
+        resolve_job(JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:0"), {"TRAY_JOB_TOKEN": TOKEN})

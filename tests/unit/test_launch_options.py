@@ -165,7 +165,7 @@ def test_version(capsys):
     (["--timeout-s", "-5"], "--timeout-s must be a number of seconds > 0, got -5.0"),
     (["--heartbeat-timeout-s", "0"], "--heartbeat-timeout-s must be a number of seconds > 0"),
     (["--heartbeat-timeout-s", "1.5"], "--heartbeat-timeout-s must be at least 2 s: ranks heartbeat every 0.5 s"),
-    (["-n", "two"], "tray launch: argument -n/--nprocs/--nproc-per-node: invalid int value: 'two'"),
+    (["-n", "two"], "tray launch: argument -n/--nprocs/--nproc-per-node: expected a number of ranks (or gpu, auto, cpu), got 'two'"),
     (["--bakend=host"], "unrecognized arguments: --bakend=host (did you mean --backend?)"),
 ])
 def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
@@ -291,3 +291,49 @@ def test_a_py_program_on_path_needs_no_dashes(tmp_path, monkeypatch):
     _check_program(["onpath.py"], dashed=False)  # found on PATH: run as given
     with pytest.raises(UsageError, match="nothere.py: no such file here or on PATH"):
         _check_program(["nothere.py"], dashed=False)
+
+
+def test_torchruns_spellings_parse_as_tray_launchs_own():
+    """torchrun's underscore spellings, short -r/-t, N:N node counts and its --nproc-per-node words; the help
+    lists the dashed spellings only."""
+    ap = build_parser("launch")
+    args = ap.parse_args(["launch", "--nproc_per_node", "2", "--max_restarts=1", "--rdzv_id", "x", "--nnodes", "2:2",
+                          "--node_rank", "1", "--rdzv_endpoint", "h:1", "-r", "3", "-t", "1", "--local_ranks_filter",
+                          "0", "--rdzv_backend", "c10d", "--no_python", "prog", "a"])
+    assert (args.nprocs, args.max_restarts, args.rdzv_id, args.nnodes, args.node_rank, args.rdzv_endpoint) == \
+        (2, 1, "x", 2, 1, "h:1")
+    assert (args.redirects, args.tee, args.local_ranks_filter, args.torchrun_rdzv_backend, args.no_python) == \
+        ("3", "1", "0", "c10d", True)
+    assert args.cmd == ["prog", "a"]
+    assert ap.parse_args(["launch", "--nproc-per-node", "gpu", "true"]).nprocs == "gpu"
+    launch = next(a for a in ap._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices["launch"]
+    text = launch.format_help()
+    assert "--nproc-per-node" in text and "--nproc_per_node" not in text and "--rdzv-backend" not in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nnodes", "1:2"], "'1:2' is an elastic range (torchrun's MIN:MAX)"),
+    (["-n", "many"], "expected a number of ranks (or gpu, auto, cpu), got 'many'"),
+    (["-m", "--no-python"], "-m/--module, --no-python and --run-path say three ways"),
+    (["-n", "gpu", "--backend", "host"], "--nproc-per-node gpu: no GPU is visible (or --backend host was given)"),
+])
+def test_torchruns_forms_that_cannot_be_are_one_line(capsys, argv, says):
+    try:
+        code = main(["launch", *argv, "--", "true"])
+    except SystemExit as exited:  # the parser's own errors
+        code = exited.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_torchruns_flags_without_effect_are_noted_unless_their_value_is_tray_s_way(capsys, monkeypatch):
+    from tray.cli import _note_torchrun_flags
+
+    args = build_parser("launch").parse_args(["launch", "--rdzv-backend", "etcd", "--start-method", "spawn",
+                                              "--monitor-interval", "0.1", "--role", "trainer", "true"])
+    _note_torchrun_flags(args)
+    err = capsys.readouterr().err
+    assert "--rdzv-backend etcd is torchrun's and has no effect under tray launch: the nodes of a job meet" in err
+    assert "--role trainer is torchrun's and has no effect under tray launch: ROLE_NAME is 'default'" in err
+    assert "--start-method" not in err and "--monitor-interval" not in err

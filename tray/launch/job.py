@@ -9,6 +9,7 @@ of one field on the command line that disagree, are usage errors naming both. No
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -101,11 +102,11 @@ def _split_endpoint(endpoint: str, name: str) -> tuple[str, int]:
     if ":" in host:
         raise UsageError(f"{name} {endpoint!r}: an IPv6 address; the heads reach the root over IPv4: give a host name "
                          "or an IPv4 address")
-    return host, _port(port, name)
+    return host, _port(port, name, lo=0)
 
 
-def _port(value: str | int, name: str) -> int:
-    n = _int(str(value), name, 1)
+def _port(value: str | int, name: str, lo: int = 1) -> int:
+    n = _int(str(value), name, lo)
     if n > 65535:
         raise UsageError(f"{name}={n}: a TCP port is 1..65535")
     return n
@@ -224,6 +225,24 @@ def _note_a_job_not_found(env: Mapping[str, str]) -> None:
               "needs training-operator 1.7 or later (PET_* variables)", file=sys.stderr, flush=True)
 
 
+def is_this_host(host: str) -> bool:
+    """Whether `host` names this machine: a loopback address, or one an address of this machine resolves to."""
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except OSError:
+        return False
+    for addr in addrs:
+        if addr.startswith("127."):
+            return True
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((addr, 0))  # only an address of this machine can be bound
+                return True
+            except OSError:
+                continue
+    return False
+
+
 def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     """The job this head belongs to, or None for a tray of one host (no source names more than one node).
 
@@ -232,9 +251,13 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     cli = _from_cli(args)
     sched = _scheduler(args, env)
     if sched is None and cli.nnodes is None:
-        if cli.node_rank is not None or cli.host is not None:
-            raise UsageError("--node-rank/--rdzv-endpoint/--master-addr without --nnodes; a job of several "
-                             "trays needs all three: --nnodes N --node-rank I --rdzv-endpoint HOST:PORT")
+        # torchrun's one-node forms (--master-addr localhost, --rdzv-endpoint localhost:29400) name this host: one
+        # tray, as torchrun's default --nnodes 1 makes it
+        if cli.node_rank not in (None, 0) or (cli.host is not None and not is_this_host(cli.host)):
+            said = f"--node-rank {cli.node_rank}" if cli.node_rank not in (None, 0) else \
+                f"host {cli.host!r} (--rdzv-endpoint/--master-addr), not this machine,"
+            raise UsageError(f"{said} without --nnodes: a job of several trays needs --nnodes N --node-rank I "
+                             "--rdzv-endpoint HOST:PORT; one tray on this host needs none of them")
         _note_a_job_not_found(env)
         return None
     s = sched or _Found("none")
@@ -265,6 +288,9 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     if port is None:
         port = DEFAULT_PORT
     assert isinstance(node_rank, int) and isinstance(host, str) and isinstance(port, int)
+    if port == 0:  # torchrun's HOST:0 (any free port) serves one node; the heads of several must know the root's
+        raise UsageError(f"--rdzv-endpoint {host}:0: every node's head must reach the root at a port known before "
+                         "the job starts; give one, e.g. 29400")
     if not 0 <= node_rank < nnodes:
         raise UsageError(f"node rank {node_rank} is outside 0..{nnodes - 1} (a job of {nnodes} nodes)")
     token = env.get(TOKEN_VAR, "")
