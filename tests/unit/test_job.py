@@ -263,7 +263,8 @@ def test_lws_names_the_job_by_its_leader():
 
 
 @pytest.mark.parametrize("args", [JobArgs(master_addr="localhost", master_port=29513),
-                                  JobArgs(rdzv_endpoint="127.0.0.1:29400"), JobArgs(node_rank=0, master_addr="localhost")])
+                                  JobArgs(rdzv_endpoint="127.0.0.1:29400"),
+                                  JobArgs(node_rank=0, master_addr="localhost")])
 def test_torchruns_one_node_forms_name_this_host_and_make_one_tray(args):
     """torchrun --master-addr localhost / --rdzv-endpoint localhost:0 without --nnodes (torchrun's default is one
     node): one tray, not a usage error."""

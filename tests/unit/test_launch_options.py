@@ -165,7 +165,8 @@ def test_version(capsys):
     (["--timeout-s", "-5"], "--timeout-s must be a number of seconds > 0, got -5.0"),
     (["--heartbeat-timeout-s", "0"], "--heartbeat-timeout-s must be a number of seconds > 0"),
     (["--heartbeat-timeout-s", "1.5"], "--heartbeat-timeout-s must be at least 2 s: ranks heartbeat every 0.5 s"),
-    (["-n", "two"], "tray launch: argument -n/--nprocs/--nproc-per-node: expected a number of ranks (or gpu, auto, cpu), got 'two'"),
+    (["-n", "two"], "tray launch: argument -n/--nprocs/--nproc-per-node: expected a number of ranks (or gpu, auto, "
+                    "cpu), got 'two'"),
     (["--bakend=host"], "unrecognized arguments: --bakend=host (did you mean --backend?)"),
 ])
 def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
