@@ -228,7 +228,7 @@ def _note_a_job_not_found(env: Mapping[str, str]) -> None:
 def is_this_host(host: str) -> bool:
     """Whether `host` names this machine: a loopback address, or one an address of this machine resolves to."""
     try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+        addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None, socket.AF_INET)}
     except OSError:
         return False
     for addr in addrs:
