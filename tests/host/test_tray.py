@@ -85,6 +85,30 @@ def test_host_collectives_match_numpy(tray_env):
     assert run.stdout.count("collectives ok") == 4
 
 
+def test_collectives_take_views_arrays_and_keywords_as_addresses(tray_env):
+    """A collective's buffers as the views rank.buffer() gives, as arrays over them, or by keyword, work as their
+    .ptr does; anything else is a UsageError saying what is expected (a tensor was 'Boolean value of Tensor with
+    more than one value is ambiguous')."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        c = rank.collectives("world")
+        send, recv = rank.buffer("send"), rank.buffer("recv")
+        rank.write("send", np.full(send.shape, rank.rank + 1, np.float32))
+        c.allreduce(send, recv, send.shape[0], "f32")
+        assert np.all(rank.read("recv") == 3)
+        rank.write("send", np.full(send.shape, 2 * (rank.rank + 1), np.float32))
+        c.allreduce(np.asarray(send), recv_ptr=np.asarray(recv), count=send.shape[0], dtype="f32")
+        assert np.all(rank.read("recv") == 6)
+        try:
+            c.allreduce("send", recv.ptr, send.shape[0], "f32")
+        except tray.UsageError as exc:
+            print("refused:", exc, flush=True)
+    """, "--manifest", FILL, "--var", "count=64")
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("refused: allreduce send_ptr: expected an address (an int, e.g. rank.buffer('x').ptr), "
+                            "a tray view, or a tensor or array over tray memory; got str") == 2, run.output
+
+
 def test_host_sendrecv_is_a_step_of_the_pair_alone(tray_env):
     """As with NCCL: ranks 0 and 1 exchange (20 rounds, both directions) while ranks 2 and 3 take no part (each
     sends to itself once); then all four meet at one barrier. Before, sendrecv was a step of the whole group

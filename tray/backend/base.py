@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
+import inspect
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +160,50 @@ class Graph(abc.ABC):
     def close(self) -> None: ...
 
 
+def address(x: Any, what: str) -> int:
+    """`x` as a device (host: process) address: an int, a tray view (`.ptr`: rank.buffer(), rank.peer_view()), a
+    tensor (`data_ptr()`), or an array (`__cuda_array_interface__`, `__array_interface__`). UsageError otherwise."""
+    if type(x) is int:
+        return x
+    ptr = getattr(x, "ptr", None)
+    if type(ptr) is int:
+        return ptr
+    data_ptr = getattr(x, "data_ptr", None)
+    if callable(data_ptr):
+        return int(data_ptr())
+    for attr in ("__cuda_array_interface__", "__array_interface__"):
+        iface = getattr(x, attr, None)
+        if isinstance(iface, dict) and isinstance(iface.get("data"), tuple):
+            return int(iface["data"][0])
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise UsageError(f"{what}: expected an address (an int, e.g. rank.buffer('x').ptr), a tray view, or a tensor "
+                         f"or array over tray memory; got {type(x).__name__}") from None
+
+
+# the collectives' address arguments: each may be given as address() takes it
+_ADDRESS_ARGS = {"allreduce": 2, "allgather": 2, "reducescatter": 2, "alltoall": 2, "alltoall_among": 2,
+                 "sendrecv": 2, "send": 1, "recv": 1, "register_window": 1}
+
+
+def _taking_addresses(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
+    """`fn` with its first `n` arguments after self given as address() takes them (an int passes at once)."""
+    names = list(inspect.signature(fn).parameters)[1:n + 1]
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) >= n and all(type(a) is int for a in args[:n]):
+            return fn(self, *args, **kwargs)
+        args = tuple(address(a, f"{fn.__name__} {names[i]}") if i < n else a for i, a in enumerate(args))
+        for name in names:
+            if name in kwargs:
+                kwargs[name] = address(kwargs[name], f"{fn.__name__} {name}")
+        return fn(self, *args, **kwargs)
+
+    return call
+
+
 class Collectives(abc.ABC):
     """Collectives of one group on raw addresses (made by tray.collectives: NCCL on cuda, shared memory
     on host).
@@ -167,6 +214,13 @@ class Collectives(abc.ABC):
     """
 
     group: GroupInfo
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, n in _ADDRESS_ARGS.items():
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "__isabstractmethod__", False):
+                setattr(cls, name, _taking_addresses(fn, n))
 
     @abc.abstractmethod
     def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
