@@ -15,6 +15,7 @@ from typing import NoReturn
 from tray.envvars import stop_signals
 from tray.errors import TrayError, UsageError
 from tray.lazy import DEPENDENCIES
+from tray.text import is_digits
 
 EXIT_USAGE = 2
 
@@ -469,7 +470,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _which_signal(exc: KeyboardInterrupt) -> str:
     """` (SIGTERM: ...)` for an interruption the head raised for a signal it got; `""` for a plain Ctrl-C."""
     words = str(exc).split()
-    if len(words) != 2 or words[0] != "signal" or not words[1].isdigit():
+    if len(words) != 2 or words[0] != "signal" or not is_digits(words[1]):
         return ""
     name = signal.Signals(int(words[1])).name
     if name == "SIGTERM" and os.environ.get("SLURM_JOB_ID"):

@@ -476,3 +476,64 @@ def test_a_twin_that_does_not_take_the_manifests_arguments_is_named_at_bind(tray
     kernel.bind((1, 1, 1), (32, 1, 1), [0, 4, 2.0])
     with pytest.raises(UsageError, match="did you mean 'unit_scale'"):
         lookup("unit_scal")
+
+
+def test_a_flood_from_outside_the_tray_neither_stalls_nor_crashes_the_head_nor_gets_the_token(tray_env):
+    """A process of this uid that is no rank writes to the head's socket: 3000 junk messages it never reads the
+    answers to (the head once blocked for good on its full queue, its ranks left unreaped), one with a Unicode
+    digit in its identity (it once crashed the head), one of 2 MiB. The tray runs on and ends 0; the head says the
+    first rejections, then their count; the stranger is sent nothing (a Reject carries the token)."""
+    run = tray_env.launch(2, """
+    import threading
+    import zmq
+    got = []
+    def flood():
+        ctx = zmq.Context()
+        socks = []
+        for ident in (b"evil", "rank-\\u00b2".encode(), b"rank-\\xd9\\xa0"):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, ident)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(os.environ["TRAY_RDZV"])
+            socks.append(s)
+        socks[1].send(b"\\x81\\xa1x\\x01")
+        socks[2].send(b"\\x81\\xa1x\\x01")
+        socks[0].send(b"y" * (2 << 20))
+        for _ in range(3000):
+            socks[0].send(b"x")
+        time.sleep(1.0)
+        got.extend(s.recv(zmq.NOBLOCK) for s in socks if s.poll(0))
+        for s in socks:
+            s.close()
+        ctx.term()
+    with tray.init() as rank:
+        if rank.rank == 0:
+            t = threading.Thread(target=flood)
+            t.start()
+            t.join()
+            print("stranger got", len(got), flush=True)
+        for i in range(3):
+            assert rank.exchange("after", i) == [i, i]
+        print("tray ok", rank.rank, flush=True)
+    """, timeout_s=90)
+    assert run.returncode == 0, run.output
+    assert "stranger got 0" in run.stdout and run.stdout.count("tray ok") == 2, run.output
+    assert "further rejected messages are counted, not shown (20 shown)" in run.stderr, run.stderr
+    assert re.search(r"tray: \d+ messages to the head's socket were rejected in all \(the first 20 said\)",
+                     run.stderr), run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.count("rejected a message from") == 20, run.stderr
+
+
+def test_tray_s_own_step_topics_are_refused_to_exchange(tray_env):
+    run = tray_env.launch(1, """
+    with tray.init() as rank:
+        for topic in ("tray:group:world@\\u00b2:x", "tray.park"):
+            try:
+                rank.exchange(topic, 1)
+            except tray.UsageError as exc:
+                print("refused:", exc, flush=True)
+        assert rank.exchange("mine", 1) == [1]
+    """)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("are tray's own steps; choose another topic") == 2, run.output

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from tray.collectives.base import UNIQUE_ID_NBYTES
 from tray.envvars import own_module
 from tray.errors import DeviceError
+from tray.text import is_digits
 
 ANSWER_TIMEOUT_S = 20.0  # the head's wait for the ids; past it the ranks join lazily (a loaded host's start)
 _POLL_S = 0.02  # how often the process looks whether its roots are done
@@ -84,7 +85,7 @@ def _make(count: int) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
+    if len(args) != 1 or not is_digits(args[0]):
         print(f"usage: python -m tray.collectives.idmaker COUNT (a number of ids), got {args}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()

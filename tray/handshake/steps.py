@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from tray.text import is_digits
+
 GROUP_PREFIX = "tray:group:"
 # tray's own tray-wide steps, and how a message names them to a user (who never called them by that name)
 JOIN_TOPIC = "tray.collectives.join"
@@ -65,13 +67,13 @@ def step_voters(topic: str, world_size: int, groups: Mapping[str, Sequence[Seque
         return tuple(range(world_size))
     name_at, _, what = topic[len(GROUP_PREFIX):].rpartition(":")
     name, _, leader = name_at.rpartition("@")
-    if not leader.isdigit() or name not in groups:
+    if not is_digits(leader) or name not in groups:
         return None
     for members in groups[name]:
         if members and members[0] == int(leader):
             if what.startswith(PAIR):
                 a, _, b = what[len(PAIR):].partition("-")
-                pair = (int(a), int(b)) if a.isdigit() and b.isdigit() else ()
+                pair = (int(a), int(b)) if is_digits(a) and is_digits(b) else ()
                 return pair if len(pair) == 2 and pair[0] < pair[1] and set(pair) <= set(members) else None
             if what != LEADERS:
                 return tuple(members)

@@ -39,6 +39,7 @@ from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fiel
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
 from tray.numa import NumaPlacement, placement_for
+from tray.text import is_digits
 
 if TYPE_CHECKING:
     import psutil
@@ -176,6 +177,10 @@ def _signals_held() -> Iterator[list[int]]:
         raise KeyboardInterrupt(f"signal {got[0]}")
 
 
+_REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
+_DRAIN_MAX = 256  # messages handled per turn of the loop
+_FRAME_SLACK = 4096  # beyond wire.MAX_MESSAGE_NBYTES, for a frame's envelope
+
 class Head:
     """One tray launch. `run()` returns a TrayResult and leaves no process, socket or job dir."""
 
@@ -205,6 +210,7 @@ class Head:
         self.votes: dict[tuple[str, int], dict[int, object]] = {}
         self.failure: Failure | None = None
         self.rejected: list[str] = []
+        self._rejects = 0  # messages refused (only the first _REJECTS_SAID are kept and said)
         self.t_go: float | None = None
         self.t_table: float | None = None
         self.t_spawned = 0.0
@@ -356,8 +362,11 @@ class Head:
                            exit_code=EXIT_HANDSHAKE))
 
     def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:
-        """Handle the messages waiting (the first after up to `timeout_ms`) until a failure is known."""
-        while not self.failure and not self._signals and sock.poll(timeout_ms, zmq.POLLIN):
+        """Handle the messages waiting (the first after up to `timeout_ms`) until a failure is known, at most
+        _DRAIN_MAX of them: the loop's supervision runs between two batches whatever floods the socket."""
+        for _ in range(_DRAIN_MAX):
+            if self.failure or self._signals or not sock.poll(timeout_ms, zmq.POLLIN):
+                return
             timeout_ms = 0
             ident, payload = self._recv(sock)
             if ident is not None:
@@ -435,15 +444,21 @@ class Head:
     # --- messages -------------------------------------------------------------------------------
     def _sender_rank(self, ident: str) -> int | None:
         base = ident[:-3] if ident.endswith(".hb") else ident
-        if base.startswith("rank-") and base[5:].isdigit() and \
+        if base.startswith("rank-") and is_digits(base[5:]) and \
                 self.rank_base <= int(base[5:]) < self.rank_base + self.spec.nprocs:
             return int(base[5:])
         return None
 
     def _reject_log(self, ident: str, reason: str) -> None:
-        line = f"rejected a message from {ident}: {reason}"
-        self.rejected.append(line)
-        _say(line)
+        """Say a refused message, the first _REJECTS_SAID of them: a flood from outside the tray neither fills the
+        terminal nor the head's memory (the rest are counted, and the count said at the end)."""
+        self._rejects += 1
+        if self._rejects <= _REJECTS_SAID:
+            line = f"rejected a message from {ident[:64]!r}: {reason[:300]}"
+            self.rejected.append(line)
+            _say(line)
+            if self._rejects == _REJECTS_SAID:
+                _say(f"further rejected messages are counted, not shown ({_REJECTS_SAID} shown)")
 
     def _on_message(self, sock: zmq.Socket, ident: str, payload: bytes) -> None:
         rank = self._sender_rank(ident)
@@ -451,7 +466,8 @@ class Head:
             msg = wire.decode(payload, token=self.token, sender=ident)
         except WireError as exc:
             self._reject_log(ident, exc.reason)
-            self._send(sock, ident, wire.Reject(token=self.token, reason=exc.reason))
+            if rank is not None:  # NOTE: a Reject carries the token: never to a process outside the tray's identities
+                self._send(sock, ident, wire.Reject(token=self.token, reason=exc.reason))
             return
         if rank is None or getattr(msg, "rank", rank) != rank:
             reason = f"identity {ident!r} does not match the rank it claims ({getattr(msg, 'rank', None)})"
@@ -608,9 +624,11 @@ class Head:
 
     def _send_bytes(self, sock: zmq.Socket, ident: str, data: bytes, kind: str) -> None:
         try:
-            sock.send_multipart([ident.encode(), data])
-        except zmq.ZMQError as exc:  # the rank is gone; its exit is the failure we report
-            _say(f"could not send {kind} to {ident}: {exc}")
+            # NOTE: never blocking: a peer that stops reading must not stop the head (its queue holds 1000 messages,
+            # far more than a rank is ever sent unread)
+            sock.send_multipart([ident.encode(), data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the rank is gone (its exit is the failure we report), or it reads nothing
+            _say(f"could not send {kind} to {ident[:64]!r}: {exc}")
 
     # --- supervision ----------------------------------------------------------------------------
     def _forming(self) -> bool:
@@ -1065,6 +1083,9 @@ class Head:
             others = [f"rank {r}: {_end_of(c)}" for r, c in codes.items() if r != self.failure.rank]
             if others:
                 _say("after teardown: " + "; ".join(others))
+        if self._rejects > _REJECTS_SAID:
+            _say(f"{self._rejects} messages to the head's socket were rejected in all (the first {_REJECTS_SAID} "
+                 "said): a process outside this tray wrote to it")
         t0 = min((p.t_spawn for p in self.procs), default=0.0)
         return TrayResult(
             exit_code=self.failure.exit_code if self.failure else 0, root_cause=self.failure,
@@ -1100,6 +1121,7 @@ def _bind_router(ctx: zmq.Context, endpoint: str, job: JobDir) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_NBYTES + _FRAME_SLACK)  # a larger one drops its sender
     try:
         sock.bind(endpoint)
         os.chmod("head.sock", 0o600, dir_fd=job.fd)

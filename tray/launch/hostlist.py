@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 
 from tray.errors import UsageError
+from tray.text import is_digits
 
 __all__ = ["expand_hostlist", "first_host"]
 
@@ -51,7 +52,7 @@ def _expand_ranges(hostlist: str, body: str) -> list[str]:
     out: list[str] = []
     for part in body.split(","):
         lo_text, dash, hi_text = part.strip().partition("-")
-        if not lo_text.isdigit() or (dash and not hi_text.isdigit()):
+        if not is_digits(lo_text) or (dash and not is_digits(hi_text)):
             raise _error(hostlist, f"range {part!r} in [{body}] is not NUM or NUM-NUM")
         lo, hi = int(lo_text), int(hi_text) if dash else int(lo_text)
         if hi < lo:

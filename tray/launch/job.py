@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tray.errors import UsageError
 from tray.launch.hostlist import first_host
+from tray.text import is_digits
 
 __all__ = ["JobArgs", "JobSpec", "TOKEN_VAR", "job_rank_env", "resolve_job", "slurm_port"]
 
@@ -79,7 +80,7 @@ def slurm_port(job_id: str) -> int:
     """The root's port for Slurm job `job_id` (same on every node): 20000 + 2 x (id mod 5000); the program's
     MASTER_PORT is the next one."""
     digits = job_id.split("_")[0]  # array jobs: "1234_7"
-    if not digits.isdigit():
+    if not is_digits(digits):
         raise UsageError(f"SLURM_JOB_ID {job_id!r} is not a number; give the port: --rdzv-endpoint HOST:PORT")
     return SLURM_PORT_BASE + 2 * (int(digits) % SLURM_PORT_JOBS)
 
@@ -185,7 +186,7 @@ def _from_pytorchjob(env: Mapping[str, str]) -> _Found:
         host=env.get("PET_MASTER_ADDR") or None,
         port=_port(env["PET_MASTER_PORT"], "PET_MASTER_PORT") if env.get("PET_MASTER_PORT") else None,
         rdzv_id=env.get("PET_RDZV_ID") or None,
-        nproc_per_node=_int(nproc, "PET_NPROC_PER_NODE", 1) if nproc and nproc.isdigit() else None,
+        nproc_per_node=_int(nproc, "PET_NPROC_PER_NODE", 1) if nproc and is_digits(nproc) else None,
     )
 
 
@@ -219,7 +220,7 @@ def _note_a_job_not_found(env: Mapping[str, str]) -> None:
     """In a Kubernetes pod whose environment describes a torch job of several processes (an operator older than
     the PET_* variables: training-operator < 1.7) but no job tray reads: say that this runs one tray alone."""
     world = env.get("WORLD_SIZE", "")
-    if "KUBERNETES_SERVICE_HOST" in env and env.get("MASTER_ADDR") and world.isdigit() and int(world) > 1:
+    if "KUBERNETES_SERVICE_HOST" in env and env.get("MASTER_ADDR") and is_digits(world) and int(world) > 1:
         print(f"tray: note: WORLD_SIZE={world} and MASTER_ADDR={env['MASTER_ADDR']} are set, but no job of several "
               "nodes was found (no --nnodes, SLURM_*, PET_* or LWS_*): this pod runs one tray alone. A PyTorchJob "
               "needs training-operator 1.7 or later (PET_* variables)", file=sys.stderr, flush=True)

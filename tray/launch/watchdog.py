@@ -22,6 +22,7 @@ from pathlib import Path
 from tray.envvars import own_module
 from tray.launch.jobdir import SetupError, open_root
 from tray.launch.shm import remove_recorded_shm
+from tray.text import is_digits
 
 DONE = b"done\n"
 # NOTE: SIGKILLed processes vanish within milliseconds; the bound only guards against a process in
@@ -43,7 +44,7 @@ def group_members(pgid: int, exclude: frozenset[int] = frozenset()) -> list[int]
     """Pids of the live processes in process group `pgid` (from /proc), minus `exclude`."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not is_digits(entry):
             continue
         pid = int(entry)
         if pid in exclude:

@@ -26,7 +26,7 @@ import numpy as np
 from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype
 from tray.errors import UsageError
 from tray.handshake import wire
-from tray.handshake.steps import describe_step
+from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, describe_step
 from tray.manifest import Manifest, ResolvedManifest
 from tray.rank import lifecycle
 from tray.rank.env import RankEnv
@@ -133,7 +133,7 @@ class Rank:
     def context(self) -> RankContext:
         """What the executor, parking and weight loading use of this rank."""
         self._require_open("context()")
-        return RankContext(self._wiring, self.kernel, self.exchange)
+        return RankContext(self._wiring, self.kernel, self._exchange)
 
     # --- the API -----------------------------------------------------------------------------------
     def _require_open(self, what: str) -> None:
@@ -202,7 +202,7 @@ class Rank:
         """The collectives of `group`. The first call joins every group's collectives: a tray-wide step
         that every rank must make (like `exchange`); a program with a collective op makes it in lockstep."""
         self._require_open("collectives()")
-        return self._wiring.collectives_of(group, self.exchange)
+        return self._wiring.collectives_of(group, self._exchange)
 
     def read(self, name: str) -> np.ndarray:
         """A host copy of buffer `name`, typed and shaped as the manifest says."""
@@ -232,7 +232,15 @@ class Rank:
     def exchange(self, topic: str, value: Any, timeout_s: float = 60.0) -> list[Any]:
         """Every rank's `value` (msgpack-able), in rank order, through the head. A tray-wide step:
         every rank must call it with the same topic. Raises UsageError, before sending, when the
-        value is larger than wire.vote_limit_nbytes(world_size) (all values travel back in one message)."""
+        value is larger than wire.vote_limit_nbytes(world_size) (all values travel back in one message), or
+        when the topic is one of tray's own (`tray:...`, tray.collectives.join, tray.park)."""
+        if topic.startswith("tray:") or topic in (JOIN_TOPIC, PARK_TOPIC):  # GROUP_PREFIX is tray:group:
+            raise UsageError(f"exchange({topic!r}): topics beginning with 'tray:', and {JOIN_TOPIC!r} and "
+                             f"{PARK_TOPIC!r}, are tray's own steps; choose another topic")
+        return self._exchange(topic, value, timeout_s)
+
+    def _exchange(self, topic: str, value: Any, timeout_s: float = 60.0) -> list[Any]:
+        """exchange() for tray's own steps too (the collectives' join, park and wake)."""
         self._require_open("exchange()")
         client = self._wiring.client
         rnd = self._rounds.get(topic, 0) + 1

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+from tray.text import is_digits
+
 __all__ = ["CudaBackend", "DriverWarmup", "gpu_count", "pci_bus_ids", "proc_gpu_count", "visible_gpu_count"]
 
 _PROC_GPUS = "/proc/driver/nvidia/gpus"  # one directory per GPU, named by its PCI bus id
@@ -101,7 +103,7 @@ def _proc_bus_ids() -> list[str] | None:
     picked = []
     for item in visible.split(","):
         item = item.strip()
-        if not item.isdigit():
+        if not is_digits(item):
             return None if item else picked
         if int(item) >= len(buses):
             break  # CUDA stops at the first invalid ordinal
@@ -125,7 +127,7 @@ def proc_gpu_count() -> int | None:
     for bus in buses:
         info = infos.get(bus, {})
         minor = info.get("Device Minor", "")
-        if not minor.isdigit() or info.get("GPU Excluded", "No") != "No":
+        if not is_digits(minor) or info.get("GPU Excluded", "No") != "No":
             return None
         if not os.access(os.path.join(_DEV, f"nvidia{minor}"), os.R_OK | os.W_OK):
             return None

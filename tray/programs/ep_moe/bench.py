@@ -71,6 +71,7 @@ from tray.bench import TrayFailed, plot_lines, require_plot, run_rank_program, s
 from tray.errors import TrayError, UsageError
 from tray.launch.jobdir import work_dir
 from tray.manifest.builtin import builtin_path
+from tray.text import is_digits
 
 MANIFEST = "ep_moe"  # built-in (package data), see tray.manifest.builtin
 # NOTE: bf16 operands and four bf16 roundings on the way (h13, act, expert output, per-rank partial):
@@ -189,7 +190,7 @@ def validate(a: EpBenchArgs) -> None:
         raise UsageError(f"--dispatch fp8 needs --hidden a multiple of {FP8_BLOCK} (one scale per {FP8_BLOCK} values; "
                          f"got {a.hidden}) and one node (got --nnodes {a.nnodes})")
     for b in a.budgets:
-        if b != "all" and not (b.isdigit() and int(b) >= 1):
+        if b != "all" and not (is_digits(b) and int(b) >= 1):
             raise UsageError(f"--sms takes 'all' or positive SM counts, got {b!r}")
     if a.ll_phases and (a.backend != "cuda" or a.nnodes > 1 or a.gemm == "cublas"):
         raise UsageError(
