@@ -135,3 +135,48 @@ def test_a_head_with_another_token_stops_dialling_at_its_first_failed_handshake(
     assert refused_at is not None, "the link never saw its handshake fail"
     assert "refused this node's CURVE handshake: TRAY_JOB_TOKEN differs" in (link.tick() or "")
     assert 1 <= root.handshake_failures <= 2, root.handshake_failures
+
+
+def test_a_connection_that_never_finishes_the_handshake_is_dropped_and_descriptors_are_raised(monkeypatch):
+    """Anyone who reaches the root's port may open connections and say nothing: each held a descriptor of node 0's
+    head for ZeroMQ's default 30 s, and 1100 of them under `ulimit -n 1024` kept the real node out and broke the
+    head's teardown. Now such a connection is dropped after 5 s, and the root's soft descriptor limit is its hard
+    one."""
+    import resource
+
+    from tray.launch import root as root_mod
+
+    monkeypatch.setattr(root_mod, "_HANDSHAKE_MS", 300)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = min(soft, hard, 512)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    port = _free_port()
+    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    ctx = zmq.Context()
+    try:
+        root = Root(ctx, job, local_world_size=1, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+        idle = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+        poller = zmq.Poller()
+        for s in root.sockets():
+            poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + 5.0
+        closed = False
+        idle.settimeout(0.02)
+        while not closed and time.monotonic() < deadline:
+            for s, _ in poller.poll(20):
+                root.on_readable(s)
+            try:
+                data = idle.recv(4096)   # the root's greeting, then nothing; b"" once it dropped us
+                closed = data == b""
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                closed = True
+        idle.close()
+        root.close()
+        assert closed, "the root kept a connection that never finished its handshake"
+    finally:
+        ctx.term()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

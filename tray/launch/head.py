@@ -956,7 +956,12 @@ class Head:
                     stuck.append(p.pid)
         survivors: list[int] = stuck
         if watchdog is not None:
-            survivors = stuck + kill_group(watchdog.pgid, frozenset({watchdog.popen.pid, *stuck}))
+            try:
+                survivors = stuck + kill_group(watchdog.pgid, frozenset({watchdog.popen.pid, *stuck}))
+            except OSError as exc:  # NOTE: the watchdog goes with its group; done() then reaps it
+                _say(f"cannot list the tray's processes ({exc.strerror}); killing its whole process group")
+                with contextlib.suppress(OSError):
+                    os.killpg(watchdog.pgid, signal.SIGKILL)
         self._kill_adopted(exclude={p.pid for p in self.procs} | ({watchdog.popen.pid} if watchdog else set())
                            | ({self.start_join.pid} if self.start_join.pid is not None else set()))
         if survivors:

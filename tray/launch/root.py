@@ -26,7 +26,7 @@ from tray.handshake import jobwire
 from tray.handshake.steps import GROUP_PREFIX, describe_step, step_voters, who_waits
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import JobSpec
-from tray.launch.spawn import say
+from tray.launch.spawn import raise_fd_limit, say
 from tray.launch.spec import EXIT_HANDSHAKE
 
 # NOTE: the root says it is alive this often; a head declares the root lost after its heartbeat
@@ -48,6 +48,9 @@ def bind_address(host: str, port: int) -> str:
         raise UsageError(f"the root's host {host!r} does not resolve ({exc}); give --rdzv-endpoint with a name "
                          "or address every node can reach") from None
     return f"tcp://{ip}:{port}"
+
+
+_HANDSHAKE_MS = 5000  # a connection to the root that has not finished CURVE's handshake by then is dropped
 
 
 @dataclass
@@ -115,6 +118,11 @@ class Root:
         self.sock = make_server(ctx, keys)
         self.sock.setsockopt(zmq.LINGER, 1000)  # a JobStop/JobEnd must leave before the head exits
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # NOTE: anyone who reaches the port may open connections: one that has not finished CURVE's handshake within
+        # HANDSHAKE_IVL is dropped (ZeroMQ waits 30 s by default), and the soft limit on descriptors is raised to the
+        # hard one, so idle connections cannot take the descriptors the heads' connections and the teardown need
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+        raise_fd_limit()
         # NOTE: the monitor is attached before the bind: a head that dials while the root binds may fail its
         # handshake at once, and an event raised before the monitor exists is lost, so the root could not
         # say why that node never joined.

@@ -3,6 +3,7 @@ output pumps that prefix every line with `[rank R]`."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -59,6 +60,16 @@ def ensure_fd_limit(nprocs: int) -> None:
         if raised < need:
             raise SetupError(f"the open-file limit (ulimit -n) is {soft} (at most {hard}); a tray of {nprocs} ranks "
                              f"needs about {need} descriptors in its head: raise it, or run fewer ranks")
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's soft open-file limit to its hard one (a process that serves connections from outside)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def say(msg: str) -> None:

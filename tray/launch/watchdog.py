@@ -63,7 +63,13 @@ def kill_group(pgid: int, exclude: frozenset[int], timeout_s: float = REAP_TIMEO
     signalled: set[int] = set()
     try:
         while True:
-            left = group_members(pgid, exclude)
+            try:
+                left = group_members(pgid, exclude)
+            except OSError:  # /proc cannot be listed now (every descriptor in use: EMFILE); they may be freed
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+                continue
             if not left or time.monotonic() >= deadline:
                 return left
             for pid in left:
