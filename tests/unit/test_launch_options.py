@@ -338,3 +338,42 @@ def test_torchruns_flags_without_effect_are_noted_unless_their_value_is_tray_s_w
     assert "--rdzv-backend etcd is torchrun's and has no effect under tray launch: the nodes of a job meet" in err
     assert "--role trainer is torchrun's and has no effect under tray launch: ROLE_NAME is 'default'" in err
     assert "--start-method" not in err and "--monitor-interval" not in err
+
+
+def test_log_files_are_never_opened_through_a_link_nor_in_a_directory_others_could_swap_them_in(tmp_path):
+    """--log-dir in a directory another user controls: a rank-R.log planted there as a link once had the head
+    append a rank's output to the link's target; now the head refuses the link, a file another user owns, and a
+    directory others may write in (not sticky) or that another user owns."""
+    import stat as stat_mod
+
+    from tray.launch.spawn import check_log_dir, open_log
+
+    logs = tmp_path / "logs"
+    check_log_dir(str(logs))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep\n")
+    (logs / "rank-0.log").symlink_to(victim)
+    with pytest.raises(OSError):
+        open_log(str(logs), 0)
+    assert victim.read_text() == "keep\n"
+    with open_log(str(logs), 1) as log:
+        log.write("line\n")
+    assert stat_mod.S_IMODE((logs / "rank-1.log").stat().st_mode) == 0o600
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(OSError, match="others may write in it"):
+        check_log_dir(str(open_dir))
+    open_dir.chmod(0o1777)  # sticky: nobody replaces another's file
+    check_log_dir(str(open_dir))
+    if os.getuid() == 0:
+        planted = open_dir / "rank-2.log"
+        planted.write_text("")
+        os.chown(planted, 65534, 65534)
+        with pytest.raises(OSError, match="belongs to another user"):
+            open_log(str(open_dir), 2)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(OSError, match=r"belongs to another user \(uid 65534\)"):
+            check_log_dir(str(theirs))

@@ -33,7 +33,7 @@ from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
-from tray.launch.spawn import OutputPump, ensure_fd_limit, log_path, rank_env, say, spawn_rank
+from tray.launch.spawn import OutputPump, check_log_dir, ensure_fd_limit, open_log, rank_env, say, spawn_rank
 from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, RankState, TrayResult, TraySpec
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fields
 from tray.manifest import Manifest, builtin_manifest, load_manifest
@@ -115,7 +115,7 @@ def _set_child_subreaper(on: bool) -> None:
 def _check_log_dir(log_dir: str) -> None:
     """--log-dir made, and writable, before any rank starts (the rank files are opened once ranks run)."""
     try:
-        os.makedirs(log_dir, exist_ok=True)
+        check_log_dir(log_dir)
         probe = tempfile.NamedTemporaryFile(dir=log_dir, prefix=".tray-probe-")
         probe.close()
     except OSError as exc:
@@ -903,7 +903,7 @@ class Head:
             if not report:
                 continue
             try:
-                with open(log_path(self.spec.log_dir, p.rank), "a") as log:
+                with open_log(self.spec.log_dir, p.rank) as log:
                     log.writelines(f"{stamp()} [tray] {line}\n" for line in
                                    ["error report sent to the head:", *report.rstrip().splitlines()])
             except OSError as exc:

@@ -9,6 +9,7 @@ import errno
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -153,6 +154,33 @@ def log_path(log_dir: str, rank: int) -> Path:
     return Path(log_dir) / f"rank-{rank}.log"
 
 
+def open_log(log_dir: str, rank: int, buffering: int = -1) -> TextIO:
+    """Rank `rank`'s log file under `log_dir`, opened for appending: created 0600, never through a symlink, and
+    refused (OSError EPERM) when another user owns it (in a shared directory, they could have made it to read what
+    the rank writes)."""
+    path = log_path(log_dir, rank)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            raise OSError(errno.EPERM, f"{path} belongs to another user", str(path))
+        return open(fd, "a", buffering=buffering, closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_log_dir(log_dir: str) -> None:
+    """Make --log-dir (as mkdir -p would) and check it is this user's to write logs in: owned by this user or root,
+    and, if others may write in it, sticky (so none can replace a log file there). OSError (EPERM) says why not."""
+    os.makedirs(log_dir, exist_ok=True)
+    st = os.stat(log_dir)
+    if st.st_uid not in (os.getuid(), 0):
+        raise OSError(errno.EPERM, f"it belongs to another user (uid {st.st_uid}), who could replace the log files")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise OSError(errno.EPERM, f"others may write in it (mode {stat.S_IMODE(st.st_mode):o}, not sticky) and could "
+                                   "replace the log files")
+
+
 def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:
     def run_in_child() -> None:
         # The head dies -> its ranks die, even on SIGKILL of the head.
@@ -284,7 +312,7 @@ class OutputPump:
             log = None
             if routing.log_dir:
                 Path(routing.log_dir).mkdir(parents=True, exist_ok=True)
-                log = open(log_path(routing.log_dir, proc.rank), "a", buffering=1)
+                log = open_log(routing.log_dir, proc.rank, buffering=1)
                 self._logs.append(log)
             for src, dst, which in ((proc.popen.stdout, sys.stdout, STDOUT), (proc.popen.stderr, sys.stderr, STDERR)):
                 if src is not None:
