@@ -416,6 +416,10 @@ with tray.init() as rank:
         assert wait_for(lambda: any(tray_env.jobs_root.glob("job-*/shm.list")), 10)  # the head recorded it
         # the head and its watchdog die together: nobody cleans up now
         watchdog = next(c for c in psutil.Process(head.pid).children() if "tray.launch.watchdog" in c.cmdline())
+        job = next(tray_env.jobs_root.glob("job-*")).name
+        # where the job is stays off the command line (anyone's to read), and the job's secret off the watchdog
+        assert job not in " ".join(watchdog.cmdline()) and str(tray_env.jobs_root) not in " ".join(watchdog.cmdline())
+        assert watchdog.environ().get("TRAY_WATCHDOG_JOB") == job and "TRAY_JOB_TOKEN" not in watchdog.environ()
         watchdog.kill()
         head.kill()
         head.wait(timeout=10)

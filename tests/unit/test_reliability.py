@@ -156,3 +156,21 @@ def test_a_port_lock_held_a_moment_by_a_sweep_is_taken_but_a_trays_hold_refuses(
         os.close(fd)
     finally:
         os.close(root_fd)
+
+
+def test_a_jobs_root_under_a_directory_others_may_change_is_refused(tmp_path):
+    """Only the jobs root itself was checked: under a directory another user may write in (or owns), they could
+    move it aside and put their own in its place, where the ranks would send their token to a head of theirs."""
+    shared = tmp_path / "shared"
+    (shared / "sub").mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(SetupError, match=r"lies under .*/shared \(mode 0777\), where others may move it"):
+        open_root(shared / "sub" / "jobs")
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody moves another's entries
+    path, fd = open_root(shared / "sub" / "jobs")
+    os.close(fd)
+    if os.getuid() == 0:
+        shared.chmod(0o755)
+        os.chown(shared, 65534, 65534)
+        with pytest.raises(SetupError, match=r"lies under .*/shared, owned by uid 65534"):
+            open_root(shared / "sub" / "jobs2")

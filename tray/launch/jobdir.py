@@ -98,10 +98,30 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
         problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     elif stat.S_IMODE(st.st_mode) & 0o077:
         problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 (others could enter it)"
+    problem = problem or _unsafe_ancestor(path)
     if problem:
         os.close(fd)
         raise SetupError(f"jobs root {path} {problem}; {hint}")
     return path, fd
+
+
+def _unsafe_ancestor(path: Path) -> str | None:
+    """What makes the directories above the jobs root unsafe, or None: each (links resolved) must be owned by this
+    user or root, and if others may write in it, be sticky. Otherwise another user could move the jobs root aside
+    and put a directory of theirs at its path: ranks reach the head's socket by path, and would send it their
+    token."""
+    me = os.getuid()
+    for parent in Path(os.path.realpath(path.parent)).joinpath("x").parents:
+        try:
+            st = os.stat(parent)
+        except OSError:
+            continue
+        if st.st_uid not in (me, 0):
+            return f"lies under {parent}, owned by uid {st.st_uid}, who could move it and put their own in its place"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return (f"lies under {parent} (mode {stat.S_IMODE(st.st_mode):04o}), where others may move it and put "
+                    "their own in its place")
+    return None
 
 
 # the kinds of locked directory under the jobs root: a tray's job dir, and a command's scratch dir (the files a

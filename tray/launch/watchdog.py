@@ -28,6 +28,7 @@ DONE = b"done\n"
 # NOTE: SIGKILLed processes vanish within milliseconds; the bound only guards against a process in
 # uninterruptible sleep (D state), which no signal can end sooner.
 REAP_TIMEOUT_S = 5.0
+_ROOT_ENV, _JOB_ENV = "TRAY_WATCHDOG_ROOT", "TRAY_WATCHDOG_JOB"  # the jobs root and the job dir's name
 
 
 def stat_fields(pid: int | str) -> list[str] | None:
@@ -94,7 +95,11 @@ class Watchdog:
     def __init__(self, root: Path, job_name: str, lock_fd: int) -> None:
         read_fd, self._write_fd = os.pipe()
         os.set_inheritable(lock_fd, True)
-        cmd, env = own_module("tray.launch.watchdog", str(root), job_name, str(read_fd), str(lock_fd))
+        # NOTE: where the job is goes in the environment, which only this user can read (a command line is anyone's);
+        # the job's secret does not go at all
+        cmd, env = own_module("tray.launch.watchdog", str(read_fd), str(lock_fd))
+        env.pop("TRAY_JOB_TOKEN", None)
+        env.update({_ROOT_ENV: str(root), _JOB_ENV: job_name})
         try:
             self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(read_fd, lock_fd), process_group=0,
                                           env=env)
@@ -154,8 +159,8 @@ def main(argv: list[str]) -> int:
     # The terminal's Ctrl-C and a SIGTERM are the head's to handle; the watchdog only acts on EOF.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    root, job_name, pipe_fd, lock_fd = argv[0], argv[1], int(argv[2]), int(argv[3])
-    return _watch(root, job_name, pipe_fd, lock_fd)
+    pipe_fd, lock_fd = int(argv[0]), int(argv[1])
+    return _watch(os.environ[_ROOT_ENV], os.environ[_JOB_ENV], pipe_fd, lock_fd)
 
 
 if __name__ == "__main__":
