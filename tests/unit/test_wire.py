@@ -489,3 +489,45 @@ def test_a_malformed_or_refusing_fd_reply_closes_the_fds_it_brought(tmp_path, re
         server.close()
         os.close(r)
         os.close(w)
+
+
+def test_the_fd_socket_judges_who_asks_before_reading_and_cuts_a_trickling_request(tmp_path, monkeypatch) -> None:
+    """A process of this uid that is no member connected and sent its request a byte every 3 s: the socket (one
+    connection at a time) read it for as long, and the members waited behind it. Now a non-member is refused
+    before anything is read, and a member's request must arrive whole within _REQUEST_WITHIN_S."""
+    import os
+    import socket
+    import time
+
+    from tray.handshake import fdpass
+
+    monkeypatch.setattr(fdpass, "_REQUEST_WITHIN_S", 0.3)
+    r, w = os.pipe()
+    server = fdpass.FdServer(str(tmp_path / "r.fds"), "tok", 0, {"x": r})
+    try:
+        server.allow({1})  # this process is not a member
+        t0 = time.monotonic()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(server.path)
+            s.settimeout(3.0)
+            reply = s.recv(4096)   # nothing sent: the refusal comes anyway, at once
+        assert b"is not a member of the tray table" in reply and time.monotonic() - t0 < 1.0
+        server.allow({os.getpid()})
+        t0 = time.monotonic()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(server.path)
+            s.settimeout(3.0)
+            try:
+                for _ in range(20):   # a member's request, a byte at a time
+                    s.send(b"\0")
+                    time.sleep(0.1)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        assert time.monotonic() - t0 < 1.5
+        got = fdpass.fetch_fds(server.path, "tok", ["x"], "rank 0", 2.0)   # the socket serves on
+        assert list(got) == ["x"]
+        os.close(got["x"])
+    finally:
+        server.close()
+        os.close(r)
+        os.close(w)

@@ -21,6 +21,7 @@ from tray.errors import HandshakeError
 
 # NOTE: requests and replies are tiny (names of a few buffers); a cap keeps garbage cheap.
 _MAX_REQUEST_NBYTES = 64 * 1024
+_REQUEST_WITHIN_S = 5.0  # a member's request, read whole within this (a trickle is cut off)
 # NOTE: Linux SCM_MAX_FD is 253 fds per sendmsg.
 _MAX_FDS = 253
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -32,9 +33,15 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _recv_exact(conn: socket.socket, nbytes: int) -> bytes:
+def _recv_exact(conn: socket.socket, nbytes: int, deadline: float | None = None) -> bytes:
+    """`nbytes` from `conn`; with `deadline` (monotonic), TimeoutError once it passes, however the bytes trickle."""
     chunks = []
     while nbytes:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request did not arrive in time")
+            conn.settimeout(left)
         chunk = conn.recv(nbytes)
         if not chunk:
             raise ConnectionError("peer closed the fd socket mid-message")
@@ -96,13 +103,10 @@ class FdServer:
             pass
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(5.0)
         pid, uid = peer_credentials(conn)
-        # Read the (small, bounded) request first so a refusal reaches the client instead of a reset.
-        (length,) = struct.unpack("!I", _recv_exact(conn, 4))
-        if length > _MAX_REQUEST_NBYTES:
-            return self._refuse(conn, f"request of {length} B exceeds {_MAX_REQUEST_NBYTES} B")
-        request = msgpack.unpackb(_recv_exact(conn, length), raw=False)
+        # NOTE: who asks is checked before anything is read: a stranger trickling its request in must not hold the
+        # socket (one connection at a time) while the members wait. A member's request is read whole within
+        # _REQUEST_WITHIN_S; its refusals then reach it instead of a reset.
         if uid != os.getuid():
             return self._refuse(conn, f"pid {pid} runs as uid {uid}, the tray as uid {os.getuid()}")
         if not self._table_ready.wait(timeout=30.0):
@@ -110,6 +114,12 @@ class FdServer:
         assert self._allowed is not None
         if pid not in self._allowed:
             return self._refuse(conn, f"pid {pid} is not a member of the tray table")
+        deadline = time.monotonic() + _REQUEST_WITHIN_S
+        (length,) = struct.unpack("!I", _recv_exact(conn, 4, deadline))
+        if length > _MAX_REQUEST_NBYTES:
+            return self._refuse(conn, f"request of {length} B exceeds {_MAX_REQUEST_NBYTES} B")
+        request = msgpack.unpackb(_recv_exact(conn, length, deadline), raw=False)
+        conn.settimeout(5.0)
         if not isinstance(request, dict) or not hmac.compare_digest(
             str(request.get("token", "")).encode(), self._token.encode()
         ):
