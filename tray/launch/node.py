@@ -319,6 +319,8 @@ class NodeHead(Head):
         if self.root is not None:
             for line in self.root.rejected:
                 say(f"root: {line}")
+            if self.root.rejects > len(self.root.rejected):
+                say(f"root: {self.root.rejects} messages rejected in all (the first {len(self.root.rejected)} said)")
             if not self.spec.quiet and self.spec.timeline:
                 say(f"root: {self.root.summary()}")
             self.root.close()

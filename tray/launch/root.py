@@ -50,6 +50,7 @@ def bind_address(host: str, port: int) -> str:
     return f"tcp://{ip}:{port}"
 
 
+_REJECTS_KEPT = 100
 _HANDSHAKE_MS = 5000  # a connection to the root that has not finished CURVE's handshake by then is dropped
 
 
@@ -98,6 +99,7 @@ class Root:
         self.stop: jobwire.JobStop | None = None
         self.ended = False
         self.rejected: list[str] = []
+        self.rejects = 0  # messages refused; the first _REJECTS_KEPT are kept in `rejected`
         self.t_start = time.monotonic()
         self.t_table: float | None = None
         self.t_go: float | None = None
@@ -170,7 +172,9 @@ class Root:
                 self._on_message(frames[0], frames[1])
 
     def _reject(self, ident: bytes, reason: str) -> None:
-        self.rejected.append(f"rejected a message from {ident.decode(errors='replace')}: {reason}")
+        if len(self.rejected) < _REJECTS_KEPT:  # the rest are counted: a flood must not fill the head's memory
+            self.rejected.append(f"rejected a message from {ident.decode(errors='replace')[:64]!r}: {reason[:300]}")
+        self.rejects += 1
 
     def _on_message(self, ident: bytes, payload: bytes) -> None:
         try:
