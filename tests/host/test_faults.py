@@ -4,6 +4,7 @@ and leave nothing behind (the `tray_env` fixture checks processes, job dirs and 
 from __future__ import annotations
 
 import os
+import json
 import re
 import signal
 import subprocess
@@ -381,6 +382,7 @@ def test_a_rank_holding_the_gil_is_busy_not_frozen_unless_it_uses_no_cpu(tray_en
     backtracking, a CPU used) it is watched, not failed; asleep in such a call (no CPU) it is failed at the
     timeout, the message saying how to give it longer."""
     busy = """
+import json
 import re
 with tray.init() as rank:
     rank.barrier()
@@ -409,6 +411,7 @@ with tray.init() as rank:
 
 def test_a_rank_busy_holding_the_gil_is_named_running_with_its_stack_when_a_barrier_gives_up(tray_env):
     body = """
+import json
 import re
 def somewhere_busy():
     re.match(r"(a+)+$", "a" * 30 + "b")   # far longer than the barrier waits, the GIL held
@@ -537,3 +540,18 @@ def test_tray_s_own_step_topics_are_refused_to_exchange(tray_env):
     """)
     assert run.returncode == 0, run.output
     assert run.stdout.count("are tray's own steps; choose another topic") == 2, run.output
+
+
+def test_a_manifest_a_rank_cannot_load_is_a_usage_error_in_one_line(tray_env, tmp_path):
+    """tray.init(manifest=FILE) with a mistake in FILE: exit 2 and the message, as `--manifest FILE` gives, not exit
+    1 and a traceback through tray's loader."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": 1, "name": "x", "buffers": [{"name": "a", "dtype": "float32", "shape": [4]}]}))
+    run = tray_env.launch(2, f"""
+    with tray.init(manifest={str(bad)!r}) as rank:
+        pass
+    """)
+    assert run.returncode == 2, run.output
+    assert re.search(r"FAILED: rank [01] reported ManifestError: .*bad\.json: \$\.buffers\[0\]\.dtype: unknown dtype "
+                     r"'float32'.*did you mean 'f32'\?", run.stderr), run.stderr
+    assert "Traceback" not in run.stderr and "error report" not in run.stderr, run.stderr

@@ -34,7 +34,7 @@ from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
 from tray.launch.spawn import OutputPump, check_log_dir, ensure_fd_limit, open_log, rank_env, say, spawn_rank
-from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, RankState, TrayResult, TraySpec
+from tray.launch.spec import EXIT_HANDSHAKE, EXIT_USAGE, Failure, RankProcess, RankState, TrayResult, TraySpec
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fields
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
@@ -495,8 +495,14 @@ class Head:
                 notes = tuple(self._status(p) for p in late)
                 self._dump_stacks([p for p in late if self._heartbeating(p)])
             said = f"{msg.error_type}: {msg.message}" if msg.message else f"{msg.error_type} (no message)"
+            # a manifest the rank could not load, or a tray.init() it called wrongly: the user's input, said in one
+            # line and exit 2 as the head's own usage errors (the rank's error report, tray's frames, stays in its
+            # log: --log-dir)
+            starting = _HANDSHAKE_ORDER.get(msg.phase, 99) < _HANDSHAKE_ORDER["running"]
+            users = msg.error_type == "ManifestError" or (msg.error_type == "UsageError" and starting)
             self._fail(Failure(rank, f"rank {rank} reported {said}",
-                               report=f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail), notes=notes))
+                               report="" if users else f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail),
+                               notes=notes, exit_code=EXIT_USAGE if users else 1))
         elif isinstance(msg, wire.Vote):
             self._on_vote(sock, msg)
         elif isinstance(msg, wire.Bye):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 # the exit status of a tray (or job) whose ranks (or nodes) never formed it: offers that disagree, a deadline
 EXIT_HANDSHAKE = 3
+EXIT_USAGE = 2  # a usage or manifest error (the head's own, or one a rank met starting its tray)
 
 
 @dataclass(frozen=True)
