@@ -776,7 +776,9 @@ class Head:
     @staticmethod
     def _phase_of(p: RankProcess) -> str:
         if p.last_heartbeat is None and p.phase == "spawn":
-            return "spawn: never contacted the head"
+            # NOTE: a program may run a long time before tray.init(), or never call it (torch alone, say)
+            ran = time.time() - p.t_spawn  # NOTE: t_spawn is wall-clock time (the ranks get it too)
+            return f"spawn: its program ran {ran:.1f} s and never called tray.init()"
         return p.phase
 
     def _error_file(self, job_dir: Path, rank: int) -> str:
