@@ -539,7 +539,8 @@ with tray.init() as rank:
     assert run.stderr.count("the head's own start") == 1, run.stderr
     run = tray_env.launch(2, "sys.exit(3)\n", "--max-restarts", "1")
     assert run.returncode == 1, run.output
-    assert "attempt 1 of 2 failed (exit 1)" in run.stderr and "attempt 2 of 2" not in run.stderr
+    assert "attempt 1 of 2 failed (exit 1)" in run.stderr
+    assert "attempt 2 of 2 failed too (exit 1); no restart left (--max-restarts 1)" in run.stderr, run.stderr
 
 
 def test_a_second_tray_init_in_one_process_is_refused_at_once(tray_env):

@@ -3,8 +3,8 @@ and leave nothing behind (the `tray_env` fixture checks processes, job dirs and 
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import re
 import signal
 import subprocess

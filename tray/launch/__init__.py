@@ -49,6 +49,9 @@ def run_tray(spec: TraySpec, placements: list[NumaPlacement] | None = None) -> T
         result = Head(spec, where, restart_count=attempt).run()
         result.attempts = attempt + 1
         if result.exit_code not in RESTARTABLE_EXIT_CODES or attempt >= spec.max_restarts:
+            if spec.max_restarts and result.exit_code in RESTARTABLE_EXIT_CODES:
+                print(f"tray: attempt {attempt + 1} of {spec.max_restarts + 1} failed too (exit {result.exit_code}); "
+                      f"no restart left (--max-restarts {spec.max_restarts})", file=sys.stderr, flush=True)
             return result
         attempt += 1
         cause = result.root_cause.summary if result.root_cause else f"exit {result.exit_code}"
