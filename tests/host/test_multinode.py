@@ -451,6 +451,20 @@ def test_nodes_with_different_rank_counts_are_refused_by_name(tray_env):
         assert "1 ranks per node, node 0 runs 2" in _root_cause(run), run.output
 
 
+def test_nodes_launched_with_different_vars_are_refused_naming_them(tray_env):
+    """The manifest's digest does not cover --var: node 1 with other vars formed a job whose buffers differed
+    between nodes, found later (if at all) as a program's mismatch. The root now refuses node 1, naming the vars."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", FILL, "--var", "count=64",
+                            node_args={1: ("--var", "count=128")}), timeout_s=40)
+    assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
+    assert "--var count=128, node 0 has --var count=64; launch every node with the same --var values" in \
+        _root_cause(runs[1]), runs[1].output
+
+
 def test_a_node_rank_given_twice_is_refused_by_name(tray_env):
     body = """
     with tray.init() as rank:

@@ -8,7 +8,7 @@ root answers per step with one message per node, so the root handles O(nodes) me
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeAlias
 
@@ -117,6 +117,21 @@ class NodeJoin(_JobMessage):
     pid: int
     manifest: str
     backend: str
+
+
+def manifest_with_vars(digest: str, variables: Mapping[str, int]) -> str:
+    """NodeJoin's `manifest`: the manifest's digest, then the --var values a node was launched with (the digest does
+    not cover them), `<digest>+name=value,...` in name order."""
+    return digest + ("+" + ",".join(f"{k}={variables[k]}" for k in sorted(variables)) if variables else "")
+
+
+def manifest_differs(theirs: str, ours: str) -> str:
+    """How a node's NodeJoin `manifest` differs from node 0's (both from manifest_with_vars), for a message."""
+    (d1, _, v1), (d0, _, v0) = theirs.partition("+"), ours.partition("+")
+    if d1 != d0:
+        return (f"manifest {d1[:12]}..., node 0 loaded {d0[:12]}...; run every node with the same manifest file and "
+                "kernels")
+    return f"--var {v1 or '(none)'}, node 0 has --var {v0 or '(none)'}; launch every node with the same --var values"
 
 
 @dataclass(frozen=True, slots=True)

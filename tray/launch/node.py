@@ -157,13 +157,15 @@ class NodeHead(Head):
 
     def _start_job(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         self._rank_sock = sock
+        # the manifest's digest does not cover --var: the nodes compare both (jobwire.manifest_with_vars)
+        manifest = jobwire.manifest_with_vars(self.manifest.digest, dict(self.spec.vars))
         if self.job.is_root:
-            self.root = Root(ctx, self.job, local_world_size=self.spec.nprocs, manifest=self.manifest.digest,
+            self.root = Root(ctx, self.job, local_world_size=self.spec.nprocs, manifest=manifest,
                              backend=self.spec.backend, groups=self.resolved.groups,
                              join_timeout_s=self.spec.handshake_timeout_s)
         join = jobwire.NodeJoin(token=self.job.token, node_rank=self.job.node_rank, nnodes=self.job.nnodes,
                                 local_world_size=self.spec.nprocs, rdzv_id=self.job.rdzv_id,
-                                hostname=socket.gethostname(), pid=os.getpid(), manifest=self.manifest.digest,
+                                hostname=socket.gethostname(), pid=os.getpid(), manifest=manifest,
                                 backend=self.spec.backend)
         self.link = NodeLink(ctx, self.job, join, self.spec.handshake_timeout_s)
 

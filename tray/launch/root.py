@@ -226,8 +226,7 @@ class Root:
             problems.append(f"{join.local_world_size} ranks per node, node 0 runs {self.local_world_size}; every "
                             "node must run the same number (-n / --nproc-per-node)")
         if join.manifest != self.manifest:
-            problems.append(f"manifest {join.manifest[:12]}..., node 0 loaded {self.manifest[:12]}...; run every node "
-                            "with the same manifest file, kernels and vars")
+            problems.append(jobwire.manifest_differs(join.manifest, self.manifest))
         if join.backend != self.backend:
             problems.append(f"backend {join.backend}, node 0 runs {self.backend}")
         if join.node_rank >= self.nnodes:
