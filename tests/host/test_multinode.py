@@ -210,6 +210,31 @@ def test_a_killed_head_is_named_within_the_timeout(tray_env, victim):
         assert "node 1: lost the root (node 0 at 127.0.0.1:" in cause and "nothing heard" in cause, run.output
 
 
+def test_a_root_head_that_was_stopped_says_so_of_itself(tray_env):
+    """Node 0's head (the root) SIGSTOPped past the heartbeat timeout, then continued: node 1 names the lost root;
+    node 0 says it did not run itself, instead of blaming 'node 0' (its own root) or counting node 1 lost."""
+    body = """
+    with tray.init() as rank:
+        open(f"up-{rank.rank}", "w").close()
+        time.sleep(60)
+    """
+    procs = start_job(tray_env, body, "--node-heartbeat-timeout-s", "1.5")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(tray_env.tmp.glob("up-*"))) < 4:
+        time.sleep(0.05)
+    assert len(list(tray_env.tmp.glob("up-*"))) == 4
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    time.sleep(3.0)
+    os.kill(procs[0].pid, signal.SIGCONT)
+    runs = finish(procs, timeout_s=30)
+    assert all(run.returncode != 0 for run in runs), [r.output for r in runs]
+    assert "node 1: lost the root (node 0 at 127.0.0.1:" in _root_cause(runs[1]), runs[1].output
+    cause = _root_cause(runs[0])
+    assert re.search(r"node 0: this head did not run for \d+\.\d s \(stopped, suspended, or starved of CPU\)", cause), \
+        runs[0].output
+    assert "lost: no heartbeat" not in runs[0].stderr, runs[0].output
+
+
 @pytest.mark.parametrize("victim, sig", [(1, signal.SIGINT), (0, signal.SIGTERM)])
 def test_an_interrupted_head_stops_the_job_at_once_naming_itself(tray_env, victim, sig):
     """Ctrl-C (or SIGTERM) to one node's head: it exits 130, and the other head hears it as the job's root cause

@@ -72,7 +72,8 @@ def test_strangers_during_the_join_are_ignored_then_counted_in_the_timeout(capsy
     assert failures_before_timeout >= len(strangers) and (root.auth_failures > 0) == any(knows_root_key)
     assert root.stop is not None and root.stop.exit_code == EXIT_HANDSHAKE
     summary = root.stop.summary
-    assert summary.startswith(f"node(s) 0,1 did not join the root at 127.0.0.1:{port} within 1 s; "
+    assert summary.startswith(f"node(s) 0,1 did not join the root at 127.0.0.1:{port} within 1 s (--timeout-s; "
+                              "raise it if nodes start later than that); "
                               f"{root.handshake_failures} connection"), summary
     assert summary.endswith(f" failed the CURVE handshake {where}: a head started with another TRAY_JOB_TOKEN? "
                             "(every node needs the same one)"), summary
@@ -94,7 +95,8 @@ def test_a_join_timeout_without_failed_handshakes_keeps_its_hint():
         root.close()
         ctx.term()
     assert root.stop is not None
-    assert "within 0 s; not started, a wrong --rdzv-endpoint, or a firewall" in root.stop.summary
+    assert "within 0 s (--timeout-s; raise it if nodes start later than that); not started, a wrong " \
+        "--rdzv-endpoint, or a firewall" in root.stop.summary
     assert "CURVE" not in root.stop.summary
 
 

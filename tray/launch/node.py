@@ -57,6 +57,7 @@ class NodeLink:
         self.refused = False
         self._seq = 0
         self._last_beat = 0.0
+        self._last_tick: float | None = None  # when tick() last ran: a gap longer than the timeout is this head's own
         self.send(join)
 
     def send(self, msg: Any) -> None:
@@ -95,6 +96,13 @@ class NodeLink:
     def tick(self) -> str | None:
         """Send a heartbeat when due; the reason this node must stop, if the root is lost or refused it."""
         now = time.monotonic()
+        gap, self._last_tick = now - (self._last_tick or now), now
+        if gap > self.job.node_heartbeat_timeout_s:
+            # NOTE: this head itself did not run (SIGSTOP, a suspended VM): what it then hears nothing from is not the
+            # root's fault, and the other nodes have counted this one lost meanwhile
+            return (f"this head did not run for {gap:.1f} s (stopped, suspended, or starved of CPU), longer than "
+                    f"--node-heartbeat-timeout-s {self.job.node_heartbeat_timeout_s:g} s: the other nodes count this "
+                    "node lost")
         if now - self._last_beat >= HEARTBEAT_INTERVAL_S and self.last_heard is not None:
             self._last_beat = now
             self._seq += 1
@@ -105,8 +113,8 @@ class NodeLink:
                     "needs the same token), or something else listens on that port")
         if self.last_heard is None:
             if now - self.t_start > self.connect_timeout_s:
-                return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (node 0 not started, a wrong "
-                        "--rdzv-endpoint, or a firewall)")
+                return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (--timeout-s; node 0 not "
+                        "started or given up already, a wrong --rdzv-endpoint, or a firewall)")
             return None
         silent = now - self.last_heard
         if silent > self.job.node_heartbeat_timeout_s:
@@ -185,9 +193,10 @@ class NodeHead(Head):
 
     def _tick(self, sock: zmq.Socket) -> None:
         assert self.link is not None
-        if self.root is not None:
-            self.root.tick()
+        # NOTE: the link first: after a pause of this head (SIGSTOP), the root's tick would count the other nodes lost
         lost = self.link.tick()
+        if self.root is not None and lost is None:
+            self.root.tick()
         if lost is not None:
             self._root_lost = True
             self._fail(Failure(None, f"node {self.job.node_rank}: {lost}; stopping this node's ranks",

@@ -51,6 +51,7 @@ def bind_address(host: str, port: int) -> str:
 
 
 _REJECTS_KEPT = 100
+_WAIT_SAID_EVERY_S = 10.0  # while nodes are missing, the root says so this often
 _HANDSHAKE_MS = 5000  # a connection to the root that has not finished CURVE's handshake by then is dropped
 
 
@@ -105,6 +106,7 @@ class Root:
         self.t_go: float | None = None
         self._seq = 0
         self._last_beat = 0.0
+        self._last_wait_said = 0.0
         self.messages_in = 0
         self.messages_out = 0
         self.busy_s = 0.0  # time spent handling messages and ticks: the root's own cost
@@ -376,7 +378,7 @@ class Root:
             return
         if len(self.nodes) < self.nnodes and now - self.t_start > self.join_timeout_s:
             late = (f"node(s) {self._missing_nodes()} did not join the root at {self.job.endpoint} within "
-                    f"{self.join_timeout_s:g} s")
+                    f"{self.join_timeout_s:g} s (--timeout-s; raise it if nodes start later than that)")
             if self.handshake_failures:
                 why = (f"{self._failed_handshakes(self.handshake_failures)}: a head started with another "
                        "TRAY_JOB_TOKEN? (every node needs the same one)")
@@ -384,6 +386,12 @@ class Root:
                 why = "not started, a wrong --rdzv-endpoint, or a firewall"
             self._stop(None, -1, f"{late}; {why}", exit_code=EXIT_HANDSHAKE)
             return
+        if len(self.nodes) < self.nnodes and now - self._last_wait_said >= _WAIT_SAID_EVERY_S and \
+                now - self.t_start >= _WAIT_SAID_EVERY_S:
+            self._last_wait_said = now
+            say(f"root: waiting for node(s) {self._missing_nodes()} at {self.job.endpoint} ({len(self.nodes)} of "
+                f"{self.nnodes} joined, {now - self.t_start:.0f} s; gives up after --timeout-s "
+                f"{self.join_timeout_s:g} s)")
         limit = self.job.node_heartbeat_timeout_s
         for n, state in sorted(self.nodes.items()):
             silent = now - state.last_seen
