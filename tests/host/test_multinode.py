@@ -702,3 +702,20 @@ def test_a_head_that_cannot_join_a_running_job_is_refused_alone(tray_env, strang
     for run in runs:
         assert run.returncode == 0, run.output
     assert "tray: root: refused node 1" in runs[0].stderr and why in runs[0].stderr, runs[0].stderr
+
+
+def test_an_exchange_a_rank_on_another_node_never_makes_is_placed_by_the_root(tray_env):
+    """Rank 3 (node 1) never reaches the exchange the others wait in: the root hears node 1's votes only once all
+    its ranks voted, so node 0's output never named who was missing. The root now names node 1 and its ranks; node
+    1's head names rank 3."""
+    body = """
+    with tray.init() as rank:
+        if rank.rank == 3:
+            time.sleep(60)
+        rank.exchange("it", rank.rank, timeout_s=2.0)
+    """
+    runs = finish(start_job(tray_env, body), timeout_s=40)
+    assert all(run.returncode != 0 for run in runs), [r.output for r in runs]
+    assert "root: exchange 'it' (round 1) was still waiting for node 1 (of its ranks 2,3)" in runs[0].stderr, \
+        runs[0].output
+    assert "exchange 'it' (round 1) was still waiting for rank 3" in runs[1].stderr, runs[1].output

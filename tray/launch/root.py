@@ -420,6 +420,21 @@ class Root:
             token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
             tail=tuple(tail), exit_code=max(1, exit_code))
         self._broadcast(self.stop)
+        self._say_pending_steps()
+
+    def _say_pending_steps(self) -> None:
+        """The steps still undecided at the job's stop, by the nodes whose votes never came: the root hears a node's
+        votes only once all its ranks voted, so it names the node, and that node's head which of its ranks."""
+        for (topic, rnd), step in self.steps.items():
+            by_node: dict[int, list[int]] = {}
+            for r in step.voters:
+                if r not in step.values:
+                    by_node.setdefault(r // self.local_world_size, []).append(r)
+            if by_node:
+                said = ", ".join(f"node {n} (of its ranks {','.join(map(str, rs))})"
+                                 for n, rs in sorted(by_node.items()))
+                say(f"root: {describe_step(topic)} (round {rnd}) was still waiting for {said}; each node's head names "
+                    "its ranks that never came")
 
     def _broadcast(self, msg: Any) -> None:
         data = msg.to_msgpack()  # once for every node
