@@ -1040,6 +1040,8 @@ class Head:
             if phase in tl:
                 secs, r = tl[phase]
                 who = "the head's own start, until its first rank was spawned" if phase == "head" else f"rank {r}"
+                if phase == "import":  # NOTE: all a program does before tray.init() counts here (import torch, ...)
+                    who += ": its start until tray.init(), the program's own imports and work before it included"
                 _say(f"  {phase:<13}{secs * 1e3:9.1f} ms  {who}")
         joined = self.start_join.said()
         if joined:
