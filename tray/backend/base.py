@@ -188,20 +188,25 @@ _ADDRESS_ARGS = {"allreduce": 2, "allgather": 2, "reducescatter": 2, "alltoall":
 
 
 def _taking_addresses(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
-    """`fn` with its first `n` arguments after self given as address() takes them (an int passes at once)."""
-    names = list(inspect.signature(fn).parameters)[1:n + 1]
-
-    @functools.wraps(fn)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if len(args) >= n and all(type(a) is int for a in args[:n]):
-            return fn(self, *args, **kwargs)
-        args = tuple(address(a, f"{fn.__name__} {names[i]}") if i < n else a for i, a in enumerate(args))
-        for name in names:
-            if name in kwargs:
-                kwargs[name] = address(kwargs[name], f"{fn.__name__} {name}")
-        return fn(self, *args, **kwargs)
-
-    return call
+    """`fn` with its first `n` arguments after self given as address() takes them. Made with `fn`'s own parameters
+    (no *args to pack), so ints pass at the cost of one call and a type check each (~0.1 us on the eager path)."""
+    params = list(inspect.signature(fn).parameters.values())
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params), fn.__qualname__
+    ns: dict[str, Any] = {"fn": fn, "address": address}
+    decl = []
+    for i, p in enumerate(params):
+        if p.default is p.empty:
+            decl.append(p.name)
+        else:
+            ns[f"_default{i}"] = p.default
+            decl.append(f"{p.name}=_default{i}")
+    taken = [p.name for p in params[1:n + 1]]
+    fixes = "".join(f"        {a} = address({a}, {fn.__name__ + ' ' + a!r})\n" for a in taken)
+    src = (f"def {fn.__name__}({', '.join(decl)}):\n"
+           f"    if {' or '.join(f'type({a}) is not int' for a in taken)}:\n{fixes}"
+           f"    return fn({', '.join(p.name for p in params)})\n")
+    exec(src, ns)  # NOTE: source made here from fn's parameter names alone
+    return functools.wraps(fn)(ns[fn.__name__])
 
 
 class Collectives(abc.ABC):
