@@ -8,6 +8,7 @@ Nothing heavy happens at import time.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from tray.errors import (
     BarrierTimeout,
@@ -35,9 +36,16 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from tray.rank import Rank
 
-def init(**kwargs):
-    """Join the tray this process was launched into; see `tray.rank.init`."""
+
+def init(manifest: str | None = None, timeout_s: float = 60.0) -> Rank:
+    """Join the tray this process was launched into (by `tray launch`); blocks until every rank is up. `manifest`: a
+    file or built-in name, instead of the launch's --manifest (every rank must load the same one). `timeout_s`: how
+    long the start-up's waits on the head may take. Returns the Rank (a context manager). Raises UsageError outside a
+    tray or on a second call, ManifestError for a manifest it cannot load, HandshakeError when the tray cannot form.
+    docs/api.md is the reference."""
     warmup = early = None
     if os.environ.get("TRAY_BACKEND") == "cuda":
         # the driver starts on a thread now, while the rank's modules (numpy, zmq, ...) import below; so does
@@ -54,10 +62,10 @@ def init(**kwargs):
             if rank >= 0:
                 from tray.collectives import early as early_join
 
-                early = early_join.from_environ(rank, ordinal, float(kwargs.get("timeout_s", 60.0)))
+                early = early_join.from_environ(rank, ordinal, float(timeout_s))
     from tray.rank import init as _init
 
-    return _init(warmup=warmup, early=early, **kwargs)
+    return _init(manifest=manifest, timeout_s=timeout_s, warmup=warmup, early=early)
 
 
 def twin(name: str):
