@@ -348,6 +348,28 @@ def test_ranks_waiting_in_different_steps_are_named_at_once(tray_env):
     assert run.seconds < 15
 
 
+def test_a_rank_that_gave_a_step_up_is_not_taken_for_one_waiting_in_it(tray_env):
+    """Rank 0 gives exchange 'a' up (its 1 s timeout, caught) and goes on to 'b', late; rank 1 votes 'b' first, then
+    'a'. Rank 0's old vote in 'a' is still in the head's box: counted as waiting, it made a false deadlock. A vote
+    counts as waiting only while its rank still waits (the vote says how long)."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        if rank.rank == 0:
+            try:
+                rank.exchange("a", 0, timeout_s=1.0)
+            except tray.HandshakeError:
+                print("gave a up", flush=True)
+            time.sleep(2.5)
+            assert rank.exchange("b", 0) == [0, 1]
+        else:
+            time.sleep(2.0)
+            assert rank.exchange("b", 1) == [0, 1]
+        print("ok", rank.rank, flush=True)
+    """)
+    assert run.returncode == 0, run.output
+    assert "gave a up" in run.stdout and run.stdout.count("ok ") == 2, run.output
+
+
 def test_steps_in_the_same_order_are_not_taken_for_crossed_ones(tray_env):
     """Ranks that reach the same steps at different times (rank 2 late) are no deadlock, whatever else waits."""
     run = tray_env.launch(3, """

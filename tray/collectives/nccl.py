@@ -275,6 +275,8 @@ class NcclGroup(Collectives):
     `count` is in elements of `dtype`; for allgather, reducescatter and alltoall it is the per-member
     chunk (what each member sends to / receives from one member), as on the host backend."""
 
+    device_memory = True  # NCCL reads and writes device memory only
+
     def __init__(self, group: GroupInfo, comm: Any, stream: int, device: int | None = None) -> None:
         self.group = group
         self.comm = comm

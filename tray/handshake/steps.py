@@ -102,17 +102,22 @@ def spans_nodes(members: Sequence[int], local_world_size: int) -> bool:
 
 def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
                   voters_of: Callable[[str], Sequence[int] | None],
-                  ranks: Iterable[int]) -> list[tuple[tuple[str, int], int]]:
+                  ranks: Iterable[int],
+                  waiting: Callable[[tuple[str, int], int], bool] = lambda key, rank: True,
+                  ) -> list[tuple[tuple[str, int], int]]:
     """Steps that can never be decided: `boxes` holds each undecided step's votes so far ((topic, round) -> {rank:
     value}); a rank that voted waits in that step until it is decided. A step waits for each of its voters among
     `ranks` that has not voted in it; when such a rank waits in another step, that step must end first. A cycle of
     such waits is a deadlock. Returns one cycle as [(step, the rank it waits for, which waits in the next step)],
-    or [] when there is none. A rank found in two steps (it gave up on one) is judged free: no false deadlock."""
+    or [] when there is none. A rank whose vote `waiting(step, rank)` says it no longer waits for (its wait ran
+    out: it may have caught the timeout and gone on), or found in two steps, is judged free: no false deadlock."""
     ours = set(ranks)
     where: dict[int, tuple[str, int]] = {}
     twice: set[int] = set()
     for key, box in boxes.items():
         for r in box:
+            if not waiting(key, r):
+                twice.add(r)
             (twice.add(r) if r in where else where.__setitem__(r, key))
     waits: dict[tuple[str, int], list[tuple[int, tuple[str, int]]]] = {}
     for key, box in boxes.items():

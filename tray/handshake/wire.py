@@ -12,7 +12,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from tray.errors import WireError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
@@ -497,6 +497,7 @@ class Vote(_Message):
     topic: str
     round: int
     value: Any
+    wait_s: float = 60.0  # how long the rank waits for the decision before it gives the step up
 
     def _payload(self) -> dict[str, Any]:
         return {
@@ -504,6 +505,7 @@ class Vote(_Message):
             "topic": self.topic,
             "round": self.round,
             "value": _as_plain(self.value, "value"),
+            "wait_s": float(self.wait_s),
         }
 
     @classmethod
@@ -515,6 +517,7 @@ class Vote(_Message):
             topic=_as_str(b["topic"], prefix + "topic"),
             round=_as_int(b["round"], prefix + "round", lo=0),
             value=_as_plain(b["value"], prefix + "value"),
+            wait_s=_as_float(b["wait_s"], prefix + "wait_s"),
         )
 
 

@@ -177,6 +177,7 @@ def _signals_held() -> Iterator[list[int]]:
         raise KeyboardInterrupt(f"signal {got[0]}")
 
 
+_WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long before its wait runs out
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
 _FRAME_SLACK = 4096  # beyond wire.MAX_MESSAGE_NBYTES, for a frame's envelope
@@ -211,6 +212,7 @@ class Head:
         self.failure: Failure | None = None
         self.rejected: list[str] = []
         self._rejects = 0  # messages refused (only the first _REJECTS_SAID are kept and said)
+        self._waits_until: dict[tuple[tuple[str, int], int], float] = {}  # (step, rank) -> until when it waits there
         self.t_go: float | None = None
         self.t_table: float | None = None
         self.t_spawned = 0.0
@@ -603,11 +605,13 @@ class Head:
         key = (vote.topic, vote.round)
         box = self.votes.setdefault(key, {})
         box[vote.rank] = vote.value
+        self._note_wait(key, vote)
         if len(box) < self.spec.nprocs:
             self._check_abandoned_steps()
             self._check_crossed_steps()
             return
         del self.votes[key]
+        self._forget_waits(key)
         decision = wire.Decision(token=self.token, topic=vote.topic, round=vote.round,
                                  values=tuple(box[r] for r in range(self.spec.nprocs)))
         try:
@@ -715,7 +719,10 @@ class Head:
         ranks' timeouts pass (60 s for an exchange)."""
         if self.failure is not None:
             return
+        now = time.monotonic()
         for (topic, rnd), box in self.votes.items():
+            if not any(self._waits_until.get(((topic, rnd), r), 0.0) > now for r in box):
+                continue  # every rank that voted gave the step up (a caught timeout): nobody waits in it
             voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
             for p in self.procs:
                 if p.rank in box or (voters is not None and p.rank not in voters):
@@ -731,6 +738,15 @@ class Head:
                                    "make the same tray-wide steps", tail=tuple(p.tail)))
                 return
 
+    def _note_wait(self, key: tuple[str, int], vote: wire.Vote) -> None:
+        """Until when the rank of `vote` waits in step `key` (a margin short of its wait: past it, it may have given
+        the step up, caught the timeout and gone on)."""
+        self._waits_until[(key, vote.rank)] = time.monotonic() + vote.wait_s - _WAIT_MARGIN_S
+
+    def _forget_waits(self, key: tuple[str, int]) -> None:
+        for k in [k for k in self._waits_until if k[0] == key]:
+            del self._waits_until[k]
+
     def _check_crossed_steps(self) -> None:
         """A rank waits in one step at a time (exchange and tray's own steps return only with the decision): steps
         that wait for one another's ranks in a cycle (rank 0 in exchange 'a', rank 1 in exchange 'b') can never be
@@ -738,9 +754,11 @@ class Head:
         head's ranks are judged: a rank of another node may still come."""
         if self.failure is not None:
             return
+        now = time.monotonic()
         cycle = crossed_steps(self.votes, lambda topic: step_voters(topic, self.world_size, self.resolved.groups,
                                                                      self.spec.nprocs),
-                              range(self.rank_base, self.rank_base + self.spec.nprocs))
+                              range(self.rank_base, self.rank_base + self.spec.nprocs),
+                              lambda key, rank: self._waits_until.get((key, rank), 0.0) > now)
         if not cycle:
             return
         links = "; ".join(f"{describe_step(topic)} (round {rnd}) waits for rank {r}, which waits in "

@@ -257,6 +257,7 @@ class NodeHead(Head):
         key = (vote.topic, vote.round)
         box = self.votes.setdefault(key, {})
         box[vote.rank] = vote.value
+        self._note_wait(key, vote)
         local = [r for r in voters if self.rank_base <= r < self.rank_base + self.spec.nprocs]
         if vote.topic.startswith(GROUP_PREFIX):
             # a group step is bounded by its timeout at the root, which must see each arrival as it happens
@@ -354,6 +355,7 @@ class NodeHead(Head):
             Head._all_ready(self, sock)  # go to this node's ranks, as a head of one host says it
         elif isinstance(msg, jobwire.JobDecision):
             box = self.votes.pop((msg.topic, msg.round), {})
+            self._forget_waits((msg.topic, msg.round))
             self._forwarded.discard((msg.topic, msg.round))
             decision = wire.Decision(token=self.token, topic=msg.topic, round=msg.round, values=msg.values)
             for r in sorted(box):

@@ -244,7 +244,8 @@ class Rank:
         self._require_open("exchange()")
         client = self._wiring.client
         rnd = self._rounds.get(topic, 0) + 1
-        data = wire.encode(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value))
+        data = wire.encode(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value,
+                                     wait_s=timeout_s))
         limit = wire.vote_limit_nbytes(self.world_size)
         if len(data) > limit:
             raise UsageError(
