@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat as stat_mod
 import subprocess
 import sys
 import time
@@ -137,18 +138,27 @@ def test_a_port_lock_held_a_moment_by_a_sweep_is_taken_but_a_trays_hold_refuses(
     """Another tray's sweep locks a stale `port-P.lock` for the moment it takes to remove it: a tray asking for P
     just then was refused as if a tray held P. A lock held that briefly is now waited for; one held on is a tray's."""
     import errno
-    import threading
 
+    from tray.launch import ports
     from tray.launch.ports import _lock_port
 
     root_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         sweep = os.open("port-4321.lock", os.O_RDWR | os.O_CREAT, 0o600, dir_fd=root_fd)
         fcntl.flock(sweep, fcntl.LOCK_EX)
-        timer = threading.Timer(0.01, lambda: os.close(sweep))  # the sweep lets go 10 ms in
-        timer.start()
-        fd = _lock_port(root_fd, 4321)
-        timer.join()
+        sleeps = []
+
+        def sweep_done(s: float) -> None:  # the sweep lets go during the first short wait (no timing to race)
+            if not sleeps:
+                os.close(sweep)
+            sleeps.append(s)
+
+        ports.time.sleep, real_sleep = sweep_done, ports.time.sleep  # type: ignore[assignment]
+        try:
+            fd = _lock_port(root_fd, 4321)
+        finally:
+            ports.time.sleep = real_sleep  # type: ignore[assignment]
+        assert sleeps == [0.005]
         assert os.pread(fd, 32, 0).decode() == str(os.getpid())
         with pytest.raises(OSError) as refused:  # held on, by the tray that just took it
             _lock_port(root_fd, 4321)
@@ -164,7 +174,8 @@ def test_a_jobs_root_under_a_directory_others_may_change_is_refused(tmp_path):
     shared = tmp_path / "shared"
     (shared / "sub").mkdir(parents=True)
     shared.chmod(0o777)
-    with pytest.raises(SetupError, match=r"lies under .*/shared \(mode 0777\), where others may move it"):
+    with pytest.raises(SetupError, match=r"lies under .*/shared \(mode 0777: anyone may write in it\), where another "
+                                         "user could move it"):
         open_root(shared / "sub" / "jobs")
     shared.chmod(0o1777)  # sticky, as /tmp: nobody moves another's entries
     path, fd = open_root(shared / "sub" / "jobs")
@@ -172,5 +183,38 @@ def test_a_jobs_root_under_a_directory_others_may_change_is_refused(tmp_path):
     if os.getuid() == 0:
         shared.chmod(0o755)
         os.chown(shared, 65534, 65534)
-        with pytest.raises(SetupError, match=r"lies under .*/shared, owned by uid 65534"):
+        with pytest.raises(SetupError, match=r"lies under .*/shared \(owned by uid 65534\)"):
             open_root(shared / "sub" / "jobs2")
+
+
+def test_umask_002_and_a_user_private_group_are_not_taken_for_others(tmp_path, monkeypatch):
+    """Under umask 002 (user-private groups: Debian, Fedora) the directories tray makes itself were group-writable
+    and then refused by its own check; a group-writable directory of this user's own group is not another user's.
+    One whose group is another group is; and with a /tmp others may change, the default root moves to the home."""
+    from tray.launch import jobdir
+
+    old = os.umask(0o002)
+    try:
+        path, fd = open_root(tmp_path / "a" / "b" / "jobs")
+        os.close(fd)
+    finally:
+        os.umask(old)
+    assert all(stat_mod.S_IMODE((tmp_path / p).stat().st_mode) == 0o700 for p in ("a", "a/b", "a/b/jobs"))
+    shared = tmp_path / "mine"
+    shared.mkdir()
+    shared.chmod(0o775)
+    os.chown(shared, os.getuid(), os.getgid())
+    if jobdir._private_group(os.getgid()):  # this user's own group (root's here; a user's under UPG)
+        assert jobdir.others_may_change(shared.stat()) is None
+    if os.getuid() == 0:
+        os.chown(shared, 0, 65534)
+        assert "its group (gid 65534) may write in it" in (jobdir.others_may_change(shared.stat()) or "")
+    unsafe_tmp = tmp_path / "tmp"
+    unsafe_tmp.mkdir()
+    unsafe_tmp.chmod(0o777)
+    monkeypatch.delenv("TRAY_JOBS_ROOT", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(unsafe_tmp))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(jobdir.tempfile, "tempdir", None)
+    assert jobdir.default_root() == tmp_path / "home" / ".cache" / "tray-jobs"

@@ -59,7 +59,8 @@ class JobDir:
 
 
 def default_root() -> Path:
-    """$TRAY_JOBS_ROOT; else $XDG_RUNTIME_DIR/tray when that dir is ours and 0700; else $TMPDIR/tray-<uid>."""
+    """$TRAY_JOBS_ROOT; else $XDG_RUNTIME_DIR/tray when that dir is ours and 0700; else $TMPDIR/tray-<uid>, unless
+    another user could change a directory above it (then ~/.cache/tray-jobs)."""
     explicit = os.environ.get("TRAY_JOBS_ROOT")
     if explicit:
         return Path(explicit)
@@ -71,7 +72,13 @@ def default_root() -> Path:
             st = None
         if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
             return Path(xdg) / "tray"
-    return Path(tempfile.gettempdir()) / f"tray-{os.getuid()}"
+    tmp = Path(tempfile.gettempdir()) / f"tray-{os.getuid()}"
+    home = Path(os.path.expanduser("~"))
+    if _unsafe_ancestor(tmp) is not None and home.is_absolute() and home != Path("/"):
+        # NOTE: a temporary directory others may change (a container's /tmp volume of mode 0777, not sticky): the
+        # user's own cache instead
+        return home / ".cache" / "tray-jobs"
+    return tmp
 
 
 def open_root(root: Path | None = None) -> tuple[Path, int]:
@@ -80,7 +87,7 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
     path = Path(root) if root is not None else default_root()
     hint = "remove it or set TRAY_JOBS_ROOT to a directory of your own"
     try:
-        os.makedirs(path.parent, mode=0o700, exist_ok=True)
+        make_private_dirs(path.parent)
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
@@ -105,22 +112,67 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
     return path, fd
 
 
+def others_may_change(st: os.stat_result) -> str | None:
+    """Why another user could rename or replace entries of the directory `st` describes, or None: it belongs to
+    another user (not root), or others may write in it without the sticky bit. A group-writable directory is
+    others' only when its group has other members than this user (not a user-private group, as umask 002 makes)."""
+    if st.st_uid not in (os.getuid(), 0):
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & stat.S_ISVTX:
+        return None
+    if st.st_mode & stat.S_IWOTH:
+        return f"mode {stat.S_IMODE(st.st_mode):04o}: anyone may write in it"
+    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid):
+        return f"mode {stat.S_IMODE(st.st_mode):04o}: its group (gid {st.st_gid}) may write in it"
+    return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group `gid` is this user's own: its primary group, named as the user, with no other member listed
+    (a user-private group, as Debian and Fedora give every user)."""
+    import grp
+    import pwd
+
+    if gid != os.getgid():
+        return False
+    try:
+        me = pwd.getpwuid(os.getuid()).pw_name
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return group.gr_name == me and set(group.gr_mem) <= {me}
+
+
+def make_private_dirs(path: Path) -> None:
+    """mkdir -p `path` with every directory it makes 0700 (os.makedirs gives the intermediate ones the umask's mode,
+    group-writable under umask 002)."""
+    missing = []
+    p = path
+    while not os.path.lexists(p):
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)
+
+
 def _unsafe_ancestor(path: Path) -> str | None:
-    """What makes the directories above the jobs root unsafe, or None: each (links resolved) must be owned by this
-    user or root, and if others may write in it, be sticky. Otherwise another user could move the jobs root aside
-    and put a directory of theirs at its path: ranks reach the head's socket by path, and would send it their
-    token."""
-    me = os.getuid()
+    """What makes the directories above the jobs root unsafe, or None: another user must not be able to move the
+    jobs root aside and put a directory of theirs at its path (ranks reach the head's socket by path, and would
+    send it their token); see others_may_change. Links are resolved."""
     for parent in Path(os.path.realpath(path.parent)).joinpath("x").parents:
         try:
             st = os.stat(parent)
         except OSError:
             continue
-        if st.st_uid not in (me, 0):
-            return f"lies under {parent}, owned by uid {st.st_uid}, who could move it and put their own in its place"
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            return (f"lies under {parent} (mode {stat.S_IMODE(st.st_mode):04o}), where others may move it and put "
-                    "their own in its place")
+        why = others_may_change(st)
+        if why:
+            return f"lies under {parent} ({why}), where another user could move it and put their own in its place"
     return None
 
 

@@ -9,7 +9,6 @@ import errno
 import os
 import selectors
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -172,13 +171,12 @@ def open_log(log_dir: str, rank: int, buffering: int = -1) -> TextIO:
 def check_log_dir(log_dir: str) -> None:
     """Make --log-dir (as mkdir -p would) and check it is this user's to write logs in: owned by this user or root,
     and, if others may write in it, sticky (so none can replace a log file there). OSError (EPERM) says why not."""
+    from tray.launch.jobdir import others_may_change
+
     os.makedirs(log_dir, exist_ok=True)
-    st = os.stat(log_dir)
-    if st.st_uid not in (os.getuid(), 0):
-        raise OSError(errno.EPERM, f"it belongs to another user (uid {st.st_uid}), who could replace the log files")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise OSError(errno.EPERM, f"others may write in it (mode {stat.S_IMODE(st.st_mode):o}, not sticky) and could "
-                                   "replace the log files")
+    why = others_may_change(os.stat(log_dir))
+    if why:
+        raise OSError(errno.EPERM, f"another user could replace the log files in it ({why})")
 
 
 def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:
