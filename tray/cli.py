@@ -78,7 +78,10 @@ def _check_program(cmd: Sequence[str], dashed: bool) -> None:
 def _nprocs_of(args: argparse.Namespace) -> int | None:
     """-n as a number (None: the default), torchrun's words resolved: gpu needs a visible GPU, cpu counts cores."""
     n = args.nprocs
-    if n == "cpu":
+    if n == "cpu":  # torchrun's: one process per core, which here are host ranks
+        if args.backend == "cuda":
+            raise UsageError("--nproc-per-node cpu is one host rank per core; with --backend cuda give a number")
+        args.backend = "host"
         return len(os.sched_getaffinity(0))
     if n == "gpu":
         from tray.backend import detect_backend

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -112,14 +111,16 @@ def _set_child_subreaper(on: bool) -> None:
     _libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
 
 
-def _check_log_dir(log_dir: str) -> None:
-    """--log-dir made, and writable, before any rank starts (the rank files are opened once ranks run)."""
+def _check_log_dir(log_dir: str, ranks: range) -> None:
+    """--log-dir made, and each rank's log file opened (created if new), before any rank starts: a file that cannot
+    be one (a link, another user's) is a SetupError here, not an error of the running tray."""
     try:
         check_log_dir(log_dir)
-        probe = tempfile.NamedTemporaryFile(dir=log_dir, prefix=".tray-probe-")
-        probe.close()
+        for r in ranks:
+            open_log(log_dir, r).close()
     except OSError as exc:
-        raise SetupError(f"--log-dir {log_dir}: cannot write there ({exc.strerror}); give a directory of "
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise SetupError(f"--log-dir {log_dir}: cannot write there{where}: {exc.strerror}; give a directory of "
                          "yours") from None
 
 
@@ -246,7 +247,7 @@ class Head:
         """run() with the signals held; returns the job dir (removed by now)."""
         ensure_fd_limit(self.spec.nprocs)
         if self.spec.log_dir:
-            _check_log_dir(self.spec.log_dir)
+            _check_log_dir(self.spec.log_dir, range(self.rank_base, self.rank_base + self.spec.nprocs))
         try:
             os.getcwd()
         except FileNotFoundError:
@@ -652,7 +653,7 @@ class Head:
             code = p.popen.poll()
             if code is None:
                 continue
-            p.returncode = code
+            p.returncode, p.t_exit = code, time.time()
             p.state = RankState.EXITED if code == 0 else RankState.FAILED
             if code == 0:
                 self._drain(sock, 0)  # its last votes may still be in flight: read them before judging the steps
@@ -696,7 +697,7 @@ class Head:
                 code = p.returncode if p.returncode is not None else p.popen.poll()
                 if code is None or (code == 0 and self.t_go is not None):
                     continue
-                p.returncode = code
+                p.returncode, p.t_exit = code, time.time()
                 p.state = RankState.EXITED if code == 0 else RankState.FAILED
                 note = (f"rank {rank} then reported {msg.error_type}: {msg.message}",)
                 if code == 0:
@@ -795,8 +796,12 @@ class Head:
     def _phase_of(p: RankProcess) -> str:
         if p.last_heartbeat is None and p.phase == "spawn":
             # NOTE: a program may run a long time before tray.init(), or never call it (torch alone, say)
-            ran = time.time() - p.t_spawn  # NOTE: t_spawn is wall-clock time (the ranks get it too)
-            return f"spawn: its program ran {ran:.1f} s and never called tray.init()"
+            # NOTE: t_spawn is wall-clock time (the ranks get it too); a rank that exited ran until its exit
+            ran = (p.t_exit or time.time()) - p.t_spawn
+            if p.returncode is not None:
+                return f"spawn: its program ran {ran:.1f} s and never reached the head (tray.init() not called)"
+            return (f"spawn: not heard from in its {ran:.1f} s (tray.init() not called yet, or still in its first "
+                    "steps)")
         return p.phase
 
     def _error_file(self, job_dir: Path, rank: int) -> str:

@@ -96,7 +96,9 @@ class NodeLink:
     def tick(self) -> str | None:
         """Send a heartbeat when due; the reason this node must stop, if the root is lost or refused it."""
         now = time.monotonic()
-        gap, self._last_tick = now - (self._last_tick or now), now
+        # NOTE: CLOCK_BOOTTIME runs on while the machine is suspended, which CLOCK_MONOTONIC does not
+        boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        gap, self._last_tick = boot - (self._last_tick or boot), boot
         if gap > self.job.node_heartbeat_timeout_s:
             # NOTE: this head itself did not run (SIGSTOP, a suspended VM): what it then hears nothing from is not the
             # root's fault, and the other nodes have counted this one lost meanwhile

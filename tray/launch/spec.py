@@ -80,6 +80,7 @@ class RankProcess:
     last_heartbeat: float | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=20))
     returncode: int | None = None
+    t_exit: float | None = None  # when the head saw it exit (wall-clock, as t_spawn)
     # when the head last learnt the phase (monotonic s): the age is part of a timeout's report
     phase_at: float = field(default_factory=time.monotonic)
     # (when, CPU seconds) of the rank's process when its heartbeat window last ran out: whether it ran meanwhile
