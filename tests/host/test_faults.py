@@ -226,14 +226,14 @@ def test_garbage_and_wrong_token_are_rejected_naming_the_sender(tray_env):
             s.connect(os.environ["TRAY_RDZV"])
             s.send(b"\\xc1garbage")
             s.send(msgpack.packb({"kind": "bye", "v": PROTOCOL_VERSION, "token": "not-the-token", "rank": 0}))
-            print("reply:", msgpack.unpackb(s.recv())["kind"])
+            print("replies:", s.poll(1000), flush=True)   # none: a Reject carries the token, so only ranks get one
             s.close(); ctx.term()
         rank.barrier(timeout_s=30)
     """)
     assert run.returncode == 0, run.output
     assert "rejected a message from intruder" in run.stderr
     assert "token" in run.stderr
-    assert "reply: reject" in run.stdout
+    assert "replies: 0" in run.stdout
 
 
 def test_head_sigkilled_takes_its_ranks(tray_env):

@@ -457,7 +457,8 @@ class Head:
         terminal nor the head's memory (the rest are counted, and the count said at the end)."""
         self._rejects += 1
         if self._rejects <= _REJECTS_SAID:
-            line = f"rejected a message from {ident[:64]!r}: {reason[:300]}"
+            shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in ident[:64])  # no terminal controls
+            line = f"rejected a message from {shown}: {reason[:300]}"
             self.rejected.append(line)
             _say(line)
             if self._rejects == _REJECTS_SAID:
@@ -639,7 +640,7 @@ class Head:
             # far more than a rank is ever sent unread)
             sock.send_multipart([ident.encode(), data], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the rank is gone (its exit is the failure we report), or it reads nothing
-            _say(f"could not send {kind} to {ident[:64]!r}: {exc}")
+            _say(f"could not send {kind} to {ident[:64]}: {exc}")
 
     # --- supervision ----------------------------------------------------------------------------
     def _forming(self) -> bool:

@@ -175,7 +175,8 @@ class Root:
 
     def _reject(self, ident: bytes, reason: str) -> None:
         if len(self.rejected) < _REJECTS_KEPT:  # the rest are counted: a flood must not fill the head's memory
-            self.rejected.append(f"rejected a message from {ident.decode(errors='replace')[:64]!r}: {reason[:300]}")
+            shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in ident.decode(errors="replace")[:64])
+            self.rejected.append(f"rejected a message from {shown}: {reason[:300]}")
         self.rejects += 1
 
     def _on_message(self, ident: bytes, payload: bytes) -> None:
