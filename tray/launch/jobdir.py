@@ -153,6 +153,8 @@ def make_private_dirs(path: Path) -> None:
         if p.parent == p:
             break
         p = p.parent
+    if not os.path.isdir(p):  # as os.makedirs says it: a file on the way
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(p))
     for d in reversed(missing):
         try:
             os.mkdir(d, 0o700)
