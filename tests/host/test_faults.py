@@ -559,6 +559,7 @@ def test_tray_s_own_step_topics_are_refused_to_exchange(tray_env):
             except tray.UsageError as exc:
                 print("refused:", exc, flush=True)
         assert rank.exchange("mine", 1) == [1]
+        assert rank.exchange("endless", 2, timeout_s=float("inf")) == [2]   # a wait without end still votes
     """)
     assert run.returncode == 0, run.output
     assert run.stdout.count("are tray's own steps; choose another topic") == 2, run.output

@@ -47,7 +47,7 @@ class VoteStep:
         rnd = self._rounds.get(topic, 0) + 1
         self._rounds[topic] = rnd
         self._client.send(wire.Vote(token=self._token, rank=self._rank, topic=topic, round=rnd, value=value,
-                                    wait_s=wait_s))
+                                    wait_s=min(float(wait_s), wire.LONGEST_WAIT_S)))
         while True:
             d = self._client.receive(wire.Decision, wait_s, f"decision on {topic!r}")
             if d.topic == topic and d.round == rnd:

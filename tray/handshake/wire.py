@@ -16,6 +16,7 @@ PROTOCOL_VERSION = 4
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
+LONGEST_WAIT_S = 1e9  # a vote's wait_s: an endless wait (inf) is sent as this
 # NOTE: a CUDA fabric handle (CUmemFabricHandle) is 64 opaque bytes. A group's join info is whatever
 # its collectives need (an ncclUniqueId is 128 bytes); 4 KiB bounds it far above that.
 FABRIC_HANDLE_NBYTES = 64

@@ -245,7 +245,7 @@ class Rank:
         client = self._wiring.client
         rnd = self._rounds.get(topic, 0) + 1
         data = wire.encode(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value,
-                                     wait_s=timeout_s))
+                                     wait_s=min(float(timeout_s), wire.LONGEST_WAIT_S)))
         limit = wire.vote_limit_nbytes(self.world_size)
         if len(data) > limit:
             raise UsageError(
