@@ -356,13 +356,13 @@ def test_a_rank_that_gave_a_step_up_is_not_taken_for_one_waiting_in_it(tray_env)
     with tray.init() as rank:
         if rank.rank == 0:
             try:
-                rank.exchange("a", 0, timeout_s=1.0)
+                rank.exchange("a", 0, timeout_s=3.0)   # counted as waiting for 2 s of it, then given up
             except tray.HandshakeError:
                 print("gave a up", flush=True)
-            time.sleep(2.5)
+            time.sleep(2.0)
             assert rank.exchange("b", 0) == [0, 1]
         else:
-            time.sleep(2.0)
+            time.sleep(4.0)
             assert rank.exchange("b", 1) == [0, 1]
         print("ok", rank.rank, flush=True)
     """)
@@ -560,9 +560,14 @@ def test_tray_s_own_step_topics_are_refused_to_exchange(tray_env):
                 print("refused:", exc, flush=True)
         assert rank.exchange("mine", 1) == [1]
         assert rank.exchange("endless", 2, timeout_s=float("inf")) == [2]   # a wait without end still votes
+        try:
+            rank.exchange("nan", 3, timeout_s=float("nan"))
+        except tray.UsageError as exc:
+            print("refused:", exc, flush=True)
     """)
     assert run.returncode == 0, run.output
     assert run.stdout.count("are tray's own steps; choose another topic") == 2, run.output
+    assert "refused: exchange('nan'): timeout_s must be a number of seconds > 0 (inf: no end), got nan" in run.stdout
 
 
 def test_a_manifest_a_rank_cannot_load_is_a_usage_error_in_one_line(tray_env, tmp_path):

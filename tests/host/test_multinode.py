@@ -719,3 +719,23 @@ def test_an_exchange_a_rank_on_another_node_never_makes_is_placed_by_the_root(tr
     assert "root: exchange 'it' (round 1) was still waiting for node 1 (of its ranks 2,3)" in runs[0].stderr, \
         runs[0].output
     assert "exchange 'it' (round 1) was still waiting for rank 3" in runs[1].stderr, runs[1].output
+
+
+def test_a_step_a_rank_gave_up_is_not_held_against_a_rank_that_leaves(tray_env):
+    """Across nodes too: rank 0 gives exchange 'a' up (a caught 2 s timeout) and goes on; rank 1 never joins 'a'
+    and ends. Counting rank 0 as still waiting there, the root stopped the job naming rank 1."""
+    body = """
+    with tray.init() as rank:
+        if rank.rank == 0:
+            try:
+                rank.exchange("a", 0, timeout_s=2.0)
+            except tray.HandshakeError:
+                print("gave a up", flush=True)
+            time.sleep(1.5)
+        else:
+            time.sleep(3.0)
+        print("done", rank.rank, flush=True)
+    """
+    runs = finish(start_job(tray_env, body, "-n", "1"), timeout_s=60)
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    assert "gave a up" in runs[0].stdout and "done 1" in runs[1].stdout

@@ -83,3 +83,41 @@ def test_collectives_addresses_numpy_ints_host_memory_and_unusual_subclasses():
     assert c.register_window(np.int64(48), 8) == 48
     with pytest.raises(UsageError, match="register_window address: an array in host memory"):
         c.register_window(host, 8)
+
+
+def test_addresses_refuse_scalars_and_bools_and_leave_delegating_or_odd_methods_working():
+    """A numpy float scalar or 0-d array has an __array_interface__ of its own few bytes; True is no address. A
+    subclass method taking *args (delegating), with a parameter named `type`, or a lambda, still works."""
+    import numpy as np
+    import pytest
+
+    from tray.backend.base import address
+    from tray.errors import UsageError
+
+    for bad in (np.float64(3.0), np.array(7), True):
+        with pytest.raises(UsageError):
+            address(bad, "x")
+
+    class Base(Collectives):
+        def allreduce(self, send_ptr, recv_ptr, count, dtype, stream=None):
+            return send_ptr, recv_ptr
+
+        def allgather(self, send_ptr, recv_ptr, count, type, stream=None):   # `type` as a parameter's name
+            return send_ptr, type
+
+        reducescatter = lambda self, send_ptr, recv_ptr, count, dtype, stream=None: send_ptr  # noqa: E731
+        alltoall = reducescatter
+
+        def sendrecv(self, send_ptr, recv_ptr, count, dtype, peer_index, stream=None):
+            return None
+
+        def close(self):
+            return None
+
+    class Delegating(Base):
+        def allreduce(self, *args, **kwargs):
+            return super().allreduce(*args, **kwargs)
+
+    assert Delegating().allreduce(np.int64(8), 16, 1, "f32") == (8, 16)
+    assert Base().allgather(np.int64(8), 16, 1, "f32") == (8, "f32")
+    assert Base().reducescatter(np.int64(24), 0, 1, "f32") == 24

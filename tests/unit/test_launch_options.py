@@ -366,6 +366,13 @@ def test_log_files_are_never_opened_through_a_link_nor_in_a_directory_others_cou
         check_log_dir(str(open_dir))
     open_dir.chmod(0o1777)  # sticky: nobody replaces another's file
     check_log_dir(str(open_dir))
+    open_dir.chmod(0o777)
+    with pytest.raises(OSError, match=r"lies under .*/open \(mode 0777: anyone may write in it\)"):
+        check_log_dir(str(open_dir / "me" / "logs"))   # a directory above it others may change
+    open_dir.chmod(0o1777)
+    os.mkfifo(logs / "rank-3.log")
+    with pytest.raises(OSError, match="is not a regular file"):   # a FIFO there would have blocked the open
+        open_log(str(logs), 3)
     if os.getuid() == 0:
         planted = open_dir / "rank-2.log"
         planted.write_text("")

@@ -217,4 +217,6 @@ def test_umask_002_and_a_user_private_group_are_not_taken_for_others(tmp_path, m
     monkeypatch.setenv("TMPDIR", str(unsafe_tmp))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setattr(jobdir.tempfile, "tempdir", None)
+    assert jobdir.default_root() == unsafe_tmp / f"tray-{os.getuid()}"   # no such home: the error names the tmp
+    (tmp_path / "home").mkdir(mode=0o700)
     assert jobdir.default_root() == tmp_path / "home" / ".cache" / "tray-jobs"

@@ -167,6 +167,8 @@ def address(x: Any, what: str, device: bool = False) -> int:
     fault on it. UsageError otherwise."""
     if type(x) is int:
         return x
+    if isinstance(x, bool):
+        raise UsageError(f"{what}: expected an address, got {x!r}")
     if isinstance(x, numbers.Integral):  # NOTE: before the interfaces: a numpy integer has __array_interface__ too
         return int(x)
     ptr = getattr(x, "ptr", None)
@@ -184,6 +186,8 @@ def address(x: Any, what: str, device: bool = False) -> int:
         return int(iface["data"][0])
     iface = getattr(x, "__array_interface__", None)
     if not where and isinstance(iface, dict) and isinstance(iface.get("data"), tuple):
+        if iface.get("shape") == ():  # a numpy scalar or 0-d array: its own few bytes, not a buffer
+            raise UsageError(f"{what}: a scalar ({type(x).__name__}), not memory; pass an address, a view or an array")
         if not device:
             return int(iface["data"][0])
         where = "an array in host memory"
@@ -200,20 +204,26 @@ _ADDRESS_ARGS = {"allreduce": 2, "allgather": 2, "reducescatter": 2, "alltoall":
 
 
 def _taking_addresses(fn: Callable[..., Any], n: int, device: bool) -> Callable[..., Any]:
-    """`fn` with its first `n` arguments after self given as address() takes them. Made with `fn`'s own parameters
-    where they are plain (no *args to pack), so an int costs one call and a type check each (~0.05 us)."""
-    params = list(inspect.signature(fn).parameters.values())
-    taken = [p.name for p in params[1:n + 1]]
-    if len(taken) < n or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+    """`fn` with its first `n` named arguments after self given as address() takes them. Made with `fn`'s own
+    parameters where they are plain (no *args to pack), so an int costs one call and a type check each (~0.05 us).
+    A method that takes *args (delegating to another, say) is left as it is: the one it calls converts."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    named = [p for p in params[1:n + 1] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(named) < n:
+        return fn
+    taken = [p.name for p in named]
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
         def general(self: Any, *args: Any, **kwargs: Any) -> Any:
-            bound = inspect.signature(fn).bind(self, *args, **kwargs)
+            bound = sig.bind(self, *args, **kwargs)
             for a in taken:
                 if a in bound.arguments:
                     bound.arguments[a] = address(bound.arguments[a], f"{fn.__name__} {a}", device)
             return fn(*bound.args, **bound.kwargs)
 
         return functools.wraps(fn)(general)
-    ns: dict[str, Any] = {"_tray_fn": fn, "_tray_address": address, "_tray_device": device}
+    ns: dict[str, Any] = {"_tray_fn": fn, "_tray_address": address, "_tray_device": device, "_tray_type": type,
+                          "_tray_int": int}
     decl = []
     for i, p in enumerate(params):
         if p.default is p.empty:
@@ -222,12 +232,12 @@ def _taking_addresses(fn: Callable[..., Any], n: int, device: bool) -> Callable[
             ns[f"_tray_default{i}"] = p.default
             decl.append(f"{p.name}=_tray_default{i}")
     fixes = "".join(f"        {a} = _tray_address({a}, {fn.__name__ + ' ' + a!r}, _tray_device)\n" for a in taken)
-    src = (f"def {fn.__name__}({', '.join(decl)}):\n"
-           f"    if {' or '.join(f'type({a}) is not int' for a in taken)}:\n{fixes}"
+    src = (f"def _tray_wrapped({', '.join(decl)}):\n"
+           f"    if {' or '.join(f'_tray_type({a}) is not _tray_int' for a in taken)}:\n{fixes}"
            f"    return _tray_fn({', '.join(p.name for p in params)})\n")
     # NOTE: source made here from fn's parameter names alone, compiled under a name that says where it comes from
     exec(compile(src, f"<tray.backend.base: addresses of {fn.__qualname__}>", "exec"), ns)
-    return functools.wraps(fn)(ns[fn.__name__])
+    return functools.wraps(fn)(ns["_tray_wrapped"])
 
 
 class Collectives(abc.ABC):

@@ -15,6 +15,8 @@ import zmq
 from tray.errors import HandshakeError
 from tray.handshake import HEARTBEAT_INTERVAL_S, wire
 
+_POLL_AT_MOST_S = 3600.0  # one poll's longest wait (zmq takes the timeout as a C int of ms)
+
 
 class RendezvousClient:
     """Talks to the head at `endpoint` as rank `rank`, signing every message with `token`."""
@@ -65,8 +67,10 @@ class RendezvousClient:
         """The next message of type `expected`; raises on Reject or after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            if not self._sock.poll(left_ms, zmq.POLLIN):
+            left = max(0.0, deadline - time.monotonic())
+            if not self._sock.poll(int(min(left, _POLL_AT_MOST_S) * 1000), zmq.POLLIN):
+                if left > _POLL_AT_MOST_S:
+                    continue  # a long wait (an endless one is 1e9 s) polls in parts zmq can take
                 raise HandshakeError(
                     f"rank {self.rank}: no {waiting_for} from the head within {timeout_s:.1f} s "
                     "(the head waits for every rank; see its report for who is missing)"

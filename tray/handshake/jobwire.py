@@ -47,6 +47,10 @@ def _ints(v: Any, p: str) -> tuple[int, ...]:
     return tuple(_as_int(x, f"{p}[{i}]", lo=0) for i, x in enumerate(_as_list(v, p)))
 
 
+def _floats(v: Any, p: str) -> tuple[float, ...]:
+    return tuple(_as_float(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
+
+
 def _strs(v: Any, p: str) -> tuple[str, ...]:
     return tuple(_as_str(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
 
@@ -174,16 +178,18 @@ class JobGo(_JobMessage):
 
 @dataclass(frozen=True, slots=True)
 class NodeVote(_JobMessage):
-    """head -> root: the votes of this node's ranks for (`topic`, `round`); `values[i]` from `ranks[i]`."""
+    """head -> root: the votes of this node's ranks for (`topic`, `round`); `values[i]` from `ranks[i]`, who waits
+    `waits[i]` more seconds for the decision (then it may give the step up and go on)."""
 
     KIND: ClassVar[str] = "node_vote"
     FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "topic": _str(), "round": _int(0),
-                                          "ranks": _ints, "values": _plains}
+                                          "ranks": _ints, "values": _plains, "waits": _floats}
     node_rank: int
     topic: str
     round: int
     ranks: tuple[int, ...]
     values: tuple[Any, ...]
+    waits: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)

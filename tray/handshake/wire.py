@@ -17,6 +17,16 @@ PROTOCOL_VERSION = 4
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
 LONGEST_WAIT_S = 1e9  # a vote's wait_s: an endless wait (inf) is sent as this
+
+
+def step_wait(timeout_s: float, what: str) -> float:
+    """A step's timeout as it is waited for and sent: > 0 (UsageError otherwise, NaN too), inf as LONGEST_WAIT_S."""
+    t = float(timeout_s)
+    if not t > 0:
+        from tray.errors import UsageError
+
+        raise UsageError(f"{what}: timeout_s must be a number of seconds > 0 (inf: no end), got {timeout_s!r}")
+    return min(t, LONGEST_WAIT_S)
 # NOTE: a CUDA fabric handle (CUmemFabricHandle) is 64 opaque bytes. A group's join info is whatever
 # its collectives need (an ncclUniqueId is 128 bytes); 4 KiB bounds it far above that.
 FABRIC_HANDLE_NBYTES = 64

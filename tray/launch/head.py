@@ -178,7 +178,7 @@ def _signals_held() -> Iterator[list[int]]:
         raise KeyboardInterrupt(f"signal {got[0]}")
 
 
-_WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long before its wait runs out
+_WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long (at most half its wait) before it runs out
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
 _FRAME_SLACK = 4096  # beyond wire.MAX_MESSAGE_NBYTES, for a frame's envelope
@@ -743,7 +743,7 @@ class Head:
     def _note_wait(self, key: tuple[str, int], vote: wire.Vote) -> None:
         """Until when the rank of `vote` waits in step `key` (a margin short of its wait: past it, it may have given
         the step up, caught the timeout and gone on)."""
-        self._waits_until[(key, vote.rank)] = time.monotonic() + vote.wait_s - _WAIT_MARGIN_S
+        self._waits_until[(key, vote.rank)] = time.monotonic() + vote.wait_s - min(_WAIT_MARGIN_S, vote.wait_s / 2)
 
     def _forget_waits(self, key: tuple[str, int]) -> None:
         for k in [k for k in self._waits_until if k[0] == key]:

@@ -74,7 +74,7 @@ def default_root() -> Path:
             return Path(xdg) / "tray"
     tmp = Path(tempfile.gettempdir()) / f"tray-{os.getuid()}"
     home = Path(os.path.expanduser("~"))
-    if _unsafe_ancestor(tmp) is not None and home.is_absolute() and home != Path("/"):
+    if unsafe_ancestor(tmp) is not None and _own_dir(home) and unsafe_ancestor(home / ".cache" / "x") is None:
         # NOTE: a temporary directory others may change (a container's /tmp volume of mode 0777, not sticky): the
         # user's own cache instead
         return home / ".cache" / "tray-jobs"
@@ -105,11 +105,20 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
         problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     elif stat.S_IMODE(st.st_mode) & 0o077:
         problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 (others could enter it)"
-    problem = problem or _unsafe_ancestor(path)
+    problem = problem or unsafe_ancestor(path)
     if problem:
         os.close(fd)
         raise SetupError(f"jobs root {path} {problem}; {hint}")
     return path, fd
+
+
+def _own_dir(path: Path) -> bool:
+    """Whether `path` is an absolute, existing directory of this user (a home to fall back to)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return path.is_absolute() and path != Path("/") and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def others_may_change(st: os.stat_result) -> str | None:
@@ -140,7 +149,10 @@ def _private_group(gid: int) -> bool:
         group = grp.getgrgid(gid)
     except KeyError:
         return False
-    return group.gr_name == me and set(group.gr_mem) <= {me}
+    if group.gr_name != me or set(group.gr_mem) - {me}:
+        return False
+    # NOTE: gr_mem lists only supplementary members; another user whose primary group this is may write too
+    return not any(p.pw_gid == gid and p.pw_uid != os.getuid() for p in pwd.getpwall())
 
 
 def make_private_dirs(path: Path) -> None:
@@ -163,7 +175,7 @@ def make_private_dirs(path: Path) -> None:
         os.chmod(d, 0o700)
 
 
-def _unsafe_ancestor(path: Path) -> str | None:
+def unsafe_ancestor(path: Path) -> str | None:
     """What makes the directories above the jobs root unsafe, or None: another user must not be able to move the
     jobs root aside and put a directory of theirs at its path (ranks reach the head's socket by path, and would
     send it their token); see others_may_change. Links are resolved."""

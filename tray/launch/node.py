@@ -271,8 +271,11 @@ class NodeHead(Head):
             self._check_crossed_steps()
             return
         try:
+            now = time.monotonic()
+            waits = tuple(max(0.0, self._waits_until.get((key, r), now) - now) for r in ranks)
             self.link.send(jobwire.NodeVote(token=self.job.token, node_rank=self.job.node_rank, topic=vote.topic,
-                                            round=vote.round, ranks=ranks, values=tuple(box[r] for r in ranks)))
+                                            round=vote.round, ranks=ranks, values=tuple(box[r] for r in ranks),
+                                            waits=waits))
         except WireError as exc:
             self._fail(Failure(vote.rank, f"step {vote.topic!r} (round {vote.round}): the votes of ranks "
                                f"{','.join(map(str, ranks))} cannot be sent to the root ({exc.reason}); vote smaller "

@@ -75,6 +75,7 @@ class _Step:
     values: dict[int, Any] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
     timeout_s: float | None = None
+    until: dict[int, float] = field(default_factory=dict)  # rank -> until when it waits for the decision (monotonic)
 
 
 class Root:
@@ -289,8 +290,10 @@ class Root:
                            f"a vote on {msg.topic!r} names no group instance of the manifest", exit_code=EXIT_JOB)
                 return
             step = self.steps[key] = _Step(voters=voters)
-        for r, v in zip(msg.ranks, msg.values):
+        now = time.monotonic()
+        for r, v, w in zip(msg.ranks, msg.values, msg.waits):
             step.values[r] = v
+            step.until[r] = now + w
             if step.timeout_s is None and msg.topic.startswith(GROUP_PREFIX) and isinstance(v, dict):
                 t = v.get("timeout_s")
                 step.timeout_s = float(t) if isinstance(t, (int, float)) else None
@@ -303,7 +306,10 @@ class Root:
     def _check_left(self) -> None:
         """A step some ranks wait in whose voters include a rank that left (exited 0, closed its tray) without
         voting can never be decided: the job stops now, naming that rank, not when the waiters' timeouts pass."""
+        now = time.monotonic()
         for (topic, rnd), step in self.steps.items():
+            if not any(t > now for t in step.until.values()):
+                continue  # every rank that voted gave the step up (a caught timeout): nobody waits in it
             gone = [r for r in step.voters if r in self.left and r not in step.values]
             if gone:
                 r = gone[0]

@@ -9,6 +9,7 @@ import errno
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -158,10 +159,20 @@ def open_log(log_dir: str, rank: int, buffering: int = -1) -> TextIO:
     refused (OSError EPERM) when another user owns it (in a shared directory, they could have made it to read what
     the rank writes)."""
     path = log_path(log_dir, rank)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # NOTE: O_NONBLOCK: a FIFO planted at the name would block the open; regular files are told apart below
     try:
-        if os.fstat(fd).st_uid != os.getuid():
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise OSError(errno.EINVAL, f"{path} is not a regular file (a FIFO)", str(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file", str(path))
+        if st.st_uid != os.getuid():
             raise OSError(errno.EPERM, f"{path} belongs to another user", str(path))
+        os.set_blocking(fd, True)
         return open(fd, "a", buffering=buffering, closefd=True)
     except BaseException:
         os.close(fd)
@@ -171,12 +182,15 @@ def open_log(log_dir: str, rank: int, buffering: int = -1) -> TextIO:
 def check_log_dir(log_dir: str) -> None:
     """Make --log-dir (as mkdir -p would) and check it is this user's to write logs in: owned by this user or root,
     and, if others may write in it, sticky (so none can replace a log file there). OSError (EPERM) says why not."""
-    from tray.launch.jobdir import others_may_change
+    from tray.launch.jobdir import others_may_change, unsafe_ancestor
 
     os.makedirs(log_dir, exist_ok=True)
     why = others_may_change(os.stat(log_dir))
     if why:
         raise OSError(errno.EPERM, f"another user could replace the log files in it ({why})")
+    above = unsafe_ancestor(Path(log_dir))
+    if above:
+        raise OSError(errno.EPERM, f"it {above}")
 
 
 def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:

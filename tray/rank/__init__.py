@@ -242,10 +242,11 @@ class Rank:
     def _exchange(self, topic: str, value: Any, timeout_s: float = 60.0) -> list[Any]:
         """exchange() for tray's own steps too (the collectives' join, park and wake)."""
         self._require_open("exchange()")
+        timeout_s = wire.step_wait(timeout_s, f"exchange({topic!r})")
         client = self._wiring.client
         rnd = self._rounds.get(topic, 0) + 1
         data = wire.encode(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value,
-                                     wait_s=min(float(timeout_s), wire.LONGEST_WAIT_S)))
+                                     wait_s=timeout_s))
         limit = wire.vote_limit_nbytes(self.world_size)
         if len(data) > limit:
             raise UsageError(
