@@ -739,3 +739,26 @@ def test_a_step_a_rank_gave_up_is_not_held_against_a_rank_that_leaves(tray_env):
     runs = finish(start_job(tray_env, body, "-n", "1"), timeout_s=60)
     assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
     assert "gave a up" in runs[0].stdout and "done 1" in runs[1].stdout
+
+
+def test_a_late_vote_on_a_relayed_step_the_root_gave_up_waits_for_nothing(tray_env):
+    """A relayed allreduce over the world: rank 2 comes 4 s late, the others time out (caught) and go on to an
+    exchange. Rank 2's late vote reopened the expired step on node 1, whose crossed-steps check then saw rank 3
+    (in the exchange) and rank 2 (in the step) wait for each other, and stopped the job; the root answers such a
+    vote at once, so it waits for nothing."""
+    body = """
+    from tray.errors import BarrierTimeout
+    with tray.init() as rank:
+        c = rank.collectives("world")
+        s, r = rank.buffer("send"), rank.buffer("recv")
+        if rank.rank == 2:
+            time.sleep(4)
+        try:
+            c.allreduce(s.ptr, r.ptr, 16, "f32")
+        except BarrierTimeout:
+            print("caught", rank.rank, flush=True)
+        print("x", rank.rank, rank.exchange("x", rank.rank), flush=True)
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", FILL, "--var", "count=16"), timeout_s=60)
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    assert "x 2 [0, 1, 2, 3]" in runs[1].stdout, runs[1].output

@@ -31,6 +31,9 @@ def test_routing_as_torchrun():
     filtered = Routing(log_dir="d", ranks=(0,))
     assert filtered.to_terminal(0, STDOUT) and not filtered.to_terminal(1, STDOUT) and filtered.to_log(1, STDOUT)
     assert not Routing(quiet=True).to_terminal(0, STDOUT)
+    both = Routing(log_dir="d", redirects=BOTH, tee=STDOUT)   # torchrun -r 3 -t 1: stdout on the terminal too
+    assert both.to_terminal(0, STDOUT) and both.to_log(0, STDOUT) and both.to_log(0, STDERR)
+    assert not both.to_terminal(0, STDERR)
     with pytest.raises(UsageError, match="--redirects needs --log-dir"):
         Routing(redirects=BOTH)
 
@@ -349,6 +352,12 @@ def test_log_files_are_never_opened_through_a_link_nor_in_a_directory_others_cou
     from tray.launch.spawn import check_log_dir, open_log
 
     logs = tmp_path / "logs"
+    old_umask = os.umask(0o002)
+    try:
+        check_log_dir(str(logs / "new" / "nested"))   # made by tray under umask 002: 0755, not refused as others'
+    finally:
+        os.umask(old_umask)
+    assert stat_mod.S_IMODE((logs / "new").stat().st_mode) == 0o755
     check_log_dir(str(logs))
     victim = tmp_path / "victim.txt"
     victim.write_text("keep\n")

@@ -155,9 +155,9 @@ def _private_group(gid: int) -> bool:
     return not any(p.pw_gid == gid and p.pw_uid != os.getuid() for p in pwd.getpwall())
 
 
-def make_private_dirs(path: Path) -> None:
-    """mkdir -p `path` with every directory it makes 0700 (os.makedirs gives the intermediate ones the umask's mode,
-    group-writable under umask 002)."""
+def make_private_dirs(path: Path, mode: int = 0o700) -> None:
+    """mkdir -p `path` with every directory it makes of `mode` exactly (os.makedirs gives the intermediate ones the
+    umask's mode, group-writable under umask 002, which the checks here would then refuse)."""
     missing = []
     p = path
     while not os.path.lexists(p):
@@ -169,10 +169,10 @@ def make_private_dirs(path: Path) -> None:
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(p))
     for d in reversed(missing):
         try:
-            os.mkdir(d, 0o700)
+            os.mkdir(d, mode)
         except FileExistsError:
             continue
-        os.chmod(d, 0o700)
+        os.chmod(d, mode)
 
 
 def unsafe_ancestor(path: Path) -> str | None:

@@ -150,6 +150,7 @@ class NodeHead(Head):
         self._left: dict[int, str] = {}  # ranks that left, not yet told to the root (their votes still held here)
         self._told_left: set[int] = set()
         self._forwarded: set[tuple[str, int]] = set()  # steps whose votes of this node went on to the root
+        self._expired: set[tuple[str, int]] = set()  # group steps the root gave up (timed out): late votes wait not
         self.job_stop: jobwire.JobStop | None = None
         self.job_end = False
         self.done_sent = False
@@ -259,7 +260,8 @@ class NodeHead(Head):
         key = (vote.topic, vote.round)
         box = self.votes.setdefault(key, {})
         box[vote.rank] = vote.value
-        self._note_wait(key, vote)
+        if key not in self._expired:
+            self._note_wait(key, vote)
         local = [r for r in voters if self.rank_base <= r < self.rank_base + self.spec.nprocs]
         if vote.topic.startswith(GROUP_PREFIX):
             # a group step is bounded by its timeout at the root, which must see each arrival as it happens
@@ -361,6 +363,8 @@ class NodeHead(Head):
         elif isinstance(msg, jobwire.JobDecision):
             box = self.votes.pop((msg.topic, msg.round), {})
             self._forget_waits((msg.topic, msg.round))
+            if msg.missing:  # expired at the root: a late vote on it is answered at once, it waits for nothing
+                self._expired.add((msg.topic, msg.round))
             self._forwarded.discard((msg.topic, msg.round))
             decision = wire.Decision(token=self.token, topic=msg.topic, round=msg.round, values=msg.values)
             for r in sorted(box):

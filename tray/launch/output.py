@@ -106,7 +106,8 @@ class Routing:
         """Whether lines of `stream` of `rank` are printed (prefixed) on the head's terminal."""
         if self.quiet or (self.ranks is not None and rank not in self.ranks):
             return False
-        return not (self._bits(self.redirects, rank) & stream)
+        # NOTE: as torchrun, a stream both redirected and teed is shown too (tee: the file AND the terminal)
+        return not (self._bits(self.redirects, rank) & stream) or bool(self._bits(self.tee, rank) & stream)
 
 
 def stamp(now: datetime.datetime | None = None) -> str:

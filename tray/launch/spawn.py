@@ -182,9 +182,9 @@ def open_log(log_dir: str, rank: int, buffering: int = -1) -> TextIO:
 def check_log_dir(log_dir: str) -> None:
     """Make --log-dir (as mkdir -p would) and check it is this user's to write logs in: owned by this user or root,
     and, if others may write in it, sticky (so none can replace a log file there). OSError (EPERM) says why not."""
-    from tray.launch.jobdir import others_may_change, unsafe_ancestor
+    from tray.launch.jobdir import make_private_dirs, others_may_change, unsafe_ancestor
 
-    os.makedirs(log_dir, exist_ok=True)
+    make_private_dirs(Path(log_dir), 0o755)  # what it makes: no one else writes there, whatever the umask
     why = others_may_change(os.stat(log_dir))
     if why:
         raise OSError(errno.EPERM, f"another user could replace the log files in it ({why})")
