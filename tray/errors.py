@@ -65,8 +65,9 @@ class BarrierTimeout(WaitedForRanks):
     def __init__(
         self, group: str, epoch: int, rank: int, missing: list[int], waited_s: float
     ) -> None:
-        super().__init__(f"barrier {group} epoch {epoch}", group, epoch, rank, missing, waited_s,
-                         "rank {who} missing: it died, hangs, or never entered this barrier")
+        why = ("this rank came after the others had waited that long for it and gone on: it was late" if rank in missing
+               else "rank {who} missing: it died, hangs, or never entered this barrier")
+        super().__init__(f"barrier {group} epoch {epoch}", group, epoch, rank, missing, waited_s, why)
 
     @staticmethod
     def missing_in(message: str) -> list[int]:

@@ -755,10 +755,12 @@ def test_a_late_vote_on_a_relayed_step_the_root_gave_up_waits_for_nothing(tray_e
             time.sleep(4)
         try:
             c.allreduce(s.ptr, r.ptr, 16, "f32")
-        except BarrierTimeout:
-            print("caught", rank.rank, flush=True)
+        except BarrierTimeout as exc:
+            print("caught", rank.rank, exc, flush=True)
         print("x", rank.rank, rank.exchange("x", rank.rank), flush=True)
     """
     runs = finish(start_job(tray_env, body, "--manifest", FILL, "--var", "count=16"), timeout_s=60)
     assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
     assert "x 2 [0, 1, 2, 3]" in runs[1].stdout, runs[1].output
+    late = next(line for line in runs[1].stdout.splitlines() if "caught 2 " in line)
+    assert "(this rank came after the others had waited that long for it and gone on: it was late)" in late, late
