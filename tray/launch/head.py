@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import re
@@ -120,8 +121,9 @@ def _check_log_dir(log_dir: str, ranks: range) -> None:
             open_log(log_dir, r).close()
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
-        raise SetupError(f"--log-dir {log_dir}: cannot write there{where}: {exc.strerror}; give a directory of "
-                         "yours") from None
+        why = f"{exc.filename} is not a directory" if exc.errno == errno.EEXIST and exc.filename else exc.strerror
+        raise SetupError(f"--log-dir {log_dir}: cannot write there{'' if exc.errno == errno.EEXIST else where}: "
+                         f"{why}; give a directory of yours") from None
 
 
 def _environ_of(pid: int) -> bytes:
