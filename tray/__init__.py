@@ -17,6 +17,7 @@ from tray.errors import (
     ManifestError,
     NoRoom,
     PeerFailure,
+    SyncTimeout,
     TrayError,
     UsageError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "ManifestError",
     "NoRoom",
     "PeerFailure",
+    "SyncTimeout",
     "TrayError",
     "UsageError",
 ]

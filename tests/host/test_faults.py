@@ -583,3 +583,43 @@ def test_a_manifest_a_rank_cannot_load_is_a_usage_error_in_one_line(tray_env, tm
     assert re.search(r"FAILED: rank [01] reported ManifestError: .*bad\.json: \$\.buffers\[0\]\.dtype: unknown dtype "
                      r"'float32'.*did you mean 'f32'\?", run.stderr), run.stderr
     assert "Traceback" not in run.stderr and "error report" not in run.stderr, run.stderr
+
+
+def test_what_a_closed_rank_and_bad_exchange_values_say(tray_env):
+    """Found checking docs/api.md by use: kernel() and group() worked after close(); a value msgpack cannot carry,
+    or one over a message, was a WireError (a HandshakeError, whose meaning is a tray that cannot form)."""
+    run = tray_env.launch(1, """
+    with tray.init() as rank:
+        for value in (np.int64(3), {1: 2}, b"x" * 2_000_000):
+            try:
+                rank.exchange("v", value)
+            except tray.UsageError as exc:
+                print("usage:", str(exc)[:60], flush=True)
+    for call in (lambda: rank.group("world"), lambda: rank.kernel("k")):
+        try:
+            call()
+        except tray.UsageError as exc:
+            print("closed:", exc, flush=True)
+    """)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("usage: exchange('v'): its value cannot be sent") == 3, run.output
+    assert run.stdout.count("closed:") == 2, run.output
+
+
+def test_a_rank_whose_own_start_up_wait_runs_out_first_is_a_tray_that_did_not_form(tray_env):
+    """tray.init(timeout_s=2) shorter than the head's --timeout-s, a peer late: exit 3 as when the head's deadline
+    passes (it was 1); and a timeout that is no number of seconds is a UsageError at once."""
+    run = tray_env.launch(2, """
+    if os.environ["TRAY_RANK"] == "1":
+        time.sleep(30)
+    tray.init(timeout_s=2.0)
+    """, "--timeout-s", "20", timeout_s=60)
+    assert run.returncode == 3, run.output
+    assert "rank 0 reported HandshakeError" in run.stderr, run.stderr
+    run = tray_env.launch(1, """
+    try:
+        tray.init(timeout_s=-1)
+    except tray.UsageError as exc:
+        print("refused:", exc, flush=True)
+    """)
+    assert "refused: tray.init(timeout_s=-1): a number of seconds > 0" in run.stdout, run.output

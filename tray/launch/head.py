@@ -506,9 +506,13 @@ class Head:
             # log: --log-dir)
             starting = _HANDSHAKE_ORDER.get(msg.phase, 99) < _HANDSHAKE_ORDER["running"]
             users = msg.error_type == "ManifestError" or (msg.error_type == "UsageError" and starting)
+            # a rank whose own start-up wait ran out first (tray.init(timeout_s=...) shorter than --timeout-s): the
+            # tray did not form, as when the head's deadline passes
+            formed = not (starting and msg.error_type in ("HandshakeError", "WireError"))
+            code = EXIT_USAGE if users else (1 if formed else EXIT_HANDSHAKE)
             self._fail(Failure(rank, f"rank {rank} reported {said}",
                                report="" if users else f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail),
-                               notes=notes, exit_code=EXIT_USAGE if users else 1))
+                               notes=notes, exit_code=code))
         elif isinstance(msg, wire.Vote):
             self._on_vote(sock, msg)
         elif isinstance(msg, wire.Bye):

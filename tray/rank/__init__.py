@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype
-from tray.errors import UsageError
+from tray.errors import UsageError, WireError
 from tray.handshake import wire
 from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, describe_step
 from tray.manifest import Manifest, ResolvedManifest
@@ -57,6 +57,12 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
     form.
     """
     global _initialised
+    if not float(timeout_s) > 0:
+        if warmup is not None:
+            warmup.release()
+        if early is not None:
+            early.cancel()
+        raise UsageError(f"tray.init(timeout_s={timeout_s!r}): a number of seconds > 0")
     if _initialised:
         if warmup is not None:
             warmup.release()
@@ -167,6 +173,8 @@ class Rank:
         return self._wiring.peers(name)
 
     def group(self, name: str = "world") -> GroupInfo:
+        """This rank's instance of group `name`: `.members` (global ranks, member order), `.index`, `.size`."""
+        self._require_open(f"group({name!r})")
         return self._wiring.group(name)
 
     def barrier(self, group: str = "world", timeout_s: float | None = None, stream: int | None = None) -> None:
@@ -189,6 +197,7 @@ class Rank:
 
     def kernel(self, name: str) -> Kernel:
         """The manifest kernel `name`, compiled and loaded once (host: its numpy twin)."""
+        self._require_open(f"kernel({name!r})")
         if name not in self._kernels:
             spec = next((k for k in self.manifest.kernels if k.name == name), None)
             if spec is None:
@@ -245,8 +254,13 @@ class Rank:
         timeout_s = wire.step_wait(timeout_s, f"exchange({topic!r})")
         client = self._wiring.client
         rnd = self._rounds.get(topic, 0) + 1
-        data = wire.encode(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value,
-                                     wait_s=timeout_s))
+        try:
+            data = wire.encode(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value,
+                                         wait_s=timeout_s))
+        except WireError as exc:  # the caller's value: too large for one message, or of a type msgpack lacks
+            raise UsageError(f"exchange({topic!r}): its value cannot be sent ({exc.reason}); values are None, bool, "
+                             "int, float, str, bytes, and lists and dicts (str keys) of them, within "
+                             f"{wire.vote_limit_nbytes(self.world_size)} B per rank") from None
         limit = wire.vote_limit_nbytes(self.world_size)
         if len(data) > limit:
             raise UsageError(
