@@ -404,3 +404,25 @@ print("outlived close", me)
 """
     n, run = _launch(tray_env, body, "--manifest", manifest)
     assert run.stdout.count("outlived close") == n
+
+
+def test_torch_tensors_are_collective_addresses_and_host_tensors_are_refused(tray_env, manifest):
+    """The collectives take a torch tensor over tray memory as its address (its data_ptr), and refuse a tensor on
+    the host by name: NCCL would fault on it."""
+    n, run = _launch(tray_env, """
+with tray.init() as rank:
+    y = torch.from_dlpack(rank.buffer("y"))
+    s = torch.from_dlpack(rank.buffer("s"))
+    s.fill_(float(rank.rank + 1))
+    torch.cuda.synchronize()
+    c = rank.collectives("world")
+    c.allreduce(s, y, 8, "f32")
+    rank.synchronize()
+    want = float(sum(range(1, rank.world_size + 1)))
+    assert torch.all(y.flatten()[:8] == want).item(), y.flatten()[:8]
+    try:
+        c.allreduce(s.cpu(), y, 8, "f32")
+    except tray.UsageError as exc:
+        print("refused", rank.rank, "a tensor on the host" in str(exc), flush=True)
+""", "--manifest", manifest)
+    assert run.stdout.count("refused") == n and "False" not in run.stdout, run.stdout
