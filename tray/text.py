@@ -7,3 +7,9 @@ def is_digits(s: str) -> bool:
     """Whether `s` is a non-negative integer in ASCII digits. str.isdigit() alone passes '²' (which int() refuses)
     and '٠' (which int() reads as 0): an identity or topic carrying them must not pass for a number."""
     return s.isascii() and s.isdigit()
+
+
+def printable(s: str) -> str:
+    """`s` with every character a terminal would act on (controls, escapes) written as its escape: a name from
+    outside (a stranger's socket identity) said in a line of ours."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)

@@ -174,28 +174,28 @@ def address(x: Any, what: str, device: bool = False) -> int:
     ptr = getattr(x, "ptr", None)
     if type(ptr) is int:
         return ptr
-    where = ""
     data_ptr = getattr(x, "data_ptr", None)
     if callable(data_ptr):
         if device and getattr(x, "is_cuda", True) is False:
-            where = "a tensor on the host"
-        else:
-            return int(data_ptr())
+            raise _host_memory(what, "a tensor on the host")
+        return int(data_ptr())
     iface = getattr(x, "__cuda_array_interface__", None)
-    if not where and isinstance(iface, dict) and isinstance(iface.get("data"), tuple):
+    if isinstance(iface, dict) and isinstance(iface.get("data"), tuple):
         return int(iface["data"][0])
     iface = getattr(x, "__array_interface__", None)
-    if not where and isinstance(iface, dict) and isinstance(iface.get("data"), tuple):
+    if isinstance(iface, dict) and isinstance(iface.get("data"), tuple):
         if iface.get("shape") == ():  # a numpy scalar or 0-d array: its own few bytes, not a buffer
             raise UsageError(f"{what}: a scalar ({type(x).__name__}), not memory; pass an address, a view or an array")
-        if not device:
-            return int(iface["data"][0])
-        where = "an array in host memory"
-    if where:
-        raise UsageError(f"{what}: {where}; these collectives move device memory: pass a view of a tray buffer "
-                         "(rank.buffer(name)), a tensor on the GPU, or its address")
+        if device:
+            raise _host_memory(what, "an array in host memory")
+        return int(iface["data"][0])
     raise UsageError(f"{what}: expected an address (an int, e.g. rank.buffer('x').ptr), a tray view, or a tensor or "
                      f"array over tray memory; got {type(x).__name__}")
+
+
+def _host_memory(what: str, which: str) -> UsageError:
+    return UsageError(f"{what}: {which}; these collectives move device memory: pass a view of a tray buffer "
+                      "(rank.buffer(name)), a tensor on the GPU, or its address")
 
 
 # the collectives' address arguments: each may be given as address() takes it

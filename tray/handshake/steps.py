@@ -113,12 +113,13 @@ def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
     out: it may have caught the timeout and gone on), or found in two steps, is judged free: no false deadlock."""
     ours = set(ranks)
     where: dict[int, tuple[str, int]] = {}
-    twice: set[int] = set()
+    twice: set[int] = set()  # ranks judged free: in two steps, or no longer waiting
     for key, box in boxes.items():
         for r in box:
-            if not waiting(key, r):
+            if r in where or not waiting(key, r):
                 twice.add(r)
-            (twice.add(r) if r in where else where.__setitem__(r, key))
+            else:
+                where[r] = key
     waits: dict[tuple[str, int], list[tuple[int, tuple[str, int]]]] = {}
     for key, box in boxes.items():
         voters = voters_of(key[0]) or ()

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Self, TypeAlias
 
 import msgpack  # type: ignore[import-untyped]
 
-from tray.errors import WireError
+from tray.errors import UsageError, WireError
 
 PROTOCOL_VERSION = 4
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
@@ -23,8 +23,6 @@ def step_wait(timeout_s: float, what: str) -> float:
     """A step's timeout as it is waited for and sent: > 0 (UsageError otherwise, NaN too), inf as LONGEST_WAIT_S."""
     t = float(timeout_s)
     if not t > 0:
-        from tray.errors import UsageError
-
         raise UsageError(f"{what}: timeout_s must be a number of seconds > 0 (inf: no end), got {timeout_s!r}")
     return min(t, LONGEST_WAIT_S)
 # NOTE: a CUDA fabric handle (CUmemFabricHandle) is 64 opaque bytes. A group's join info is whatever

@@ -39,7 +39,7 @@ from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fiel
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
 from tray.numa import NumaPlacement, placement_for
-from tray.text import is_digits
+from tray.text import is_digits, printable
 
 if TYPE_CHECKING:
     import psutil
@@ -120,10 +120,13 @@ def _check_log_dir(log_dir: str, ranks: range) -> None:
         for r in ranks:
             open_log(log_dir, r).close()
     except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        why = f"{exc.filename} is not a directory" if exc.errno == errno.EEXIST and exc.filename else exc.strerror
-        raise SetupError(f"--log-dir {log_dir}: cannot write there{'' if exc.errno == errno.EEXIST else where}: "
-                         f"{why}; give a directory of yours") from None
+        if exc.errno == errno.EEXIST and exc.filename:  # a file on the way (make_private_dirs)
+            said = f": {exc.filename} is not a directory"
+        elif exc.filename:
+            said = f" ({exc.filename}): {exc.strerror}"
+        else:
+            said = f": {exc.strerror}"
+        raise SetupError(f"--log-dir {log_dir}: cannot write there{said}; give a directory of yours") from None
 
 
 def _environ_of(pid: int) -> bytes:
@@ -185,6 +188,7 @@ _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); t
 _DRAIN_MAX = 256  # messages handled per turn of the loop
 _FRAME_SLACK = 4096  # beyond wire.MAX_MESSAGE_NBYTES, for a frame's envelope
 
+
 class Head:
     """One tray launch. `run()` returns a TrayResult and leaves no process, socket or job dir."""
 
@@ -215,7 +219,7 @@ class Head:
         self.failure: Failure | None = None
         self.rejected: list[str] = []
         self._rejects = 0  # messages refused (only the first _REJECTS_SAID are kept and said)
-        self._waits_until: dict[tuple[tuple[str, int], int], float] = {}  # (step, rank) -> until when it waits there
+        self._waits_until: dict[tuple[str, int], dict[int, float]] = {}  # step -> rank -> until when it waits there
         self.t_go: float | None = None
         self.t_table: float | None = None
         self.t_spawned = 0.0
@@ -459,8 +463,7 @@ class Head:
         terminal nor the head's memory (the rest are counted, and the count said at the end)."""
         self._rejects += 1
         if self._rejects <= _REJECTS_SAID:
-            shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in ident[:64])  # no terminal controls
-            line = f"rejected a message from {shown}: {reason[:300]}"
+            line = f"rejected a message from {printable(ident[:64])}: {reason[:300]}"
             self.rejected.append(line)
             _say(line)
             if self._rejects == _REJECTS_SAID:
@@ -729,7 +732,7 @@ class Head:
             return
         now = time.monotonic()
         for (topic, rnd), box in self.votes.items():
-            if not any(self._waits_until.get(((topic, rnd), r), 0.0) > now for r in box):
+            if not any(self._waits((topic, rnd), r, now) for r in box):
                 continue  # every rank that voted gave the step up (a caught timeout): nobody waits in it
             voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
             for p in self.procs:
@@ -749,11 +752,15 @@ class Head:
     def _note_wait(self, key: tuple[str, int], vote: wire.Vote) -> None:
         """Until when the rank of `vote` waits in step `key` (a margin short of its wait: past it, it may have given
         the step up, caught the timeout and gone on)."""
-        self._waits_until[(key, vote.rank)] = time.monotonic() + vote.wait_s - min(_WAIT_MARGIN_S, vote.wait_s / 2)
+        until = time.monotonic() + vote.wait_s - min(_WAIT_MARGIN_S, vote.wait_s / 2)
+        self._waits_until.setdefault(key, {})[vote.rank] = until
 
     def _forget_waits(self, key: tuple[str, int]) -> None:
-        for k in [k for k in self._waits_until if k[0] == key]:
-            del self._waits_until[k]
+        self._waits_until.pop(key, None)
+
+    def _waits(self, key: tuple[str, int], rank: int, now: float) -> bool:
+        """Whether `rank`'s vote in step `key` still waits for the decision at `now` (monotonic)."""
+        return self._waits_until.get(key, {}).get(rank, 0.0) > now
 
     def _check_crossed_steps(self) -> None:
         """A rank waits in one step at a time (exchange and tray's own steps return only with the decision): steps
@@ -766,7 +773,7 @@ class Head:
         cycle = crossed_steps(self.votes, lambda topic: step_voters(topic, self.world_size, self.resolved.groups,
                                                                      self.spec.nprocs),
                               range(self.rank_base, self.rank_base + self.spec.nprocs),
-                              lambda key, rank: self._waits_until.get((key, rank), 0.0) > now)
+                              lambda key, rank: self._waits(key, rank, now))
         if not cycle:
             return
         links = "; ".join(f"{describe_step(topic)} (round {rnd}) waits for rank {r}, which waits in "

@@ -274,7 +274,8 @@ class NodeHead(Head):
             return
         try:
             now = time.monotonic()
-            waits = tuple(max(0.0, self._waits_until.get((key, r), now) - now) for r in ranks)
+            until = self._waits_until.get(key, {})
+            waits = tuple(max(0.0, until.get(r, now) - now) for r in ranks)
             self.link.send(jobwire.NodeVote(token=self.job.token, node_rank=self.job.node_rank, topic=vote.topic,
                                             round=vote.round, ranks=ranks, values=tuple(box[r] for r in ranks),
                                             waits=waits))

@@ -28,6 +28,7 @@ from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import JobSpec
 from tray.launch.spawn import raise_fd_limit, say
 from tray.launch.spec import EXIT_HANDSHAKE
+from tray.text import printable
 
 # NOTE: the root says it is alive this often; a head declares the root lost after its heartbeat
 # timeout (default 5 s), i.e. after ten missed beats.
@@ -176,8 +177,8 @@ class Root:
 
     def _reject(self, ident: bytes, reason: str) -> None:
         if len(self.rejected) < _REJECTS_KEPT:  # the rest are counted: a flood must not fill the head's memory
-            shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in ident.decode(errors="replace")[:64])
-            self.rejected.append(f"rejected a message from {shown}: {reason[:300]}")
+            self.rejected.append(f"rejected a message from {printable(ident.decode(errors='replace')[:64])}: "
+                                 f"{reason[:300]}")
         self.rejects += 1
 
     def _on_message(self, ident: bytes, payload: bytes) -> None:
