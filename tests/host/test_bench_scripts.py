@@ -101,3 +101,15 @@ def test_plot_without_matplotlib_is_a_usage_error_naming_the_extra(monkeypatch, 
     err = capsys.readouterr().err
     assert "tray[plot]" in err and "matplotlib" in err, err
     assert not png.exists()
+
+
+def test_address_cost_times_the_wrapped_and_unwrapped_call(tmp_path):
+    import subprocess
+
+    out = tmp_path / "address_cost.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "address_cost.py"), "--number", "2000", "--repeats", "1",
+                          "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert set(report["ns_per_call"]) == {"wrapped_ints", "unwrapped_ints", "wrapped_numpy_int"}
+    assert all(v > 0 for v in report["ns_per_call"].values()) and "environment" in report
