@@ -205,7 +205,7 @@ _ADDRESS_ARGS = {"allreduce": 2, "allgather": 2, "reducescatter": 2, "alltoall":
 
 def _taking_addresses(fn: Callable[..., Any], n: int, device: bool) -> Callable[..., Any]:
     """`fn` with its first `n` named arguments after self given as address() takes them. Made with `fn`'s own
-    parameters where they are plain (no *args to pack), so ints cost one call and a type check each (71 ns on the
+    parameters where they are plain (no *args to pack), so ints cost one call and a type check each (53 ns on the
     CPU of bench/results/host/address_cost.json).
     A method that takes *args (delegating to another, say) is left as it is: the one it calls converts."""
     sig = inspect.signature(fn)
