@@ -524,6 +524,7 @@ def test_the_fd_socket_judges_who_asks_before_reading_and_cuts_a_trickling_reque
             except (BrokenPipeError, ConnectionResetError):
                 pass
         assert time.monotonic() - t0 < 1.5
+        assert server.refusals[-1] == f"pid {os.getpid()}'s request did not arrive whole within 0.3 s"
         got = fdpass.fetch_fds(server.path, "tok", ["x"], "rank 0", 2.0)   # the socket serves on
         assert list(got) == ["x"]
         os.close(got["x"])

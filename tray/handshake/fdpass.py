@@ -115,10 +115,13 @@ class FdServer:
         if pid not in self._allowed:
             return self._refuse(conn, f"pid {pid} is not a member of the tray table")
         deadline = time.monotonic() + _REQUEST_WITHIN_S
-        (length,) = struct.unpack("!I", _recv_exact(conn, 4, deadline))
-        if length > _MAX_REQUEST_NBYTES:
-            return self._refuse(conn, f"request of {length} B exceeds {_MAX_REQUEST_NBYTES} B")
-        request = msgpack.unpackb(_recv_exact(conn, length, deadline), raw=False)
+        try:
+            (length,) = struct.unpack("!I", _recv_exact(conn, 4, deadline))
+            if length > _MAX_REQUEST_NBYTES:
+                return self._refuse(conn, f"request of {length} B exceeds {_MAX_REQUEST_NBYTES} B")
+            request = msgpack.unpackb(_recv_exact(conn, length, deadline), raw=False)
+        except TimeoutError:
+            return self._refuse(conn, f"pid {pid}'s request did not arrive whole within {_REQUEST_WITHIN_S:g} s")
         conn.settimeout(5.0)
         if not isinstance(request, dict) or not hmac.compare_digest(
             str(request.get("token", "")).encode(), self._token.encode()
