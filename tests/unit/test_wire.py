@@ -497,6 +497,7 @@ def test_the_fd_socket_judges_who_asks_before_reading_and_cuts_a_trickling_reque
     before anything is read, and a member's request must arrive whole within _REQUEST_WITHIN_S."""
     import os
     import socket
+    import struct
     import time
 
     from tray.handshake import fdpass
@@ -518,7 +519,8 @@ def test_the_fd_socket_judges_who_asks_before_reading_and_cuts_a_trickling_reque
             s.connect(server.path)
             s.settimeout(3.0)
             try:
-                for _ in range(20):   # a member's request, a byte at a time
+                s.send(struct.pack("!I", 100))   # a member's request of 100 B announced, then sent a byte at a time
+                for _ in range(20):
                     s.send(b"\0")
                     time.sleep(0.1)
             except (BrokenPipeError, ConnectionResetError):
