@@ -764,3 +764,69 @@ def test_a_late_vote_on_a_relayed_step_the_root_gave_up_waits_for_nothing(tray_e
     assert "x 2 [0, 1, 2, 3]" in runs[1].stdout, runs[1].output
     late = next(line for line in runs[1].stdout.splitlines() if "caught 2 " in line)
     assert "(this rank came after the others had waited that long for it and gone on: it was late)" in late, late
+
+
+def test_ranks_of_two_nodes_waiting_in_different_steps_are_named_at_once(tray_env):
+    """Node 0's ranks wait in exchange 'a', node 1's in 'b': each head sees its own ranks agree, so neither saw a
+    deadlock and every rank waited its timeout. The root sees both steps and names the cycle as its last vote
+    comes; every head prints it."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        rank.exchange("a" if rank.rank < 2 else "b", rank.rank, timeout_s=40.0)
+    """
+    runs = finish(start_job(tray_env, body), timeout_s=60)
+    assert all(run.returncode == 1 for run in runs), [r.output for r in runs]
+    for run in runs:
+        assert "across nodes 0,1: the ranks wait in steps that wait for one another, so none can ever end:" in \
+            run.stderr, run.stderr
+        assert re.search(r"exchange '([ab])' \(round 1\) waits for rank \d, which waits in exchange '(?!\1)[ab]' "
+                         r"\(round 1\)", run.stderr), run.stderr
+        assert run.seconds < 20, run.output
+
+
+def test_a_group_step_crossing_a_tray_wide_step_across_nodes_is_named(tray_env, tmp_path):
+    """Rank 0 (node 0) calls an allreduce over its pair (0, 2), relayed through the root as a step of the pair; rank 2
+    (node 1) waits with the other ranks in exchange 'x': the pair's step waits for rank 2, the exchange for rank 0.
+    Neither head sees a cycle among its own ranks."""
+    manifest = tmp_path / "cross.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "cross", "groups": [{"name": "cross", "ranks": [[0, 2], [1, 3]]}],
+        "buffers": [{"name": "send", "dtype": "f32", "shape": [16]}, {"name": "recv", "dtype": "f32", "shape": [16]}]}))
+    body = """
+    with tray.init() as rank:
+        c = rank.collectives("cross")   # every rank: the groups' join made
+        rank.barrier()
+        if rank.rank == 0:
+            s, r = rank.buffer("send"), rank.buffer("recv")
+            c.allreduce(s.ptr, r.ptr, 16, "f32")
+        rank.exchange("x", rank.rank, timeout_s=40.0)
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", str(manifest)), timeout_s=60)
+    assert all(run.returncode == 1 for run in runs), [r.output for r in runs]
+    for run in runs:
+        assert "across nodes 0,1: the ranks wait in steps that wait for one another" in run.stderr, run.stderr
+        assert "exchange 'x' (round 1) waits for rank 0, which waits in the gather step of group 'cross' " in run.stderr, run.stderr
+        assert run.seconds < 20, run.output
+
+
+def test_a_step_a_node_gave_up_is_not_taken_for_a_cycle_across_nodes(tray_env):
+    """Node 0's ranks give exchange 'a' up (a caught 2 s timeout) and go on to 'b' after a while; node 1's ranks make
+    'b' in that while. Node 0's votes in 'a' still at the root, counted as waiting, would make 'a' and 'b' a false
+    cycle."""
+    body = """
+    with tray.init() as rank:
+        if rank.rank < 2:
+            try:
+                rank.exchange("a", rank.rank, timeout_s=2.0)
+            except tray.HandshakeError:
+                print("gave a up", rank.rank, flush=True)
+            time.sleep(2.0)   # node 1's ranks are in 'b' meanwhile
+        else:
+            time.sleep(3.0)
+        assert rank.exchange("b", rank.rank, timeout_s=20.0) == [0, 1, 2, 3]
+        print("done", rank.rank, flush=True)
+    """
+    runs = finish(start_job(tray_env, body), timeout_s=60)
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    assert runs[0].stdout.count("gave a up") == 2 and runs[1].stdout.count("done") == 2, [r.output for r in runs]

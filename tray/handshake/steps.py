@@ -150,3 +150,13 @@ def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
             if cycle:
                 return cycle
     return []
+
+
+def describe_cycle(cycle: Sequence[tuple[tuple[str, int], int]]) -> str:
+    """The failure's words for a cycle `crossed_steps` found: each step, the rank it waits for, and where that rank
+    waits."""
+    links = "; ".join(f"{describe_step(topic)} (round {rnd}) waits for rank {r}, which waits in "
+                      f"{describe_step(nxt[0])} (round {nxt[1]})"
+                      for ((topic, rnd), r), (nxt, _) in zip(cycle, [*cycle[1:], *cycle[:1]]))
+    return (f"the ranks wait in steps that wait for one another, so none can ever end: {links}. Every rank must make "
+            "the same tray-wide steps (exchange topics, collectives' first use, park/wake) in the same order")

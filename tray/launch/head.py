@@ -27,7 +27,7 @@ from tray.collectives.early import StartJoin
 from tray.envvars import join_collectives, stop_signals
 from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
-from tray.handshake.steps import crossed_steps, describe_step, step_voters, who_waits
+from tray.handshake.steps import crossed_steps, describe_cycle, describe_step, step_voters, who_waits
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
@@ -766,7 +766,7 @@ class Head:
         """A rank waits in one step at a time (exchange and tray's own steps return only with the decision): steps
         that wait for one another's ranks in a cycle (rank 0 in exchange 'a', rank 1 in exchange 'b') can never be
         decided. The tray fails now, naming them, instead of when the waiting ranks' timeouts pass. Only this
-        head's ranks are judged: a rank of another node may still come."""
+        head's ranks are judged: a rank of another node may still come (the root judges the cycles across nodes)."""
         if self.failure is not None:
             return
         now = time.monotonic()
@@ -774,14 +774,8 @@ class Head:
                                                                      self.spec.nprocs),
                               range(self.rank_base, self.rank_base + self.spec.nprocs),
                               lambda key, rank: self._waits(key, rank, now))
-        if not cycle:
-            return
-        links = "; ".join(f"{describe_step(topic)} (round {rnd}) waits for rank {r}, which waits in "
-                          f"{describe_step(nxt[0])} (round {nxt[1]})"
-                          for ((topic, rnd), r), (nxt, _) in zip(cycle, cycle[1:] + cycle[:1]))
-        self._fail(Failure(cycle[0][1], f"the ranks wait in steps that wait for one another, so none can ever end: "
-                           f"{links}. Every rank must make the same tray-wide steps (exchange topics, collectives' "
-                           "first use, park/wake) in the same order"))
+        if cycle:
+            self._fail(Failure(cycle[0][1], describe_cycle(cycle)))
 
     def _interrupted_too(self) -> bool:
         """A rank ended by SIGTERM/SIGINT: whether the head got one too (Ctrl-C to the terminal's process group,

@@ -23,7 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tray.errors import UsageError, WireError
 from tray.handshake import jobwire
-from tray.handshake.steps import GROUP_PREFIX, describe_step, step_voters, who_waits
+from tray.handshake.steps import GROUP_PREFIX, crossed_steps, describe_cycle, describe_step, step_voters, who_waits
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import JobSpec
 from tray.launch.spawn import raise_fd_limit, say
@@ -301,8 +301,28 @@ class Root:
         if all(r in step.values for r in step.voters):
             del self.steps[key]
             self._decide(key, step, missing=())
-        elif self.left:
+            return
+        if self.left:
             self._check_left()
+        self._check_crossed_steps(now)
+
+    def _check_crossed_steps(self, now: float) -> None:
+        """Steps that wait for one another's ranks across nodes (node 0's ranks in exchange 'a', node 1's in 'b'):
+        each head judges only its own ranks, so such a cycle is the root's to name, as the last vote of it comes.
+        The root hears a node's votes in a tray-wide step only once all that node's ranks voted in it (in a group's
+        step, each as it comes), so a rank it has not heard from is never taken for waiting anywhere."""
+        if self.stop is not None:
+            return
+        cycle = crossed_steps({key: step.values for key, step in self.steps.items()},
+                              lambda topic: step_voters(topic, self.world_size, self.groups, self.local_world_size),
+                              range(self.world_size),
+                              lambda key, rank: self.steps[key].until.get(rank, 0.0) > now)
+        if cycle:
+            nodes = sorted({r // self.local_world_size for _, r in cycle})
+            if len(nodes) == 1:
+                self._stop(nodes[0], cycle[0][1], describe_cycle(cycle))
+            else:
+                self._stop(None, cycle[0][1], f"across nodes {','.join(map(str, nodes))}: {describe_cycle(cycle)}")
 
     def _check_left(self) -> None:
         """A step some ranks wait in whose voters include a rank that left (exited 0, closed its tray) without
