@@ -806,7 +806,8 @@ def test_a_group_step_crossing_a_tray_wide_step_across_nodes_is_named(tray_env, 
     assert all(run.returncode == 1 for run in runs), [r.output for r in runs]
     for run in runs:
         assert "across nodes 0,1: the ranks wait in steps that wait for one another" in run.stderr, run.stderr
-        assert "exchange 'x' (round 1) waits for rank 0, which waits in the gather step of group 'cross' " in run.stderr, run.stderr
+        assert "exchange 'x' (round 1) waits for rank 0, which waits in the gather step of group 'cross' " in \
+            run.stderr, run.stderr
         assert run.seconds < 20, run.output
 
 
