@@ -785,14 +785,20 @@ def test_ranks_of_two_nodes_waiting_in_different_steps_are_named_at_once(tray_en
         assert run.seconds < 20, run.output
 
 
+def cross_manifest(tmp_path) -> str:
+    """A group of two instances spanning the two nodes of two: (0, 2) and (1, 3); buffers send/recv f32[16]."""
+    manifest = tmp_path / "cross.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "cross", "barrier_timeout_s": 30, "groups": [{"name": "cross", "ranks": [[0, 2], [1, 3]]}],
+        "buffers": [{"name": "send", "dtype": "f32", "shape": [16]}, {"name": "recv", "dtype": "f32", "shape": [16]}]}))
+    return str(manifest)
+
+
 def test_a_group_step_crossing_a_tray_wide_step_across_nodes_is_named(tray_env, tmp_path):
     """Rank 0 (node 0) calls an allreduce over its pair (0, 2), relayed through the root as a step of the pair; rank 2
     (node 1) waits with the other ranks in exchange 'x': the pair's step waits for rank 2, the exchange for rank 0.
     Neither head sees a cycle among its own ranks."""
-    manifest = tmp_path / "cross.json"
-    manifest.write_text(json.dumps({
-        "format": 1, "name": "cross", "groups": [{"name": "cross", "ranks": [[0, 2], [1, 3]]}],
-        "buffers": [{"name": "send", "dtype": "f32", "shape": [16]}, {"name": "recv", "dtype": "f32", "shape": [16]}]}))
+    manifest = cross_manifest(tmp_path)
     body = """
     with tray.init() as rank:
         c = rank.collectives("cross")   # every rank: the groups' join made
@@ -802,7 +808,7 @@ def test_a_group_step_crossing_a_tray_wide_step_across_nodes_is_named(tray_env, 
             c.allreduce(s.ptr, r.ptr, 16, "f32")
         rank.exchange("x", rank.rank, timeout_s=40.0)
     """
-    runs = finish(start_job(tray_env, body, "--manifest", str(manifest)), timeout_s=60)
+    runs = finish(start_job(tray_env, body, "--manifest", manifest), timeout_s=60)
     assert all(run.returncode == 1 for run in runs), [r.output for r in runs]
     for run in runs:
         assert "across nodes 0,1: the ranks wait in steps that wait for one another" in run.stderr, run.stderr
@@ -831,3 +837,74 @@ def test_a_step_a_node_gave_up_is_not_taken_for_a_cycle_across_nodes(tray_env):
     runs = finish(start_job(tray_env, body), timeout_s=60)
     assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
     assert runs[0].stdout.count("gave a up") == 2 and runs[1].stdout.count("done") == 2, [r.output for r in runs]
+
+
+def test_a_cycle_through_votes_held_at_both_heads_is_named(tray_env, tmp_path):
+    """Ranks 0 and 3 make an allreduce over their pair first, ranks 1 and 2 exchange 'x' first: each head holds its
+    rank's vote in 'x' (its other rank is not there), so the root heard of no vote in 'x' and each head sees a step
+    of a pair waiting for a rank of the other node. The heads tell the root of votes held a while."""
+    body = """
+    with tray.init() as rank:
+        c = rank.collectives("cross")
+        s, r = rank.buffer("send"), rank.buffer("recv")
+        rank.barrier()
+        if rank.rank in (0, 3):
+            c.allreduce(s.ptr, r.ptr, 16, "f32")
+        rank.exchange("x", rank.rank, timeout_s=40.0)
+        if rank.rank in (1, 2):
+            c.allreduce(s.ptr, r.ptr, 16, "f32")
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", cross_manifest(tmp_path)), timeout_s=60)
+    assert all(run.returncode == 1 for run in runs), [r.output for r in runs]
+    for run in runs:
+        assert "across nodes 0,1: the ranks wait in steps that wait for one another" in run.stderr, run.stderr
+        assert re.search(r"exchange 'x' \(round 1\) waits for rank [03], which waits in the gather step of group "
+                         r"'cross'", run.stderr), run.stderr
+        assert run.seconds < 20, run.output
+
+
+def test_a_vote_held_at_a_head_after_its_rank_gave_the_step_up_is_no_cycle(tray_env, tmp_path):
+    """Rank 0 gives exchange 's1' up (a caught 1 s timeout) and goes on to an allreduce over its pair (0, 2); its
+    node-mate rank 1 comes to 's1' 3 s late, which decides it. Rank 0's vote in 's1' was held at its head, so the
+    root, hearing of rank 0 only in the pair's step, took 's1' for waiting for rank 0: a false cycle."""
+    body = """
+    with tray.init() as rank:
+        c = rank.collectives("cross")
+        s, r = rank.buffer("send"), rank.buffer("recv")
+        rank.barrier()
+        if rank.rank == 1:
+            time.sleep(3.0)
+        try:
+            rank.exchange("s1", rank.rank, timeout_s=1.0 if rank.rank == 0 else 30.0)
+        except tray.HandshakeError:
+            print("gave s1 up", rank.rank, flush=True)
+        c.allreduce(s.ptr, r.ptr, 16, "f32")
+        print("ok", rank.rank, flush=True)
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", cross_manifest(tmp_path)), timeout_s=60)
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    assert "gave s1 up 0" in runs[0].stdout, runs[0].output
+    assert runs[0].stdout.count("ok ") + runs[1].stdout.count("ok ") == 4, [r.output for r in runs]
+
+
+def test_a_cycle_after_a_step_the_ranks_gave_up_is_named(tray_env):
+    """Node 0's ranks give exchange 'a' up (a caught 1 s timeout) and wait in 'b'; node 1's wait in 'c'. Their
+    stale votes in 'a' made ranks 0 and 1 free for good (a rank in two steps), so the cycle of 'b' and 'c' was
+    never named, only each rank's timeout."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank < 2:
+            try:
+                rank.exchange("a", rank.rank, timeout_s=1.0)
+            except tray.HandshakeError:
+                pass
+        else:
+            time.sleep(2.0)
+        rank.exchange("b" if rank.rank < 2 else "c", rank.rank, timeout_s=40.0)
+    """
+    runs = finish(start_job(tray_env, body), timeout_s=60)
+    assert all(run.returncode == 1 for run in runs), [r.output for r in runs]
+    for run in runs:
+        assert "across nodes 0,1: the ranks wait in steps that wait for one another" in run.stderr, run.stderr
+        assert run.seconds < 20, run.output

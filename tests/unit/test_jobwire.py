@@ -31,6 +31,7 @@ MESSAGES = [
     jobwire.JobGo(token=TOKEN, t_go=12.5),
     jobwire.NodeVote(token=TOKEN, node_rank=1, topic="x", round=3, ranks=(2, 3), values=({"a": [1, 2]}, None),
                      waits=(5.0, 0.0)),
+    jobwire.NodeHeld(token=TOKEN, node_rank=1, topics=("x", "y"), rounds=(3, 1), ranks=(2, 3), waits=(4.5, 0.0)),
     jobwire.JobDecision(token=TOKEN, topic="x", round=3, ranks=(0, 1, 2, 3), values=(1, b"2", None, "4"),
                         missing=(2,), waited_s=2.0),
     jobwire.NodeFailure(token=TOKEN, node_rank=1, rank=3, summary="rank 3 died", report="tb", tail=("a", "b"),

@@ -168,7 +168,7 @@ GOLDEN_OFFER = Offer(
     manifest_path="/srv/m.json",
 )
 GOLDEN_OFFER_HEX = (
-    "de0010a46b696e64a56f66666572a17604a5746f6b656eaa746f6b2d676f6c64656ea472616e6b01aa776f726c645f73"
+    "de0010a46b696e64a56f66666572a17605a5746f6b656eaa746f6b2d676f6c64656ea472616e6b01aa776f726c645f73"
     "697a6502a4686f7374a9626f6f742d31323334a3706964cd1092a3756964cd03e8a664657669636584a76f7264696e61"
     "6c01a475756964a84750552d30303131a77063695f627573ac303030303a31623a30302e30a96e756d615f6e6f646500"
     "a76261636b656e64a463756461a86d616e6966657374d940616261626162616261626162616261626162616261626162"
@@ -185,7 +185,7 @@ GOLDEN_OFFER_HEX = (
 )
 GOLDEN_HEARTBEAT = Heartbeat(token="tok-golden", rank=3, phase="connect", seq=7)
 GOLDEN_HEARTBEAT_HEX = (
-    "86a46b696e64a9686561727462656174a17604a5746f6b656eaa746f6b2d676f6c64656ea472616e6b03a57068617365"
+    "86a46b696e64a9686561727462656174a17605a5746f6b656eaa746f6b2d676f6c64656ea472616e6b03a57068617365"
     "a7636f6e6e656374a373657107"
 )
 
@@ -227,7 +227,7 @@ def test_version_1_offer_with_nccl_ids_is_refused() -> None:
     """Version 2 replaced the offer's `nccl` ids with opaque `groups` join info."""
     body = _body(SAMPLES[0])
     body["nccl"] = body.pop("groups")
-    _refused(_raw({**body, "v": 1}), "protocol version 1, expected 4; upgrade tray")
+    _refused(_raw({**body, "v": 1}), f"protocol version 1, expected {PROTOCOL_VERSION}; upgrade tray")
     _refused(_raw(body), "unknown field 'nccl'")
 
 

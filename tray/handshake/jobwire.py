@@ -193,6 +193,23 @@ class NodeVote(_JobMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class NodeHeld(_JobMessage):
+    """head -> root: the votes this head holds in tray-wide steps, their node's other ranks not having voted yet:
+    rank `ranks[i]` waits in (`topics[i]`, `rounds[i]`) `waits[i]` more seconds. It replaces the node's last one; a
+    NodeVote of a step supersedes its entries. Sent only when such votes stay held a while (ranks of a node in
+    lockstep never send one): the root needs them to see steps that wait for one another across nodes."""
+
+    KIND: ClassVar[str] = "node_held"
+    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "topics": _strs, "rounds": _ints, "ranks": _ints,
+                                          "waits": _floats}
+    node_rank: int
+    topics: tuple[str, ...]
+    rounds: tuple[int, ...]
+    ranks: tuple[int, ...]
+    waits: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class JobDecision(_JobMessage):
     """root -> heads with voters: the values of (`topic`, `round`) in voter order (`ranks`); when the
     step timed out, `missing` names the ranks that never voted (their values are None) and `waited_s`
@@ -307,11 +324,11 @@ class Beat(_JobMessage):
     seq: int
 
 
-JobMessage: TypeAlias = (NodeJoin | NodeOffers | JobTable | NodeReady | JobGo | NodeVote | JobDecision | NodeFailure
-                         | JobStop | NodeDone | NodeLeft | JobEnd | Beat)
+JobMessage: TypeAlias = (NodeJoin | NodeOffers | JobTable | NodeReady | JobGo | NodeVote | NodeHeld | JobDecision
+                         | NodeFailure | JobStop | NodeDone | NodeLeft | JobEnd | Beat)
 KINDS: dict[str, type[JobMessage]] = {cls.KIND: cls for cls in (
-    NodeJoin, NodeOffers, JobTable, NodeReady, JobGo, NodeVote, JobDecision, NodeFailure, JobStop, NodeDone,
-    NodeLeft, JobEnd, Beat)}
+    NodeJoin, NodeOffers, JobTable, NodeReady, JobGo, NodeVote, NodeHeld, JobDecision, NodeFailure, JobStop,
+    NodeDone, NodeLeft, JobEnd, Beat)}
 
 
 def decode(data: bytes, *, token: str, sender: str | None = None) -> JobMessage:

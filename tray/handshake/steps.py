@@ -109,14 +109,17 @@ def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
     value}); a rank that voted waits in that step until it is decided. A step waits for each of its voters among
     `ranks` that has not voted in it; when such a rank waits in another step, that step must end first. A cycle of
     such waits is a deadlock. Returns one cycle as [(step, the rank it waits for, which waits in the next step)],
-    or [] when there is none. A rank whose vote `waiting(step, rank)` says it no longer waits for (its wait ran
-    out: it may have caught the timeout and gone on), or found in two steps, is judged free: no false deadlock."""
+    or [] when there is none. A vote `waiting(step, rank)` says no longer waits (its wait ran out: the rank may have
+    caught the timeout and gone on) places its rank nowhere: where it waits now, a later vote says; a rank found
+    waiting in two steps is judged free. Either way: no false deadlock."""
     ours = set(ranks)
     where: dict[int, tuple[str, int]] = {}
-    twice: set[int] = set()  # ranks judged free: in two steps, or no longer waiting
+    twice: set[int] = set()  # ranks judged free: found waiting in two steps
     for key, box in boxes.items():
         for r in box:
-            if r in where or not waiting(key, r):
+            if not waiting(key, r):
+                continue
+            if r in where:
                 twice.add(r)
             else:
                 where[r] = key

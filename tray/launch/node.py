@@ -34,6 +34,8 @@ from tray.numa import NumaPlacement
 # NOTE: after a local failure the head waits this long for the root's verdict (the job's root cause may
 # be an earlier failure elsewhere) before it tears down with its own.
 VERDICT_WAIT_S = 2.0
+# votes held this long in a tray-wide step (the node's other ranks not there yet) are told the root (NodeHeld)
+HELD_SAID_AFTER_S = 0.25
 
 
 class NodeLink:
@@ -150,6 +152,8 @@ class NodeHead(Head):
         self._left: dict[int, str] = {}  # ranks that left, not yet told to the root (their votes still held here)
         self._told_left: set[int] = set()
         self._forwarded: set[tuple[str, int]] = set()  # steps whose votes of this node went on to the root
+        self._held_said: frozenset[tuple[str, int, int]] = frozenset()  # the held votes the root knows of
+        self._held_since: float | None = None  # when the held votes first differed from those
         self._expired: set[tuple[str, int]] = set()  # group steps the root gave up (timed out): late votes wait not
         self.job_stop: jobwire.JobStop | None = None
         self.job_end = False
@@ -200,6 +204,8 @@ class NodeHead(Head):
         lost = self.link.tick()
         if self.root is not None and lost is None:
             self.root.tick()
+        if lost is None:
+            self._say_held()
         if lost is not None:
             self._root_lost = True
             self._fail(Failure(None, f"node {self.job.node_rank}: {lost}; stopping this node's ranks",
@@ -285,8 +291,32 @@ class NodeHead(Head):
                                "values"))
             return
         self._forwarded.add(key)
+        self._held_said = frozenset(e for e in self._held_said if (e[0], e[1]) != key)  # the root drops them too
         self._tell_left()
         self._check_crossed_steps()
+
+    def _say_held(self) -> None:
+        """Tell the root of the votes this head holds in tray-wide steps (waiting for this node's other ranks), once
+        they have stayed held HELD_SAID_AFTER_S: the root needs them to see steps that wait for one another across
+        nodes. Ranks of a node in lockstep vote within that time, so they send nothing more than their NodeVote."""
+        assert self.link is not None
+        held = frozenset((topic, rnd, r) for (topic, rnd), box in self.votes.items()
+                         if (topic, rnd) not in self._forwarded and not topic.startswith(GROUP_PREFIX) for r in box)
+        now = time.monotonic()
+        if held == self._held_said:
+            self._held_since = None
+            return
+        if self._held_since is None:
+            self._held_since = now
+        if now - self._held_since < HELD_SAID_AFTER_S:
+            return
+        self._held_since = None
+        self._held_said = held
+        entries = sorted(held)
+        waits = tuple(max(0.0, self._waits_until.get((t, n), {}).get(r, now) - now) for t, n, r in entries)
+        self.link.send(jobwire.NodeHeld(token=self.job.token, node_rank=self.job.node_rank,
+                                        topics=tuple(e[0] for e in entries), rounds=tuple(e[1] for e in entries),
+                                        ranks=tuple(e[2] for e in entries), waits=waits))
 
     def _rank_left(self, p: RankProcess, how: str) -> None:
         if p.rank not in self._told_left:

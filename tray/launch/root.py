@@ -99,6 +99,8 @@ class Root:
         self.steps: dict[tuple[str, int], _Step] = {}
         self.expired: dict[tuple[str, int], jobwire.JobDecision] = {}
         self.left: dict[int, str] = {}  # ranks that take part in no step any more (NodeLeft): how they left
+        # votes held at their node's head in tray-wide steps (NodeHeld): node -> rank -> (step, until when it waits)
+        self.held: dict[int, dict[int, tuple[tuple[str, int], float]]] = {}
         self.stop: jobwire.JobStop | None = None
         self.ended = False
         self.rejected: list[str] = []
@@ -207,6 +209,8 @@ class Root:
                 self._broadcast(jobwire.JobGo(token=self.token, t_go=self.t_go))
         elif isinstance(msg, jobwire.NodeVote):
             self._on_vote(node, msg)
+        elif isinstance(msg, jobwire.NodeHeld):
+            self._on_held(node, msg)
         elif isinstance(msg, jobwire.NodeFailure):
             self._stop(node, msg.rank, msg.summary, report=msg.report, tail=msg.tail, exit_code=msg.exit_code)
         elif isinstance(msg, jobwire.NodeLeft):
@@ -278,8 +282,19 @@ class Root:
                 self._stop(None, -1, f"the job's table of {len(offers)} offers cannot be sent ({exc.reason}); fewer "
                            "ranks or fewer exported buffers per job", exit_code=EXIT_HANDSHAKE)
 
+    def _on_held(self, node: int, msg: jobwire.NodeHeld) -> None:
+        now = time.monotonic()
+        lo, hi = node * self.local_world_size, (node + 1) * self.local_world_size
+        self.held[node] = {r: ((t, n), now + w) for t, n, r, w in zip(msg.topics, msg.rounds, msg.ranks, msg.waits)
+                           if lo <= r < hi}
+        self._check_crossed_steps(now)
+
     def _on_vote(self, node: int, msg: jobwire.NodeVote) -> None:
         key = (msg.topic, msg.round)
+        held = self.held.get(node)
+        if held:  # the node's votes in this step are here now
+            for r in [r for r, (k, _) in held.items() if k == key]:
+                del held[r]
         if key in self.expired:  # a late voter of a step that timed out gets the same verdict
             self._send(self.nodes[node].ident, self.expired[key])
             return
@@ -309,14 +324,21 @@ class Root:
     def _check_crossed_steps(self, now: float) -> None:
         """Steps that wait for one another's ranks across nodes (node 0's ranks in exchange 'a', node 1's in 'b'):
         each head judges only its own ranks, so such a cycle is the root's to name, as the last vote of it comes.
-        The root hears a node's votes in a tray-wide step only once all that node's ranks voted in it (in a group's
-        step, each as it comes), so a rank it has not heard from is never taken for waiting anywhere."""
+        The root hears a node's votes in a tray-wide step once all that node's ranks voted in it, or, held at the
+        head a while, as the node's NodeHeld; in a group's step, each as it comes. A rank it has not heard from is
+        taken for waiting nowhere."""
         if self.stop is not None:
             return
-        cycle = crossed_steps({key: step.values for key, step in self.steps.items()},
+        boxes: dict[tuple[str, int], dict[int, Any]] = {key: dict(step.values) for key, step in self.steps.items()}
+        until = {key: step.until for key, step in self.steps.items()}
+        for held in self.held.values():
+            for r, (key, t) in held.items():
+                boxes.setdefault(key, {})[r] = None
+                until.setdefault(key, {})[r] = t
+        cycle = crossed_steps(boxes,
                               lambda topic: step_voters(topic, self.world_size, self.groups, self.local_world_size),
                               range(self.world_size),
-                              lambda key, rank: self.steps[key].until.get(rank, 0.0) > now)
+                              lambda key, rank: until[key].get(rank, 0.0) > now)
         if cycle:
             nodes = sorted({r // self.local_world_size for _, r in cycle})
             if len(nodes) == 1:
