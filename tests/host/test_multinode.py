@@ -15,6 +15,8 @@ import time
 import pytest
 from conftest import MANIFESTS, Run
 
+from tray.launch.root import TOKEN_FAILURES
+
 FILL = str(MANIFESTS / "peer_fill.json")
 PARK = str(MANIFESTS / "park.json")
 TOKEN = "f00dfeedf00dfeedf00dfeedf00dfeed"
@@ -290,9 +292,10 @@ def test_a_root_host_that_does_not_resolve_is_one_line_not_a_hang(tray_env):
 
 
 def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
-    """The head with the wrong token fails at once (its handshake with the root fails) and stops dialling;
-    node 0 waits for the join deadline (a failed handshake may be a stranger's), then names the failed
-    handshakes: one or two, not one per reconnect interval until node 1's ranks had stopped."""
+    """The head with the wrong token fails at once (its handshake with the root fails, TOKEN_FAILURES times: a
+    root that closes while a head connects fails one handshake too) and stops dialling; node 0 waits for the join
+    deadline (a failed handshake may be a stranger's), then names the failed handshakes: not one per reconnect
+    interval until node 1's ranks had stopped."""
     body = """
     with tray.init() as rank:
         rank.barrier()
@@ -309,7 +312,7 @@ def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
     assert "node(s) 1 did not join" in cause and "failed the CURVE handshake" in cause, runs[0].output
     assert "a head started with another TRAY_JOB_TOKEN?" in cause, runs[0].output
     failed = re.search(r"; (\d+) connections? failed the CURVE handshake", cause)
-    assert failed and 1 <= int(failed.group(1)) <= 2, cause
+    assert failed and TOKEN_FAILURES <= int(failed.group(1)) <= TOKEN_FAILURES + 1, cause
 
 
 def test_a_stranger_dialling_the_root_during_the_join_does_not_stop_the_job(tray_env):
@@ -908,3 +911,27 @@ def test_a_cycle_after_a_step_the_ranks_gave_up_is_named(tray_env):
     for run in runs:
         assert "across nodes 0,1: the ranks wait in steps that wait for one another" in run.stderr, run.stderr
         assert run.seconds < 20, run.output
+
+
+@pytest.mark.parametrize("late_s", [0.0, 2.0])
+def test_a_node_joining_after_the_job_failed_hears_the_root_cause(tray_env, late_s):
+    """Node 0's rank 0 exits 1 before tray.init() while node 1 is still starting (or starts 2 s later): node 1
+    said the root refused its token (the root closed during its handshake), or waited out --timeout-s and said it
+    could not reach the root. Node 0's root now stays up a while to tell late nodes the root cause."""
+    body = """
+    if os.environ["RANK"] == "0":
+        sys.exit(1)
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    port = free_port()
+    procs = start_job(tray_env, body, "--timeout-s", "20", nodes=(0,), port=port)
+    time.sleep(late_s)
+    procs += start_job(tray_env, body, "--timeout-s", "20", nodes=(1,), port=port)
+    runs = finish(procs, timeout_s=60)
+    assert all(run.returncode == 1 for run in runs), [r.output for r in runs]
+    for run in runs:
+        cause = _root_cause(run)
+        assert "rank 0" in cause and "exit" in cause, [r.output for r in runs]
+        assert "TRAY_JOB_TOKEN" not in run.stderr and "could not reach" not in run.stderr, run.output
+    assert runs[1].seconds < 10, runs[1].output

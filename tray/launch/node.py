@@ -26,7 +26,7 @@ from tray.handshake.steps import GROUP_PREFIX, step_voters
 from tray.launch.curve import job_keys, make_client
 from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
-from tray.launch.root import FAILED_HANDSHAKE, HEARTBEAT_INTERVAL_S, Root
+from tray.launch.root import FAILED_HANDSHAKE, HEARTBEAT_INTERVAL_S, TOKEN_FAILURES, Root
 from tray.launch.spawn import say
 from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, TraySpec
 from tray.numa import NumaPlacement
@@ -36,6 +36,8 @@ from tray.numa import NumaPlacement
 VERDICT_WAIT_S = 2.0
 # votes held this long in a tray-wide step (the node's other ranks not there yet) are told the root (NodeHeld)
 HELD_SAID_AFTER_S = 0.25
+# after a failure, node 0 keeps the root up this long for nodes not joined yet, to tell them the root cause
+LATE_TELL_S = 5.0
 
 
 class NodeLink:
@@ -57,6 +59,7 @@ class NodeLink:
         self.t_start = time.monotonic()
         self.last_heard: float | None = None
         self.refused = False
+        self._closed_handshakes = 0  # handshakes the peer closed unanswered
         self._seq = 0
         self._last_beat = 0.0
         self._last_tick: float | None = None  # when tick() last ran: a gap longer than the timeout is this head's own
@@ -83,13 +86,22 @@ class NodeLink:
         return out
 
     def on_monitor(self) -> None:
-        """Read the link's monitor events; at the first failed handshake, close the link (`refused`)."""
+        """Read the link's monitor events; once the root refused the handshake, close the link (`refused`). A root
+        with another token closes every handshake unanswered (an event with no detail at every redial, 0.1 s apart),
+        as a root that exits or a peer that closes does once: only TOKEN_FAILURES of them before anything was heard
+        count as a refusal."""
         while not self.refused and self.monitor.poll(0, zmq.POLLIN):
-            if recv_monitor_message(self.monitor)["event"] in FAILED_HANDSHAKE:
-                self.refused = True
-                # NOTE: closed, not disconnected: libzmq 4.3 keeps redialling a disconnected endpoint until the
-                # socket closes, every 100 ms one more failed handshake at the root; a refusal stays a refusal.
-                self.close(linger_ms=0)
+            event = recv_monitor_message(self.monitor)["event"]
+            if event not in FAILED_HANDSHAKE:
+                continue
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._closed_handshakes += 1
+                if self.last_heard is not None or self._closed_handshakes < TOKEN_FAILURES:
+                    continue
+            self.refused = True
+            # NOTE: closed, not disconnected: libzmq 4.3 keeps redialling a disconnected endpoint until the socket
+            # closes, every 100 ms one more failed handshake at the root; a refusal stays a refusal.
+            self.close(linger_ms=0)
 
     @property
     def closed(self) -> bool:
@@ -363,9 +375,34 @@ class NodeHead(Head):
             if self.root is not None:
                 self.root.tick()
 
+    def _tell_late_nodes(self) -> None:
+        """The job stopped before every node joined: the root stays up (its ranks are gone already) until those nodes
+        join and hear the root cause, at most LATE_TELL_S and never past the join's deadline, so that a node started
+        a moment later says the job's first failure, not that it could not reach the root."""
+        root = self.root
+        if root is None or root.stop is None or not root.missing_nodes() or self._signals:
+            return
+        now = time.monotonic()
+        deadline = min(now + LATE_TELL_S, root.t_start + root.join_timeout_s)
+        if deadline <= now:
+            return
+        late = ",".join(map(str, root.missing_nodes()))
+        say(f"root: node(s) {late} not joined yet: telling them the root cause as they join (for {deadline - now:.0f} "
+            "s at most)")
+        poller = zmq.Poller()
+        for sock in root.sockets():
+            poller.register(sock, zmq.POLLIN)
+        while root.missing_nodes() and not self._signals and time.monotonic() < deadline:
+            for sock, _ in poller.poll(20):
+                root.on_readable(sock)
+        if root.missing_nodes():
+            say(f"root: node(s) {','.join(map(str, root.missing_nodes()))} never joined: each gives up after its "
+                "--timeout-s")
+
     def _close_job(self) -> None:
         if self.link is not None:
             self.link.close()
+        self._tell_late_nodes()
         if self.root is not None:
             for line in self.root.rejected:
                 say(f"root: {line}")

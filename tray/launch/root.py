@@ -39,6 +39,9 @@ FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAI
 # NOTE: failed handshakes are logged at most this often: a head with another token redials every 100 ms,
 # a port scanner faster; one line per interval says how many failed since the last.
 HANDSHAKE_LOG_INTERVAL_S = 5.0
+# NOTE: a head with another token fails its handshake at every redial (0.1 s apart); one or two failures may as well
+# be a head that stopped, or a root that closed, while connecting
+TOKEN_FAILURES = 3
 
 
 def bind_address(host: str, port: int) -> str:
@@ -263,6 +266,9 @@ class Root:
             return
         self.nodes[join.node_rank] = NodeState(ident=ident, join=join, last_seen=time.monotonic())
         self.by_ident[ident] = join.node_rank
+        if self.stop is not None:  # the job stopped before this node joined: it hears the root cause, not a table
+            self._send(ident, self.stop)
+            return
         self._send(ident, jobwire.Beat(token=self.token, node_rank=0, seq=self._seq))
 
     def _on_offers(self, state: NodeState, msg: jobwire.NodeOffers) -> None:
@@ -402,6 +408,10 @@ class Root:
             f"on {self.endpoint})")
 
     # --- time -------------------------------------------------------------------------------------
+    def missing_nodes(self) -> list[int]:
+        """The nodes that have not joined (yet)."""
+        return [n for n in range(self.nnodes) if n not in self.nodes]
+
     def _missing_nodes(self) -> str:
         return ",".join(str(n) for n in range(self.nnodes) if n not in self.nodes) or "none"
 
@@ -429,9 +439,12 @@ class Root:
         if len(self.nodes) < self.nnodes and now - self.t_start > self.join_timeout_s:
             late = (f"node(s) {self._missing_nodes()} did not join the root at {self.job.endpoint} within "
                     f"{self.join_timeout_s:g} s (--timeout-s; raise it if nodes start later than that)")
-            if self.handshake_failures:
+            if self.auth_failures or self.handshake_failures >= TOKEN_FAILURES:
                 why = (f"{self._failed_handshakes(self.handshake_failures)}: a head started with another "
                        "TRAY_JOB_TOKEN? (every node needs the same one)")
+            elif self.handshake_failures:
+                why = (f"{self._failed_handshakes(self.handshake_failures)}: a head that stopped while connecting, "
+                       "or one started with another TRAY_JOB_TOKEN")
             else:
                 why = "not started, a wrong --rdzv-endpoint, or a firewall"
             self._stop(None, -1, f"{late}; {why}", exit_code=EXIT_HANDSHAKE)
