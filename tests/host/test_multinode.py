@@ -262,9 +262,10 @@ def test_an_interrupted_head_stops_the_job_at_once_naming_itself(tray_env, victi
     assert survivor.returncode == 1 and time.monotonic() - t_signal < 3.0, survivor.output
     assert _root_cause(survivor) == (f"tray: FAILED: node {victim}: its head was interrupted ({sig.name}); the job "
                                      "stops"), survivor.output
-    for line in survivor.stderr.splitlines():
-        if "was still waiting for rank" in line and ":leaders'" in line:
-            assert line.endswith(f"rank {2 * (1 - victim)}"), survivor.output  # the survivor's leader
+    for line in survivor.stderr.splitlines():  # (the barrier may as well be in its node-local stage then)
+        if "was still waiting for" in line and "the leaders step" in line:
+            named = {int(r) for rs in re.findall(r"ranks? ([\d,]+) \(node", line) for r in rs.split(",")}
+            assert named and named <= {0, 2}, survivor.output  # node leaders only
 
 
 def test_a_node_whose_ranks_never_join_is_named_within_the_timeout(tray_env):
@@ -709,8 +710,8 @@ def test_a_head_that_cannot_join_a_running_job_is_refused_alone(tray_env, strang
 
 def test_an_exchange_a_rank_on_another_node_never_makes_is_placed_by_the_root(tray_env):
     """Rank 3 (node 1) never reaches the exchange the others wait in: the root hears node 1's votes only once all
-    its ranks voted, so node 0's output never named who was missing. The root now names node 1 and its ranks; node
-    1's head names rank 3."""
+    its ranks voted, so node 0's output never named who was missing. The root names who it has not heard from in
+    the job's stop, and every head prints it."""
     body = """
     with tray.init() as rank:
         if rank.rank == 3:
@@ -719,9 +720,9 @@ def test_an_exchange_a_rank_on_another_node_never_makes_is_placed_by_the_root(tr
     """
     runs = finish(start_job(tray_env, body), timeout_s=40)
     assert all(run.returncode != 0 for run in runs), [r.output for r in runs]
-    assert "root: exchange 'it' (round 1) was still waiting for node 1 (of its ranks 2,3)" in runs[0].stderr, \
-        runs[0].output
-    assert "exchange 'it' (round 1) was still waiting for rank 3" in runs[1].stderr, runs[1].output
+    for run in runs:  # rank 2's vote, held at its head, was told the root: every head names rank 3 alone
+        assert "tray-wide step: exchange 'it' (round 1) was still waiting for rank 3 (node 1)" in run.stderr, \
+            run.output
 
 
 def test_a_step_a_rank_gave_up_is_not_held_against_a_rank_that_leaves(tray_env):

@@ -279,9 +279,13 @@ class NodeFailure(_FailureMessage):
 
 @dataclass(frozen=True, slots=True)
 class JobStop(_FailureMessage):
-    """root -> every head: the job's root cause (the first failure anywhere); stop every rank."""
+    """root -> every head: the job's root cause (the first failure anywhere); stop every rank. `pending`: the steps
+    still undecided then, each with the ranks the root had not heard from in it (one line each), for every head to
+    print."""
 
     KIND: ClassVar[str] = "job_stop"
+    FIELDS: ClassVar[dict[str, Check]] = {**_FAILURE_FIELDS, "pending": _strs}
+    pending: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

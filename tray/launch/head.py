@@ -1097,13 +1097,8 @@ class Head:
             _say("error report:")
             for line in f.report.rstrip().splitlines():
                 _say(f"  {line}")
-        for (topic, rnd), box in self.votes.items():
-            # only this head's ranks that take part in the step (a node leaders' step: the leader alone)
-            voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
-            missing = [p.rank for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)]
-            if missing:
-                who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {','.join(map(str, missing))}"
-                _say(f"tray-wide step: {describe_step(topic)} (round {rnd}) was still waiting for {who}")
+        for line in self._pending_steps():
+            _say(line)
         tail = list(f.tail)
         local = f.rank is not None and 0 <= f.rank - self.rank_base < len(self.procs)
         if local and f.rank is not None:  # its output drained by now: the lines it wrote as it ended are there too
@@ -1120,6 +1115,18 @@ class Head:
             _say(f"rank {f.rank}'s Python cannot import tray (or its dependencies): the command starts {program!r} "
                  f"({shutil.which(program) or 'not found on PATH'}), while tray runs in {sys.executable}; name the "
                  "program alone (tray launch -n N prog.py: tray's Python runs it), or activate tray's environment")
+
+    def _pending_steps(self) -> list[str]:
+        """The steps undecided at the failure, each with this head's ranks that never voted in it."""
+        lines = []
+        for (topic, rnd), box in self.votes.items():
+            # only this head's ranks that take part in the step (a node leaders' step: the leader alone)
+            voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
+            missing = [p.rank for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)]
+            if missing:
+                who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {','.join(map(str, missing))}"
+                lines.append(f"tray-wide step: {describe_step(topic)} (round {rnd}) was still waiting for {who}")
+        return lines
 
     def _result(self, job_dir: Path) -> TrayResult:
         """The TrayResult; prints the root cause first when the tray failed."""

@@ -307,6 +307,13 @@ class NodeHead(Head):
         self._tell_left()
         self._check_crossed_steps()
 
+    def _pending_steps(self) -> list[str]:
+        """The job's undecided steps as the root knew them at the stop (every head prints the same), with the ranks
+        not heard from by node; this head's own view when no stop came from the root (the root lost)."""
+        if self.job_stop is not None:
+            return list(self.job_stop.pending)
+        return super()._pending_steps()
+
     def _say_held(self) -> None:
         """Tell the root of the votes this head holds in tray-wide steps (waiting for this node's other ranks), once
         they have stayed held HELD_SAID_AFTER_S: the root needs them to see steps that wait for one another across

@@ -12,6 +12,7 @@ so no stranger can stop the job; a join that then times out says how many failed
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import socket
 import time
@@ -42,6 +43,8 @@ HANDSHAKE_LOG_INTERVAL_S = 5.0
 # NOTE: a head with another token fails its handshake at every redial (0.1 s apart); one or two failures may as well
 # be a head that stopped, or a root that closed, while connecting
 TOKEN_FAILURES = 3
+_PENDING_SAID = 20  # undecided steps named in a JobStop, at most
+_PENDING_LINE = 1000  # characters of each, at most
 
 
 def bind_address(host: str, port: int) -> str:
@@ -327,6 +330,38 @@ class Root:
             self._check_left()
         self._check_crossed_steps(now)
 
+    def _heard(self) -> tuple[dict[tuple[str, int], dict[int, Any]], dict[tuple[str, int], dict[int, float]]]:
+        """Every undecided step's votes the root knows of, those held at heads (value None) with the rest, and until
+        when each voter waits: ({step: {rank: value}}, {step: {rank: until}})."""
+        boxes: dict[tuple[str, int], dict[int, Any]] = {key: dict(step.values) for key, step in self.steps.items()}
+        until = {key: dict(step.until) for key, step in self.steps.items()}
+        for held in self.held.values():
+            for r, (key, t) in held.items():
+                boxes.setdefault(key, {})[r] = None
+                until.setdefault(key, {})[r] = t
+        return boxes, until
+
+    def _pending_lines(self) -> tuple[str, ...]:
+        """One line per undecided step: the ranks not heard from in it, by node (at most _PENDING_SAID steps)."""
+        lines = []
+        boxes, _ = self._heard()
+        for (topic, rnd), box in boxes.items():
+            voters = step_voters(topic, self.world_size, self.groups, self.local_world_size) or ()
+            by_node: dict[int, list[int]] = {}
+            for r in voters:
+                if r not in box:
+                    by_node.setdefault(r // self.local_world_size, []).append(r)
+            if not by_node:
+                continue
+            who = ", ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} (node {n})"
+                            for n, rs in sorted(by_node.items()))
+            kind = "group step" if topic.startswith(GROUP_PREFIX) else "tray-wide step"
+            line = f"{kind}: {describe_step(topic)} (round {rnd}) was still waiting for {who}"
+            lines.append(line if len(line) <= _PENDING_LINE else line[:_PENDING_LINE - 3] + "...")
+        if len(lines) > _PENDING_SAID:
+            lines[_PENDING_SAID:] = [f"... and {len(lines) - _PENDING_SAID} more undecided steps"]
+        return tuple(lines)
+
     def _check_crossed_steps(self, now: float) -> None:
         """Steps that wait for one another's ranks across nodes (node 0's ranks in exchange 'a', node 1's in 'b'):
         each head judges only its own ranks, so such a cycle is the root's to name, as the last vote of it comes.
@@ -335,12 +370,7 @@ class Root:
         taken for waiting nowhere."""
         if self.stop is not None:
             return
-        boxes: dict[tuple[str, int], dict[int, Any]] = {key: dict(step.values) for key, step in self.steps.items()}
-        until = {key: step.until for key, step in self.steps.items()}
-        for held in self.held.values():
-            for r, (key, t) in held.items():
-                boxes.setdefault(key, {})[r] = None
-                until.setdefault(key, {})[r] = t
+        boxes, until = self._heard()
         cycle = crossed_steps(boxes,
                               lambda topic: step_voters(topic, self.world_size, self.groups, self.local_world_size),
                               range(self.world_size),
@@ -479,25 +509,12 @@ class Root:
         """The first failure anywhere becomes the job's root cause; later ones are only counted."""
         if self.stop is not None:
             return
-        self.stop = jobwire.JobStop.bounded(
+        stop = jobwire.JobStop.bounded(
             token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
             tail=tuple(tail), exit_code=max(1, exit_code))
+        # the steps still undecided, with the ranks not heard from in each: every head prints them with the cause
+        self.stop = dataclasses.replace(stop, pending=self._pending_lines())
         self._broadcast(self.stop)
-        self._say_pending_steps()
-
-    def _say_pending_steps(self) -> None:
-        """The steps still undecided at the job's stop, by the nodes whose votes never came: the root hears a node's
-        votes only once all its ranks voted, so it names the node, and that node's head which of its ranks."""
-        for (topic, rnd), step in self.steps.items():
-            by_node: dict[int, list[int]] = {}
-            for r in step.voters:
-                if r not in step.values:
-                    by_node.setdefault(r // self.local_world_size, []).append(r)
-            if by_node:
-                said = ", ".join(f"node {n} (of its ranks {','.join(map(str, rs))})"
-                                 for n, rs in sorted(by_node.items()))
-                say(f"root: {describe_step(topic)} (round {rnd}) was still waiting for {said}; each node's head names "
-                    "its ranks that never came")
 
     def _broadcast(self, msg: Any) -> None:
         data = msg.to_msgpack()  # once for every node
