@@ -936,3 +936,20 @@ def test_a_node_joining_after_the_job_failed_hears_the_root_cause(tray_env, late
         assert "rank 0" in cause and "exit" in cause, [r.output for r in runs]
         assert "TRAY_JOB_TOKEN" not in run.stderr and "could not reach" not in run.stderr, run.output
     assert runs[1].seconds < 10, runs[1].output
+
+
+def test_a_node_none_of_whose_ranks_voted_names_its_missing_rank(tray_env):
+    """Three nodes of one rank: rank 1 never reaches the exchange. Its head had no vote of the step, so it named
+    nobody; every head now prints the root's view with the job's stop."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 1:
+            time.sleep(60)
+        rank.exchange("t", rank.rank, timeout_s=2.0)
+    """
+    runs = finish(start_job(tray_env, body, "-n", "1", nnodes=3), timeout_s=40)
+    assert all(run.returncode != 0 for run in runs), [r.output for r in runs]
+    for run in runs:
+        assert "tray-wide step: exchange 't' (round 1) was still waiting for rank 1 (node 1)" in run.stderr, \
+            run.output
