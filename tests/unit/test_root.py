@@ -239,3 +239,33 @@ def test_one_connection_closed_during_its_handshake_is_not_blamed_on_the_token()
     assert root.stop.summary.endswith("1 connection failed the CURVE handshake from addresses libzmq does not "
                                       "report: a head that stopped while connecting, or one started with another "
                                       "TRAY_JOB_TOKEN"), root.stop.summary
+
+
+@pytest.mark.parametrize(("node_rank", "pause_s", "silent_s", "says"), [
+    (1, 0.02, 2.0, "lost the root (node 0 at 127.0.0.1:"),   # the root went quiet while this head ran
+    (1, 1.3, 2.0, "this head did not run for 1.3 s"),       # a pause shorter than the timeout ended the silence
+    (0, 1.3, 2.0, "this head did not run for 1.3 s"),       # node 0: its own root, in this process, went quiet
+    (0, 0.02, 2.0, "this head did not run for most of 2.0 s"),
+    (1, 0.02, 1.0, None),                                    # within the timeout: nothing to say
+])
+def test_a_silence_a_pause_of_this_head_made_is_said_as_its_own(node_rank, pause_s, silent_s, says):
+    """The link's verdict on a silence past --node-heartbeat-timeout-s (1.5 s here): a pause of this head (SIGSTOP)
+    a little shorter than the timeout, ending a silence past it, is this head's own doing, and so is any silence of
+    node 0's own root; otherwise the root is lost."""
+    job = JobSpec(nnodes=2, node_rank=node_rank, root_host="127.0.0.1", root_port=_free_port(), rdzv_id="test",
+                  token=TOKEN, source="cli", node_heartbeat_timeout_s=1.5)
+    join = jobwire.NodeJoin(token=TOKEN, node_rank=node_rank, nnodes=2, local_world_size=1, rdzv_id="test",
+                            hostname="h", pid=1, manifest="m" * 64, backend="host")
+    ctx = zmq.Context()
+    link = NodeLink(ctx, job, join, connect_timeout_s=30.0)
+    try:
+        link.last_heard = time.monotonic() - silent_s
+        link._last_tick = time.clock_gettime(time.CLOCK_BOOTTIME) - pause_s
+        said = link.tick()
+    finally:
+        link.close()
+        ctx.term()
+    if says is None:
+        assert said is None
+    else:
+        assert said is not None and says in said, said

@@ -113,12 +113,18 @@ class NodeLink:
         # NOTE: CLOCK_BOOTTIME runs on while the machine is suspended, which CLOCK_MONOTONIC does not
         boot = time.clock_gettime(time.CLOCK_BOOTTIME)
         gap, self._last_tick = boot - (self._last_tick or boot), boot
-        if gap > self.job.node_heartbeat_timeout_s:
-            # NOTE: this head itself did not run (SIGSTOP, a suspended VM): what it then hears nothing from is not the
-            # root's fault, and the other nodes have counted this one lost meanwhile
-            return (f"this head did not run for {gap:.1f} s (stopped, suspended, or starved of CPU), longer than "
-                    f"--node-heartbeat-timeout-s {self.job.node_heartbeat_timeout_s:g} s: the other nodes count this "
-                    "node lost")
+        limit = self.job.node_heartbeat_timeout_s
+        silent = now - self.last_heard if self.last_heard is not None else 0.0
+        # NOTE: this head itself did not run (SIGSTOP, a suspended VM): what it then hears nothing from is not the
+        # root's fault, and the other nodes have counted this one lost meanwhile. So too when a pause a little
+        # shorter than the timeout ends a silence past it (the beats before the pause), and always on node 0, whose
+        # root runs in this very process: its silence is this head's own.
+        own = self.job.is_root or (gap > HEARTBEAT_INTERVAL_S and silent - gap < 2 * HEARTBEAT_INTERVAL_S)
+        if gap > limit or (silent > limit and own):
+            paused = f"{gap:.1f} s" if gap > HEARTBEAT_INTERVAL_S else f"most of {silent:.1f} s"
+            return (f"this head did not run for {paused} (stopped, suspended, or starved of CPU), nothing heard from "
+                    f"the root for longer than --node-heartbeat-timeout-s {limit:g} s: the other nodes count this node "
+                    "lost")
         if now - self._last_beat >= HEARTBEAT_INTERVAL_S and self.last_heard is not None:
             self._last_beat = now
             self._seq += 1
@@ -132,8 +138,7 @@ class NodeLink:
                 return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (--timeout-s; node 0 not "
                         "started or given up already, a wrong --rdzv-endpoint, or a firewall)")
             return None
-        silent = now - self.last_heard
-        if silent > self.job.node_heartbeat_timeout_s:
+        if silent > limit:
             return (f"lost {where}: nothing heard for {silent:.1f} s (timeout {self.job.node_heartbeat_timeout_s:.1f} "
                     "s): node 0's head was killed or stopped, its machine is down, or the network is cut")
         return None
