@@ -534,3 +534,24 @@ def test_the_fd_socket_judges_who_asks_before_reading_and_cuts_a_trickling_reque
         server.close()
         os.close(r)
         os.close(w)
+
+
+def test_a_non_member_whose_request_the_fd_socket_never_read_gets_the_refusal(tmp_path) -> None:
+    """The fd socket refuses a non-member before reading its request and closes: the asker's send then failed with
+    EPIPE (its request larger than the socket's buffer here; under load, any request) and it said "Broken pipe"
+    instead of the refusal waiting in its socket."""
+    import os
+
+    from tray.errors import HandshakeError
+    from tray.handshake import fdpass
+
+    r, w = os.pipe()
+    server = fdpass.FdServer(str(tmp_path / "r.fds"), "tok", 0, {"x": r})
+    try:
+        server.allow({1})  # this process is not a member
+        with pytest.raises(HandshakeError, match="rank 0's fd socket refused: pid .* is not a member of the tray"):
+            fdpass.fetch_fds(server.path, "tok", ["x" * 1000] * 4000, "rank 0", 5.0)
+    finally:
+        server.close()
+        os.close(r)
+        os.close(w)

@@ -201,7 +201,10 @@ def fetch_fds(path: str, token: str, names: list[str], owner: str, timeout_s: fl
                     ) from None
                 time.sleep(0.005)
         sock.settimeout(max(0.1, deadline - time.monotonic()))
-        sock.sendall(_frame({"token": token, "names": names}))
+        try:
+            sock.sendall(_frame({"token": token, "names": names}))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the request was read (who asks is judged first): the refusal waits to be read
         while True:
             data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST_NBYTES, _MAX_FDS)
             try:
