@@ -129,29 +129,28 @@ def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
         waits[key] = [(r, where[r]) for r in voters
                       if r in ours and r not in box and r in where and r not in twice and where[r] != key]
     finished: set[tuple[str, int]] = set()
-    path: list[tuple[tuple[str, int], int]] = []  # (step, the rank it waits for there), from the walk's start
-    on_path: dict[tuple[str, int], int] = {}
-
-    def walk(key: tuple[str, int]) -> list[tuple[tuple[str, int], int]]:
-        on_path[key] = len(path)
-        for r, nxt in waits[key]:
-            path.append((key, r))
-            if nxt in on_path:
-                return path[on_path[nxt]:]
-            if nxt not in finished:
-                cycle = walk(nxt)
-                if cycle:
-                    return cycle
-            path.pop()
-        del on_path[key]
-        finished.add(key)
-        return []
-
+    # an iterative depth-first walk (a chain of waits may be as long as there are steps): `path` holds, per step on
+    # it, the step and the index of its next wait to follow
     for start in boxes:
-        if start not in finished:
-            cycle = walk(start)
-            if cycle:
-                return cycle
+        if start in finished:
+            continue
+        path: list[list] = [[start, 0]]
+        on_path: dict[tuple[str, int], int] = {start: 0}
+        while path:
+            frame = path[-1]
+            key, i = frame
+            if i == len(waits[key]):
+                path.pop()
+                del on_path[key]
+                finished.add(key)
+                continue
+            frame[1] = i + 1
+            _, nxt = waits[key][i]
+            if nxt in on_path:  # the cycle: from nxt's place on the path to here, each step with the rank it waits for
+                return [(k, waits[k][j - 1][0]) for k, j in path[on_path[nxt]:]]
+            if nxt not in finished:
+                on_path[nxt] = len(path)
+                path.append([nxt, 0])
     return []
 
 

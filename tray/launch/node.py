@@ -36,6 +36,7 @@ from tray.numa import NumaPlacement
 VERDICT_WAIT_S = 2.0
 # votes held this long in a tray-wide step (the node's other ranks not there yet) are told the root (NodeHeld)
 HELD_SAID_AFTER_S = 0.25
+HELD_SAID_MAX = 64  # held votes told the root in one NodeHeld, at most
 # after a failure, node 0 keeps the root up this long for nodes not joined yet, to tell them the root cause
 LATE_TELL_S = 5.0
 
@@ -122,8 +123,9 @@ class NodeLink:
         own = self.job.is_root or (gap > HEARTBEAT_INTERVAL_S and silent - gap < 2 * HEARTBEAT_INTERVAL_S)
         if gap > limit or (silent > limit and own):
             paused = f"{gap:.1f} s" if gap > HEARTBEAT_INTERVAL_S else f"most of {silent:.1f} s"
+            lost = "the root (this head)" if self.job.is_root else "this node"
             return (f"this head did not run for {paused} (stopped, suspended, or starved of CPU), nothing heard from "
-                    f"the root for longer than --node-heartbeat-timeout-s {limit:g} s: the other nodes count this node "
+                    f"the root for longer than --node-heartbeat-timeout-s {limit:g} s: the other nodes count {lost} "
                     "lost")
         if now - self._last_beat >= HEARTBEAT_INTERVAL_S and self.last_heard is not None:
             self._last_beat = now
@@ -170,7 +172,7 @@ class NodeHead(Head):
         self._told_left: set[int] = set()
         self._forwarded: set[tuple[str, int]] = set()  # steps whose votes of this node went on to the root
         self._held_said: frozenset[tuple[str, int, int]] = frozenset()  # the held votes the root knows of
-        self._held_since: float | None = None  # when the held votes first differed from those
+        self._held_seen: dict[tuple[str, int, int], float] = {}  # held votes whose rank waits: since when held
         self._expired: set[tuple[str, int]] = set()  # group steps the root gave up (timed out): late votes wait not
         self.job_stop: jobwire.JobStop | None = None
         self.job_end = False
@@ -319,28 +321,32 @@ class NodeHead(Head):
             return list(self.job_stop.pending)
         return super()._pending_steps()
 
-    def _say_held(self) -> None:
-        """Tell the root of the votes this head holds in tray-wide steps (waiting for this node's other ranks), once
-        they have stayed held HELD_SAID_AFTER_S: the root needs them to see steps that wait for one another across
-        nodes. Ranks of a node in lockstep vote within that time, so they send nothing more than their NodeVote."""
+    def _say_held(self, *, now_all: bool = False) -> None:
+        """Tell the root of the votes this head holds in tray-wide steps (waiting for this node's other ranks) that
+        have stayed held HELD_SAID_AFTER_S (`now_all`: every one, at once: this node fails), each with how long its
+        rank still waits: the root needs them to see steps that wait for one another across nodes, and to name who it
+        never heard from. Ranks of a node in lockstep vote within that time, so they send nothing more than their
+        NodeVote. At most HELD_SAID_MAX are told, those whose ranks still wait first (a rank waits in one step at a
+        time; votes of steps given up stay held for good)."""
         assert self.link is not None
-        held = frozenset((topic, rnd, r) for (topic, rnd), box in self.votes.items()
-                         if (topic, rnd) not in self._forwarded and not topic.startswith(GROUP_PREFIX) for r in box)
         now = time.monotonic()
+        entries = {(topic, rnd, r) for (topic, rnd), box in self.votes.items()
+                   if (topic, rnd) not in self._forwarded and not topic.startswith(GROUP_PREFIX) for r in box}
+        self._held_seen = {e: self._held_seen.get(e, now) for e in entries}
+        ready = [e for e, t in self._held_seen.items() if now_all or now - t >= HELD_SAID_AFTER_S]
+        ready.sort(key=lambda e: (not self._waits((e[0], e[1]), e[2], now), -self._held_seen[e]))
+        held = frozenset(ready[:HELD_SAID_MAX])
         if held == self._held_said:
-            self._held_since = None
             return
-        if self._held_since is None:
-            self._held_since = now
-        if now - self._held_since < HELD_SAID_AFTER_S:
-            return
-        self._held_since = None
         self._held_said = held
-        entries = sorted(held)
-        waits = tuple(max(0.0, self._waits_until.get((t, n), {}).get(r, now) - now) for t, n, r in entries)
-        self.link.send(jobwire.NodeHeld(token=self.job.token, node_rank=self.job.node_rank,
-                                        topics=tuple(e[0] for e in entries), rounds=tuple(e[1] for e in entries),
-                                        ranks=tuple(e[2] for e in entries), waits=waits))
+        told = sorted(held)
+        waits = tuple(max(0.0, self._waits_until.get((t, n), {}).get(r, now) - now) for t, n, r in told)
+        try:
+            self.link.send(jobwire.NodeHeld(token=self.job.token, node_rank=self.job.node_rank,
+                                            topics=tuple(e[0] for e in told), rounds=tuple(e[1] for e in told),
+                                            ranks=tuple(e[2] for e in told), waits=waits))
+        except WireError:  # topics too long for one message: the root goes without (it judges what it hears)
+            pass
 
     def _rank_left(self, p: RankProcess, how: str) -> None:
         if p.rank not in self._told_left:
@@ -365,6 +371,7 @@ class NodeHead(Head):
             return
         self.failure = failure
         if self.job_stop is None and self.link is not None:
+            self._say_held(now_all=True)  # what this node's ranks wait in, for the root's account of the stop
             self.link.send(jobwire.NodeFailure.bounded(
                 token=self.job.token, node_rank=self.job.node_rank, rank=-1 if failure.rank is None else failure.rank,
                 summary=failure.summary, report=failure.report, tail=tuple(failure.tail),

@@ -45,6 +45,10 @@ HANDSHAKE_LOG_INTERVAL_S = 5.0
 TOKEN_FAILURES = 3
 _PENDING_SAID = 20  # undecided steps named in a JobStop, at most
 _PENDING_LINE = 1000  # characters of each, at most
+# NOTE: the cycle check over every undecided step runs from the tick, at most this often, not on every vote: a
+# relayed collective's round over many ranks would otherwise cost the root one full check per vote
+_CROSSED_EVERY_S = 0.1
+_VOTERS_KEPT = 4096
 
 
 def bind_address(host: str, port: int) -> str:
@@ -105,8 +109,12 @@ class Root:
         self.steps: dict[tuple[str, int], _Step] = {}
         self.expired: dict[tuple[str, int], jobwire.JobDecision] = {}
         self.left: dict[int, str] = {}  # ranks that take part in no step any more (NodeLeft): how they left
-        # votes held at their node's head in tray-wide steps (NodeHeld): node -> rank -> (step, until when it waits)
-        self.held: dict[int, dict[int, tuple[tuple[str, int], float]]] = {}
+        # votes held at their node's head in tray-wide steps (NodeHeld): node -> step -> rank -> until when it waits
+        self.held: dict[int, dict[tuple[str, int], dict[int, float]]] = {}
+        self.told: set[int] = set()  # node ranks refused at their join, told why (not waited for after a stop)
+        self._voters: dict[str, tuple[int, ...] | None] = {}  # step_voters by topic, for the crossed-steps check
+        self._crossed_due = False  # votes came since the last crossed-steps check
+        self._crossed_at = 0.0
         self.stop: jobwire.JobStop | None = None
         self.ended = False
         self.rejected: list[str] = []
@@ -206,6 +214,9 @@ class Root:
         state.last_seen = time.monotonic()
         if isinstance(msg, jobwire.Beat):
             return
+        if self.stop is not None and isinstance(msg, (jobwire.NodeOffers, jobwire.NodeReady, jobwire.NodeVote,
+                                                      jobwire.NodeHeld)):
+            return  # the job stopped: no table, go or decision follows (a late node's offers included)
         if isinstance(msg, jobwire.NodeOffers):
             self._on_offers(state, msg)
         elif isinstance(msg, jobwire.NodeReady):
@@ -266,6 +277,8 @@ class Root:
             self._stop(None, -1, summary, exit_code=EXIT_HANDSHAKE)
             if self.stop is not None:  # the refused head is not a member: tell it too
                 self._send(ident, self.stop)
+                if 0 <= join.node_rank < self.nnodes and join.node_rank not in self.nodes:
+                    self.told.add(join.node_rank)
             return
         self.nodes[join.node_rank] = NodeState(ident=ident, join=join, last_seen=time.monotonic())
         self.by_ident[ident] = join.node_rank
@@ -294,16 +307,18 @@ class Root:
     def _on_held(self, node: int, msg: jobwire.NodeHeld) -> None:
         now = time.monotonic()
         lo, hi = node * self.local_world_size, (node + 1) * self.local_world_size
-        self.held[node] = {r: ((t, n), now + w) for t, n, r, w in zip(msg.topics, msg.rounds, msg.ranks, msg.waits)
-                           if lo <= r < hi}
-        self._check_crossed_steps(now)
+        held: dict[tuple[str, int], dict[int, float]] = {}
+        for t, n, r, w in zip(msg.topics, msg.rounds, msg.ranks, msg.waits):
+            if lo <= r < hi:
+                held.setdefault((t, n), {})[r] = now + w
+        self.held[node] = held
+        self._crossed_due = True
 
     def _on_vote(self, node: int, msg: jobwire.NodeVote) -> None:
         key = (msg.topic, msg.round)
         held = self.held.get(node)
         if held:  # the node's votes in this step are here now
-            for r in [r for r, (k, _) in held.items() if k == key]:
-                del held[r]
+            held.pop(key, None)
         if key in self.expired:  # a late voter of a step that timed out gets the same verdict
             self._send(self.nodes[node].ident, self.expired[key])
             return
@@ -328,7 +343,7 @@ class Root:
             return
         if self.left:
             self._check_left()
-        self._check_crossed_steps(now)
+        self._crossed_due = True
 
     def _heard(self) -> tuple[dict[tuple[str, int], dict[int, Any]], dict[tuple[str, int], dict[int, float]]]:
         """Every undecided step's votes the root knows of, those held at heads (value None) with the rest, and until
@@ -336,9 +351,10 @@ class Root:
         boxes: dict[tuple[str, int], dict[int, Any]] = {key: dict(step.values) for key, step in self.steps.items()}
         until = {key: dict(step.until) for key, step in self.steps.items()}
         for held in self.held.values():
-            for r, (key, t) in held.items():
-                boxes.setdefault(key, {})[r] = None
-                until.setdefault(key, {})[r] = t
+            for key, ranks in held.items():
+                for r, t in ranks.items():
+                    boxes.setdefault(key, {})[r] = None
+                    until.setdefault(key, {})[r] = t
         return boxes, until
 
     def _pending_lines(self) -> tuple[str, ...]:
@@ -362,6 +378,13 @@ class Root:
             lines[_PENDING_SAID:] = [f"... and {len(lines) - _PENDING_SAID} more undecided steps"]
         return tuple(lines)
 
+    def _voters_of(self, topic: str) -> tuple[int, ...] | None:
+        if topic not in self._voters:
+            if len(self._voters) >= _VOTERS_KEPT:  # topics of many rounds: the cache starts again
+                self._voters.clear()
+            self._voters[topic] = step_voters(topic, self.world_size, self.groups, self.local_world_size)
+        return self._voters[topic]
+
     def _check_crossed_steps(self, now: float) -> None:
         """Steps that wait for one another's ranks across nodes (node 0's ranks in exchange 'a', node 1's in 'b'):
         each head judges only its own ranks, so such a cycle is the root's to name, as the last vote of it comes.
@@ -371,9 +394,7 @@ class Root:
         if self.stop is not None:
             return
         boxes, until = self._heard()
-        cycle = crossed_steps(boxes,
-                              lambda topic: step_voters(topic, self.world_size, self.groups, self.local_world_size),
-                              range(self.world_size),
+        cycle = crossed_steps(boxes, self._voters_of, range(self.world_size),
                               lambda key, rank: until[key].get(rank, 0.0) > now)
         if cycle:
             nodes = sorted({r // self.local_world_size for _, r in cycle})
@@ -439,8 +460,8 @@ class Root:
 
     # --- time -------------------------------------------------------------------------------------
     def missing_nodes(self) -> list[int]:
-        """The nodes that have not joined (yet)."""
-        return [n for n in range(self.nnodes) if n not in self.nodes]
+        """The nodes that have not joined (yet), those refused and told why left out."""
+        return [n for n in range(self.nnodes) if n not in self.nodes and n not in self.told]
 
     def _missing_nodes(self) -> str:
         return ",".join(str(n) for n in range(self.nnodes) if n not in self.nodes) or "none"
@@ -493,6 +514,11 @@ class Root:
                 self._stop(n, -1, f"node {n} ({j.hostname}, head pid {j.pid}) lost: no heartbeat for {silent:.1f} s "
                            f"(timeout {limit:.1f} s): its head was killed or stopped, its machine is down, or the "
                            "network is cut")
+                return
+        if self._crossed_due and now - self._crossed_at >= _CROSSED_EVERY_S:
+            self._crossed_due, self._crossed_at = False, now
+            self._check_crossed_steps(now)
+            if self.stop is not None:
                 return
         for key, step in list(self.steps.items()):
             if step.timeout_s is not None and now - step.t0 > step.timeout_s:
