@@ -313,6 +313,8 @@ class Root:
                 held.setdefault((t, n), {})[r] = now + w
         self.held[node] = held
         self._crossed_due = True
+        if self.left:
+            self._check_left()
 
     def _on_vote(self, node: int, msg: jobwire.NodeVote) -> None:
         key = (msg.topic, msg.round)
@@ -407,13 +409,14 @@ class Root:
         """A step some ranks wait in whose voters include a rank that left (exited 0, closed its tray) without
         voting can never be decided: the job stops now, naming that rank, not when the waiters' timeouts pass."""
         now = time.monotonic()
-        for (topic, rnd), step in self.steps.items():
-            if not any(t > now for t in step.until.values()):
+        boxes, until = self._heard()  # votes held at heads too: a node's other rank may never come
+        for (topic, rnd), box in boxes.items():
+            if not any(t > now for t in until[(topic, rnd)].values()):
                 continue  # every rank that voted gave the step up (a caught timeout): nobody waits in it
-            gone = [r for r in step.voters if r in self.left and r not in step.values]
+            gone = [r for r in self._voters_of(topic) or () if r in self.left and r not in box]
             if gone:
                 r = gone[0]
-                waiting = who_waits(list(step.values))
+                waiting = who_waits(list(box))
                 self._stop(r // self.local_world_size, r, f"rank {r} {self.left[r]} while {waiting} for it in "
                            f"{describe_step(topic)} (round {rnd}), which it never joined: every rank must make the "
                            "same tray-wide steps")
