@@ -37,7 +37,7 @@ MESSAGES = [
     jobwire.NodeFailure(token=TOKEN, node_rank=1, rank=3, summary="rank 3 died", report="tb", tail=("a", "b"),
                         exit_code=1),
     jobwire.JobStop(token=TOKEN, node_rank=-1, rank=-1, summary="node 1 lost", report="", tail=(), exit_code=3,
-                    pending=("tray-wide step: exchange 'x' (round 3) was still waiting for rank 3 (node 1)",)),
+                    pending_topics=("x", "y"), pending_rounds=(3, 1), pending_missing=((3,), (0, 2))),
     jobwire.NodeDone(token=TOKEN, node_rank=1),
     jobwire.NodeLeft(token=TOKEN, node_rank=1, rank=3, how="exited with code 0"),
     jobwire.JobEnd(token=TOKEN, nnodes=2),

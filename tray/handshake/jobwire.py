@@ -55,6 +55,10 @@ def _strs(v: Any, p: str) -> tuple[str, ...]:
     return tuple(_as_str(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
 
 
+def _int_lists(v: Any, p: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(_ints(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
+
+
 def _plains(v: Any, p: str) -> tuple[Any, ...]:
     return tuple(_as_plain(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
 
@@ -279,13 +283,16 @@ class NodeFailure(_FailureMessage):
 
 @dataclass(frozen=True, slots=True)
 class JobStop(_FailureMessage):
-    """root -> every head: the job's root cause (the first failure anywhere); stop every rank. `pending`: the steps
-    still undecided then, each with the ranks the root had not heard from in it (one line each), for every head to
-    print."""
+    """root -> every head: the job's root cause (the first failure anywhere); stop every rank. The steps still
+    undecided then, for every head to print: (`pending_topics[i]`, `pending_rounds[i]`) had not heard from ranks
+    `pending_missing[i]` (votes held at a head a moment are not known to the root: each head corrects its own)."""
 
     KIND: ClassVar[str] = "job_stop"
-    FIELDS: ClassVar[dict[str, Check]] = {**_FAILURE_FIELDS, "pending": _strs}
-    pending: tuple[str, ...] = ()
+    FIELDS: ClassVar[dict[str, Check]] = {**_FAILURE_FIELDS, "pending_topics": _strs, "pending_rounds": _ints,
+                                          "pending_missing": _int_lists}
+    pending_topics: tuple[str, ...] = ()
+    pending_rounds: tuple[int, ...] = ()
+    pending_missing: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

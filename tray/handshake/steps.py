@@ -154,6 +154,18 @@ def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
     return []
 
 
+def describe_pending(topic: str, rnd: int, missing: Sequence[int], local_world_size: int) -> str:
+    """The line naming an undecided step and the ranks it still waited for, by node (node of rank r = r // L):
+    "tray-wide step: exchange 't' (round 1) was still waiting for ranks 0,1 (node 0), rank 3 (node 1)"."""
+    by_node: dict[int, list[int]] = {}
+    for r in missing:
+        by_node.setdefault(r // local_world_size, []).append(r)
+    who = ", ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} (node {n})"
+                    for n, rs in sorted(by_node.items()))
+    kind = "group step" if topic.startswith(GROUP_PREFIX) else "tray-wide step"
+    return f"{kind}: {describe_step(topic)} (round {rnd}) was still waiting for {who}"
+
+
 def describe_cycle(cycle: Sequence[tuple[tuple[str, int], int]]) -> str:
     """The failure's words for a cycle `crossed_steps` found: each step, the rank it waits for, and where that rank
     waits."""

@@ -22,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tray.errors import WireError
 from tray.handshake import jobwire, wire
-from tray.handshake.steps import GROUP_PREFIX, step_voters
+from tray.handshake.steps import GROUP_PREFIX, describe_pending, step_voters
 from tray.launch.curve import job_keys, make_client
 from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
@@ -35,7 +35,7 @@ from tray.numa import NumaPlacement
 # be an earlier failure elsewhere) before it tears down with its own.
 VERDICT_WAIT_S = 2.0
 # votes held this long in a tray-wide step (the node's other ranks not there yet) are told the root (NodeHeld)
-HELD_SAID_AFTER_S = 0.25
+HELD_SAID_AFTER_S = 0.1
 HELD_SAID_MAX = 64  # held votes told the root in one NodeHeld, at most
 # after a failure, node 0 keeps the root up this long for nodes not joined yet, to tell them the root cause
 LATE_TELL_S = 5.0
@@ -315,11 +315,29 @@ class NodeHead(Head):
         self._check_crossed_steps()
 
     def _pending_steps(self) -> list[str]:
-        """The job's undecided steps as the root knew them at the stop (every head prints the same), with the ranks
-        not heard from by node; this head's own view when no stop came from the root (the root lost)."""
-        if self.job_stop is not None:
-            return list(self.job_stop.pending)
-        return super()._pending_steps()
+        """The job's undecided steps as the root knew them at the stop, with the ranks not heard from by node; this
+        head's own ranks as it knows them (a vote it held a moment had not reached the root), and its own steps the
+        root had not heard of. Without a stop from the root (the root lost): this head's own view."""
+        stop = self.job_stop
+        if stop is None:
+            return super()._pending_steps()
+        mine = range(self.rank_base, self.rank_base + self.spec.nprocs)
+        lines = []
+        said = set()
+        for topic, rnd, missing in zip(stop.pending_topics, stop.pending_rounds, stop.pending_missing):
+            said.add((topic, rnd))
+            box = self.votes.get((topic, rnd), {})
+            still = [r for r in missing if not (r in mine and r in box)]
+            if still:
+                lines.append(describe_pending(topic, rnd, still, self.spec.nprocs))
+        for (topic, rnd), box in self.votes.items():
+            if (topic, rnd) in said:
+                continue
+            voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs) or ()
+            still = [r for r in voters if r in mine and r not in box]
+            if still:
+                lines.append(describe_pending(topic, rnd, still, self.spec.nprocs))
+        return lines
 
     def _say_held(self, *, now_all: bool = False) -> None:
         """Tell the root of the votes this head holds in tray-wide steps (waiting for this node's other ranks) that

@@ -44,7 +44,6 @@ HANDSHAKE_LOG_INTERVAL_S = 5.0
 # be a head that stopped, or a root that closed, while connecting
 TOKEN_FAILURES = 3
 _PENDING_SAID = 20  # undecided steps named in a JobStop, at most
-_PENDING_LINE = 1000  # characters of each, at most
 # NOTE: the cycle check over every undecided step runs from the tick, at most this often, not on every vote: a
 # relayed collective's round over many ranks would otherwise cost the root one full check per vote
 _CROSSED_EVERY_S = 0.1
@@ -359,26 +358,15 @@ class Root:
                     until.setdefault(key, {})[r] = t
         return boxes, until
 
-    def _pending_lines(self) -> tuple[str, ...]:
-        """One line per undecided step: the ranks not heard from in it, by node (at most _PENDING_SAID steps)."""
-        lines = []
+    def _pending(self) -> list[tuple[str, int, tuple[int, ...]]]:
+        """The undecided steps with the ranks not heard from in each (at most _PENDING_SAID steps)."""
+        pending = []
         boxes, _ = self._heard()
         for (topic, rnd), box in boxes.items():
-            voters = step_voters(topic, self.world_size, self.groups, self.local_world_size) or ()
-            by_node: dict[int, list[int]] = {}
-            for r in voters:
-                if r not in box:
-                    by_node.setdefault(r // self.local_world_size, []).append(r)
-            if not by_node:
-                continue
-            who = ", ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} (node {n})"
-                            for n, rs in sorted(by_node.items()))
-            kind = "group step" if topic.startswith(GROUP_PREFIX) else "tray-wide step"
-            line = f"{kind}: {describe_step(topic)} (round {rnd}) was still waiting for {who}"
-            lines.append(line if len(line) <= _PENDING_LINE else line[:_PENDING_LINE - 3] + "...")
-        if len(lines) > _PENDING_SAID:
-            lines[_PENDING_SAID:] = [f"... and {len(lines) - _PENDING_SAID} more undecided steps"]
-        return tuple(lines)
+            missing = tuple(r for r in self._voters_of(topic) or () if r not in box)
+            if missing:
+                pending.append((topic, rnd, missing))
+        return pending[:_PENDING_SAID]
 
     def _voters_of(self, topic: str) -> tuple[int, ...] | None:
         if topic not in self._voters:
@@ -542,7 +530,10 @@ class Root:
             token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
             tail=tuple(tail), exit_code=max(1, exit_code))
         # the steps still undecided, with the ranks not heard from in each: every head prints them with the cause
-        self.stop = dataclasses.replace(stop, pending=self._pending_lines())
+        pending = self._pending()
+        self.stop = dataclasses.replace(stop, pending_topics=tuple(p[0] for p in pending),
+                                        pending_rounds=tuple(p[1] for p in pending),
+                                        pending_missing=tuple(p[2] for p in pending))
         self._broadcast(self.stop)
 
     def _broadcast(self, msg: Any) -> None:
