@@ -455,7 +455,7 @@ class Root:
         return [n for n in range(self.nnodes) if n not in self.nodes and n not in self.told]
 
     def _missing_nodes(self) -> str:
-        return ",".join(str(n) for n in range(self.nnodes) if n not in self.nodes) or "none"
+        return ",".join(map(str, self.missing_nodes())) or "none"
 
     def tick(self) -> None:
         """Heartbeats out; lost nodes, late joins and timed-out group steps named."""
