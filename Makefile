@@ -33,8 +33,11 @@ demo: $(BIN)/.installed
 	$(BIN)/tray gate peer-barrier -n 4 --iters 200
 	$(BIN)/tray gate peer-barrier -n 4 --drop 2 --timeout-s 1
 
+# TESTS: what pytest runs (`make test TESTS="tests/unit -k wire"`; the whole suite by default)
+TESTS ?= tests
+
 test: $(BIN)/.installed $(BIN)/.torch
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(TESTS)
 
 examples: $(BIN)/.installed
 	$(BIN)/python examples/run_all.py

@@ -527,6 +527,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               "dependencies: install tray with them (pip install tray, or `make` in a checkout, then use "
               ".venv/bin/tray)", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # the reader of stdout went away (`tray inspect ... | head`): as a shell tool ends on SIGPIPE, quietly; stdout
+        # pointed at /dev/null so the interpreter's last flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as exc:
         # a second signal now is held until the line is out (then raised, as any signal would be)
         held = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))

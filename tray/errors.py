@@ -66,7 +66,8 @@ class BarrierTimeout(WaitedForRanks):
         self, group: str, epoch: int, rank: int, missing: list[int], waited_s: float
     ) -> None:
         why = ("this rank came after the others had waited that long for it and gone on: it was late" if rank in missing
-               else "rank {who} missing: it died, hangs, or never entered this barrier")
+               else "rank {who} missing: it died, hangs, or never entered this barrier" if len(missing) == 1
+               else "ranks {who} missing: each died, hangs, or never entered this barrier")
         super().__init__(f"barrier {group} epoch {epoch}", group, epoch, rank, missing, waited_s, why)
 
     @staticmethod

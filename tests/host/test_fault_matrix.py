@@ -91,6 +91,7 @@ def test_jobs_root_open_to_others_is_refused(tray_env, tmp_path):
     run = launch_with_root(tray_env, root)
     assert run.returncode == 2, run.stderr
     assert "has mode 0755, expected 0700" in one_error_line(run.stderr)
+    assert f"chmod 700 {root} if it is yours alone" in one_error_line(run.stderr)
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="making a directory of another uid needs root")

@@ -308,6 +308,14 @@ def test_exchange_timeout_names_who_never_joined_the_step(tray_env):
     assert run.returncode == 1, run.output
     assert "no decision on exchange 'step' from the head within 1.0 s" in run.stderr
     assert "tray-wide step: exchange 'step' (round 1) was still waiting for rank 2" in run.stderr
+    # the head says, under the verdict, what the rank never heard from is doing, and has it write its stack
+    notes = run.stderr.split("tray: FAILED: ", 1)[1].splitlines()[1:3]
+    assert notes and notes[0].startswith("tray:   rank 2 is alive, last heartbeat") and "running but not where " \
+        "the others wait for it" in notes[0] and "give the step more time (the timeout_s of exchange 'step', " \
+        "round 1)" in notes[0], run.stderr
+    assert any(ln.startswith("[rank 2]") and re.search(r"prog_\w+\.py\", line \d+ in <module>", ln)
+               for ln in run.stderr.splitlines()), \
+        run.stderr
     assert run.seconds < 15
 
 
@@ -431,7 +439,10 @@ with tray.init() as rank:
     assert run.seconds < 20
 
 
-def test_a_rank_busy_holding_the_gil_is_named_running_with_its_stack_when_a_barrier_gives_up(tray_env):
+@pytest.mark.parametrize("heartbeat", ["2", "default"])
+def test_a_rank_busy_holding_the_gil_is_named_running_with_its_stack_when_a_barrier_gives_up(tray_env, heartbeat):
+    """Also before the heartbeat's own window has judged it (the default timeout, longer than the barrier's): the
+    verdict samples the rank's CPU then, and a rank holding the GIL writes its stack all the same."""
     body = """
 import json
 import re
@@ -441,9 +452,12 @@ def somewhere_busy():
 with tray.init() as rank:
     if rank.rank == 1:
         somewhere_busy()
-    rank.barrier(timeout_s=4)
+    rank.barrier(timeout_s=TIMEOUT)
 """
-    run = tray_env.launch(2, body, "--heartbeat-timeout-s", "2", timeout_s=60)
+    if heartbeat == "default":  # judged only at the barrier's verdict, 1 s after the rank was late (1.5 s)
+        run = tray_env.launch(2, body.replace("TIMEOUT", "2.5"), timeout_s=60)
+    else:
+        run = tray_env.launch(2, body.replace("TIMEOUT", "4"), "--heartbeat-timeout-s", heartbeat, timeout_s=60)
     assert run.returncode == 1, run.output
     assert "(busy in a call that holds the GIL: a CPU in use, no heartbeat): running but not where the others " \
         "wait for it" in run.stderr, run.stderr
@@ -623,3 +637,25 @@ def test_a_rank_whose_own_start_up_wait_runs_out_first_is_a_tray_that_did_not_fo
         print("refused:", exc, flush=True)
     """)
     assert "refused: tray.init(timeout_s=-1): a number of seconds > 0" in run.stdout, run.output
+
+
+def test_ranks_waiting_for_one_another_in_a_barrier_and_a_collective_are_named_so(tray_env):
+    """Rank 0 makes a collective the others never make, and they go on to a barrier: each side waits for the other.
+    The verdict says the rank waited for was itself waiting for the reporter, so neither could end: a program whose
+    ranks made different calls, not a slow rank."""
+    run = tray_env.launch(4, """
+    with tray.init() as rank:
+        c = rank.collectives("world")
+        x = rank.buffer("x")
+        if rank.rank == 0:
+            c.allreduce(x.ptr, x.ptr, 16, "f32")
+        rank.barrier()
+    """, "--manifest", str(MANIFESTS / "program_smoke.json"), "--barrier-timeout-s", "2", timeout_s=60)
+    assert run.returncode == 1, run.output
+    verdict = run.stderr.split("tray: FAILED: ", 1)[1].split("\\ntray: stopping", 1)[0]
+    assert "BarrierTimeout" in verdict.splitlines()[0], verdict
+    # whichever side timed out first is the verdict; the other side's wait is under it
+    assert "was itself waiting, and reported BarrierTimeout: barrier world " in verdict, verdict
+    assert verdict.count("(in allreduce)") >= 1, verdict
+    assert "so these ranks waited for one another in different operations, none of which can end" in verdict, verdict
+    assert run.seconds < 20

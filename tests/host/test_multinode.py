@@ -212,6 +212,33 @@ def test_a_killed_head_is_named_within_the_timeout(tray_env, victim):
         assert "node 1: lost the root (node 0 at 127.0.0.1:" in cause and "nothing heard" in cause, run.output
 
 
+def test_a_barrier_that_runs_out_before_a_killed_node_is_lost_names_that_nodes_silence(tray_env):
+    """Node 1's head killed while node 0's ranks wait for its ranks in a spanning barrier that gives up (1 s) before
+    the node's heartbeat timeout (5 s): the barrier's timeout is the first failure, and the root adds that the
+    node of the missing ranks has been silent, so the verdict points at the node, not at a slow rank."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank >= 2:
+            open(f"up-{rank.rank}", "w").close()
+            time.sleep(60)
+        rank.barrier(timeout_s=1)   # the leaders' step across nodes waits 2 s of it
+    """
+    procs = start_job(tray_env, body)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(tray_env.tmp.glob("up-*"))) < 2:
+        time.sleep(0.05)
+    assert len(list(tray_env.tmp.glob("up-*"))) == 2
+    os.kill(procs[1].pid, signal.SIGKILL)   # its ranks die with it (PR_SET_PDEATHSIG)
+    run = finish([procs[0]], timeout_s=20)[0]
+    finish([procs[1]])
+    assert run.returncode != 0, run.output
+    cause = _root_cause(run)
+    assert "BarrierTimeout" in cause and re.search(r"for rank 2\b", cause), run.output
+    assert re.search(r"the root: node 1 \(.*, head pid \d+\), which holds rank 2, has been silent for "
+                     r"[0-9.]+ s \(its head beats every 0.5 s; lost after 5 s\)", cause), run.output
+
+
 def test_a_root_head_that_was_stopped_says_so_of_itself(tray_env):
     """Node 0's head (the root) SIGSTOPped past the heartbeat timeout, then continued: node 1 names the lost root;
     node 0 says it did not run itself, instead of blaming 'node 0' (its own root) or counting node 1 lost."""

@@ -393,3 +393,21 @@ def test_log_files_are_never_opened_through_a_link_nor_in_a_directory_others_cou
         os.chown(theirs, 65534, 65534)
         with pytest.raises(OSError, match=r"in it \(owned by uid 65534\)"):
             check_log_dir(str(theirs))
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`tray inspect M | head`: stdout's pipe closed under the command ends it as SIGPIPE would (141), with no
+    traceback, also at the interpreter's last flush."""
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: its first write fails
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tray", "inspect", "ep_moe", "-n", "4"], stdout=write_end,
+                              stderr=subprocess.PIPE, timeout=60)
+    finally:
+        os.close(write_end)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

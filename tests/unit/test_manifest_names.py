@@ -24,3 +24,20 @@ def test_manifest_names_resolve_to_builtins_and_paths_win(tmp_path, monkeypatch)
     listing = format_builtins().splitlines()
     assert len(listing) == len(known) and listing[0].split()[0] == sorted(known)[0]
 
+
+
+def test_a_file_name_close_to_one_there_is_suggested_and_long_descriptions_are_cut(tmp_path, monkeypatch):
+    (tmp_path / "my.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"did you mean the file '.*/my\.json'\?"):
+        resolve_manifest(str(tmp_path / "my.jsn"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"did you mean the file 'my\.json'\?"):
+        resolve_manifest("my.jsn")
+    with pytest.raises(UsageError) as err:  # nothing close: no file suggested
+        resolve_manifest("other.txt")
+    assert "the file" not in str(err.value)
+    known = builtin_manifests()
+    for line in format_builtins().splitlines():
+        name, text = line.split(maxsplit=1)
+        assert len(text) <= 104 and (text == known[name] or (text.endswith(" ...") and
+                                                              known[name].startswith(text[:-4]))), line

@@ -80,6 +80,11 @@ _BUSY_CPU_S = 0.02
 # NOTE: how long the head waits, after a rank died of SIGTERM/SIGINT, for the same signal to reach itself
 _SIGNAL_SIBLING_S = 0.2
 _MIN_WINDOW_S = 0.5  # CPU time is counted in clock ticks (10 ms): a shorter window would misjudge
+# a verdict that names a late rank samples its CPU this long when the tick has not yet (two ticks of a busy CPU, also
+# when it gets half of one)
+_CPU_SAMPLE_S = 0.1
+# what a rank's step wait that ran out says (tray.handshake.client.HeadClient.receive)
+_NO_DECISION = ": no decision on "
 # NOTE: how long the head lets a rank's stack dump reach the output pump before the teardown signals the rank (a
 # standard signal pending beside a real-time one is delivered first)
 _STACK_DUMP_WAIT_S = 0.3
@@ -220,6 +225,7 @@ class Head:
         self.rejected: list[str] = []
         self._rejects = 0  # messages refused (only the first _REJECTS_SAID are kept and said)
         self._waits_until: dict[tuple[str, int], dict[int, float]] = {}  # step -> rank -> until when it waits there
+        self._last_vote: dict[int, tuple[str, int]] = {}  # rank -> the step of its latest vote
         self.t_go: float | None = None
         self.t_table: float | None = None
         self.t_spawned = 0.0
@@ -500,9 +506,20 @@ class Head:
             # whom it missed: the head says what each is doing and has those still running write their stacks
             late = [self.procs[r - self.rank_base] for r in BarrierTimeout.missing_in(msg.message)
                     if 0 <= r - self.rank_base < len(self.procs)]
+            more = "give barriers more time (--barrier-timeout-s S, TRAY_BARRIER_TIMEOUT_S or the manifest's " \
+                   "barrier_timeout_s)"
+            if not late and msg.error_type == "HandshakeError" and _NO_DECISION in msg.message:
+                # a tray-wide step it gave up: the head knows who never voted in it (its ranks; the root's stop
+                # names those of other nodes)
+                late, step = self._not_voted_beside(rank)
+                more = f"give the step more time (the timeout_s of {step})"
             if late:
-                notes = tuple(self._status(p) for p in late)
-                self._dump_stacks([p for p in late if self._heartbeating(p)])
+                notes = tuple(self._status(p, more) for p in late)
+                # faulthandler writes a rank's stack from its signal handler, also while a call holds the GIL: every
+                # live rank that reached the head is asked (a stopped one writes nothing)
+                waited = self._dump_stacks([p for p in late if p.popen.poll() is None and p.last_heartbeat is not None
+                                            and p.phase != "bye"], sock)
+                notes += self._waits_of_the_waited(rank, waited)
             said = f"{msg.error_type}: {msg.message}" if msg.message else f"{msg.error_type} (no message)"
             # a manifest the rank could not load, or a tray.init() it called wrongly: the user's input, said in one
             # line and exit 2 as the head's own usage errors (the rank's error report, tray's frames, stays in its
@@ -754,6 +771,7 @@ class Head:
         the step up, caught the timeout and gone on)."""
         until = time.monotonic() + vote.wait_s - min(_WAIT_MARGIN_S, vote.wait_s / 2)
         self._waits_until.setdefault(key, {})[vote.rank] = until
+        self._last_vote[vote.rank] = key
 
     def _forget_waits(self, key: tuple[str, int]) -> None:
         self._waits_until.pop(key, None)
@@ -890,14 +908,29 @@ class Head:
         """Alive and heartbeating, or busy holding the GIL (judged so by its CPU): running, just not where it was
         waited for."""
         # NOTE: heartbeats come every HEARTBEAT_INTERVAL_S; two missed ones mean the process is not running, unless
-        # it keeps a CPU busy in a call that holds the GIL (_busy)
+        # it keeps a CPU busy in a call that holds the GIL (_busy, or _using_cpu now)
         if p.popen.poll() is not None or p.last_heartbeat is None:
             return False
-        return time.monotonic() - p.last_heartbeat <= _LATE_S or (p.rank in self._busy_said and p.cpu_mark is not None)
+        return time.monotonic() - p.last_heartbeat <= _LATE_S or p.rank in self._busy_said or self._using_cpu(p)
 
-    def _dump_stacks(self, procs: list[RankProcess]) -> None:
+    def _using_cpu(self, p: RankProcess) -> bool:
+        """Whether a rank late with its heartbeat used a CPU since it became late (the tick's mark), or over a short
+        sample taken now when that mark is younger than it: judged when a verdict needs it, before the tick's window
+        (up to the heartbeat timeout) has run. Using one is proof of running; using none over so short a time is
+        not proof of the opposite, which only the tick's whole window gives."""
+        now = time.monotonic()
+        mark = p.cpu_mark
+        if mark is None or mark[1] is None or now - mark[0] < _CPU_SAMPLE_S:
+            mark = (now, _cpu_seconds(p.pid))
+            time.sleep(_CPU_SAMPLE_S)
+        cpu = _cpu_seconds(p.pid)
+        return mark[1] is not None and cpu is not None and cpu - mark[1] >= _BUSY_CPU_S
+
+    def _dump_stacks(self, procs: list[RankProcess], sock: zmq.Socket | None = None) -> dict[int, str]:
         """Have each rank write every thread's Python stack to its stderr (tray.rank registered the signal before
-        it first reached the head), and give the output pump a moment to carry it before the teardown's SIGTERM."""
+        it first reached the head), and give the output pump a moment to carry it before the teardown's SIGTERM.
+        Meanwhile the ranks' messages on `sock` are read: the tray is failing, so only what these ranks report of
+        their own waits is kept (rank -> message of an error naming whom it waited for); the rest is dropped."""
         sent = False
         for p in procs:
             try:
@@ -905,10 +938,53 @@ class Head:
                 sent = True
             except OSError:  # gone meanwhile
                 pass
-        if sent:
+        waited: dict[int, str] = {}
+        if not sent:
+            return waited
+        if sock is None:
             time.sleep(_STACK_DUMP_WAIT_S)
+            return waited
+        ranks = {p.rank for p in procs}
+        deadline = time.monotonic() + _STACK_DUMP_WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                break
+            ident, payload = self._recv(sock)
+            rank = self._sender_rank(ident) if ident is not None else None
+            if rank not in ranks:
+                continue
+            try:
+                msg = wire.decode(payload, token=self.token, sender=ident)
+            except WireError:
+                continue
+            if isinstance(msg, wire.ErrorReport) and msg.rank == rank and BarrierTimeout.missing_in(msg.message):
+                waited[rank] = f"{msg.error_type}: {msg.message}"
+        return waited
 
-    def _status(self, p: RankProcess) -> str:
+    @staticmethod
+    def _waits_of_the_waited(rank: int, waited: dict[int, str]) -> tuple[str, ...]:
+        """Notes on the ranks `rank` waited for that timed out waiting themselves: ranks waiting for one another in
+        two operations of a group (a barrier against a collective, two barriers in another order) are a program
+        whose ranks made different calls, not a slow rank."""
+        notes = tuple(f"rank {m} was itself waiting, and reported {said}" for m, said in sorted(waited.items()))
+        if any(rank in BarrierTimeout.missing_in(said) for said in waited.values()):
+            notes += ("so these ranks waited for one another in different operations, none of which can end: every "
+                      "member of a group must make the same barriers and collectives in the same order",)
+        return notes
+
+    def _not_voted_beside(self, rank: int) -> tuple[list[RankProcess], str]:
+        """This head's ranks that never voted in the undecided tray-wide step `rank` voted in last (a rank waits in
+        one at a time), and that step's description; ([], "") when that step is decided or there is none."""
+        key = self._last_vote.get(rank)
+        box = self.votes.get(key) if key is not None else None
+        if key is None or box is None or rank not in box:
+            return [], ""
+        topic, rnd = key
+        voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
+        return ([p for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)],
+                f"{describe_step(topic)}, round {rnd}")
+
+    def _status(self, p: RankProcess, more: str = "give it more time") -> str:
         """What the head knows of rank `p` now: dead (how), or alive with its last heartbeat and phase, and
         whether that makes it slow (heartbeating) or stopped (silent)."""
         code = p.popen.poll()
@@ -927,10 +1003,9 @@ class Head:
                 head += " (busy in a call that holds the GIL: a CPU in use, no heartbeat)"
             return (f"{head}: running but not where the others wait for it, slow or stuck elsewhere (its Python "
                     f"stack, every thread, went to its stderr just now: the [rank {p.rank}] lines above, or its log); "
-                    "if it is "
-                    "slow, give barriers more time (--barrier-timeout-s S, TRAY_BARRIER_TIMEOUT_S or the manifest's "
-                    "barrier_timeout_s) or run fewer ranks than cores")
-        return f"{head}: stopped or frozen (no heartbeat)"
+                    f"if it is slow, {more} or run fewer ranks than cores")
+        return (f"{head}: stopped or frozen (no heartbeat, no CPU used; or blocked in a call that holds the GIL: "
+                f"then its Python stack went to its stderr just now, the [rank {p.rank}] lines above, or its log)")
 
     def _log_error_reports(self, job_dir: Path) -> None:
         """Append each rank's error report (from its error file) to its --log-dir file: the log then holds

@@ -105,6 +105,7 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
         problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     elif stat.S_IMODE(st.st_mode) & 0o077:
         problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 (others could enter it)"
+        hint = f"chmod 700 {path} if it is yours alone, else {hint}"
     problem = problem or unsafe_ancestor(path)
     if problem:
         os.close(fd)

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tray.errors import UsageError, WireError
+from tray.errors import BarrierTimeout, UsageError, WireError
 from tray.handshake import jobwire
 from tray.handshake.steps import GROUP_PREFIX, crossed_steps, describe_cycle, describe_step, step_voters, who_waits
 from tray.launch.curve import ZapHandler, job_keys, make_server
@@ -47,6 +47,9 @@ _PENDING_SAID = 20  # undecided steps named in a JobStop, at most
 # NOTE: the cycle check over every undecided step runs from the tick, at most this often, not on every vote: a
 # relayed collective's round over many ranks would otherwise cost the root one full check per vote
 _CROSSED_EVERY_S = 0.1
+# a node not heard from for longer than this (two heartbeats and some) is said to be silent when a failed wait missed
+# its ranks
+_NODE_LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 _VOTERS_KEPT = 4096
 
 
@@ -526,6 +529,8 @@ class Root:
         """The first failure anywhere becomes the job's root cause; later ones are only counted."""
         if self.stop is not None:
             return
+        if node is not None and rank >= 0:
+            summary += self._silent_nodes_among(BarrierTimeout.missing_in(summary))
         stop = jobwire.JobStop.bounded(
             token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
             tail=tuple(tail), exit_code=max(1, exit_code))
@@ -535,6 +540,25 @@ class Root:
                                         pending_rounds=tuple(p[1] for p in pending),
                                         pending_missing=tuple(p[2] for p in pending))
         self._broadcast(self.stop)
+
+    def _silent_nodes_among(self, ranks: list[int]) -> str:
+        """What the root knows of the nodes of `ranks` (those a failed wait missed) that it has not heard from for
+        two heartbeats and more: a wait can run out before such a node's heartbeat timeout does, and the node's
+        silence is then the likelier cause. "" when every such node is heard from."""
+        now = time.monotonic()
+        said = []
+        for n in sorted({r // self.local_world_size for r in ranks}):
+            state = self.nodes.get(n)
+            if state is None or state.done or (silent := now - state.last_seen) <= _NODE_LATE_S:
+                continue
+            j = state.join
+            held = [str(r) for r in ranks if r // self.local_world_size == n]
+            whom = f"{'rank' if len(held) == 1 else 'ranks'} {','.join(held)}"
+            said.append(f"node {n} ({j.hostname}, head pid {j.pid}), which holds {whom}, has been silent for "
+                        f"{silent:.1f} s (its head beats every {HEARTBEAT_INTERVAL_S:g} s; lost after "
+                        f"{self.job.node_heartbeat_timeout_s:g} s): its head was probably killed or stopped, or its "
+                        "machine or network is down")
+        return "; the root: " + "; ".join(said) if said else ""
 
     def _broadcast(self, msg: Any) -> None:
         data = msg.to_msgpack()  # once for every node

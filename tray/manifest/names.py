@@ -10,6 +10,11 @@ from pathlib import Path
 from tray.errors import UsageError
 from tray.manifest.builtin import builtin_dir
 
+# a listed description's length at most (a terminal's line, less the name)
+_LISTED_CHARS = 100
+# how many .json files of a folder a name not found is compared with
+_FILES_COMPARED = 1000
+
 
 def builtin_manifests() -> dict[str, str]:
     """Built-in manifest name (file stem) -> its one-line description, sorted by name."""
@@ -34,13 +39,28 @@ def resolve_manifest(arg: str) -> str:
         return str(builtin_dir() / f"{stem}.json")
     close = difflib.get_close_matches(Path(stem).name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
+    folder = Path(arg).parent
+    try:  # a file of a close name where it was looked for ("my.jsn" beside "my.json")
+        files = sorted(p.name for p in folder.iterdir() if p.suffix == ".json" and p.is_file())[:_FILES_COMPARED]
+    except OSError:
+        files = []
+    near = difflib.get_close_matches(Path(arg).name, files, n=1, cutoff=0.75)
+    if near:
+        hint = f"; did you mean the file {str(folder / near[0])!r}?"
     listing = ", ".join(known) or "none"
     raise UsageError(f"no manifest file {arg!r} and no built-in manifest of that name{hint} "
                      f"(built-in: {listing}; `tray inspect --list` describes them)")
 
 
 def format_builtins() -> str:
-    """One line per built-in manifest: name and description."""
+    """One line per built-in manifest: name and description, cut at a word within _LISTED_CHARS (`tray inspect
+    NAME` prints it whole)."""
     known = builtin_manifests()
     width = max((len(n) for n in known), default=0)
-    return "\n".join(f"{name:<{width}}  {text}" for name, text in known.items())
+
+    def cut(text: str) -> str:
+        if len(text) <= _LISTED_CHARS:
+            return text
+        return text[:_LISTED_CHARS].rsplit(" ", 1)[0].rstrip(",;:(") + " ..."
+
+    return "\n".join(f"{name:<{width}}  {cut(text)}" for name, text in known.items())

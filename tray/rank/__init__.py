@@ -259,7 +259,8 @@ class Rank:
                                          wait_s=timeout_s))
         except WireError as exc:  # the caller's value: too large for one message, or of a type msgpack lacks
             raise UsageError(f"exchange({topic!r}): its value cannot be sent ({exc.reason}); values are None, bool, "
-                             "int, float, str, bytes, and lists and dicts (str keys) of them, within "
+                             "int, float, str, bytes, and lists and dicts (str keys) of them (a numpy or torch value: "
+                             "its .item() or .tolist()), within "
                              f"{wire.vote_limit_nbytes(self.world_size)} B per rank") from None
         limit = wire.vote_limit_nbytes(self.world_size)
         if len(data) > limit:
