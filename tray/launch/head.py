@@ -514,6 +514,7 @@ class Head:
                 late, step = self._not_voted_beside(rank)
                 more = f"give the step more time (the timeout_s of {step})"
             if late:
+                self._sample_cpu(late)
                 notes = tuple(self._status(p, more) for p in late)
                 # faulthandler writes a rank's stack from its signal handler, also while a call holds the GIL: every
                 # live rank that reached the head is asked (a stopped one writes nothing)
@@ -913,18 +914,26 @@ class Head:
             return False
         return time.monotonic() - p.last_heartbeat <= _LATE_S or p.rank in self._busy_said or self._using_cpu(p)
 
-    def _using_cpu(self, p: RankProcess) -> bool:
-        """Whether a rank late with its heartbeat used a CPU since it became late (the tick's mark), or over a short
-        sample taken now when that mark is younger than it: judged when a verdict needs it, before the tick's window
-        (up to the heartbeat timeout) has run. Using one is proof of running; using none over so short a time is
-        not proof of the opposite, which only the tick's whole window gives."""
+    def _sample_cpu(self, procs: list[RankProcess]) -> None:
+        """Before a verdict judges ranks late with their heartbeat (_using_cpu): those whose CPU the tick has not
+        marked long enough ago are marked now, and the head sleeps _CPU_SAMPLE_S once for all of them."""
         now = time.monotonic()
-        mark = p.cpu_mark
-        if mark is None or mark[1] is None or now - mark[0] < _CPU_SAMPLE_S:
-            mark = (now, _cpu_seconds(p.pid))
+        fresh = [p for p in procs if p.popen.poll() is None and p.last_heartbeat is not None
+                 and now - p.last_heartbeat > _LATE_S
+                 and (p.cpu_mark is None or p.cpu_mark[1] is None or now - p.cpu_mark[0] < _CPU_SAMPLE_S)]
+        for p in fresh:
+            p.cpu_mark = (now, _cpu_seconds(p.pid))
+        if fresh:
             time.sleep(_CPU_SAMPLE_S)
+
+    def _using_cpu(self, p: RankProcess) -> bool:
+        """Whether a rank late with its heartbeat used a CPU since it became late (the tick's mark, or the one
+        _sample_cpu took for the verdict): judged when a verdict needs it, before the tick's window (up to the
+        heartbeat timeout) has run. Using one is proof of running; using none over so short a time is not proof of
+        the opposite, which only the tick's whole window gives."""
+        mark = p.cpu_mark
         cpu = _cpu_seconds(p.pid)
-        return mark[1] is not None and cpu is not None and cpu - mark[1] >= _BUSY_CPU_S
+        return mark is not None and mark[1] is not None and cpu is not None and cpu - mark[1] >= _BUSY_CPU_S
 
     def _dump_stacks(self, procs: list[RankProcess], sock: zmq.Socket | None = None) -> dict[int, str]:
         """Have each rank write every thread's Python stack to its stderr (tray.rank registered the signal before
