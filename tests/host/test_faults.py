@@ -3,6 +3,7 @@ and leave nothing behind (the `tray_env` fixture checks processes, job dirs and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -264,6 +265,45 @@ def test_head_sigkilled_takes_its_ranks(tray_env):
             head.kill()
         head.stdout.close()
     # a head killed by SIGKILL cannot remove its job dir; its watchdog does
+    deadline = time.monotonic() + 5
+    while list(tray_env.jobs_root.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tray_env.jobs_root.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["process_group", "session"])
+def test_head_sigkilled_takes_the_descendants_that_left_the_trays_group(tray_env, how):
+    """A rank's child in a process group (or session) of its own is not in the tray's group: with the head killed
+    (no subreaper left to adopt it), the watchdog finds it by the job dir its environment names."""
+    cmd = tray_env.command(2, f"""
+    import subprocess
+    with tray.init() as rank:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", sys.argv[1]],
+                                 {'process_group=0' if how == 'process_group' else 'start_new_session=True'})
+        print("up", child.pid, flush=True)
+        time.sleep(600)
+    """)
+    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=tray_env.env(),
+                            cwd=str(tray_env.tmp))
+    children = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(children) < 2 and time.monotonic() < deadline:
+            line = head.stdout.readline().split()
+            if len(line) >= 3 and line[-2] == "up":
+                children.append(psutil.Process(int(line[-1])))
+        assert len(children) == 2
+        head.send_signal(signal.SIGKILL)
+        head.wait(timeout=10)
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, alive
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+        for c in children:
+            with contextlib.suppress(psutil.Error):
+                c.kill()
     deadline = time.monotonic() + 5
     while list(tray_env.jobs_root.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -659,3 +699,41 @@ def test_ranks_waiting_for_one_another_in_a_barrier_and_a_collective_are_named_s
     assert verdict.count("(in allreduce)") >= 1, verdict
     assert "so these ranks waited for one another in different operations, none of which can end" in verdict, verdict
     assert run.seconds < 20
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_teardown_of_a_failed_tray_keeps_its_root_cause(tray_env, sig):
+    """Rank 1 fails; rank 0 ignores SIGTERM, so the teardown waits out its grace; a Ctrl-C (or Slurm's SIGTERM) to
+    the head meanwhile still gets the whole root cause, and the failure's exit code."""
+    cmd = tray_env.command(2, """
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 1:
+            raise RuntimeError("rank 1 fails")
+        time.sleep(60)
+    """)
+    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(),
+                            cwd=str(tray_env.tmp))
+    import threading
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(head.stderr))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any("stopping ranks" in ln for ln in err) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert any("stopping ranks" in ln for ln in err), "".join(err)
+        head.send_signal(sig)
+        assert head.wait(timeout=30) == 1, "".join(err)
+    finally:
+        if head.poll() is None:
+            head.kill()
+        reader.join(timeout=10)
+        head.stdout.close()
+        head.stderr.close()
+    text = "".join(err)
+    assert f"tray: {signal.Signals(sig).name} during the teardown of a tray that had failed before it" in text, text
+    assert "RuntimeError: rank 1 fails" in text.split("failed before it", 1)[1], text
+    assert "tray: interrupted" not in text, text

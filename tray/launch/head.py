@@ -233,6 +233,7 @@ class Head:
         self.shm: set[str] = set()
         self._t_shm = 0.0
         self._job_path: Path | None = None  # the job dir, once made
+        self._failed_first = False  # the loop ended on a failure, before any stop signal came
         self._watchdog: Watchdog | None = None
         self._children_before: set[int] = set()  # this process's children before the tray (run_tray in a program)
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
@@ -251,8 +252,17 @@ class Head:
         socket or its watchdog cannot be made) after stopping whatever was started, and
         KeyboardInterrupt after the teardown when SIGINT or SIGTERM came: from before the job dir is
         made to the teardown's end, a signal is noted and acted on between two turns of the loop."""
-        with _signals_held() as self._signals:
-            job_dir = self._run()
+        try:
+            with _signals_held() as self._signals:
+                job_dir = self._run()
+        except KeyboardInterrupt:
+            if not self._failed_first or self._job_path is None:
+                raise
+            # the tray had failed before the signal came (a Ctrl-C during a slow teardown, Slurm's SIGTERM): its root
+            # cause is what the user needs, said whole, and its exit code stands
+            sig = _signal_name(-self._signals[0]) if self._signals else "a signal"
+            _say(f"{sig} during the teardown of a tray that had failed before it: the root cause follows")
+            return self._result(self._job_path)
         return self._result(job_dir)
 
     def _run(self) -> Path:
@@ -306,6 +316,7 @@ class Head:
             sock = _bind_router(ctx, endpoint, job)
             self._start_job(ctx, sock)
             self._loop(sock, job)
+            self._failed_first = self.failure is not None and not self._signals
             self._after_loop()
         finally:
             self._teardown(job, watchdog, pump)

@@ -2,9 +2,10 @@
 
 The head starts it first; it leads the tray's process group (every rank, and everything a rank
 starts, joins that group) and holds the job dir's lock with the head. It waits on a pipe from the
-head. EOF without "done" means the head died: it kills every other process of the group, removes the
-NCCL segments the head recorded, removes the job dir, and exits. A group led by a live process cannot
-be reused by another, so the kill never reaches a stranger.
+head. EOF without "done" means the head died: it kills every other process of the group and every process of
+this user whose environment names the job dir (TRAY_JOB: a rank's descendants that left the group), removes the
+NCCL segments the head recorded, removes the job dir, and exits. A group led by a live process cannot be reused
+by another, and a job dir's name is never reused, so the kills never reach a stranger.
 
     python -m tray.launch.watchdog ROOT JOB_NAME PIPE_FD LOCK_FD
 """
@@ -54,6 +55,48 @@ def group_members(pgid: int, exclude: frozenset[int] = frozenset()) -> list[int]
         if fields is not None and len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             found.append(pid)
     return found
+
+
+def marked_processes(mark: bytes, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Pids of this user's live processes whose environment holds the entry `mark` (b"NAME=value"), from /proc,
+    minus `exclude`: a rank's descendants inherit TRAY_JOB, also those that left the tray's process group."""
+    found, uid, entry_of = [], os.getuid(), b"\0" + mark + b"\0"
+    for entry in os.listdir("/proc"):
+        if not is_digits(entry) or int(entry) in exclude:
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = b"\0" + f.read() + b"\0"
+        except OSError:  # gone, or not ours to read
+            continue
+        fields = stat_fields(entry)
+        if entry_of in environ and fields is not None and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def kill_marked(mark: bytes, exclude: frozenset[int], timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
+    """SIGKILL this user's processes whose environment holds `mark` until none is left or `timeout_s` passed (one
+    may fork while we look); returns the pids still alive then (normally none)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            left = marked_processes(mark, exclude)
+        except OSError:  # /proc cannot be listed now (EMFILE)
+            left = []
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+        if not left or time.monotonic() >= deadline:
+            return left
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.005)
 
 
 def kill_group(pgid: int, exclude: frozenset[int], timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
@@ -139,9 +182,12 @@ def _watch(root: str, job_name: str, pipe_fd: int, lock_fd: int) -> int:
         data += chunk
     if data == DONE:
         return 0
-    # the head died without cleaning up
+    # the head died without cleaning up: every process of the tray's group, then the rank's descendants that left
+    # it (setpgid, setsid: the head, a subreaper, would have adopted and killed them), known by the job dir their
+    # environment names
     me = os.getpid()
     kill_group(os.getpgid(0), frozenset({me}))
+    kill_marked(f"TRAY_JOB={Path(root) / job_name}".encode(), frozenset({me}))
     try:
         _, root_fd = open_root(Path(root))
     except SetupError:
