@@ -56,12 +56,18 @@ def share_gpus(flag: bool | None, text: str | None) -> bool:
 def own_module(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run `python -P -m <module> <args>` of this very tray (its package first on
     PYTHONPATH; -P: no tray/ in the working directory shadows it): the head's watchdog and NCCL id process."""
-    env = dict(os.environ)
+    python, path = own_python()
+    return [*python, "-m", module, *args], {**os.environ, "PYTHONPATH": path}
+
+
+def own_python() -> tuple[list[str], str]:
+    """`python -P` and the PYTHONPATH (this tray's package first) under which a `-m tray...` module is this very
+    tray's, whatever the working directory holds (a folder named tray/, the parent of a checkout): the commands of
+    `tray gate` and `tray bench` ranks, and of the heads a bench starts."""
     # NOTE: no empty entry (PYTHONPATH unset or ending in ':'): an empty entry is the working directory, which -P
     # keeps off sys.path for a reason
-    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *rest])
-    return [sys.executable, "-P", "-m", module, *args], env
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [sys.executable, "-P"], os.pathsep.join([str(Path(__file__).resolve().parents[1]), *rest])
 
 
 def stop_signals() -> tuple[int, ...]:

@@ -16,6 +16,10 @@ class UsageError(TrayError):
     """The person at the keyboard must act: a wrong flag, a call out of order."""
 
 
+class SetupError(UsageError):
+    """The jobs root, a job dir, a socket in it or the watchdog cannot be made or trusted (exit 2)."""
+
+
 class ManifestError(TrayError):
     """The manifest's author must act. `path` is the file, `json_path` the place inside it."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -681,3 +682,37 @@ with tray.init() as rank:
         if head.poll() is None:
             head.kill()
         head.stderr.close()
+
+
+def test_a_job_dir_removed_while_the_ranks_start_is_said(tray_env):
+    """Rank 1 sleeps before tray.init(); the job dir is removed meanwhile: its fd socket cannot be made, its report
+    cannot be written, and the head says the job dir is gone instead of only "tray.init() not called"."""
+    run = tray_env.launch(2, """
+    import shutil
+    if os.environ["TRAY_RANK"] == "1":
+        for entry in os.listdir(os.environ["TRAY_JOBS_ROOT"]):
+            shutil.rmtree(os.path.join(os.environ["TRAY_JOBS_ROOT"], entry), ignore_errors=True)
+    with tray.init() as rank:
+        rank.barrier()
+    """, "--timeout-s", "10")
+    assert run.returncode != 0, run.output
+    assert "was removed while the tray ran" in run.stderr, run.stderr
+    # its report reached nobody: the rank prints its traceback itself, not "reported to the head"
+    assert re.search(r"\[rank \d\] tray\.errors\.SetupError: rank \d cannot make its fd socket", run.stderr), run.stderr
+    assert "(reported to the head" not in run.stderr, run.stderr
+
+
+def test_a_folder_named_tray_in_the_working_directory_does_not_shadow_the_gates_ranks(tray_env):
+    """`tray gate` run from the parent of a checkout (a tray/ folder there): its ranks ran `python -m ...` with the
+    working directory first on sys.path, imported that folder as a namespace package, and failed ("module 'tray'
+    has no attribute 'init'"). The ranks run `python -P` with this tray's package on PYTHONPATH now."""
+    script = os.path.join(os.path.dirname(sys.executable), "tray")
+    if not os.path.exists(script):
+        pytest.skip("no `tray` command beside this Python")
+    (tray_env.tmp / "tray").mkdir()
+    env = tray_env.env()
+    env.pop("PYTHONPATH", None)  # as a user runs it: the installed tray
+    run = tray_env.run([script, "gate", "peer-barrier", "--backend", "host", "-n", "2", "--iters", "20"],
+                       env=env)
+    assert run.returncode == 0, run.output
+    assert "PASSED" in run.output

@@ -555,3 +555,53 @@ def test_a_non_member_whose_request_the_fd_socket_never_read_gets_the_refusal(tm
         server.close()
         os.close(r)
         os.close(w)
+
+
+def test_fds_a_rank_has_no_room_for_are_said_to_be_its_limit_not_the_senders(tmp_path) -> None:
+    """A reply of 16 fds to a process whose open-file limit leaves room for a few: the kernel drops the rest
+    (MSG_CTRUNC), and the error names this process's limit; it read "rank 0 sent 4 fds for 16 buffers", blaming
+    the sender."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    import msgpack
+
+    path = str(tmp_path / "fake.fds")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    pipes = [os.pipe() for _ in range(8)]
+    fds = [fd for pair in pipes for fd in pair]
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            body = msgpack.packb({"ok": True, "names": [f"b{i}" for i in range(len(fds))], "more": False})
+            socket.send_fds(conn, [len(body).to_bytes(4, "big") + body], fds)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    child = f"""
+import os, resource
+from tray.errors import HandshakeError
+from tray.handshake.fdpass import fetch_fds
+open_now = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    fetch_fds({path!r}, "tok", ["x"], "rank 0", 5.0)
+except HandshakeError as exc:
+    print(exc)
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+        t.join(5)
+    finally:
+        server.close()
+        for fd in fds:
+            os.close(fd)
+    assert "this rank could not receive rank 0's fds: its open-file limit is" in out.stdout, out.stdout + out.stderr
+    assert "raise it (ulimit -n)" in out.stdout

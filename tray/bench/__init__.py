@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tray.envinfo import environment
-from tray.envvars import share_gpus
+from tray.envvars import own_python, share_gpus
 from tray.errors import UsageError
 
 __all__ = ["Row", "TrayFailed", "buffers_nbytes", "busbw_factor", "environment", "format_gbps", "format_table",
@@ -51,9 +51,11 @@ def run_rank_program(name: str, module: str, cfg: dict[str, Any], work: Path, *,
     out.mkdir()
     cfg_path = work / f"{name}.json"
     cfg_path.write_text(json.dumps({**cfg, "out_dir": str(out)}))
-    spec = TraySpec(nprocs=nprocs, cmd=(sys.executable, "-m", module, str(cfg_path)), backend=backend,
+    python, path = own_python()
+    spec = TraySpec(nprocs=nprocs, cmd=(*python, "-m", module, str(cfg_path)), backend=backend,
                     manifest=manifest, vars=tuple(sorted(vars.items())), log_dir=log_dir, quiet=not progress,
-                    timeline=False, local_ranks_filter=(0,), extra_env=tuple(sorted((env or {}).items())))
+                    timeline=False, local_ranks_filter=(0,),
+                    extra_env=tuple(sorted({"PYTHONPATH": path, **(env or {})}.items())))
     result = run_tray(spec)
     if result.exit_code != 0:
         cause = result.root_cause

@@ -12,13 +12,13 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tray.bench import TrayFailed
+from tray.envvars import own_python
 from tray.errors import UsageError
 
 # NOTE: a bench run (checks, timings, replays) lasts minutes on GPUs; this bounds a job that never ends.
@@ -74,18 +74,19 @@ def free_port(host: str = ROOT_HOST) -> int:
 
 
 def _node_cmd(job: NodeJob, node: int, port: int, cfg_path: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "tray", "launch", "--nnodes", str(job.nnodes), "--node-rank", str(node),
+    python, _ = own_python()
+    cmd = [*python, "-m", "tray", "launch", "--nnodes", str(job.nnodes), "--node-rank", str(node),
            "--rdzv-endpoint", f"{ROOT_HOST}:{port}", "--rdzv-id", job.name, "-n", str(job.per_node),
            "--backend", job.backend, "--manifest", job.manifest, "-q", "--local-ranks-filter", "0"]
     for k, v in sorted(job.vars.items()):
         cmd += ["--var", f"{k}={v}"]
     if job.log_dir:
         cmd += ["--log-dir", str(Path(job.log_dir) / f"node{node}")]
-    return [*cmd, "--", sys.executable, "-m", job.module, str(cfg_path)]
+    return [*cmd, "--", *python, "-m", job.module, str(cfg_path)]
 
 
 def _node_env(job: NodeJob, node: int, token: str, devices: list[str] | None) -> dict[str, str]:
-    env = {**os.environ, **(job.env or {}), "TRAY_JOB_TOKEN": token}
+    env = {**os.environ, **(job.env or {}), "TRAY_JOB_TOKEN": token, "PYTHONPATH": own_python()[1]}
     # NOTE: its own host id per node: NCCL then treats the nodes as separate hosts (network transport
     # between them, no shared-memory or NVLink shortcut), as two machines would be
     env["NCCL_HOSTID"] = f"tray-{job.name}-node{node}"

@@ -6,6 +6,7 @@ sends anything. ZeroMQ cannot carry fds, hence this side channel.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import socket
@@ -17,7 +18,7 @@ from collections.abc import Iterable
 
 import msgpack
 
-from tray.errors import HandshakeError
+from tray.errors import HandshakeError, SetupError
 
 # NOTE: requests and replies are tiny (names of a few buffers); a cap keeps garbage cheap.
 _MAX_REQUEST_NBYTES = 64 * 1024
@@ -68,6 +69,13 @@ class FdServer:
             os.chmod(path, 0o600)
             self._sock.listen(64)
             self._sock.settimeout(0.1)
+        except OSError as exc:
+            self._sock.close()
+            gone = not os.path.isdir(os.path.dirname(path))
+            raise SetupError(f"rank {rank} cannot make its fd socket {path}: {exc.strerror or exc}; "
+                             + ("the job dir was removed while the tray started (by hand, or a cleanup of its "
+                                "jobs root): leave it while the tray runs" if gone else
+                                "free space or inodes there, or set TRAY_JOBS_ROOT to another directory")) from None
         except BaseException:
             self._sock.close()
             raise
@@ -183,6 +191,30 @@ def _reply(sock: socket.socket, data: bytes, nfds: int, owner: str) -> tuple[lis
     return names, bool(reply.get("more"))
 
 
+def _fd_limit_said() -> str:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        now = f", {len(os.listdir('/proc/self/fd')) - 1} open now"  # less the listing's own
+    except OSError:  # none free even to list them
+        now = ""
+    return f"its open-file limit is {soft} (at most {hard}){now}"
+
+
+def ensure_fd_room(need: int) -> None:
+    """Raise this process's soft open-file limit to `need` when it is lower (up to the hard limit): a rank holds
+    its own exported buffers' fds and, while it maps them, a peer's. Short of the hard limit it stays as it is,
+    and a reply that could not carry its fds says so (fetch_fds)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+
+
 def fetch_fds(path: str, token: str, names: list[str], owner: str, timeout_s: float) -> dict[str, int]:
     """Ask the fd socket at `path` (of `owner`, e.g. "rank 2") for `names`; returns name -> fd
     (the caller owns and closes them). Raises HandshakeError naming the owner on refusal/timeout."""
@@ -206,8 +238,12 @@ def fetch_fds(path: str, token: str, names: list[str], owner: str, timeout_s: fl
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused before the request was read (who asks is judged first): the refusal waits to be read
         while True:
-            data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REQUEST_NBYTES, _MAX_FDS)
+            data, fds, flags, _addr = socket.recv_fds(sock, _MAX_REQUEST_NBYTES, _MAX_FDS)
             try:
+                if flags & socket.MSG_CTRUNC:  # the kernel dropped the fds this process had no room for
+                    raise HandshakeError(f"this rank could not receive {owner}'s fds: {_fd_limit_said()}, and the "
+                                         f"reply's fds beyond {len(fds)} were dropped; raise it (ulimit -n) or export "
+                                         "fewer buffers")
                 names, more = _reply(sock, data, len(fds), owner)
             except BaseException:
                 for fd in fds:  # NOTE: this reply's fds are not in `received` yet: closed here, whatever failed

@@ -537,7 +537,7 @@ class Head:
             # line and exit 2 as the head's own usage errors (the rank's error report, tray's frames, stays in its
             # log: --log-dir)
             starting = _HANDSHAKE_ORDER.get(msg.phase, 99) < _HANDSHAKE_ORDER["running"]
-            users = msg.error_type == "ManifestError" or (msg.error_type == "UsageError" and starting)
+            users = msg.error_type == "ManifestError" or (msg.error_type in ("UsageError", "SetupError") and starting)
             # a rank whose own start-up wait ran out first (tray.init(timeout_s=...) shorter than --timeout-s): the
             # tray did not form, as when the head's deadline passes
             formed = not (starting and msg.error_type in ("HandshakeError", "WireError"))
@@ -1183,6 +1183,11 @@ class Head:
         _say(f"FAILED: {f.summary}")
         for note in f.notes:
             _say(f"  {note}")
+        if self._job_path is not None and not os.path.isdir(self._job_path):
+            # said by the head alone: the ranks' error files and sockets were in it, so what they reported is lost
+            _say(f"  the job dir {self._job_path} was removed while the tray ran (by hand, or a cleanup of its jobs "
+                 "root): the ranks' sockets and error files were in it, so a rank that started then could not reach "
+                 "the head or report; leave it while the tray runs")
 
     def _print_root_cause(self) -> None:
         f = self.failure

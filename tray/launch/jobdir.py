@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tray.errors import UsageError
+from tray.errors import SetupError
 from tray.launch.shm import remove_recorded_shm
 
 LOCK_NAME = "head.lock"
@@ -32,10 +32,6 @@ MAX_SOCKET_PATH = 107
 # belongs to a head that died while making it.
 HALF_MADE_AGE_S = 60.0
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-class SetupError(UsageError):
-    """The jobs root, a job dir, the head's socket or watchdog cannot be made or trusted (exit 2)."""
 
 
 @dataclass

@@ -378,20 +378,26 @@ def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
     tb = tb if len(tb) <= 64_000 else "...\n" + tb[-64_000:]
     report = wire.ErrorReport(token=env.token, rank=env.rank, phase=phase, error_type=type(exc).__name__,
                               message=str(exc)[:16_000], traceback=tb)
+    written = sent = False
     try:
         path = Path(env.job_dir) / f"rank-{env.rank}.error.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"rank": report.rank, "phase": report.phase, "error_type": report.error_type,
                                    "message": report.message, "traceback": report.traceback}))
         tmp.replace(path)
+        written = True
     except OSError:
         pass
     if client is not None:
         try:
             client.send(report)
+            sent = True
         except Exception:  # the head may be gone; the error file stays
             pass
-    _print_once(exc, env.rank)
+    # NOTE: a message to a head whose job dir (its socket's) is gone may sit queued, never delivered: only then is
+    # the traceback left to the head; else this process prints it, as any uncaught exception
+    if written or (sent and os.path.isdir(env.job_dir)):
+        _print_once(exc, env.rank)
 
 
 def _print_once(reported: BaseException, rank: int) -> None:

@@ -21,7 +21,7 @@ from tray.backend.base import Backend, Barrier, Collectives, ExportedHandle, Gro
 from tray.errors import DeviceError, HandshakeError
 from tray.handshake import STACK_DUMP_SIGNAL_OFFSET, wire
 from tray.handshake.client import RendezvousClient
-from tray.handshake.fdpass import FdServer, fetch_fds
+from tray.handshake.fdpass import FdServer, ensure_fd_room, fetch_fds
 from tray.handshake.steps import node_leaders, node_parts, spans_nodes
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
@@ -40,6 +40,8 @@ from tray.rank.wiring import (
 
 # The timings the Ready message carries (the head prints them per phase).
 READY_TIMINGS = ("offer", "table", "import_peers", "join")
+# NOTE: descriptors a rank holds besides buffers' (the interpreter, zmq's sockets and pipes, the program's files)
+_FDS_BASE = 256
 
 
 def boot_id() -> str:
@@ -257,6 +259,8 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
     env = parts.env
     assert parts.buffers is not None and parts.groups is not None
     exported = _exported(parts)
+    # its own exported fds stay open (its fd socket serves them), and a peer's are open while they are mapped
+    ensure_fd_room(_FDS_BASE + 2 * len(exported))
     wanted: dict[int, list[str]] = {}
     for name in exported:
         g = _mapping_group(parts, name)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from tray.bench import Row, format_table, plot_lines, require_plot, stage, write_report
+from tray.envvars import own_python
 from tray.launch.jobdir import scratch_dir
 from tray.manifest.builtin import builtin_path
 from tray.park.pages import fold_runs
@@ -307,8 +308,9 @@ def run(
                         "(a line per round from rank 0)")
     with scratch_dir() as scratch:
         tmp = str(scratch)
+        python, path = own_python()
         cmd = (
-            sys.executable,
+            *python,
             "-m",
             "tray.programs.park.bench",
             "--rank-program",
@@ -326,6 +328,7 @@ def run(
             timeline=False,
             local_ranks_filter=(0,),
             vars=(("page_nbytes", page_nbytes), ("pages", 2 * pages), ("host_pages", pages)),
+            extra_env=(("PYTHONPATH", path),),
         )
         t0 = time.perf_counter()
         result = run_tray(spec)

@@ -10,6 +10,7 @@ from typing import Any
 
 from tray.bench import Row, format_table, median, write_report
 from tray.envinfo import environment
+from tray.envvars import own_python
 from tray.launch import TraySpec, run_tray
 from tray.launch.jobdir import work_dir
 from tray.manifest.builtin import builtin_path
@@ -62,7 +63,8 @@ def run_gate(args: GateArgs) -> int:
         args.warn()
     out_dir, remove_out_dir = work_dir(None)
     try:
-        cmd = [sys.executable, "-m", "tray.programs.peer_barrier.rank_program", "--iters", str(args.iters),
+        python, path = own_python()
+        cmd = [*python, "-m", "tray.programs.peer_barrier.rank_program", "--iters", str(args.iters),
                "--timeout-s", str(args.timeout_s), "--out", str(out_dir)]
         if args.drop is not None:
             cmd += ["--drop", str(args.drop)]
@@ -74,7 +76,7 @@ def run_gate(args: GateArgs) -> int:
             variables = (("stress_words", STRESS_WORDS.get(args.backend, STRESS_WORDS["host"])),)
         spec = TraySpec(nprocs=args.nprocs, cmd=tuple(cmd), backend=args.backend,
                         manifest=str(builtin_path(STRESS_MANIFEST if args.stress else MANIFEST)),
-                        vars=variables, log_dir=args.log_dir, quiet=args.quiet)
+                        vars=variables, log_dir=args.log_dir, quiet=args.quiet, extra_env=(("PYTHONPATH", path),))
         result = run_tray(spec)
         per_rank = []
         for r in range(args.nprocs):
