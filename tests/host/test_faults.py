@@ -737,3 +737,19 @@ def test_a_signal_during_the_teardown_of_a_failed_tray_keeps_its_root_cause(tray
     assert f"tray: {signal.Signals(sig).name} during the teardown of a tray that had failed before it" in text, text
     assert "RuntimeError: rank 1 fails" in text.split("failed before it", 1)[1], text
     assert "tray: interrupted" not in text, text
+
+
+def test_a_rank_interrupted_alone_is_named_interrupted_not_leaving(tray_env):
+    """SIGINT to one rank (not to the tray): its KeyboardInterrupt left the `with` block, which sent the head a bye,
+    and the verdict said it "closed its tray" while rank 0 waited in an exchange. It is named killed by SIGINT."""
+    run = tray_env.launch(2, """
+    import signal
+    with tray.init() as rank:
+        if rank.rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        rank.exchange("x", rank.rank)
+    """)
+    assert run.returncode == 1, run.output
+    cause = next(ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED"))
+    assert "rank 1" in cause and "SIGINT" in cause and "closed its tray" not in cause, run.stderr

@@ -678,7 +678,11 @@ class Head:
             # far more than a rank is ever sent unread)
             sock.send_multipart([ident.encode(), data], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the rank is gone (its exit is the failure we report), or it reads nothing
-            _say(f"could not send {kind} to {ident[:64]}: {exc}")
+            rank = self._sender_rank(ident)
+            if rank is not None and self.procs[rank - self.rank_base].popen.poll() is not None:
+                return  # it exited: that exit is what the tray reports, in its place
+            why = "it is not connected to the head (its socket closed)" if exc.errno == zmq.EHOSTUNREACH else str(exc)
+            _say(f"could not send {kind} to {ident[:64]}: {why}")
 
     # --- supervision ----------------------------------------------------------------------------
     def _forming(self) -> bool:

@@ -368,6 +368,10 @@ class Rank:
             self._reported = True
         elif isinstance(exc, SystemExit) and exc.code not in (None, 0):
             self._reported = True  # no bye: the head names the exit code, in the phase the rank left from
+        elif isinstance(exc, KeyboardInterrupt):
+            # no bye either: the rank is being interrupted (uncaught, it ends by SIGINT), not leaving the tray; the head
+            # names the signal, or takes it for the whole tray's Ctrl-C when it got one too
+            self._reported = True
         self.close()
 
 
