@@ -884,6 +884,7 @@ class Head:
                 silent = now - p.last_heartbeat
                 if silent <= _LATE_S:
                     p.cpu_mark = None
+                    self._busy_said.discard(p.rank)  # heartbeating again: a later silence is judged afresh
                     continue
                 if p.cpu_mark is None:  # late: how much CPU it uses from here tells busy from frozen
                     p.cpu_mark = (now, _cpu_seconds(p.pid))
@@ -900,7 +901,7 @@ class Head:
 
     def _busy(self, p: RankProcess, now: float) -> bool:
         """A rank silent for a whole heartbeat window: whether its process kept a CPU busy over it (a call that holds
-        the GIL starves the heartbeat thread; a process stopped or blocked uses none). Said once per rank; its next
+        the GIL starves the heartbeat thread; a process stopped or blocked uses none). Said once per silence; its next
         window starts now."""
         assert p.cpu_mark is not None
         _, before = p.cpu_mark
@@ -927,7 +928,8 @@ class Head:
         # it keeps a CPU busy in a call that holds the GIL (_busy, or _using_cpu now)
         if p.popen.poll() is not None or p.last_heartbeat is None:
             return False
-        return time.monotonic() - p.last_heartbeat <= _LATE_S or p.rank in self._busy_said or self._using_cpu(p)
+        return (time.monotonic() - p.last_heartbeat <= _LATE_S or (p.rank in self._busy_said and p.cpu_mark is not None)
+                or self._using_cpu(p))
 
     def _sample_cpu(self, procs: list[RankProcess]) -> None:
         """Before a verdict judges ranks late with their heartbeat (_using_cpu): those whose CPU the tick has not
