@@ -701,10 +701,11 @@ def test_ranks_waiting_for_one_another_in_a_barrier_and_a_collective_are_named_s
     assert run.seconds < 20
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_during_the_teardown_of_a_failed_tray_keeps_its_root_cause(tray_env, sig):
+@pytest.mark.parametrize("sig,restarts", [(signal.SIGINT, 0), (signal.SIGTERM, 0), (signal.SIGTERM, 2)])
+def test_a_signal_during_the_teardown_of_a_failed_tray_keeps_its_root_cause(tray_env, sig, restarts):
     """Rank 1 fails; rank 0 ignores SIGTERM, so the teardown waits out its grace; a Ctrl-C (or Slurm's SIGTERM) to
-    the head meanwhile still gets the whole root cause, and the failure's exit code."""
+    the head meanwhile still gets the whole root cause, and the failure's exit code; and no restart follows (it
+    did, attempt after attempt, under --max-restarts)."""
     cmd = tray_env.command(2, """
     import signal
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -713,7 +714,7 @@ def test_a_signal_during_the_teardown_of_a_failed_tray_keeps_its_root_cause(tray
         if rank.rank == 1:
             raise RuntimeError("rank 1 fails")
         time.sleep(60)
-    """)
+    """, "--max-restarts", str(restarts))
     head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(),
                             cwd=str(tray_env.tmp))
     import threading
@@ -737,6 +738,9 @@ def test_a_signal_during_the_teardown_of_a_failed_tray_keeps_its_root_cause(tray
     assert f"tray: {signal.Signals(sig).name} during the teardown of a tray that had failed before it" in text, text
     assert "RuntimeError: rank 1 fails" in text.split("failed before it", 1)[1], text
     assert "tray: interrupted" not in text, text
+    assert text.count("FAILED:") == 1 and "restarting" not in text, text
+    if restarts:
+        assert "and SIGTERM came meanwhile: no restart" in text, text
 
 
 def test_a_rank_interrupted_alone_is_named_interrupted_not_leaving(tray_env):
@@ -753,3 +757,66 @@ def test_a_rank_interrupted_alone_is_named_interrupted_not_leaving(tray_env):
     assert run.returncode == 1, run.output
     cause = next(ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED"))
     assert "rank 1" in cause and "SIGINT" in cause and "closed its tray" not in cause, run.stderr
+
+
+def test_a_slow_rank_that_waits_after_its_peer_gave_up_is_no_mismatch(tray_env):
+    """Rank 1 is only slow: it comes to barrier 2 after rank 0 gave it up, passes it (rank 0's flag is there) and
+    times out in barrier 3, waiting for rank 0, which has left. Its report comes while the head reads the missed
+    ranks' reports, but its wait began after rank 0 gave up: no "waited for one another" note."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 1:
+            time.sleep(0.25)
+        for i in range(3):
+            rank.barrier(timeout_s=0.2)
+    """)
+    assert run.returncode == 1, run.output
+    assert "waited for one another" not in run.stderr, run.stderr
+
+
+def test_a_killed_head_leaves_a_tray_its_rank_launched_to_that_trays_watchdog(tray_env):
+    """A rank launches a tray of its own (its head in a session of its own), whose ranks start children in sessions
+    of their own. The outer head killed: the outer watchdog kills what names the outer job dir, the inner head among
+    them; the inner watchdog, which must not name it, then kills the inner ranks' children and removes the inner job
+    dir (it was killed too, and both were left)."""
+    inner = tray_env.script("""
+    import subprocess
+    with tray.init() as rank:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", sys.argv[1]],
+                                 start_new_session=True)
+        print("inner-up", child.pid, flush=True)
+        time.sleep(600)
+    """)
+    cmd = tray_env.command(1, f"""
+    import subprocess
+    with tray.init() as rank:
+        subprocess.Popen([sys.executable, "-m", "tray", "launch", "-q", "-n", "2", "--backend", "host", "--",
+                          sys.executable, {str(inner)!r}, sys.argv[1]], start_new_session=True)
+        time.sleep(600)
+    """)
+    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=tray_env.env(),
+                            cwd=str(tray_env.tmp))
+    children = []
+    try:
+        deadline = time.monotonic() + 40
+        while len(children) < 2 and time.monotonic() < deadline:
+            line = head.stdout.readline().split()
+            if len(line) >= 2 and line[-2] == "inner-up":
+                children.append(psutil.Process(int(line[-1])))
+        assert len(children) == 2
+        head.send_signal(signal.SIGKILL)
+        head.wait(timeout=10)
+        gone, alive = psutil.wait_procs(children, timeout=8)
+        assert not alive, alive
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+        for c in children:
+            with contextlib.suppress(psutil.Error):
+                c.kill()
+    deadline = time.monotonic() + 8
+    while list(tray_env.jobs_root.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tray_env.jobs_root.iterdir()) == []

@@ -1025,3 +1025,24 @@ def test_a_vote_held_a_moment_at_its_head_is_not_named_missing_by_that_head(tray
     assert "rank zero fails" in _root_cause(runs[1]), runs[1].output
     line = next(x for x in runs[1].stderr.splitlines() if "exchange 't' (round 1) was still waiting for" in x)
     assert line.endswith("was still waiting for rank 0 (node 0), rank 3 (node 1)"), runs[1].output
+
+
+def test_the_node_a_wait_failed_on_says_what_its_missed_rank_is_doing(tray_env):
+    """Rank 1 gives up waiting for rank 0, which sleeps elsewhere, both on node 0: node 0's head says under the job's
+    verdict what rank 0 is doing (its stack went to node 0's output); those notes were made, then dropped when the
+    root's stop replaced the node's failure. The other node prints the verdict without them."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 0:
+            time.sleep(30)
+        rank.barrier("pairs", timeout_s=1)
+    """
+    runs = finish(start_job(tray_env, body, "--manifest", str(MANIFESTS / "peer_fill.json")))
+    assert all(run.returncode != 0 for run in runs), [r.output for r in runs]
+    causes = [_root_cause(run) for run in runs]
+    assert causes[0] == causes[1] and "rank 1 waited" in causes[0] and "for rank 0" in causes[0], causes
+    node0 = runs[0].stderr.split(causes[0], 1)[1].splitlines()[1:]
+    assert node0 and node0[0].startswith("tray:   rank 0 is alive") and "running but not where the others wait" \
+        in node0[0], runs[0].stderr
+    assert "rank 0 is alive" not in runs[1].stderr, runs[1].stderr

@@ -48,6 +48,10 @@ def run_tray(spec: TraySpec, placements: list[NumaPlacement] | None = None) -> T
     while True:
         result = Head(spec, where, restart_count=attempt).run()
         result.attempts = attempt + 1
+        if result.interrupted and spec.max_restarts and result.exit_code in RESTARTABLE_EXIT_CODES:
+            print(f"tray: attempt {attempt + 1} of {spec.max_restarts + 1} failed (exit {result.exit_code}) and "
+                  f"{result.interrupted} came meanwhile: no restart", file=sys.stderr, flush=True)
+            return result
         if result.exit_code not in RESTARTABLE_EXIT_CODES or attempt >= spec.max_restarts:
             if spec.max_restarts and result.exit_code in RESTARTABLE_EXIT_CODES:
                 print(f"tray: attempt {attempt + 1} of {spec.max_restarts + 1} failed too (exit {result.exit_code}); "

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -262,7 +263,9 @@ class Head:
             # cause is what the user needs, said whole, and its exit code stands
             sig = _signal_name(-self._signals[0]) if self._signals else "a signal"
             _say(f"{sig} during the teardown of a tray that had failed before it: the root cause follows")
-            return self._result(self._job_path)
+            result = self._result(self._job_path)
+            result.interrupted = sig
+            return result
         return self._result(job_dir)
 
     def _run(self) -> Path:
@@ -316,7 +319,7 @@ class Head:
             sock = _bind_router(ctx, endpoint, job)
             self._start_job(ctx, sock)
             self._loop(sock, job)
-            self._failed_first = self.failure is not None and not self._signals
+            self._failed_first = self._failed_first or (self.failure is not None and not self._signals)
             self._after_loop()
         finally:
             self._teardown(job, watchdog, pump)
@@ -512,6 +515,9 @@ class Head:
             self._note_phase(proc, msg.phase, force=True)
             if self._fail_on_a_death_first(rank, msg):
                 return
+            # the failure is known now, before the notes' sampling: a stop signal meanwhile came after it
+            clean = not self._signals
+            t_report = time.monotonic()
             notes: tuple[str, ...] = ()
             # any wait on ranks that timed out (a barrier's, the low-latency allreduce's: errors.WaitedForRanks) says
             # whom it missed: the head says what each is doing and has those still running write their stacks
@@ -529,9 +535,9 @@ class Head:
                 notes = tuple(self._status(p, more) for p in late)
                 # faulthandler writes a rank's stack from its signal handler, also while a call holds the GIL: every
                 # live rank that reached the head is asked (a stopped one writes nothing)
-                waited = self._dump_stacks([p for p in late if p.popen.poll() is None and p.last_heartbeat is not None
-                                            and p.phase != "bye"], sock)
-                notes += self._waits_of_the_waited(rank, waited)
+                reports = self._dump_stacks([p for p in late if p.popen.poll() is None and p.last_heartbeat is not None
+                                             and p.phase != "bye"], sock)
+                notes += self._waits_of_the_waited(rank, t_report, reports)
             said = f"{msg.error_type}: {msg.message}" if msg.message else f"{msg.error_type} (no message)"
             # a manifest the rank could not load, or a tray.init() it called wrongly: the user's input, said in one
             # line and exit 2 as the head's own usage errors (the rank's error report, tray's frames, stays in its
@@ -542,9 +548,11 @@ class Head:
             # tray did not form, as when the head's deadline passes
             formed = not (starting and msg.error_type in ("HandshakeError", "WireError"))
             code = EXIT_USAGE if users else (1 if formed else EXIT_HANDSHAKE)
+            first = self.failure is None
             self._fail(Failure(rank, f"rank {rank} reported {said}",
                                report="" if users else f"phase {msg.phase}\n{msg.traceback}", tail=tuple(proc.tail),
                                notes=notes, exit_code=code))
+            self._failed_first = self._failed_first or (first and clean)
         elif isinstance(msg, wire.Vote):
             self._on_vote(sock, msg)
         elif isinstance(msg, wire.Bye):
@@ -953,11 +961,12 @@ class Head:
         cpu = _cpu_seconds(p.pid)
         return mark is not None and mark[1] is not None and cpu is not None and cpu - mark[1] >= _BUSY_CPU_S
 
-    def _dump_stacks(self, procs: list[RankProcess], sock: zmq.Socket | None = None) -> dict[int, str]:
+    def _dump_stacks(self, procs: list[RankProcess], sock: zmq.Socket | None = None) -> dict[int, _LateReport]:
         """Have each rank write every thread's Python stack to its stderr (tray.rank registered the signal before
         it first reached the head), and give the output pump a moment to carry it before the teardown's SIGTERM.
-        Meanwhile the ranks' messages on `sock` are read: the tray is failing, so only what these ranks report of
-        their own waits is kept (rank -> message of an error naming whom it waited for); the rest is dropped."""
+        Meanwhile the ranks' messages on `sock` are read: the tray is failing, so what these ranks report is kept
+        (rank -> its error, when it came), votes are put in their steps (the pending steps said with the cause), and
+        the rest is dropped."""
         sent = False
         for p in procs:
             try:
@@ -965,12 +974,12 @@ class Head:
                 sent = True
             except OSError:  # gone meanwhile
                 pass
-        waited: dict[int, str] = {}
+        reports: dict[int, _LateReport] = {}
         if not sent:
-            return waited
+            return reports
         if sock is None:
             time.sleep(_STACK_DUMP_WAIT_S)
-            return waited
+            return reports
         ranks = {p.rank for p in procs}
         deadline = time.monotonic() + _STACK_DUMP_WAIT_S
         while (left := deadline - time.monotonic()) > 0:
@@ -978,38 +987,43 @@ class Head:
                 break
             ident, payload = self._recv(sock)
             rank = self._sender_rank(ident) if ident is not None else None
-            if rank not in ranks:
+            if rank is None:
                 continue
             try:
                 msg = wire.decode(payload, token=self.token, sender=ident)
             except WireError:
                 continue
-            if isinstance(msg, wire.ErrorReport) and msg.rank == rank and BarrierTimeout.missing_in(msg.message):
-                waited[rank] = f"{msg.error_type}: {msg.message}"
-        return waited
+            if getattr(msg, "rank", None) != rank:
+                continue
+            if isinstance(msg, wire.ErrorReport) and rank in ranks and rank not in reports:
+                reports[rank] = _LateReport(f"{msg.error_type}: {msg.message}" if msg.message else msg.error_type,
+                                            BarrierTimeout.missing_in(msg.message), _waited_s(msg.message),
+                                            time.monotonic())
+            elif isinstance(msg, wire.Vote):
+                self.votes.setdefault((msg.topic, msg.round), {})[rank] = msg.value
+        return reports
 
     @staticmethod
-    def _waits_of_the_waited(rank: int, waited: dict[int, str]) -> tuple[str, ...]:
-        """Notes on the ranks `rank` waited for that timed out waiting themselves: ranks waiting for one another in
-        two operations of a group (a barrier against a collective, two barriers in another order) are a program
-        whose ranks made different calls, not a slow rank."""
-        notes = tuple(f"rank {m} was itself waiting, and reported {said}" for m, said in sorted(waited.items()))
-        if any(rank in BarrierTimeout.missing_in(said) for said in waited.values()):
-            notes += ("so these ranks waited for one another in different operations, none of which can end: every "
-                      "member of a group must make the same barriers and collectives in the same order",)
-        return notes
-
-    def _not_voted_beside(self, rank: int) -> tuple[list[RankProcess], str]:
-        """This head's ranks that never voted in the undecided tray-wide step `rank` voted in last (a rank waits in
-        one at a time), and that step's description; ([], "") when that step is decided or there is none."""
-        key = self._last_vote.get(rank)
-        box = self.votes.get(key) if key is not None else None
-        if key is None or box is None or rank not in box:
-            return [], ""
-        topic, rnd = key
-        voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
-        return ([p for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)],
-                f"{describe_step(topic)}, round {rnd}")
+    def _waits_of_the_waited(rank: int, t_report: float, reports: dict[int, _LateReport]) -> tuple[str, ...]:
+        """Notes on what the ranks `rank` waited for reported meanwhile. One that timed out waiting for `rank` in a
+        wait that began before `rank` gave up (its report's arrival less the time it waited) was waiting for it
+        while it waited for them: the two were in different operations of a group (a barrier against a collective,
+        two barriers in another order), a program whose ranks made different calls, not a slow rank. A wait that
+        began after (a slow rank come late to a barrier the reporter had given up, now waiting in the next) is
+        none."""
+        notes = []
+        mutual = False
+        for m, r in sorted(reports.items()):
+            if r.missing:
+                notes.append(f"rank {m} was itself waiting, and reported {r.said}")
+                began = r.at - r.waited_s if r.waited_s is not None else None
+                mutual = mutual or (rank in r.missing and began is not None and began < t_report)
+            else:
+                notes.append(f"rank {m} then reported {r.said}")
+        if mutual:
+            notes.append("so these ranks waited for one another in different operations, none of which can end: "
+                         "every member of a group must make the same barriers and collectives in the same order")
+        return tuple(notes)
 
     def _status(self, p: RankProcess, more: str = "give it more time") -> str:
         """What the head knows of rank `p` now: dead (how), or alive with its last heartbeat and phase, and
@@ -1264,6 +1278,26 @@ def _end_of(code: int | None) -> str:
     if code is None:
         return "still there after SIGKILL (uninterruptible sleep?)"
     return f"killed by {_signal_name(code)}" if code < 0 else f"exit {code}"
+
+
+@dataclass(frozen=True)
+class _LateReport:
+    """What a rank the failed wait missed reported during the stack dump's wait: its error as said, the ranks its own
+    wait missed (none: not a wait), how long it waited (s, from its message) and when it arrived (monotonic)."""
+
+    said: str
+    missing: list[int]
+    waited_s: float | None
+    at: float
+
+
+_WAITED = re.compile(r"\bwaited ([0-9.]+) s for rank")
+
+
+def _waited_s(message: str) -> float | None:
+    """How long a WaitedForRanks message says its rank waited; None for another message."""
+    found = _WAITED.search(message)
+    return float(found.group(1)) if found else None
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -477,8 +477,12 @@ class NodeHead(Head):
         elif isinstance(msg, jobwire.JobStop):
             self.job_stop = msg
             where = f"node {msg.node_rank}, " if msg.node_rank >= 0 and not msg.summary.startswith("node ") else ""
-            # every head prints this same root cause, whichever node it happened on
+            # every head prints this same root cause, whichever node it happened on; the node it happened on adds
+            # its notes on its own ranks (alive, busy, stopped; their stacks went to this node's output)
+            mine = self.failure is not None and msg.node_rank == self.job.node_rank and \
+                msg.rank == (-1 if self.failure.rank is None else self.failure.rank)
             self.failure = Failure(None if msg.rank < 0 else msg.rank, where + msg.summary, report=msg.report,
-                                   tail=msg.tail, exit_code=msg.exit_code)
+                                   tail=msg.tail, exit_code=msg.exit_code,
+                                   notes=self.failure.notes if mine and self.failure is not None else ())
         elif isinstance(msg, jobwire.JobEnd):
             self.job_end = True

@@ -115,3 +115,6 @@ class TrayResult:
     job_dir: str = ""
     rejected: list[str] = field(default_factory=list)
     attempts: int = 1
+    # a stop signal (SIGINT, SIGTERM, SIGHUP) that came during the teardown of a tray that had failed before it: its
+    # name; the failure stands as the result, and no restart follows
+    interrupted: str = ""

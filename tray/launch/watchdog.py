@@ -142,6 +142,9 @@ class Watchdog:
         # the job's secret does not go at all
         cmd, env = own_module("tray.launch.watchdog", str(read_fd), str(lock_fd))
         env.pop("TRAY_JOB_TOKEN", None)
+        # NOTE: nor the job dir of a tray this one runs inside (a tray launched by a rank): that tray's watchdog kills
+        # what names its job dir, and this one must outlive it to clean up after its own head
+        env.pop("TRAY_JOB", None)
         env.update({_ROOT_ENV: str(root), _JOB_ENV: job_name})
         try:
             self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(read_fd, lock_fd), process_group=0,
