@@ -212,18 +212,21 @@ def test_a_killed_head_is_named_within_the_timeout(tray_env, victim):
         assert "node 1: lost the root (node 0 at 127.0.0.1:" in cause and "nothing heard" in cause, run.output
 
 
-def test_a_barrier_that_runs_out_before_a_killed_node_is_lost_names_that_nodes_silence(tray_env):
-    """Node 1's head killed while node 0's ranks wait for its ranks in a spanning barrier that gives up (1 s) before
-    the node's heartbeat timeout (5 s): the barrier's timeout is the first failure, and the root adds that the
-    node of the missing ranks has been silent, so the verdict points at the node, not at a slow rank."""
+@pytest.mark.parametrize("wait", ["barrier", "exchange"])
+def test_a_wait_that_runs_out_before_a_killed_node_is_lost_names_that_nodes_silence(tray_env, wait):
+    """Node 1's head killed while node 0's ranks wait for its ranks in a spanning barrier (or an exchange) that gives
+    up (after 1 s, or 2 s) before the node's heartbeat timeout (5 s): the wait's end is the first failure, and the
+    root adds that the node of the missing ranks has been silent, so the verdict points at the node, not at a slow
+    rank."""
     body = """
     with tray.init() as rank:
         rank.barrier()
         if rank.rank >= 2:
             open(f"up-{rank.rank}", "w").close()
             time.sleep(60)
-        rank.barrier(timeout_s=1)   # the leaders' step across nodes waits 2 s of it
-    """
+        WAIT
+    """.replace("WAIT", "rank.barrier(timeout_s=1)   # the leaders' step across nodes waits 2 s of it"
+                if wait == "barrier" else "rank.exchange('x', 1, timeout_s=2)")
     procs = start_job(tray_env, body)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(list(tray_env.tmp.glob("up-*"))) < 2:
@@ -234,8 +237,11 @@ def test_a_barrier_that_runs_out_before_a_killed_node_is_lost_names_that_nodes_s
     finish([procs[1]])
     assert run.returncode != 0, run.output
     cause = _root_cause(run)
-    assert "BarrierTimeout" in cause and re.search(r"for rank 2\b", cause), run.output
-    assert re.search(r"the root: node 1 \(.*, head pid \d+\), which holds rank 2, has been silent for "
+    if wait == "barrier":
+        assert "BarrierTimeout" in cause and re.search(r"for rank 2\b", cause), run.output
+    else:
+        assert "no decision on exchange 'x'" in cause, run.output
+    assert re.search(r"the root: node 1 \(.*, head pid \d+\), which holds ranks? 2(,3)?, has been silent for "
                      r"[0-9.]+ s \(its head beats every 0.5 s; lost after 5 s\)", cause), run.output
 
 

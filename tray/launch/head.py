@@ -1025,6 +1025,18 @@ class Head:
                          "every member of a group must make the same barriers and collectives in the same order")
         return tuple(notes)
 
+    def _not_voted_beside(self, rank: int) -> tuple[list[RankProcess], str]:
+        """This head's ranks that never voted in the undecided tray-wide step `rank` voted in last (a rank waits in
+        one at a time), and that step's description; ([], "") when that step is decided or there is none."""
+        key = self._last_vote.get(rank)
+        box = self.votes.get(key) if key is not None else None
+        if key is None or box is None or rank not in box:
+            return [], ""
+        topic, rnd = key
+        voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
+        return ([p for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)],
+                f"{describe_step(topic)}, round {rnd}")
+
     def _status(self, p: RankProcess, more: str = "give it more time") -> str:
         """What the head knows of rank `p` now: dead (how), or alive with its last heartbeat and phase, and
         whether that makes it slow (heartbeating) or stopped (silent)."""

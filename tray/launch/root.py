@@ -530,7 +530,9 @@ class Root:
         if self.stop is not None:
             return
         if node is not None and rank >= 0:
-            summary += self._silent_nodes_among(BarrierTimeout.missing_in(summary))
+            # the ranks the failure missed: a wait's, or those the undecided steps wait for (a step a rank gave up)
+            missed = BarrierTimeout.missing_in(summary) or sorted({r for p in self._pending() for r in p[2]})
+            summary += self._silent_nodes_among(missed)
         stop = jobwire.JobStop.bounded(
             token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
             tail=tuple(tail), exit_code=max(1, exit_code))

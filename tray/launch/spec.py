@@ -84,7 +84,7 @@ class RankProcess:
     # when the head last learnt the phase (monotonic s): the age is part of a timeout's report
     phase_at: float = field(default_factory=time.monotonic)
     # (when, CPU seconds) of the rank's process when its heartbeat window last ran out: whether it ran meanwhile
-    cpu_mark: tuple[float, float] | None = None
+    cpu_mark: tuple[float, float | None] | None = None
 
     @property
     def pid(self) -> int:

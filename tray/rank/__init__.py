@@ -343,7 +343,7 @@ class Rank:
                 pass
         failures: list[BaseException] = []
 
-        def attempt(step: Callable[[], None]) -> None:
+        def attempt(step: Callable[[], object]) -> None:
             try:
                 step()
             except BaseException as exc:  # NOTE: re-raised below, once everything had its chance to close
