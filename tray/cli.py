@@ -54,7 +54,7 @@ def _job_of(args: argparse.Namespace):  # -> JobSpec | None
     return resolve_job(JobArgs(
         nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         master_addr=args.master_addr, master_port=args.master_port, nproc_per_node=args.nprocs, slurm=args.slurm,
-        node_heartbeat_timeout_s=args.node_heartbeat_timeout_s), os.environ)
+        node_heartbeat_timeout_s=args.node_heartbeat_timeout_s, standalone=args.standalone), os.environ)
 
 
 def _note_options_after_the_program(cmd: Sequence[str], launch: argparse.ArgumentParser) -> None:

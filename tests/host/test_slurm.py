@@ -3,6 +3,7 @@ the sbatch script and `srun ... tray launch --slurm`, 2 nodes x 2 ranks on the h
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -59,6 +60,26 @@ def test_sbatch_script_runs_two_nodes(tray_env, tmp_path):
     for r in range(4):
         assert f"[rank {r}] slurm job ok {r} {r // 2}" in text, text
     assert "TRAY_JOB_TOKEN" not in " ".join(cmd)
+    # both nodes write into one file: each line says its node (srun --label)
+    for node in (0, 1):
+        assert re.search(rf"^{node}: \[rank {2 * node}\] slurm job ok", text, re.M), text
+
+
+def test_srun_with_several_tasks_per_node_is_refused_not_run_as_separate_trays(tray_env):
+    """A plain srun inheriting a job's --ntasks-per-node=2 over 2 nodes: it ran 4 unrelated trays and exited 0."""
+    prog = tray_env.script("""
+    with tray.init() as rank:
+        print("ran", rank.rank, rank.world_size, flush=True)
+    """)
+    env = tray_env.env()
+    env["TRAY_JOB_TOKEN"] = TOKEN
+    cmd = ["srun", "-N2", "-n4", "--label", sys.executable, "-m", "tray", "launch", "-n", "2", "--backend", "host",
+           "--", sys.executable, str(prog), tray_env.marker]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=str(tray_env.tmp))
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "ran " not in proc.stdout, proc.stdout
+    assert proc.stderr.count("this Slurm step runs 4 tasks on 2 nodes; tray needs one task per node") == 4, \
+        proc.stderr
 
 
 def test_srun_failing_rank_named_by_both_nodes(tray_env):

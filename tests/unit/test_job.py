@@ -96,11 +96,15 @@ def test_slurm_automatic_inside_a_one_task_per_node_step():
     # consecutive jobs on one node: each job's root and MASTER_PORT (root + 1) never meet the next job's
     ports = {p for j in range(4240, 4250) for p in (slurm_port(str(j)), slurm_port(str(j)) + 1)}
     assert len(ports) == 20
-    # several tasks per node: not automatic (each task may be its own tray) ...
-    assert resolve_job(JobArgs(), {**SLURM, "SLURM_STEP_NUM_TASKS": "8"}) is None
-    # ... and an error when asked for
-    with pytest.raises(UsageError, match="one task per node"):
-        resolve_job(JobArgs(slurm=True), {**SLURM, "SLURM_STEP_NUM_TASKS": "8"})
+    # several tasks per node in a step over several nodes (a job's --ntasks-per-node=4 inherited by a plain srun):
+    # refused, asked for or not (it ran 8 unrelated trays, two per node, and exited 0); --standalone asks for them
+    for args in (JobArgs(), JobArgs(slurm=True)):
+        with pytest.raises(UsageError, match="runs 8 tasks on 4 nodes; tray needs one task per node.*--standalone"):
+            resolve_job(args, {**SLURM, "SLURM_STEP_NUM_TASKS": "8"})
+    assert resolve_job(JobArgs(standalone=True), {**SLURM, "SLURM_STEP_NUM_TASKS": "8"}) is None
+    # a step on one node of several tasks: each task may be its own tray (its own GPUs, --gpus-per-task)
+    one_node = {**SLURM, "SLURM_JOB_NUM_NODES": "1", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "4"}
+    assert resolve_job(JobArgs(), one_node) is None
     # the command line wins over the environment
     job = resolve_job(JobArgs(rdzv_endpoint="gpu07:31000"), SLURM)
     assert job is not None and job.root_port == 31000 and job.source == "cli+slurm"
@@ -284,3 +288,15 @@ def test_torchruns_any_port_serves_one_node_but_not_a_job():
     assert resolve_job(JobArgs(nnodes=1, rdzv_endpoint="localhost:0"), {}) is None
     with pytest.raises(UsageError, match="--rdzv-endpoint h:0: every node's head must reach the root at a port"):
         resolve_job(JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:0"), {"TRAY_JOB_TOKEN": TOKEN})
+
+
+def test_a_multi_node_slurm_jobs_batch_script_running_one_tray_is_told(capsys):
+    """`sbatch -N2 --wrap "tray launch ..."`: the batch script runs on the first node only; the tray runs there
+    alone and said nothing (the second node sat idle, the job COMPLETED)."""
+    batch = {k: v for k, v in SLURM.items() if not k.startswith("SLURM_STEP")}
+    assert resolve_job(JobArgs(), batch) is None
+    err = capsys.readouterr().err
+    assert "this Slurm job has 4 nodes, but this tray runs on this one alone" in err and "srun --ntasks-per-node=1" \
+        in err, err
+    assert resolve_job(JobArgs(), {**batch, "SLURM_JOB_NUM_NODES": "1"}) is None
+    assert capsys.readouterr().err == ""

@@ -49,6 +49,7 @@ class JobArgs:
     nproc_per_node: int | None = None
     slurm: bool = False
     node_heartbeat_timeout_s: float = DEFAULT_NODE_HEARTBEAT_TIMEOUT_S
+    standalone: bool = False  # torchrun's: one host, whatever a scheduler's environment says
 
 
 @dataclass(frozen=True)
@@ -145,11 +146,13 @@ def _from_cli(args: JobArgs) -> _Found:
 
 
 def _in_slurm_step(env: Mapping[str, str]) -> bool:
-    """Inside an `srun` step that runs one task per node (the automatic case)."""
+    """Inside an `srun` step that runs one task per node (the automatic case), or one over several nodes (whose
+    tasks per node _from_slurm then refuses: several trays per node would each take every GPU of it, and tasks of
+    one step on several nodes are no trays of one host each)."""
     if not (env.get("SLURM_JOB_ID") and env.get("SLURM_NODEID") and env.get("SLURM_STEP_ID")):
         return False
-    return env.get("SLURM_STEP_NUM_TASKS") is not None and \
-        env.get("SLURM_STEP_NUM_TASKS") == env.get("SLURM_STEP_NUM_NODES")
+    tasks, nodes = env.get("SLURM_STEP_NUM_TASKS"), env.get("SLURM_STEP_NUM_NODES")
+    return tasks is not None and (tasks == nodes or (nodes is not None and is_digits(nodes) and int(nodes) > 1))
 
 
 def _from_slurm(env: Mapping[str, str]) -> _Found:
@@ -162,7 +165,9 @@ def _from_slurm(env: Mapping[str, str]) -> _Found:
     tasks, step_nodes = env.get("SLURM_STEP_NUM_TASKS"), env.get("SLURM_STEP_NUM_NODES")
     if tasks is not None and step_nodes is not None and tasks != step_nodes:
         raise UsageError(f"this Slurm step runs {tasks} tasks on {step_nodes} nodes; tray needs one task per "
-                         "node (its head spawns the ranks): srun --ntasks-per-node=1 tray launch --slurm ...")
+                         "node (its head spawns the ranks): srun --ntasks-per-node=1 tray launch ... (a job's "
+                         "--ntasks-per-node is inherited by srun: give it there); --standalone runs a separate tray "
+                         "of one host per task instead")
     if step_nodes is not None and _int(step_nodes, "SLURM_STEP_NUM_NODES", 1) != nnodes:
         raise UsageError(f"this Slurm step spans {step_nodes} of the job's {nnodes} nodes; run it on all of them "
                          f"(srun -N{nnodes} --ntasks-per-node=1)")
@@ -218,7 +223,14 @@ def _scheduler(args: JobArgs, env: Mapping[str, str]) -> _Found | None:
 
 def _note_a_job_not_found(env: Mapping[str, str]) -> None:
     """In a Kubernetes pod whose environment describes a torch job of several processes (an operator older than
-    the PET_* variables: training-operator < 1.7) but no job tray reads: say that this runs one tray alone."""
+    the PET_* variables: training-operator < 1.7) but no job tray reads, or in the batch script of a Slurm job of
+    several nodes (not in an srun step): say that this runs one tray alone."""
+    nodes = env.get("SLURM_JOB_NUM_NODES", "")
+    if env.get("SLURM_JOB_ID") and not env.get("SLURM_STEP_ID") and is_digits(nodes) and int(nodes) > 1:
+        print(f"tray: note: this Slurm job has {nodes} nodes, but this tray runs on this one alone (a batch script "
+              "runs on the job's first node); run one per node: srun --ntasks-per-node=1 tray launch ..., or "
+              "sbatch launch/slurm/tray.sbatch", file=sys.stderr, flush=True)
+        return
     world = env.get("WORLD_SIZE", "")
     if "KUBERNETES_SERVICE_HOST" in env and env.get("MASTER_ADDR") and is_digits(world) and int(world) > 1:
         print(f"tray: note: WORLD_SIZE={world} and MASTER_ADDR={env['MASTER_ADDR']} are set, but no job of several "
@@ -249,6 +261,8 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
 
     Raises UsageError for a missing or malformed field (naming the flag or variable that would set it),
     a node rank outside 0..nnodes-1, conflicting sources, or a missing TRAY_JOB_TOKEN."""
+    if args.standalone:
+        return None  # one host (cli.py refuses --standalone beside --nnodes N > 1)
     cli = _from_cli(args)
     sched = _scheduler(args, env)
     if sched is None and cli.nnodes is None:
