@@ -95,8 +95,8 @@ def test_a_join_timeout_without_failed_handshakes_keeps_its_hint():
         root.close()
         ctx.term()
     assert root.stop is not None
-    assert "within 0 s (--timeout-s; raise it if nodes start later than that); not started, a wrong " \
-        "--rdzv-endpoint, or a firewall" in root.stop.summary
+    assert "within 0 s (--timeout-s; raise it if nodes start later than that); not started, a wrong root address " \
+        "(from --rdzv-endpoint or --master-addr), or a firewall" in root.stop.summary
     assert "CURVE" not in root.stop.summary
 
 
@@ -269,3 +269,29 @@ def test_a_silence_a_pause_of_this_head_made_is_said_as_its_own(node_rank, pause
         assert said is None
     else:
         assert said is not None and says in said, said
+
+
+def test_the_roots_host_is_asked_for_again_until_it_resolves(monkeypatch):
+    """A PyTorchJob's root names its own service (PET_MASTER_ADDR), whose DNS record may come after the pod starts:
+    the name is asked for again within the wait, and a name that never resolves is named with its source."""
+    import socket
+
+    from tray.errors import UsageError
+    from tray.launch import root
+
+    answers = [OSError("no name yet"), OSError("no name yet"), "10.0.0.7"]
+
+    def resolve(host: str) -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(socket, "gethostbyname", resolve)
+    monkeypatch.setattr(root, "_RESOLVE_EVERY_S", 0.01)
+    assert root.bind_address("tray-job-master-0", 23456, "pytorchjob", wait_s=5.0) == "tcp://10.0.0.7:23456"
+    answers[:] = [OSError("no name")] * 1000
+    with pytest.raises(UsageError, match=r"'tray-job-master-0' \(from PET_MASTER_ADDR\) did not resolve within 0.1 s"):
+        root.bind_address("tray-job-master-0", 23456, "pytorchjob", wait_s=0.1)
+    with pytest.raises(UsageError, match=r"\(from --rdzv-endpoint or --master-addr or LWS_LEADER_ADDRESS\)"):
+        root.bind_address("x", 1, "cli+lws")

@@ -26,7 +26,14 @@ from tray.handshake.steps import GROUP_PREFIX, describe_pending, step_voters
 from tray.launch.curve import job_keys, make_client
 from tray.launch.head import Head
 from tray.launch.job import JobSpec, job_rank_env
-from tray.launch.root import FAILED_HANDSHAKE, HEARTBEAT_INTERVAL_S, TOKEN_FAILURES, Root
+from tray.launch.root import (
+    FAILED_HANDSHAKE,
+    HEARTBEAT_INTERVAL_S,
+    TOKEN_FAILURES,
+    Root,
+    bind_address,
+    host_source,
+)
 from tray.launch.spawn import say
 from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, TraySpec
 from tray.numa import NumaPlacement
@@ -138,7 +145,8 @@ class NodeLink:
         if self.last_heard is None:
             if now - self.t_start > self.connect_timeout_s:
                 return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (--timeout-s; node 0 not "
-                        "started or given up already, a wrong --rdzv-endpoint, or a firewall)")
+                        f"started or given up already, a wrong root address (from {host_source(self.job.source)}), "
+                        "or a firewall)")
             return None
         if silent > limit:
             return (f"lost {where}: nothing heard for {silent:.1f} s (timeout {self.job.node_heartbeat_timeout_s:.1f} "
@@ -167,6 +175,10 @@ class NodeHead(Head):
             self.routing = dataclasses.replace(
                 self.routing, ranks=tuple(self.rank_base + r for r in spec.local_ranks_filter))
         self.root: Root | None = None
+        # the root's address, resolved before any rank is spawned (its host name may need a while to resolve: the
+        # head waits for it up to --timeout-s, with nothing to supervise yet)
+        self._root_address = bind_address(job.root_host, job.root_port, job.source, spec.handshake_timeout_s) \
+            if job.is_root else None
         self.link: NodeLink | None = None
         self._left: dict[int, str] = {}  # ranks that left, not yet told to the root (their votes still held here)
         self._told_left: set[int] = set()
@@ -196,7 +208,7 @@ class NodeHead(Head):
         if self.job.is_root:
             self.root = Root(ctx, self.job, local_world_size=self.spec.nprocs, manifest=manifest,
                              backend=self.spec.backend, groups=self.resolved.groups,
-                             join_timeout_s=self.spec.handshake_timeout_s)
+                             join_timeout_s=self.spec.handshake_timeout_s, address=self._root_address)
         join = jobwire.NodeJoin(token=self.job.token, node_rank=self.job.node_rank, nnodes=self.job.nnodes,
                                 local_world_size=self.spec.nprocs, rdzv_id=self.job.rdzv_id,
                                 hostname=socket.gethostname(), pid=os.getpid(), manifest=manifest,

@@ -53,14 +53,40 @@ _NODE_LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 _VOTERS_KEPT = 4096
 
 
-def bind_address(host: str, port: int) -> str:
-    """`tcp://IP:PORT` for the root's host name; UsageError when it does not resolve."""
-    try:
-        ip = socket.gethostbyname(host)
-    except OSError as exc:
-        raise UsageError(f"the root's host {host!r} does not resolve ({exc}); give --rdzv-endpoint with a name "
-                         "or address every node can reach") from None
-    return f"tcp://{ip}:{port}"
+# where a job's root host came from, by the job's source (JobSpec.source: "cli", "slurm", "cli+pytorchjob", ...)
+_HOST_FROM = {"cli": "--rdzv-endpoint or --master-addr", "slurm": "the first host of SLURM_JOB_NODELIST",
+              "pytorchjob": "PET_MASTER_ADDR", "lws": "LWS_LEADER_ADDRESS"}
+# how often the root asks again for an address its host name does not have yet
+_RESOLVE_EVERY_S = 0.5
+_RESOLVE_SAID_AFTER_S = 2.0
+
+
+def host_source(source: str) -> str:
+    """What named the root's host, for a job of `source` (JobSpec.source)."""
+    return " or ".join(_HOST_FROM.get(s, s) for s in source.split("+"))
+
+
+def bind_address(host: str, port: int, source: str = "cli", wait_s: float = 0.0) -> str:
+    """`tcp://IP:PORT` for the root's host name, asking again for up to `wait_s` while it does not resolve: in a
+    Kubernetes job the root's own service name (PET_MASTER_ADDR) may get its DNS record only after the pod starts.
+    UsageError naming where the name came from when it never does."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    t0 = time.monotonic()
+    while True:
+        try:
+            return f"tcp://{socket.gethostbyname(host)}:{port}"
+        except OSError as exc:
+            now = time.monotonic()
+            if now >= deadline:
+                raise UsageError(f"the root's host {host!r} (from {host_source(source)}) did not resolve"
+                                 + (f" within {wait_s:g} s (--timeout-s)" if wait_s else "")
+                                 + f" ({exc}); give a name or address every node can reach") from None
+            if not said and now - t0 >= _RESOLVE_SAID_AFTER_S:
+                said = True
+                say(f"root: its host {host!r} (from {host_source(source)}) does not resolve yet ({exc}); asking "
+                    f"again every {_RESOLVE_EVERY_S:g} s for up to {wait_s:g} s (--timeout-s)")
+            time.sleep(min(_RESOLVE_EVERY_S, max(0.0, deadline - now)))
 
 
 _REJECTS_KEPT = 100
@@ -96,7 +122,10 @@ class Root:
     calls `on_readable(sock)` for each readable one and `tick()` every loop turn."""
 
     def __init__(self, ctx: zmq.Context, job: JobSpec, *, local_world_size: int, manifest: str, backend: str,
-                 groups: dict[str, tuple[tuple[int, ...], ...]], join_timeout_s: float) -> None:
+                 groups: dict[str, tuple[tuple[int, ...], ...]], join_timeout_s: float,
+                 address: str | None = None) -> None:
+        """`address`: the `tcp://IP:PORT` to bind, resolved already (bind_address); the job's root host's when
+        None."""
         self.job = job
         self.nnodes = job.nnodes
         self.local_world_size = local_world_size
@@ -136,7 +165,7 @@ class Root:
         self._last_failure_log: float | None = None
         # resolved first: a name that does not resolve must fail before any socket exists (one left open would
         # keep the context's term() waiting for ever)
-        self.endpoint = bind_address(job.root_host, job.root_port)
+        self.endpoint = address or bind_address(job.root_host, job.root_port, job.source)
         keys = job_keys(job.token)
         self.zap = ZapHandler(ctx, keys)
         self.sock = make_server(ctx, keys)
@@ -449,8 +478,11 @@ class Root:
             return
         self._last_failure_log = t
         self._failures_logged = self.handshake_failures
-        say(f"root: ignored: {self._failed_handshakes(new)} (not nodes of this job; {self.handshake_failures} so far "
-            f"on {self.endpoint})")
+        missing = self.missing_nodes()
+        who = (f"a stranger, or a node of this job started with another TRAY_JOB_TOKEN (node(s) "
+               f"{','.join(map(str, missing))} not joined yet)" if missing and self.stop is None else "not of this job")
+        say(f"root: ignored: {self._failed_handshakes(new)} ({who}; {self.handshake_failures} so far on "
+            f"{self.endpoint})")
 
     # --- time -------------------------------------------------------------------------------------
     def missing_nodes(self) -> list[int]:
@@ -491,7 +523,7 @@ class Root:
                 why = (f"{self._failed_handshakes(self.handshake_failures)}: a head that stopped while connecting, "
                        "or one started with another TRAY_JOB_TOKEN")
             else:
-                why = "not started, a wrong --rdzv-endpoint, or a firewall"
+                why = f"not started, a wrong root address (from {host_source(self.job.source)}), or a firewall"
             self._stop(None, -1, f"{late}; {why}", exit_code=EXIT_HANDSHAKE)
             return
         if len(self.nodes) < self.nnodes and now - self._last_wait_said >= _WAIT_SAID_EVERY_S and \
