@@ -764,6 +764,8 @@ def test_an_exchange_a_rank_on_another_node_never_makes_is_placed_by_the_root(tr
     for run in runs:  # rank 2's vote, held at its head, was told the root: every head names rank 3 alone
         assert "tray-wide step: exchange 'it' (round 1) was still waiting for rank 3 (node 1)" in run.stderr, \
             run.output
+        # in the verdict's first line too: the rank that gave up reports the wait, the root says whom it was for
+        assert _root_cause(run).endswith("; the step waited for rank 3 (node 1)"), run.output
 
 
 def test_a_step_a_rank_gave_up_is_not_held_against_a_rank_that_leaves(tray_env):

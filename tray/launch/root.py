@@ -47,6 +47,8 @@ _PENDING_SAID = 20  # undecided steps named in a JobStop, at most
 # NOTE: the cycle check over every undecided step runs from the tick, at most this often, not on every vote: a
 # relayed collective's round over many ranks would otherwise cost the root one full check per vote
 _CROSSED_EVERY_S = 0.1
+# what a rank's step wait that ran out says (tray.handshake.client.HeadClient.receive)
+_NO_DECISION = ": no decision on "
 # a node not heard from for longer than this (two heartbeats and some) is said to be silent when a failed wait missed
 # its ranks
 _NODE_LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
@@ -562,8 +564,13 @@ class Root:
         if self.stop is not None:
             return
         if node is not None and rank >= 0:
-            # the ranks the failure missed: a wait's, or those the undecided steps wait for (a step a rank gave up)
-            missed = BarrierTimeout.missing_in(summary) or sorted({r for p in self._pending() for r in p[2]})
+            # the ranks the failure missed: a wait's, or those the undecided steps wait for (a step a rank gave up,
+            # whose own message cannot name them: the root can, and their nodes)
+            missed = BarrierTimeout.missing_in(summary)
+            if not missed and _NO_DECISION in summary:
+                missed = sorted({r for p in self._pending() for r in p[2]})
+                if missed:
+                    summary += f"; the step waited for {self._ranks_with_nodes(missed)}"
             summary += self._silent_nodes_among(missed)
         stop = jobwire.JobStop.bounded(
             token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
@@ -574,6 +581,14 @@ class Root:
                                         pending_rounds=tuple(p[1] for p in pending),
                                         pending_missing=tuple(p[2] for p in pending))
         self._broadcast(self.stop)
+
+    def _ranks_with_nodes(self, ranks: list[int]) -> str:
+        """'ranks 2,3 (node 1)', 'rank 0 (node 0), rank 5 (node 2)': `ranks` grouped by node."""
+        by_node: dict[int, list[int]] = {}
+        for r in sorted(ranks):
+            by_node.setdefault(r // self.local_world_size, []).append(r)
+        return ", ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} (node {n})"
+                         for n, rs in by_node.items())
 
     def _silent_nodes_among(self, ranks: list[int]) -> str:
         """What the root knows of the nodes of `ranks` (those a failed wait missed) that it has not heard from for
