@@ -136,6 +136,10 @@ def test_pytorchjob_and_lws():
         resolve_job(JobArgs(), {**pet, **lws})
     with pytest.raises(UsageError, match="LWS_WORKER_INDEX"):
         resolve_job(JobArgs(), {**lws, "LWS_WORKER_INDEX": "x"})
+    # a group of several without the leader's address ran one tray alone; one pod's group is one host
+    with pytest.raises(UsageError, match="LWS_GROUP_SIZE=2 describes .* LWS_LEADER_ADDRESS .* is unset"):
+        resolve_job(JobArgs(), {k: v for k, v in lws.items() if k != "LWS_LEADER_ADDRESS"})
+    assert resolve_job(JobArgs(), {"LWS_GROUP_SIZE": "1", "LWS_WORKER_INDEX": "0"}) is None
 
 
 def test_rank_env_describes_the_job():

@@ -214,6 +214,10 @@ def _scheduler(args: JobArgs, env: Mapping[str, str]) -> _Found | None:
         present.append(("PyTorchJob (PET_*)", _from_pytorchjob))
     if env.get("LWS_LEADER_ADDRESS"):
         present.append(("LeaderWorkerSet (LWS_*)", _from_lws))
+    elif is_digits(env.get("LWS_GROUP_SIZE", "")) and int(env["LWS_GROUP_SIZE"]) > 1:
+        raise UsageError(f"LWS_GROUP_SIZE={env['LWS_GROUP_SIZE']} describes a LeaderWorkerSet group of several pods, "
+                         "but LWS_LEADER_ADDRESS (the leader's address, where the root listens) is unset; set it, or "
+                         "give --nnodes, --node-rank and --rdzv-endpoint")
     if len(present) > 1:
         names = " and ".join(name for name, _ in present)
         raise UsageError(f"the environment describes the job twice: {names}; unset one, or give --nnodes, "

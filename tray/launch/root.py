@@ -282,7 +282,8 @@ class Root:
         if join.nnodes != self.nnodes:
             problems.append(f"a job of {join.nnodes} nodes, the root's has {self.nnodes} (--nnodes differs)")
         if join.local_world_size != self.local_world_size:
-            problems.append(f"{join.local_world_size} ranks per node, node 0 runs {self.local_world_size}; every "
+            n = join.local_world_size
+            problems.append(f"{n} {'rank' if n == 1 else 'ranks'} per node, node 0 runs {self.local_world_size}; every "
                             "node must run the same number (-n / --nproc-per-node)")
         if join.manifest != self.manifest:
             problems.append(jobwire.manifest_differs(join.manifest, self.manifest))
