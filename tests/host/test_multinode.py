@@ -514,7 +514,7 @@ def test_nodes_with_different_rank_counts_are_refused_by_name(tray_env):
     runs = finish(start_job(tray_env, body, node_args={1: ("-n", "1")}), timeout_s=40)
     assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
     for run in runs:
-        assert "1 ranks per node, node 0 runs 2" in _root_cause(run), run.output
+        assert "1 rank per node, node 0 runs 2" in _root_cause(run), run.output
     # node 1 was told at its refusal: node 0 does not wait for it to join (LATE_TELL_S, 5 s)
     assert "not joined yet" not in runs[0].stderr and runs[0].seconds < 8, runs[0].output
 
