@@ -283,19 +283,25 @@ def test_head_sigkilled_takes_the_descendants_that_left_the_trays_group(tray_env
         print("up", child.pid, flush=True)
         time.sleep(600)
     """)
+    _kill_head_then_check_gone(tray_env, cmd, "up", 2, wait_s=5)
+
+
+def _kill_head_then_check_gone(tray_env, cmd: list[str], word: str, count: int, wait_s: float) -> None:
+    """Start the head of `cmd`, wait for `count` lines "... WORD PID" (children its ranks started), SIGKILL the head,
+    then check those children are gone within `wait_s`, and so is every job dir."""
     head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=tray_env.env(),
                             cwd=str(tray_env.tmp))
     children = []
     try:
-        deadline = time.monotonic() + 30
-        while len(children) < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 40
+        while len(children) < count and time.monotonic() < deadline:
             line = head.stdout.readline().split()
-            if len(line) >= 3 and line[-2] == "up":
+            if len(line) >= 2 and line[-2] == word:
                 children.append(psutil.Process(int(line[-1])))
-        assert len(children) == 2
+        assert len(children) == count
         head.send_signal(signal.SIGKILL)
         head.wait(timeout=10)
-        gone, alive = psutil.wait_procs(children, timeout=5)
+        gone, alive = psutil.wait_procs(children, timeout=wait_s)
         assert not alive, alive
     finally:
         if head.poll() is None:
@@ -304,7 +310,7 @@ def test_head_sigkilled_takes_the_descendants_that_left_the_trays_group(tray_env
         for c in children:
             with contextlib.suppress(psutil.Error):
                 c.kill()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + wait_s
     while list(tray_env.jobs_root.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(tray_env.jobs_root.iterdir()) == []
@@ -795,28 +801,4 @@ def test_a_killed_head_leaves_a_tray_its_rank_launched_to_that_trays_watchdog(tr
                           sys.executable, {str(inner)!r}, sys.argv[1]], start_new_session=True)
         time.sleep(600)
     """)
-    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=tray_env.env(),
-                            cwd=str(tray_env.tmp))
-    children = []
-    try:
-        deadline = time.monotonic() + 40
-        while len(children) < 2 and time.monotonic() < deadline:
-            line = head.stdout.readline().split()
-            if len(line) >= 2 and line[-2] == "inner-up":
-                children.append(psutil.Process(int(line[-1])))
-        assert len(children) == 2
-        head.send_signal(signal.SIGKILL)
-        head.wait(timeout=10)
-        gone, alive = psutil.wait_procs(children, timeout=8)
-        assert not alive, alive
-    finally:
-        if head.poll() is None:
-            head.kill()
-        head.stdout.close()
-        for c in children:
-            with contextlib.suppress(psutil.Error):
-                c.kill()
-    deadline = time.monotonic() + 8
-    while list(tray_env.jobs_root.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert list(tray_env.jobs_root.iterdir()) == []
+    _kill_head_then_check_gone(tray_env, cmd, "inner-up", 2, wait_s=8)

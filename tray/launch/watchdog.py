@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tray.envvars import own_module
@@ -79,56 +80,51 @@ def marked_processes(mark: bytes, exclude: frozenset[int] = frozenset()) -> list
 
 def kill_marked(mark: bytes, exclude: frozenset[int], timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
     """SIGKILL this user's processes whose environment holds `mark` until none is left or `timeout_s` passed (one
-    may fork while we look); returns the pids still alive then (normally none)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            left = marked_processes(mark, exclude)
-        except OSError:  # /proc cannot be listed now (EMFILE)
-            left = []
-            if time.monotonic() < deadline:
-                time.sleep(0.05)
-                continue
-        if not left or time.monotonic() >= deadline:
-            return left
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.005)
+    may fork while we look); returns the pids still alive then (normally none, and none when /proc cannot be
+    listed)."""
+    return _kill_until_gone(lambda: marked_processes(mark, exclude), timeout_s, set(), raise_unlisted=False)
 
 
 def kill_group(pgid: int, exclude: frozenset[int], timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
     """SIGKILL every process of group `pgid` except `exclude` until none is left (a process may fork
     while we look) or `timeout_s` passed; reaps those that are our children (orphans adopted by a
     subreaper). Returns the pids still alive at the end (normally none)."""
-    deadline = time.monotonic() + timeout_s
     signalled: set[int] = set()
     try:
-        while True:
-            try:
-                left = group_members(pgid, exclude)
-            except OSError:  # /proc cannot be listed now (every descriptor in use: EMFILE); they may be freed
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.05)
-                continue
-            if not left or time.monotonic() >= deadline:
-                return left
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    signalled.add(pid)
-                except OSError:
-                    pass
-            time.sleep(0.005)
+        return _kill_until_gone(lambda: group_members(pgid, exclude), timeout_s, signalled, raise_unlisted=True)
     finally:
         for pid in signalled:
             try:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
+
+
+def _kill_until_gone(find: Callable[[], list[int]], timeout_s: float, signalled: set[int], *,
+                     raise_unlisted: bool) -> list[int]:
+    """SIGKILL the pids `find()` gives until it gives none or `timeout_s` passed; the pids left then. /proc that
+    cannot be listed (every descriptor in use: EMFILE) is asked again until the deadline, then raises OSError or,
+    without `raise_unlisted`, gives none. The pids signalled are added to `signalled`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            left = find()
+        except OSError:
+            if time.monotonic() >= deadline:
+                if raise_unlisted:
+                    raise
+                return []
+            time.sleep(0.05)
+            continue
+        if not left or time.monotonic() >= deadline:
+            return left
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                signalled.add(pid)
+            except OSError:
+                pass
+        time.sleep(0.005)
 
 
 class Watchdog:
