@@ -78,11 +78,17 @@ class BarrierTimeout(WaitedForRanks):
     def missing_in(message: str) -> list[int]:
         """The missing ranks a BarrierTimeout's message names (the head reads them from an error report);
         [] when `message` is not one."""
-        found = _MISSING.search(message)
-        return [int(r) for r in found.group(1).split(",")] if found else []
+        found = _WAITED_FOR.search(message)
+        return [int(r) for r in found.group(2).split(",")] if found else []
+
+    @staticmethod
+    def waited_in(message: str) -> float | None:
+        """How long the wait a WaitedForRanks message tells of lasted, s; None when `message` is not one."""
+        found = _WAITED_FOR.search(message)
+        return float(found.group(1)) if found else None
 
 
-_MISSING = re.compile(r"waited [0-9.]+ s for rank ([0-9]+(?:,[0-9]+)*)")
+_WAITED_FOR = re.compile(r"waited ([0-9.]+) s for rank ([0-9]+(?:,[0-9]+)*)")
 
 
 class SyncTimeout(PeerFailure):

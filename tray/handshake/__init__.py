@@ -9,3 +9,18 @@ HEARTBEAT_INTERVAL_S = 0.5
 # heartbeats, so the report shows where it is. A real-time signal: programs rarely use one, and the ranks that
 # reached the head have its handler (a signal sent to a process without one would end it).
 STACK_DUMP_SIGNAL_OFFSET = 5  # signal.SIGRTMIN + this
+
+
+def raise_fd_soft_limit(need: int | None = None) -> tuple[int, int]:
+    """Raise this process's soft open-file limit to `need` (None: to the hard limit) when it is lower, up to the
+    hard limit; (soft, hard) after. fd passing needs room for every fd a reply brings: the head and the root for
+    their sockets, a rank for its own exported buffers and, while it maps them, a peer's."""
+    import contextlib
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if need is None else (need if hard == resource.RLIM_INFINITY else min(need, hard))
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)

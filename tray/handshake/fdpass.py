@@ -6,7 +6,6 @@ sends anything. ZeroMQ cannot carry fds, hence this side channel.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import os
 import socket
@@ -200,19 +199,6 @@ def _fd_limit_said() -> str:
     except OSError:  # none free even to list them
         now = ""
     return f"its open-file limit is {soft} (at most {hard}){now}"
-
-
-def ensure_fd_room(need: int) -> None:
-    """Raise this process's soft open-file limit to `need` when it is lower (up to the hard limit): a rank holds
-    its own exported buffers' fds and, while it maps them, a peer's. Short of the hard limit it stays as it is,
-    and a reply that could not carry its fds says so (fetch_fds)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return
-    with contextlib.suppress(OSError, ValueError):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
 
 
 def fetch_fds(path: str, token: str, names: list[str], owner: str, timeout_s: float) -> dict[str, int]:

@@ -154,15 +154,26 @@ def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
     return []
 
 
+# what the error of a rank's wait for a step's decision that ran out holds (HeadClient.receive's "no ..." of a
+# "decision on ..." wait: "rank 1: no decision on exchange 'x' from the head ..."): the head and the root know it by it
+NO_DECISION = ": no decision on "
+
+
+def ranks_by_node(ranks: Sequence[int], local_world_size: int) -> str:
+    """`ranks` by node (node of rank r = r // L), in their order within a node: "ranks 0,1 (node 0), rank 3 (node
+    1)"."""
+    by_node: dict[int, list[int]] = {}
+    for r in ranks:
+        by_node.setdefault(r // local_world_size, []).append(r)
+    return ", ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} (node {n})"
+                     for n, rs in sorted(by_node.items()))
+
+
 def describe_pending(topic: str, rnd: int, missing: Sequence[int], local_world_size: int) -> str:
     """The line naming an undecided step and the ranks it still waited for, by node (node of rank r = r // L):
     "tray-wide step: exchange 't' (round 1) was still waiting for ranks 0,1 (node 0), rank 3 (node 1)"."""
-    by_node: dict[int, list[int]] = {}
-    for r in missing:
-        by_node.setdefault(r // local_world_size, []).append(r)
-    who = ", ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} (node {n})"
-                    for n, rs in sorted(by_node.items()))
     kind = "group step" if topic.startswith(GROUP_PREFIX) else "tray-wide step"
+    who = ranks_by_node(missing, local_world_size)
     return f"{kind}: {describe_step(topic)} (round {rnd}) was still waiting for {who}"
 
 

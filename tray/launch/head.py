@@ -28,7 +28,7 @@ from tray.collectives.early import StartJoin
 from tray.envvars import join_collectives, stop_signals
 from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
-from tray.handshake.steps import crossed_steps, describe_cycle, describe_step, step_voters, who_waits
+from tray.handshake.steps import NO_DECISION, crossed_steps, describe_cycle, describe_step, step_voters, who_waits
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
@@ -84,8 +84,6 @@ _MIN_WINDOW_S = 0.5  # CPU time is counted in clock ticks (10 ms): a shorter win
 # a verdict that names a late rank samples its CPU this long when the tick has not yet (two ticks of a busy CPU, also
 # when it gets half of one)
 _CPU_SAMPLE_S = 0.1
-# what a rank's step wait that ran out says (tray.handshake.client.HeadClient.receive)
-_NO_DECISION = ": no decision on "
 # NOTE: how long the head lets a rank's stack dump reach the output pump before the teardown signals the rank (a
 # standard signal pending beside a real-time one is delivered first)
 _STACK_DUMP_WAIT_S = 0.3
@@ -525,7 +523,7 @@ class Head:
                     if 0 <= r - self.rank_base < len(self.procs)]
             more = "give barriers more time (--barrier-timeout-s S, TRAY_BARRIER_TIMEOUT_S or the manifest's " \
                    "barrier_timeout_s)"
-            if not late and msg.error_type == "HandshakeError" and _NO_DECISION in msg.message:
+            if not late and msg.error_type == "HandshakeError" and NO_DECISION in msg.message:
                 # a tray-wide step it gave up: the head knows who never voted in it (its ranks; the root's stop
                 # names those of other nodes)
                 late, step = self._not_voted_beside(rank)
@@ -775,10 +773,7 @@ class Head:
         for (topic, rnd), box in self.votes.items():
             if not any(self._waits((topic, rnd), r, now) for r in box):
                 continue  # every rank that voted gave the step up (a caught timeout): nobody waits in it
-            voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
-            for p in self.procs:
-                if p.rank in box or (voters is not None and p.rank not in voters):
-                    continue
+            for p in self._not_voted(topic, box):
                 if p.returncode == 0:
                     how = "exited with code 0"
                 elif p.returncode is None and p.phase == "bye":
@@ -961,7 +956,7 @@ class Head:
         cpu = _cpu_seconds(p.pid)
         return mark is not None and mark[1] is not None and cpu is not None and cpu - mark[1] >= _BUSY_CPU_S
 
-    def _dump_stacks(self, procs: list[RankProcess], sock: zmq.Socket | None = None) -> dict[int, _LateReport]:
+    def _dump_stacks(self, procs: list[RankProcess], sock: zmq.Socket) -> dict[int, _LateReport]:
         """Have each rank write every thread's Python stack to its stderr (tray.rank registered the signal before
         it first reached the head), and give the output pump a moment to carry it before the teardown's SIGTERM.
         Meanwhile the ranks' messages on `sock` are read: the tray is failing, so what these ranks report is kept
@@ -976,9 +971,6 @@ class Head:
                 pass
         reports: dict[int, _LateReport] = {}
         if not sent:
-            return reports
-        if sock is None:
-            time.sleep(_STACK_DUMP_WAIT_S)
             return reports
         ranks = {p.rank for p in procs}
         deadline = time.monotonic() + _STACK_DUMP_WAIT_S
@@ -996,9 +988,9 @@ class Head:
             if getattr(msg, "rank", None) != rank:
                 continue
             if isinstance(msg, wire.ErrorReport) and rank in ranks and rank not in reports:
-                reports[rank] = _LateReport(f"{msg.error_type}: {msg.message}" if msg.message else msg.error_type,
-                                            BarrierTimeout.missing_in(msg.message), _waited_s(msg.message),
-                                            time.monotonic())
+                said = f"{msg.error_type}: {msg.message}" if msg.message else msg.error_type
+                reports[rank] = _LateReport(said, BarrierTimeout.missing_in(msg.message),
+                                            BarrierTimeout.waited_in(msg.message), time.monotonic())
             elif isinstance(msg, wire.Vote):
                 self.votes.setdefault((msg.topic, msg.round), {})[rank] = msg.value
         return reports
@@ -1032,10 +1024,13 @@ class Head:
         box = self.votes.get(key) if key is not None else None
         if key is None or box is None or rank not in box:
             return [], ""
-        topic, rnd = key
+        return self._not_voted(key[0], box), f"{describe_step(key[0])}, round {key[1]}"
+
+    def _not_voted(self, topic: str, box: dict[int, object]) -> list[RankProcess]:
+        """This head's ranks that take part in step `topic` (a node leaders' step: the leader alone) and have no
+        vote in `box`."""
         voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
-        return ([p for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)],
-                f"{describe_step(topic)}, round {rnd}")
+        return [p for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)]
 
     def _status(self, p: RankProcess, more: str = "give it more time") -> str:
         """What the head knows of rank `p` now: dead (how), or alive with its last heartbeat and phase, and
@@ -1253,9 +1248,7 @@ class Head:
         """The steps undecided at the failure, each with this head's ranks that never voted in it."""
         lines = []
         for (topic, rnd), box in self.votes.items():
-            # only this head's ranks that take part in the step (a node leaders' step: the leader alone)
-            voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
-            missing = [p.rank for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)]
+            missing = [p.rank for p in self._not_voted(topic, box)]
             if missing:
                 who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {','.join(map(str, missing))}"
                 lines.append(f"tray-wide step: {describe_step(topic)} (round {rnd}) was still waiting for {who}")
@@ -1301,15 +1294,6 @@ class _LateReport:
     missing: list[int]
     waited_s: float | None
     at: float
-
-
-_WAITED = re.compile(r"\bwaited ([0-9.]+) s for rank")
-
-
-def _waited_s(message: str) -> float | None:
-    """How long a WaitedForRanks message says its rank waited; None for another message."""
-    found = _WAITED.search(message)
-    return float(found.group(1)) if found else None
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -24,7 +24,16 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tray.errors import BarrierTimeout, UsageError, WireError
 from tray.handshake import jobwire
-from tray.handshake.steps import GROUP_PREFIX, crossed_steps, describe_cycle, describe_step, step_voters, who_waits
+from tray.handshake.steps import (
+    GROUP_PREFIX,
+    NO_DECISION,
+    crossed_steps,
+    describe_cycle,
+    describe_step,
+    ranks_by_node,
+    step_voters,
+    who_waits,
+)
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import JobSpec
 from tray.launch.spawn import raise_fd_limit, say
@@ -47,8 +56,6 @@ _PENDING_SAID = 20  # undecided steps named in a JobStop, at most
 # NOTE: the cycle check over every undecided step runs from the tick, at most this often, not on every vote: a
 # relayed collective's round over many ranks would otherwise cost the root one full check per vote
 _CROSSED_EVERY_S = 0.1
-# what a rank's step wait that ran out says (tray.handshake.client.HeadClient.receive)
-_NO_DECISION = ": no decision on "
 # a node not heard from for longer than this (two heartbeats and some) is said to be silent when a failed wait missed
 # its ranks
 _NODE_LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
@@ -568,10 +575,10 @@ class Root:
             # the ranks the failure missed: a wait's, or those the undecided steps wait for (a step a rank gave up,
             # whose own message cannot name them: the root can, and their nodes)
             missed = BarrierTimeout.missing_in(summary)
-            if not missed and _NO_DECISION in summary:
+            if not missed and NO_DECISION in summary:
                 missed = sorted({r for p in self._pending() for r in p[2]})
                 if missed:
-                    summary += f"; the step waited for {self._ranks_with_nodes(missed)}"
+                    summary += f"; the step waited for {ranks_by_node(missed, self.local_world_size)}"
             summary += self._silent_nodes_among(missed)
         stop = jobwire.JobStop.bounded(
             token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
@@ -582,14 +589,6 @@ class Root:
                                         pending_rounds=tuple(p[1] for p in pending),
                                         pending_missing=tuple(p[2] for p in pending))
         self._broadcast(self.stop)
-
-    def _ranks_with_nodes(self, ranks: list[int]) -> str:
-        """'ranks 2,3 (node 1)', 'rank 0 (node 0), rank 5 (node 2)': `ranks` grouped by node."""
-        by_node: dict[int, list[int]] = {}
-        for r in sorted(ranks):
-            by_node.setdefault(r // self.local_world_size, []).append(r)
-        return ", ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} (node {n})"
-                         for n, rs in by_node.items())
 
     def _silent_nodes_among(self, ranks: list[int]) -> str:
         """What the root knows of the nodes of `ranks` (those a failed wait missed) that it has not heard from for

@@ -3,7 +3,6 @@ output pumps that prefix every line with `[rank R]`."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import os
@@ -20,6 +19,7 @@ from typing import IO, TextIO
 
 from tray.collectives.early import IDS_ENV
 from tray.errors import UsageError
+from tray.handshake import raise_fd_soft_limit
 from tray.launch.output import STDERR, STDOUT, Routing, stamp
 from tray.launch.ports import MASTER_ADDR
 from tray.launch.spec import RankProcess, TraySpec
@@ -51,26 +51,16 @@ def ensure_fd_limit(nprocs: int) -> None:
     from tray.launch.jobdir import SetupError
 
     need = _FDS_BASE + _FDS_PER_RANK * nprocs
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = raise_fd_soft_limit(need)
     if soft != resource.RLIM_INFINITY and soft < need:
-        raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-        except (OSError, ValueError):
-            raised = soft
-        if raised < need:
-            raise SetupError(f"the open-file limit (ulimit -n) is {soft} (at most {hard}); a tray of {nprocs} ranks "
-                             f"needs about {need} descriptors in its head: raise it, or run fewer ranks")
+        raise SetupError(f"the open-file limit (ulimit -n) is {before} (at most {hard}); a tray of {nprocs} ranks "
+                         f"needs about {need} descriptors in its head: raise it, or run fewer ranks")
 
 
 def raise_fd_limit() -> None:
     """Raise this process's soft open-file limit to its hard one (a process that serves connections from outside)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        with contextlib.suppress(OSError, ValueError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_fd_soft_limit()
 
 
 def say(msg: str) -> None:

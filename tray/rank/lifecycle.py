@@ -19,9 +19,9 @@ from tray import collectives
 from tray.backend import open_backend
 from tray.backend.base import Backend, Barrier, Collectives, ExportedHandle, GroupInfo
 from tray.errors import DeviceError, HandshakeError
-from tray.handshake import STACK_DUMP_SIGNAL_OFFSET, wire
+from tray.handshake import STACK_DUMP_SIGNAL_OFFSET, raise_fd_soft_limit, wire
 from tray.handshake.client import RendezvousClient
-from tray.handshake.fdpass import FdServer, ensure_fd_room, fetch_fds
+from tray.handshake.fdpass import FdServer, fetch_fds
 from tray.handshake.steps import node_leaders, node_parts, spans_nodes
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
@@ -259,8 +259,9 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
     env = parts.env
     assert parts.buffers is not None and parts.groups is not None
     exported = _exported(parts)
-    # its own exported fds stay open (its fd socket serves them), and a peer's are open while they are mapped
-    ensure_fd_room(_FDS_BASE + 2 * len(exported))
+    # its own exported fds stay open (its fd socket serves them), and a peer's are open while they are mapped; short
+    # of it, a reply that could not carry its fds says so (fetch_fds)
+    raise_fd_soft_limit(_FDS_BASE + 2 * len(exported))
     wanted: dict[int, list[str]] = {}
     for name in exported:
         g = _mapping_group(parts, name)
