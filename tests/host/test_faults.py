@@ -237,6 +237,35 @@ def test_garbage_and_wrong_token_are_rejected_naming_the_sender(tray_env):
     assert "replies: 0" in run.stdout
 
 
+
+def test_a_process_taking_a_free_rank_identity_gets_no_token(tray_env):
+    """A rank's identity is only a name: any process of this user could take one not yet connected (or left) and,
+    sending garbage or a wrong token, got a Reject, which carries the job's token. Only a sender that showed the token
+    gets one now."""
+    run = tray_env.launch(2, """
+    import zmq, msgpack
+    from tray.handshake.wire import PROTOCOL_VERSION
+    if os.environ["TRAY_RANK"] == "0":   # before rank 0 connects: its identity is free
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, b"rank-0")
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(os.environ["TRAY_RDZV"])
+        s.send(b"\\xc1garbage")
+        s.send(msgpack.packb({"kind": "bye", "v": PROTOCOL_VERSION, "token": "not-the-token", "rank": 0}))
+        got = [msgpack.unpackb(s.recv()) for _ in range(2) if s.poll(1500)]
+        print("leaked:", any(os.environ["TRAY_TOKEN"] in str(m) for m in got), flush=True)
+        s.send(msgpack.packb({"kind": "bye", "v": PROTOCOL_VERSION, "token": os.environ["TRAY_TOKEN"], "rank": 7}))
+        print("with the token:", msgpack.unpackb(s.recv()).get("kind") if s.poll(1500) else None, flush=True)
+        s.close(); ctx.term()
+    with tray.init() as rank:
+        rank.barrier(timeout_s=30)
+    """)
+    assert run.returncode == 0, run.output
+    assert "rejected a message from rank-0" in run.stderr
+    assert "leaked: False" in run.stdout
+    assert "with the token: reject" in run.stdout
+
 def test_head_sigkilled_takes_its_ranks(tray_env):
     cmd = tray_env.command(3, """
     with tray.init() as rank:

@@ -220,3 +220,63 @@ def test_umask_002_and_a_user_private_group_are_not_taken_for_others(tmp_path, m
     assert jobdir.default_root() == unsafe_tmp / f"tray-{os.getuid()}"   # no such home: the error names the tmp
     (tmp_path / "home").mkdir(mode=0o700)
     assert jobdir.default_root() == tmp_path / "home" / ".cache" / "tray-jobs"
+
+
+def test_a_jobs_root_reached_through_another_users_link_is_refused(tmp_path):
+    """The directories above the jobs root were checked with its links resolved, so a root reached through a link of
+    another user passed: its owner could point the link at a directory of theirs while the tray starts, and the ranks,
+    which reach the job dir by its path, would send their token to a head of theirs (and write their error files
+    through links planted there). Every link on the way must be this user's or root's, in a directory others cannot
+    change."""
+    from tray.launch import jobdir
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    path, fd = open_root(link / "jobs")  # a link of this user's: fine
+    os.close(fd)
+    chained = tmp_path / "chained"
+    chained.symlink_to("link")  # a link whose target is another link
+    assert [entry[0] for entry in jobdir._links_on_the_way(str(chained / "jobs"))] == [str(chained), str(link)]
+    if os.getuid() != 0:
+        pytest.skip("needs root to give a link to another user")
+    os.lchown(link, 65534, 65534)
+    for root in (link / "jobs", chained / "jobs"):
+        with pytest.raises(SetupError, match=rf"lies under the link {link} \(owned by uid 65534\)"):
+            open_root(root)
+    os.lchown(link, os.getuid(), os.getgid())
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o777)  # others may replace a link of this user's in it
+    (shared / "link").symlink_to(mine)
+    with pytest.raises(SetupError, match=r"lies under the link .*/shared/link, in .*/shared \(mode 0777"):
+        open_root(shared / "link" / "jobs")
+
+
+def test_a_default_root_name_taken_by_another_user_falls_back_to_the_home(tmp_path, monkeypatch):
+    """Any user may make $TMPDIR/tray-<uid> for any uid first (a link, a dir of theirs), and this user cannot remove
+    it from a sticky /tmp: every launch then failed with a SetupError. The default root moves to the home instead."""
+    from tray.launch import jobdir
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    (tmp_path / "home").mkdir(mode=0o700)
+    monkeypatch.delenv("TRAY_JOBS_ROOT", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(jobdir.tempfile, "tempdir", None)
+    squat = tmp / f"tray-{os.getuid()}"
+    assert jobdir.default_root() == squat  # free: the tmp
+    squat.symlink_to(tmp_path / "elsewhere")
+    assert jobdir.default_root() == tmp_path / "home" / ".cache" / "tray-jobs"
+    squat.unlink()
+    squat.mkdir(mode=0o700)
+    assert jobdir.default_root() == squat  # this user's own, from an earlier launch
+    if os.getuid() == 0:
+        os.chown(squat, 65534, 65534)
+        assert jobdir.default_root() == tmp_path / "home" / ".cache" / "tray-jobs"
+    path, fd = open_root(jobdir.default_root())
+    os.close(fd)

@@ -686,6 +686,19 @@ def _check_version(body: dict[Any, Any], sender: str | None) -> None:
         )
 
 
+def carries_token(data: bytes, token: str) -> bool:
+    """Whether `data` (a message decode() refused) is a map whose `token` is `token`: its sender holds the tray's
+    secret, so a Reject (which carries it) may go back to it. A sender that has not shown the token gets none."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > MAX_MESSAGE_NBYTES:
+        return False
+    try:
+        body = _unpack(data)
+    except WireError:
+        return False
+    seen = body.get("token") if type(body) is dict else None
+    return type(seen) is str and hmac.compare_digest(seen.encode(), token.encode())
+
+
 def _check_token(body: dict[Any, Any], token: str | None) -> None:
     if "token" not in body:
         raise WireError("missing field 'token'")

@@ -493,7 +493,10 @@ class Head:
             msg = wire.decode(payload, token=self.token, sender=ident)
         except WireError as exc:
             self._reject_log(ident, exc.reason)
-            if rank is not None:  # NOTE: a Reject carries the token: never to a process outside the tray's identities
+            # NOTE: a Reject carries the token: never to a process outside the tray's identities, nor to one that only
+            # took a rank's identity (any process of this user can, before the rank connects or after it left) and
+            # has not shown the token itself
+            if rank is not None and wire.carries_token(payload, self.token):
                 self._send(sock, ident, wire.Reject(token=self.token, reason=exc.reason))
             return
         if rank is None or getattr(msg, "rank", rank) != rank:

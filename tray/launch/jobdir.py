@@ -56,7 +56,7 @@ class JobDir:
 
 def default_root() -> Path:
     """$TRAY_JOBS_ROOT; else $XDG_RUNTIME_DIR/tray when that dir is ours and 0700; else $TMPDIR/tray-<uid>, unless
-    another user could change a directory above it (then ~/.cache/tray-jobs)."""
+    another user could change a directory above it or holds that name (then ~/.cache/tray-jobs)."""
     explicit = os.environ.get("TRAY_JOBS_ROOT")
     if explicit:
         return Path(explicit)
@@ -70,11 +70,22 @@ def default_root() -> Path:
             return Path(xdg) / "tray"
     tmp = Path(tempfile.gettempdir()) / f"tray-{os.getuid()}"
     home = Path(os.path.expanduser("~"))
-    if unsafe_ancestor(tmp) is not None and _own_dir(home) and unsafe_ancestor(home / ".cache" / "x") is None:
-        # NOTE: a temporary directory others may change (a container's /tmp volume of mode 0777, not sticky): the
-        # user's own cache instead
+    if (unsafe_ancestor(tmp) is not None or _taken(tmp)) and _own_dir(home) \
+            and unsafe_ancestor(home / ".cache" / "x") is None:
+        # NOTE: a temporary directory others may change (a container's /tmp volume of mode 0777, not sticky), or one
+        # where another user took the name first (anyone may mkdir /tmp/tray-<uid> for any uid, and this user cannot
+        # remove it from a sticky /tmp): the user's own cache instead
         return home / ".cache" / "tray-jobs"
     return tmp
+
+
+def _taken(path: Path) -> bool:
+    """Whether `path` exists as something other than a directory of this user (a link, a file, another's dir)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
 
 
 def open_root(root: Path | None = None) -> tuple[Path, int]:
@@ -175,7 +186,19 @@ def make_private_dirs(path: Path, mode: int = 0o700) -> None:
 def unsafe_ancestor(path: Path) -> str | None:
     """What makes the directories above the jobs root unsafe, or None: another user must not be able to move the
     jobs root aside and put a directory of theirs at its path (ranks reach the head's socket by path, and would
-    send it their token); see others_may_change. Links are resolved."""
+    send it their token); see others_may_change. Links are resolved, and each link met on the way must be this
+    user's or root's and lie in a directory no other user may change: its owner could point it elsewhere later (the
+    ranks reach the job dir by its path, through the link), or, where others may write, anyone could replace it."""
+    for link, holder, st in _links_on_the_way(os.path.abspath(path.parent)):
+        if st.st_uid not in (os.getuid(), 0):
+            return (f"lies under the link {link} (owned by uid {st.st_uid}), which its owner could point at a "
+                    "directory of theirs")
+        try:
+            why = others_may_change(os.stat(holder))
+        except OSError:
+            continue
+        if why:
+            return f"lies under the link {link}, in {holder} ({why}), where another user could replace the link"
     for parent in Path(os.path.realpath(path.parent)).joinpath("x").parents:
         try:
             st = os.stat(parent)
@@ -185,6 +208,37 @@ def unsafe_ancestor(path: Path) -> str | None:
         if why:
             return f"lies under {parent} ({why}), where another user could move it and put their own in its place"
     return None
+
+
+def _links_on_the_way(path: str) -> Iterator[tuple[str, str, os.stat_result]]:
+    """(link, the directory holding it, its lstat) for every symbolic link met while resolving the absolute `path`
+    component by component, as the kernel does (links inside a link's target included); stops at the first component
+    that does not exist (tray makes the rest, 0700), and after 40 links (a loop)."""
+    pending = [p for p in reversed(path.split("/")) if p]
+    cur, links = "/", 0
+    while pending:
+        name = pending.pop()
+        if name == ".":
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur)
+            continue
+        nxt = os.path.join(cur, name)
+        try:
+            st = os.lstat(nxt)
+        except OSError:
+            return
+        if not stat.S_ISLNK(st.st_mode):
+            cur = nxt
+            continue
+        yield nxt, cur, st
+        links += 1
+        if links > 40:
+            return
+        target = os.readlink(nxt)
+        if target.startswith("/"):
+            cur = "/"
+        pending.extend(p for p in reversed(target.split("/")) if p)
 
 
 # the kinds of locked directory under the jobs root: a tray's job dir, and a command's scratch dir (the files a

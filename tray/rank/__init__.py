@@ -386,8 +386,16 @@ def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
     try:
         path = Path(env.job_dir) / f"rank-{env.rank}.error.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": report.rank, "phase": report.phase, "error_type": report.error_type,
-                                   "message": report.message, "traceback": report.traceback}))
+        data = json.dumps({"rank": report.rank, "phase": report.phase, "error_type": report.error_type,
+                           "message": report.message, "traceback": report.traceback}).encode()
+        # NOTE: never through a link planted at the name: the file is the rank's own, 0600
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
         tmp.replace(path)
         written = True
     except OSError:
