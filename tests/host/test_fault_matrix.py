@@ -259,6 +259,29 @@ with tray.init() as rank:
         head.stdout.close()
 
 
+def test_head_sigkilled_takes_the_ranks_children_that_dropped_the_trays_environment(tray_env):
+    """A rank's child started with an environment of its own (no TRAY_JOB) but left in the tray's process group: with
+    the head killed, the watchdog's kill of that group takes it (no mark in its environment names the job)."""
+    head = start_head(tray_env, 2, """
+import subprocess
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1]], env={"PATH": os.defpath})
+with tray.init() as rank:
+    print("up", flush=True)
+    time.sleep(600)
+""")
+    try:
+        assert wait_for(lambda: len(tray_env.leftovers()) >= 5, 10)  # 2 ranks, 2 children, the job dir
+        t0 = time.monotonic()
+        head.send_signal(signal.SIGKILL)
+        head.wait(timeout=10)
+        assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
+        assert time.monotonic() - t0 < 5
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+
+
 def test_double_sigterm_leaves_no_job_dir(tray_env):
     # ranks that ignore SIGTERM keep the head in its teardown (grace, then SIGKILL) when the second comes
     head = start_head(tray_env, 2, """

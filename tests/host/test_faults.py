@@ -91,6 +91,22 @@ def test_rank_hangs_in_barrier_is_named_missing(tray_env):
     assert run.seconds < 15
 
 
+def test_a_barrier_timeout_names_the_rank_that_waited_and_the_one_it_missed(tray_env):
+    """Rank 0 never comes: the rank that reports says that it waited (its own number) and that rank 0 is missing."""
+    run = tray_env.launch(3, """
+    with tray.init() as rank:
+        if rank.rank == 0:
+            time.sleep(600)
+        rank.barrier(timeout_s=1.0)
+    """)
+    assert run.returncode == 1, run.output
+    line = next(ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED"))
+    found = re.search(r"rank (\d+) reported BarrierTimeout: barrier world epoch \d+: rank (\d+) waited 1\.0\d* s "
+                      r"for rank 0\b", line)
+    assert found and found.group(1) == found.group(2) and found.group(1) in ("1", "2"), line
+    assert "rank 0 missing" in line, line
+
+
 def test_rank_stopped_misses_heartbeats(tray_env):
     run = tray_env.launch(3, """
     import signal
@@ -265,6 +281,51 @@ def test_a_process_taking_a_free_rank_identity_gets_no_token(tray_env):
     assert "rejected a message from rank-0" in run.stderr
     assert "leaked: False" in run.stdout
     assert "with the token: reject" in run.stdout
+
+
+def test_a_message_claiming_another_ranks_number_is_refused_and_never_counted_as_its_vote(tray_env):
+    """Rank 1 sends a vote signed with the job token but claiming rank 0: the identity a message comes from decides
+    whose it is, so the head refuses it (the tray fails naming rank 1) and never hands it out as rank 0's value."""
+    run = tray_env.launch(2, """
+    from tray.handshake import wire
+    with tray.init() as rank:
+        if rank.rank == 1:
+            rank._wiring.client.send(wire.Vote(token=rank.env.token, rank=0, topic="who", round=1, value=-1))
+            time.sleep(0.5)
+        values = rank.exchange("who", rank.rank, timeout_s=10)
+        assert -1 not in values, f"rank {rank.rank} got a value rank 0 never sent: {values}"
+        assert values == [0, 1], values
+    """)
+    assert run.returncode == 1, run.output
+    said = "identity 'rank-1' does not match the rank it claims (0)"
+    assert f"rejected a message from rank-1: {said}" in run.stderr, run.stderr
+    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert first and first[0].startswith("tray: FAILED: rank 1 reported HandshakeError"), run.stderr
+    assert said in first[0], run.stderr
+    assert "got a value rank 0 never sent" not in run.output
+
+
+def test_a_second_offer_from_a_rank_is_rejected_and_the_table_is_handed_out_once(tray_env):
+    """A rank that offers again once the tray is up (its offer re-sent) changes nothing: the head logs and drops
+    it, runs no second validation and sends no second table."""
+    run = tray_env.launch(2, """
+    from tray.handshake import wire
+    with tray.init() as rank:
+        if rank.rank == 0:
+            device = wire.DeviceIdentity(ordinal=0, uuid="dev-0", pci_bus="", numa_node=-1)
+            again = wire.Offer(token=rank.env.token, rank=0, world_size=2, host="elsewhere", pid=os.getpid(),
+                               uid=os.getuid(), device=device, backend="host", manifest="0" * 64, fd_socket="/nowhere",
+                               buffers=(), groups={}, timings={})
+            rank._wiring.client.send(again)
+        rank.barrier(timeout_s=30)
+        rank.exchange("after", rank.rank)
+        print("still up", rank.rank, flush=True)
+    """)
+    assert run.returncode == 0, run.output
+    assert "rejected a message from rank-0: a second offer" in run.stderr, run.stderr
+    assert "offers disagree" not in run.output
+    assert run.stdout.count("still up") == 2, run.output
+
 
 def test_head_sigkilled_takes_its_ranks(tray_env):
     cmd = tray_env.command(3, """

@@ -138,6 +138,37 @@ def test_host_sendrecv_is_a_step_of_the_pair_alone(tray_env):
     assert all(f"pairs ok {r}" in run.stdout for r in range(4)), run.output
 
 
+def test_host_sendrecv_never_restages_rows_its_peer_is_still_reading(tray_env):
+    """A member that finished round k of a sendrecv may not restage its scratch for round k+1 until its peer has read
+    round k's rows: rank 1 reads the peer's rows late (a slow reader, made so here), and still gets each round's."""
+    body = """
+    import tray.collectives.host as host
+    with tray.init() as rank:
+        me = rank.rank
+        c = rank.collectives("world")
+        send, recv = rank.buffer("send"), rank.buffer("recv")
+        count = send.shape[0]
+        if me == 1:
+            plain = host.view
+
+            def slow_view(ptr, nbytes):
+                if ptr not in (send.ptr, recv.ptr):  # the scratch: this member's own, or the peer's rows it reads
+                    time.sleep(0.05)
+                return plain(ptr, nbytes)
+
+            host.view = slow_view
+        for k in range(6):
+            rank.write("send", np.full(count, 100 * me + k, np.float32))
+            c.sendrecv(send.ptr, recv.ptr, count, "f32", 1 - me)
+            got = rank.read("recv")
+            assert np.all(got == 100 * (1 - me) + k), (me, k, got[:4])
+        print("rounds ok", me, flush=True)
+    """
+    run = tray_env.launch(2, body, "--manifest", FILL, "--var", "count=256", timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert all(f"rounds ok {r}" in run.stdout for r in range(2)), run.output
+
+
 def test_a_manifest_sendrecv_exchanges_with_the_member_its_peer_counts_to(tray_env, tmp_path):
     """docs/manifest.md's op: `"peer": 1` in a group of 2 pairs its members (it was member index 1 for both, so
     member 1 exchanged with itself: NCCL would hang; the host backend's pairwise sendrecv waited for it)."""

@@ -94,3 +94,16 @@ def test_buffer_sets_may_differ_and_trays_own_buffers_are_sized_per_instance():
     offers[2] = with_buffers(2, (own, 4096), ("x", 128))
     (problem,) = check(offers)
     assert problem == "rank 3 offered buffer 'x' of 64 B, rank 2 of 128 B; check the vars of each rank"
+
+
+def test_a_rank_that_believes_another_world_size_is_named_whether_it_counts_fewer_or_more():
+    from dataclasses import replace
+
+    for believed in (2, 8):
+        offers = [offer(0), offer(1), replace(offer(2), world_size=believed), offer(3)]
+        assert check(offers) == [f"rank 2 believes the tray has {believed} ranks, the head started 4"]
+
+
+def test_ranks_on_different_backends_are_named_by_backend():
+    (problem,) = check([offer(0), offer(1, backend="cuda"), offer(2), offer(3, backend="cuda")])
+    assert problem == "backends differ: ranks 0,2 on host; ranks 1,3 on cuda"

@@ -212,6 +212,13 @@ def test_wrong_token_is_refused_without_echoing_either_token() -> None:
     _refused(_raw(body), "missing field 'token'")
 
 
+@pytest.mark.parametrize("other", [TOKEN[:-1] + "X", TOKEN + "X", TOKEN[:-1], TOKEN[:8], ""],
+                         ids=["last-char", "longer", "shorter", "prefix", "empty"])
+def test_a_token_that_differs_anywhere_is_refused(other: str) -> None:
+    """The whole token is compared: one that shares a prefix with the tray's, or extends it, is another tray's."""
+    _refused(_raw({**_body(SAMPLES[7]), "token": other}), "wrong token")
+
+
 def test_wrong_version_says_who_must_upgrade() -> None:
     newer = _raw({**_body(SAMPLES[8]), "v": PROTOCOL_VERSION + 1})
     _refused(newer, f"protocol version {PROTOCOL_VERSION + 1}, expected {PROTOCOL_VERSION}; upgrade tray")
