@@ -295,3 +295,41 @@ def test_the_roots_host_is_asked_for_again_until_it_resolves(monkeypatch):
         root.bind_address("tray-job-master-0", 23456, "pytorchjob", wait_s=0.1)
     with pytest.raises(UsageError, match=r"\(from --rdzv-endpoint or --master-addr or LWS_LEADER_ADDRESS\)"):
         root.bind_address("x", 1, "cli+lws")
+
+
+def test_a_node_speaks_only_for_its_own_ranks():
+    """Node 1 (ranks 2, 3) that votes as rank 0, or reports rank 0 failed or gone: refused, logged, and never counted
+    as rank 0's; its own ranks' vote is taken. A message naming another node is refused as before."""
+    port = _free_port()
+    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=2, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
+    try:
+        for n in range(2):
+            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=2, local_world_size=2, rdzv_id="test",
+                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
+            root._on_message(f"node-{n}".encode(), join.to_msgpack())
+        assert sorted(root.nodes) == [0, 1] and root.stop is None
+
+        def vote(node_rank: int, ranks: tuple[int, ...]) -> bytes:
+            return jobwire.NodeVote(token=TOKEN, node_rank=node_rank, topic="x/world", round=1, ranks=ranks,
+                                    values=tuple(7 for _ in ranks), waits=tuple(10.0 for _ in ranks)).to_msgpack()
+
+        root._on_message(b"node-1", vote(1, (0,)))
+        root._on_message(b"node-1", vote(1, (2, 1)))
+        root._on_message(b"node-1", jobwire.NodeLeft(token=TOKEN, node_rank=1, rank=0, how="exited 0").to_msgpack())
+        root._on_message(b"node-1", jobwire.NodeFailure.bounded(token=TOKEN, node_rank=1, rank=0, summary="forged",
+                                                                report="", tail=(), exit_code=1).to_msgpack())
+        root._on_message(b"node-1", vote(0, (0,)))
+        assert root.stop is None and not root.left
+        assert all(0 not in s.values and 1 not in s.values for s in root.steps.values())
+        assert len(root.rejected) == 5, root.rejected
+        assert "node_vote from node 1 names rank(s) 0, not of that node (its ranks are 2..3)" in root.rejected[0]
+        assert "names rank(s) 1, not of that node" in root.rejected[1]
+        assert "has not joined as that node" in root.rejected[4]
+        root._on_message(b"node-1", vote(1, (2, 3)))
+        assert [dict(s.values) for s in root.steps.values()] == [{2: 7, 3: 7}]
+    finally:
+        root.close()
+        ctx.term()

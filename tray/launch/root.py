@@ -250,6 +250,16 @@ class Root:
         if node is None or getattr(msg, "node_rank", node) != node:
             self._reject(ident, f"{msg.KIND} from a connection that has not joined as that node")
             return
+        ranks = getattr(msg, "ranks", None)
+        if ranks is None and isinstance(getattr(msg, "rank", None), int) and msg.rank >= 0:
+            ranks = (msg.rank,)
+        mine = range(node * self.local_world_size, (node + 1) * self.local_world_size)
+        if ranks and any(r not in mine for r in ranks):
+            # a node speaks for its own ranks only: votes, failures and exits of others' are not its to give
+            self._reject(ident, f"{msg.KIND} from node {node} names rank(s) "
+                                f"{','.join(str(r) for r in ranks if r not in mine)}, not of that node "
+                                f"(its ranks are {mine.start}..{mine.stop - 1})")
+            return
         state = self.nodes[node]
         state.last_seen = time.monotonic()
         if isinstance(msg, jobwire.Beat):
