@@ -241,7 +241,7 @@ TRAY_TIMEOUT_S = 300.0
 WAKE_DEFAULT_GIB = {"host": 0.25, "cuda": 2.0}
 # The phases in the order a rank passes them, stacked bottom up in the plot: the head's start, its spawns, then
 # the ranks' own (slowest rank per phase).
-PHASES = ("head", "spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
+PHASES = ("head", "spawn", "import", "manifest", "device", "allocate", "offer", "table", "import_peers", "join",
           "ready")
 
 

@@ -262,6 +262,19 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser, its errors one line as every other usage error: what was wrong, and where the options
     are listed (argparse would print the whole usage block first)."""
 
+    def _get_option_tuples(self, option_string: str) -> list:
+        """The options a prefix could stand for, one per option: `tray launch` takes each option in two spellings
+        (`--barrier-timeout-s`, `--barrier_timeout_s`), so argparse took every prefix of a two-word option for
+        ambiguous and refused it even after the program (`tray launch prog.py --bar`, `--time`, `--share`),
+        which torchrun passes to the program as they are; a prefix of one option is that option."""
+        seen: set[int] = set()
+        out = []
+        for t in super()._get_option_tuples(option_string):
+            if id(t[0]) not in seen:
+                seen.add(id(t[0]))
+                out.append(t)
+        return out
+
     def error(self, message: str) -> NoReturn:
         hint = f"`{self.prog} --help` lists the options"
         print(f"tray: UsageError: {self.prog}: {message} ({hint})", file=sys.stderr)

@@ -123,3 +123,25 @@ def test_torchruns_module_and_no_python_and_spellings(tray_env):
                         str(script), tray_env.marker])
     assert run.returncode == 0, run.output
     assert "direct 0" in run.stdout and "direct 1" in run.stdout, run.output
+
+
+def test_a_failed_trays_multiprocessing_semaphores_are_unlinked(tray_env):
+    """A rank stopped by the teardown leaves its spawn-context semaphores (/dev/shm/sem.mp-*) to multiprocessing's
+    resource tracker, which ignores SIGTERM and unlinks them once its last client (the rank, its workers) is gone:
+    as under torchrun, the tracker must get that chance before the tray's process group is SIGKILLed. The fixture
+    checks that no /dev/shm entry is left."""
+    run = tray_env.launch(2, """
+import multiprocessing as mp
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    locks = [ctx.Lock() for _ in range(3)]                  # named POSIX semaphores, tracked
+    worker = ctx.Process(target=time.sleep, args=(60,), daemon=True)   # holds the tracker's pipe, as a DataLoader's
+    worker.start()
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 1:
+            raise RuntimeError("fails on purpose")
+        time.sleep(60)
+""", timeout_s=120)
+    assert run.returncode == 1, run.output
+    assert "rank 1 reported RuntimeError: fails on purpose" in run.stderr, run.output

@@ -121,6 +121,13 @@ with tray.init() as rank:
     except NotImplementedError as exc:
         assert "UInt16" in str(exc), exc
     rank.barrier()
+    # write() takes numpy data; a tensor is pointed at its view (numpy has no bf16 tensor conversion)
+    try:
+        rank.write("h", torch.zeros(3, 5, dtype=torch.bfloat16))
+    except tray.UsageError as exc:
+        assert "copy a tensor into the buffer's view instead: torch.from_dlpack(rank.buffer('h'))" in str(exc), exc
+    else:
+        raise AssertionError("write() took a tensor")
     print("torch views ok", n)
 """
     run = tray_env.launch(2, body, "--manifest", manifest)
@@ -187,3 +194,29 @@ print("lifetime ok")
     run = tray_env.launch(2, body, "--manifest", manifest)
     assert run.returncode == 0, run.output
     assert run.stdout.count("lifetime ok") == 2
+
+
+def test_peer_view_takes_a_rank_held_by_a_numpy_integer_and_refuses_a_bool(tray_env, manifest):
+    """Ranks often come from numpy (np.arange(n), a permutation) or torch: `peer_view` takes any integer that holds
+    one (operator.index), not only a Python int; True is no rank (it gave rank 1's view)."""
+    body = """
+with tray.init() as rank:
+    me, n = rank.rank, rank.world_size
+    np.asarray(rank.buffer("c"))[...] = 100 + me
+    rank.barrier()
+    for p in np.arange(n):
+        v = rank.peer_view("c", p)
+        assert v.member == int(p) and type(v.member) is int, v
+        assert np.asarray(v)[0] == 100 + p, (p, np.asarray(v))
+    try:
+        rank.peer_view("c", True)
+    except tray.UsageError as exc:
+        assert "rank True is not in group 'world'" in str(exc), exc
+    else:
+        raise AssertionError("peer_view(name, True) was taken for a rank")
+    rank.barrier()
+    print("numpy ranks ok", me)
+"""
+    run = tray_env.launch(2, body, "--manifest", manifest)
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("numpy ranks ok") == 2, run.output

@@ -121,3 +121,28 @@ def test_addresses_refuse_scalars_and_bools_and_leave_delegating_or_odd_methods_
     assert Delegating().allreduce(np.int64(8), 16, 1, "f32") == (8, 16)
     assert Base().allgather(np.int64(8), 16, 1, "f32") == (8, "f32")
     assert Base().reducescatter(np.int64(24), 0, 1, "f32") == 24
+
+
+def test_collectives_addresses_refuse_strided_tensors_and_arrays():
+    """A tensor or array is its first element's address, and the collectives take `count` elements from there
+    without gaps: a strided one (a column, a transpose) would be read or written as other elements than its own,
+    silently, so it is refused; contiguous ones, slices of rows and size-1 dimensions included, are taken."""
+    import numpy as np
+    import pytest
+
+    from tray.backend.base import address
+    from tray.errors import UsageError
+
+    a = np.arange(32, dtype=np.float32).reshape(8, 4)
+    assert address(a[2:4], "x") == a.__array_interface__["data"][0] + 2 * 16   # rows: contiguous
+    assert address(a[:1, :], "x") == a.__array_interface__["data"][0]
+    assert address(a[:, :1][:1], "x") == a.__array_interface__["data"][0]      # one element, whatever the strides
+    for strided in (a[:, 1], a.T, a[::2]):
+        with pytest.raises(UsageError, match="allreduce send_ptr: a non-contiguous array"):
+            address(strided, "allreduce send_ptr")
+    torch = pytest.importorskip("torch", reason="torch (CPU) is installed by `make test`; this run has none")
+    t = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    assert address(t[2:4], "x") == t.data_ptr() + 2 * 16
+    for strided in (t[:, 1], t.t(), t[::2]):
+        with pytest.raises(UsageError, match=r"allreduce recv_ptr: a non-contiguous tensor \(shape \[\d+(, \d+)?\]"):
+            address(strided, "allreduce recv_ptr")

@@ -411,3 +411,17 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     err = proc.stderr.decode()
     assert proc.returncode == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_the_programs_arguments_that_are_prefixes_of_two_spelled_options_go_to_it():
+    """Every launch option has two spellings (--barrier-timeout-s, --barrier_timeout_s); a prefix of both is one
+    option, not an ambiguous one: after the program it is the program's (as torchrun passes `--bar`), before it
+    tray's own. A prefix of two different options is still refused."""
+    ap = build_parser("launch")
+    args = ap.parse_args(["launch", "-n", "2", "prog.py", "--bar", "--time", "3", "--share", "--join=x", "--heart"])
+    assert args.cmd == ["prog.py", "--bar", "--time", "3", "--share", "--join=x", "--heart"]
+    assert args.nprocs == 2 and args.barrier_timeout_s is None and args.timeout_s == 30.0
+    args = ap.parse_args(["launch", "--barrier", "5", "--heart", "4", "prog.py"])
+    assert args.barrier_timeout_s == 5.0 and args.heartbeat_timeout_s == 4.0 and args.cmd == ["prog.py"]
+    with pytest.raises(SystemExit):
+        ap.parse_args(["launch", "prog.py", "--lo"])   # --log-dir or --local-ranks-filter

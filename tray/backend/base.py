@@ -178,9 +178,13 @@ def address(x: Any, what: str, device: bool = False) -> int:
     if callable(data_ptr):
         if device and getattr(x, "is_cuda", True) is False:
             raise _host_memory(what, "a tensor on the host")
+        is_contiguous = getattr(x, "is_contiguous", None)
+        if callable(is_contiguous) and not is_contiguous():
+            raise _strided(what, "tensor", tuple(x.shape), tuple(x.stride()), "elements")
         return int(data_ptr())
     iface = getattr(x, "__cuda_array_interface__", None)
     if isinstance(iface, dict) and isinstance(iface.get("data"), tuple):
+        _check_c_contiguous(iface, what)
         return int(iface["data"][0])
     iface = getattr(x, "__array_interface__", None)
     if isinstance(iface, dict) and isinstance(iface.get("data"), tuple):
@@ -188,9 +192,32 @@ def address(x: Any, what: str, device: bool = False) -> int:
             raise UsageError(f"{what}: a scalar ({type(x).__name__}), not memory; pass an address, a view or an array")
         if device:
             raise _host_memory(what, "an array in host memory")
+        _check_c_contiguous(iface, what)
         return int(iface["data"][0])
     raise UsageError(f"{what}: expected an address (an int, e.g. rank.buffer('x').ptr), a tray view, or a tensor or "
                      f"array over tray memory; got {type(x).__name__}")
+
+
+def _strided(what: str, kind: str, shape: tuple, strides: tuple, unit: str) -> UsageError:
+    return UsageError(f"{what}: a non-contiguous {kind} (shape {list(shape)}, strides {list(strides)} {unit}); the "
+                      "collectives take memory from its first element on, without gaps, so they would read or write "
+                      "other elements than its own: pass a contiguous one (.contiguous() or np.ascontiguousarray copy "
+                      "it) or a view of a tray buffer")
+
+
+def _check_c_contiguous(iface: dict, what: str) -> None:
+    """UsageError unless an array interface describes C-contiguous memory (strides None, or the C order's)."""
+    strides, shape = iface.get("strides"), iface.get("shape")
+    if strides is None or not isinstance(shape, tuple):
+        return
+    try:
+        expect = int(str(iface.get("typestr", ""))[2:])  # "<f4": 4 B per element
+    except ValueError:
+        return
+    for n, stride in zip(reversed(shape), reversed(strides)):
+        if n != 1 and stride != expect:
+            raise _strided(what, "array", shape, tuple(strides), "B")
+        expect *= n
 
 
 def _host_memory(what: str, which: str) -> UsageError:

@@ -36,7 +36,7 @@ from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
 from tray.launch.spawn import OutputPump, check_log_dir, ensure_fd_limit, open_log, rank_env, say, spawn_rank
 from tray.launch.spec import EXIT_HANDSHAKE, EXIT_USAGE, Failure, RankProcess, RankState, TrayResult, TraySpec
-from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fields
+from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fields, term_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
 from tray.numa import NumaPlacement, placement_for
@@ -56,7 +56,7 @@ else:  # NOTE: loaded on first use, after the ranks are spawned (tray.lazy): the
 
 EXIT_RANK_FAILED = 1
 _POLL_MS = 20
-PHASES = ("head", "spawn", "import", "device", "manifest", "allocate", "offer", "table", "import_peers", "join",
+PHASES = ("head", "spawn", "import", "manifest", "device", "allocate", "offer", "table", "import_peers", "join",
           "ready")
 # A rank's phases up to `run`, in the order it passes them. Heartbeats travel on their own socket and
 # may arrive after a later step's message: a heartbeat never moves a rank back along this order.
@@ -68,6 +68,9 @@ SHM_SAMPLE_S = 1.0
 # NOTE: after every rank and leftover is gone, the output still in the pipes is read for this long
 # at most; a pipe that some escaped process holds open cannot delay the verdict longer.
 DRAIN_S = 1.0
+# NOTE: once the ranks are gone, what they started gets SIGTERM and this long to end before SIGKILL: a multiprocessing
+# resource tracker (which ignores SIGTERM) then unlinks the /dev/shm semaphores and segments its dead clients left.
+SETTLE_S = 1.0
 # NOTE: a rank whose heartbeat is this late (two periods and some) is not being scheduled or holds the GIL: from here
 # the head counts the CPU its process uses; any (two clock ticks or more) is busy, not frozen: a stopped process, or
 # one asleep in a call that holds the GIL, uses none, while a busy one on a machine with more ranks than cores may
@@ -1122,6 +1125,7 @@ class Head:
         survivors: list[int] = stuck
         if watchdog is not None:
             try:
+                term_group(watchdog.pgid, frozenset({watchdog.popen.pid, *stuck}), SETTLE_S)
                 survivors = stuck + kill_group(watchdog.pgid, frozenset({watchdog.popen.pid, *stuck}))
             except OSError as exc:  # NOTE: the watchdog goes with its group; done() then reaps it
                 _say(f"cannot list the tray's processes ({exc.strerror}); killing its whole process group")

@@ -251,8 +251,9 @@ class Root:
             self._reject(ident, f"{msg.KIND} from a connection that has not joined as that node")
             return
         ranks = getattr(msg, "ranks", None)
-        if ranks is None and isinstance(getattr(msg, "rank", None), int) and msg.rank >= 0:
-            ranks = (msg.rank,)
+        one = getattr(msg, "rank", None)
+        if ranks is None and isinstance(one, int) and one >= 0:
+            ranks = (one,)
         mine = range(node * self.local_world_size, (node + 1) * self.local_world_size)
         if ranks and any(r not in mine for r in ranks):
             # a node speaks for its own ranks only: votes, failures and exits of others' are not its to give

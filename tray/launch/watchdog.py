@@ -100,6 +100,35 @@ def kill_group(pgid: int, exclude: frozenset[int], timeout_s: float = REAP_TIMEO
                 pass
 
 
+def term_group(pgid: int, exclude: frozenset[int], grace_s: float) -> list[int]:
+    """SIGTERM every process of group `pgid` except `exclude` and wait up to `grace_s` for the group to empty; the
+    pids still there then (for kill_group). What the ranks started gets to end as under torchrun, which SIGTERMs
+    its workers' groups: a multiprocessing resource tracker (it ignores SIGTERM) unlinks the semaphores and shared
+    memory its dead clients left in /dev/shm once the last of them (a rank, its DataLoader workers) is gone, and a
+    SIGKILL at once would leave them there. /proc that cannot be listed gives none (kill_group says so)."""
+    deadline = time.monotonic() + grace_s
+    signalled: set[int] = set()
+    while True:
+        try:
+            left = group_members(pgid, exclude)
+        except OSError:
+            return []
+        if not left or time.monotonic() >= deadline:
+            return left
+        for pid in left:
+            if pid not in signalled:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except OSError:
+                    pass
+                signalled.add(pid)
+            try:
+                os.waitpid(pid, os.WNOHANG)  # an orphan adopted by the head (a subreaper): reap it, or it stays listed
+            except ChildProcessError:
+                pass
+        time.sleep(0.01)
+
+
 def _kill_until_gone(find: Callable[[], list[int]], timeout_s: float, signalled: set[int], *,
                      raise_unlisted: bool) -> list[int]:
     """SIGKILL the pids `find()` gives until it gives none or `timeout_s` passed; the pids left then. /proc that

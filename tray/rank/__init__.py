@@ -13,6 +13,7 @@ An exception leaving the `with` block is reported to the head (the tray's root c
 from __future__ import annotations
 
 import json
+import operator
 import os
 import sys
 import time
@@ -160,6 +161,8 @@ class Rank:
         in the buffer's group; this rank's own gives its own buffer. The mapping stays while a view of it
         lives, even past close(). Raises UsageError for an unknown buffer or member, or after close()."""
         self._require_open(f"peer_view({name!r}, {member})")
+        if not isinstance(member, bool) and hasattr(member, "__index__"):
+            member = operator.index(member)  # a numpy integer, a one-element integer tensor: the rank it holds
         table = self.peers(name)
         check_member(name, member, table.group.members, table.group.name)
         b = self._wiring.buffer(name)
@@ -225,6 +228,10 @@ class Rank:
         data into an f32 buffer would have stored its bytes unconverted)."""
         self._require_open(f"write({name!r})")
         b = self.buffer(name)
+        if not isinstance(data, np.ndarray) and callable(getattr(data, "data_ptr", None)):
+            # a tensor: numpy cannot take every dtype (bf16) nor device memory; the buffer's view can
+            raise UsageError(f"write({name!r}): takes numpy data, got a {type(data).__name__}; copy a tensor into the "
+                             f"buffer's view instead: torch.from_dlpack(rank.buffer({name!r})).copy_(tensor)")
         arr = np.ascontiguousarray(data)
         want = numpy_dtype(b.dtype)
         # NOTE: raw bits are fine: an integer array of the element's size (bf16 as uint16; bool as u8), or bytes

@@ -189,6 +189,6 @@ class _Interface:
 
 def check_member(name: str, member: int, members: tuple[int, ...], group: str) -> None:
     """UsageError unless `member` (a global rank) is in the buffer's group."""
-    if not isinstance(member, int) or member not in members:
+    if isinstance(member, bool) or not isinstance(member, int) or member not in members:
         raise UsageError(f"peer_view({name!r}, {member!r}): rank {member!r} is not in group {group!r} of that "
                          f"buffer; its members (global ranks): {list(members)}")
