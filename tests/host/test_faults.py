@@ -327,6 +327,22 @@ def test_a_second_offer_from_a_rank_is_rejected_and_the_table_is_handed_out_once
     assert run.stdout.count("still up") == 2, run.output
 
 
+def test_a_fifo_at_a_ranks_error_file_does_not_hang_its_report(tray_env):
+    """Something other than a file at the name the failing rank writes its error file under (a FIFO, made by the
+    rank here for whoever could plant one): the open would block for good, the rank alive and heartbeating, and the
+    head never hear of the failure. The rank sends its report instead."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        if rank.rank == 1:
+            os.mkfifo(os.path.join(os.environ["TRAY_JOB"], "rank-1.error.tmp"))
+            raise RuntimeError("fails on purpose")
+        time.sleep(600)
+    """, timeout_s=60)
+    assert run.returncode == 1, run.output
+    assert "rank 1 reported RuntimeError: fails on purpose" in run.stderr, run.output
+    assert run.seconds < 30, run.output
+
+
 def test_head_sigkilled_takes_its_ranks(tray_env):
     cmd = tray_env.command(3, """
     with tray.init() as rank:

@@ -146,3 +146,10 @@ def test_collectives_addresses_refuse_strided_tensors_and_arrays():
     for strided in (t[:, 1], t.t(), t[::2]):
         with pytest.raises(UsageError, match=r"allreduce recv_ptr: a non-contiguous tensor \(shape \[\d+(, \d+)?\]"):
             address(strided, "allreduce recv_ptr")
+    # torch's channels_last (a conv's weights, gradients): dense, from its first element on; taken as before
+    w = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    assert address(w, "x") == w.data_ptr()
+    v = torch.zeros(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d)
+    assert address(v, "x") == v.data_ptr()
+    with pytest.raises(UsageError, match="a non-contiguous tensor"):
+        address(w[:, :2], "x")  # channels of a channels_last tensor: gaps

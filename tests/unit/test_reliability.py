@@ -243,9 +243,18 @@ def test_a_jobs_root_reached_through_another_users_link_is_refused(tmp_path):
         pytest.skip("needs root to give a link to another user")
     os.lchown(link, 65534, 65534)
     for root in (link / "jobs", chained / "jobs"):
-        with pytest.raises(SetupError, match=rf"lies under the link {link} \(owned by uid 65534\)"):
-            open_root(root)
+        # in a directory only this user may write in, no one can point the link elsewhere, its owner neither (a link's
+        # target never changes: it is removed and made again): an admin's link to a home, say
+        path, fd = open_root(root)
+        os.close(fd)
     os.lchown(link, os.getuid(), os.getgid())
+    sticky = tmp_path / "sticky"
+    sticky.mkdir(mode=0o700)
+    sticky.chmod(0o1777)  # as /tmp: there a link's owner may remove it and put another
+    (sticky / "link").symlink_to(mine)
+    os.lchown(sticky / "link", 65534, 65534)
+    with pytest.raises(SetupError, match=rf"lies under the link {sticky / 'link'} \(owned by uid 65534\)"):
+        open_root(sticky / "link" / "jobs")
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
     shared.chmod(0o777)  # others may replace a link of this user's in it
@@ -280,3 +289,27 @@ def test_a_default_root_name_taken_by_another_user_falls_back_to_the_home(tmp_pa
         assert jobdir.default_root() == tmp_path / "home" / ".cache" / "tray-jobs"
     path, fd = open_root(jobdir.default_root())
     os.close(fd)
+
+
+def test_a_link_below_a_directory_another_user_may_change_is_refused(tmp_path):
+    """A link of this user's, in a directory of this user's, is only as safe as the directories above that one: their
+    owner can move the link's directory aside and put one of theirs, with a link of theirs, in its place. With the link
+    resolved, those directories are not on the path the checks walked. And `link/..` is the link's target's parent, as
+    the kernel resolves it, not the link's own directory."""
+    mine = tmp_path / "mine"
+    (mine / "a" / "b").mkdir(parents=True, mode=0o700)
+    theirs = tmp_path / "theirs"
+    (theirs / "inner").mkdir(parents=True, mode=0o755)
+    (theirs / "inner" / "link").symlink_to(mine)
+    (theirs / "evil").symlink_to(mine / "a" / "b")
+    for root in (theirs / "inner" / "link" / "jobs", theirs / "evil" / ".." / "jobs"):
+        path, fd = open_root(root)  # every directory on the way is this user's or root's: fine
+        os.close(fd)
+    if os.getuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(SetupError, match=rf"lies under the link {theirs / 'inner' / 'link'}, in {theirs / 'inner'}, "
+                                         rf"under {theirs} \(owned by uid 65534\)"):
+        open_root(theirs / "inner" / "link" / "jobs")
+    with pytest.raises(SetupError, match=rf"lies under the link {theirs / 'evil'}, in {theirs} \(owned by uid 65534\)"):
+        open_root(theirs / "evil" / ".." / "jobs")

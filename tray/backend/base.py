@@ -11,6 +11,7 @@ import contextlib
 import functools
 import inspect
 import numbers
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -179,7 +180,7 @@ def address(x: Any, what: str, device: bool = False) -> int:
         if device and getattr(x, "is_cuda", True) is False:
             raise _host_memory(what, "a tensor on the host")
         is_contiguous = getattr(x, "is_contiguous", None)
-        if callable(is_contiguous) and not is_contiguous():
+        if callable(is_contiguous) and not is_contiguous() and not _dense_format(x):
             raise _strided(what, "tensor", tuple(x.shape), tuple(x.stride()), "elements")
         return int(data_ptr())
     iface = getattr(x, "__cuda_array_interface__", None)
@@ -196,6 +197,23 @@ def address(x: Any, what: str, device: bool = False) -> int:
         return int(iface["data"][0])
     raise UsageError(f"{what}: expected an address (an int, e.g. rank.buffer('x').ptr), a tray view, or a tensor or "
                      f"array over tray memory; got {type(x).__name__}")
+
+
+def _dense_format(x: Any) -> bool:
+    """Whether tensor `x` is dense in one of torch's other memory formats (channels_last, channels_last_3d): its
+    elements fill the memory from its first one on without gaps, as a conv's weights and gradients are kept; the
+    collectives took them before contiguity was checked (elementwise, send and recv of one format)."""
+    torch = sys.modules.get("torch")
+    for name in ("channels_last", "channels_last_3d"):
+        fmt = getattr(torch, name, None)
+        if fmt is None:
+            continue
+        try:
+            if x.is_contiguous(memory_format=fmt):
+                return True
+        except (TypeError, RuntimeError):
+            return False
+    return False
 
 
 def _strided(what: str, kind: str, shape: tuple, strides: tuple, unit: str) -> UsageError:

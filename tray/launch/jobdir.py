@@ -144,6 +144,13 @@ def others_may_change(st: os.stat_result) -> str | None:
     return None
 
 
+def _others_may_write(st: os.stat_result) -> bool:
+    """Whether users other than this one (and root) may make entries in the directory `st` describes."""
+    if st.st_uid not in (os.getuid(), 0):
+        return True
+    return bool(st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid)))
+
+
 def _private_group(gid: int) -> bool:
     """Whether group `gid` is this user's own: its primary group, named as the user, with no other member listed
     (a user-private group, as Debian and Fedora give every user)."""
@@ -186,19 +193,31 @@ def make_private_dirs(path: Path, mode: int = 0o700) -> None:
 def unsafe_ancestor(path: Path) -> str | None:
     """What makes the directories above the jobs root unsafe, or None: another user must not be able to move the
     jobs root aside and put a directory of theirs at its path (ranks reach the head's socket by path, and would
-    send it their token); see others_may_change. Links are resolved, and each link met on the way must be this
-    user's or root's and lie in a directory no other user may change: its owner could point it elsewhere later (the
-    ranks reach the job dir by its path, through the link), or, where others may write, anyone could replace it."""
-    for link, holder, st in _links_on_the_way(os.path.abspath(path.parent)):
-        if st.st_uid not in (os.getuid(), 0):
-            return (f"lies under the link {link} (owned by uid {st.st_uid}), which its owner could point at a "
-                    "directory of theirs")
+    send it their token); see others_may_change. Links are resolved, and each link met on the way must lie in a
+    directory no other user may change, nor may any directory above that one (anyone who may replace the link, or
+    move its directory, could point the ranks, which reach the job dir by its path, elsewhere); in a sticky one others
+    write in, it must be this user's or root's (its owner may remove it there)."""
+    # NOTE: not os.path.abspath: it drops `link/..` before the link is looked at, where the kernel follows the link
+    parent = str(path.parent) if path.is_absolute() else os.path.join(os.getcwd(), str(path.parent))
+    for link, holder, st in _links_on_the_way(parent):
+        # NOTE: a link's target never changes: to point it elsewhere is to remove it and make another, which takes
+        # leave to write in its directory; its owner has that leave over it alone in a sticky one others may write in
         try:
-            why = others_may_change(os.stat(holder))
+            others_write = _others_may_write(os.stat(holder))
         except OSError:
-            continue
-        if why:
-            return f"lies under the link {link}, in {holder} ({why}), where another user could replace the link"
+            others_write = False
+        if st.st_uid not in (os.getuid(), 0) and others_write:
+            return (f"lies under the link {link} (owned by uid {st.st_uid}) in {holder}, where its owner may "
+                    "remove it and put one pointing at a directory of theirs")
+        # the link's directory and every one above it: who could move any of them could put another link in its place
+        for d in (holder, *map(str, Path(holder).parents)):
+            try:
+                why = others_may_change(os.stat(d))
+            except OSError:
+                continue
+            if why:
+                where = f"in {holder}" if d == holder else f"in {holder}, under {d}"
+                return f"lies under the link {link}, {where} ({why}), where another user could replace the link"
     for parent in Path(os.path.realpath(path.parent)).joinpath("x").parents:
         try:
             st = os.stat(parent)

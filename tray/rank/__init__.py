@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import stat
 import sys
 import time
 import traceback
@@ -162,7 +163,10 @@ class Rank:
         lives, even past close(). Raises UsageError for an unknown buffer or member, or after close()."""
         self._require_open(f"peer_view({name!r}, {member})")
         if not isinstance(member, bool) and hasattr(member, "__index__"):
-            member = operator.index(member)  # a numpy integer, a one-element integer tensor: the rank it holds
+            try:
+                member = operator.index(member)  # a numpy integer, a one-element integer tensor: the rank it holds
+            except TypeError:  # an array, a float tensor: no rank (check_member says so, a UsageError)
+                pass
         table = self.peers(name)
         check_member(name, member, table.group.members, table.group.name)
         b = self._wiring.buffer(name)
@@ -395,9 +399,13 @@ def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
         tmp = path.with_suffix(".tmp")
         data = json.dumps({"rank": report.rank, "phase": report.phase, "error_type": report.error_type,
                            "message": report.message, "traceback": report.traceback}).encode()
-        # NOTE: never through a link planted at the name: the file is the rank's own, 0600
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # NOTE: never through a link planted at the name: the file is the rank's own, 0600; O_NONBLOCK: a FIFO planted
+        # there would block the open (no reader) and the failing rank with it, its heartbeats going on
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{tmp} is not a regular file")
+            os.set_blocking(fd, True)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
