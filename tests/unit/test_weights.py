@@ -256,3 +256,16 @@ def test_manifest_keeps_bind(tmp_path):
     (tmp_path / "m.json").write_text(json.dumps(doc))
     resolved = load_manifest(tmp_path / "m.json").resolve(2)
     assert resolved.buffer("w").bind == {"file": "c.safetensors", "tensors": ["a"]}
+
+
+def test_loading_again_and_again_leaves_no_staging_buffers_behind(tmp_path, backend):
+    """Each load stages through pinned buffers it frees at its end: the backend must not keep them (nor anything
+    else) for its own close, or a rank that reloads weights grows with every load."""
+    save_file({"w": np.arange(256, dtype=np.float32)}, str(tmp_path / "w.safetensors"))
+    t = target(backend, "w", "f32", (256,), {"file": "w.safetensors", "tensors": ["w"]})
+    load_targets(backend, [t], str(tmp_path / "m.json"))
+    held = len(backend._owned)
+    for _ in range(20):
+        load_targets(backend, [t], str(tmp_path / "m.json"))
+    assert len(backend._owned) == held
+    assert read(backend, t, np.float32).tolist() == list(range(256))

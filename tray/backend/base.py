@@ -503,6 +503,13 @@ class Backend(abc.ABC):
         self._disown(resource)
         return resource.close
 
+    def free(self, resource: Any) -> None:
+        """Release `resource` (memory this backend made and tracks for `close()`, such as a `pinned_host` region)
+        now, and forget it: memory made and freed over and over (a staging buffer per `load_weights()`) leaves
+        nothing behind."""
+        self._disown(resource)
+        resource.close()
+
     def _disown(self, resource: DeviceBuffer | PeerMapping) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot hand out its resources")
 

@@ -220,7 +220,7 @@ def copy_pieces(
         for fd in fds.values():
             os.close(fd)
         for stage in stages:
-            stage.close()
+            backend.free(stage)  # not only closed: the backend would hold it until its own close
 
 
 def load_targets(

@@ -448,7 +448,7 @@ class CudaBackend(Backend):
         return drv.stream_is_capturing(drv.as_stream(stream))
 
     def _disown(self, resource: Any) -> None:
-        for kind in ("buffers", "mappings"):
+        for kind in ("buffers", "mappings", "host"):
             self._owned[kind][:] = [r for r in self._owned[kind] if r is not resource]
 
     def detach(self, resource: Any) -> Callable[[], None]:
