@@ -197,7 +197,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     if not args.manifest:
         raise UsageError("tray inspect needs a manifest (a file or a built-in name), or --list")
-    print(format_inspect(load_manifest(resolve_manifest(args.manifest)), args.nprocs, dict(_parse_vars(args.var))))
+    from tray.weights.loader import check_bind
+    from tray.weights.safetensors import SafetensorsHeader
+
+    manifest = load_manifest(resolve_manifest(args.manifest))
+    headers: dict[str, SafetensorsHeader] = {}  # each file's header read once for every rank and buffer
+    print(format_inspect(manifest, args.nprocs, dict(_parse_vars(args.var)),
+                         check_bind=lambda b, env, jp, path: check_bind(b, env, jp, path, headers)))
     return 0
 
 

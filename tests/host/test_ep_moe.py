@@ -464,3 +464,39 @@ def test_ll_phase_figures_run_the_diagnosis_programs_and_check_their_records(tra
     run = tray_env.launch(2, LL_PHASE_PLUMBING, "--manifest", EP_MOE, *args, timeout_s=120)
     assert run.returncode == 0, run.output
     assert run.stdout.count("ll phases plumbing") == 2
+
+
+def test_a_rank_outside_a_bound_buffers_group_loads_it_too(tray_env, tmp_path):
+    """Every rank allocates every buffer, so every rank fills it: a rank in no instance of the buffer's group (an
+    explicit group that leaves it out) has no member index, which only a bind naming {index} needs. load_weights
+    failed on such a rank whatever the bind ("rank 0 is no member of group 'odd'"); a bind that names {index} there
+    is a ManifestError saying why."""
+    write_checkpoint(tmp_path)
+    doc = {"format": 1, "name": "outside", "vars": {"hidden": 16}, "groups": [{"name": "odd", "ranks": [[1]]}],
+           "buffers": [{"name": "norm", "dtype": "f32", "shape": ["hidden"], "export": True, "group": "odd",
+                        "bind": {"file": "ckpt.safetensors", "tensors": ["norm"]}}]}
+    manifest = tmp_path / "outside.json"
+    manifest.write_text(json.dumps(doc))
+    body = """
+import tray.weights
+with tray.init() as rank:
+    tray.weights.load_weights(rank)
+    assert rank.read("norm").tobytes() == np.arange(16, dtype=np.float32).tobytes()
+    print("loaded outside" if rank.rank == 0 else "loaded inside")
+"""
+    run = tray_env.launch(2, body, "--manifest", str(manifest))
+    assert run.returncode == 0, run.output
+    assert "loaded outside" in run.stdout and "loaded inside" in run.stdout
+    doc["buffers"][0]["bind"]["tensors"] = ["norm{index}"]
+    manifest.write_text(json.dumps(doc))
+    # rank 0 alone loads (rank 1 would fail on its own account: the file holds no 'norm0'), rank 1 waits for it
+    alone = """
+import tray.weights
+with tray.init() as rank:
+    if rank.rank == 0:
+        tray.weights.load_weights(rank)
+    rank.barrier(timeout_s=60)
+"""
+    run = tray_env.launch(2, alone, "--manifest", str(manifest))
+    assert run.returncode != 0, run.output
+    assert "{index} in 'norm{index}': rank 0 is in no instance of the buffer's group 'odd'" in run.stderr, run.stderr

@@ -649,6 +649,40 @@ with tray.init() as rank:
     assert "a buffer in the manifest is smaller than what the kernel reads or writes there" in run.stderr
 
 
+def test_a_twin_past_a_peers_buffer_is_an_error_naming_it(tray_env):
+    """The same through a peer table: a peers kernel's twin writing past the end of a peer's exported buffer fails
+    the launch naming the peer and the buffer, also when the overrun stays within the page the memfd was rounded to
+    (it passed silently: a peer's mapping was judged by its page-rounded size, 4096 B for a buffer of 1024 B)."""
+    import json
+
+    kernels = tray_env.tmp / "kernels"
+    kernels.mkdir()
+    (kernels / "put.cu").write_text('extern "C" __global__ void my_put(unsigned long long* peers, int count) {}\n')
+    manifest = tray_env.tmp / "put.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "put", "vars": {"count": 256},
+        "buffers": [{"name": "inbox", "dtype": "u32", "shape": ["count // 2"], "export": True}],  # half of it
+        "kernels": [{"name": "put", "source": "kernels/put.cu", "entry": "my_put", "peers": True}],
+        "programs": [{"name": "go", "ops": [{"op": "launch", "kernel": "put", "grid": 1, "block": 32,
+                                              "args": ["peers:inbox", "count"]}]}]}))
+    body = """
+from tray.twins import u32_at, u64_at
+
+@tray.twin("put")
+def put(backend, grid, block, peers_ptr, count):
+    u32_at(int(u64_at(peers_ptr, 2)[1 - tray_rank]), count)[:] = 1
+
+tray_rank = int(__import__("os").environ["TRAY_RANK"])
+with tray.init() as rank:
+    rank.run("go")
+"""
+    run = tray_env.launch(2, body, "--manifest", str(manifest))
+    assert run.returncode == 1, run.output
+    assert "UsageError: a kernel twin reaches 1024 B at 0x" in run.stderr, run.stderr
+    assert "B into rank 1's buffer 'inbox' as mapped here of 512 B" in run.stderr or \
+        "B into rank 0's buffer 'inbox' as mapped here of 512 B" in run.stderr, run.stderr
+
+
 def test_a_twin_that_does_not_take_the_manifests_arguments_is_named_at_bind(tray_env):
     """The launch op passes two arguments, the twin takes three: a UsageError naming the kernel, the count and the
     twin's file and line, before anything runs; and a twin registered under a near name is suggested."""

@@ -45,3 +45,33 @@ def test_program_ops_in_lockstep(tray_env):
     run = tray_env.launch(4, BODY, "--manifest", SMOKE)
     assert run.returncode == 0, run.output
     assert run.stdout.count("programs ok") == 4
+
+
+def test_a_var_that_changes_a_group_is_refused_at_run_like_a_buffers_size(tray_env):
+    """Groups are formed at launch: run(vars=...) that would change one (its size var here) is a UsageError naming the
+    group and the var. It was taken: the op was checked against the group of the new size (1 member, so 128 elements
+    fit `recv`) while it ran over the group as launched (2 members: 256 elements into a buffer of 128; NCCL on cuda
+    would have written past it)."""
+    import json
+
+    manifest = tray_env.tmp / "team.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "team", "vars": {"g": 2, "c": 32},
+        "groups": [{"name": "team", "size": "g"}],
+        "buffers": [{"name": "send", "dtype": "f32", "shape": [128]}, {"name": "recv", "dtype": "f32", "shape": [128]}],
+        "programs": [{"name": "gather", "ops": [{"op": "nccl", "collective": "allgather", "group": "team",
+                                                  "send": "send", "recv": "recv", "count": "c", "dtype": "f32"}]}]}))
+    body = """
+with tray.init() as rank:
+    rank.run("gather", vars={"c": 64})          # the group as launched: fine
+    try:
+        rank.run("gather", vars={"g": 1, "c": 128})
+    except tray.UsageError as exc:
+        assert "group 'team'" in str(exc) and "g=1" in str(exc) and "tray launch --var" in str(exc), exc
+    else:
+        raise AssertionError("a var that changes a group was taken at run time")
+    print("groups ok")
+"""
+    run = tray_env.launch(2, body, "--manifest", str(manifest))
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("groups ok") == 2

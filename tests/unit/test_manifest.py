@@ -49,8 +49,9 @@ def full_doc() -> dict[str, Any]:
         "buffers": [
             {"name": "x", "dtype": "bf16", "shape": ["tokens", "hidden"], "export": True},
             {"name": "y", "dtype": "bf16", "shape": ["tokens * world_size", "hidden"], "group": "tp"},
-            {"name": "w", "dtype": "f32", "shape": ["experts // world_size", 64, 64]},
-            {"name": "flag", "dtype": "u64", "shape": [], "export": True, "bind": {"role": "counter"}},
+            {"name": "w", "dtype": "bf16", "shape": ["experts // world_size", 64, 64]},
+            {"name": "flag", "dtype": "u64", "shape": [], "export": True,
+             "bind": {"file": "ckpt/flag.safetensors", "tensors": ["flag.{rank}"]}},
         ],
         "states": [{"name": "kv", "page_nbytes": 65536, "pages": "16 * world_size"}],
         "kernels": [
@@ -159,7 +160,8 @@ def test_full_manifest_loads(root: Path) -> None:
     assert m.group("tp").size == 2
     assert m.buffer("x").shape == ("tokens", "hidden") and m.buffer("x").export
     assert m.buffer("y").group == "tp" and m.buffer("x").group == "world"
-    assert m.buffer("flag").shape == () and m.buffer("flag").bind == {"role": "counter"}
+    assert m.buffer("flag").shape == ()
+    assert m.buffer("flag").bind == {"file": "ckpt/flag.safetensors", "tensors": ["flag.{rank}"]}
     dispatch, combine = m.kernels
     assert dispatch.entry == "dispatch" and dispatch.options == ("-O3",) and dispatch.peers
     assert combine.entry == "tray_combine" and combine.options == () and not combine.peers
@@ -304,6 +306,14 @@ def test_overrides(root: Path) -> None:
         m.resolve(2, {"world_size": 4})
     with pytest.raises(UsageError, match="must be an int"):
         m.resolve(2, {"tokens": "16"})  # type: ignore[dict-item]
+    # a numpy integer is an int (rank.run(vars={"tokens": counts.max()}), `for t in np.arange(...)`), as peer_view
+    # takes one; it was refused ("must be an int ..., got np.int64(16)"); a numpy bool and a float stay refused
+    np = pytest.importorskip("numpy")
+    assert m.resolve(2, {"tokens": np.int64(16)}).buffer("x").shape == (16, 256)  # type: ignore[dict-item]
+    assert type(m.resolve(2, {"tokens": np.uint32(8)}).vars["tokens"]) is int  # type: ignore[dict-item]
+    for bad in (np.True_, np.float32(16), True):
+        with pytest.raises(UsageError, match="must be an int"):
+            m.resolve(2, {"tokens": bad})  # type: ignore[dict-item]
     with pytest.raises(UsageError, match="world_size must be an int >= 1"):
         m.resolve(0)
     with pytest.raises(UsageError, match=r"unknown group 'nod'.*did you mean 'node'"):
@@ -366,6 +376,12 @@ def test_resolve_errors(root: Path) -> None:
             4,
             "$.programs[0].ops[2].c",
             ["gemm c (4096 x 8 bf16)"],
+        ),
+        (  # as a collective's: f32 bytes read as bf16 (cuBLAS on cuda, numpy on host) ran without a word
+            lambda d: d["buffers"][2].update(dtype="f32"),
+            4,
+            "$.programs[0].ops[2].dtype",
+            ["gemm of bf16: its c buffer 'w' holds f32", "the op's dtype must be its buffers'"],
         ),
         (
             lambda d: d["programs"][0]["ops"][5].update(peer="world_size"),
@@ -448,6 +464,11 @@ LOAD_ERRORS = [
     (_set(("vars", "if"), 4), "$.vars.if", ["invalid var name"]),
     (_set(("vars", "tokens"), "128"), "$.vars.tokens", ['expected an int, got "128"']),
     (_set(("vars", "x"), 1), "$.buffers[0].name", ["buffer 'x' has the name of a var"]),
+    # launch args "rank", "world_size" and "local_world_size" pass those values: a buffer of that name could not be
+    # passed to a kernel (its address was silently replaced by the number: a twin or kernel writing there crashed)
+    (_set(("buffers", 0, "name"), "rank"), "$.buffers[0].name", ["buffer 'rank' has the name of a launch argument"]),
+    (_set(("buffers", 0, "name"), "world_size"), "$.buffers[0].name", ["has the name of a launch argument"]),
+    (_set(("buffers", 0, "name"), "local_world_size"), "$.buffers[0].name", ["has the name of a launch argument"]),
     (_set(("groups", 0, "ranks"), "all"), "$.groups[0]", ["exactly one of 'ranks' or 'size'"]),
     (_del("groups", 0, "size"), "$.groups[0]", ["exactly one of 'ranks' or 'size'"]),
     (
@@ -639,6 +660,18 @@ def test_json_syntax_error_position(tmp_path: Path) -> None:
     path.write_text("{'format': 1}")
     with pytest.raises(ManifestError, match="\\(JSON strings take double quotes\\)"):
         load_manifest(path)
+    # a single-quoted key after a comma is the usual place for it; the hint was the trailing comma's there
+    path.write_text('{"format": 1,\n  \'name\': "x"}')
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    assert "(JSON strings take double quotes)" in str(info.value) and "trailing comma" not in str(info.value)
+    path.write_text('{"format": 1,, "name": "x"}')  # not a trailing comma: nothing closes after it
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    assert "trailing comma" not in str(info.value), info.value
+    path.write_text('{"format": 1, "name": "x", "groups": [\n  {"name": "a", "size": 1},\n]}')
+    with pytest.raises(ManifestError, match="JSON allows no trailing comma"):
+        load_manifest(path)
 
 
 def test_duplicate_json_key(tmp_path: Path) -> None:
@@ -811,6 +844,8 @@ def test_format_inspect(root: Path) -> None:
     assert "copy x@16 -> y  1 KiB" in text
     assert "nccl sendrecv" in text and "peer=1" in text
     assert "barrier pairs" in text
+    # what load_weights will read on each rank (the file is not there: named, not checked)
+    assert f"flag         rank 3: 1 tensor [flag.3] from {root / 'ckpt' / 'flag.safetensors'}" in text
 
 
 def test_human_bytes() -> None:

@@ -269,3 +269,31 @@ def test_loading_again_and_again_leaves_no_staging_buffers_behind(tmp_path, back
         load_targets(backend, [t], str(tmp_path / "m.json"))
     assert len(backend._owned) == held
     assert read(backend, t, np.float32).tolist() == list(range(256))
+
+
+def test_inspect_shows_each_ranks_tensors_and_checks_them_against_the_file(tmp_path):
+    """`tray inspect` resolves every rank's bind and checks it against the file's header: a bind mistake is named
+    before any tray starts (it passed inspect and launch, and failed first in rank.load_weights())."""
+    from tray.manifest import load_manifest
+    from tray.manifest.inspect import format_inspect
+    from tray.weights.loader import check_bind
+
+    save_file({f"e.{i}": np.full((2, 3), i, np.float32) for i in range(4)}, str(tmp_path / "c.safetensors"))
+    doc = {
+        "format": 1, "name": "b", "vars": {"experts": 4},
+        "buffers": [{"name": "w", "dtype": "f32", "shape": ["experts // world_size * 2", 3],
+                     "bind": {"file": "c.safetensors", "tensors": ["e.{i}"],
+                              "range": {"i": ["experts // world_size * rank", "experts // world_size"]}}}],
+    }
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    text = format_inspect(load_manifest(tmp_path / "m.json"), 2, check_bind=check_bind)
+    assert f"w            rank 1: 2 tensors [e.2, e.3] from {tmp_path / 'c.safetensors'} (checked)" in text, text
+    doc["buffers"][0]["bind"]["range"]["i"][0] = "experts // world_size * rank + 1"  # past the file's last tensor
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="rank 1 of 2: .*no tensor 'e.4'"):
+        format_inspect(load_manifest(tmp_path / "m.json"), 2, check_bind=check_bind)
+    doc["buffers"][0]["bind"]["tensor"] = doc["buffers"][0]["bind"].pop("tensors")
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="unknown key.*tensor.*did you mean 'tensors'") as err:
+        format_inspect(load_manifest(tmp_path / "m.json"), 2, check_bind=check_bind)
+    assert err.value.json_path == "$.buffers[0].bind"

@@ -84,6 +84,11 @@ class PeerMapping(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def holds(self, nbytes: int, what: str) -> None:
+        """The buffer is the first `nbytes` of the mapping (the rest is the exporter's rounding), named `what`
+        in errors. Backends that judge accesses (the host backend's twins) check against it; others ignore it."""
+        return None
+
 
 class PtrTable(abc.ABC):
     """A `u64[G]` array of peer addresses in member order, living where kernels can read it."""

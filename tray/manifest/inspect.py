@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 from tray.manifest.schema import (
@@ -9,6 +11,7 @@ from tray.manifest.schema import (
     Manifest,
     ResolvedArg,
     ResolvedBarrier,
+    ResolvedBuffer,
     ResolvedCollective,
     ResolvedCopy,
     ResolvedGemm,
@@ -30,7 +33,8 @@ def human_bytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def format_inspect(manifest: Manifest, world_size: int, overrides: dict[str, int] | None = None) -> str:
+def format_inspect(manifest: Manifest, world_size: int, overrides: dict[str, int] | None = None,
+                   check_bind: CheckBind | None = None) -> str:
     """Every section of `manifest`, resolved for `world_size` ranks, one item per line.
 
     Raises what Manifest.resolve raises (UsageError, ManifestError).
@@ -46,6 +50,7 @@ def format_inspect(manifest: Manifest, world_size: int, overrides: dict[str, int
     lines.append("vars     " + (", ".join(f"{k}={v}" for k, v in r.vars.items())))
     lines += _groups(r)
     lines += _buffers(r)
+    lines += _binds(manifest, r, check_bind)
     lines += _states(r)
     lines += _kernels(manifest)
     lines += _programs(r)
@@ -76,6 +81,45 @@ def _buffers(r: ResolvedManifest) -> list[str]:
         lines.append(f"  {b.name:<12} {b.dtype}[{shape}]  {human_bytes(b.nbytes)}  {export}{bind}")
     if r.buffers:
         lines.append(f"  total        {human_bytes(sum(b.nbytes for b in r.buffers))} per rank")
+    return lines
+
+
+# check_bind(buffer, env, json_path, manifest_path): raises where the file's header does not hold what the buffer's
+# bind names (tray.weights.loader.check_bind, which the CLI passes: weights sit above the manifest layer)
+CheckBind = Callable[[ResolvedBuffer, dict[str, int], str, str], None]
+
+
+def _binds(m: Manifest, r: ResolvedManifest, check_bind: CheckBind | None) -> list[str]:
+    """Per bound buffer and rank, the tensors `rank.load_weights()` will read (tray/weights/bind.py), checked by
+    `check_bind` against the file's header where the file is here: a bind's mistakes (a key, a placeholder, a range,
+    a tensor the file lacks, its dtype or shape) show up now, not first in a running tray. Raises ManifestError, or
+    what `check_bind` raises."""
+    bound = [(i, b) for i, b in enumerate(r.buffers) if b.bind]  # as the loader: {} binds nothing
+    if not bound:
+        return []
+    from tray.weights.bind import resolve_bind
+
+    lines = ["binds"]
+    for i, b in bound:
+        jp = f"$.buffers[{i}].bind"
+        for rank in range(r.world_size):
+            instance = next((inst for inst in r.groups[b.group] if rank in inst), None)
+            env = {**r.vars, "rank": rank}
+            if instance is not None:  # a rank in no instance of the buffer's group has the buffer, but no index
+                env["index"] = instance.index(rank)
+            assert b.bind is not None
+            bound_here = resolve_bind(b.bind, env, m.path, jp, b.group)
+            names, file = bound_here.tensors, bound_here.file
+            if check_bind is None:
+                seen = ""
+            elif os.path.isfile(file):
+                check_bind(b, env, jp, m.path)
+                seen = " (checked)"
+            else:
+                seen = " (not checked: no such file here)"
+            shown = ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+            lines.append(f"  {b.name:<12} rank {rank}: {len(names)} tensor{'s' if len(names) != 1 else ''} "
+                         f"[{shown}] from {file}{seen}")
     return lines
 
 

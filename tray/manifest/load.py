@@ -196,10 +196,12 @@ def _json_error(exc: json.JSONDecodeError) -> str:
     line = lines[exc.lineno - 1] if 0 < exc.lineno <= len(lines) else ""
     before = exc.doc[:exc.pos].rstrip()
     hint = ""
-    if exc.msg.startswith(("Expecting property name", "Expecting value")) and before.endswith(","):
-        hint = " (a comma before a closing bracket or brace? JSON allows no trailing comma)"
-    elif exc.msg.startswith("Expecting property name") and exc.pos < len(exc.doc) and exc.doc[exc.pos] == "'":
+    at = exc.doc[exc.pos] if exc.pos < len(exc.doc) else ""
+    if exc.msg.startswith(("Expecting property name", "Expecting value")) and at == "'":
         hint = " (JSON strings take double quotes)"
+    elif exc.msg.startswith(("Expecting property name", "Expecting value")) and before.endswith(",") \
+            and at in ("]", "}"):
+        hint = " (a comma before a closing bracket or brace? JSON allows no trailing comma)"
     elif exc.msg.startswith("Expecting ',' delimiter"):
         hint = " (a missing comma between two items?)"
     shown = line.strip()
@@ -470,6 +472,12 @@ class _Parser:
                 self.fail(
                     child(jp, "name"),
                     f"buffer '{name}' has the name of a var; launch args could not tell them apart",
+                )
+            if name in RESERVED_VARS or name == RANK_ARG:
+                self.fail(
+                    child(jp, "name"),
+                    f"buffer '{name}' has the name of a launch argument (\"{name}\" passes "
+                    f"{'this rank' if name == RANK_ARG else 'the var'}, not a buffer's address); rename the buffer",
                 )
             dtype = self.dtype(spec["dtype"], child(jp, "dtype"))
             sjp = child(jp, "shape")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import NoReturn
 
 from tray.errors import ManifestError, UsageError
@@ -86,6 +87,11 @@ def resolve_vars(
                 f"unknown var '{name}' for manifest {manifest.name} ({manifest.path}); "
                 f"known: {known_list(manifest.vars)}{did_you_mean(name, manifest.vars)}"
             )
+        if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
+            try:  # a numpy integer (np.int64 from arithmetic on arrays): the int it holds; numpy's bool has none
+                value = operator.index(value)
+            except TypeError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= INT_LIMIT:
             raise UsageError(f"var '{name}' must be an int (|value| < 2**63), got {value!r}")
         env[name] = value
@@ -224,6 +230,12 @@ class _Resolver:
                     self.room(text, f"{jp}.{key}", rows * cols * item, f"gemm {key} ({rows} x {cols} {spec.dtype})")
                     for key, text, rows, cols in (("a", spec.a, m, k), ("b", spec.b, k, n), ("c", spec.c, m, n))
                 )
+                for ref, key in ((a, "a"), (b, "b"), (c, "c")):
+                    held = self.buffers[ref.name].dtype
+                    if held != spec.dtype:
+                        self.fail(f"{jp}.dtype", f"gemm of {spec.dtype}: its {key} buffer '{ref.name}' holds {held}; "
+                                                 "the op's dtype must be its buffers' (the gemm would read and write "
+                                                 f"their bytes as {spec.dtype})")
                 return ResolvedGemm(a, b, c, m, n, k, spec.dtype, spec.accumulate, jp)
             case BarrierSpec():
                 return ResolvedBarrier(spec.group, jp)

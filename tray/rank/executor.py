@@ -150,6 +150,17 @@ class Executor:
         merged = dict(ctx.wiring.env.vars)
         merged.update(vars)
         resolved = ctx.manifest.resolve(ctx.world_size, merged, ctx.wiring.env.local_world_size or None)
+        for name, instances in resolved.groups.items():
+            # groups (barriers, collectives, peer tables) are formed at launch: the ops run over those, so a program
+            # checked against other instances could move more than its buffers hold
+            if instances != ctx.resolved.groups[name]:
+                changed = ", ".join(f"{k}={v}" for k, v in vars.items())
+                raise UsageError(
+                    f"program {program!r} with {changed}: group {name!r} would be "
+                    f"{' '.join(str(list(i)) for i in instances)} but was formed at launch as "
+                    f"{' '.join(str(list(i)) for i in ctx.resolved.groups[name])}; set vars that change a group at "
+                    "launch (tray launch --var NAME=INT)"
+                )
         for b in resolved.buffers:
             if b.nbytes != ctx.resolved.buffer(b.name).nbytes:
                 changed = ", ".join(f"{k}={v}" for k, v in vars.items())

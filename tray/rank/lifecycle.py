@@ -283,6 +283,7 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
                     mappings[(peer, n)] = backend.import_peer(handle)
                 except HandshakeError as exc:
                     raise HandshakeError(f"rank {peer}'s buffer {n!r}: {exc}") from None
+                mappings[(peer, n)].holds(parts.buffers[n].nbytes, f"rank {peer}'s buffer {n!r} as mapped here")
                 mapped[(peer, n)] = mappings[(peer, n)].ptr
         finally:
             for fd in fds.values():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tray.errors import ManifestError
-from tray.manifest.expr import ExprError, eval_expr
+from tray.manifest.expr import ExprError, did_you_mean, eval_expr
 
 BIND_KEYS = ("file", "tensors", "range")
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -41,9 +41,10 @@ class ResolvedBind:
 
 
 def resolve_bind(
-    bind: dict[str, Any], env: dict[str, int], manifest_path: str, json_path: str
+    bind: dict[str, Any], env: dict[str, int], manifest_path: str, json_path: str, group: str = "world"
 ) -> ResolvedBind:
-    """Expand `bind` for one rank. `env` holds the manifest vars, world_size, rank and index.
+    """Expand `bind` for one rank. `env` holds the manifest vars, world_size, rank and index (absent when the rank
+    is in no instance of the buffer's `group`).
 
     Raises ManifestError at `json_path` (e.g. `$.buffers[3].bind`) for any schema violation.
     """
@@ -53,7 +54,8 @@ def resolve_bind(
 
     unknown = sorted(set(bind) - set(BIND_KEYS))
     if unknown:
-        raise fail("", f"unknown key(s) {', '.join(unknown)}; a bind has: {', '.join(BIND_KEYS)}")
+        raise fail("", f"unknown key(s) {', '.join(unknown)}; a bind has: {', '.join(BIND_KEYS)}"
+                       f"{did_you_mean(unknown[0], BIND_KEYS)}")
     file = bind.get("file")
     if not isinstance(file, str) or not file:
         raise fail(".file", f"expected a path (relative to the manifest or absolute), got {file!r}")
@@ -83,14 +85,18 @@ def resolve_bind(
     for combo in itertools.product(*values):
         scope = {**env, **dict(combo)}
         for i, template in enumerate(tensors):
-            names.append(_expand(template, scope, lambda msg, i=i: fail(f".tensors[{i}]", msg)))
+            names.append(_expand(template, scope, lambda msg, i=i: fail(f".tensors[{i}]", msg), group))
     base = os.path.dirname(os.path.abspath(manifest_path))
     return ResolvedBind(os.path.normpath(os.path.join(base, file)), tuple(names))
 
 
-def _expand(template: str, scope: dict[str, int], fail: Any) -> str:
+def _expand(template: str, scope: dict[str, int], fail: Any, group: str = "world") -> str:
     def sub(m: re.Match[str]) -> str:
         key = m.group(1)
+        if key == "index" and key not in scope and "rank" in scope:
+            raise fail(f"{{index}} in {template!r}: rank {scope['rank']} is in no instance of the buffer's group "
+                       f"{group!r}, so it has no member index there; name its tensors by rank, or give the buffer a "
+                       "group every rank is in")
         if key not in scope:
             raise fail(f"{{{key}}} in {template!r} names no range variable, var, rank, index or world_size")
         return str(scope[key])

@@ -46,6 +46,7 @@ class BindTarget:
     bind: dict[str, Any]
     env: dict[str, int]
     json_path: str
+    group: str = "world"  # the buffer's group: `index` (in env) is this rank's place in it, absent outside it
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def plan_target(target: BindTarget, manifest_path: str, headers: dict[str, Safet
 
     Raises ManifestError (bad bind) or CheckpointError naming the file, the tensor and the buffer.
     """
-    bound: ResolvedBind = resolve_bind(target.bind, target.env, manifest_path, target.json_path)
+    bound: ResolvedBind = resolve_bind(target.bind, target.env, manifest_path, target.json_path, target.group)
     header = headers.get(bound.file)
     if header is None:
         header = headers[bound.file] = read_header(bound.file)
@@ -121,6 +122,19 @@ def plan_target(target: BindTarget, manifest_path: str, headers: dict[str, Safet
             f"the buffer holds {target.nbytes} B"
         )
     return _merge(pieces)
+
+
+def check_bind(buffer: Any, env: dict[str, int], json_path: str, manifest_path: str,
+               headers: dict[str, SafetensorsHeader] | None = None) -> None:
+    """What `plan_target` checks for a resolved buffer (`.name`, `.dtype`, `.shape`, `.nbytes`, `.bind`) of the rank
+    whose names `env` holds, from the file's header only (nothing is read or written): `tray inspect` uses it.
+    Raises ManifestError or CheckpointError (naming that rank)."""
+    target = BindTarget(buffer.name, buffer.dtype, tuple(buffer.shape), buffer.nbytes, 0, buffer.bind, env, json_path,
+                        buffer.group)
+    try:
+        plan_target(target, manifest_path, {} if headers is None else headers)
+    except CheckpointError as exc:
+        raise CheckpointError(f"rank {env.get('rank')} of {env.get('world_size')}: {exc}") from None
 
 
 def _merge(pieces: list[Piece]) -> list[Piece]:
@@ -239,7 +253,7 @@ def load_targets(
     for t in targets:
         planned = plan_target(t, manifest_path, headers)
         report.buffers[t.name] = t.nbytes
-        report.tensors += len(resolve_bind(t.bind, t.env, manifest_path, t.json_path).tensors)
+        report.tensors += len(resolve_bind(t.bind, t.env, manifest_path, t.json_path, t.group).tensors)
         pieces += planned
     report.nbytes = sum(p.nbytes for p in pieces)
     show = progress and report.nbytes > PROGRESS_MIN_NBYTES
@@ -275,7 +289,8 @@ def rank_targets(ctx: RankContext) -> list[BindTarget]:
             continue
         env = dict(ctx.resolved.vars)
         env["rank"] = ctx.rank
-        env["index"] = ctx.wiring.group(b.group).index
+        if b.group in ctx.wiring.groups:  # a rank in no instance of the group has the buffer but no index in it
+            env["index"] = ctx.wiring.group(b.group).index
         buf = ctx.wiring.buffer(b.name)
         targets.append(
             BindTarget(
@@ -287,6 +302,7 @@ def rank_targets(ctx: RankContext) -> list[BindTarget]:
                 b.bind,
                 env,
                 f"$.buffers[{names.index(b.name)}].bind",
+                b.group,
             )
         )
     return targets

@@ -164,6 +164,12 @@ class HostMapping(PeerMapping):
         self._open = True
         _track(ptr, nbytes, "a peer's buffer as mapped here")
 
+    def holds(self, nbytes: int, what: str) -> None:
+        # NOTE: the memfd (and so the mapping) is rounded up to pages; a twin is judged by the buffer's own size, as
+        # on the exporting rank, so an overrun within that rounding is named too
+        if self._open:
+            _track(self.ptr, min(nbytes, self.nbytes), what)
+
     def close(self) -> None:
         if self._open:
             _untrack(self.ptr)
