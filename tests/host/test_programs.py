@@ -37,6 +37,12 @@ with tray.init() as rank:
         assert "set size-changing vars at launch" in str(exc)
     else:
         raise AssertionError("a size-changing var was accepted at run time")
+    try:
+        rank.run("step", [("words", 8)])
+    except tray.UsageError as exc:
+        assert "vars is a dict of var name -> int, got a list" in str(exc), exc
+    else:
+        raise AssertionError("vars as a list was accepted")
     print("programs ok")
 """
 

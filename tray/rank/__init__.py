@@ -294,6 +294,8 @@ class Rank:
         With `stream` (an int handle) the program runs after the work on that stream and before the next
         (see tray.rank.streams); run it once outside a capture first (plans and kernels are built then)."""
         self._require_open("run()")
+        if vars is not None and not isinstance(vars, dict):
+            raise UsageError(f"run({program!r}): vars is a dict of var name -> int, got a {type(vars).__name__}")
         if self._executor is None:
             from tray.rank.executor import Executor
 
