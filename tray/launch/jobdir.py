@@ -133,22 +133,21 @@ def others_may_change(st: os.stat_result) -> str | None:
     """Why another user could rename or replace entries of the directory `st` describes, or None: it belongs to
     another user (not root), or others may write in it without the sticky bit. A group-writable directory is
     others' only when its group has other members than this user (not a user-private group, as umask 002 makes)."""
+    return _others_may_write(st, sticky_stops_them=True)
+
+
+def _others_may_write(st: os.stat_result, sticky_stops_them: bool = False) -> str | None:
+    """Why users other than this one (and root) may make entries in the directory `st` describes, or None; with
+    `sticky_stops_them`, None for a sticky one they do not own (they may not touch others' entries there)."""
     if st.st_uid not in (os.getuid(), 0):
         return f"owned by uid {st.st_uid}"
-    if st.st_mode & stat.S_ISVTX:
+    if sticky_stops_them and st.st_mode & stat.S_ISVTX:
         return None
     if st.st_mode & stat.S_IWOTH:
         return f"mode {stat.S_IMODE(st.st_mode):04o}: anyone may write in it"
     if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid):
         return f"mode {stat.S_IMODE(st.st_mode):04o}: its group (gid {st.st_gid}) may write in it"
     return None
-
-
-def _others_may_write(st: os.stat_result) -> bool:
-    """Whether users other than this one (and root) may make entries in the directory `st` describes."""
-    if st.st_uid not in (os.getuid(), 0):
-        return True
-    return bool(st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid)))
 
 
 def _private_group(gid: int) -> bool:
@@ -203,7 +202,7 @@ def unsafe_ancestor(path: Path) -> str | None:
         # NOTE: a link's target never changes: to point it elsewhere is to remove it and make another, which takes
         # leave to write in its directory; its owner has that leave over it alone in a sticky one others may write in
         try:
-            others_write = _others_may_write(os.stat(holder))
+            others_write = _others_may_write(os.stat(holder)) is not None
         except OSError:
             others_write = False
         if st.st_uid not in (os.getuid(), 0) and others_write:

@@ -82,7 +82,8 @@ def kill_marked(mark: bytes, exclude: frozenset[int], timeout_s: float = REAP_TI
     """SIGKILL this user's processes whose environment holds `mark` until none is left or `timeout_s` passed (one
     may fork while we look); returns the pids still alive then (normally none, and none when /proc cannot be
     listed)."""
-    return _kill_until_gone(lambda: marked_processes(mark, exclude), timeout_s, set(), raise_unlisted=False)
+    return _signal_until_gone(lambda: marked_processes(mark, exclude), signal.SIGKILL, timeout_s, set(),
+                              raise_unlisted=False)
 
 
 def kill_group(pgid: int, exclude: frozenset[int], timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
@@ -91,49 +92,34 @@ def kill_group(pgid: int, exclude: frozenset[int], timeout_s: float = REAP_TIMEO
     subreaper). Returns the pids still alive at the end (normally none)."""
     signalled: set[int] = set()
     try:
-        return _kill_until_gone(lambda: group_members(pgid, exclude), timeout_s, signalled, raise_unlisted=True)
+        return _signal_until_gone(lambda: group_members(pgid, exclude), signal.SIGKILL, timeout_s, signalled,
+                                  raise_unlisted=True)
     finally:
-        for pid in signalled:
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
+        _reap(signalled)
 
 
 def term_group(pgid: int, exclude: frozenset[int], grace_s: float) -> list[int]:
-    """SIGTERM every process of group `pgid` except `exclude` and wait up to `grace_s` for the group to empty; the
-    pids still there then (for kill_group). What the ranks started gets to end as under torchrun, which SIGTERMs
-    its workers' groups: a multiprocessing resource tracker (it ignores SIGTERM) unlinks the semaphores and shared
-    memory its dead clients left in /dev/shm once the last of them (a rank, its DataLoader workers) is gone, and a
-    SIGKILL at once would leave them there. /proc that cannot be listed gives none (kill_group says so)."""
-    deadline = time.monotonic() + grace_s
+    """SIGTERM every process of group `pgid` except `exclude` (once each) and wait up to `grace_s` for the group to
+    empty; the pids still there then (for kill_group), reaping those that are our children. What the ranks started
+    gets to end as under torchrun, which SIGTERMs its workers' groups: a multiprocessing resource tracker (it ignores
+    SIGTERM) unlinks the semaphores and shared memory its dead clients left in /dev/shm once the last of them (a
+    rank, its DataLoader workers) is gone, and a SIGKILL at once would leave them there. /proc that cannot be listed
+    gives none (kill_group says so)."""
     signalled: set[int] = set()
-    while True:
-        try:
-            left = group_members(pgid, exclude)
-        except OSError:
-            return []
-        if not left or time.monotonic() >= deadline:
-            return left
-        for pid in left:
-            if pid not in signalled:
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except OSError:
-                    pass
-                signalled.add(pid)
-            try:
-                os.waitpid(pid, os.WNOHANG)  # an orphan adopted by the head (a subreaper): reap it, or it stays listed
-            except ChildProcessError:
-                pass
-        time.sleep(0.01)
+    try:
+        return _signal_until_gone(lambda: group_members(pgid, exclude), signal.SIGTERM, grace_s, signalled,
+                                  raise_unlisted=False, again=False)
+    finally:
+        _reap(signalled)
 
 
-def _kill_until_gone(find: Callable[[], list[int]], timeout_s: float, signalled: set[int], *,
-                     raise_unlisted: bool) -> list[int]:
-    """SIGKILL the pids `find()` gives until it gives none or `timeout_s` passed; the pids left then. /proc that
-    cannot be listed (every descriptor in use: EMFILE) is asked again until the deadline, then raises OSError or,
-    without `raise_unlisted`, gives none. The pids signalled are added to `signalled`."""
+def _signal_until_gone(find: Callable[[], list[int]], sig: int, timeout_s: float, signalled: set[int], *,
+                       raise_unlisted: bool, again: bool = True) -> list[int]:
+    """Send `sig` to the pids `find()` gives until it gives none or `timeout_s` passed; the pids left then. `again`:
+    to every pid each round (SIGKILL: one may have forked), else once to each (SIGTERM: a handler is not to be
+    interrupted over and over). /proc that cannot be listed (every descriptor in use: EMFILE) is asked again until
+    the deadline, then raises OSError or, without `raise_unlisted`, gives none. The pids signalled are added to
+    `signalled`."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -148,12 +134,24 @@ def _kill_until_gone(find: Callable[[], list[int]], timeout_s: float, signalled:
         if not left or time.monotonic() >= deadline:
             return left
         for pid in left:
+            if not again and pid in signalled:
+                continue
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
                 signalled.add(pid)
             except OSError:
                 pass
         time.sleep(0.005)
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect the exit status of those of `pids` that are our children and have ended (orphans adopted by the
+    head, a subreaper): otherwise they would stay zombies."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
 
 
 class Watchdog:

@@ -102,12 +102,12 @@ def _binds(m: Manifest, r: ResolvedManifest, check_bind: CheckBind | None) -> li
     lines = ["binds"]
     for i, b in bound:
         jp = f"$.buffers[{i}].bind"
+        assert b.bind is not None
         for rank in range(r.world_size):
             instance = next((inst for inst in r.groups[b.group] if rank in inst), None)
             env = {**r.vars, "rank": rank}
             if instance is not None:  # a rank in no instance of the buffer's group has the buffer, but no index
                 env["index"] = instance.index(rank)
-            assert b.bind is not None
             bound_here = resolve_bind(b.bind, env, m.path, jp, b.group)
             names, file = bound_here.tensors, bound_here.file
             if check_bind is None:
