@@ -343,6 +343,30 @@ def test_a_fifo_at_a_ranks_error_file_does_not_hang_its_report(tray_env):
     assert run.seconds < 30, run.output
 
 
+@pytest.mark.parametrize("planted", ["fifo", "link", "list"])
+def test_what_a_rank_leaves_at_its_error_file_does_not_hang_or_end_the_head(tray_env, planted):
+    """The head reads a failed rank's error file: a FIFO there (made by the rank, for whoever could plant one) blocked
+    its read for good, the tray never ending; a link was followed; JSON that is not an object raised in the head.
+    Each is now no report, and the rank's exit is the root cause."""
+    run = tray_env.launch(2, f"""
+    with tray.init() as rank:
+        if rank.rank == 1:
+            path = os.path.join(os.environ["TRAY_JOB"], "rank-1.error.json")
+            if {planted!r} == "fifo":
+                os.mkfifo(path)
+            elif {planted!r} == "link":
+                os.symlink("/etc/hostname", path)
+            else:
+                with open(path, "w") as f:
+                    f.write("[1, 2]")
+            os._exit(3)
+        time.sleep(600)
+    """, timeout_s=60)
+    assert run.returncode == 1, run.output
+    assert re.search(r"FAILED: rank 1 \(pid \d+\) exited with code 3", run.stderr), run.output
+    assert run.seconds < 30, run.output
+
+
 def test_head_sigkilled_takes_its_ranks(tray_env):
     cmd = tray_env.command(3, """
     with tray.init() as rank:
@@ -644,9 +668,51 @@ with tray.init() as rank:
 """
     run = tray_env.launch(2, body, "--manifest", str(manifest))
     assert run.returncode == 1, run.output
-    assert "UsageError: a kernel twin reaches 1024 B at 0x" in run.stderr, run.stderr
+    assert "UsageError: program 'go', op 0 (launch fill): a kernel twin reaches 1024 B at 0x" in run.stderr, run.stderr
     assert "0 B into buffer 'y' of 256 B" in run.stderr, run.stderr
     assert "a buffer in the manifest is smaller than what the kernel reads or writes there" in run.stderr
+
+
+def test_a_twin_past_its_buffer_names_the_program_its_vars_and_the_op(tray_env):
+    """vars given to run() that make a kernel write past its buffer: the error says which program, with which vars,
+    and which op, eager and captured (it named only the twin's address)."""
+    import json
+
+    kernels = tray_env.tmp / "kernels"
+    kernels.mkdir()
+    (kernels / "fill.cu").write_text('extern "C" __global__ void my_fill(float* y, int count) {}\n')
+    manifest = tray_env.tmp / "fill.json"
+    ops = [{"op": "barrier", "group": "world"},
+           {"op": "launch", "kernel": "fill", "grid": 1, "block": 32, "args": ["y", "count"]}]
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "fill", "vars": {"n": 64, "count": 64},
+        "buffers": [{"name": "y", "dtype": "f32", "shape": ["n"]}],
+        "kernels": [{"name": "fill", "source": "kernels/fill.cu", "entry": "my_fill"}],
+        "programs": [{"name": "go", "ops": ops}, {"name": "cap", "graph": True, "ops": ops}]}))
+    body = """
+from tray.errors import UsageError
+from tray.twins import f32_at
+
+@tray.twin("fill")
+def fill(backend, grid, block, y_ptr, count):
+    f32_at(y_ptr, count)[:] = 1.0
+
+with tray.init() as rank:
+    for program in ("go", "cap"):
+        rank.run(program)
+        rank.run(program, vars={"count": 48})
+        try:
+            rank.run(program, vars={"count": 300})
+        except UsageError as exc:
+            print(f"rank {rank.rank}: {exc}")
+        else:
+            raise SystemExit("no error")
+"""
+    run = tray_env.launch(2, body, "--manifest", str(manifest))
+    assert run.returncode == 0, run.output
+    for program in ("go", "cap"):
+        assert f"rank 0: program '{program}' (count=300), op 1 (launch fill): a kernel twin reaches " \
+            "1200 B at 0x" in run.stdout, run.stdout
 
 
 def test_a_twin_past_a_peers_buffer_is_an_error_naming_it(tray_env):
@@ -678,7 +744,7 @@ with tray.init() as rank:
 """
     run = tray_env.launch(2, body, "--manifest", str(manifest))
     assert run.returncode == 1, run.output
-    assert "UsageError: a kernel twin reaches 1024 B at 0x" in run.stderr, run.stderr
+    assert "UsageError: program 'go', op 0 (launch put): a kernel twin reaches 1024 B at 0x" in run.stderr, run.stderr
     assert "B into rank 1's buffer 'inbox' as mapped here of 512 B" in run.stderr or \
         "B into rank 0's buffer 'inbox' as mapped here of 512 B" in run.stderr, run.stderr
 

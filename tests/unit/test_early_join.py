@@ -92,6 +92,17 @@ def test_ids_file_round_trip_private_and_written_whole(tmp_path: Path) -> None:
     assert early.read_ids(str(path), 0, 1.0) == (None, "no NCCL here", 0.25)
 
 
+def test_the_ids_file_is_never_written_through_what_sits_at_its_temporary_name(tmp_path: Path) -> None:
+    """A link at the temporary name (to a file of the user's) was followed: that file was truncated and overwritten."""
+    path = tmp_path / early.IDS_FILE
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    path.with_name(path.name + ".tmp").symlink_to(precious)
+    early.write_ids(path, early.plan(_resolved(2), range(2), _ids()))
+    assert precious.read_text() == "keep me" and not path.is_symlink()
+    assert early.read_ids(str(path), 1, 1.0)[0] is not None
+
+
 def test_a_rank_waits_for_the_ids_and_names_the_file_when_they_never_come(tmp_path: Path) -> None:
     path = tmp_path / early.IDS_FILE
     plans = early.plan(_resolved(2), range(2), _ids())

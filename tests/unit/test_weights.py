@@ -171,6 +171,25 @@ def test_wrong_shape_and_wrong_total(tmp_path, backend):
         load_targets(backend, [over], str(tmp_path / "m.json"))
 
 
+def test_a_tensor_of_fewer_dims_fills_whole_rows_only(tmp_path, backend):
+    save_file(
+        {"bias0": np.arange(4, dtype=np.float32), "bias1": np.arange(4, 8, dtype=np.float32),
+         "flat": np.arange(12, dtype=np.float32), "odd": np.zeros(6, np.float32), "two": np.zeros(2, np.float32)},
+        str(tmp_path / "c.safetensors"),
+    )
+    stacked = target(backend, "b", "f32", (2, 4), {"file": "c.safetensors", "tensors": ["bias0", "bias1"]})
+    load_targets(backend, [stacked], str(tmp_path / "m.json"))  # vectors stacked as rows
+    assert read(backend, stacked, np.float32).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    rows = target(backend, "f", "f32", (3, 4), {"file": "c.safetensors", "tensors": ["flat"]})
+    load_targets(backend, [rows], str(tmp_path / "m.json"))  # a flat tensor of whole rows
+    assert read(backend, rows, np.float32).ravel().tolist() == list(range(12))
+    for shape, names, bad in (((3, 4), ["odd", "odd"], "odd"), ((2, 4), ["two", "odd"], "two")):
+        t = target(backend, "w", "f32", shape, {"file": "c.safetensors", "tensors": names})
+        with pytest.raises(CheckpointError, match=rf"tensor '{bad}' has shape \[\d\]; buffer 'w' .* only as whole "
+                           r"rows of 4 values: bind tensors of shape \[n, 4\] or \[4\]"):
+            load_targets(backend, [t], str(tmp_path / "m.json"))
+
+
 def test_nothing_moves_when_any_buffer_is_bad(tmp_path, backend):
     save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "c.safetensors"))
     good = target(backend, "good", "f32", (4,), {"file": "c.safetensors", "tensors": ["a"]})

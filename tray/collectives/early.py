@@ -31,6 +31,7 @@ Pure at import: the head imports this module; NCCL and the driver are imported o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -114,7 +115,9 @@ def write_ids(path: Path, plans: dict[int, list[Entry]] | None, error: str = "",
         "ranks": {str(r): [[e.group, list(e.members), e.index, e.uid.hex()] for e in es] for r, es in plans.items()}}
     body["made_s"] = made_s
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a new file, never through whatever sits at the name
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(body, f)
     os.replace(tmp, path)

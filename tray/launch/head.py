@@ -15,6 +15,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -71,6 +72,8 @@ DRAIN_S = 1.0
 # NOTE: once the ranks are gone, what they started gets SIGTERM and this long to end before SIGKILL: a multiprocessing
 # resource tracker (which ignores SIGTERM) then unlinks the /dev/shm semaphores and segments its dead clients left.
 SETTLE_S = 1.0
+# a rank's error file is read up to this (its report: 16 kB of message and 64 kB of traceback, as JSON)
+ERROR_FILE_MAX_NBYTES = 1 << 20
 # NOTE: a rank whose heartbeat is this late (two periods and some) is not being scheduled or holds the GIL: from here
 # the head counts the CPU its process uses; any (two clock ticks or more) is busy, not frozen: a stopped process, or
 # one asleep in a call that holds the GIL, uses none, while a busy one on a machine with more ranks than cores may
@@ -857,10 +860,27 @@ class Head:
         return p.phase
 
     def _error_file(self, job_dir: Path, rank: int) -> str:
-        path = job_dir / f"rank-{rank}.error.json"
+        """What the failing rank wrote to its error file, or "" where there is none to read: not through a link,
+        not from what is not a regular file (a FIFO planted there would block the head for good), not past
+        ERROR_FILE_MAX_NBYTES (a rank's report is far smaller)."""
         try:
-            data = json.loads(path.read_text())
+            fd = os.open(job_dir / f"rank-{rank}.error.json",
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return ""
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ""
+            chunks, left = [], ERROR_FILE_MAX_NBYTES
+            while left and (chunk := os.read(fd, left)):
+                chunks.append(chunk)
+                left -= len(chunk)
+            data = json.loads(b"".join(chunks))
         except (OSError, ValueError):
+            return ""
+        finally:
+            os.close(fd)
+        if not isinstance(data, dict):
             return ""
         return f"{data.get('error_type')}: {data.get('message')}\n{data.get('traceback', '')}"
 

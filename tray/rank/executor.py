@@ -50,10 +50,15 @@ def describe_op(op: ResolvedOp) -> str:
             return f"copy {op.nbytes} B"
 
 
+def program_title(program: str, vars: dict[str, int]) -> str:
+    """`program 'dispatch_nccl' (tokens=128)`"""
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(vars.items()))
+    return f"program {program!r}" + (f" ({shown})" if shown else "")
+
+
 def describe_program(program: str, vars: dict[str, int], ops: tuple[ResolvedOp, ...] | list[ResolvedOp]) -> str:
     """`program 'dispatch_nccl' (tokens=128): launch ep_dispatch, nccl alltoall on group 'world' (...)`"""
-    shown = ", ".join(f"{k}={v}" for k, v in sorted(vars.items()))
-    return f"program {program!r}" + (f" ({shown})" if shown else "") + ": " + ", ".join(describe_op(o) for o in ops)
+    return program_title(program, vars) + ": " + ", ".join(describe_op(o) for o in ops)
 
 
 def spanning_problems(resolved: ResolvedManifest, local_world_size: int,
@@ -105,6 +110,8 @@ class Plan:
     graph: Graph | None = None
     describe: str = ""
     pending: Pending | None = None
+    ops: tuple[str, ...] = ()  # each op in words
+    title: str = ""  # `program 'go' (count=300)`
 
     def run(self) -> None:
         if self.pending is not None:
@@ -112,8 +119,17 @@ class Plan:
         if self.graph is not None:
             self.graph.replay()
             return
-        for step in self.steps:
-            step()
+        self.run_steps()
+
+    def run_steps(self) -> None:
+        """The steps in order; a UsageError of one (a twin past its buffer, say) says which program, with which
+        vars, and which op."""
+        for i, step in enumerate(self.steps):
+            try:
+                step()
+            except UsageError as exc:
+                what = self.ops[i] if i < len(self.ops) else f"op {i}"
+                raise UsageError(f"{self.title or 'program ' + repr(self.program)}, op {i} ({what}): {exc}") from None
 
     def close(self) -> None:
         if self.graph is not None:
@@ -182,14 +198,10 @@ class Executor:
                 raise ManifestError(self.ctx.manifest.path, problems[0][0], "\n  ".join(w for _, w in problems))
         steps = [self._step(op) for op in resolved.ops]
         plan = Plan(program=program, steps=steps, describe=describe_program(program, vars, resolved.ops),
-                    pending=self.ctx.backend.last_work)
+                    pending=self.ctx.backend.last_work, ops=tuple(describe_op(o) for o in resolved.ops),
+                    title=program_title(program, vars))
         if resolved.graph:
-
-            def body() -> None:
-                for step in steps:
-                    step()
-
-            plan.graph = self.ctx.backend.capture(body)
+            plan.graph = self.ctx.backend.capture(plan.run_steps)
         return plan
 
     # --- one op -> one step -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import difflib
+import math
 import os
 import sys
 import time
@@ -108,6 +109,14 @@ def plan_target(target: BindTarget, manifest_path: str, headers: dict[str, Safet
                 f"{bound.file}: tensor {name!r} has shape {list(t.shape)}; {what} takes "
                 f"tensors concatenated along dim 0 with trailing dims {want}"
             )
+        if len(t.shape) <= 1 < len(target.shape):  # fewer dims than the buffer: whole rows only
+            row = target.shape[-1]
+            row_nbytes = target.nbytes // max(1, math.prod(target.shape[:-1]))
+            if row_nbytes and (t.nbytes % row_nbytes or offset % row_nbytes):
+                raise CheckpointError(
+                    f"{bound.file}: tensor {name!r} has shape {list(t.shape)}; {what} takes a tensor of "
+                    f"fewer dims only as whole rows of {row} values: bind tensors of shape [n, {row}] or [{row}]"
+                )
         if offset + t.nbytes > target.nbytes:
             raise CheckpointError(
                 f"{bound.file}: tensor {name!r} {list(t.shape)} overflows {what}: the bound "
