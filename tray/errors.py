@@ -88,7 +88,8 @@ class BarrierTimeout(WaitedForRanks):
         return float(found.group(1)) if found else None
 
 
-_WAITED_FOR = re.compile(r"waited ([0-9.]+) s for rank ([0-9]+(?:,[0-9]+)*)")
+# NOTE: a rank's number has at most 18 digits (int() refuses thousands); its message may be anything a rank sent
+_WAITED_FOR = re.compile(r"waited ([0-9]+(?:\.[0-9]*)?) s for rank ([0-9]{1,18}(?:,[0-9]{1,18})*)(?![0-9])")
 
 
 class SyncTimeout(PeerFailure):

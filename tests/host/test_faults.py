@@ -327,6 +327,25 @@ def test_a_second_offer_from_a_rank_is_rejected_and_the_table_is_handed_out_once
     assert run.stdout.count("still up") == 2, run.output
 
 
+def test_an_error_report_naming_a_rank_number_of_thousands_of_digits_fails_the_tray_naming_its_sender(tray_env):
+    """A rank's error message is read for the ranks it names (a barrier's missing ranks, a peer's fd socket): one of
+    5000 digits (int() refuses it) once crashed the head with a traceback. It is the sender's failure, said."""
+    run = tray_env.launch(2, """
+    from tray.handshake import wire
+    with tray.init() as rank:
+        if rank.rank == 1:
+            for text in ("rank " + "1" * 5000 + "'s fd socket", "waited 1 s for rank " + "1" * 5000):
+                rank._wiring.client.send(wire.ErrorReport(token=rank.env.token, rank=1, phase="running",
+                                                          error_type="X", message=text, traceback=""))
+            time.sleep(30)
+        rank.barrier(timeout_s=30)
+    """)
+    assert run.returncode == 1, run.output
+    assert "Traceback" not in run.stderr, run.stderr
+    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert first and first[0].startswith("tray: FAILED: rank 1 reported X: rank 111"), run.stderr
+
+
 def test_a_fifo_at_a_ranks_error_file_does_not_hang_its_report(tray_env):
     """Something other than a file at the name the failing rank writes its error file under (a FIFO, made by the
     rank here for whoever could plant one): the open would block for good, the rank alive and heartbeating, and the

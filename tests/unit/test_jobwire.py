@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields
 
 import msgpack
@@ -80,6 +81,19 @@ def test_refusals_name_the_fault():
         jobwire.Beat(token=TOKEN, node_rank=0, seq=-1).to_msgpack()
 
 
+@pytest.mark.parametrize(("kind", "field"), [("node_vote", "values"), ("node_vote", "waits"), ("node_held", "rounds"),
+                                             ("job_decision", "values"), ("job_stop", "pending_missing")])
+def test_lists_of_one_entry_per_rank_or_step_must_be_of_one_length(kind, field):
+    """A node's votes are `ranks[i]` with `values[i]` waiting `waits[i]`; lists of other lengths were zipped, their
+    extra entries dropped unsaid (rank 3's vote lost, a step waiting for it for good): refused, both ways."""
+    msg = next(m for m in MESSAGES if m.KIND == kind)
+    body = msg.to_body()
+    body[field] = body[field][:-1]
+    with pytest.raises(WireError, match=f"differ in length: .*'{field}' {len(body[field])}"):
+        jobwire.decode(msgpack.packb(body), token=TOKEN)
+    with pytest.raises(WireError, match=f"cannot encode {kind}: .*differ in length"):
+        dataclasses.replace(msg, **{field: getattr(msg, field)[:-1]}).to_msgpack()
+
 def test_step_voters_and_spanning():
     groups = {"world": ((0, 1, 2, 3),), "pairs": ((0, 1), (2, 3))}
     assert step_voters("park", 4, groups) == (0, 1, 2, 3)
@@ -109,3 +123,13 @@ def test_a_failure_of_long_lines_is_cut_to_fit_one_message():
     short = jobwire.JobStop.bounded(token=TOKEN, node_rank=1, rank=3, summary="s", report="r", tail=("a",),
                                     exit_code=1)
     assert (short.summary, short.report, short.tail) == ("s", "r", ("a",))
+
+
+@pytest.mark.parametrize("kind", ["node_failure", "job_stop"])
+def test_a_failures_exit_code_is_one_a_process_can_exit_with(kind):
+    """Every head exits with the job's failure's exit code; 256 would have made each of them exit 0 (success)."""
+    msg = next(m for m in MESSAGES if m.KIND == kind)
+    for code in (256, 2**63):
+        with pytest.raises(WireError, match=f"field 'exit_code': expected an exit code of at most 255, got {code}"):
+            jobwire.decode(msgpack.packb({**msg.to_body(), "exit_code": code}), token=TOKEN)
+    assert jobwire.decode(msgpack.packb({**msg.to_body(), "exit_code": 255}), token=TOKEN).exit_code == 255

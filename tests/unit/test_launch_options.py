@@ -223,6 +223,16 @@ def test_head_reads_missing_ranks_from_a_barrier_timeout():
     err = BarrierTimeout("world", 3, 0, [2, 5], 2.0)
     assert BarrierTimeout.missing_in(str(err)) == [2, 5]
     assert BarrierTimeout.missing_in("ValueError: boom") == []
+    assert BarrierTimeout.waited_in(str(err)) == 2.0
+
+
+def test_a_report_that_only_looks_like_a_barrier_timeout_is_none():
+    """A rank's error message is its own text: a rank number of 5000 digits (int() refuses it) or a time that is no
+    number reads as no barrier timeout, instead of raising in the head or the root."""
+    huge = "1" * 5000
+    assert BarrierTimeout.missing_in(f"waited 1.00 s for rank {huge}") == []
+    assert BarrierTimeout.waited_in("waited 1.2.3 s for rank 0") is None
+    assert BarrierTimeout.waited_in("waited . s for rank 0") is None
 
 
 def test_the_command_line_takes_share_gpus_or_the_variable(monkeypatch, capsys):

@@ -443,3 +443,31 @@ def test_a_head_joining_early_takes_the_ranks_manifest_only_when_its_ids_hold_fo
                         f"launch --manifest {path} (or --join-collectives lazy)")
     head.start_join.wanted = False  # without an early join the same manifest is taken
     assert head._adopt_ranks_manifest() == "" and head.manifest.digest == digest
+
+
+def test_the_head_takes_the_ranks_manifest_only_from_a_regular_file(tmp_path) -> None:
+    """The path in the ranks' offers is read by the head: a FIFO there kept the head in its read for good, its
+    deadlines, supervision and SIGTERM with it. It is not taken (the offers' check then names the digest
+    that differs), and neither is a relative path (the ranks send absolute ones)."""
+    import os
+    import threading
+
+    from tray.launch.head import Head
+    from tray.launch.spec import TraySpec
+
+    fifo = tmp_path / "m.fifo"
+    os.mkfifo(fifo)
+    head = Head(TraySpec(nprocs=2, cmd=("true",), backend="host"))
+    ours = head.manifest.digest
+    for path in (str(fifo), "m.json"):
+        head.offers = {r: SimpleNamespace(manifest="ab" * 32, manifest_path=path) for r in range(2)}  # type: ignore[misc]
+        notes: list[str] = []
+        t = threading.Thread(target=lambda notes=notes: notes.append(head._adopt_ranks_manifest()), daemon=True)
+        t.start()
+        t.join(5.0)
+        hung = t.is_alive()
+        if hung:  # let the reader go (a writer that closes at once: the read ends empty)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            t.join(5.0)
+        assert not hung and notes == [""], path
+        assert head.manifest.digest == ours

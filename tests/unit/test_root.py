@@ -333,3 +333,81 @@ def test_a_node_speaks_only_for_its_own_ranks():
     finally:
         root.close()
         ctx.term()
+
+
+def test_a_vote_whose_topic_carries_a_number_of_thousands_of_digits_stops_the_job_naming_it():
+    """A group step's topic carries rank numbers; one of 5000 digits (int() refuses it) names no instance of the
+    manifest: the root stops the job for that vote, as for any unknown instance, instead of raising."""
+    from tray.handshake.steps import step_voters
+
+    groups = {"world": ((0, 1, 2, 3),)}
+    huge = "1" * 5000
+    assert step_voters(f"tray:group:world@{huge}:barrier", 4, groups) is None
+    assert step_voters(f"tray:group:world@0:pair-{huge}-2", 4, groups) is None
+    assert step_voters("tray:group:world@0:pair-1-2", 4, groups) == (1, 2)
+    port = _free_port()
+    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=2, manifest="m" * 64, backend="host", groups=groups, join_timeout_s=30.0)
+    try:
+        for n in range(2):
+            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=2, local_world_size=2, rdzv_id="test",
+                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
+            root._on_message(f"node-{n}".encode(), join.to_msgpack())
+        vote = jobwire.NodeVote(token=TOKEN, node_rank=1, topic=f"tray:group:world@{huge}:barrier", round=0,
+                                ranks=(2,), values=(None,), waits=(10.0,))
+        root._on_message(b"node-1", vote.to_msgpack())
+        assert root.stop is not None and root.stop.node_rank == 1 and root.stop.rank == 2
+        assert "names no group instance of the manifest" in root.stop.summary
+    finally:
+        root.close()
+        ctx.term()
+
+
+def test_a_nodes_steps_out_of_order_are_refused_and_a_vote_without_a_finite_timeout_is_not_timed():
+    """A node's ready before the job's table, its ready or offers twice: each refused and logged (two readies before
+    any table made the root send go with no table); a group step whose vote carries a NaN timeout is not timed (NaN
+    never compares greater: it stood as a deadline that never came), its heads' own deadlines stand."""
+    from tray.handshake import wire
+
+    def offer(rank: int) -> wire.Offer:
+        return wire.Offer(token=TOKEN, rank=rank, world_size=4, host="boot", pid=100 + rank, uid=0,
+                          device=wire.DeviceIdentity(ordinal=rank % 2, uuid=f"host-{rank % 2}", pci_bus="",
+                                                     numa_node=-1),
+                          backend="host", manifest="a" * 64, fd_socket=f"/j/rank-{rank}.fds", buffers=(), groups={},
+                          timings={})
+
+    port = _free_port()
+    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=2, manifest="m" * 64, backend="host",
+                groups={"world": ((0, 1, 2, 3),)}, join_timeout_s=30.0)
+    try:
+        for n in range(2):
+            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=2, local_world_size=2, rdzv_id="test",
+                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
+            root._on_message(f"node-{n}".encode(), join.to_msgpack())
+        for n in range(2):
+            root._on_message(f"node-{n}".encode(), jobwire.NodeReady(token=TOKEN, node_rank=n, timings={}).to_msgpack())
+        assert root.t_go is None and len(root.rejected) == 2
+        assert "node 1 said ready before the job's table was sent" in root.rejected[1]
+        for n in (0, 0, 1):
+            offers = jobwire.NodeOffers(token=TOKEN, node_rank=n, offers=(offer(2 * n), offer(2 * n + 1)))
+            root._on_message(f"node-{n}".encode(), offers.to_msgpack())
+        assert root.t_table is not None and "node 0 sent its offers again" in root.rejected[2]
+        for n in (0, 0):
+            root._on_message(f"node-{n}".encode(), jobwire.NodeReady(token=TOKEN, node_rank=n, timings={}).to_msgpack())
+        assert root.t_go is None and "node 0 said ready again" in root.rejected[3]
+        root._on_message(b"node-1", jobwire.NodeReady(token=TOKEN, node_rank=1, timings={}).to_msgpack())
+        assert root.t_go is not None and len(root.rejected) == 4
+        topic = "tray:group:world@0:barrier"
+        for t in (float("nan"), 0.05):
+            vote = jobwire.NodeVote(token=TOKEN, node_rank=1, topic=topic, round=int(t == t), ranks=(2,),
+                                    values=({"timeout_s": t},), waits=(10.0,))
+            root._on_message(b"node-1", vote.to_msgpack())
+        assert [s.timeout_s for s in root.steps.values()] == [None, 0.05]
+    finally:
+        root.close()
+        ctx.term()

@@ -39,6 +39,14 @@ def _str(*choices: str) -> Check:
     return lambda v, p: _as_str(v, p, choices)
 
 
+def _exit_code(v: Any, p: str) -> int:
+    """A failure's exit code, which every head exits with: 1..255 (the status a process can have; 256 is 0)."""
+    code = _as_int(v, p, lo=1)
+    if code > 255:
+        raise WireError(f"field '{p}': expected an exit code of at most 255, got {code}")
+    return code
+
+
 def _float(v: Any, p: str) -> float:
     return _as_float(v, p)
 
@@ -90,6 +98,8 @@ class _JobMessage(wire._Message):
     """A head <-> root message: its fields and their checks in FIELDS; encoded as every wire message."""
 
     FIELDS: ClassVar[dict[str, Check]]
+    # list fields of one entry per rank (or step) each: of one length
+    PARALLEL: ClassVar[tuple[str, ...]] = ()
 
     def to_body(self) -> dict[str, Any]:
         body = {"kind": self.KIND, "v": PROTOCOL_VERSION, "token": self.token}
@@ -106,6 +116,9 @@ class _JobMessage(wire._Message):
                 values[name] = _offers(b[name], prefix + name, token)
             else:
                 values[name] = check(b[name], prefix + name)
+        if len({len(values[name]) for name in cls.PARALLEL}) > 1:
+            said = ", ".join(f"'{prefix}{name}' {len(values[name])}" for name in cls.PARALLEL)
+            raise WireError(f"fields of one entry each per rank or step differ in length: {said}")
         return cls(token=token, **values)
 
 
@@ -188,6 +201,7 @@ class NodeVote(_JobMessage):
     KIND: ClassVar[str] = "node_vote"
     FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "topic": _str(), "round": _int(0),
                                           "ranks": _ints, "values": _plains, "waits": _floats}
+    PARALLEL: ClassVar[tuple[str, ...]] = ("ranks", "values", "waits")
     node_rank: int
     topic: str
     round: int
@@ -206,6 +220,7 @@ class NodeHeld(_JobMessage):
     KIND: ClassVar[str] = "node_held"
     FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "topics": _strs, "rounds": _ints, "ranks": _ints,
                                           "waits": _floats}
+    PARALLEL: ClassVar[tuple[str, ...]] = ("topics", "rounds", "ranks", "waits")
     node_rank: int
     topics: tuple[str, ...]
     rounds: tuple[int, ...]
@@ -222,6 +237,7 @@ class JobDecision(_JobMessage):
     KIND: ClassVar[str] = "job_decision"
     FIELDS: ClassVar[dict[str, Check]] = {"topic": _str(), "round": _int(0), "ranks": _ints, "values": _plains,
                                           "missing": _ints, "waited_s": _float}
+    PARALLEL: ClassVar[tuple[str, ...]] = ("ranks", "values")
     topic: str
     round: int
     ranks: tuple[int, ...]
@@ -231,7 +247,7 @@ class JobDecision(_JobMessage):
 
 
 _FAILURE_FIELDS: dict[str, Check] = {"node_rank": _int(-1), "rank": _int(-1), "summary": _str(),
-                                     "report": _str(), "tail": _strs, "exit_code": _int(1)}
+                                     "report": _str(), "tail": _strs, "exit_code": _exit_code}
 
 
 # a failure's text, cut to fit one control message (MAX_MESSAGE_NBYTES) with room to spare: a rank's last lines
@@ -290,6 +306,7 @@ class JobStop(_FailureMessage):
     KIND: ClassVar[str] = "job_stop"
     FIELDS: ClassVar[dict[str, Check]] = {**_FAILURE_FIELDS, "pending_topics": _strs, "pending_rounds": _ints,
                                           "pending_missing": _int_lists}
+    PARALLEL: ClassVar[tuple[str, ...]] = ("pending_topics", "pending_rounds", "pending_missing")
     pending_topics: tuple[str, ...] = ()
     pending_rounds: tuple[int, ...] = ()
     pending_missing: tuple[tuple[int, ...], ...] = ()

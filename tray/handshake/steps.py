@@ -58,6 +58,15 @@ def pair_step(a: int, b: int) -> str:
     return f"{PAIR}{min(a, b)}-{max(a, b)}"
 
 
+# NOTE: a rank number in a topic has at most this many digits (int() refuses a string of thousands of them)
+_RANK_DIGITS = 18
+
+
+def _rank_number(text: str) -> int | None:
+    """`text` as a rank number: ASCII digits, at most _RANK_DIGITS of them; None when it is not one."""
+    return int(text) if is_digits(text) and len(text) <= _RANK_DIGITS else None
+
+
 def step_voters(topic: str, world_size: int, groups: Mapping[str, Sequence[Sequence[int]]],
                 local_world_size: int | None = None) -> tuple[int, ...] | None:
     """The ranks that vote on `topic`, in the order their values are returned; None when the topic
@@ -66,15 +75,16 @@ def step_voters(topic: str, world_size: int, groups: Mapping[str, Sequence[Seque
     if not topic.startswith(GROUP_PREFIX):
         return tuple(range(world_size))
     name_at, _, what = topic[len(GROUP_PREFIX):].rpartition(":")
-    name, _, leader = name_at.rpartition("@")
-    if not is_digits(leader) or name not in groups:
+    name, _, leader_text = name_at.rpartition("@")
+    leader = _rank_number(leader_text)
+    if leader is None or name not in groups:
         return None
     for members in groups[name]:
-        if members and members[0] == int(leader):
+        if members and members[0] == leader:
             if what.startswith(PAIR):
                 a, _, b = what[len(PAIR):].partition("-")
-                pair = (int(a), int(b)) if is_digits(a) and is_digits(b) else ()
-                return pair if len(pair) == 2 and pair[0] < pair[1] and set(pair) <= set(members) else None
+                ra, rb = _rank_number(a), _rank_number(b)
+                return (ra, rb) if ra is not None and rb is not None and ra < rb and {ra, rb} <= set(members) else None
             if what != LEADERS:
                 return tuple(members)
             return None if local_world_size is None else node_leaders(members, local_world_size)

@@ -624,6 +624,8 @@ class Head:
             return ""
         (digest,) = digests
         for path in paths:  # one file, or copies of it (a link, another checkout): the digest says they agree
+            if not os.path.isabs(path) or not os.path.isfile(path):
+                continue  # a rank's offer names it: never a FIFO or a device, whose read would never end
             try:
                 manifest = load_manifest(path)
                 resolved = manifest.resolve(self.world_size, dict(self.spec.vars), self.spec.nprocs)
@@ -746,7 +748,7 @@ class Head:
         its exit perhaps not seen yet. Fails the tray with that death, the report as a note; False if none."""
         if BarrierTimeout.missing_in(msg.message):
             return False  # a wait that timed out names whom it missed; the head says there whether they are dead
-        named = {int(r) for r in re.findall(r"\brank (\d+)'s", msg.message)}
+        named = {int(r) for r in re.findall(r"\brank ([0-9]{1,18})'s", msg.message)}
         deadline = time.monotonic() + (_DEATH_SEEN_WITHIN_S if named - {rank} else 0.0)
         while True:
             for p in self.procs:

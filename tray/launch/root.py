@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from tray.handshake.steps import (
     step_voters,
     who_waits,
 )
+from tray.handshake.wire import MAX_MESSAGE_NBYTES
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import JobSpec
 from tray.launch.spawn import raise_fd_limit, say
@@ -100,6 +102,7 @@ def bind_address(host: str, port: int, source: str = "cli", wait_s: float = 0.0)
 
 _REJECTS_KEPT = 100
 _WAIT_SAID_EVERY_S = 10.0  # while nodes are missing, the root says so this often
+_FRAME_SLACK = 4096  # beyond MAX_MESSAGE_NBYTES, for a frame's envelope
 _HANDSHAKE_MS = 5000  # a connection to the root that has not finished CURVE's handshake by then is dropped
 
 
@@ -180,6 +183,7 @@ class Root:
         self.sock = make_server(ctx, keys)
         self.sock.setsockopt(zmq.LINGER, 1000)  # a JobStop/JobEnd must leave before the head exits
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_NBYTES + _FRAME_SLACK)  # a larger one drops its sender
         # NOTE: anyone who reaches the port may open connections: one that has not finished CURVE's handshake within
         # HANDSHAKE_IVL is dropped (ZeroMQ waits 30 s by default), and the soft limit on descriptors is raised to the
         # hard one, so idle connections cannot take the descriptors the heads' connections and the teardown need
@@ -269,8 +273,15 @@ class Root:
                                                       jobwire.NodeHeld)):
             return  # the job stopped: no table, go or decision follows (a late node's offers included)
         if isinstance(msg, jobwire.NodeOffers):
+            if state.offers:
+                self._reject(ident, f"node {node} sent its offers again (once per job)")
+                return
             self._on_offers(state, msg)
         elif isinstance(msg, jobwire.NodeReady):
+            if self.t_table is None or state.ready is not None:
+                self._reject(ident, f"node {node} said ready " + ("again (once per job)" if state.ready is not None
+                                                                   else "before the job's table was sent"))
+                return
             state.ready = dict(msg.timings)
             if all(s.ready is not None for s in self.nodes.values()) and len(self.nodes) == self.nnodes:
                 self.t_go = time.time()
@@ -390,7 +401,8 @@ class Root:
             step.until[r] = now + w
             if step.timeout_s is None and msg.topic.startswith(GROUP_PREFIX) and isinstance(v, dict):
                 t = v.get("timeout_s")
-                step.timeout_s = float(t) if isinstance(t, (int, float)) else None
+                # a finite time only: NaN never compares greater, and that step would never time out here
+                step.timeout_s = float(t) if isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 else None
         if all(r in step.values for r in step.voters):
             del self.steps[key]
             self._decide(key, step, missing=())
