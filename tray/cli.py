@@ -239,7 +239,7 @@ examples:
   tray launch -n 4 prog.py                                one rank per GPU (host backend without GPUs)
   tray launch -n 2 --backend host --manifest m.json -- python prog.py
   tray launch --manifest peer_fill prog.py                a built-in manifest (tray inspect --list)
-  tray launch -n 8 -q --log-dir logs --redirects 3 --local-ranks-filter 0 -- python serve.py
+  tray launch -n 8 -q --log-dir logs --tee 3 --local-ranks-filter 0 -- python serve.py
                                                           rank 0 on the terminal, every rank's lines in logs/
   tray launch --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 -n 4 prog.py
                                                           node 0 of a job of two trays (node1: --node-rank 1);

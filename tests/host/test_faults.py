@@ -870,6 +870,18 @@ def test_a_manifest_a_rank_cannot_load_is_a_usage_error_in_one_line(tray_env, tm
     assert "Traceback" not in run.stderr and "error report" not in run.stderr, run.stderr
 
 
+def test_a_tray_init_called_with_a_bad_timeout_is_a_usage_error_in_one_line(tray_env):
+    """tray.init(timeout_s=0) fails before the rank's first message to the head: still exit 2 and the message, as
+    for every tray.init() called wrongly (README, docs/api.md), not exit 1 and the rank's traceback."""
+    run = tray_env.launch(2, """
+    tray.init(timeout_s=0)
+    """)
+    assert run.returncode == 2, run.output
+    assert re.search(r"FAILED: rank [01] reported UsageError: tray\.init\(timeout_s=0\): a number of seconds > 0$",
+                     run.stderr, re.M), run.stderr
+    assert "Traceback" not in run.stderr and "exited with code 1" not in run.stderr, run.stderr
+
+
 def test_what_a_closed_rank_and_bad_exchange_values_say(tray_env):
     """Found checking docs/api.md by use: kernel() and group() worked after close(); a value msgpack cannot carry,
     or one over a message, was a WireError (a HandshakeError, whose meaning is a tray that cannot form)."""

@@ -153,3 +153,14 @@ def test_collectives_addresses_refuse_strided_tensors_and_arrays():
     assert address(v, "x") == v.data_ptr()
     with pytest.raises(UsageError, match="a non-contiguous tensor"):
         address(w[:, :2], "x")  # channels of a channels_last tensor: gaps
+
+
+def test_every_list_of_the_heads_exit_codes_has_them_all():
+    from tray.cli import LAUNCH_EPILOG
+
+    texts = {"README.md": (REPO / "README.md").read_text(), "docs/cli.md": (REPO / "docs" / "cli.md").read_text(),
+             "docs/api.md": API, "tray launch --help": LAUNCH_EPILOG}
+    for where, text in texts.items():
+        said = " ".join(text.split())  # the lists wrap across lines
+        missing = [c for c in ("0 ", "1 a rank failed", "2 usage", "3 ", "130 interrupted") if c not in said]
+        assert not missing, f"{where}: the head's exit codes lack {missing}"

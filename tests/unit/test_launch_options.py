@@ -52,6 +52,23 @@ def test_routing_per_local_rank():
     Routing(tee=(0, 0), redirects=(0, 0))  # all zero: nothing asked of the files
 
 
+def test_the_log_dir_example_of_the_help_and_docs_shows_rank_0_on_the_terminal():
+    from conftest import REPO
+
+    from tray.cli import LAUNCH_EPILOG
+
+    line = next(x for x in LAUNCH_EPILOG.splitlines() if "--local-ranks-filter 0" in x).split()
+    assert f"$ {' '.join(line)}" in (REPO / "docs" / "cli.md").read_text()  # the same example in both
+    args = build_parser().parse_args(line[1:])
+    n = args.nprocs
+    routing = Routing(log_dir=args.log_dir, tee=parse_streams("--tee", args.tee, n),
+                      redirects=parse_streams("--redirects", args.redirects, n),
+                      ranks=parse_ranks_filter(args.local_ranks_filter, n))
+    assert routing.to_terminal(0, STDOUT) and routing.to_terminal(0, STDERR)  # "rank 0 on the terminal"
+    assert not any(routing.to_terminal(r, s) for r in range(1, n) for s in (STDOUT, STDERR))
+    assert all(routing.to_log(r, s) for r in range(n) for s in (STDOUT, STDERR))
+
+
 def test_streams_for_every_rank_or_per_local_rank():
     assert parse_streams("--tee", "3", 4) == 3
     assert parse_streams("--redirects", "0:3,1:2", 4) == (3, 2, 0, 0)
@@ -183,8 +200,12 @@ def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["gate", "peer-barrier", "-n", "1", "--drop", "0"], "--drop needs 2 ranks or more"),
-    (["gate", "peer-barrier", "-n", "2", "--iters", "0"], "--iters and --replays must be 1 or more"),
+    (["gate", "peer-barrier", "-n", "1", "--drop", "0"], "tray: UsageError: --drop needs 2 ranks or more"),
+    (["gate", "peer-barrier", "-n", "2", "--iters", "0"], "tray: UsageError: --iters and --replays must be 1 or more"),
+    (["gate", "peer-barrier", "-n", "4", "--drop", "5"], "tray: UsageError: --drop 5 is not a rank of a 4-rank tray"),
+    (["gate", "peer-barrier", "-n", "2", "--corrupt", "1"], "tray: UsageError: --corrupt 1 needs --stress"),
+    (["gate", "peer-barrier", "-n", "2", "--stress", "--corrupt", "7"],
+     "tray: UsageError: --corrupt 7 is not a rank of a 2-rank tray (0..1)"),
     (["bench", "ep-moe", "--tokenz", "3"], "tray bench ep-moe: unrecognized arguments: --tokenz (did you mean "
                                           "--tokens?) 3 (`tray bench ep-moe --help` lists the options)"),
     ([], "tray: UsageError: tray: the following arguments are required"),

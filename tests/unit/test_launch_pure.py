@@ -253,6 +253,20 @@ def test_a_bad_timeout_is_refused_before_any_capture(fake) -> None:
     assert not stream.capturing and stream.graphs_destroyed == 0
 
 
+def test_the_host_barrier_refuses_a_bad_timeout_as_cuda_does() -> None:
+    import numpy as np
+
+    from tray.backend.host.barrier import HostBarrier
+
+    flags = np.zeros(2, np.uint64)
+    barrier = HostBarrier(GroupInfo("world", (0, 1), 0), flags.ctypes.data, [flags.ctypes.data] * 2)
+    for bad in (0, -1.0):
+        with pytest.raises(UsageError, match=f"barrier world: timeout_s must be > 0, got {bad}"):
+            barrier.launch(bad)
+    assert barrier.epoch == 0 and not flags.any()
+    barrier.check()  # refused, not broken
+
+
 def test_a_failed_graph_launch_is_a_named_error(fake, monkeypatch, symbols) -> None:
     barrier, _stream, _kernel, _own = fake
 

@@ -824,6 +824,16 @@ def test_peer_barrier_manifest_loads() -> None:
         assert m.resolve(n).groups == {"world": (tuple(range(n)),)}
 
 
+def test_a_group_size_that_does_not_divide_the_world_is_said_once() -> None:
+    m = parse_manifest({"format": 1, "name": "g", "vars": {"tp": 2},
+                        "groups": [{"name": "pairs", "size": 2}, {"name": "tp", "size": "tp"}]}, "<test>", ".")
+    with pytest.raises(ManifestError, match=r"world_size 3 is not divisible by group 'pairs' size 2; run with a "
+                                            r"multiple of 2 ranks$"):
+        m.resolve(3)
+    with pytest.raises(ManifestError, match=r"group 'tp' size 'tp' with tp=2 = 2; run with a multiple of 2 ranks$"):
+        parse_manifest({**m.doc, "groups": m.doc["groups"][1:]}, "<test>", ".").resolve(3)
+
+
 def test_format_inspect(root: Path) -> None:
     m = load_manifest(write(root, full_doc()))
     text = format_inspect(m, 4, {"tokens": 256})
@@ -846,6 +856,18 @@ def test_format_inspect(root: Path) -> None:
     assert "barrier pairs" in text
     # what load_weights will read on each rank (the file is not there: named, not checked)
     assert f"flag         rank 3: 1 tensor [flag.3] from {root / 'ckpt' / 'flag.safetensors'}" in text
+
+
+def test_format_inspect_shows_an_alltoall_across_nodes_as_such() -> None:
+    doc = {"format": 1, "name": "a", "buffers": [{"name": "b", "dtype": "u8", "shape": ["world_size"]}],
+           "programs": [{"name": "p", "ops": [
+               {"op": "nccl", "collective": "alltoall", "group": "world", "send": "b", "recv": "b", "count": 1,
+                "dtype": "u8", "across": "nodes"},
+               {"op": "nccl", "collective": "alltoall", "group": "world", "send": "b", "recv": "b", "count": 1,
+                "dtype": "u8"}]}]}
+    text = format_inspect(parse_manifest(doc, "<test>", "."), 4)
+    assert "0 nccl alltoall group=world send=b recv=b count=1 u8 across=nodes\n" in text
+    assert "1 nccl alltoall group=world send=b recv=b count=1 u8\n" in text
 
 
 def test_human_bytes() -> None:
@@ -1097,3 +1119,18 @@ def test_a_sendrecv_peer_that_pairs_no_member_with_its_partner_is_refused(root: 
     doc["programs"][0]["ops"][0]["group"] = "uneven"
     with pytest.raises(ManifestError, match="in instances of 2 ranks is not a partner"):
         load_manifest(write(root, doc)).resolve(6)
+
+
+def test_the_references_top_level_snippets_load_together() -> None:
+    """docs/manifest.md's `"vars"`, `"groups"`, `"buffers"`, `"states"` and `"programs"` snippets, put in one
+    manifest, load and resolve for 4 ranks (a snippet naming what does not exist fails here)."""
+    text = (REPO / "docs" / "manifest.md").read_text()
+    keys = ("vars", "groups", "buffers", "states", "programs")
+    parts = [b.strip() for b in re.findall(r"```json\n(.*?)```", text, re.S)
+             if b.lstrip().startswith(tuple(f'"{k}"' for k in keys))]
+    doc: dict[str, Any] = {"format": 1, "name": "snippets"}
+    for part in parts:
+        for key, value in json.loads("{" + part + "}").items():
+            doc[key] = {**doc[key], **value} if key == "vars" and key in doc else value
+    assert set(keys) <= set(doc), sorted(doc)
+    parse_manifest(doc, "docs/manifest.md", str(REPO)).resolve(4)

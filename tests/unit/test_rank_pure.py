@@ -74,6 +74,8 @@ def test_the_builtin_default_manifest_is_named_with_how_to_give_one() -> None:
                                          r"no tray.init\(manifest=...\); tray launch --manifest FILE.json gives the "
                                          r"ranks yours\); it declares \(none\)"):
         w.buffer("inp")
+    with pytest.raises(UsageError, match=r"no buffer 'inp' in the built-in default manifest \(no --manifest given"):
+        w.peers("inp")
 
 
 def test_wiring_lookups_name_what_exists() -> None:
@@ -87,6 +89,9 @@ def test_wiring_lookups_name_what_exists() -> None:
         w.buffer("xx")
     with pytest.raises(UsageError, match=r"no peer table for 'y'; .* rank 1: \['x'\]"):
         w.peers("y")
+    with pytest.raises(UsageError, match=r"no buffer 'xx' in manifest 'w' \(<test>\); it declares x, y; did you mean "
+                                         r"'x'\?"):
+        w.peers("xx")  # not a buffer at all: said as buffer() says it, not as a buffer to export
     with pytest.raises(UsageError, match="no peer table for 'tray:barrier:world'"):
         w.peers("tray:barrier:world")  # the tray's own buffers stay private
     with pytest.raises(UsageError, match=r"no group 'pair' in manifest 'w' \(<test>\); its groups: .*pairs.*; "

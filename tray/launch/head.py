@@ -737,6 +737,10 @@ class Head:
         """The failure of rank `p` that ended with status `code` (non-zero), its error file's report if it left
         one."""
         how = _how_it_ended(code)
+        said = self._error_said(self._job_path, p.rank) if self._job_path is not None else None
+        if said is not None:  # a tray.init() called wrongly, said before its first message: the user's input
+            return Failure(p.rank, f"rank {p.rank} reported {said}", tail=tuple(p.tail), notes=notes,
+                           exit_code=EXIT_USAGE)
         report = self._error_file(self._job_path, p.rank) if self._job_path is not None else ""
         return Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
                        report=report, tail=tuple(p.tail), notes=notes)
@@ -861,30 +865,47 @@ class Head:
                     "steps)")
         return p.phase
 
+    def _error_said(self, job_dir: Path, rank: int) -> str | None:
+        """`Type: message` of the error file of a rank that failed with a ManifestError, or a UsageError while it
+        started its tray; None otherwise (no such file, or another error)."""
+        data = self._error_data(job_dir, rank)
+        if data is None:
+            return None
+        kind, phase = data.get("error_type"), data.get("phase")
+        starting = _HANDSHAKE_ORDER.get(phase, 99) < _HANDSHAKE_ORDER["running"] if isinstance(phase, str) else False
+        if kind == "ManifestError" or (kind in ("UsageError", "SetupError") and starting):
+            return f"{kind}: {data.get('message')}"
+        return None
+
     def _error_file(self, job_dir: Path, rank: int) -> str:
-        """What the failing rank wrote to its error file, or "" where there is none to read: not through a link,
+        """What the failing rank wrote to its error file, or "" where there is none to read (`_error_data`)."""
+        data = self._error_data(job_dir, rank)
+        if data is None:
+            return ""
+        return f"{data.get('error_type')}: {data.get('message')}\n{data.get('traceback', '')}"
+
+    def _error_data(self, job_dir: Path, rank: int) -> dict[str, Any] | None:
+        """The failing rank's error file as a JSON object, or None where there is none to read: not through a link,
         not from what is not a regular file (a FIFO planted there would block the head for good), not past
         ERROR_FILE_MAX_NBYTES (a rank's report is far smaller)."""
         try:
             fd = os.open(job_dir / f"rank-{rank}.error.json",
                          os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
-            return ""
+            return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return ""
+                return None
             chunks, left = [], ERROR_FILE_MAX_NBYTES
             while left and (chunk := os.read(fd, left)):
                 chunks.append(chunk)
                 left -= len(chunk)
             data = json.loads(b"".join(chunks))
         except (OSError, ValueError):
-            return ""
+            return None
         finally:
             os.close(fd)
-        if not isinstance(data, dict):
-            return ""
-        return f"{data.get('error_type')}: {data.get('message')}\n{data.get('traceback', '')}"
+        return data if isinstance(data, dict) else None
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

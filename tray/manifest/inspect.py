@@ -162,9 +162,10 @@ def summarize_op(op: ResolvedOp) -> str:
             )
         case ResolvedCollective():
             peer = f" peer={op.peer}" if op.peer is not None else ""
+            across = f" across={op.across}" if op.across else ""
             return (
                 f"nccl {op.collective} group={op.group} send={_ref(op.send)} recv={_ref(op.recv)}"
-                f" count={op.count} {op.dtype}{peer}"
+                f" count={op.count} {op.dtype}{peer}{across}"
             )
         case ResolvedGemm():
             acc = " +=" if op.accumulate else " ="

@@ -199,7 +199,7 @@ class _Resolver:
             self.fail(
                 f"{jp}.size",
                 f"world_size {n} is not divisible by group '{spec.name}' size {describe(spec.size, self.env)}"
-                f" = {size}; run with a multiple of {size} ranks",
+                f"{'' if isinstance(spec.size, int) else f' = {size}'}; run with a multiple of {size} ranks",
             )
         return tuple(tuple(range(start, start + size)) for start in range(0, n, size))
 

@@ -64,7 +64,13 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
             warmup.release()
         if early is not None:
             early.cancel()
-        raise UsageError(f"tray.init(timeout_s={timeout_s!r}): a number of seconds > 0")
+        wrong = UsageError(f"tray.init(timeout_s={timeout_s!r}): a number of seconds > 0")
+        try:
+            env = RankEnv.from_environ()
+        except UsageError:
+            raise wrong from None
+        _report(env, "spawn", None, wrong)  # the error file: the head says it in one line, as a usage error
+        raise wrong
     if _initialised:
         if warmup is not None:
             warmup.release()

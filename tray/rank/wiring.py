@@ -334,6 +334,8 @@ class Wiring:
     def peers(self, name: str) -> PeerTable:
         """Every member's address of exported buffer `name` (over the buffer's group)."""
         spec = self._specs.get(name)
+        if spec is None and not name.startswith(INTERNAL_PREFIX):
+            self.spec(name)  # raises: no such buffer in the rank's manifest, naming the manifest
         if spec is not None and spec.group in self.spanning:
             members = self.groups[spec.group].members
             raise UsageError(f"buffer {name!r} has no peer table: its group {spec.group!r} (ranks {members[0]}.."

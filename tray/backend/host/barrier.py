@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tray.backend.base import DEFAULT_BARRIER_TIMEOUT_S, Barrier, GroupInfo
-from tray.errors import BarrierTimeout
+from tray.errors import BarrierTimeout, UsageError
 
 # NOTE: spin this many polls before yielding the CPU, then sleep briefly: a laptop or a 2-core CI
 # box runs more ranks than cores, and a pure spin would starve the rank being waited for.
@@ -62,6 +62,8 @@ class HostBarrier(Barrier):
         # `stream` orders device work; the host barrier runs now, in program order
         if self._broken is not None:
             raise self._broken
+        if not timeout_s > 0:
+            raise UsageError(f"barrier {self.group.name}: timeout_s must be > 0, got {timeout_s}")
         self.epoch += 1
         epoch, me, own = self.epoch, self._me, self._own
         for peer in self._peers:

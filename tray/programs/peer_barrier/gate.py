@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from tray.bench import Row, format_table, median, write_report
 from tray.envinfo import environment
 from tray.envvars import own_python
+from tray.errors import UsageError
 from tray.launch import TraySpec, run_tray
 from tray.launch.jobdir import work_dir
 from tray.manifest.builtin import builtin_path
@@ -44,21 +44,17 @@ class GateArgs:
 def run_gate(args: GateArgs) -> int:
     """Run the gate; print a table; write JSON. Returns the exit code (0 = passed)."""
     if args.drop is not None and not 0 <= args.drop < args.nprocs:
-        print(f"tray: --drop {args.drop} is not a rank of a {args.nprocs}-rank tray (0..{args.nprocs - 1})",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--drop {args.drop} is not a rank of a {args.nprocs}-rank tray (0..{args.nprocs - 1})")
     if args.drop is not None and args.nprocs < 2:
-        print(f"tray: --drop needs 2 ranks or more: the others must name the dropped one; got -n {args.nprocs}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--drop needs 2 ranks or more: the others must name the dropped one; got -n {args.nprocs}")
     if not (args.iters >= 1 and args.replays >= 1 and 0 < args.timeout_s < float("inf")):
-        print(f"tray: --iters and --replays must be 1 or more and --timeout-s a number of seconds > 0; got --iters "
-              f"{args.iters}, --replays {args.replays}, --timeout-s {args.timeout_s}", file=sys.stderr)
-        return 2
-    if args.corrupt is not None and not (args.stress and 0 <= args.corrupt < args.nprocs):
-        print(f"tray: --corrupt {args.corrupt} needs --stress and a rank of the tray (0..{args.nprocs - 1})",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--iters and --replays must be 1 or more and --timeout-s a number of seconds > 0; got "
+                         f"--iters {args.iters}, --replays {args.replays}, --timeout-s {args.timeout_s}")
+    if args.corrupt is not None and not args.stress:
+        raise UsageError(f"--corrupt {args.corrupt} needs --stress (its rounds are where the wrong word is sent)")
+    if args.corrupt is not None and not 0 <= args.corrupt < args.nprocs:
+        raise UsageError(f"--corrupt {args.corrupt} is not a rank of a {args.nprocs}-rank tray "
+                         f"(0..{args.nprocs - 1})")
     if args.warn is not None:
         args.warn()
     out_dir, remove_out_dir = work_dir(None)
