@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import json
 import os
 import shutil
@@ -70,6 +71,9 @@ def _note_options_after_the_program(cmd: Sequence[str], launch: argparse.Argumen
 
 def _check_program(cmd: Sequence[str], dashed: bool) -> None:
     """A program named without `--` that is no file: one line saying so, before anything starts."""
+    if not dashed and cmd[0].endswith(".py") and os.path.isdir(cmd[0]):
+        raise UsageError(f"{cmd[0]}: a directory without a __main__.py, not a program (the program to run: a path to "
+                         "a .py file, or -- CMD ARGS...)")
     if not dashed and cmd[0].endswith(".py") and not os.path.isfile(cmd[0]) and not shutil.which(cmd[0]):
         raise UsageError(f"{cmd[0]}: no such file here or on PATH (the program to run: a path to a .py file, or "
                          "-- CMD ARGS...)")
@@ -111,8 +115,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise UsageError(f"tray launch needs a command: {what}")
     if args.module:
         cmd = [sys.executable, "-m", *cmd]  # torchrun's -m: `python -m MODULE ARGS`
-    elif args.run_path or (not args.no_python and not dashed and cmd[0].endswith(".py") and os.path.isfile(cmd[0])):
-        cmd = [sys.executable, *cmd]  # `tray launch -n 4 prog.py`: as torchrun, with this Python
+    elif args.run_path or (not args.no_python and not dashed and cmd[0].endswith(".py")
+                           and (os.path.isfile(cmd[0]) or os.path.isfile(os.path.join(cmd[0], "__main__.py")))):
+        cmd = [sys.executable, *cmd]  # `tray launch -n 4 prog.py`: as torchrun, with this Python (a directory too)
     else:
         _check_program(cmd, dashed)
     _note_torchrun_flags(args)
@@ -540,6 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tray: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ImportError as exc:
+        shadow = _shadowed_dependency()
+        if shadow:
+            print(f"tray: SetupError: {shadow}", file=sys.stderr)
+            return EXIT_USAGE
         if (exc.name or "").partition(".")[0] not in DEPENDENCIES:
             raise
         print(f"tray: SetupError: this Python ({sys.executable}) has tray but not {exc.name!r}, one of its "
@@ -553,6 +562,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 128 + signal.SIGPIPE
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or exc.filename is not None:
+            raise
+        # the command's output met a full disk (`tray inspect M > /dev/full`): one line instead of a traceback; stdout
+        # pointed at /dev/null so the interpreter's last flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        print(f"tray: SetupError: cannot write the command's output ({exc.strerror}): what it printed to stdout is "
+              "lost; free space there, or send it elsewhere", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt as exc:
         # a second signal now is held until the line is out (then raised, as any signal would be)
         held = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
@@ -604,6 +624,22 @@ def _open_closed_stdio() -> None:
             os.close(null)
         if getattr(sys, name) is None:
             setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+
+
+def _shadowed_dependency() -> str:
+    """Which of tray's dependencies (each a package) a lone module of its name hides, a zmq.py on PYTHONPATH or in
+    the current directory, said with what to do; "" when none does."""
+    import importlib.util
+
+    for name in sorted(DEPENDENCIES):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.submodule_search_locations is None and spec.origin:
+            return (f"{spec.origin} hides the package {name!r} that tray needs (Python finds it first: it is on "
+                    "PYTHONPATH or in the current directory); rename it, or take its directory off the path")
+    return ""
 
 
 # `tray launch` ran to its end (its tray torn down, job dir removed, every child reaped)

@@ -114,6 +114,34 @@ def test_socket_path_too_long_is_a_setup_error(tray_env, tmp_path):
     assert "UNIX sockets allow 107" in line and "set TRAY_JOBS_ROOT to a shorter directory" in line
 
 
+def test_socket_path_too_long_in_bytes_is_a_setup_error(tray_env, tmp_path):
+    """A socket path holds bytes: a root of few characters but many bytes (é is two) is refused before the spawn,
+    not by the bind after it."""
+    suffix = len(f"/job-{4 * 1024 * 1024}-abcdef01/head.sock")
+    chars = 107 - suffix - len(str(tmp_path)) - 1
+    if chars < 8:
+        pytest.skip(f"{tmp_path} leaves too little room below 107 characters")
+    root = tmp_path / ("é" * chars)  # within 107 characters, beyond 107 bytes
+    run = launch_with_root(tray_env, root)
+    assert run.returncode == 2, run.stderr
+    line = one_error_line(run.stderr)
+    assert "bytes; UNIX sockets allow 107" in line and "set TRAY_JOBS_ROOT to a shorter directory" in line
+
+
+def test_jobs_root_not_utf8_is_a_setup_error(tray_env, tmp_path):
+    """ZeroMQ binds the head's socket by a UTF-8 address: a root whose name is other bytes is refused by name. It
+    once failed the bind with a traceback, and the socket left open kept the teardown waiting for good."""
+    root = tmp_path / os.fsdecode(b"jobs-\xff")
+    env = tray_env.env()
+    env["TRAY_JOBS_ROOT"] = str(root)
+    cmd = [sys.executable, "-m", "tray", "launch", "-n", "1", "--backend", "host", "--", sys.executable, "-c", "pass"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=20, env=env, cwd=str(tray_env.tmp))
+    assert run.returncode == 2, run.stderr
+    line = one_error_line(run.stderr)
+    assert "the jobs root" in line and "jobs-\\xff is not a UTF-8 path" in line and "set TRAY_JOBS_ROOT" in line
+    assert os.listdir(root) == []
+
+
 def test_head_socket_bind_failure_is_named_and_cleaned(tray_env, monkeypatch):
     from tray.launch.jobdir import SetupError
 
@@ -128,6 +156,37 @@ def test_head_socket_bind_failure_is_named_and_cleaned(tray_env, monkeypatch):
     with pytest.raises(SetupError, match=r"cannot bind the head's socket ipc://.*head.sock: No space left on device"):
         run_tray(spec)
     assert set(os.listdir("/proc/self/fd")) == fds
+
+
+def test_many_buffers_under_a_low_soft_fd_limit(tray_env, tmp_path):
+    """60 host buffers (a memfd each) under `ulimit -Sn 64`: the rank raises its soft limit toward the hard one before
+    it allocates, as it did only before mapping its peers (it failed with a bare OSError: Too many open files); under
+    a hard limit too low, the failure names the buffer, the limit and what to do."""
+    import json
+    import resource
+
+    manifest = tmp_path / "many.json"
+    manifest.write_text(json.dumps({"format": 1, "name": "many", "buffers": [
+        {"name": f"b{i}", "dtype": "u32", "shape": [16], "export": True} for i in range(60)]}))
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        print("ran", rank.rank, flush=True)
+    """
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1024:
+        pytest.skip("this machine's hard open-file limit is below 1024")
+    for soft, hard in ((64, 1024), (64, 64)):
+        proc = subprocess.run(tray_env.command(2, body, "-q", "--manifest", str(manifest)), capture_output=True,
+                              text=True, timeout=60, env=tray_env.env(), cwd=str(tray_env.tmp),
+                              preexec_fn=lambda limits=(soft, hard): resource.setrlimit(resource.RLIMIT_NOFILE, limits))
+        if hard > soft:
+            assert proc.returncode == 0, proc.stderr
+            assert "ran 0" in proc.stdout and "ran 1" in proc.stdout, proc.stdout
+        else:
+            assert proc.returncode == 1, proc.stderr
+            assert re.search(r"reported DeviceError: memfd_create\(buffer 'b\d+'\): Too many open files: this rank's "
+                             r"open-file limit is 64 \(at most 64\), and every host buffer holds a descriptor; raise "
+                             r"it \(ulimit -n\)", proc.stderr), proc.stderr
 
 
 def test_in_process_tray_leaves_no_fd(tray_env, monkeypatch):
@@ -739,3 +798,29 @@ def test_a_folder_named_tray_in_the_working_directory_does_not_shadow_the_gates_
                        env=env)
     assert run.returncode == 0, run.output
     assert "PASSED" in run.output
+
+
+def test_an_environment_at_the_kernels_limit_is_named(tray_env):
+    """The head's own environment fits in what exec takes, a rank's (the same and tray's variables) does not: the
+    failure names the limit and what to shorten, not the command's path (it said "a path, or a program on PATH")."""
+    import resource
+
+    stack, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    limit = 6 * 1024 * 1024 if stack == resource.RLIM_INFINITY else min(6 * 1024 * 1024, stack // 4)
+    cmd = [sys.executable, "-m", "tray", "launch", "-n", "1", "-q", "--backend", "host", "--", sys.executable, "-c",
+           "pass", tray_env.marker]
+    env = tray_env.env()
+
+    def size(env: dict[str, str]) -> int:  # what the kernel counts: every string with its NUL, and a pointer each
+        strings = [sys.executable, *cmd, *(f"{k}={v}" for k, v in env.items())]
+        return sum(len(os.fsencode(x)) + 1 for x in strings) + 8 * (len(strings) - 1)
+
+    i = 0
+    while (room := limit - size(env) - 200) > 0:  # 200 B to spare: less than a rank's own variables
+        env[f"TRAY_TEST_FILL{i}"] = "z" * min(100_000, max(1, room - len(f"TRAY_TEST_FILL{i}=") - 10))
+        i += 1
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=str(tray_env.tmp))
+    assert run.returncode == 2, run.stderr
+    line = one_error_line(run.stderr)
+    assert "cannot start rank 0" in line and "Argument list too long" in line, line
+    assert "over the kernel's limit for a new program (ARG_MAX)" in line and "shorten the environment" in line, line

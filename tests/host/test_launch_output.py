@@ -115,6 +115,70 @@ def test_a_reader_that_goes_away_costs_no_traceback(tray_env, tmp_path):
         assert "line 399" in (logs / f"rank-{r}.log").read_text()
 
 
+def test_an_unwritable_stdout_or_stderr_stops_nothing(tray_env):
+    """`tray launch ... >/dev/full` (a full disk, a dead terminal): the ranks' lines to that stream are dropped,
+    said once on the other, and the tray runs to its end. The output thread once died on the first ENOSPC and
+    the ranks then blocked on their full pipes for good; a full stderr failed the head at its timeline (exit 1,
+    ranks stopped)."""
+    import subprocess
+
+    body = """
+    with tray.init() as rank:
+        for i in range(3000):
+            print("line", i, "y" * 60, flush=True)
+        rank.barrier()
+        print("done", rank.rank, file=sys.stderr, flush=True)
+        print("done", rank.rank, flush=True)
+    """
+    for full, seen in (("stdout", "stderr"), ("stderr", "stdout")):
+        with open("/dev/full", "w") as sink:
+            streams = {full: sink, seen: subprocess.PIPE}
+            proc = subprocess.run(tray_env.command(2, body), timeout=60, env=tray_env.env(), cwd=str(tray_env.tmp),
+                                  **streams)
+        out = (proc.stderr if seen == "stderr" else proc.stdout).decode()
+        assert proc.returncode == 0, out
+        assert "Traceback" not in out, out
+        assert out.count(f"tray: {full} cannot be written (No space left on device); the ranks' lines to it are "
+                         "dropped") == 1, out
+        assert "[rank 0] done 0" in out and "[rank 1] done 1" in out, out
+
+
+def test_a_log_file_that_cannot_be_written_is_said_once(tmp_path, capfd):
+    """--log-dir on a full disk: the rank's lines are no longer kept there, said once; the pump reads on, so the
+    rank is never left blocked on its full pipe, and the terminal still gets its lines."""
+    import collections
+    import os
+    import types
+
+    from tray.launch.output import Routing
+    from tray.launch.spawn import OutputPump
+
+    r, w = os.pipe()
+    proc = types.SimpleNamespace(rank=0, tail=collections.deque(maxlen=20),
+                                 popen=types.SimpleNamespace(stdout=os.fdopen(r, "rb", buffering=0), stderr=None))
+    pump = OutputPump([proc], Routing(log_dir=str(tmp_path), tee=3))
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, pump._logs[0].fileno())  # its disk is full from now on
+    os.close(full)
+    line = b"z" * 99 + b"\n"
+    os.set_blocking(w, False)
+    data, deadline = line * 1500 + b"last\n", time.monotonic() + 10.0  # three pipes' worth: read on, or it stays
+    while data and time.monotonic() < deadline:
+        try:
+            data = data[os.write(w, data):]
+        except BlockingIOError:
+            time.sleep(0.01)
+    os.close(w)
+    pump.stop(5.0)
+    assert not data, f"{len(data)} B never read"
+    assert not pump._thread.is_alive()
+    out, err = capfd.readouterr()
+    assert err.count(f"tray: {tmp_path / 'rank-0.log'}: No space left on device; rank 0's lines are no longer kept "
+                     "in it") == 1, err
+    assert "Traceback" not in err, err
+    assert "[rank 0] last" in out
+
+
 def test_a_line_without_newlines_comes_in_bounded_pieces(tray_env, tmp_path):
     """A rank writing megabytes without a newline: the head prints them as lines of at most LINE_MAX_NBYTES
     (cut between UTF-8 characters), every byte kept and in order; it once re-split the whole unfinished line on

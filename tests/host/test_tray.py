@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -286,6 +287,23 @@ def test_a_manifest_given_by_tray_init_alone_is_taken_by_the_head(tray_env, tmp_
     assert run.returncode == 3, run.output
     assert "rank 0 offered manifest" in run.stderr and f"({FILL})" in run.stderr and f"({other})" in run.stderr
     assert "the head loaded" in run.stderr and "(the built-in default: no --manifest given)" in run.stderr
+
+
+def test_a_manifest_whose_path_is_not_utf8_runs(tray_env, tmp_path):
+    """A manifest file under a name that is not UTF-8 (a path from another locale): the ranks load it and the tray
+    runs. The offer once carried the path as it was and could not be encoded: every rank failed with WireError."""
+    odd = tmp_path / os.fsdecode(b"dir-\xff")
+    odd.mkdir()
+    path = odd / os.fsdecode(b"m\xe9.json")
+    path.write_text(json.dumps({"format": 1, "name": "m", "buffers": [{"name": "x", "dtype": "u32", "shape": [16],
+                                                                     "export": True}]}))
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        rank.barrier()
+        print("ran", rank.rank, rank.buffer("x").shape, flush=True)
+    """, "-q", "--manifest", str(path))
+    assert run.returncode == 0, run.output
+    assert "ran 0 (16,)" in run.stdout and "ran 1 (16,)" in run.stdout, run.output
 
 
 def test_write_refuses_data_of_another_dtype_and_a_clean_sys_exit_code_is_named(tray_env):

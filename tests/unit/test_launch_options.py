@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 
 import pytest
 
@@ -328,6 +329,21 @@ def test_a_py_program_on_path_needs_no_dashes(tmp_path, monkeypatch):
         _check_program(["nothere.py"], dashed=False)
 
 
+def test_a_py_program_that_is_a_directory(tray_env):
+    """`tray launch -n 1 app.py` where app.py is a directory: run by its __main__.py, as `python app.py` would; one
+    without it is said to be a directory (it was "no such file here" for a path that is there)."""
+    app = tray_env.tmp / "app.py"
+    app.mkdir()
+    cmd = [sys.executable, "-m", "tray", "launch", "-n", "1", "-q", "--backend", "host", str(app), tray_env.marker]
+    run = tray_env.run(cmd)
+    assert run.returncode == 2, run.output
+    assert f"{app}: a directory without a __main__.py, not a program" in run.stderr, run.stderr
+    (app / "__main__.py").write_text("import sys\nprint('ran', sys.argv[1:])\n")
+    run = tray_env.run(cmd)
+    assert run.returncode == 0, run.output
+    assert f"[rank 0] ran ['{tray_env.marker}']" in run.stdout, run.output
+
+
 def test_torchruns_spellings_parse_as_tray_launchs_own():
     """torchrun's underscore spellings, short -r/-t, N:N node counts and its --nproc-per-node words; the help
     lists the dashed spellings only."""
@@ -444,6 +460,27 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+def test_output_to_a_full_disk_is_one_line(tmp_path):
+    """`tray inspect M > /dev/full` (stdout on a full disk) and `tray gate --json` where it cannot be written: one
+    line naming what was lost, exit 2, not a traceback."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "tray", "inspect", "ep_moe", "-n", "4"], stdout=full,
+                              stderr=subprocess.PIPE, timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert err == ("tray: SetupError: cannot write the command's output (No space left on device): what it printed "
+                   "to stdout is lost; free space there, or send it elsewhere\n"), err
+    from tray.bench import write_report
+    from tray.errors import SetupError
+
+    with pytest.raises(SetupError, match=r"--json /dev/full: cannot write the report \(No space left on device\); "
+                                         r"the results above stand"):
+        write_report({"command": "x", "environment": {}}, "/dev/full")
+
+
 def test_the_programs_arguments_that_are_prefixes_of_two_spelled_options_go_to_it():
     """Every launch option has two spellings (--barrier-timeout-s, --barrier_timeout_s); a prefix of both is one
     option, not an ambiguous one: after the program it is the program's (as torchrun passes `--bar`), before it
@@ -456,3 +493,23 @@ def test_the_programs_arguments_that_are_prefixes_of_two_spelled_options_go_to_i
     assert args.barrier_timeout_s == 5.0 and args.heartbeat_timeout_s == 4.0 and args.cmd == ["prog.py"]
     with pytest.raises(SystemExit):
         ap.parse_args(["launch", "prog.py", "--lo"])   # --log-dir or --local-ranks-filter
+
+
+def test_a_module_that_hides_a_dependency_is_named(tray_env):
+    """A zmq.py on PYTHONPATH (or beside the program run with -m tray) hides the installed package: one line naming
+    that file, not a traceback from inside it or "this Python has tray but not 'zmq.utils'"."""
+    import sys
+
+    shadow = tray_env.tmp / "shadow"
+    shadow.mkdir()
+    env = tray_env.env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "tray", "launch", "-n", "1", "-q", "--backend", "host", "--", sys.executable, "-c",
+           "pass", tray_env.marker]
+    for body in ("x = 1\n", "raise ImportError('not the real one')\n"):
+        (shadow / "zmq.py").write_text(body)
+        run = tray_env.run(cmd, env=env)
+        assert run.returncode == 2, run.output
+        assert run.stderr.strip() == (f"tray: SetupError: {shadow / 'zmq.py'} hides the package 'zmq' that tray needs "
+                                      "(Python finds it first: it is on PYTHONPATH or in the current directory); "
+                                      "rename it, or take its directory off the path"), run.stderr

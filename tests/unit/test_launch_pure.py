@@ -395,6 +395,45 @@ except SetupError as exc:
               "its head: raise it, or run fewer ranks"], out.stdout + out.stderr
 
 
+def test_a_process_limit_too_low_for_the_tray_is_named(monkeypatch) -> None:
+    """Under a low `ulimit -u` ZeroMQ aborted the head (`Resource temporarily unavailable (src/thread.cpp:241)`, exit
+    134, no line of tray's) or a rank: the limit, what this user runs and what the tray starts are named before the
+    spawn; a soft limit below a hard one that suffices is raised; root, whom the kernel does not hold to it, passes."""
+    import os
+    import resource
+
+    from tray.launch import spawn
+    from tray.launch.jobdir import SetupError
+
+    limits = {"now": (8, 8)}
+    raised = []
+    real_getrlimit = resource.getrlimit
+
+    def getrlimit(which):
+        return limits["now"] if which == resource.RLIMIT_NPROC else real_getrlimit(which)
+
+    def setrlimit(which, value):
+        assert which == resource.RLIMIT_NPROC
+        raised.append(value)
+
+    monkeypatch.setattr(resource, "getrlimit", getrlimit)
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    monkeypatch.setattr(spawn, "_tasks_of", lambda uid: 3)
+    monkeypatch.setattr(os, "getuid", lambda: 4321)
+    with pytest.raises(SetupError, match=r"^the process limit \(ulimit -u\) is 8 \(at most 8\), and this user runs 3 "
+                                         r"processes and threads now; a tray of 2 ranks starts at least 14 more: raise "
+                                         r"it, or run fewer ranks$"):
+        spawn.ensure_proc_limit(2)
+    limits["now"] = (17, 17)  # 3 running, 4 + 2 x 5 started: within it
+    spawn.ensure_proc_limit(2)
+    limits["now"] = (10, 100)
+    spawn.ensure_proc_limit(2)
+    assert raised == [(100, 100)]
+    limits["now"] = (8, 8)
+    monkeypatch.setattr(os, "getuid", lambda: 0)
+    spawn.ensure_proc_limit(2)
+    assert raised == [(100, 100)]
+
 def test_a_port_lock_removed_under_a_tray_is_not_taken_for_a_lock(tmp_path) -> None:
     """A tray that opened `port-P.lock` just before its holder removed it would lock a file no one else sees; the
     next tray would make a new one and lock that too: two trays on one --master-port. The inode is checked."""

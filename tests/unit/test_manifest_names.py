@@ -26,6 +26,28 @@ def test_manifest_names_resolve_to_builtins_and_paths_win(tmp_path, monkeypatch)
 
 
 
+def test_a_manifest_on_a_pipe_is_named_a_pipe(tmp_path, monkeypatch):
+    """`--manifest /dev/stdin` fed by a pipe, `<(...)`, a FIFO: said to be a pipe (every rank reads the file by its
+    path), not "no manifest file" for a path that is there; a directory of a built-in's name hides nothing."""
+    import os
+
+    fifo = tmp_path / "m.json"
+    os.mkfifo(fifo)
+    with pytest.raises(UsageError, match=r"manifest '.*m.json' is a FIFO \(a pipe\), not a regular file: every rank "
+                                         r"reads the manifest by its path.*save it to a file"):
+        resolve_manifest(str(fifo))
+    r, w = os.pipe()
+    try:
+        with pytest.raises(UsageError, match=f"manifest '/dev/fd/{r}' is a FIFO"):
+            resolve_manifest(f"/dev/fd/{r}")
+    finally:
+        os.close(r)
+        os.close(w)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "peer_fill").mkdir()
+    assert resolve_manifest("peer_fill").endswith("peer_fill.json")
+
+
 def test_a_file_name_close_to_one_there_is_suggested_and_long_descriptions_are_cut(tmp_path, monkeypatch):
     (tmp_path / "my.json").write_text("{}")
     with pytest.raises(UsageError, match=r"did you mean the file '.*/my\.json'\?"):

@@ -23,7 +23,7 @@ from typing import Any
 
 from tray.envinfo import environment
 from tray.envvars import own_python, share_gpus
-from tray.errors import UsageError
+from tray.errors import SetupError, UsageError
 
 __all__ = ["Row", "TrayFailed", "buffers_nbytes", "busbw_factor", "environment", "format_gbps", "format_table",
            "invoked_command",
@@ -183,8 +183,12 @@ def write_report(report: dict[str, Any], path: str | None, extra_env: dict[str, 
         report.setdefault(
             "shared_gpus", "ranks shared GPUs (TRAY_SHARE_GPUS=1): the checks hold, the timings mean nothing")
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as exc:
+            raise SetupError(f"--json {path}: cannot write the report ({exc.strerror}); the results above stand: give "
+                             "a path where it can be written") from None
 
 
 def require_plot(path: str | None) -> None:

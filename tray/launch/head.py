@@ -35,7 +35,16 @@ from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
 from tray.launch.ports import MASTER_ADDR, PortReservation
 from tray.launch.shm import mapped_collective_shm, record_shm, remove_shm
-from tray.launch.spawn import OutputPump, check_log_dir, ensure_fd_limit, open_log, rank_env, say, spawn_rank
+from tray.launch.spawn import (
+    OutputPump,
+    check_log_dir,
+    ensure_fd_limit,
+    ensure_proc_limit,
+    open_log,
+    rank_env,
+    say,
+    spawn_rank,
+)
 from tray.launch.spec import EXIT_HANDSHAKE, EXIT_USAGE, Failure, RankProcess, RankState, TrayResult, TraySpec
 from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fields, term_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
@@ -275,6 +284,7 @@ class Head:
     def _run(self) -> Path:
         """run() with the signals held; returns the job dir (removed by now)."""
         ensure_fd_limit(self.spec.nprocs)
+        ensure_proc_limit(self.spec.nprocs)
         if self.spec.log_dir:
             _check_log_dir(self.spec.log_dir, range(self.rank_base, self.rank_base + self.spec.nprocs))
         try:
@@ -1370,4 +1380,7 @@ def _bind_router(ctx: zmq.Context, endpoint: str, job: JobDir) -> zmq.Socket:
         why = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise SetupError(f"cannot bind the head's socket {endpoint}: {why}; free space or inodes in {job.root}, "
                          "or set TRAY_JOBS_ROOT to another directory") from None
+    except BaseException:
+        sock.close()  # an open socket would keep the context's term() at the teardown waiting for good
+        raise
     return sock

@@ -259,6 +259,19 @@ def _links_on_the_way(path: str) -> Iterator[tuple[str, str, os.stat_result]]:
         pending.extend(p for p in reversed(target.split("/")) if p)
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # bytes the file system encoding could not decode (os.fsdecode's surrogates)
+        return False
+    return True
+
+
+def _shown(path: Path) -> str:
+    """`path` printable whatever its bytes: those that are not UTF-8 as \\xNN."""
+    return os.fsencode(path).decode(errors="backslashreplace")
+
+
 # the kinds of locked directory under the jobs root: a tray's job dir, and a command's scratch dir (the files a
 # gate's or bench's ranks leave for it); the sweep removes either once no live process holds its lock
 KINDS = ("job", "scratch")
@@ -275,11 +288,18 @@ def make_job_dir(nprocs: int, root: Path | None = None, kind: str = "job") -> Jo
     try:
         sweep_stale(root_fd)
         name = f"{kind}-{os.getpid()}-{secrets.token_hex(4)}"
-        longest = max(len(str(path / name / f"rank-{nprocs - 1}.fds")), len(str(path / name / "head.sock")))
+        # NOTE: sun_path counts bytes (a character outside ASCII is several), and ZeroMQ takes its ipc:// address as
+        # UTF-8 text, so a name the file system holds in another encoding cannot be bound at all
+        longest = max(len(os.fsencode(path / name / f"rank-{nprocs - 1}.fds")),
+                      len(os.fsencode(path / name / "head.sock")))
         if kind == "job" and longest > MAX_SOCKET_PATH:
             raise SetupError(
-                f"socket paths under the jobs root {path} would be {longest} characters; UNIX sockets allow "
+                f"socket paths under the jobs root {path} would be {longest} bytes; UNIX sockets allow "
                 f"{MAX_SOCKET_PATH}: set TRAY_JOBS_ROOT to a shorter directory (e.g. /tmp/tray-{os.getuid()})")
+        if kind == "job" and not _utf8(str(path)):
+            raise SetupError(
+                f"the jobs root {_shown(path)} is not a UTF-8 path, and the head's socket (ZeroMQ) takes its "
+                f"address as UTF-8: set TRAY_JOBS_ROOT to a directory whose path is (e.g. /tmp/tray-{os.getuid()})")
         temp = f".new-{name}"
         try:
             os.mkdir(temp, 0o700, dir_fd=root_fd)

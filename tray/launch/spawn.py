@@ -58,6 +58,57 @@ def ensure_fd_limit(nprocs: int) -> None:
                          f"needs about {need} descriptors in its head: raise it, or run fewer ranks")
 
 
+# NOTE: threads count against the user's process limit (ulimit -u) as processes do: the head runs 4 threads (3 more
+# than when it checks), the watchdog 1, a rank 5 (measured on the host backend, 2 ranks), and ZeroMQ aborts a process
+# that cannot start one (not an error it can catch). The least a tray starts, so that no tray that could run is
+# refused (a rank's program may start more). Root is not held to the limit.
+_TASKS_PER_RANK = 5
+_TASKS_BASE = 4
+
+
+def ensure_proc_limit(nprocs: int) -> None:
+    """Raise SetupError naming the process limit (ulimit -u) when this user's processes and threads, with what a tray
+    of `nprocs` ranks starts, would be over it (counted only when the limit is near); raise the soft limit to the hard
+    one when that is enough."""
+    import resource
+
+    from tray.launch.jobdir import SetupError
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    uid = os.getuid()
+    need = _TASKS_BASE + _TASKS_PER_RANK * nprocs
+    if soft == resource.RLIM_INFINITY or uid == 0 or soft >= 4 * need + 4096:
+        return
+    used = _tasks_of(uid)
+    if used + need <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or used + need <= hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+            return
+        except (OSError, ValueError):
+            pass
+    raise SetupError(f"the process limit (ulimit -u) is {soft} (at most {hard}), and this user runs {used} processes "
+                     f"and threads now; a tray of {nprocs} ranks starts at least {need} more: raise it, or run fewer "
+                     "ranks")
+
+
+def _tasks_of(uid: int) -> int:
+    """The processes and threads whose real user is `uid` (what the process limit counts), as /proc shows them."""
+    used = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                used += int(fields["Threads"])
+        except (OSError, KeyError, ValueError, IndexError):
+            continue
+    return used
+
+
 def raise_fd_limit() -> None:
     """Raise this process's soft open-file limit to its hard one (a process that serves connections from outside)."""
     raise_fd_soft_limit()
@@ -71,8 +122,8 @@ def say(msg: str) -> None:
         try:
             sys.stderr.write(f"tray: {msg}\n")
             sys.stderr.flush()
-        except BrokenPipeError:
-            _reader_gone(sys.stderr)
+        except OSError as exc:
+            _reader_gone(sys.stderr, exc)
 
 
 def torchrun_env(rank: int, nprocs: int, master_port: int | None, run_id: str, *, local_rank: int | None = None,
@@ -213,6 +264,11 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
             hint = "the head ran out of file descriptors: raise the open-file limit (ulimit -n)"
         elif exc.errno == errno.EAGAIN:
             hint = "no more processes may start: raise the process limit (ulimit -u), or run fewer ranks"
+        elif exc.errno == errno.E2BIG:
+            extra = sum(len(k) + len(v) + 2 for k, v in env.items() if os.environ.get(k) != v)
+            hint = (f"the command line and environment are over the kernel's limit for a new program (ARG_MAX), and "
+                    f"a rank's environment has {extra} B more than this one (tray's and torchrun's variables): "
+                    "shorten the environment or the program's arguments")
         raise UsageError(f"cannot start rank {rank}: {program!r}: {exc.strerror}; {hint}") from None
     return RankProcess(rank=rank, popen=popen, t_spawn=t_spawn)
 
@@ -230,10 +286,10 @@ def process_started_at() -> float | None:
     return time.time() - max(0.0, age)
 
 
-def _reader_gone(dst: TextIO) -> None:
-    """The terminal stream `dst` lost its reader (`tray launch ... | head`): from now on what goes to it is
-    dropped (its fd points at /dev/null), said once on the other stream; the tray runs on, log files keep
-    every line. Called with `dst`'s lock held."""
+def _reader_gone(dst: TextIO, exc: OSError) -> None:
+    """The terminal stream `dst` lost its reader (`tray launch ... | head`), or cannot be written at all (`exc`:
+    a full disk, /dev/full): from now on what goes to it is dropped (its fd points at /dev/null), said once on
+    the other stream; the tray runs on, log files keep every line. Called with `dst`'s lock held."""
     try:
         null = os.open(os.devnull, os.O_WRONLY)
         try:
@@ -244,9 +300,9 @@ def _reader_gone(dst: TextIO) -> None:
         return
     other = sys.stderr if dst is sys.stdout else sys.stdout
     name = "stdout" if dst is sys.stdout else "stderr" if dst is sys.stderr else "a terminal stream"
+    why = "was closed by its reader" if isinstance(exc, BrokenPipeError) else f"cannot be written ({exc.strerror})"
     try:
-        other.write(f"tray: {name} was closed by its reader; the ranks' lines to it are dropped from now on "
-                    "(--log-dir keeps them)\n")
+        other.write(f"tray: {name} {why}; the ranks' lines to it are dropped from now on (--log-dir keeps them)\n")
         other.flush()
     except (BrokenPipeError, OSError, ValueError):
         pass
@@ -309,6 +365,7 @@ class OutputPump:
 
     def __init__(self, procs: list[RankProcess], routing: Routing) -> None:
         self._logs: list[TextIO] = []
+        self._log_dir = routing.log_dir
         self._sel = selectors.DefaultSelector()
         for proc in procs:
             log = None
@@ -341,7 +398,10 @@ class OutputPump:
                 self._finish(key.data)
             self._sel.close()
             for log in self._logs:
-                log.close()
+                try:
+                    log.close()
+                except OSError:  # what it still held could not be written: said when it failed
+                    pass
 
     def _read(self, s: _Stream) -> None:
         try:
@@ -409,10 +469,23 @@ class OutputPump:
                 try:
                     s.dst.write(f"[rank {s.proc.rank}] {line}\n")
                     s.dst.flush()
-                except BrokenPipeError:
-                    _reader_gone(s.dst)
+                except OSError as exc:
+                    _reader_gone(s.dst, exc)
         if s.log is not None:
-            s.log.write(f"{stamp()} {text}\n")
+            try:
+                s.log.write(f"{stamp()} {text}\n")
+            except OSError as exc:
+                self._log_failed(s, exc)
+
+    def _log_failed(self, s: _Stream, exc: OSError) -> None:
+        """A rank's log file cannot be written (its disk is full): said once; its lines are no longer kept there
+        (the terminal still gets those it would), and the tray runs on."""
+        log = s.log
+        for other in [s] + [key.data for key in self._sel.get_map().values()]:
+            if other.log is log:
+                other.log = None
+        say(f"{log_path(self._log_dir, s.proc.rank)}: {exc.strerror}; rank {s.proc.rank}'s lines are no longer "
+            "kept in it")
 
     def stop(self, drain_s: float) -> None:
         """Read for at most `drain_s` more seconds (until every stream ended), then stop and return."""

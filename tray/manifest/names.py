@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import stat
 from pathlib import Path
 
 from tray.errors import UsageError
@@ -33,6 +35,10 @@ def resolve_manifest(arg: str) -> str:
     ("ep_moe" or "ep_moe.json"). Raises UsageError listing the built-ins (with a did-you-mean)."""
     if Path(arg).is_file():
         return arg
+    kind = _not_a_file(arg)
+    if kind:
+        raise UsageError(f"manifest {arg!r} is {kind}, not a regular file: every rank reads the manifest by its path "
+                         "(a pipe gives its text once, to one reader); save it to a file and pass that")
     known = builtin_manifests()
     stem = arg[:-5] if arg.endswith(".json") else arg
     if "/" not in stem and stem in known:
@@ -50,6 +56,22 @@ def resolve_manifest(arg: str) -> str:
     listing = ", ".join(known) or "none"
     raise UsageError(f"no manifest file {arg!r} and no built-in manifest of that name{hint} "
                      f"(built-in: {listing}; `tray inspect --list` describes them)")
+
+
+def _not_a_file(arg: str) -> str:
+    """What `arg` names when it is a pipe, socket or device ("a FIFO (a pipe)", ...); "" otherwise (a directory
+    of a built-in's name does not hide the built-in)."""
+    try:
+        mode = os.stat(arg).st_mode
+    except (OSError, ValueError):
+        return ""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (a pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return ""
 
 
 def format_builtins() -> str:

@@ -156,6 +156,8 @@ def _allocate(parts: Parts, backend: Backend, joiner: collectives.Joiner, groups
     parts.spanning = {g.name for g in groups.values() if spans_nodes(g.members, local)}
     buffers = parts.buffers = {}
     largest = max((b.nbytes for b in parts.resolved.buffers), default=0)
+    # a host buffer holds its memfd open for the rank's life, exported or not: room for them before the first
+    raise_fd_soft_limit(_FDS_BASE + 2 * len(parts.resolved.buffers))
     for b in parts.resolved.buffers:
         buffers[b.name] = backend.allocate(b.name, b.nbytes, b.export)
     for g in groups.values():
@@ -250,8 +252,11 @@ def _offer(parts: Parts, backend: Backend, host: str, join_info: dict[str, bytes
 
 
 def _manifest_path(manifest: Manifest) -> str:
-    """Where the rank's manifest came from, absolute; "" for the built-in default (not a file)."""
-    return "" if manifest.path == BUILTIN_PATH else os.path.abspath(manifest.path)
+    """Where the rank's manifest came from, absolute; "" for the built-in default (not a file). The wire carries
+    UTF-8 text: a path's other bytes go as \\xNN (it still names the file to a reader)."""
+    if manifest.path == BUILTIN_PATH:
+        return ""
+    return os.fsencode(os.path.abspath(manifest.path)).decode(errors="backslashreplace")
 
 
 def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: float) -> None:

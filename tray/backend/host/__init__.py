@@ -7,6 +7,7 @@ the same epoch protocol as the GPU kernel, polled from Python.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import inspect
 import mmap
@@ -112,7 +113,17 @@ class HostBuffer(DeviceBuffer):
         self.nbytes = nbytes
         self.export = export
         self.mapped_nbytes = _round_up(nbytes, PAGE_NBYTES)
-        self.fd = os.memfd_create(f"tray:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            self.fd = os.memfd_create(f"tray:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            raise DeviceError(f"memfd_create(buffer {name!r}): {exc.strerror}: this rank's open-file limit is {soft} "
+                              f"(at most {hard}), and every host buffer holds a descriptor; raise it (ulimit -n) or "
+                              "declare fewer buffers") from None
         try:
             os.ftruncate(self.fd, self.mapped_nbytes)
             # sized once for good: no peer (nor this rank) can shrink what others map
