@@ -205,6 +205,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from tray.weights.loader import check_bind
     from tray.weights.safetensors import SafetensorsHeader
 
+    if args.nprocs is not None and args.nprocs < 1:
+        raise UsageError(f"tray inspect -n {args.nprocs}: the number of ranks to resolve the manifest for is 1 or more")
     manifest = load_manifest(resolve_manifest(args.manifest))
     headers: dict[str, SafetensorsHeader] = {}  # each file's header read once for every rank and buffer
     print(format_inspect(manifest, args.nprocs, dict(_parse_vars(args.var)),
@@ -487,6 +489,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
         for add_bench_parser in bench_parsers():
             add_bench_parser(benches)
+        benches.metavar = "{" + ",".join(benches.choices) + "}"  # a missing one is named by the benches there are
 
     p = sub.add_parser("doctor", help="what this machine's GPUs can do")
     p.add_argument("--json", action="store_true", help="the report as JSON")

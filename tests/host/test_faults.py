@@ -1039,3 +1039,17 @@ def test_a_killed_head_leaves_a_tray_its_rank_launched_to_that_trays_watchdog(tr
         time.sleep(600)
     """)
     _kill_head_then_check_gone(tray_env, cmd, "inner-up", 2, wait_s=8)
+
+
+def test_a_rank_that_exited_0_is_said_gone_not_dead_in_a_barriers_verdict(tray_env):
+    """The rank a barrier missed had ended well (exit 0, its tray never closed): the verdict's note says it is gone,
+    not "dead"."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        if rank.rank == 1:
+            os._exit(0)
+        rank.barrier(timeout_s=1.5)
+    """, timeout_s=60)
+    assert run.returncode == 1, run.output
+    assert re.search(r"rank 1 exited with code 0 \(last phase: \w+\): gone, not slow", run.stderr), run.stderr
+    assert "dead, not slow" not in run.stderr, run.stderr

@@ -210,6 +210,9 @@ def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
     (["bench", "ep-moe", "--tokenz", "3"], "tray bench ep-moe: unrecognized arguments: --tokenz (did you mean "
                                           "--tokens?) 3 (`tray bench ep-moe --help` lists the options)"),
     ([], "tray: UsageError: tray: the following arguments are required"),
+    (["bench"], "tray: UsageError: tray bench: the following arguments are required: {ep-moe,tp,park}"),
+    (["inspect", "ep_moe", "-n", "0"], "tray: UsageError: tray inspect -n 0: the number of ranks to resolve the "
+                                       "manifest for is 1 or more"),
 ])
 def test_other_commands_refuse_bad_options_in_one_line(capsys, argv, message):
     try:

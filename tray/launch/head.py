@@ -1097,6 +1097,8 @@ class Head:
         code = p.popen.poll()
         if code is not None:
             how = _how_it_ended(code)
+            if code == 0:
+                return f"rank {p.rank} {how} (last phase: {p.phase}): gone, not slow"
             return f"rank {p.rank} {how} (last phase: {p.phase}): dead, not slow"
         if p.last_heartbeat is None:
             return f"rank {p.rank} is alive but never reached the head (last phase: {self._phase_of(p)})"

@@ -443,7 +443,7 @@ def _print_once(reported: BaseException, rank: int) -> None:
     def hook(kind, value, tb) -> None:
         if value is reported:
             first = str(value).splitlines()[0] if str(value) else ""
-            print(f"rank {rank}: {kind.__name__}: {first} (reported to the head, which prints its traceback)",
+            print(f"rank {rank}: {kind.__name__}: {first} (reported to the head, which says it first)",
                   file=sys.stderr, flush=True)
         else:
             previous(kind, value, tb)
