@@ -274,6 +274,33 @@ def test_a_root_head_that_was_stopped_says_so_of_itself(tray_env):
     assert "lost: no heartbeat" not in runs[0].stderr, runs[0].output
 
 
+def test_a_head_stopped_after_its_node_was_done_ends_with_the_job(tray_env):
+    """Node 1's head SIGSTOPped past its heartbeat timeout once its ranks ended (its node done): the job ends while it
+    is stopped, and once continued it reads the job's end the root sent and exits 0, instead of failing as a node the
+    others counted lost."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+    if rank.rank < 2:
+        time.sleep(2)   # node 0's ranks end later: the root ends the job while node 1's head is stopped
+    else:
+        open(f"done-{rank.rank}", "w").close()
+    """
+    procs = start_job(tray_env, body, node_args={1: ("--node-heartbeat-timeout-s", "1")})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(tray_env.tmp.glob("done-*"))) < 2:
+        time.sleep(0.05)
+    time.sleep(0.5)   # node 1's head sees its ranks' exits and tells the root
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    try:
+        node0 = finish([procs[0]], timeout_s=20)[0]
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    node1 = finish([procs[1]], timeout_s=20)[0]
+    assert node0.returncode == 0, node0.output
+    assert node1.returncode == 0, node1.output
+
+
 @pytest.mark.parametrize("victim, sig", [(1, signal.SIGINT), (0, signal.SIGTERM)])
 def test_an_interrupted_head_stops_the_job_at_once_naming_itself(tray_env, victim, sig):
     """Ctrl-C (or SIGTERM) to one node's head: it exits 130, and the other head hears it as the job's root cause
@@ -320,6 +347,23 @@ def test_a_node_whose_ranks_never_join_is_named_within_the_timeout(tray_env):
     assert all(run.seconds < 20 for run in runs), [r.seconds for r in runs]
 
 
+def test_ranks_that_waited_for_a_slower_node_to_offer_are_not_blamed_for_it(tray_env):
+    """Node 1 offers after node 0's --timeout-s from its spawn has passed (its ranks start later, as on a node started
+    later, within its own deadline): node 0's ranks, offered long before and waiting for the table, then join within
+    moments; the time they waited for node 1 is not theirs to answer for, so the job runs, instead of failing at the
+    table's arrival with 'rank 0 did not report ready within 3 s of the spawn'."""
+    body = """
+    if os.environ["GROUP_RANK"] == "1":
+        time.sleep(5)
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    runs = finish(start_job(tray_env, body, node_args={0: ("--timeout-s", "3"), 1: ("--timeout-s", "60")}),
+                  timeout_s=40)
+    for run in runs:
+        assert run.returncode == 0, run.output
+
+
 def test_a_root_host_that_does_not_resolve_is_one_line_not_a_hang(tray_env):
     env = tray_env.env()
     env["TRAY_JOB_TOKEN"] = TOKEN
@@ -331,6 +375,28 @@ def test_a_root_host_that_does_not_resolve_is_one_line_not_a_hang(tray_env):
     assert "the root's host 'nosuchhost.invalid' (from --rdzv-endpoint or --master-addr) did not resolve within " \
         "3 s (--timeout-s)" in run.stderr and 3 <= run.seconds < 20, run.output
     assert "does not resolve yet" in run.stderr, run.output
+
+
+def test_a_second_node_0_on_the_roots_host_is_told_node_rank_0_may_be_given_twice(tray_env):
+    """A second head given --node-rank 0 on the host where node 0's root already listens cannot bind the root's port:
+    the error names that cause beside another program on the port, not only a port to change."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    port = free_port()
+    first = start_job(tray_env, body, "--timeout-s", "4", nodes=(0,), port=port)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    second = finish(start_job(tray_env, body, "--timeout-s", "4", nodes=(0,), port=port), timeout_s=30)[0]
+    finish(first, timeout_s=30)
+    assert second.returncode == 2, second.output
+    assert f"the root's port {port} is in use on this machine, by another program or the head of another node 0 " \
+        "(--node-rank 0 given twice here?)" in second.stderr, second.output
 
 
 def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
@@ -355,6 +421,22 @@ def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
     assert "a head started with another TRAY_JOB_TOKEN?" in cause, runs[0].output
     failed = re.search(r"; (\d+) connections? failed the CURVE handshake", cause)
     assert failed and TOKEN_FAILURES <= int(failed.group(1)) <= TOKEN_FAILURES + 1, cause
+
+
+def test_a_root_port_another_program_listens_on_is_named_by_the_node_dialling_it(tray_env):
+    """Node 1 dials the root's port, where another program accepts TCP connections and says nothing (node 0's head
+    fails there: the port is in use): node 1 says its port answered but nothing finished the handshake, not that the
+    root could not be reached (not started, a wrong address, a firewall)."""
+    port = free_port()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen(8)
+        run = finish(start_job(tray_env, "tray.init()\n", "--timeout-s", "3", nodes=(1,), port=port),
+                     timeout_s=30)[0]
+    assert run.returncode == 3, run.output
+    cause = _root_cause(run)
+    assert "did not answer within 3 s (--timeout-s): its port accepted a TCP connection" in cause, run.output
+    assert "another program listens on that port" in cause, run.output
 
 
 def test_a_stranger_dialling_the_root_during_the_join_does_not_stop_the_job(tray_env):
@@ -535,6 +617,20 @@ def test_nodes_launched_with_different_vars_are_refused_naming_them(tray_env):
     assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
     assert "--var count=128, node 0 has --var count=64; launch every node with the same --var values" in \
         _root_cause(runs[1]), runs[1].output
+
+
+def test_a_node_of_another_rendezvous_id_is_named_when_the_join_times_out(tray_env):
+    """Node 1 started with another --rdzv-id is refused (it may be another job's head sharing the endpoint and token),
+    and when the join times out the root says so of node 1, not that it was not started or could not reach it."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    runs = finish(start_job(tray_env, body, "--timeout-s", "3", node_args={1: ("--rdzv-id", "other")}), timeout_s=30)
+    assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
+    cause = _root_cause(runs[0])
+    assert "node(s) 1 did not join the root" in cause and "not started" not in cause, runs[0].output
+    assert "refused: node 1 (" in cause and "rendezvous id 'other', the root's is 'test'" in cause, runs[0].output
 
 
 def test_a_node_rank_given_twice_is_refused_by_name(tray_env):

@@ -454,6 +454,11 @@ class Head:
         """Whether the handshake deadline names this head's ranks (not when they wait on the job's root)."""
         return True
 
+    def _waited_on_root_s(self) -> float:
+        """How long this head's ranks, every one offered, waited on the job's root for the table: not counted against
+        their handshake deadline (none on one host)."""
+        return 0.0
+
     def _after_loop(self) -> None:
         """After the loop, before the teardown."""
 
@@ -923,6 +928,7 @@ class Head:
         if self.t_first_contact is None and (self.offers or any(p.last_heartbeat is not None for p in self.procs)):
             self.t_first_contact = now
         clock = self.t_first_contact if self._deadline_from_first_contact() else self.t_start
+        waited = self._waited_on_root_s()
         if not self.t_go and clock is None and now - self.t_start > timeout_s:
             # no rank called tray.init(): a program that does not use the tray (a torch program, say) runs on, as
             # under torchrun, its ranks' exits still watched; said once, in case they are stuck before tray.init()
@@ -930,12 +936,14 @@ class Head:
                 self._no_contact_said = True
                 _say(f"no rank has called tray.init() {timeout_s:.0f} s after the spawn (--timeout-s): supervising "
                      "them as a plain launcher until one does (a rank's exit still ends the tray; Ctrl-C stops it)")
-        elif not self.t_go and clock is not None and now - clock > timeout_s and self._handshake_is_ours():
+        elif not self.t_go and clock is not None and now - clock - waited > timeout_s and self._handshake_is_ours():
             # the deadline runs from the first rank's contact: once one joins, every rank must, within --timeout-s
             missing = [p for p in self.procs if p.rank not in self.offers] or \
                       [p for p in self.procs if p.rank not in self.ready]
             what = "offer" if len(self.offers) < self.spec.nprocs else "report ready"
             since = "the first rank's contact" if self._deadline_from_first_contact() else "the spawn"
+            if waited:
+                since += f", not counting the {waited:.1f} s this node waited for the other nodes' offers"
             names = "; ".join(f"rank {p.rank} did not {what} within {timeout_s:.0f} s of {since} "
                               f"(--timeout-s; process {self._liveness(p)}, last phase: {self._phase_of(p)})"
                               for p in missing)

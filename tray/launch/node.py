@@ -46,6 +46,8 @@ HELD_SAID_AFTER_S = 0.1
 HELD_SAID_MAX = 64  # held votes told the root in one NodeHeld, at most
 # after a failure, node 0 keeps the root up this long for nodes not joined yet, to tell them the root cause
 LATE_TELL_S = 5.0
+# a head that finds the root silent reads what the link still delivers for this long first (sent while it was stopped)
+CATCH_UP_S = 0.2
 
 
 class NodeLink:
@@ -62,11 +64,12 @@ class NodeLink:
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CONNECTED)
         self.sock.connect(f"tcp://{job.root_host}:{job.root_port}")
         self.t_start = time.monotonic()
         self.last_heard: float | None = None
         self.refused = False
+        self.connected = False  # a TCP connection to the root's port was made (whatever answers there)
         self._closed_handshakes = 0  # handshakes the peer closed unanswered
         self._seq = 0
         self._last_beat = 0.0
@@ -100,6 +103,8 @@ class NodeLink:
         count as a refusal."""
         while not self.refused and self.monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
             if event not in FAILED_HANDSHAKE:
                 continue
             if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
@@ -143,6 +148,11 @@ class NodeLink:
             return (f"{where} refused this node's CURVE handshake: TRAY_JOB_TOKEN differs from node 0's (every node "
                     "needs the same token), or something else listens on that port")
         if self.last_heard is None:
+            if now - self.t_start > self.connect_timeout_s and self.connected:
+                return (f"{where} did not answer within {self.connect_timeout_s:.0f} s (--timeout-s): its port "
+                        "accepted a TCP connection, but nothing there finished ZeroMQ's handshake: another program "
+                        "listens on that port (node 0's head then fails saying the port is in use; give every node "
+                        "another with --rdzv-endpoint HOST:PORT), or node 0's head is stopped")
             if now - self.t_start > self.connect_timeout_s:
                 return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (--timeout-s; node 0 not "
                         f"started or given up already, a wrong root address (from {host_source(self.job.source)}), "
@@ -191,6 +201,8 @@ class NodeHead(Head):
         self.done_sent = False
         self._rank_sock: zmq.Socket | None = None
         self._root_lost = False  # no verdict can come: the root refused this node, or is gone
+        self._t_offered: float | None = None  # when this node's offers went to the root (monotonic)
+        self._table_wait_s = 0.0  # how long they waited there for the other nodes' (the table)
         self._interrupt_told = False
 
     # --- hooks of Head ---------------------------------------------------------------------------
@@ -233,6 +245,8 @@ class NodeHead(Head):
         assert self.link is not None
         # NOTE: the link first: after a pause of this head (SIGSTOP), the root's tick would count the other nodes lost
         lost = self.link.tick()
+        if lost is not None and not self.job.is_root and self._root_said_meanwhile():
+            return  # the job ended, or the root's verdict came, while this head did not run: that stands
         if self.root is not None and lost is None:
             self.root.tick()
         if lost is None:
@@ -245,6 +259,18 @@ class NodeHead(Head):
         if not self.done_sent and self.procs and all(p.returncode == 0 for p in self.procs):
             self.done_sent = True
             self.link.send(jobwire.NodeDone(token=self.job.token, node_rank=self.job.node_rank))
+
+    def _root_said_meanwhile(self) -> bool:
+        """Whether the job's end or the root's verdict is here, reading what the link delivers within CATCH_UP_S: a
+        head stopped past the heartbeat timeout finds the root silent for that long, while the root sent it JobEnd
+        (this node was done) or JobStop before it went quiet."""
+        assert self.link is not None
+        deadline = time.monotonic() + CATCH_UP_S
+        while not (self.job_end or self.job_stop is not None or self.link.closed) and \
+                self.link.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+            for msg in self.link.receive():
+                self._on_job_message(msg)
+        return self.job_end or self.job_stop is not None
 
     def _finished(self) -> bool:
         return self.job_end
@@ -276,8 +302,12 @@ class NodeHead(Head):
         waiting_on_root = (len(self.offers) == n and self.t_table is None) or (len(self.ready) == n and not self.t_go)
         return not waiting_on_root
 
+    def _waited_on_root_s(self) -> float:
+        return self._table_wait_s
+
     def _offers_complete(self, sock: zmq.Socket) -> None:
         assert self.link is not None
+        self._t_offered = time.monotonic()
         offers = tuple(self.offers[p.rank] for p in self.procs)
         self.link.send(jobwire.NodeOffers(token=self.job.token, node_rank=self.job.node_rank, offers=offers))
 
@@ -467,6 +497,8 @@ class NodeHead(Head):
         assert sock is not None
         if isinstance(msg, jobwire.JobTable):
             self.t_table = time.time()
+            if self._t_offered is not None:  # a node slower to offer is not this node's ranks' to answer for
+                self._table_wait_s = time.monotonic() - self._t_offered
             table = wire.Table(token=self.token,
                                offers=tuple(dataclasses.replace(o, token=self.token) for o in msg.offers))
             for p in self.procs:

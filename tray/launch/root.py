@@ -155,6 +155,7 @@ class Root:
         # votes held at their node's head in tray-wide steps (NodeHeld): node -> step -> rank -> until when it waits
         self.held: dict[int, dict[tuple[str, int], dict[int, float]]] = {}
         self.told: set[int] = set()  # node ranks refused at their join, told why (not waited for after a stop)
+        self.strangers: dict[int, str] = {}  # node rank -> why a head of another job that gave it was refused (last)
         self._voters: dict[str, tuple[int, ...] | None] = {}  # step_voters by topic, for the crossed-steps check
         self._crossed_due = False  # votes came since the last crossed-steps check
         self._crossed_at = 0.0
@@ -200,8 +201,10 @@ class Root:
         except zmq.ZMQError as exc:
             self.close()
             if exc.errno == errno.EADDRINUSE:
-                raise UsageError(f"the root's port {job.root_port} is in use on this machine; give another with "
-                                 "--rdzv-endpoint HOST:PORT (the same on every node)") from None
+                raise UsageError(f"the root's port {job.root_port} is in use on this machine, by another program or "
+                                 "the head of another node 0 (--node-rank 0 given twice here?); give each node its own "
+                                 "--node-rank, or another port with --rdzv-endpoint HOST:PORT (the same on every node)"
+                                 ) from None
             raise UsageError(f"node 0 cannot listen on {self.endpoint} ({job.root_host}): {exc.strerror}; run node 0 "
                              "on the host the endpoint names") from None
 
@@ -331,6 +334,8 @@ class Root:
             if join.rdzv_id != self.job.rdzv_id or len(self.nodes) == self.nnodes:
                 # a head of another job, or any head once every node is in: not this job's to fail; only it is told
                 say(f"root: refused {summary}")
+                if join.node_rank not in self.nodes:
+                    self.strangers[join.node_rank] = summary
                 self._send(ident, jobwire.JobStop.bounded(token=self.token, node_rank=join.node_rank, rank=-1,
                                                           summary=summary, report="", tail=(),
                                                           exit_code=EXIT_HANDSHAKE))
@@ -555,6 +560,8 @@ class Root:
             elif self.handshake_failures:
                 why = (f"{self._failed_handshakes(self.handshake_failures)}: a head that stopped while connecting, "
                        "or one started with another TRAY_JOB_TOKEN")
+            elif refused := [self.strangers[n] for n in self.missing_nodes() if n in self.strangers]:
+                why = f"refused: {'; '.join(refused)}"
             else:
                 why = f"not started, a wrong root address (from {host_source(self.job.source)}), or a firewall"
             self._stop(None, -1, f"{late}; {why}", exit_code=EXIT_HANDSHAKE)
