@@ -128,6 +128,8 @@ class Plan:
             try:
                 step()
             except UsageError as exc:
+                if type(exc) is not UsageError:  # a kind of its own (CompileError, ...) stays as it is
+                    raise
                 what = self.ops[i] if i < len(self.ops) else f"op {i}"
                 raise UsageError(f"{self.title or 'program ' + repr(self.program)}, op {i} ({what}): {exc}") from None
 
