@@ -153,6 +153,21 @@ def test_rank_env_describes_the_job():
     assert TOKEN not in env.values()  # the job token never reaches a rank
 
 
+def test_torchruns_per_worker_variables_of_the_head_never_reach_a_rank(monkeypatch, tmp_path):
+    """torchrun gives each worker its own TORCHELASTIC_ERROR_FILE and says whether an agent hosts the store; a head
+    started where an outer launcher set them must not hand them down: every rank's @record would write one file
+    (the last writer, not the root cause, wins) and every rank would wait for a store nobody hosts."""
+    from tray.launch.spawn import rank_env
+    from tray.launch.spec import TraySpec
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    env = rank_env(TraySpec(nprocs=2, cmd=("true",)), 1, job_dir=tmp_path, endpoint="ipc://x", token="t",
+                   manifest="", t_spawn=0.0)
+    assert "TORCHELASTIC_ERROR_FILE" not in env and "TORCHELASTIC_USE_AGENT_STORE" not in env
+    assert env["RANK"] == "1" and env["TORCHELASTIC_RUN_ID"]
+
+
 def test_keys_are_deterministic_per_token():
     a, b, c = job_keys(TOKEN), job_keys(TOKEN), job_keys(TOKEN + "x")
     assert a == b and a.server_public != c.server_public and a.client_public != c.client_public

@@ -126,6 +126,11 @@ def say(msg: str) -> None:
             _reader_gone(sys.stderr, exc)
 
 
+# torchrun sets these per worker, overriding the launcher's own; ranks here get neither (docs/cli.md): one inherited
+# would send every rank's @record traceback to one file, or make every rank a client of a store nobody hosts
+TORCHRUN_PER_WORKER = ("TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE")
+
+
 def torchrun_env(rank: int, nprocs: int, master_port: int | None, run_id: str, *, local_rank: int | None = None,
                  local_world_size: int | None = None, group_rank: int = 0, group_world_size: int = 1,
                  master_addr: str = MASTER_ADDR) -> dict[str, str]:
@@ -158,6 +163,8 @@ def rank_env(spec: TraySpec, rank: int, *, job_dir: Path, endpoint: str, token: 
     env = dict(os.environ)
     env.pop("TRAY_JOB_TOKEN", None)  # the job's secret is for the heads only; a rank never needs it
     env.pop(IDS_ENV, None)  # only this head says whether its ranks join early (a tray launched from a rank)
+    for key in TORCHRUN_PER_WORKER:  # an outer torchrun's (or scheduler's) for this process, not for its ranks
+        env.pop(key, None)
     env.update(dict(spec.extra_env))
     env.update({
         "TRAY_RANK": str(rank),
