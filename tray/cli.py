@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -566,7 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.close(devnull)
         return 128 + signal.SIGPIPE
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or exc.filename is not None:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or exc.filename is not None \
+                or not _stdout_full(exc):
             raise
         # the command's output met a full disk (`tray inspect M > /dev/full`): one line instead of a traceback; stdout
         # pointed at /dev/null so the interpreter's last flush does not raise again
@@ -627,6 +629,29 @@ def _open_closed_stdio() -> None:
             os.close(null)
         if getattr(sys, name) is None:
             setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+
+
+def _stdout_full(exc: OSError) -> bool:
+    """Whether stdout is what `exc` (no room: ENOSPC, EDQUOT, EFBIG, no file named) could have come from: /dev/full,
+    or a file that takes no more (its file system full, a quota, the file size limit); not a pipe or a terminal, nor a
+    file with room (another file the command wrote, a bench's work dir on a full disk, say)."""
+    import resource
+
+    try:
+        fd = sys.stdout.fileno()
+        st = os.fstat(fd)
+        if stat.S_ISCHR(st.st_mode):
+            return st.st_rdev == os.makedev(1, 7)  # /dev/full
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if exc.errno == errno.ENOSPC:
+            return os.fstatvfs(fd).f_bavail == 0
+        if exc.errno == errno.EFBIG:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            return limit != resource.RLIM_INFINITY and st.st_size >= limit
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _shadowed_dependency() -> str:

@@ -694,7 +694,7 @@ with tray.init() as rank:
 
 def test_a_twin_past_its_buffer_names_the_program_its_vars_and_the_op(tray_env):
     """vars given to run() that make a kernel write past its buffer: the error says which program, with which vars,
-    and which op, eager and captured (it named only the twin's address)."""
+    and which op, eager and captured, on the rank's stream or a caller's (it named only the twin's address)."""
     import json
 
     kernels = tray_env.tmp / "kernels"
@@ -718,20 +718,22 @@ def fill(backend, grid, block, y_ptr, count):
 
 with tray.init() as rank:
     for program in ("go", "cap"):
-        rank.run(program)
-        rank.run(program, vars={"count": 48})
-        try:
-            rank.run(program, vars={"count": 300})
-        except UsageError as exc:
-            print(f"rank {rank.rank}: {exc}")
-        else:
-            raise SystemExit("no error")
+        for stream in (None, 0):
+            rank.run(program, stream=stream)
+            rank.run(program, vars={"count": 48}, stream=stream)
+            try:
+                rank.run(program, vars={"count": 300}, stream=stream)
+            except UsageError as exc:
+                print(f"rank {rank.rank} (stream {stream}): {exc}")
+            else:
+                raise SystemExit("no error")
 """
     run = tray_env.launch(2, body, "--manifest", str(manifest))
     assert run.returncode == 0, run.output
     for program in ("go", "cap"):
-        assert f"rank 0: program '{program}' (count=300), op 1 (launch fill): a kernel twin reaches " \
-            "1200 B at 0x" in run.stdout, run.stdout
+        for stream in (None, 0):
+            assert f"rank 0 (stream {stream}): program '{program}' (count=300), op 1 (launch fill): a kernel twin " \
+                "reaches 1200 B at 0x" in run.stdout, run.stdout
 
 
 def test_a_twin_past_a_peers_buffer_is_an_error_naming_it(tray_env):
@@ -880,6 +882,21 @@ def test_a_tray_init_called_with_a_bad_timeout_is_a_usage_error_in_one_line(tray
     assert re.search(r"FAILED: rank [01] reported UsageError: tray\.init\(timeout_s=0\): a number of seconds > 0$",
                      run.stderr, re.M), run.stderr
     assert "Traceback" not in run.stderr and "exited with code 1" not in run.stderr, run.stderr
+    run = tray_env.launch(2, """
+    from tray.errors import UsageError
+    try:
+        tray.init(timeout_s=0)
+    except UsageError:
+        pass
+    with tray.init() as rank:
+        rank.barrier(timeout_s=30)
+        if rank.rank == 1:
+            os._exit(5)
+        time.sleep(30)
+    """)  # refused, then called right: a later death of the rank is its own, not that usage error
+    assert run.returncode == 1, run.output
+    assert re.search(r"FAILED: rank 1 \(pid \d+\) exited with code 5", run.stderr), run.stderr
+    assert "timeout_s=0" not in run.stderr, run.stderr
 
 
 def test_what_a_closed_rank_and_bad_exchange_values_say(tray_env):

@@ -304,6 +304,13 @@ def test_a_manifest_whose_path_is_not_utf8_runs(tray_env, tmp_path):
     """, "-q", "--manifest", str(path))
     assert run.returncode == 0, run.output
     assert "ran 0 (16,)" in run.stdout and "ran 1 (16,)" in run.stdout, run.output
+    run = tray_env.launch(2, f"""
+    with tray.init(manifest=os.fsdecode({os.fsencode(path)!r})) as rank:
+        rank.barrier()
+        print("took", rank.rank, rank.buffer("x").shape, flush=True)
+    """, "-q")  # given by tray.init() alone: the head takes it from the offers' path
+    assert run.returncode == 0, run.output
+    assert "took 0 (16,)" in run.stdout and "took 1 (16,)" in run.stdout, run.output
 
 
 def test_write_refuses_data_of_another_dtype_and_a_clean_sys_exit_code_is_named(tray_env):

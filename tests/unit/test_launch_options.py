@@ -484,6 +484,23 @@ def test_output_to_a_full_disk_is_one_line(tmp_path):
         write_report({"command": "x", "environment": {}}, "/dev/full")
 
 
+def test_a_full_disk_that_is_not_the_output_is_not_said_as_the_output(tmp_path):
+    """A file the command writes (a bench's config in its work dir) on a full disk, stdout a pipe with room: the
+    error as raised, naming where, not "what it printed to stdout is lost"."""
+    import subprocess
+    import sys
+
+    code = ("import errno, sys\nfrom tray import cli\n"
+            "def full(args):\n    print('the output')\n"
+            "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "cli.cmd_inspect = full\nsys.exit(cli.main(['inspect', 'peer_fill']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == "the output\n", proc.stdout
+    assert "cannot write the command's output" not in proc.stderr, proc.stderr
+    assert proc.stderr.rstrip().endswith("OSError: [Errno 28] No space left on device"), proc.stderr
+
+
 def test_the_programs_arguments_that_are_prefixes_of_two_spelled_options_go_to_it():
     """Every launch option has two spellings (--barrier-timeout-s, --barrier_timeout_s); a prefix of both is one
     option, not an ambiguous one: after the program it is the program's (as torchrun passes `--bar`), before it

@@ -183,6 +183,9 @@ def test_a_tensor_of_fewer_dims_fills_whole_rows_only(tmp_path, backend):
     rows = target(backend, "f", "f32", (3, 4), {"file": "c.safetensors", "tensors": ["flat"]})
     load_targets(backend, [rows], str(tmp_path / "m.json"))  # a flat tensor of whole rows
     assert read(backend, rows, np.float32).ravel().tolist() == list(range(12))
+    one_row = target(backend, "q", "f32", (1, 12), {"file": "c.safetensors", "tensors": ["bias0", "bias1", "bias0"]})
+    load_targets(backend, [one_row], str(tmp_path / "m.json"))  # one row of fused pieces (q, k, v biases)
+    assert read(backend, one_row, np.float32).ravel().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
     for shape, names, bad in (((3, 4), ["odd", "odd"], "odd"), ((2, 4), ["two", "odd"], "two")):
         t = target(backend, "w", "f32", shape, {"file": "c.safetensors", "tensors": names})
         with pytest.raises(CheckpointError, match=rf"tensor '{bad}' has shape \[\d\]; buffer 'w' .* only as whole "

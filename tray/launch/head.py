@@ -638,7 +638,8 @@ class Head:
         if len(digests) != 1 or not paths or self.manifest.digest in digests:
             return ""
         (digest,) = digests
-        for path in paths:  # one file, or copies of it (a link, another checkout): the digest says they agree
+        for offered in paths:  # one file, or copies of it (a link, another checkout): the digest says they agree
+            path = offered if os.path.isfile(offered) else _offered_path(offered)
             if not os.path.isabs(path) or not os.path.isfile(path):
                 continue  # a rank's offer names it: never a FIFO or a device, whose read would never end
             try:
@@ -752,11 +753,11 @@ class Head:
         """The failure of rank `p` that ended with status `code` (non-zero), its error file's report if it left
         one."""
         how = _how_it_ended(code)
-        said = self._error_said(self._job_path, p.rank) if self._job_path is not None else None
+        said = self._error_said(self._job_path, p) if self._job_path is not None else None
         if said is not None:  # a tray.init() called wrongly, said before its first message: the user's input
             return Failure(p.rank, f"rank {p.rank} reported {said}", tail=tuple(p.tail), notes=notes,
                            exit_code=EXIT_USAGE)
-        report = self._error_file(self._job_path, p.rank) if self._job_path is not None else ""
+        report = self._error_file(self._job_path, p) if self._job_path is not None else ""
         return Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
                        report=report, tail=tuple(p.tail), notes=notes)
 
@@ -880,10 +881,10 @@ class Head:
                     "steps)")
         return p.phase
 
-    def _error_said(self, job_dir: Path, rank: int) -> str | None:
+    def _error_said(self, job_dir: Path, p: RankProcess) -> str | None:
         """`Type: message` of the error file of a rank that failed with a ManifestError, or a UsageError while it
         started its tray; None otherwise (no such file, or another error)."""
-        data = self._error_data(job_dir, rank)
+        data = self._error_data(job_dir, p)
         if data is None:
             return None
         kind, phase = data.get("error_type"), data.get("phase")
@@ -892,19 +893,20 @@ class Head:
             return f"{kind}: {data.get('message')}"
         return None
 
-    def _error_file(self, job_dir: Path, rank: int) -> str:
+    def _error_file(self, job_dir: Path, p: RankProcess) -> str:
         """What the failing rank wrote to its error file, or "" where there is none to read (`_error_data`)."""
-        data = self._error_data(job_dir, rank)
+        data = self._error_data(job_dir, p)
         if data is None:
             return ""
         return f"{data.get('error_type')}: {data.get('message')}\n{data.get('traceback', '')}"
 
-    def _error_data(self, job_dir: Path, rank: int) -> dict[str, Any] | None:
+    def _error_data(self, job_dir: Path, p: RankProcess) -> dict[str, Any] | None:
         """The failing rank's error file as a JSON object, or None where there is none to read: not through a link,
         not from what is not a regular file (a FIFO planted there would block the head for good), not past
-        ERROR_FILE_MAX_NBYTES (a rank's report is far smaller)."""
+        ERROR_FILE_MAX_NBYTES (a rank's report is far smaller), nor one of a start-up phase the head heard the rank
+        get past (a tray.init() refused, then called again: not why the rank ended)."""
         try:
-            fd = os.open(job_dir / f"rank-{rank}.error.json",
+            fd = os.open(job_dir / f"rank-{p.rank}.error.json",
                          os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             return None
@@ -920,7 +922,13 @@ class Head:
             return None
         finally:
             os.close(fd)
-        return data if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return None
+        said = data.get("phase")
+        phase = _HANDSHAKE_ORDER.get(said, 99) if isinstance(said, str) else 99
+        if phase < _HANDSHAKE_ORDER["running"] and phase < _HANDSHAKE_ORDER.get(p.phase, 99):
+            return None
+        return data
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -1130,7 +1138,7 @@ class Head:
         if not self.spec.log_dir:
             return
         for p in self.procs:
-            report = self._error_file(job_dir, p.rank)
+            report = self._error_file(job_dir, p)
             if not report:
                 continue
             try:
@@ -1341,6 +1349,12 @@ class Head:
             returncodes=codes, timeline=self._timeline() if self.offers else {},
             startup_s=(self.t_go - t0) if self.t_go else None, job_dir=str(job_dir), rejected=self.rejected,
         )
+
+
+def _offered_path(text: str) -> str:
+    """A manifest path as a rank's offer carries it (its bytes that are not UTF-8 as \\xNN) as the file system names
+    it."""
+    return os.fsdecode(re.sub(rb"\\x([0-9a-f]{2})", lambda m: bytes([int(m[1], 16)]), text.encode()))
 
 
 def _how_it_ended(code: int) -> str:

@@ -16,7 +16,7 @@ from tray.backend.base import Backend
 
 
 def run_on_stream(backend: Backend, plan: Any, stream: int) -> None:
-    """Run `plan` (an executor Plan: `steps`, and `graph` when tray captured it) ordered with `stream`."""
+    """Run `plan` (an executor Plan: `run_steps`, and `graph` when tray captured it) ordered with `stream`."""
     capturing = backend.is_capturing(stream)
     if plan.pending is not None:
         plan.pending.note(plan.describe)
@@ -24,5 +24,4 @@ def run_on_stream(backend: Backend, plan: Any, stream: int) -> None:
         if plan.graph is not None and not capturing:
             plan.graph.replay()
         else:
-            for step in plan.steps:
-                step()
+            plan.run_steps()
