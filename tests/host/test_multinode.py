@@ -1158,3 +1158,25 @@ def test_the_node_a_wait_failed_on_says_what_its_missed_rank_is_doing(tray_env):
     assert node0 and node0[0].startswith("tray:   rank 0 is alive") and "running but not where the others wait" \
         in node0[0], runs[0].stderr
     assert "rank 0 is alive" not in runs[1].stderr, runs[1].stderr
+
+
+def test_a_rank_another_nodes_wait_missed_is_said_by_its_own_node(tray_env):
+    """Two nodes of one rank: rank 0 (node 0) stopped, rank 1's barrier on node 1 times out naming it. Node 0's head,
+    the only one that knows rank 0, adds what it sees of it (alive, no heartbeat, no CPU: stopped) to the job's root
+    cause, as the head of one host does for its own ranks; node 1's head has nothing to add."""
+    body = """
+    import signal
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        rank.barrier(timeout_s=1.5)
+    """
+    runs = finish(start_job(tray_env, body, "-n", "1", "--heartbeat-timeout-s", "30"), timeout_s=60)
+    for run in runs:
+        assert run.returncode == 1, run.output
+        cause = _root_cause(run)
+        assert "node 1, rank 1 reported BarrierTimeout" in cause and "for rank 0" in cause, run.output
+    assert re.search(r"^tray:   node 0: rank 0 is alive, last heartbeat .* (stopped|frozen)", runs[0].stderr, re.M), \
+        runs[0].stderr
+    assert "node 0: rank 0" not in runs[1].stderr, runs[1].stderr

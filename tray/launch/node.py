@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tray.errors import WireError
+from tray.errors import BarrierTimeout, WireError
 from tray.handshake import jobwire, wire
 from tray.handshake.steps import GROUP_PREFIX, describe_pending, step_voters
 from tray.launch.curve import job_keys, make_client
@@ -492,6 +492,16 @@ class NodeHead(Head):
             self.root.close()
 
     # --- from the root ---------------------------------------------------------------------------
+    def _notes_on_mine(self, stop: jobwire.JobStop) -> tuple[str, ...]:
+        """What this head knows of its own ranks that another node's failed wait names as missing (alive, busy,
+        stopped, dead): only this node can tell, as the head of one host does for its ranks."""
+        named = set(BarrierTimeout.missing_in(stop.summary) or BarrierTimeout.missing_in(stop.report))
+        late = [p for p in self.procs if p.rank in named]
+        if not late:
+            return ()
+        self._sample_cpu(late)
+        return tuple(f"node {self.job.node_rank}: {self._status(p, 'give the wait more time')}" for p in late)
+
     def _on_job_message(self, msg: Any) -> None:
         sock = self._rank_sock
         assert sock is not None
@@ -527,6 +537,7 @@ class NodeHead(Head):
                 msg.rank == (-1 if self.failure.rank is None else self.failure.rank)
             self.failure = Failure(None if msg.rank < 0 else msg.rank, where + msg.summary, report=msg.report,
                                    tail=msg.tail, exit_code=msg.exit_code,
-                                   notes=self.failure.notes if mine and self.failure is not None else ())
+                                   notes=self.failure.notes if mine and self.failure is not None else
+                                   self._notes_on_mine(msg))
         elif isinstance(msg, jobwire.JobEnd):
             self.job_end = True
