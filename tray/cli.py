@@ -522,6 +522,16 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 _terminate_as_interrupt.stops_tray = True  # type: ignore[attr-defined]  # (envvars.stop_signals)
 
 
+# SIGUSR1/SIGUSR2 are the program's: Slurm's --signal warning and scancel --signal reach every process of the step,
+# the ranks included, and a head dead of one took the ranks with it, saying nothing. A handler that does nothing, not
+# SIG_IGN: an ignored signal would stay ignored in the ranks the head starts, a handled one is the default there again.
+_USER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _leave_to_the_ranks(signum: int, frame: object) -> None:
+    pass
+
+
 def _ignore_late_signals() -> None:
     """The command is over (its tray stopped): a SIGINT/SIGTERM now would only change how the process ends.
     Ignored, not defaulted: CPython puts its handled signals back to the default while it shuts down, so a
@@ -543,6 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _note_options_after_the_program(args.cmd, _command_parser(ap, argv))
     # SIGTERM (and SIGHUP) to the head tears the tray down like Ctrl-C does (the ranks die with it anyway).
     previous = {sig: signal.signal(sig, _terminate_as_interrupt) for sig in _STOP_SIGNALS if sig != signal.SIGINT}
+    previous.update({sig: signal.signal(sig, _leave_to_the_ranks) for sig in _USER_SIGNALS})
     try:
         return int(args.fn(args))
     except TrayError as exc:

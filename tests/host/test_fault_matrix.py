@@ -766,6 +766,37 @@ with tray.init() as rank:
         head.stderr.close()
 
 
+def test_sigusr1_to_the_whole_step_is_the_ranks_to_handle(tray_env):
+    """Slurm's --signal=USR1@T warning and scancel --signal=USR1 reach every process of the step: the head and its
+    watchdog died of it (no word from tray, the ranks killed with them), so a rank's handler (a checkpoint) was cut
+    short. They live through it; a rank that handles it goes on, and the tray ends as the program does."""
+    head = subprocess.Popen(tray_env.command(2, """
+import signal
+got = []
+signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+with tray.init() as rank:
+    open(f"up-{rank.rank}", "w").close()
+    deadline = time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print("checkpointed on", got, flush=True)
+    rank.barrier()
+"""), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(), cwd=str(tray_env.tmp))
+    try:
+        assert wait_for(lambda: len(list(tray_env.tmp.glob("up-*"))) == 2, 30)
+        step = [head.pid] + [c.pid for c in psutil.Process(head.pid).children(recursive=True)]
+        assert len(step) >= 4, step  # the head, its watchdog and the two ranks
+        for pid in step:
+            os.kill(pid, signal.SIGUSR1)
+        out, err = head.communicate(timeout=30)
+        assert head.returncode == 0, out + err
+        assert out.count(f"checkpointed on [{int(signal.SIGUSR1)}]") == 2, out + err
+    finally:
+        if head.poll() is None:
+            head.kill()
+            head.communicate()
+
+
 def test_a_job_dir_removed_while_the_ranks_start_is_said(tray_env):
     """Rank 1 sleeps before tray.init(); the job dir is removed meanwhile: its fd socket cannot be made, its report
     cannot be written, and the head says the job dir is gone instead of only "tray.init() not called"."""

@@ -399,6 +399,32 @@ def test_a_second_node_0_on_the_roots_host_is_told_node_rank_0_may_be_given_twic
         "(--node-rank 0 given twice here?)" in second.stderr, second.output
 
 
+def test_a_slurm_root_port_in_use_is_told_as_the_job_ids_port_not_a_node_rank_given_twice(tray_env):
+    """Under Slurm the root's port comes from the job id and the node ranks from SLURM_NODEID: a port in use there is
+    another job whose id is 5000 apart, another step of this job at once, or another program; the advice to give each
+    node its own --node-rank misled."""
+    from tray.launch.job import slurm_port
+
+    with socket.socket() as squatter:
+        for job_id in range(4000 + os.getpid() % 1000, 5000):
+            try:
+                squatter.bind(("127.0.0.1", slurm_port(str(job_id))))
+                break
+            except OSError:
+                continue
+        squatter.listen(8)
+        env = tray_env.env()
+        env.update({"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0",
+                    "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                    "SLURM_STEP_NUM_NODES": "2", "TRAY_JOB_TOKEN": TOKEN})
+        run = tray_env.run(launch_cmd("--slurm", "--timeout-s", "3", "--", sys.executable, "-c", "pass"),
+                           timeout_s=30, env=env)
+    assert run.returncode == 2, run.output
+    assert f"the root's port {slurm_port(str(job_id))} is in use on this machine: under Slurm it comes from the job " \
+        "id" in run.stderr, run.output
+    assert "--node-rank" not in run.stderr and "--rdzv-endpoint localhost:PORT" in run.stderr, run.output
+
+
 def test_wrong_token_is_a_clear_error_not_a_hang(tray_env):
     """The head with the wrong token fails at once (its handshake with the root fails, TOKEN_FAILURES times: a
     root that closes while a head connects fails one handshake too) and stops dialling; node 0 waits for the join

@@ -115,6 +115,11 @@ def test_slurm_errors():
         resolve_job(JobArgs(slurm=True), {"TRAY_JOB_TOKEN": TOKEN})
     with pytest.raises(UsageError, match="spans 2 of the job's 4 nodes"):
         resolve_job(JobArgs(slurm=True), {**SLURM, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2"})
+    # `srun -N1 tray launch ...` in an allocation of several nodes (a one-node tray meant): the way to one is named
+    one_of_two = {**SLURM, "SLURM_JOB_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_NUM_NODES": "1"}
+    with pytest.raises(UsageError, match="spans 1 of the job's 2 nodes.*--standalone runs a tray of this node alone"):
+        resolve_job(JobArgs(), one_of_two)
+    assert resolve_job(JobArgs(standalone=True), one_of_two) is None
     with pytest.raises(UsageError, match="host list"):
         resolve_job(JobArgs(slurm=True), {**SLURM, "SLURM_JOB_NODELIST": "gpu[07"})
 

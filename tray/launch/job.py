@@ -56,7 +56,8 @@ class JobArgs:
 class JobSpec:
     """This head's place in a job of `nnodes` trays; the root (node 0's head) listens on
     `root_host`:`root_port` (TCP). `source` says where the values came from ("cli", "slurm",
-    "pytorchjob", "lws"); `nproc_per_node` is None when no source said it (the CLI default applies)."""
+    "pytorchjob", "lws"), `port_source` where the port did; `nproc_per_node` is None when no source said it (the CLI
+    default applies)."""
 
     nnodes: int
     node_rank: int
@@ -67,6 +68,7 @@ class JobSpec:
     source: str
     nproc_per_node: int | None = None
     node_heartbeat_timeout_s: float = DEFAULT_NODE_HEARTBEAT_TIMEOUT_S
+    port_source: str = "cli"
 
     @property
     def endpoint(self) -> str:
@@ -170,7 +172,7 @@ def _from_slurm(env: Mapping[str, str]) -> _Found:
                          "of one host per task instead")
     if step_nodes is not None and _int(step_nodes, "SLURM_STEP_NUM_NODES", 1) != nnodes:
         raise UsageError(f"this Slurm step spans {step_nodes} of the job's {nnodes} nodes; run it on all of them "
-                         f"(srun -N{nnodes} --ntasks-per-node=1)")
+                         f"(srun -N{nnodes} --ntasks-per-node=1); --standalone runs a tray of this node alone instead")
     job_id = env["SLURM_JOB_ID"]
     step = env.get("SLURM_STEP_ID")
     return _Found("slurm", nnodes=nnodes, node_rank=_int(env["SLURM_NODEID"], "SLURM_NODEID", 0),
@@ -299,7 +301,7 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
         return None
     node_rank, _ = pick("node_rank")
     host, _ = pick("host")
-    port, _ = pick("port")
+    port, port_source = pick("port")
     if node_rank is None:
         raise UsageError("this node's rank is unknown; give --node-rank I (0 on the root's node)")
     if host is None:
@@ -325,7 +327,7 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     return JobSpec(nnodes=nnodes, node_rank=node_rank, root_host=host, root_port=port,
                    rdzv_id=str(rdzv_id or "default"), token=token, source="+".join(sorted(used)),
                    nproc_per_node=nproc if isinstance(nproc, int) else None,
-                   node_heartbeat_timeout_s=args.node_heartbeat_timeout_s)
+                   node_heartbeat_timeout_s=args.node_heartbeat_timeout_s, port_source=port_source)
 
 
 def job_rank_env(job: JobSpec, local_rank: int, local_world_size: int) -> dict[str, str]:

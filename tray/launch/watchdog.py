@@ -228,8 +228,9 @@ def _watch(root: str, job_name: str, pipe_fd: int, lock_fd: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    # The terminal's Ctrl-C and a SIGTERM are the head's to handle; the watchdog only acts on EOF.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    # The terminal's Ctrl-C and a SIGTERM are the head's to handle, SIGUSR1/SIGUSR2 (Slurm's --signal) the ranks'; the
+    # watchdog only acts on EOF.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     pipe_fd, lock_fd = int(argv[0]), int(argv[1])
     return _watch(os.environ[_ROOT_ENV], os.environ[_JOB_ENV], pipe_fd, lock_fd)
