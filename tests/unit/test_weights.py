@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -153,6 +154,21 @@ def test_wrong_dtype_names_both(tmp_path, backend):
         load_targets(backend, [t], str(tmp_path / "m.json"))
 
 
+def test_a_tensor_of_a_dtype_tray_does_not_load_fails_only_the_buffer_that_binds_it(tmp_path, backend):
+    """fp8 checkpoints keep bf16/f32 tensors (norms, scales) beside their F8_E4M3 weights: those load."""
+    head = json.dumps({"w": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]},
+                       "s": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}).encode()
+    data = bytes(4) + np.array([1.5, 2.5], np.float32).tobytes()
+    (tmp_path / "c.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + data)
+    s = target(backend, "s", "f32", (2,), {"file": "c.safetensors", "tensors": ["s"]})
+    load_targets(backend, [s], str(tmp_path / "m.json"))
+    assert read(backend, s, np.float32).tolist() == [1.5, 2.5]
+    w = target(backend, "w", "u8", (4,), {"file": "c.safetensors", "tensors": ["w"]})
+    with pytest.raises(CheckpointError, match=r"c\.safetensors: tensor 'w' is F8_E4M3, a dtype tray does not load.*"
+                                              r"buffer 'w' \(u8\[4\]\)"):
+        load_targets(backend, [w], str(tmp_path / "m.json"))
+
+
 def test_wrong_shape_and_wrong_total(tmp_path, backend):
     save_file(
         {"a": np.zeros((2, 3), np.float32), "b": np.zeros((2, 4), np.float32)},
@@ -218,6 +234,24 @@ def test_corrupt_files_are_named(tmp_path, damage, match):
     with pytest.raises(CheckpointError, match=match) as err:
         read_header(str(path))
     assert str(path) in str(err.value)
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    path = tmp_path / "c.safetensors"
+    os.mkfifo(path)
+    with pytest.raises(CheckpointError, match="not a regular file") as err:
+        read_header(str(path))  # no writer ever comes: opening it for reading must not wait for one
+    assert str(path) in str(err.value)
+
+
+def test_overlapping_tensors_are_named(tmp_path):
+    head = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                       "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+                       "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}}).encode()
+    path = tmp_path / "c.safetensors"
+    path.write_bytes(len(head).to_bytes(8, "little") + head + bytes(24))
+    with pytest.raises(CheckpointError, match=r"tensors 'a' and 'b' overlap in the data \(bytes 8..15\)"):
+        read_header(str(path))
 
 
 def test_missing_file(tmp_path, backend):

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from tray.rank.wiring import RankContext
 from tray.weights.bind import ResolvedBind, resolve_bind
-from tray.weights.safetensors import CheckpointError, SafetensorsHeader, read_header
+from tray.weights.safetensors import DTYPES, CheckpointError, SafetensorsHeader, read_header
 
 
 class _HasContext(Protocol):
@@ -94,6 +94,11 @@ def plan_target(target: BindTarget, manifest_path: str, headers: dict[str, Safet
             raise CheckpointError(
                 f"{bound.file}: no tensor {name!r} (wanted by {what}); the file holds "
                 f"{len(header.tensors)} tensors{hint}"
+            )
+        if not t.manifest_dtype:
+            raise CheckpointError(
+                f"{bound.file}: tensor {name!r} is {t.dtype}, a dtype tray does not load (supported: "
+                f"{', '.join(DTYPES)}); {what} is {target.dtype}: convert the checkpoint or bind another tensor"
             )
         if t.manifest_dtype != target.dtype:
             raise CheckpointError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 
 from tray.errors import UsageError
@@ -42,7 +43,8 @@ class TensorEntry:
 
     @property
     def manifest_dtype(self) -> str:
-        return DTYPES[self.dtype][0]
+        """The manifest's name for the dtype; "" for a dtype tray does not load (F8_*, BOOL...)."""
+        return DTYPES[self.dtype][0] if self.dtype in DTYPES else ""
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,14 @@ class SafetensorsHeader:
 def read_header(path: str) -> SafetensorsHeader:
     """Parse and check the header of `path`. Raises CheckpointError naming the file and the entry."""
     try:
-        with open(path, "rb") as f:
-            file_nbytes = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+                    "a device or socket"
+                raise CheckpointError(f"{path}: not a safetensors file: it is {kind}, not a regular file")
+            file_nbytes = st.st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(
@@ -89,6 +97,13 @@ def read_header(path: str) -> SafetensorsHeader:
                 metadata = {str(k): str(v) for k, v in entry.items()}
             continue
         tensors[name] = _entry(path, name, entry, data_start, data_nbytes)
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(
+                f"{path}: tensors {a!r} and {b!r} overlap in the data (bytes {begin - data_start}.."
+                f"{end - data_start - 1}): the file is corrupt; write it again"
+            )
     return SafetensorsHeader(path, file_nbytes, tensors, metadata)
 
 
@@ -99,8 +114,8 @@ def _entry(path: str, name: str, entry: object, data_start: int, data_nbytes: in
             f"{where}: expected an object with dtype, shape and data_offsets, got {entry!r:.80}"
         )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
-        raise CheckpointError(f"{where}: dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{where}: dtype must be a string, got {dtype!r:.80}")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
@@ -112,7 +127,8 @@ def _entry(path: str, name: str, entry: object, data_start: int, data_nbytes: in
     ):
         raise CheckpointError(f"{where}: data_offsets must be [begin, end], got {offsets!r:.80}")
     begin, end = offsets
-    nbytes = math.prod(shape) * DTYPES[dtype][1]
+    # a dtype tray does not load is refused only when a buffer binds the tensor: the file's other tensors load
+    nbytes = math.prod(shape) * DTYPES[dtype][1] if dtype in DTYPES else end - begin
     if not 0 <= begin <= end <= data_nbytes or end - begin != nbytes:
         raise CheckpointError(
             f"{where}: data_offsets [{begin}, {end}] do not hold {dtype}{shape} ({nbytes} B) "
