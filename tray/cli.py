@@ -122,6 +122,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     else:
         _check_program(cmd, dashed)
     _note_torchrun_flags(args)
+    if args.nprocs is None:  # torchrun's default for it: a PyTorchJob's nprocPerNode, one pod or several
+        from tray.launch.job import pytorchjob_nprocs
+
+        args.nprocs = pytorchjob_nprocs(os.environ)
     args.nprocs = _nprocs_of(args)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")

@@ -11,7 +11,7 @@ from conftest import MANIFESTS
 from tray.errors import UsageError
 from tray.launch.curve import ZapHandler, job_keys, make_client, make_server
 from tray.launch.hostlist import MAX_HOSTS, expand_hostlist, first_host
-from tray.launch.job import JobArgs, job_rank_env, resolve_job, slurm_port
+from tray.launch.job import JobArgs, job_rank_env, pytorchjob_nprocs, resolve_job, slurm_port
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -133,6 +133,9 @@ def test_pytorchjob_and_lws():
     assert job.source == "pytorchjob"
     with pytest.raises(UsageError, match="elastic range"):
         resolve_job(JobArgs(), {**pet, "PET_NNODES": "1:3"})
+    # an elasticPolicy with minReplicas = maxReplicas: the operator writes "MIN:MAX", a fixed size (torchrun's too)
+    job = resolve_job(JobArgs(), {**pet, "PET_NNODES": "3:3"})
+    assert job is not None and job.nnodes == 3
     lws = {"LWS_LEADER_ADDRESS": "lws-0.lws", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0",
            "TRAY_JOB_TOKEN": TOKEN}
     job = resolve_job(JobArgs(), lws)
@@ -145,6 +148,26 @@ def test_pytorchjob_and_lws():
     with pytest.raises(UsageError, match="LWS_GROUP_SIZE=2 describes .* LWS_LEADER_ADDRESS .* is unset"):
         resolve_job(JobArgs(), {k: v for k, v in lws.items() if k != "LWS_LEADER_ADDRESS"})
     assert resolve_job(JobArgs(), {"LWS_GROUP_SIZE": "1", "LWS_WORKER_INDEX": "0"}) is None
+    # a PyTorchJob of Workers alone: the operator sets PET_NNODES but no node rank (a Master replica brings it)
+    with pytest.raises(UsageError, match="PET_NODE_RANK is not: .* only in a PyTorchJob with a Master replica"):
+        resolve_job(JobArgs(), {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "auto", "TRAY_JOB_TOKEN": TOKEN})
+    with pytest.raises(UsageError, match="LWS_WORKER_INDEX is unset"):
+        resolve_job(JobArgs(), {k: v for k, v in lws.items() if k != "LWS_WORKER_INDEX"})
+
+
+def test_a_pytorchjobs_nproc_per_node_is_torchruns_default_for_n():
+    """PET_NPROC_PER_NODE is torchrun's --nproc-per-node in a PyTorchJob of one pod too, and its words (the operator's
+    default is auto) mean what -n's do."""
+    pet = {"PET_NNODES": "1", "PET_NODE_RANK": "0"}
+    assert pytorchjob_nprocs({**pet, "PET_NPROC_PER_NODE": "2"}) == 2
+    for word in ("auto", "gpu", "cpu"):
+        assert pytorchjob_nprocs({**pet, "PET_NPROC_PER_NODE": word}) == word
+    assert pytorchjob_nprocs({"PET_NPROC_PER_NODE": "2"}) is None          # no PyTorchJob around it
+    assert pytorchjob_nprocs(pet) is None
+    with pytest.raises(UsageError, match="PET_NPROC_PER_NODE='eight': expected a number of ranks per node"):
+        pytorchjob_nprocs({**pet, "PET_NPROC_PER_NODE": "eight"})
+    with pytest.raises(UsageError, match="PET_NPROC_PER_NODE=0: expected an integer >= 1"):
+        pytorchjob_nprocs({**pet, "PET_NPROC_PER_NODE": "0"})
 
 
 def test_rank_env_describes_the_job():

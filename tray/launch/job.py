@@ -18,7 +18,7 @@ from tray.errors import UsageError
 from tray.launch.hostlist import first_host
 from tray.text import is_digits
 
-__all__ = ["JobArgs", "JobSpec", "TOKEN_VAR", "job_rank_env", "resolve_job", "slurm_port"]
+__all__ = ["JobArgs", "JobSpec", "TOKEN_VAR", "job_rank_env", "pytorchjob_nprocs", "resolve_job", "slurm_port"]
 
 TOKEN_VAR = "TRAY_JOB_TOKEN"
 # NOTE: the CURVE keys are derived from the token, so they are only as strong as it is; 16 characters
@@ -182,7 +182,10 @@ def _from_slurm(env: Mapping[str, str]) -> _Found:
 
 def _from_pytorchjob(env: Mapping[str, str]) -> _Found:
     nnodes_text = env.get("PET_NNODES", "")
-    if ":" in nnodes_text:
+    low, sep, high = nnodes_text.partition(":")
+    if sep and low.strip() == high.strip():  # an elasticPolicy's minReplicas = maxReplicas: "2:2", as --nnodes 2:2
+        nnodes_text = low.strip()
+    elif sep:
         raise UsageError(f"PET_NNODES={nnodes_text!r} is an elastic range; tray runs a fixed number of nodes "
                          "(set minReplicas = maxReplicas, or give --nnodes)")
     nproc = env.get("PET_NPROC_PER_NODE")
@@ -205,6 +208,20 @@ def _from_lws(env: Mapping[str, str]) -> _Found:
         host=env.get("LWS_LEADER_ADDRESS") or None,
         rdzv_id=env.get("LWS_LEADER_ADDRESS") or None,  # one per group (LWS sets no name of its own)
     )
+
+
+def pytorchjob_nprocs(env: Mapping[str, str]) -> int | str | None:
+    """A PyTorchJob's PET_NPROC_PER_NODE (spec.nprocPerNode) as torchrun's --nproc-per-node: a number, or one of its
+    words (auto, gpu, cpu), for -n when not given; None outside a PyTorchJob or when unset. One pod or several."""
+    value = env.get("PET_NPROC_PER_NODE", "").strip()
+    if not value or not (env.get("PET_NNODES") or env.get("PET_NODE_RANK")):
+        return None
+    if value in ("auto", "gpu", "cpu"):
+        return value
+    if not is_digits(value):
+        raise UsageError(f"PET_NPROC_PER_NODE={value!r}: expected a number of ranks per node, or auto, gpu or cpu "
+                         "(the PyTorchJob's nprocPerNode)")
+    return _int(value, "PET_NPROC_PER_NODE", 1)
 
 
 def _scheduler(args: JobArgs, env: Mapping[str, str]) -> _Found | None:
@@ -302,6 +319,14 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     node_rank, _ = pick("node_rank")
     host, _ = pick("host")
     port, port_source = pick("port")
+    if node_rank is None and s.source == "pytorchjob":
+        raise UsageError("PET_NNODES is set but PET_NODE_RANK is not: the training operator sets it (and "
+                         "PET_MASTER_ADDR) only in a PyTorchJob with a Master replica, node 0 "
+                         "(launch/kubernetes/pytorchjob.yaml); give the job a Master, or give --node-rank I and "
+                         "--rdzv-endpoint HOST:PORT")
+    if node_rank is None and s.source == "lws":
+        raise UsageError("LWS_WORKER_INDEX is unset (this pod's index in its LeaderWorkerSet group, 0 on the leader); "
+                         "give --node-rank I")
     if node_rank is None:
         raise UsageError("this node's rank is unknown; give --node-rank I (0 on the root's node)")
     if host is None:
