@@ -58,13 +58,23 @@ def test_cli_job_and_aliases():
     assert resolve_job(JobArgs(nnodes=1, node_rank=0, rdzv_endpoint="h:1"), env) is None
 
 
+def test_an_rdzv_endpoint_without_a_port_takes_torchruns():
+    """torchrun's `--rdzv-endpoint HOST` (c10d's port 29400): it was refused as not HOST:PORT."""
+    env = {"TRAY_JOB_TOKEN": TOKEN}
+    job = resolve_job(JobArgs(nnodes=2, node_rank=1, rdzv_endpoint="hostA"), env)
+    assert job is not None and (job.root_host, job.root_port) == ("hostA", 29400)
+    job = resolve_job(JobArgs(nnodes=2, node_rank=1, rdzv_endpoint="hostA", master_port=29600), env)
+    assert job is not None and (job.root_host, job.root_port) == ("hostA", 29600)
+
+
 @pytest.mark.parametrize("args, why", [
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:1", master_addr="g"), "--master-addr says 'g'"),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:1", master_port=2), "--master-port says 2"),
     (JobArgs(nnodes=2, node_rank=2, rdzv_endpoint="h:1"), "outside 0..1"),
     (JobArgs(nnodes=2, rdzv_endpoint="h:1"), "--node-rank"),
     (JobArgs(nnodes=2, node_rank=0), "--rdzv-endpoint"),
-    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h"), "HOST:PORT"),
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:"), "HOST:PORT"),
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint=":29400"), "HOST:PORT"),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:70000"), "1..65535"),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="[::1]:29500"), "an IPv6 address; the heads reach the root"),
     (JobArgs(node_rank=0, rdzv_endpoint="h:1"), "without --nnodes"),

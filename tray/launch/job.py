@@ -26,6 +26,7 @@ TOKEN_VAR = "TRAY_JOB_TOKEN"
 MIN_TOKEN_CHARS = 16
 # NOTE: torchrun's default master port; used where a scheduler names the root's host but no port (LWS).
 DEFAULT_PORT = 29500
+RDZV_DEFAULT_PORT = 29400  # torchrun's port for an --rdzv-endpoint given without one
 # NOTE: the Slurm port is derived from the job id so every node computes the same one without talking;
 # 20000-29999 lies below Linux's ephemeral range (32768+), where outgoing connections take their ports.
 SLURM_PORT_BASE = 20000
@@ -98,8 +99,11 @@ def _int(value: str, name: str, lo: int) -> int:
     return n
 
 
-def _split_endpoint(endpoint: str, name: str) -> tuple[str, int]:
+def _split_endpoint(endpoint: str, name: str) -> tuple[str, int | None]:
+    """(host, port) of HOST:PORT; (host, None) of a HOST alone (torchrun's rdzv-endpoint then takes its port 29400)."""
     host, sep, port = endpoint.rpartition(":")
+    if not sep and port and not port.startswith("["):
+        return port, None
     if not sep or not host or not port:
         raise UsageError(f"{name} {endpoint!r}: expected HOST:PORT, e.g. node001:29500")
     host = host.strip("[]")
@@ -143,6 +147,8 @@ def _from_cli(args: JobArgs) -> _Found:
         if port is not None and mp != port:
             raise UsageError(f"--rdzv-endpoint says port {port}, --master-port says {mp}; give one of them")
         port = mp
+    elif args.rdzv_endpoint and port is None:
+        port = RDZV_DEFAULT_PORT  # `--rdzv-endpoint HOST`: torchrun's c10d rendezvous port
     return _Found("cli", nnodes=args.nnodes, node_rank=args.node_rank, host=host, port=port,
                   rdzv_id=args.rdzv_id, nproc_per_node=args.nproc_per_node)
 
