@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 
 def is_digits(s: str) -> bool:
     """Whether `s` is a non-negative integer in ASCII digits. str.isdigit() alone passes '²' (which int() refuses)
@@ -13,3 +16,13 @@ def printable(s: str) -> str:
     """`s` with every character a terminal would act on (controls, escapes) written as its escape: a name from
     outside (a stranger's socket identity) said in a line of ours."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+
+
+def path_text(path: str | os.PathLike[str]) -> str:
+    """`path` as UTF-8 text whatever its bytes: those that are not UTF-8 as \\xNN (for a message, or the wire)."""
+    return os.fsencode(path).decode(errors="backslashreplace")
+
+
+def text_path(text: str) -> str:
+    """The path `path_text` wrote as `text`, as the file system names it."""
+    return os.fsdecode(re.sub(rb"\\x([0-9a-f]{2})", lambda m: bytes([int(m[1], 16)]), text.encode()))

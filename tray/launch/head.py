@@ -50,7 +50,7 @@ from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fiel
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
 from tray.numa import NumaPlacement, placement_for
-from tray.text import is_digits, printable
+from tray.text import is_digits, printable, text_path
 
 if TYPE_CHECKING:
     import psutil
@@ -565,7 +565,7 @@ class Head:
             # line and exit 2 as the head's own usage errors (the rank's error report, tray's frames, stays in its
             # log: --log-dir)
             starting = _HANDSHAKE_ORDER.get(msg.phase, 99) < _HANDSHAKE_ORDER["running"]
-            users = msg.error_type == "ManifestError" or (msg.error_type in ("UsageError", "SetupError") and starting)
+            users = _users_input(msg.error_type, msg.phase)
             # a rank whose own start-up wait ran out first (tray.init(timeout_s=...) shorter than --timeout-s): the
             # tray did not form, as when the head's deadline passes
             formed = not (starting and msg.error_type in ("HandshakeError", "WireError"))
@@ -639,7 +639,7 @@ class Head:
             return ""
         (digest,) = digests
         for offered in paths:  # one file, or copies of it (a link, another checkout): the digest says they agree
-            path = offered if os.path.isfile(offered) else _offered_path(offered)
+            path = offered if os.path.isfile(offered) else text_path(offered)
             if not os.path.isabs(path) or not os.path.isfile(path):
                 continue  # a rank's offer names it: never a FIFO or a device, whose read would never end
             try:
@@ -753,13 +753,13 @@ class Head:
         """The failure of rank `p` that ended with status `code` (non-zero), its error file's report if it left
         one."""
         how = _how_it_ended(code)
-        said = self._error_said(self._job_path, p) if self._job_path is not None else None
-        if said is not None:  # a tray.init() called wrongly, said before its first message: the user's input
-            return Failure(p.rank, f"rank {p.rank} reported {said}", tail=tuple(p.tail), notes=notes,
-                           exit_code=EXIT_USAGE)
-        report = self._error_file(self._job_path, p) if self._job_path is not None else ""
+        data = self._error_data(self._job_path, p) if self._job_path is not None else None
+        if data is not None and _users_input(data.get("error_type"), data.get("phase")):
+            # a tray.init() called wrongly, said before its first message: the user's input
+            return Failure(p.rank, f"rank {p.rank} reported {data.get('error_type')}: {data.get('message')}",
+                           tail=tuple(p.tail), notes=notes, exit_code=EXIT_USAGE)
         return Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
-                       report=report, tail=tuple(p.tail), notes=notes)
+                       report=_error_report(data), tail=tuple(p.tail), notes=notes)
 
     def _fail_on_a_death_first(self, rank: int, msg: wire.ErrorReport) -> bool:
         """A rank's error that another rank's death caused (that rank's fd socket reset while this one fetched its
@@ -880,25 +880,6 @@ class Head:
             return (f"spawn: not heard from in its {ran:.1f} s (tray.init() not called yet, or still in its first "
                     "steps)")
         return p.phase
-
-    def _error_said(self, job_dir: Path, p: RankProcess) -> str | None:
-        """`Type: message` of the error file of a rank that failed with a ManifestError, or a UsageError while it
-        started its tray; None otherwise (no such file, or another error)."""
-        data = self._error_data(job_dir, p)
-        if data is None:
-            return None
-        kind, phase = data.get("error_type"), data.get("phase")
-        starting = _HANDSHAKE_ORDER.get(phase, 99) < _HANDSHAKE_ORDER["running"] if isinstance(phase, str) else False
-        if kind == "ManifestError" or (kind in ("UsageError", "SetupError") and starting):
-            return f"{kind}: {data.get('message')}"
-        return None
-
-    def _error_file(self, job_dir: Path, p: RankProcess) -> str:
-        """What the failing rank wrote to its error file, or "" where there is none to read (`_error_data`)."""
-        data = self._error_data(job_dir, p)
-        if data is None:
-            return ""
-        return f"{data.get('error_type')}: {data.get('message')}\n{data.get('traceback', '')}"
 
     def _error_data(self, job_dir: Path, p: RankProcess) -> dict[str, Any] | None:
         """The failing rank's error file as a JSON object, or None where there is none to read: not through a link,
@@ -1138,7 +1119,7 @@ class Head:
         if not self.spec.log_dir:
             return
         for p in self.procs:
-            report = self._error_file(job_dir, p)
+            report = _error_report(self._error_data(job_dir, p))
             if not report:
                 continue
             try:
@@ -1351,10 +1332,18 @@ class Head:
         )
 
 
-def _offered_path(text: str) -> str:
-    """A manifest path as a rank's offer carries it (its bytes that are not UTF-8 as \\xNN) as the file system names
-    it."""
-    return os.fsdecode(re.sub(rb"\\x([0-9a-f]{2})", lambda m: bytes([int(m[1], 16)]), text.encode()))
+def _users_input(error_type: object, phase: object) -> bool:
+    """Whether a rank's error is the user's input, said in one line and exit 2 as the head's own usage errors: a
+    manifest it could not load, or a tray.init() called wrongly (a usage error while it started its tray)."""
+    starting = isinstance(phase, str) and _HANDSHAKE_ORDER.get(phase, 99) < _HANDSHAKE_ORDER["running"]
+    return error_type == "ManifestError" or (error_type in ("UsageError", "SetupError") and starting)
+
+
+def _error_report(data: dict[str, Any] | None) -> str:
+    """A rank's error file (`Head._error_data`) as the report printed under its failure; "" for none."""
+    if data is None:
+        return ""
+    return f"{data.get('error_type')}: {data.get('message')}\n{data.get('traceback', '')}"
 
 
 def _how_it_ended(code: int) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tray.errors import SetupError
 from tray.launch.shm import remove_recorded_shm
+from tray.text import path_text
 
 LOCK_NAME = "head.lock"
 # NOTE: sun_path holds 108 bytes with its NUL; ZeroMQ's ipc:// and the fd sockets bind there.
@@ -267,11 +268,6 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _shown(path: Path) -> str:
-    """`path` printable whatever its bytes: those that are not UTF-8 as \\xNN."""
-    return os.fsencode(path).decode(errors="backslashreplace")
-
-
 # the kinds of locked directory under the jobs root: a tray's job dir, and a command's scratch dir (the files a
 # gate's or bench's ranks leave for it); the sweep removes either once no live process holds its lock
 KINDS = ("job", "scratch")
@@ -298,7 +294,7 @@ def make_job_dir(nprocs: int, root: Path | None = None, kind: str = "job") -> Jo
                 f"{MAX_SOCKET_PATH}: set TRAY_JOBS_ROOT to a shorter directory (e.g. /tmp/tray-{os.getuid()})")
         if kind == "job" and not _utf8(str(path)):
             raise SetupError(
-                f"the jobs root {_shown(path)} is not a UTF-8 path, and the head's socket (ZeroMQ) takes its "
+                f"the jobs root {path_text(path)} is not a UTF-8 path, and the head's socket (ZeroMQ) takes its "
                 f"address as UTF-8: set TRAY_JOBS_ROOT to a directory whose path is (e.g. /tmp/tray-{os.getuid()})")
         temp = f".new-{name}"
         try:

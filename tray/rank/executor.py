@@ -102,16 +102,20 @@ def _nothing() -> None:
 
 @dataclass
 class Plan:
-    """A program ready to run: `steps` in order, or one captured `graph` of them. `describe` is the program
-    and its ops in words, noted in `pending` at each run (a wait that times out names it)."""
+    """A program ready to run: `steps` in order, or one captured `graph` of them. `title` is the program and its
+    vars, `ops` each op in words (`describe`, both, is noted in `pending` at each run: a wait that times out
+    names it)."""
 
     program: str
     steps: list[Step]
+    title: str  # `program 'go' (count=300)`
+    ops: tuple[str, ...]
     graph: Graph | None = None
-    describe: str = ""
     pending: Pending | None = None
-    ops: tuple[str, ...] = ()  # each op in words
-    title: str = ""  # `program 'go' (count=300)`
+
+    @property
+    def describe(self) -> str:
+        return f"{self.title}: {', '.join(self.ops)}"
 
     def run(self) -> None:
         if self.pending is not None:
@@ -130,8 +134,7 @@ class Plan:
             except UsageError as exc:
                 if type(exc) is not UsageError:  # a kind of its own (CompileError, ...) stays as it is
                     raise
-                what = self.ops[i] if i < len(self.ops) else f"op {i}"
-                raise UsageError(f"{self.title or 'program ' + repr(self.program)}, op {i} ({what}): {exc}") from None
+                raise UsageError(f"{self.title}, op {i} ({self.ops[i]}): {exc}") from None
 
     def close(self) -> None:
         if self.graph is not None:
@@ -199,9 +202,8 @@ class Executor:
             if problems:
                 raise ManifestError(self.ctx.manifest.path, problems[0][0], "\n  ".join(w for _, w in problems))
         steps = [self._step(op) for op in resolved.ops]
-        plan = Plan(program=program, steps=steps, describe=describe_program(program, vars, resolved.ops),
-                    pending=self.ctx.backend.last_work, ops=tuple(describe_op(o) for o in resolved.ops),
-                    title=program_title(program, vars))
+        plan = Plan(program=program, steps=steps, title=program_title(program, vars),
+                    ops=tuple(describe_op(o) for o in resolved.ops), pending=self.ctx.backend.last_work)
         if resolved.graph:
             plan.graph = self.ctx.backend.capture(plan.run_steps)
         return plan

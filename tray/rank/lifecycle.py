@@ -37,6 +37,7 @@ from tray.rank.wiring import (
     PeerTable,
     Wiring,
 )
+from tray.text import path_text
 
 # The timings the Ready message carries (the head prints them per phase).
 READY_TIMINGS = ("offer", "table", "import_peers", "join")
@@ -256,7 +257,7 @@ def _manifest_path(manifest: Manifest) -> str:
     UTF-8 text: a path's other bytes go as \\xNN (it still names the file to a reader)."""
     if manifest.path == BUILTIN_PATH:
         return ""
-    return os.fsencode(os.path.abspath(manifest.path)).decode(errors="backslashreplace")
+    return path_text(os.path.abspath(manifest.path))
 
 
 def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: float) -> None:

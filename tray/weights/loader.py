@@ -117,7 +117,7 @@ def plan_target(target: BindTarget, manifest_path: str, headers: dict[str, Safet
         if len(t.shape) <= 1 < len(target.shape) and math.prod(target.shape[:-1]) > 1:
             # fewer dims than a buffer of several rows: whole rows only (a buffer of one row, [1, n], takes any split)
             row = target.shape[-1]
-            row_nbytes = target.nbytes // max(1, math.prod(target.shape[:-1]))
+            row_nbytes = target.nbytes // math.prod(target.shape[:-1])
             if row_nbytes and (t.nbytes % row_nbytes or offset % row_nbytes):
                 raise CheckpointError(
                     f"{bound.file}: tensor {name!r} has shape {list(t.shape)}; {what} takes a tensor of "
