@@ -67,12 +67,14 @@ class BarrierTimeout(WaitedForRanks):
     """A barrier waited past its timeout; names the group, epoch, waiting and missing ranks."""
 
     def __init__(
-        self, group: str, epoch: int, rank: int, missing: list[int], waited_s: float
+        self, group: str, epoch: int, rank: int, missing: list[int], waited_s: float, also: str = ""
     ) -> None:
         why = ("this rank came after the others had waited that long for it and gone on: it was late" if rank in missing
                else "rank {who} missing: it died, hangs, or never entered this barrier" if len(missing) == 1
                else "ranks {who} missing: each died, hangs, or never entered this barrier")
-        super().__init__(f"barrier {group} epoch {epoch}", group, epoch, rank, missing, waited_s, why)
+        # `also`: what the waiting rank knows of a missing rank beyond that (a node leader's place in a spanning barrier)
+        super().__init__(f"barrier {group} epoch {epoch}", group, epoch, rank, missing, waited_s,
+                         why + (f"; {also}" if also else ""))
 
     @staticmethod
     def missing_in(message: str) -> list[int]:

@@ -1206,3 +1206,28 @@ def test_a_rank_another_nodes_wait_missed_is_said_by_its_own_node(tray_env):
     assert re.search(r"^tray:   node 0: rank 0 is alive, last heartbeat .* (stopped|frozen)", runs[0].stderr, re.M), \
         runs[0].stderr
     assert "node 0: rank 0" not in runs[1].stderr, runs[1].stderr
+
+
+def test_a_spanning_barrier_whose_nodes_wait_unequally_names_the_member_a_leader_waits_for(tray_env):
+    """Rank 3 (node 1) stays away; node 0 waits 0.5 s, node 1 3 s: node 0's leaders' step gives up on node 1's
+    leader (rank 2) while it still waits for rank 3. Node 0 names rank 2 and says it leads rank 3 (it said rank 2
+    died or never entered); rank 2 names rank 3 alone (it named itself too, as late)."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank != 3:
+            try:
+                rank.barrier(timeout_s=0.5 if rank.rank < 2 else 3.0)
+            except tray.BarrierTimeout as exc:
+                print("missing", exc.missing, "|", exc, flush=True)
+        else:
+            time.sleep(4.5)
+    """
+    runs = finish(start_job(tray_env, body))
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    for r in (0, 1):
+        said = re.search(rf"\[rank {r}\] missing \[2\] \| (.*)", runs[0].stdout)
+        assert said and "rank 2 leads ranks 2,3 on its node" in said.group(1), runs[0].output
+        assert "longer than this rank's 0.5 s" in said.group(1), runs[0].output
+    said = re.search(r"\[rank 2\] missing \[3\] \| (.*)", runs[1].stdout)
+    assert said and "rank 3 missing" in said.group(1), runs[1].output

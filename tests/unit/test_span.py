@@ -179,6 +179,7 @@ def test_a_leader_stuck_in_the_cross_step_names_the_other_leaders_and_stays_brok
     with pytest.raises(BarrierTimeout) as info:
         barrier.wait(0.5)
     assert info.value.missing == [2], info.value
+    assert "rank 2 leads ranks 2,3 on its node" in str(info.value) and "longer than this rank's 0.5 s" in str(info.value)
     assert ("sync", release_timeout_s(0.5) + 1.0) in log and ("abort-leaders",) in log
     with pytest.raises(BarrierTimeout):
         barrier.launch(0.5)
@@ -192,6 +193,28 @@ def test_a_follower_stuck_names_its_leader():
     with pytest.raises(BarrierTimeout) as info:
         follower.wait(0.5)
     assert info.value.missing == [2]
+    assert "rank 2 leads this node in the nodes' step and never came back" in str(info.value)
+
+
+def test_a_follower_whose_leader_never_came_back_from_the_nodes_step_says_so():
+    """The second local barrier (even local epoch) missed the leader: it is in the nodes' step, not absent."""
+    follower, _, local, _ = make(3)
+    follower.launch(0.5)
+    local.missing = [2]
+    local.check = lambda: (_ for _ in ()).throw(BarrierTimeout("world", 2, 3, [2], release_timeout_s(0.5)))
+    with pytest.raises(BarrierTimeout) as info:
+        follower.check()
+    assert info.value.missing == [2] and info.value.epoch == 1 and info.value.waited_s == release_timeout_s(0.5)
+    assert "never came back from it" in str(info.value)
+
+
+def test_a_leader_named_by_the_root_is_told_as_one_that_may_wait_for_its_members():
+    from tray.collectives.span import ABSENT, absent_leaders_note
+    parts = ((0, 1), (2, 3))
+    words = np.array([[0, 0], [ABSENT | 3, 1]], dtype=np.uint64)
+    assert missing_from_words(words, parts) == (2, [2])
+    assert "rank 2 leads ranks 2,3 on its node" in absent_leaders_note(words, parts, 0.5, mine=0)
+    assert absent_leaders_note(words, parts, 0.5, mine=1) == ""  # its own node: its leader knows better
 
 
 def test_the_relayed_fallback_refuses_to_be_captured_and_names_who_is_missing():

@@ -11,6 +11,9 @@ the rank's stream (capturable, no host round trip); on host it is a step relayed
 the leaders only (tray/collectives/relay.py). A member that misses the barrier is named by its node's
 leader (the local barrier's mask travels in the cross step); a leader that misses the cross step is named
 by the root (host) or, on cuda, by its own node's members (their local barrier times out waiting for it).
+A leader is named with what it may be doing instead: still waiting for a member of its node when its
+barrier timeout is longer than the others' (host: the root's word for it carries the flag ABSENT), or
+still waiting in the cross step for another node (cuda, named by its own members).
 The local barrier stays broken after a timeout (its kernel returns at once), so the gathered words are
 sticky: once a member was missed, every later barrier of the group reports it, as the peer barrier does.
 """
@@ -42,6 +45,8 @@ WORD_NBYTES = 16  # one node's error word: (epoch, missing mask over that node's
 # the per-rank span buffer: this node's error word to send, then every node's word as gathered
 SEND_OFFSET = 0
 GATHER_OFFSET = WORD_NBYTES
+# a node's word made by the root (host), not by its leader: the leader never took the cross step (epoch's top bit)
+ABSENT = 1 << 63
 
 
 def span_nbytes(nnodes: int) -> int:
@@ -63,7 +68,19 @@ def missing_from_words(words: np.ndarray, parts: Sequence[Sequence[int]]) -> tup
     """(largest epoch of the spanning barrier, global ranks missing) from gathered words `u64[nnodes, 2]`:
     node j's (local barrier epoch that timed out, mask over the members `parts[j]`, bit i = parts[j][i])."""
     missing = [r for j, part in enumerate(parts) for i, r in enumerate(part) if int(words[j, 1]) >> i & 1]
-    return span_epoch(int(words[:, 0].max(initial=0))), missing
+    return span_epoch(max((int(e) & ~ABSENT for e in words[:, 0]), default=0)), missing
+
+
+def absent_leaders_note(words: np.ndarray, parts: Sequence[Sequence[int]], waiter_timeout_s: float, mine: int) -> str:
+    """What a rank of node `mine` can say of the other nodes' leaders the root named in the gathered `words` (flag
+    ABSENT): each never took the cross step, and may still be waiting for a member of its node; "" when none."""
+    absent = [part for j, part in enumerate(parts) if int(words[j, 0]) & ABSENT and j != mine]
+    if not absent:
+        return ""
+    told = "; ".join(f"rank {part[0]} leads ranks {','.join(map(str, part))} on its node" for part in absent)
+    return (f"{told}, and never reached the nodes' step: it may instead still be waiting there for one of them, when "
+            f"its barrier timeout is longer than this rank's {waiter_timeout_s:g} s (give every rank the same timeout "
+            "to have the missing one named)")
 
 
 def mask_of(missing: Sequence[int], part: Sequence[int]) -> int:
@@ -107,7 +124,8 @@ class SpanBarrier(Barrier):
         epoch, missing = missing_from_words(words, self.parts)
         if missing:
             raise BarrierTimeout(self.group.name, epoch, self.me, missing,
-                                 self._last_timeout_s if waited_s is None else waited_s)
+                                 self._last_timeout_s if waited_s is None else waited_s,
+                                 absent_leaders_note(words, self.parts, self._last_timeout_s, self.node_index))
 
     def _as_span(self, exc: BarrierTimeout, waited_s: float | None = None) -> BarrierTimeout:
         """The local barrier's timeout, told as this barrier's (its epoch; `waited_s` when given)."""
@@ -165,9 +183,16 @@ class DeviceSpanBarrier(SpanBarrier):
         try:
             self.local.synchronize(timeout_s=release_timeout_s(timeout_s) + WAIT_SLACK_S)
         except SyncTimeout as exc:
-            suspects = [p[0] for j, p in enumerate(self.parts) if j != self.node_index] if self.is_leader \
-                else [self.local_group.members[0]]
-            self._broken = BarrierTimeout(self.group.name, self.epoch, self.me, suspects, exc.waited_s)
+            if self.is_leader:
+                others = [p for j, p in enumerate(self.parts) if j != self.node_index]
+                suspects = [p[0] for p in others]
+                note = ("the nodes' step (the leaders' allgather) never ended: " + "; ".join(
+                    f"rank {p[0]} leads ranks {','.join(map(str, p))} on its node" for p in others) +
+                    ", and one of them never joined it: besides having died or hung, it may still be waiting for "
+                    f"a member of its node, when its barrier timeout is longer than this rank's {timeout_s:g} s")
+            else:
+                suspects, note = [self.local_group.members[0]], self._leader_note()
+            self._broken = BarrierTimeout(self.group.name, self.epoch, self.me, suspects, exc.waited_s, note)
             # the leaders' collective waits for a partner that never came: abort it (ncclCommAbort ends the
             # waiting kernel), so that the stream drains and closing the rank does not hang on it
             abort = getattr(self._leaders, "abort", None)
@@ -176,6 +201,12 @@ class DeviceSpanBarrier(SpanBarrier):
                     abort()
             raise self._broken from exc
         self.check()
+
+    def _leader_note(self) -> str:
+        """What a member can say of its node's leader that never came back from the nodes' step."""
+        return (f"rank {self.local_group.members[0]} leads this node in the nodes' step and never came back from it: "
+                "besides having died or hung, it may be waiting there for another node's leader (missing, or still "
+                "waiting for a member of its node)")
 
     def check(self) -> None:
         """After a synchronisation: BarrierTimeout naming this node's missing members (the local barrier's
@@ -187,7 +218,10 @@ class DeviceSpanBarrier(SpanBarrier):
         except BarrierTimeout as exc:
             # odd local epochs are the first local barrier (timeout T), even ones the second (its own timeout)
             t = self._last_timeout_s
-            raise self._as_span(exc, t if exc.epoch % 2 else release_timeout_s(t)) from None
+            if exc.epoch % 2 or exc.missing != [self.local_group.members[0]]:
+                raise self._as_span(exc, t if exc.epoch % 2 else release_timeout_s(t)) from None
+            raise BarrierTimeout(self.group.name, span_epoch(exc.epoch), self.me, exc.missing, release_timeout_s(t),
+                                 self._leader_note()) from None
         words = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * len(self.parts))).from_address(self._result.ptr))
         self._raise_gathered(words.reshape(len(self.parts), 2))
 
@@ -235,11 +269,13 @@ class HostSpanBarrier(SpanBarrier):
         except BarrierTimeout as exc:
             first = first or self._as_span(exc)
         if first is not None:
-            missing = set(first.missing)
+            missing, note = set(first.missing), ""
             if self.is_leader:  # the other nodes' missing members too, from the words the cross step gathered
-                missing |= set(missing_from_words(self._gathered(self._span.ptr), self.parts)[1])
+                words = self._gathered(self._span.ptr)
+                missing |= set(missing_from_words(words, self.parts)[1])
+                note = absent_leaders_note(words, self.parts, timeout_s, self.node_index)
             self._broken = BarrierTimeout(self.group.name, first.epoch, self.me, sorted(missing),
-                                          time.perf_counter() - t0)
+                                          time.perf_counter() - t0, note)
             raise self._broken
         try:
             self._raise_gathered(self._gathered(self._leader_span_ptr), time.perf_counter() - t0)
@@ -249,15 +285,18 @@ class HostSpanBarrier(SpanBarrier):
 
     def _cross(self, timeout_s: float) -> None:
         """Every leader's word through the root, written into this rank's span buffer in node order; a
-        leader that never arrived is named (bit 0: the leader itself)."""
+        leader that never arrived is named (bit 0: the leader itself; flag ABSENT). This leader, come after the
+        others gave up on it because it waited for a member of its node, keeps its own word: it names that member."""
         wait_s = CROSS_FACTOR * timeout_s
         values = self._step(self._topic, {"timeout_s": wait_s, "err": list(self._word)}, wait_s + VERDICT_MARGIN_S)
         words = self._gathered(self._span.ptr)
         for j, value in enumerate(values):
-            if isinstance(value, dict) and isinstance(value.get("err"), list) and len(value["err"]) == 2:
+            if j == self.node_index and self._word[1]:
+                words[j] = list(self._word)
+            elif isinstance(value, dict) and isinstance(value.get("err"), list) and len(value["err"]) == 2:
                 words[j] = [int(value["err"][0]), int(value["err"][1])]
             else:  # the root named this leader: it never took the step (its stage-1 epoch, bit 0: itself)
-                words[j] = [2 * self.epoch - 1, 1]
+                words[j] = [ABSENT | (2 * self.epoch - 1), 1]
 
     def check(self) -> None:
         if self._broken is not None:
