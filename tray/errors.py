@@ -72,7 +72,7 @@ class BarrierTimeout(WaitedForRanks):
         why = ("this rank came after the others had waited that long for it and gone on: it was late" if rank in missing
                else "rank {who} missing: it died, hangs, or never entered this barrier" if len(missing) == 1
                else "ranks {who} missing: each died, hangs, or never entered this barrier")
-        # `also`: what the waiting rank knows of a missing rank beyond that (a node leader's place in a spanning barrier)
+        # `also`: what the waiting rank knows of a missing rank beyond that (a node leader's place in a spanning one)
         super().__init__(f"barrier {group} epoch {epoch}", group, epoch, rank, missing, waited_s,
                          why + (f"; {also}" if also else ""))
 

@@ -1231,3 +1231,31 @@ def test_a_spanning_barrier_whose_nodes_wait_unequally_names_the_member_a_leader
         assert "longer than this rank's 0.5 s" in said.group(1), runs[0].output
     said = re.search(r"\[rank 2\] missing \[3\] \| (.*)", runs[1].stdout)
     assert said and "rank 3 missing" in said.group(1), runs[1].output
+
+
+def test_master_port_is_held_on_node_0_and_one_already_taken_is_said(tray_env):
+    """MASTER_PORT (the root's port + 1) is held by node 0's head while the job runs (nothing else takes it from a
+    program's torch.distributed store); one another program listens on is said in one line, not refused."""
+    body = """
+    import socket
+    with tray.init() as rank:
+        if rank.rank == 0:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+                print("MASTER_PORT was free to take", flush=True)
+            except OSError:
+                print("MASTER_PORT held", flush=True)
+            s.close()
+    """
+    runs = finish(start_job(tray_env, body, "-n", "1"), timeout_s=60)
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    assert "MASTER_PORT held" in runs[0].stdout, runs[0].output
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        runs = finish(start_job(tray_env, body, "-n", "1", port=port), timeout_s=60)
+    assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
+    assert f"MASTER_PORT {port + 1} (the root's port + 1) is taken on 127.0.0.1" in runs[0].stderr, runs[0].output
+    assert "MASTER_PORT" not in runs[1].stderr, runs[1].output

@@ -179,7 +179,8 @@ def test_a_leader_stuck_in_the_cross_step_names_the_other_leaders_and_stays_brok
     with pytest.raises(BarrierTimeout) as info:
         barrier.wait(0.5)
     assert info.value.missing == [2], info.value
-    assert "rank 2 leads ranks 2,3 on its node" in str(info.value) and "longer than this rank's 0.5 s" in str(info.value)
+    said = str(info.value)
+    assert "rank 2 leads ranks 2,3 on its node" in said and "longer than this rank's 0.5 s" in said
     assert ("sync", release_timeout_s(0.5) + 1.0) in log and ("abort-leaders",) in log
     with pytest.raises(BarrierTimeout):
         barrier.launch(0.5)

@@ -300,12 +300,7 @@ class Head:
         ids_thread: threading.Thread | None = None
         _set_child_subreaper(True)
         try:
-            try:
-                # held until the tray is down
-                self.master_port = PortReservation(port=self.spec.master_port or 0, lock_dir_fd=job.root_fd)
-            except OSError as exc:
-                raise SetupError(f"--master-port {self.spec.master_port}: cannot reserve it on {MASTER_ADDR} "
-                                 f"({exc.strerror}); choose another, or leave it out (a free port)") from None
+            self.master_port = self._reserve_master_port(job.root_fd)  # held until the tray is down
             try:
                 watchdog = self._watchdog = Watchdog(job.root, job.path.name, job.lock_fd)
             except OSError as exc:
@@ -352,6 +347,14 @@ class Head:
             job.close()
             _set_child_subreaper(False)
         return job.path
+
+    def _reserve_master_port(self, lock_dir_fd: int) -> PortReservation | None:
+        """The ranks' MASTER_PORT on one host: --master-port, else a free one; held while the tray runs."""
+        try:
+            return PortReservation(port=self.spec.master_port or 0, lock_dir_fd=lock_dir_fd)
+        except OSError as exc:
+            raise SetupError(f"--master-port {self.spec.master_port}: cannot reserve it on {MASTER_ADDR} "
+                             f"({exc.strerror}); choose another, or leave it out (a free port)") from None
 
     def _spawn_all(self, job_dir: Path, endpoint: str, process_group: int) -> None:
         manifest = str(Path(self.spec.manifest).resolve()) if self.spec.manifest else ""

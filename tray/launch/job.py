@@ -361,6 +361,11 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
                    node_heartbeat_timeout_s=args.node_heartbeat_timeout_s, port_source=port_source)
 
 
+def master_port_of(job: JobSpec) -> int:
+    """The job's MASTER_PORT: the root's port + 1 (the one below for a root on 65535)."""
+    return job.root_port + 1 if job.root_port < 65535 else job.root_port - 1
+
+
 def job_rank_env(job: JobSpec, local_rank: int, local_world_size: int) -> dict[str, str]:
     """The variables that place local rank `local_rank` of this node in the job: global rank =
     node_rank * local_world_size + local_rank, and torchrun's contract describing the job (through
@@ -380,8 +385,7 @@ def job_rank_env(job: JobSpec, local_rank: int, local_world_size: int) -> dict[s
         "TRAY_NODE_RANK": str(job.node_rank),
         "TRAY_NNODES": str(job.nnodes),
     }
-    master_port = job.root_port + 1 if job.root_port < 65535 else job.root_port - 1
-    env.update(torchrun_env(rank, world, master_port, job.rdzv_id, local_rank=local_rank,
+    env.update(torchrun_env(rank, world, master_port_of(job), job.rdzv_id, local_rank=local_rank,
                             local_world_size=local_world_size, group_rank=job.node_rank,
                             group_world_size=job.nnodes, master_addr=job.root_host))
     return env

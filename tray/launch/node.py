@@ -25,7 +25,8 @@ from tray.handshake import jobwire, wire
 from tray.handshake.steps import GROUP_PREFIX, describe_pending, step_voters
 from tray.launch.curve import job_keys, make_client
 from tray.launch.head import Head
-from tray.launch.job import JobSpec, job_rank_env
+from tray.launch.job import JobSpec, job_rank_env, master_port_of
+from tray.launch.ports import PortReservation
 from tray.launch.root import (
     FAILED_HANDSHAKE,
     HEARTBEAT_INTERVAL_S,
@@ -212,6 +213,22 @@ class NodeHead(Head):
 
     def _job_env(self, local_rank: int) -> dict[str, str]:
         return job_rank_env(self.job, local_rank, self.spec.nprocs)
+
+    def _reserve_master_port(self, lock_dir_fd: int) -> PortReservation | None:
+        """The job's MASTER_PORT (the root's port + 1), held on node 0 while it runs, so that no other program
+        takes it from the store of a program's torch.distributed; a port already taken is said, not refused
+        (a program without torch.distributed never uses it). Other nodes hold none: their ranks dial node 0."""
+        if not self.job.is_root:
+            return None
+        port = master_port_of(self.job)
+        host = (self._root_address or "").removeprefix("tcp://").rpartition(":")[0] or "0.0.0.0"
+        try:
+            return PortReservation(host=host, port=port, lock_dir_fd=lock_dir_fd)
+        except OSError as exc:
+            say(f"MASTER_PORT {port} (the root's port + 1) is taken on {host} ({exc.strerror}): a program's "
+                "torch.distributed store cannot listen there; where the program uses one, give the job another "
+                "port with --rdzv-endpoint HOST:PORT (the same on every node)")
+            return None
 
     def _start_job(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         self._rank_sock = sock
