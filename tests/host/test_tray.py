@@ -289,6 +289,26 @@ def test_a_manifest_given_by_tray_init_alone_is_taken_by_the_head(tray_env, tmp_
     assert "the head loaded" in run.stderr and "(the built-in default: no --manifest given)" in run.stderr
 
 
+def test_tray_init_takes_a_built_in_manifest_by_name(tray_env):
+    """`tray.init(manifest="peer_fill")` (docs/api.md: a file or a built-in's name, as `--manifest` takes): the ranks
+    load the built-in and the head takes it. Before, the name was read as a file: every rank failed with
+    ManifestError 'cannot read the manifest'. A name that is neither is one line naming the built-ins."""
+    run = tray_env.launch(2, """
+    with tray.init(manifest="peer_fill") as rank:
+        rank.barrier()
+        print("named", rank.rank, rank.manifest.name, flush=True)
+    """, "-q", timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert "named 0 peer_fill" in run.stdout and "named 1 peer_fill" in run.stdout, run.output
+    run = tray_env.launch(2, """
+    with tray.init(manifest="peer_fil") as rank:
+        pass
+    """, "-q", timeout_s=60)
+    assert run.returncode == 2, run.output
+    assert "no manifest file 'peer_fil' and no built-in manifest of that name; did you mean 'peer_fill'?" \
+        in run.stderr, run.stderr
+
+
 def test_a_manifest_whose_path_is_not_utf8_runs(tray_env, tmp_path):
     """A manifest file under a name that is not UTF-8 (a path from another locale): the ranks load it and the tray
     runs. The offer once carried the path as it was and could not be encoded: every rank failed with WireError."""

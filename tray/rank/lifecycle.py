@@ -25,6 +25,7 @@ from tray.handshake.fdpass import FdServer, fetch_fds
 from tray.handshake.steps import node_leaders, node_parts, spans_nodes
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
+from tray.manifest.names import resolve_manifest
 from tray.rank.wiring import (
     FLAGS_PREFIX,
     GROUP_BUFFER_PREFIX,
@@ -91,7 +92,9 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any
     phases.sink = client
 
     with phases.timed("manifest"):
-        manifest = parts.manifest = load_manifest(manifest_path) if manifest_path else builtin_manifest()
+        # a file, or a built-in's name (`tray.init(manifest="peer_fill")`), as `tray launch --manifest` takes it
+        manifest = parts.manifest = load_manifest(resolve_manifest(manifest_path)) if manifest_path \
+            else builtin_manifest()
         resolved = parts.resolved = manifest.resolve(env.world_size, dict(env.vars), env.local_world_size or None)
     with phases.timed("device"):
         host = boot_id()
