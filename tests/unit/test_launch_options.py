@@ -533,3 +533,19 @@ def test_a_module_that_hides_a_dependency_is_named(tray_env):
         assert run.stderr.strip() == (f"tray: SetupError: {shadow / 'zmq.py'} hides the package 'zmq' that tray needs "
                                       "(Python finds it first: it is on PYTHONPATH or in the current directory); "
                                       "rename it, or take its directory off the path"), run.stderr
+
+
+def test_the_ep_moe_bench_help_says_which_paths_cross_nodes():
+    """`tray bench ep-moe --help`: --nnodes runs the peer path (its rows for other nodes staged and carried by
+    NCCL) and the NCCL path, as docs/cli.md and the report's cross_node_path say. The help once said the
+    exchange ran the NCCL path alone across nodes."""
+    import argparse
+
+    from tray.programs.ep_moe.bench import CROSS_NODE_PATH
+
+    ap = build_parser("bench")
+    bench = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    ep_moe = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices["ep-moe"]
+    nnodes = next(a for a in ep_moe._actions if "--nnodes" in a.option_strings)
+    assert "staged and carried by an NCCL all-to-all" in nnodes.help and "the NCCL path beside it" in nnodes.help
+    assert "staged and carried by an NCCL all-to-all" in CROSS_NODE_PATH

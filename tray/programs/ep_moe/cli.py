@@ -43,8 +43,9 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
                    "peer path's dispatch/combine/layer are also timed so, as peer_eager)")
     b.add_argument("--nnodes", type=int, default=1,
                    help="run the EP-N tray as a job of this many nodes on this machine (-n / N ranks each; cuda: "
-                   "each its share of the GPUs and its own NCCL_HOSTID); across nodes the exchange runs the NCCL "
-                   "path, checked against EP1 byte for byte (default 1)")
+                   "each its share of the GPUs and its own NCCL_HOSTID); the peer path within a node, its rows for "
+                   "other nodes staged and carried by an NCCL all-to-all, and the NCCL path beside it, both checked "
+                   "against EP1 byte for byte (default 1)")
     b.add_argument("--dispatch", type=words, default=("bf16",),
                    help="dispatch formats, comma-separated: bf16 (the baseline, always) and fp8 (e4m3 rows with a "
                    "float32 scale per 128 values, dequantized on the receiver: timed as dispatch_fp8 and layer_fp8, "
