@@ -1259,3 +1259,25 @@ def test_master_port_is_held_on_node_0_and_one_already_taken_is_said(tray_env):
     assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
     assert f"MASTER_PORT {port + 1} (the root's port + 1) is taken on 127.0.0.1" in runs[0].stderr, runs[0].output
     assert "MASTER_PORT" not in runs[1].stderr, runs[1].output
+
+
+def test_nodes_with_different_manifests_are_refused_naming_the_parts_that_differ(tray_env, tmp_path):
+    """Node 1 runs a copy of the manifest with another description and a kernel source one comment longer: the root
+    said only that the two digests differ; it now names the parts (each node's parts by digest in its join)."""
+    import shutil
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+    """
+    other = tmp_path / "other"
+    shutil.copytree(MANIFESTS, other)
+    doc = json.loads((other / "peer_fill.json").read_text())
+    doc["description"] += " (edited)"
+    (other / "peer_fill.json").write_text(json.dumps(doc))
+    with open(other / "kernels" / "peer_fill.cu", "a") as f:
+        f.write("// edited\n")
+    runs = finish(start_job(tray_env, body, "--manifest", FILL,
+                            node_args={1: ("--manifest", str(other / "peer_fill.json"))}), timeout_s=40)
+    assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
+    assert "(they differ in description, the source of kernel 'peer_fill'); run every node with the same manifest" \
+        in _root_cause(runs[1]), runs[1].output

@@ -133,3 +133,16 @@ def test_a_failures_exit_code_is_one_a_process_can_exit_with(kind):
         with pytest.raises(WireError, match=f"field 'exit_code': expected an exit code of at most 255, got {code}"):
             jobwire.decode(msgpack.packb({**msg.to_body(), "exit_code": code}), token=TOKEN)
     assert jobwire.decode(msgpack.packb({**msg.to_body(), "exit_code": 255}), token=TOKEN).exit_code == 255
+
+
+def test_manifests_of_two_nodes_are_compared_part_by_part():
+    from tray.manifest.digest import part_digests, parts_differing
+    doc = {"name": "m", "programs": {"step": []}, "buffers": []}
+    ours = part_digests(doc, {"k": b"a"})
+    assert parts_differing(ours, ours) == []
+    theirs = part_digests({**doc, "programs": {"step": [{"barrier": "world"}]}, "states": []}, {"k": b"b", "j": b""})
+    assert parts_differing(theirs, ours) == ["programs", "the source of kernel 'j'", "the source of kernel 'k'",
+                                             "states"]
+    said = jobwire.manifest_differs("a" * 64, "b" * 64, theirs, ours)
+    assert said.startswith("manifest aaaaaaaaaaaa..., node 0 loaded bbbbbbbbbbbb... (they differ in programs, "), said
+    assert "(they differ" not in jobwire.manifest_differs("a" * 64, "b" * 64)  # a node that sent no parts

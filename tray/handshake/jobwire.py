@@ -26,6 +26,7 @@ from tray.handshake.wire import (
     _as_str,
     _fields,
 )
+from tray.manifest.digest import parts_differing
 
 # (value, field path) -> checked value; `_offers` also takes the enclosing token
 Check: TypeAlias = Callable[..., Any]
@@ -129,7 +130,8 @@ class NodeJoin(_JobMessage):
     KIND: ClassVar[str] = "node_join"
     FIELDS: ClassVar[dict[str, Check]] = {
         "node_rank": _int(0), "nnodes": _int(1), "local_world_size": _int(1), "rdzv_id": _str(),
-        "hostname": _str(), "pid": _int(1), "manifest": _str(), "backend": _str(*wire.BACKENDS)}
+        "hostname": _str(), "pid": _int(1), "manifest": _str(), "backend": _str(*wire.BACKENDS),
+        "manifest_parts": _strs}
     node_rank: int
     nnodes: int
     local_world_size: int
@@ -138,6 +140,8 @@ class NodeJoin(_JobMessage):
     pid: int
     manifest: str
     backend: str
+    # the manifest's parts by digest (tray.manifest.digest.part_digests): where two nodes' manifests differ
+    manifest_parts: tuple[str, ...] = ()
 
 
 def manifest_with_vars(digest: str, variables: Mapping[str, int]) -> str:
@@ -146,12 +150,16 @@ def manifest_with_vars(digest: str, variables: Mapping[str, int]) -> str:
     return digest + ("+" + ",".join(f"{k}={variables[k]}" for k in sorted(variables)) if variables else "")
 
 
-def manifest_differs(theirs: str, ours: str) -> str:
-    """How a node's NodeJoin `manifest` differs from node 0's (both from manifest_with_vars), for a message."""
+def manifest_differs(theirs: str, ours: str, theirs_parts: tuple[str, ...] = (),
+                     ours_parts: tuple[str, ...] = ()) -> str:
+    """How a node's NodeJoin `manifest` differs from node 0's (both from manifest_with_vars), for a message; with
+    both nodes' `manifest_parts`, in which parts."""
     (d1, _, v1), (d0, _, v0) = theirs.partition("+"), ours.partition("+")
     if d1 != d0:
-        return (f"manifest {d1[:12]}..., node 0 loaded {d0[:12]}...; run every node with the same manifest file and "
-                "kernels")
+        where = parts_differing(theirs_parts, ours_parts) if theirs_parts and ours_parts else []
+        return (f"manifest {d1[:12]}..., node 0 loaded {d0[:12]}..." + (f" (they differ in {', '.join(where)})"
+                                                                       if where else "") +
+                "; run every node with the same manifest file and kernels")
     return f"--var {v1 or '(none)'}, node 0 has --var {v0 or '(none)'}; launch every node with the same --var values"
 
 

@@ -12,7 +12,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from tray.errors import UsageError, WireError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20

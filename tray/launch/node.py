@@ -37,6 +37,7 @@ from tray.launch.root import (
 )
 from tray.launch.spawn import say
 from tray.launch.spec import EXIT_HANDSHAKE, Failure, RankProcess, TraySpec
+from tray.manifest.digest import part_digests
 from tray.numa import NumaPlacement
 
 # NOTE: after a local failure the head waits this long for the root's verdict (the job's root cause may
@@ -234,14 +235,16 @@ class NodeHead(Head):
         self._rank_sock = sock
         # the manifest's digest does not cover --var: the nodes compare both (jobwire.manifest_with_vars)
         manifest = jobwire.manifest_with_vars(self.manifest.digest, dict(self.spec.vars))
+        parts = part_digests(self.manifest.doc, {k.name: k.code for k in self.manifest.kernels})
         if self.job.is_root:
             self.root = Root(ctx, self.job, local_world_size=self.spec.nprocs, manifest=manifest,
                              backend=self.spec.backend, groups=self.resolved.groups,
-                             join_timeout_s=self.spec.handshake_timeout_s, address=self._root_address)
+                             join_timeout_s=self.spec.handshake_timeout_s, address=self._root_address,
+                             manifest_parts=parts)
         join = jobwire.NodeJoin(token=self.job.token, node_rank=self.job.node_rank, nnodes=self.job.nnodes,
                                 local_world_size=self.spec.nprocs, rdzv_id=self.job.rdzv_id,
                                 hostname=socket.gethostname(), pid=os.getpid(), manifest=manifest,
-                                backend=self.spec.backend)
+                                backend=self.spec.backend, manifest_parts=parts)
         self.link = NodeLink(ctx, self.job, join, self.spec.handshake_timeout_s)
 
     def _extra_sockets(self) -> list[zmq.Socket]:

@@ -135,9 +135,10 @@ class Root:
 
     def __init__(self, ctx: zmq.Context, job: JobSpec, *, local_world_size: int, manifest: str, backend: str,
                  groups: dict[str, tuple[tuple[int, ...], ...]], join_timeout_s: float,
-                 address: str | None = None) -> None:
+                 address: str | None = None, manifest_parts: tuple[str, ...] = ()) -> None:
         """`address`: the `tcp://IP:PORT` to bind, resolved already (bind_address); the job's root host's when
-        None."""
+        None. `manifest_parts`: node 0's manifest's parts by digest, to say where another node's differs."""
+        self.manifest_parts = manifest_parts
         self.job = job
         self.nnodes = job.nnodes
         self.local_world_size = local_world_size
@@ -325,7 +326,8 @@ class Root:
             problems.append(f"{n} {'rank' if n == 1 else 'ranks'} per node, node 0 runs {self.local_world_size}; every "
                             "node must run the same number (-n / --nproc-per-node)")
         if join.manifest != self.manifest:
-            problems.append(jobwire.manifest_differs(join.manifest, self.manifest))
+            problems.append(jobwire.manifest_differs(join.manifest, self.manifest, join.manifest_parts,
+                                                     self.manifest_parts))
         if join.backend != self.backend:
             problems.append(f"backend {join.backend}, node 0 runs {self.backend}")
         if join.node_rank >= self.nnodes:

@@ -29,3 +29,20 @@ def compute_digest(doc: Mapping[str, Any], kernel_sources: Mapping[str, bytes]) 
         h.update(b"\0kernel\0" + name.encode("utf-8", errors="surrogatepass") + b"\0")
         h.update(kernel_sources[name])
     return h.hexdigest()
+
+
+def part_digests(doc: Mapping[str, Any], kernel_sources: Mapping[str, bytes]) -> tuple[str, ...]:
+    """`<part>=<sha256 hex, 16 digits>` of each part the digest covers: each top-level key of the document, and
+    `source:<kernel>` each kernel's source, in name order; two manifests of one digest have the same parts, and
+    the parts that differ say where two of different digests do (`parts_differing`)."""
+    parts = [f"{key}={hashlib.sha256(canonical_json({key: doc[key]})).hexdigest()[:16]}" for key in sorted(doc)]
+    parts += [f"source:{name}={hashlib.sha256(code).hexdigest()[:16]}" for name, code in sorted(kernel_sources.items())]
+    return tuple(parts)
+
+
+def parts_differing(theirs: tuple[str, ...], ours: tuple[str, ...]) -> list[str]:
+    """The parts (part_digests) in which two manifests differ, as words: `programs`, `the source of kernel 'k'`;
+    a part one of them lacks too."""
+    a, b = (dict(p.rpartition("=")[::2] for p in side) for side in (theirs, ours))
+    return [f"the source of kernel {key[7:]!r}" if key.startswith("source:") else key
+            for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
