@@ -401,7 +401,7 @@ def test_a_second_node_0_on_the_roots_host_is_told_node_rank_0_may_be_given_twic
 
 def test_a_slurm_root_port_in_use_is_told_as_the_job_ids_port_not_a_node_rank_given_twice(tray_env):
     """Under Slurm the root's port comes from the job id and the node ranks from SLURM_NODEID: a port in use there is
-    another job whose id is 5000 apart, another step of this job at once, or another program; the advice to give each
+    another job's step of the same slot, or another program; the advice to give each
     node its own --node-rank misled."""
     from tray.launch.job import slurm_port
 

@@ -106,6 +106,12 @@ def test_slurm_automatic_inside_a_one_task_per_node_step():
     # consecutive jobs on one node: each job's root and MASTER_PORT (root + 1) never meet the next job's
     ports = {p for j in range(4240, 4250) for p in (slurm_port(str(j)), slurm_port(str(j)) + 1)}
     assert len(ports) == 20
+    # steps of one job running at once (each on its own GPUs of the nodes): each its own port; step 0 the job id's
+    assert slurm_port("4242", "0") == slurm_port("4242") and slurm_port("4242", "batch") == slurm_port("4242")
+    steps = {p for s in range(8) for p in (slurm_port("4242", str(s)), slurm_port("4242", str(s)) + 1)}
+    assert len(steps) == 16 and not steps & (ports - {slurm_port("4242"), slurm_port("4242") + 1})
+    step1 = resolve_job(JobArgs(), {**SLURM, "SLURM_STEP_ID": "1"})
+    assert step1 is not None and step1.root_port == slurm_port("4242", "1") != job.root_port
     # several tasks per node in a step over several nodes (a job's --ntasks-per-node=4 inherited by a plain srun):
     # refused, asked for or not (it ran 8 unrelated trays, two per node, and exited 0); --standalone asks for them
     for args in (JobArgs(), JobArgs(slurm=True)):

@@ -33,6 +33,10 @@ SLURM_PORT_BASE = 20000
 # NOTE: two ports per job, the root's and MASTER_PORT (the root's + 1), so consecutive jobs sharing a node never
 # take each other's: the root at 20000 + 2 x (job id mod 5000)
 SLURM_PORT_JOBS = 5000
+# NOTE: step s of a job takes the slot s x 1009 further on (mod 5000), so two steps of one job running at once
+# (each on its own GPUs of the nodes) never share a port, and step 0 is where the job id alone puts it; a prime
+# stride keeps the steps of a job far from the slots of the jobs with neighbouring ids
+SLURM_PORT_STEP_STRIDE = 1009
 # NOTE: a lost node is named within this bound; heartbeats go every HEARTBEAT_INTERVAL_S (node.py).
 DEFAULT_NODE_HEARTBEAT_TIMEOUT_S = 5.0
 
@@ -80,13 +84,14 @@ class JobSpec:
         return self.node_rank == 0
 
 
-def slurm_port(job_id: str) -> int:
-    """The root's port for Slurm job `job_id` (same on every node): 20000 + 2 x (id mod 5000); the program's
-    MASTER_PORT is the next one."""
+def slurm_port(job_id: str, step: str | None = None) -> int:
+    """The root's port for step `step` of Slurm job `job_id` (same on every node): 20000 + 2 x ((id + 1009 x step)
+    mod 5000); the program's MASTER_PORT is the next one. A step that is not a number counts as 0."""
     digits = job_id.split("_")[0]  # array jobs: "1234_7"
     if not is_digits(digits):
         raise UsageError(f"SLURM_JOB_ID {job_id!r} is not a number; give the port: --rdzv-endpoint HOST:PORT")
-    return SLURM_PORT_BASE + 2 * (int(digits) % SLURM_PORT_JOBS)
+    s = int(step) if step is not None and is_digits(step) else 0
+    return SLURM_PORT_BASE + 2 * ((int(digits) + SLURM_PORT_STEP_STRIDE * s) % SLURM_PORT_JOBS)
 
 
 def _int(value: str, name: str, lo: int) -> int:
@@ -182,7 +187,7 @@ def _from_slurm(env: Mapping[str, str]) -> _Found:
     job_id = env["SLURM_JOB_ID"]
     step = env.get("SLURM_STEP_ID")
     return _Found("slurm", nnodes=nnodes, node_rank=_int(env["SLURM_NODEID"], "SLURM_NODEID", 0),
-                  host=first_host(env["SLURM_JOB_NODELIST"]), port=slurm_port(job_id),
+                  host=first_host(env["SLURM_JOB_NODELIST"]), port=slurm_port(job_id, step),
                   rdzv_id=f"slurm-{job_id}" + (f".{step}" if step else ""))
 
 

@@ -37,7 +37,7 @@ from tray.handshake.steps import (
 )
 from tray.handshake.wire import MAX_MESSAGE_NBYTES
 from tray.launch.curve import ZapHandler, job_keys, make_server
-from tray.launch.job import SLURM_PORT_BASE, SLURM_PORT_JOBS, JobSpec
+from tray.launch.job import SLURM_PORT_BASE, SLURM_PORT_JOBS, SLURM_PORT_STEP_STRIDE, JobSpec
 from tray.launch.spawn import raise_fd_limit, say
 from tray.launch.spec import EXIT_HANDSHAKE
 from tray.text import printable
@@ -203,9 +203,9 @@ class Root:
             self.close()
             if exc.errno == errno.EADDRINUSE and job.port_source == "slurm":
                 raise UsageError(f"the root's port {job.root_port} is in use on this machine: under Slurm it comes "
-                                 f"from the job id ({SLURM_PORT_BASE} + 2 x (id mod {SLURM_PORT_JOBS})), so a job "
-                                 f"whose id is {SLURM_PORT_JOBS} apart, "
-                                 "another step of this job running at once, or another program holds it; give this "
+                                 f"from the job id and step ({SLURM_PORT_BASE} + 2 x ((id + "
+                                 f"{SLURM_PORT_STEP_STRIDE} x step) mod {SLURM_PORT_JOBS})), so another job's step "
+                                 "of the same slot, or another program holds it; give this "
                                  f"step another port with --rdzv-endpoint {job.root_host}:PORT (the same on every "
                                  "node)") from None
             if exc.errno == errno.EADDRINUSE:
