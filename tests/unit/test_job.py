@@ -363,3 +363,30 @@ def test_a_multi_node_slurm_jobs_batch_script_running_one_tray_is_told(capsys):
         in err, err
     assert resolve_job(JobArgs(), {**batch, "SLURM_JOB_NUM_NODES": "1"}) is None
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("yaml_name", ["pytorchjob.yaml", "lws.yaml"])
+def test_the_kubernetes_secret_recipe_makes_the_secret_the_yaml_reads(yaml_name):
+    """The YAML's comment says how to make the job's Secret: its command (kubectl as a client, --dry-run) gives a
+    Secret of the name and key the YAML's secretKeyRef reads, holding 64 hex characters, with the token on no
+    command line (it was `--from-literal=token=$(...)`: kubectl's argv, readable by every user of the machine)."""
+    import base64
+    import json
+    import re
+    import shutil
+    import subprocess
+
+    text = (MANIFESTS.parent / "launch" / "kubernetes" / yaml_name).read_text()
+    recipe = " ".join(line[1:].strip().rstrip("\\").split("  # ")[0] for line in text.splitlines()
+                      if line.startswith("#") and ("secrets.token_hex" in line or "kubectl create secret" in line))
+    assert "--from-literal" not in recipe and "$(" not in recipe, recipe
+    ref = re.search(r"secretKeyRef: \{name: ([\w-]+), key: (\w+)\}", text)
+    assert ref and f"generic {ref.group(1)} --from-file={ref.group(2)}=/dev/stdin" in recipe, recipe
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl (the client) is not installed: the recipe's command was not run")
+    out = subprocess.run(["bash", "-c", recipe + " --dry-run=client -o json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    secret = json.loads(out.stdout)
+    assert secret["metadata"]["name"] == ref.group(1)
+    assert re.fullmatch(r"[0-9a-f]{64}", base64.b64decode(secret["data"][ref.group(2)]).decode())
