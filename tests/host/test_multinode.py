@@ -1281,3 +1281,21 @@ def test_nodes_with_different_manifests_are_refused_naming_the_parts_that_differ
     assert all(run.returncode == 3 for run in runs), [r.output for r in runs]
     assert "(they differ in description, the source of kernel 'peer_fill'); run every node with the same manifest" \
         in _root_cause(runs[1]), runs[1].output
+
+
+def test_the_node_of_a_leader_another_node_gave_up_on_tells_of_the_ranks_it_leads(tray_env):
+    """As above, the ranks not catching it: node 0's failure names rank 2 (node 1's leader, waiting for rank 3), and
+    node 1's head tells of rank 3 as well as rank 2 (it told of rank 2 alone, which was where the others wait)."""
+    body = """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank != 3:
+            rank.barrier(timeout_s=0.5 if rank.rank < 2 else 3.0)
+        else:
+            time.sleep(4.5)
+    """
+    runs = finish(start_job(tray_env, body))
+    assert all(run.returncode == 1 for run in runs), [r.output for r in runs]
+    assert "rank 2 leads ranks 2,3 on its node" in _root_cause(runs[1]), runs[1].output
+    assert re.search(r"node 1: rank 3 is alive, .*running but not where the others wait for it", runs[1].stderr), \
+        runs[1].output

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import time
@@ -172,6 +173,10 @@ class NodeLink:
         self.sock.disable_monitor()
         self.monitor.close()
         self.sock.close(linger=linger_ms)
+
+
+# the ranks a spanning barrier's message says a node leader it missed leads (tray/collectives/span.py)
+_LEADS = re.compile(r"rank [0-9]{1,18} leads ranks ([0-9]{1,18}(?:,[0-9]{1,18}){0,4095}) on its node")
 
 
 class NodeHead(Head):
@@ -516,6 +521,8 @@ class NodeHead(Head):
         """What this head knows of its own ranks that another node's failed wait names as missing (alive, busy,
         stopped, dead): only this node can tell, as the head of one host does for its ranks."""
         named = set(BarrierTimeout.missing_in(stop.summary) or BarrierTimeout.missing_in(stop.report))
+        # a node leader named in a spanning barrier may be waiting for the ranks it leads: those are told of too
+        named |= {int(r) for led in _LEADS.findall(stop.summary) for r in led.split(",")}
         late = [p for p in self.procs if p.rank in named]
         if not late:
             return ()
