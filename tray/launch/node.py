@@ -229,7 +229,9 @@ class NodeHead(Head):
         port = master_port_of(self.job)
         host = (self._root_address or "").removeprefix("tcp://").rpartition(":")[0] or "0.0.0.0"
         try:
-            return PortReservation(host=host, port=port, lock_dir_fd=lock_dir_fd)
+            # NOTE: no lock file in the jobs root (a killed head would leave it): the root's own port, the one
+            # below, is listened on, so no other job of this port pair runs here at once
+            return PortReservation(host=host, port=port)
         except OSError as exc:
             say(f"MASTER_PORT {port} (the root's port + 1) is taken on {host} ({exc.strerror}): a program's "
                 "torch.distributed store cannot listen there; where the program uses one, give the job another "
