@@ -1070,3 +1070,50 @@ def test_a_rank_that_exited_0_is_said_gone_not_dead_in_a_barriers_verdict(tray_e
     assert run.returncode == 1, run.output
     assert re.search(r"rank 1 exited with code 0 \(last phase: \w+\): gone, not slow", run.stderr), run.stderr
     assert "dead, not slow" not in run.stderr, run.stderr
+
+
+def test_a_child_forked_after_init_gets_a_usage_error_and_its_error_is_not_the_ranks(tray_env):
+    """A worker the rank forks after tray.init() (a DataLoader's, a fork Pool's) that calls tray: its barrier bumped
+    the peers' flags as if the rank had entered (it returned at once, the peers' next barrier passing unsynchronised),
+    its exchange spun forever on the rank's head socket, and an exception leaving the `with` block in it wrote the
+    rank's error file (a later death of the rank was reported with the worker's traceback). Now a UsageError at once,
+    and the worker's exception stays its own."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            os.close(r)
+            said = []
+            for call in (lambda: rank.barrier(timeout_s=1.0), lambda: rank.exchange("worker", 1, timeout_s=1.0)):
+                try:
+                    call()
+                    said.append("returned")
+                    break  # an exchange after a barrier that returned would wait forever
+                except tray.TrayError as exc:
+                    said.append(f"{type(exc).__name__}: {exc}")
+            os.write(w, "\\n".join(said).encode())
+            raise RuntimeError("the worker's own error")  # leaves the with block in the worker
+        os.close(w)
+        said = b""
+        while chunk := os.read(r, 65536):
+            said += chunk
+        os.waitpid(pid, 0)
+        for line in said.decode().splitlines():
+            print("worker:", line, flush=True)
+        rank.barrier()
+        if rank.rank == 1:
+            os._exit(3)
+        rank.barrier(timeout_s=30)
+    """, timeout_s=30)
+    assert run.returncode == 1, run.output
+    worker = [ln for ln in run.stdout.splitlines() if "worker:" in ln]
+    assert len(worker) == 4, run.output
+    for line in worker:
+        assert "UsageError: " in line and "forked after tray.init()" in line, line
+    assert any("barrier('world') in process" in ln for ln in worker)
+    assert any("exchange('worker') in process" in ln for ln in worker)
+    assert "tray: FAILED: rank 1 (pid" in run.stderr and "exited with code 3" in run.stderr, run.stderr
+    # the rank's death has no error report (the worker's traceback is only among the rank's last lines, as it printed)
+    assert "tray: error report:" not in run.stderr and "reported to the head" not in run.output, run.stderr
+    assert run.seconds < 10

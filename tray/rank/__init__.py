@@ -46,6 +46,8 @@ __all__ = ["Buffer", "BufferView", "PeerTable", "Rank", "RankContext", "init"]
 
 # tray.init() was called in this process (it may be called once: a second offer would be refused by the head)
 _initialised = False
+# the process that called it (a child forked after it inherits `_initialised`, not the tray)
+_initialised_pid: int | None = None
 
 
 def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = None, early: Any = None) -> Rank:
@@ -58,7 +60,7 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
     Raises UsageError outside a tray or when this process already called it, HandshakeError when the tray cannot
     form.
     """
-    global _initialised
+    global _initialised, _initialised_pid
     if not float(timeout_s) > 0:
         if warmup is not None:
             warmup.release()
@@ -76,6 +78,8 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
             warmup.release()
         if early is not None:
             early.cancel()
+        if _initialised_pid is not None and _initialised_pid != os.getpid():
+            raise UsageError(_forked_child(f"process {os.getpid()} called tray.init()", _initialised_pid))
         raise UsageError("tray.init() was already called in this process: a rank joins its tray once (the head "
                          "knows it by its process); keep the first Rank, or launch a new tray")
     try:
@@ -86,7 +90,7 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
         if early is not None:
             early.cancel()
         raise
-    _initialised = True
+    _initialised, _initialised_pid = True, os.getpid()
     if early is None:
         from tray.collectives import early as early_join
 
@@ -117,6 +121,7 @@ class Rank:
         self._leases = Leases()  # live views of this rank's memory (tray/rank/views.py)
         self._closed = False
         self._reported = False  # an ErrorReport went to the head: no bye after it
+        self._pid = os.getpid()  # the rank's process: a child it forks shares none of the tray's connections
         # the timeout of barriers without one of their own (programs' barrier ops, rank.barrier()), s:
         # the launch's or the environment's (TRAY_BARRIER_TIMEOUT_S), else the manifest's, else the default
         self.barrier_timeout_s = wiring.env.barrier_wait_s(wiring.manifest.barrier_timeout_s)
@@ -147,12 +152,24 @@ class Rank:
     def context(self) -> RankContext:
         """What the executor, parking and weight loading use of this rank."""
         self._require_open("context()")
+        self._require_own_process("context()")
         return RankContext(self._wiring, self.kernel, self._exchange)
 
     # --- the API -----------------------------------------------------------------------------------
     def _require_open(self, what: str) -> None:
         if self._closed:
             raise UsageError(f"rank {self.rank}: {what} after close()")
+
+    def _forked(self) -> bool:
+        """Whether this is a child the rank's process forked after tray.init() (a DataLoader worker, a fork Pool's)."""
+        return os.getpid() != self._pid
+
+    def _require_own_process(self, what: str) -> None:
+        """The steps that talk to the head or to the peers (barriers, exchange, collectives, programs, park/wake) are
+        the rank's process's: in a forked child its head socket has no I/O thread (a wait there never ends) and a
+        barrier would bump the peers' flags for an epoch the rank never entered. UsageError there, at once."""
+        if self._forked():
+            raise UsageError(_forked_child(f"{what} in process {os.getpid()}", self._pid, self.rank))
 
     def buffer(self, name: str) -> BufferView:
         """The manifest buffer `name` on this rank: `.ptr`, and a zero-copy tensor (`torch.from_dlpack`,
@@ -206,6 +223,7 @@ class Rank:
     def barrier_of(self, group: str = "world") -> Barrier:
         """The group's Barrier object, for launching without synchronising (benchmarks, graphs)."""
         self._require_open("barrier()")
+        self._require_own_process(f"barrier({group!r})")
         return self._wiring.barrier(group)
 
     def kernel(self, name: str) -> Kernel:
@@ -224,6 +242,7 @@ class Rank:
         """The collectives of `group`. The first call joins every group's collectives: a tray-wide step
         that every rank must make (like `exchange`); a program with a collective op makes it in lockstep."""
         self._require_open("collectives()")
+        self._require_own_process(f"collectives({group!r})")
         return self._wiring.collectives_of(group, self._exchange)
 
     def read(self, name: str) -> np.ndarray:
@@ -268,6 +287,7 @@ class Rank:
     def _exchange(self, topic: str, value: Any, timeout_s: float = 60.0) -> list[Any]:
         """exchange() for tray's own steps too (the collectives' join, park and wake)."""
         self._require_open("exchange()")
+        self._require_own_process(f"exchange({topic!r})")
         timeout_s = wire.step_wait(timeout_s, f"exchange({topic!r})")
         client = self._wiring.client
         rnd = self._rounds.get(topic, 0) + 1
@@ -300,6 +320,7 @@ class Rank:
         With `stream` (an int handle) the program runs after the work on that stream and before the next
         (see tray.rank.streams); run it once outside a capture first (plans and kernels are built then)."""
         self._require_open("run()")
+        self._require_own_process(f"run({program!r})")
         if vars is not None and not isinstance(vars, dict):
             raise UsageError(f"run({program!r}): vars is a dict of var name -> int, got a {type(vars).__name__}")
         if self._executor is None:
@@ -329,6 +350,7 @@ class Rank:
 
     def _parking(self) -> Parking:
         self._require_open("park/wake")
+        self._require_own_process("park/wake/lease")
         if self._park is None:
             from tray.park import Parking
 
@@ -355,6 +377,10 @@ class Rank:
         if self._closed:
             return
         self._closed = True
+        if self._forked():
+            # a forked child (leaving the `with` block, sys.exit in a worker): the tray, its socket and its memory are
+            # the rank's; the child neither says bye for it nor releases them (its copies go with the process)
+            return
         if not self._reported:
             try:
                 self._wiring.client.send(wire.Bye(token=self.env.token, rank=self.rank))
@@ -382,6 +408,9 @@ class Rank:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._forked():  # a forked child's exception is its own, not the rank's report (nor its error file)
+            self._closed = True
+            return
         if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             _report(self.env, self.phase, self._wiring.client, exc)
             self._reported = True
@@ -392,6 +421,15 @@ class Rank:
             # names the signal, or takes it for the whole tray's Ctrl-C when it got one too
             self._reported = True
         self.close()
+
+
+def _forked_child(what: str, owner: int, rank: int | None = None) -> str:
+    """Why a forked child of a rank may not use the tray: `what` it did, `owner` the rank's process."""
+    whose = f"rank {rank}'s" if rank is not None else "the rank's"
+    return (f"{what}, a child that {whose} process ({owner}) forked after tray.init() (a DataLoader worker, a "
+            "multiprocessing fork Pool's): the tray's connection to the head, its heartbeats and its barriers belong "
+            f"to process {owner}, and in a forked child a wait on them would never end or a barrier would count for "
+            "the rank; make those calls in the rank's process and hand the child what it needs")
 
 
 def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
