@@ -318,6 +318,34 @@ with tray.init() as rank:
         head.stdout.close()
 
 
+def test_head_sigkilled_leaves_no_semaphore_of_a_ranks_spawn_pool(tray_env):
+    """A rank's multiprocessing spawn Pool: its resource tracker unlinks the pool's semaphores once its clients are
+    gone, but the watchdog SIGKILLed it with them at once after a killed head, leaving sem.mp-* in /dev/shm (the
+    head's own teardown gives SIGTERM and a second first). Now the watchdog does as the head does. (The fixture
+    checks /dev/shm.)"""
+    head = start_head(tray_env, 2, """
+import multiprocessing
+if __name__ == "__main__":
+    with tray.init() as rank:
+        pool = multiprocessing.get_context("spawn").Pool(1)
+        assert pool.map(abs, [-1, -2]) == [1, 2]
+        print("up", flush=True)
+        time.sleep(600)
+""")
+    try:
+        made = lambda: {s for s in os.listdir("/dev/shm") if s.startswith("sem.mp-")} - tray_env.shm_before  # noqa: E731
+        assert wait_for(made, 10), "the pool made no semaphore"
+        t0 = time.monotonic()
+        head.send_signal(signal.SIGKILL)
+        head.wait(timeout=10)
+        assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
+        assert time.monotonic() - t0 < 5
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+
+
 def test_head_sigkilled_takes_the_ranks_children_that_dropped_the_trays_environment(tray_env):
     """A rank's child started with an environment of its own (no TRAY_JOB) but left in the tray's process group: with
     the head killed, the watchdog's kill of that group takes it (no mark in its environment names the job)."""

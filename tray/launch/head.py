@@ -46,7 +46,7 @@ from tray.launch.spawn import (
     spawn_rank,
 )
 from tray.launch.spec import EXIT_HANDSHAKE, EXIT_USAGE, Failure, RankProcess, RankState, TrayResult, TraySpec
-from tray.launch.watchdog import REAP_TIMEOUT_S, Watchdog, kill_group, stat_fields, term_group
+from tray.launch.watchdog import REAP_TIMEOUT_S, SETTLE_S, Watchdog, kill_group, stat_fields, term_group
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
 from tray.numa import NumaPlacement, placement_for
@@ -78,9 +78,6 @@ SHM_SAMPLE_S = 1.0
 # NOTE: after every rank and leftover is gone, the output still in the pipes is read for this long
 # at most; a pipe that some escaped process holds open cannot delay the verdict longer.
 DRAIN_S = 1.0
-# NOTE: once the ranks are gone, what they started gets SIGTERM and this long to end before SIGKILL: a multiprocessing
-# resource tracker (which ignores SIGTERM) then unlinks the /dev/shm semaphores and segments its dead clients left.
-SETTLE_S = 1.0
 # a rank's error file is read up to this (its report: 16 kB of message and 64 kB of traceback, as JSON)
 ERROR_FILE_MAX_NBYTES = 1 << 20
 # NOTE: a rank whose heartbeat is this late (two periods and some) is not being scheduled or holds the GIL: from here

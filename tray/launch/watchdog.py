@@ -30,6 +30,9 @@ DONE = b"done\n"
 # NOTE: SIGKILLed processes vanish within milliseconds; the bound only guards against a process in
 # uninterruptible sleep (D state), which no signal can end sooner.
 REAP_TIMEOUT_S = 5.0
+# NOTE: once the ranks are gone, what they started gets SIGTERM and this long to end before SIGKILL: a multiprocessing
+# resource tracker (which ignores SIGTERM) then unlinks the /dev/shm semaphores and segments its dead clients left.
+SETTLE_S = 1.0
 _ROOT_ENV, _JOB_ENV = "TRAY_WATCHDOG_ROOT", "TRAY_WATCHDOG_JOB"  # the jobs root and the job dir's name
 
 
@@ -210,10 +213,15 @@ def _watch(root: str, job_name: str, pipe_fd: int, lock_fd: int) -> int:
         return 0
     # the head died without cleaning up: every process of the tray's group, then the rank's descendants that left
     # it (setpgid, setsid: the head, a subreaper, would have adopted and killed them), known by the job dir their
-    # environment names
-    me = os.getpid()
-    kill_group(os.getpgid(0), frozenset({me}))
-    kill_marked(f"TRAY_JOB={Path(root) / job_name}".encode(), frozenset({me}))
+    # environment names; as in the head's teardown, SIGTERM and a moment to end first (the ranks themselves died with
+    # the head): a multiprocessing resource tracker unlinks what its dead clients left in /dev/shm once they are gone
+    me, pgid = os.getpid(), os.getpgid(0)
+    mark = f"TRAY_JOB={Path(root) / job_name}".encode()
+    signalled: set[int] = set()
+    _signal_until_gone(lambda: group_members(pgid, frozenset({me})) + marked_processes(mark, frozenset({me})),
+                       signal.SIGTERM, SETTLE_S, signalled, raise_unlisted=False, again=False)
+    kill_group(pgid, frozenset({me}))
+    kill_marked(mark, frozenset({me}))
     try:
         _, root_fd = open_root(Path(root))
     except SetupError:
