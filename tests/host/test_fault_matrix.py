@@ -369,6 +369,45 @@ with tray.init() as rank:
         head.stdout.close()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_to_the_watchdog_while_it_starts_changes_nothing(tray_env, sig):
+    """The watchdog ignores the stop signals (the head acts on them), but only from its main(): one that reached it
+    while its interpreter started (a SIGTERM to the tray's process group, in its first ~0.1-0.5 s) killed it, and the
+    tray stopped with exit 3 ("exited with code -15 ... its stderr, above, says why"). Now they are blocked from its
+    start until it ignores them."""
+    head = subprocess.Popen(tray_env.command(2, """
+with tray.init() as rank:
+    rank.barrier()
+print("done", flush=True)
+"""), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(), cwd=str(tray_env.tmp))
+    try:
+        def watchdog() -> int | None:
+            try:
+                kids = psutil.Process(head.pid).children()
+            except psutil.Error:
+                return None
+            for kid in kids:
+                try:
+                    if "tray.launch.watchdog" in " ".join(kid.cmdline()):
+                        return kid.pid
+                except psutil.Error:
+                    pass
+            return None
+
+        deadline, pid = time.monotonic() + 20, None
+        while pid is None and time.monotonic() < deadline and head.poll() is None:
+            pid = watchdog()
+        assert pid is not None, "no watchdog seen"
+        os.kill(pid, sig)  # as soon as it runs Python, long before its main()
+        out, err = head.communicate(timeout=30)
+        assert head.returncode == 0, err
+        assert out.count("done") == 2, out + err
+    finally:
+        if head.poll() is None:
+            head.kill()
+            head.communicate()
+
+
 def test_double_sigterm_leaves_no_job_dir(tray_env):
     # ranks that ignore SIGTERM keep the head in its teardown (grace, then SIGKILL) when the second comes
     head = start_head(tray_env, 2, """

@@ -347,6 +347,13 @@ def test_a_watchdog_that_exited_stops_the_tray_naming_it() -> None:
     assert head.failure is not None and head.failure.exit_code == EXIT_HANDSHAKE
     assert head.failure.summary.startswith("the tray's watchdog (pid 4242, ") and "exited with code 1" in \
         head.failure.summary
+    assert "its stderr, above, says why it ended" in head.failure.summary
+    # killed by a signal: said as such (it was "exited with code -9", pointing at a stderr that says nothing)
+    head = Head(TraySpec(nprocs=1, cmd=("true",), backend="host"))
+    head._watchdog = SimpleNamespace(popen=SimpleNamespace(pid=4242, poll=lambda: -9))  # type: ignore[assignment]
+    head._check_watchdog()
+    assert head.failure is not None and "was killed by SIGKILL;" in head.failure.summary
+    assert "stderr" not in head.failure.summary and "process group" in head.failure.summary
 
 
 @pytest.mark.parametrize("before", [None, "", "/a::/b:"])

@@ -399,9 +399,11 @@ class Head:
         wd = self._watchdog
         if wd is None or (code := wd.popen.poll()) is None:
             return
+        why = "its stderr, above, says why it ended" if code >= 0 else \
+            "a signal sent to it, or to the tray's process group"
         self._fail(Failure(None, f"the tray's watchdog (pid {wd.popen.pid}, {sys.executable} -m "
-                           f"tray.launch.watchdog) exited with code {code}; without it a killed head would leave its "
-                           "ranks running, so the tray stops (its stderr, above, says why it ended)",
+                           f"tray.launch.watchdog) {_how_it_ended(code)}; without it a killed head would leave its "
+                           f"ranks running, so the tray stops ({why})",
                            exit_code=EXIT_HANDSHAKE))
 
     def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:

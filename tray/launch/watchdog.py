@@ -33,6 +33,8 @@ REAP_TIMEOUT_S = 5.0
 # NOTE: once the ranks are gone, what they started gets SIGTERM and this long to end before SIGKILL: a multiprocessing
 # resource tracker (which ignores SIGTERM) then unlinks the /dev/shm semaphores and segments its dead clients left.
 SETTLE_S = 1.0
+# what the watchdog ignores: the stop signals are the head's to act on, SIGUSR1/SIGUSR2 (Slurm's --signal) the ranks'
+IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _ROOT_ENV, _JOB_ENV = "TRAY_WATCHDOG_ROOT", "TRAY_WATCHDOG_JOB"  # the jobs root and the job dir's name
 
 
@@ -172,6 +174,10 @@ class Watchdog:
         # what names its job dir, and this one must outlive it to clean up after its own head
         env.pop("TRAY_JOB", None)
         env.update({_ROOT_ENV: str(root), _JOB_ENV: job_name})
+        # NOTE: the signals it ignores are blocked from its fork until its main() ignores them (it unblocks them then):
+        # a SIGTERM to the tray's process group while its interpreter starts (~0.1-0.5 s) ended it, and with it the
+        # tray (exit 3). A signal meanwhile to the head stays pending here, delivered when the mask is put back.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED_SIGNALS)
         try:
             self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(read_fd, lock_fd), process_group=0,
                                           env=env)
@@ -179,6 +185,7 @@ class Watchdog:
             os.close(self._write_fd)
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             os.close(read_fd)
             os.set_inheritable(lock_fd, False)
         self.pgid = self.popen.pid
@@ -237,9 +244,10 @@ def _watch(root: str, job_name: str, pipe_fd: int, lock_fd: int) -> int:
 
 def main(argv: list[str]) -> int:
     # The terminal's Ctrl-C and a SIGTERM are the head's to handle, SIGUSR1/SIGUSR2 (Slurm's --signal) the ranks'; the
-    # watchdog only acts on EOF.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    # watchdog only acts on EOF. Started with them blocked (Watchdog): ignored first, then unblocked (one pending goes).
+    for sig in IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED_SIGNALS)
     pipe_fd, lock_fd = int(argv[0]), int(argv[1])
     return _watch(os.environ[_ROOT_ENV], os.environ[_JOB_ENV], pipe_fd, lock_fd)
 
