@@ -48,6 +48,17 @@ __all__ = ["Buffer", "BufferView", "PeerTable", "Rank", "RankContext", "init"]
 _initialised = False
 # the process that called it (a child forked after it inherits `_initialised`, not the tray)
 _initialised_pid: int | None = None
+# set in a child forked after tray.init() (os.register_at_fork), so that the rank's own calls need no getpid()
+_forked_after_init = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_init
+    if _initialised:
+        _forked_after_init = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = None, early: Any = None) -> Rank:
@@ -162,7 +173,7 @@ class Rank:
 
     def _forked(self) -> bool:
         """Whether this is a child the rank's process forked after tray.init() (a DataLoader worker, a fork Pool's)."""
-        return os.getpid() != self._pid
+        return _forked_after_init and os.getpid() != self._pid
 
     def _require_own_process(self, what: str) -> None:
         """The steps that talk to the head or to the peers (barriers, exchange, collectives, programs, park/wake) are
