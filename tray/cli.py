@@ -559,7 +559,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {sig: signal.signal(sig, _terminate_as_interrupt) for sig in _STOP_SIGNALS if sig != signal.SIGINT}
     previous.update({sig: signal.signal(sig, _leave_to_the_ranks) for sig in _USER_SIGNALS})
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        # NOTE: flushed here, not at the interpreter's exit, where a reader gone or a full disk is only "Exception
+        # ignored" and exit 120 (stdout is block-buffered to a pipe or a file: a short output is all still there); a
+        # launch keeps its tray's status (its lines to a stream without a reader are dropped, said once)
+        return code if _launched else _flushed(code)
     except TrayError as exc:
         print(f"tray: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -574,25 +578,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "dependencies: install tray with them (pip install tray, or `make` in a checkout, then use "
               ".venv/bin/tray)", file=sys.stderr)
         return EXIT_USAGE
-    except BrokenPipeError:
-        # the reader of stdout went away (`tray inspect ... | head`): as a shell tool ends on SIGPIPE, quietly; stdout
-        # pointed at /dev/null so the interpreter's last flush does not raise again
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return 128 + signal.SIGPIPE
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or exc.filename is not None \
-                or not _stdout_full(exc):
+        code = _output_lost(exc)
+        if code is None:
             raise
-        # the command's output met a full disk (`tray inspect M > /dev/full`): one line instead of a traceback; stdout
-        # pointed at /dev/null so the interpreter's last flush does not raise again
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        print(f"tray: SetupError: cannot write the command's output ({exc.strerror}): what it printed to stdout is "
-              "lost; free space there, or send it elsewhere", file=sys.stderr)
-        return EXIT_USAGE
+        return code
     except KeyboardInterrupt as exc:
         # a second signal now is held until the line is out (then raised, as any signal would be)
         held = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
@@ -623,9 +613,45 @@ def program() -> NoReturn:
     except KeyboardInterrupt:
         _ignore_late_signals()
         code = 130
+    except SystemExit as exc:  # argparse: --help and --version (0) printed, a usage error (2) said
+        if not isinstance(exc.code, int):
+            raise
+        code = _flushed(exc.code)
     if _launched:
         _exit_now(code)
     sys.exit(code)
+
+
+def _flushed(code: int) -> int:
+    """`code` once stdout's buffer is written, or what _output_lost makes of the error that writing met."""
+    try:
+        sys.stdout.flush()
+    except OSError as exc:
+        lost = _output_lost(exc)
+        if lost is None:
+            raise
+        return lost
+    return code
+
+
+def _output_lost(exc: OSError) -> int | None:
+    """The exit status for an error writing the command's output, said as such, or None when `exc` is not one. The
+    reader of stdout went away (`tray inspect ... | head`): 141, quietly, as a shell tool ends on SIGPIPE. The output
+    met a full disk (`tray inspect M > /dev/full`): one line instead of a traceback, exit 2. Either way stdout then
+    points at /dev/null, so the interpreter's last flush does not raise again."""
+    if isinstance(exc, BrokenPipeError):
+        code = 128 + signal.SIGPIPE
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and exc.filename is None and _stdout_full(exc):
+        code = EXIT_USAGE
+    else:
+        return None
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    if code == EXIT_USAGE:
+        print(f"tray: SetupError: cannot write the command's output ({exc.strerror}): what it printed to stdout is "
+              "lost; free space there, or send it elsewhere", file=sys.stderr)
+    return code
 
 
 def _open_closed_stdio() -> None:

@@ -463,6 +463,34 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.parametrize("args", [["inspect", "--list"], ["--version"], ["doctor"]])
+def test_a_short_output_whose_reader_went_away_or_disk_is_full_is_said_as_a_long_one(args):
+    """Output short enough to wait in stdout's buffer until the command returns (stdout block-buffered to a pipe or
+    a file, PYTHONUNBUFFERED unset, as a user's shell has it; argparse's --version too): a reader gone is 141 with
+    nothing said, a full disk the one line, as when the error comes while the command runs; not the interpreter's
+    "Exception ignored ... BrokenPipeError" and exit 120."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tray", *args], stdout=write_end, stderr=subprocess.PIPE,
+                              env=env, timeout=60)
+    finally:
+        os.close(write_end)
+    err = proc.stderr.decode()
+    assert (proc.returncode, err) == (141, ""), err
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "tray", *args], stdout=full, stderr=subprocess.PIPE, env=env,
+                              timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert err == ("tray: SetupError: cannot write the command's output (No space left on device): what it printed "
+                   "to stdout is lost; free space there, or send it elsewhere\n"), err
+
+
 def test_output_to_a_full_disk_is_one_line(tmp_path):
     """`tray inspect M > /dev/full` (stdout on a full disk) and `tray gate --json` where it cannot be written: one
     line naming what was lost, exit 2, not a traceback."""
