@@ -6,7 +6,8 @@ Run: tray launch -n 2 --backend host --manifest examples/first_program.json exam
 Every rank owns `inbox` (u32[world_size, words], exported) and maps every peer's `inbox`. The manifest
 kernel `peer_fill` writes rank r's pattern into row r of every member's inbox, through the peer table;
 after a barrier each rank checks every row of its own inbox. On the host backend the kernel is a numpy
-twin (registered by the backend itself, see tray.twins); on cuda it is manifests/kernels/peer_fill.cu.
+twin (registered by the backend itself, see tray.twins); on cuda it is kernels/peer_fill.cu beside this file
+(a copy of the built-in one, so that examples/ runs wherever it is copied).
 `rank.peer_view(name, member)` is member's buffer as mapped here, usable without a copy by numpy
 (`np.asarray` on the host backend) or torch/cupy (`from_dlpack`, on this GPU on cuda).
 """

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -53,3 +55,23 @@ def test_every_example_runs_on_the_backend_asked_for():
     for name in run_all.EXAMPLES:
         words = run_all.command_for(name, "cuda").split()
         assert words.count("--backend") == 1 and words[words.index("--backend") + 1] == "cuda", words
+
+
+def test_examples_need_nothing_outside_their_folder(tmp_path):
+    """examples/ copied anywhere (out of a checkout, beside an installed tray) still loads: every kernel source its
+    manifests name lies in examples/, and the built-in kernel it copies is the same bytes (its host twin is the
+    built-in's)."""
+    from tray.manifest.load import load_manifest
+
+    examples = REPO / "examples"
+    for manifest in examples.glob("*.json"):
+        for kernel in json.loads(manifest.read_text()).get("kernels", []):
+            source = (examples / kernel["source"]).resolve()
+            assert source.is_relative_to(examples), f"{manifest.name}: kernel {kernel['name']!r} is {source}"
+            builtin = REPO / "manifests" / "kernels" / source.name
+            if builtin.exists():
+                assert source.read_bytes() == builtin.read_bytes(), f"{source} differs from {builtin}"
+    copy = tmp_path / "examples"
+    shutil.copytree(examples, copy)
+    for manifest in sorted(copy.glob("*.json")):
+        load_manifest(manifest)
