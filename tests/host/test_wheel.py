@@ -58,6 +58,10 @@ def test_wheel_holds_every_manifest_kernel_and_module(wheel):
     assert shipped == on_disk
     modules = {str(p.relative_to(REPO)) for p in (REPO / "tray").rglob("*.py") if "_builtin" not in p.parts}
     assert modules - names == set(), "modules missing from the wheel (a package without __init__.py?)"
+    assert "tray/py.typed" in names, "the PEP 561 marker is missing: a program's type checker would skip tray"
+    stray = sorted(n for n in names if not n.startswith(("tray/", "tray-")) or "__pycache__" in n
+                   or n.endswith((".pyc", ".whl", ".so", ".egg-info")))
+    assert stray == [], f"the wheel holds what no rank loads: {stray}"
 
 
 def test_installed_wheel_runs_the_gate_and_inspects_a_builtin_outside_the_checkout(wheel, tray_env, tmp_path):
