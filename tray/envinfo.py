@@ -12,9 +12,14 @@ from typing import Any
 
 def git_commit() -> str:
     """The commit of the git work tree this tray package was imported from (a checkout or an editable
-    install), "-dirty" when it has changes; "unknown" for an installed wheel (set TRAY_COMMIT there)."""
+    install), "-dirty" when it has changes; "unknown" for an installed wheel (set TRAY_COMMIT there), also one
+    installed under another project's work tree (a venv in the user's repository: its commit is not tray's)."""
     here = str(Path(__file__).resolve().parent)
     try:
+        tracked = subprocess.run(["git", "-C", here, "ls-files", "--error-unmatch", "--", Path(__file__).name],
+                                 capture_output=True, text=True, timeout=5)
+        if tracked.returncode != 0:  # not a git work tree, or one that does not hold this file
+            return "unknown"
         out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=5)
         dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],

@@ -52,6 +52,40 @@ def test_the_variables_that_change_a_figure_are_kept_and_tokens_are_not():
     assert knobs(env) == {"CUDA_VISIBLE_DEVICES": "GPU-1", "NCCL_NVLS_ENABLE": "0", "TRAY_BARRIER_TIMEOUT_S": "3"}
 
 
+def test_the_commit_is_tray_s_own_not_that_of_a_project_it_is_installed_in(tmp_path):
+    """A wheel installed in a venv inside another git work tree (a user's project, its .venv ignored or not): the
+    report's commit is "unknown", not that project's HEAD; a checkout of tray gives its own HEAD."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import tray.envinfo as envinfo
+
+    def git(*args: str, cwd: Path) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GIT_AUTHOR_NAME": "a",
+                                   "GIT_AUTHOR_EMAIL": "a@b", "GIT_COMMITTER_NAME": "a",
+                                   "GIT_COMMITTER_EMAIL": "a@b"}).stdout.strip()
+
+    if shutil.which("git") is None:
+        pytest.skip("no git here")
+    project = tmp_path / "project"
+    site = project / ".venv" / "lib" / "site-packages" / "tray"
+    site.mkdir(parents=True)
+    git("init", "-q", cwd=project)
+    (project / "main.py").write_text("print('mine')\n")
+    git("add", "main.py", cwd=project)
+    git("commit", "-q", "-m", "the user's project", cwd=project)
+    shutil.copy2(envinfo.__file__, site / "envinfo.py")
+    spec = importlib.util.spec_from_file_location("installed_envinfo", site / "envinfo.py")
+    installed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installed)
+    assert installed.git_commit() == "unknown"
+    git("add", "-f", ".venv", cwd=project)  # even committed there, it is that project's copy: still its own file
+    git("commit", "-q", "-m", "vendored", cwd=project)
+    assert installed.git_commit() == git("rev-parse", "HEAD", cwd=project)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
 def test_a_plot_without_matplotlib_names_the_extra():
     require_plot(None)
