@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,53 @@ def test_compile_cached_compiles_once_and_writes_atomically(tmp_path: Path, monk
     files = sorted(p.name for p in (tmp_path / "kernels").iterdir())
     assert len(files) == 2 and {Path(f).suffix for f in files} == {".cubin", ".ptx"}
     assert nvrtc.cache_dir() == tmp_path / "kernels"
+
+
+def test_the_kernel_cache_follows_xdg_cache_home(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("TRAY_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert nvrtc.cache_dir() == tmp_path / "home" / ".cache" / "tray" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert nvrtc.cache_dir() == tmp_path / "xdg" / "tray" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # the spec: a relative path is to be ignored
+    assert nvrtc.cache_dir() == tmp_path / "home" / ".cache" / "tray" / "kernels"
+    monkeypatch.setenv("TRAY_CACHE_DIR", str(tmp_path / "mine"))
+    assert nvrtc.cache_dir() == tmp_path / "mine" / "kernels"
+
+
+def test_a_kernel_cache_others_may_write_in_is_never_read(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A build in a cache dir another user may write in (a shared /tmp/tray-cache, say) could be anyone's CUBIN: it
+    is not loaded, the kernel is compiled (said once), and nothing is written there; the cache tray makes is 0700."""
+    monkeypatch.setenv("TRAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(nvrtc, "_untrusted_said", set(), raising=False)
+    calls = []
+
+    def fake_compile(source, name, options, output):
+        calls.append(name)
+        return b"\x7fELF-compiled"
+
+    monkeypatch.setattr(driver, "nvrtc_compile", fake_compile)
+    assert nvrtc.compile_cached("k()", "k.cu", [], "sm_90") == b"\x7fELF-compiled"
+    kernels = tmp_path / "kernels"
+    assert stat.S_IMODE(kernels.stat().st_mode) == 0o700
+    (planted,) = kernels.iterdir()
+    planted.write_bytes(b"\x7fELF-planted")
+    assert nvrtc.compile_cached("k()", "k.cu", [], "sm_90") == b"\x7fELF-planted"  # its own: read
+    kernels.chmod(0o777)
+    for _ in range(2):
+        assert nvrtc.compile_cached("k()", "k.cu", [], "sm_90") == b"\x7fELF-compiled"
+    err = capsys.readouterr().err
+    assert err.count(f"tray: the kernel cache {kernels} has mode 0777: anyone may write in it") == 1, err
+    assert "set TRAY_CACHE_DIR to a directory of your own" in err
+    assert planted.read_bytes() == b"\x7fELF-planted" and len(calls) == 3
+    kernels.chmod(0o700)
+    elsewhere = tmp_path / "elsewhere.cubin"
+    elsewhere.write_bytes(b"\x7fELF-elsewhere")
+    planted.unlink()
+    planted.symlink_to(elsewhere)  # a link at a build's name is not followed
+    assert nvrtc.compile_cached("k()", "k.cu", [], "sm_90") == b"\x7fELF-compiled"
+    assert not planted.is_symlink() and planted.read_bytes() == b"\x7fELF-compiled"
 
 
 def test_compile_error_carries_the_log() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,9 +58,51 @@ def cache_key(source: str, options: Sequence[str], arch: str) -> str:
 
 
 def cache_dir() -> Path:
-    """`${TRAY_CACHE_DIR:-~/.cache/tray}/kernels`."""
-    root = os.environ.get("TRAY_CACHE_DIR") or str(Path.home() / ".cache" / "tray")
+    """`$TRAY_CACHE_DIR/kernels`, else `$XDG_CACHE_HOME/tray/kernels` (an absolute XDG_CACHE_HOME, as the XDG base
+    directory spec has it), else `~/.cache/tray/kernels`."""
+    root = os.environ.get("TRAY_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        root = str(Path(xdg if os.path.isabs(xdg) else Path.home() / ".cache") / "tray")
     return Path(root) / "kernels"
+
+
+_untrusted_said: set[Path] = set()
+
+
+def _untrusted(directory: Path) -> str | None:
+    """Why the cache `directory` must not be read (another user could have put a CUBIN there that this process
+    would load as the kernel it asked for), or None: it is this user's and no one else may write in it. A missing
+    one is made 0700 when a build is written."""
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    # NOTE: a sticky bit does not help here: another user may still add a file under a name not yet written. A
+    # group-writable one is accepted for this user's own group (umask 002 under user-private groups)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in (os.getuid(), 0):
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if mode & stat.S_IWOTH:
+        return f"has mode {mode:04o}: anyone may write in it"
+    if mode & stat.S_IWGRP and st.st_gid != os.getgid():
+        return f"has mode {mode:04o}: its group (gid {st.st_gid}) may write in it"
+    return None
+
+
+def _read_own(path: Path) -> bytes | None:
+    """The bytes of the cache file `path` when it is a regular file of this user or root (not a link), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.getuid(), 0):
+            return None
+        return f.read()
 
 
 def arch_options(options: Sequence[str], arch: str) -> list[str]:
@@ -92,7 +136,8 @@ def arch_options(options: Sequence[str], arch: str) -> list[str]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, exist_ok=True)  # NOTE: mode is not applied to an existing dir: _untrusted judges it
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -110,16 +155,23 @@ def compile_cached(source: str, name: str, options: Sequence[str], arch: str) ->
     """
     output = "ptx" if arch.startswith("compute_") else "cubin"
     full = arch_options(options, arch)
-    path = cache_dir() / f"{cache_key(source, full, arch)}.{output}"
-    try:
-        return path.read_bytes()
-    except OSError:
-        pass
+    directory = cache_dir()
+    path = directory / f"{cache_key(source, full, arch)}.{output}"
+    why = _untrusted(directory)
+    if why is None:
+        cached = _read_own(path)
+        if cached is not None:
+            return cached
+    elif directory not in _untrusted_said:
+        _untrusted_said.add(directory)
+        print(f"tray: the kernel cache {directory} {why}: it is neither read nor written, so every kernel is "
+              "compiled anew; set TRAY_CACHE_DIR to a directory of your own (mode 0700)", file=sys.stderr, flush=True)
     image = drv.nvrtc_compile(source, name, full, output)
-    try:
-        _write_atomic(path, image)
-    except OSError:  # NOTE: a read-only home only costs a recompile next time
-        pass
+    if why is None:
+        try:
+            _write_atomic(path, image)
+        except OSError:  # NOTE: a read-only home only costs a recompile next time
+            pass
     return image
 
 
