@@ -17,7 +17,7 @@ from tray.backend.cuda import driver
 from tray.bench.timing import MAX_REPS_PER_GRAPH, Sampler
 from tray.errors import PeerFailure, SyncTimeout, UsageError
 from tray.manifest import load_manifest
-from tray.rank.executor import describe_program
+from tray.rank.executor import Plan, describe_op, program_title
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,6 +117,12 @@ def test_pending_collects_a_trail_only_while_capturing() -> None:
     assert p.end_trail() == ["b", "c", "b"] and p.last == "b"
     p.note("d")
     assert p.end_trail() == []
+
+
+def describe_program(program: str, vars: dict[str, int], ops) -> str:  # type: ignore[no-untyped-def]
+    """What a bound plan of `program` says of itself (a timed-out wait names it)."""
+    return Plan(program=program, steps=[], title=program_title(program, vars),
+                ops=tuple(describe_op(o) for o in ops)).describe
 
 
 def test_programs_are_described_with_their_collectives() -> None:

@@ -141,11 +141,6 @@ class Row:
     def busbw_gbps(self) -> float:
         return self.algbw_gbps * busbw_factor(self.op, self.nranks)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.nbytes, "count": self.count, "type": self.dtype,
-                "time_us": self.time_us, "algbw_gbps": self.algbw_gbps, "busbw_gbps": self.busbw_gbps,
-                "wrong": self.wrong}
-
 
 def format_table(rows: Sequence[Row]) -> str:
     """The rows as nccl-tests prints them: size (B), count, type, time (us), algbw, busbw (GB/s), #wrong."""

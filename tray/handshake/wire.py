@@ -273,14 +273,6 @@ class _Message:
             )
         return data
 
-    @classmethod
-    def from_msgpack(cls, data: bytes, *, token: str | None, sender: str | None = None) -> Self:
-        """decode(), and the message must be of this class; raises WireError."""
-        msg = decode(data, token=token, sender=sender)
-        if not isinstance(msg, cls):
-            raise WireError(f"expected a {cls.KIND} message, got {msg.KIND}", sender)
-        return msg
-
 
 @dataclass(frozen=True, slots=True)
 class Offer(_Message):

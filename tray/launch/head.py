@@ -64,7 +64,6 @@ else:  # NOTE: loaded on first use, after the ranks are spawned (tray.lazy): the
     zmq = lazy_import("zmq")
     wire = lazy_import("tray.handshake.wire")
 
-EXIT_RANK_FAILED = 1
 _POLL_MS = 20
 PHASES = ("head", "spawn", "import", "manifest", "device", "allocate", "offer", "table", "import_peers", "join",
           "ready")

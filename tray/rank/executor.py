@@ -56,11 +56,6 @@ def program_title(program: str, vars: dict[str, int]) -> str:
     return f"program {program!r}" + (f" ({shown})" if shown else "")
 
 
-def describe_program(program: str, vars: dict[str, int], ops: tuple[ResolvedOp, ...] | list[ResolvedOp]) -> str:
-    """`program 'dispatch_nccl' (tokens=128): launch ep_dispatch, nccl alltoall on group 'world' (...)`"""
-    return program_title(program, vars) + ": " + ", ".join(describe_op(o) for o in ops)
-
-
 def spanning_problems(resolved: ResolvedManifest, local_world_size: int,
                       programs: tuple[ResolvedProgram, ...] | None = None) -> list[tuple[str, str]]:
     """Ops of `programs` (default: every program of `resolved`) that cannot run when groups span nodes, as

@@ -11,13 +11,6 @@ some landed on another node, frees them and takes `bind` instead.
 
 Only `driver.py` imports cuda.bindings; the two register calls it has no wrapper for are made here
 through its `cu` module and checked with its `check`, like every call there.
-
-Wiring into CudaBackend (see also the report that came with this file):
-    def pinned_host(self, nbytes):
-        self._current()
-        return self._track("host", hostmem.pinned_host(self.info.ordinal, nbytes, self.info.numa_node))
-    def copy(self, dst_ptr, src_ptr, nbytes, *, transfer=False):
-        ...  hostmem.copy_async(dst_ptr, src_ptr, nbytes, stream)
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import ctypes
 import mmap
 import os
 import sys
-from typing import Any, Self
+from typing import Self
 
 import numpy as np
 
@@ -195,10 +188,3 @@ def pinned_host(
         flush=True,
     )
     return mem
-
-
-def copy_async(dst: int, src: int, nbytes: int, stream: Any) -> None:
-    """Enqueue a copy of `nbytes` between any two addresses the driver knows (device, peer-mapped,
-    pinned host; unified addressing picks the direction) on `stream`. Returns before it lands."""
-    if nbytes > 0:
-        drv.memcpy_async(dst, src, nbytes, stream)

@@ -108,9 +108,6 @@ class CudaLaunch(BoundLaunch):
                  programmatic: bool = False) -> None:
         self._function = kernel.function
         self._entry = kernel.entry
-        self._grid = grid
-        self._block = block
-        self._shmem_nbytes = shmem_nbytes
         self._stream = stream
         self._values, self._pointers = pack(plan, kernel.param_sizes)
         self._params_addr = self._pointers.ctypes.data if len(plan) else 0
