@@ -4,7 +4,7 @@ Only this module and `tray/backend/cuda/` import `nccl`. The import is lazy (fir
 `import tray.collectives.nccl` works where nccl4py is absent (CPU, CI); calling into it there raises
 DeviceError saying how to get it.
 
-nccl4py's high-level `nccl.core.Communicator` hung on the target machine (shared/HARDWARE.md); its raw
+nccl4py's high-level `nccl.core.Communicator` hung on the target machine; its raw
 bindings work, so only these `nccl.bindings.nccl` calls are used (nccl4py 0.6.0 signatures):
 
     get_version() -> int                      get_unique_id() -> UniqueId (bytes() gives 128 bytes)

@@ -1,4 +1,4 @@
-"""Control messages between the heads of a job and its root (DESIGN section 10): typed frozen
+"""Control messages between the heads of a job and its root (README.md, "Several nodes"): typed frozen
 dataclasses <-> checked msgpack bytes, in the envelope of wire.py ({kind, v, token, ...}).
 
 Each message declares its fields once, in FIELDS (name -> check); encoding, decoding and the

@@ -1,4 +1,4 @@
-"""The head of one node of a job (DESIGN section 10): its own ranks as on one host, plus a link to the
+"""The head of one node of a job (README.md, "Several nodes"): its own ranks as on one host, plus a link to the
 root (node 0's head, which also serves the root in the same loop).
 
 What changes against a head of one host: rank numbers are global (node_rank * L + local rank); the

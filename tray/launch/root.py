@@ -1,4 +1,4 @@
-"""The job's root (DESIGN section 10): served by node 0's head, inside its poll loop.
+"""The job's root (README.md, "Several nodes"): served by node 0's head, inside its poll loop.
 
 Heads connect over TCP with CURVE (keys from the job token). The root checks that the nodes form one
 job (node ranks 0..N-1 once each, one node count, one ranks-per-node, one manifest, one backend, one

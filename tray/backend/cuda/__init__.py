@@ -42,7 +42,7 @@ def _identical_gpus() -> bool:
 
 class DriverWarmup:
     """cuInit and device `ordinal`'s primary context, made on a thread while the rank still imports its
-    Python modules: ~0.4 s of driver work (HARDWARE.md: cuInit 265 ms, context 129 ms) overlaps the
+    Python modules: ~0.4 s of driver work (measured on the target: cuInit 265 ms, context 129 ms) overlaps the
     imports instead of following them. The context stays retained until `release()`, called once the
     backend retained its own, so the driver never tears it down in between. A failure here is kept
     quiet: the backend's own open meets it again and reports it with its context."""

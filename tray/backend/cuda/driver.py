@@ -460,7 +460,7 @@ def _alloc_prop(ordinal: int, handle_types: int) -> Any:
         prop.requestedHandleTypes = _handle_type(handle_types)
     else:
         # NOTE: the Python property accepts only one enum member, but the driver takes a mask; the field
-        # is the u32 after `type` (offset 4 of CUmemAllocationProp). Verified on the target (HARDWARE.md).
+        # is the u32 after `type` (offset 4 of CUmemAllocationProp). Verified on the target.
         ctypes.c_uint32.from_address(prop.getPtr() + 4).value = handle_types
     return prop
 

@@ -1,7 +1,7 @@
 """GEMM of the cuda backend: cuBLAS `cublasGemmEx` on raw device addresses, via nvmath-python's bindings.
 
-nvmath's high-level `matmul` wants array objects; its raw bindings take ints (shared/HARDWARE.md has
-the recipe verified on the target). One cuBLAS handle per backend, bound to the rank's stream, with a
+nvmath's high-level `matmul` wants array objects; its raw bindings take ints (the calls below were
+verified on the target). One cuBLAS handle per backend, bound to the rank's stream, with a
 fixed workspace set before any capture so that captured GEMMs allocate nothing.
 """
 

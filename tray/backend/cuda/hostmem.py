@@ -9,8 +9,8 @@ Two ways to get page-locked memory on a node:
 `pinned_host` takes `alloc`, checks where the pages went (move_pages(2), tray/numa/pool.py) and, if
 some landed on another node, frees them and takes `bind` instead.
 
-Only `driver.py` imports cuda.bindings; the two register calls it has no wrapper for are made here
-through its `cu` module and checked with its `check`, like every call there.
+Only `driver.py` imports cuda.bindings; the driver calls here go through its wrappers (mem_host_alloc,
+mem_host_register, ...), checked there like every call.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ class EpBenchArgs:
     ll_phases: bool = False
 
 
-# what carries the rows between nodes in a job of several (DESIGN section 10: peer tables within a node)
+# what carries the rows between nodes in a job of several (README.md, "Several nodes": peer tables stay within a node)
 CROSS_NODE_PATH = "peer path within a node, its rows for other nodes staged and carried by an NCCL all-to-all"
 
 
