@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 
 
 def is_digits(s: str) -> bool:
     """Whether `s` is a non-negative integer in ASCII digits. str.isdigit() alone passes '²' (which int() refuses)
     and '٠' (which int() reads as 0): an identity or topic carrying them must not pass for a number."""
     return s.isascii() and s.isdigit()
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """'rank 2' / 'ranks 2,3' for a message, in the order given."""
+    rs = list(ranks)
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(str(r) for r in rs)
 
 
 def printable(s: str) -> str:

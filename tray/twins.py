@@ -60,7 +60,7 @@ def lookup(name: str) -> Twin:
         from tray.errors import UsageError
         from tray.manifest.expr import did_you_mean
 
-        known = ", ".join(sorted(_TWINS)) or "none"
+        known = ", ".join(registered()) or "none"
         raise UsageError(
             f"kernel {name!r} has no host twin (registered: {known}{did_you_mean(name, _TWINS)}); define one with "
             f'@tray.twin("{name}") in a module the rank imports before tray.init(), or run with --backend cuda'

@@ -48,6 +48,13 @@ class NodeJob:
         return self.nprocs // self.nnodes
 
 
+def check_nnodes(nnodes: int, nprocs: int) -> None:
+    """UsageError unless `nnodes` nodes can split `nprocs` ranks evenly (the benches' --nnodes and -n)."""
+    if nnodes < 1 or nprocs % nnodes:
+        raise UsageError(f"--nnodes {nnodes} must be at least 1 and divide -n {nprocs} (every node runs the "
+                         "same number of ranks)")
+
+
 def node_devices(nnodes: int, nprocs: int, visible: str | None, count: int, share: bool = False) -> list[str]:
     """CUDA_VISIBLE_DEVICES of each node: node i gets the i-th share of the visible GPUs (`visible`, the
     parent's CUDA_VISIBLE_DEVICES, or ordinals 0..count-1 when unset); with `share` (ranks may share GPUs) and

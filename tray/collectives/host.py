@@ -29,6 +29,7 @@ from tray.backend.host import PAGE_NBYTES, view
 from tray.backend.host.barrier import HostBarrier, spin_until, u64_view
 from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import BarrierTimeout, UsageError
+from tray.text import ranks_text
 from tray.twins import check_range
 
 # NOTE: a member's scratch ends in a trailer of u64 words: four per member (the collectives' own barrier flags,
@@ -136,8 +137,7 @@ class HostCollectives(Collectives):
 
         def said(call: tuple[int, ...], ranks: list[int]) -> str:
             n, kind, count, dtype = call
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
-            return f"{who}: {_COLLECTIVES[kind]} of {count} {_DTYPES[dtype]} (its call {n} on the group)"
+            return f"{ranks_text(ranks)}: {_COLLECTIVES[kind]} of {count} {_DTYPES[dtype]} (its call {n} on the group)"
 
         raise UsageError(f"group {self.group.name!r}: its members called different collectives: "
                          f"{'; '.join(said(c, r) for c, r in by_call.items())}. Every member must make the same "

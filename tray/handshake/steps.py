@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from tray.text import is_digits
+from tray.text import is_digits, ranks_text
 
 GROUP_PREFIX = "tray:group:"
 # tray's own tray-wide steps, and how a message names them to a user (who never called them by that name)
@@ -26,8 +26,13 @@ _OWN_STEPS = {
 
 def who_waits(ranks: Sequence[int]) -> str:
     """'rank 2 waits' / 'ranks 2,3 wait' for a message."""
-    rs = sorted(ranks)
-    return f"rank {rs[0]} waits" if len(rs) == 1 else f"ranks {','.join(map(str, rs))} wait"
+    return f"{ranks_text(sorted(ranks))} {'waits' if len(ranks) == 1 else 'wait'}"
+
+
+def never_joined(waiting: Sequence[int], topic: str, rnd: int) -> str:
+    """The end of the message for a rank that left while `waiting` wait for it in round `rnd` of step `topic`."""
+    return (f"while {who_waits(waiting)} for it in {describe_step(topic)} (round {rnd}), which it never joined: "
+            "every rank must make the same tray-wide steps")
 
 
 def describe_step(topic: str) -> str:

@@ -6,11 +6,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 from tray.handshake.wire import Offer
+from tray.text import ranks_text
 
 
 def _ranks(ranks: Iterable[int]) -> str:
-    rs = sorted(ranks)
-    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(str(r) for r in rs)
+    return ranks_text(sorted(ranks))
 
 
 def _source(path: str, head: bool = False) -> str:

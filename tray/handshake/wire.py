@@ -16,6 +16,7 @@ PROTOCOL_VERSION = 6
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
+MAX_FRAME_NBYTES = MAX_MESSAGE_NBYTES + 4096  # the sockets' MAXMSGSIZE: a message and its frame's envelope
 LONGEST_WAIT_S = 1e9  # a vote's wait_s: an endless wait (inf) is sent as this
 
 

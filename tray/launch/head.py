@@ -29,7 +29,7 @@ from tray.collectives.early import StartJoin
 from tray.envvars import join_collectives, stop_signals
 from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
-from tray.handshake.steps import NO_DECISION, crossed_steps, describe_cycle, describe_step, step_voters, who_waits
+from tray.handshake.steps import NO_DECISION, crossed_steps, describe_cycle, describe_step, never_joined, step_voters
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
@@ -201,7 +201,6 @@ def _signals_held() -> Iterator[list[int]]:
 _WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long (at most half its wait) before it runs out
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
-_FRAME_SLACK = 4096  # beyond wire.MAX_MESSAGE_NBYTES, for a frame's envelope
 
 
 class Head:
@@ -812,9 +811,8 @@ class Head:
                     how = _CLOSED_ITS_TRAY
                 else:
                     continue
-                self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} while {who_waits(list(box))} for it in "
-                                   f"{describe_step(topic)} (round {rnd}), which it never joined: every rank must "
-                                   "make the same tray-wide steps", tail=tuple(p.tail)))
+                self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} {never_joined(list(box), topic, rnd)}",
+                                   tail=tuple(p.tail)))
                 return
 
     def _note_wait(self, key: tuple[str, int], vote: wire.Vote) -> None:
@@ -1385,7 +1383,7 @@ def _bind_router(ctx: zmq.Context, endpoint: str, job: JobDir) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_NBYTES + _FRAME_SLACK)  # a larger one drops its sender
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_NBYTES)  # a larger one drops its sender
     try:
         sock.bind(endpoint)
         os.chmod("head.sock", 0o600, dir_fd=job.fd)

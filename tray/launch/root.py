@@ -30,12 +30,11 @@ from tray.handshake.steps import (
     NO_DECISION,
     crossed_steps,
     describe_cycle,
-    describe_step,
+    never_joined,
     ranks_by_node,
     step_voters,
-    who_waits,
 )
-from tray.handshake.wire import MAX_MESSAGE_NBYTES
+from tray.handshake.wire import MAX_FRAME_NBYTES
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import SLURM_PORT_BASE, SLURM_PORT_JOBS, SLURM_PORT_STEP_STRIDE, JobSpec
 from tray.launch.spawn import raise_fd_limit, say
@@ -102,7 +101,6 @@ def bind_address(host: str, port: int, source: str = "cli", wait_s: float = 0.0)
 
 _REJECTS_KEPT = 100
 _WAIT_SAID_EVERY_S = 10.0  # while nodes are missing, the root says so this often
-_FRAME_SLACK = 4096  # beyond MAX_MESSAGE_NBYTES, for a frame's envelope
 _HANDSHAKE_MS = 5000  # a connection to the root that has not finished CURVE's handshake by then is dropped
 
 
@@ -185,7 +183,7 @@ class Root:
         self.sock = make_server(ctx, keys)
         self.sock.setsockopt(zmq.LINGER, 1000)  # a JobStop/JobEnd must leave before the head exits
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_NBYTES + _FRAME_SLACK)  # a larger one drops its sender
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_NBYTES)  # a larger one drops its sender
         # NOTE: anyone who reaches the port may open connections: one that has not finished CURVE's handshake within
         # HANDSHAKE_IVL is dropped (ZeroMQ waits 30 s by default), and the soft limit on descriptors is raised to the
         # hard one, so idle connections cannot take the descriptors the heads' connections and the teardown need
@@ -483,10 +481,8 @@ class Root:
             gone = [r for r in self._voters_of(topic) or () if r in self.left and r not in box]
             if gone:
                 r = gone[0]
-                waiting = who_waits(list(box))
-                self._stop(r // self.local_world_size, r, f"rank {r} {self.left[r]} while {waiting} for it in "
-                           f"{describe_step(topic)} (round {rnd}), which it never joined: every rank must make the "
-                           "same tray-wide steps")
+                self._stop(r // self.local_world_size, r,
+                           f"rank {r} {self.left[r]} {never_joined(list(box), topic, rnd)}")
                 return
 
     def _decide(self, key: tuple[str, int], step: _Step, missing: tuple[int, ...]) -> None:

@@ -29,6 +29,7 @@ from tray.park.pages import fold_runs
 from tray.park.pools import RankPools, StatePool
 from tray.park.session import ParkedSession, ParkStats, Session, SessionRecord, Where
 from tray.rank.wiring import RankContext
+from tray.text import ranks_text
 
 TOPIC = PARK_TOPIC
 # NOTE: the room vote waits only for every rank to reach the call; a minute covers a rank that is
@@ -36,10 +37,6 @@ TOPIC = PARK_TOPIC
 # than 1 GB/s (pinned copies run at 35-55 GB/s on the machines we test on).
 VOTE_TIMEOUT_S = 60.0
 SLOWEST_COPY_BPS = 1e9
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
 
 
 def disagreement(op: str, votes: Sequence[dict[str, Any]]) -> str | None:
@@ -55,7 +52,7 @@ def disagreement(op: str, votes: Sequence[dict[str, Any]]) -> str | None:
     if len(groups) == 1:
         return None
     parts = [
-        f"{_ranks(rs)} {o}{'s' if len(rs) == 1 else ''} session {s} of state {st!r}"
+        f"{ranks_text(rs)} {o}{'s' if len(rs) == 1 else ''} session {s} of state {st!r}"
         for (o, s, st), rs in groups.items()
     ]
     return (
@@ -84,7 +81,7 @@ def shortage(op: str, votes: Sequence[dict[str, Any]]) -> str | None:
         )
     else:
         advice = (
-            f"release or park live sessions of state {state!r} on {_ranks([r for r, _ in short])}, "
+            f"release or park live sessions of state {state!r} on {ranks_text([r for r, _ in short])}, "
             "then wake again"
         )
     return f"{op}: {said}; nothing moved on any rank; {advice}"

@@ -148,6 +148,7 @@ def paths_of(a: EpBenchArgs) -> tuple[str, ...]:
 
 def validate(a: EpBenchArgs) -> None:
     """UsageError for shapes the kernels or the comparison cannot take."""
+    from tray.bench.nodes import check_nnodes
     from tray.programs.ep_moe.plan import capacity, parse_routing
     from tray.programs.ep_moe.twins import LAYOUT_MAX_LOCAL
 
@@ -155,9 +156,7 @@ def validate(a: EpBenchArgs) -> None:
         raise UsageError(f"ep-moe compares N ranks with EP1: -n must be at least 2, got {a.nprocs}")
     if a.experts % a.nprocs:
         raise UsageError(f"--experts {a.experts} must divide over {a.nprocs} ranks")
-    if a.nnodes < 1 or a.nprocs % a.nnodes:
-        raise UsageError(f"--nnodes {a.nnodes} must be at least 1 and divide -n {a.nprocs} (every node runs the "
-                         "same number of ranks)")
+    check_nnodes(a.nnodes, a.nprocs)
     if a.nprocs > 64:
         raise UsageError(f"the reduce keeps one bit per rank: at most 64 ranks, got {a.nprocs}")
     if a.experts > LAYOUT_MAX_LOCAL:

@@ -121,10 +121,10 @@ def baseline_name(backend: str) -> str:
 
 
 def validate(a: TpBenchArgs) -> None:
+    from tray.bench.nodes import check_nnodes
+
     assert a.sizes is not None and a.tokens is not None and a.hidden is not None and a.ffn is not None
-    if a.nnodes < 1 or a.nprocs % a.nnodes:
-        raise UsageError(f"--nnodes {a.nnodes} must be at least 1 and divide -n {a.nprocs} (every node runs the "
-                         "same number of ranks)")
+    check_nnodes(a.nnodes, a.nprocs)
     if a.tp_size < 2:
         raise UsageError(f"tp compares a TP group of the ranks of a node with one rank: -n / --nnodes must be at "
                          f"least 2, got -n {a.nprocs} over {a.nnodes} node(s)")
