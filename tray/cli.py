@@ -388,8 +388,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from tray import __version__
 
     ap = _Parser(prog="tray", description="Run one SPMD program across the GPUs of a host.",
-                                 epilog="docs: docs/cli.md (commands), docs/manifest.md, docs/design.md; "
-                                        "`tray CMD --help` for each command")
+                                 epilog="`tray CMD --help` for each command; `tray inspect --list` for the built-in "
+                                        "manifests; in tray's source tree: docs/cli.md (commands), docs/api.md, "
+                                        "docs/manifest.md, docs/design.md")
     ap.add_argument("--version", action="version", version=f"tray {__version__} (Python {sys.version.split()[0]})")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
 
