@@ -313,3 +313,34 @@ def test_a_link_below_a_directory_another_user_may_change_is_refused(tmp_path):
         open_root(theirs / "inner" / "link" / "jobs")
     with pytest.raises(SetupError, match=rf"lies under the link {theirs / 'evil'}, in {theirs} \(owned by uid 65534\)"):
         open_root(theirs / "evil" / ".." / "jobs")
+
+
+def test_a_jobs_root_that_cannot_be_made_says_why_not_to_remove_it_and_why_the_tmp_was_not_taken(tmp_path, monkeypatch):
+    """The home's jobs root, taken because the temporary directory may be changed by others, cannot be made: the
+    error said to remove what does not exist, and not why the temporary directory was passed over."""
+    from tray.launch import jobdir
+
+    unsafe_tmp = tmp_path / "tmp"
+    unsafe_tmp.mkdir()
+    unsafe_tmp.chmod(0o777)
+    (tmp_path / "home").mkdir(mode=0o700)
+    monkeypatch.delenv("TRAY_JOBS_ROOT", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(unsafe_tmp))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(jobdir.tempfile, "tempdir", None)
+    real_mkdir = os.mkdir
+
+    def mkdir(path, mode=0o777, **kw):
+        if str(path).endswith("tray-jobs"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, mode, **kw)
+
+    monkeypatch.setattr(jobdir.os, "mkdir", mkdir)
+    with pytest.raises(SetupError) as info:
+        open_root()
+    said = str(info.value)
+    assert f"cannot create the jobs root {tmp_path / 'home' / '.cache' / 'tray-jobs'}: Permission denied; set " \
+           "TRAY_JOBS_ROOT to a directory of your own (0700) (the temporary directory's was not taken: " \
+           f"{unsafe_tmp / f'tray-{os.getuid()}'}" in said, said
+    assert "remove it" not in said, said

@@ -69,15 +69,26 @@ def default_root() -> Path:
             st = None
         if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
             return Path(xdg) / "tray"
-    tmp = Path(tempfile.gettempdir()) / f"tray-{os.getuid()}"
+    tmp = _tmp_root()
     home = Path(os.path.expanduser("~"))
-    if (unsafe_ancestor(tmp) is not None or _taken(tmp)) and _own_dir(home) \
-            and unsafe_ancestor(home / ".cache" / "x") is None:
+    if _tmp_refused(tmp) is not None and _own_dir(home) and unsafe_ancestor(home / ".cache" / "x") is None:
         # NOTE: a temporary directory others may change (a container's /tmp volume of mode 0777, not sticky), or one
         # where another user took the name first (anyone may mkdir /tmp/tray-<uid> for any uid, and this user cannot
         # remove it from a sticky /tmp): the user's own cache instead
         return home / ".cache" / "tray-jobs"
     return tmp
+
+
+def _tmp_root() -> Path:
+    return Path(tempfile.gettempdir()) / f"tray-{os.getuid()}"
+
+
+def _tmp_refused(tmp: Path) -> str | None:
+    """Why the jobs root in the temporary directory, `tmp`, is not used, or None."""
+    if _taken(tmp):
+        return f"{tmp} exists and is not a directory of this user"
+    problem = unsafe_ancestor(tmp)
+    return f"{tmp} {problem}" if problem else None
 
 
 def _taken(path: Path) -> bool:
@@ -94,6 +105,10 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
     owner and mode through the fd. Returns (path, fd). Raises SetupError saying what is wrong."""
     path = Path(root) if root is not None else default_root()
     hint = "remove it or set TRAY_JOBS_ROOT to a directory of your own"
+    made = "set TRAY_JOBS_ROOT to a directory of your own (0700)"
+    refused = _tmp_refused(_tmp_root()) if root is None and not os.environ.get("TRAY_JOBS_ROOT") else None
+    if refused and path.name == "tray-jobs":
+        made += f" (the temporary directory's was not taken: {refused})"
     try:
         make_private_dirs(path.parent)
         try:
@@ -106,7 +121,8 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
             raise SetupError(f"jobs root {path} is a symbolic link or not a directory; {hint}") from None
         if exc.errno == errno.EEXIST and exc.filename not in (None, str(path)):  # makedirs met a file on the way
             raise SetupError(f"cannot create the jobs root {path}: {exc.filename} is not a directory; {hint}") from None
-        raise SetupError(f"cannot create the jobs root {path}: {exc.strerror}; {hint}") from None
+        raise SetupError(f"cannot create the jobs root {path}: {exc.strerror}; "
+                         f"{hint if os.path.lexists(path) else made}") from None
     st = os.fstat(fd)
     problem = None
     if st.st_uid != os.getuid():
