@@ -1117,3 +1117,24 @@ def test_a_child_forked_after_init_gets_a_usage_error_and_its_error_is_not_the_r
     # the rank's death has no error report (the worker's traceback is only among the rank's last lines, as it printed)
     assert "tray: error report:" not in run.stderr and "reported to the head" not in run.output, run.stderr
     assert run.seconds < 10
+
+
+def test_a_step_that_times_out_while_the_head_is_stopped_says_so(tray_env):
+    """The head stopped (Ctrl-Z, SIGSTOP) while a rank waits in a step: the rank's timeout said the head waits for
+    every rank and reports who is missing, which a stopped head does not; it now says the head is stopped."""
+    body = """
+    import signal
+    with tray.init() as rank:
+        head = os.getppid()
+        os.kill(head, signal.SIGSTOP)
+        try:
+            rank.exchange("x", 1, timeout_s=1.0)
+        except tray.HandshakeError as exc:
+            print("said:", exc, flush=True)
+        finally:
+            os.kill(head, signal.SIGCONT)
+    """
+    run = tray_env.launch(1, body, timeout_s=30)
+    assert run.returncode == 0, run.output
+    assert re.search(r"no decision on exchange 'x' from the head within 1\.0 s \(the head, pid [0-9]+, is stopped",
+                     run.stdout), run.output

@@ -6,6 +6,7 @@ heartbeat thread owns a second DEALER so a rank busy in its program still proves
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -16,6 +17,21 @@ from tray.errors import HandshakeError
 from tray.handshake import HEARTBEAT_INTERVAL_S, wire
 
 _POLL_AT_MOST_S = 3600.0  # one poll's longest wait (zmq takes the timeout as a C int of ms)
+
+
+def _head_stopped() -> str:
+    """A note when the head (this rank's parent: it spawned the rank) is stopped now (Ctrl-Z, SIGSTOP), so that it
+    can neither decide nor report; "" otherwise, or where /proc cannot tell."""
+    head = os.getppid()
+    try:
+        with open(f"/proc/{head}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+    if state not in (b"T", b"t"):
+        return ""
+    return (f"(the head, pid {head}, is stopped: Ctrl-Z or SIGSTOP; nothing is decided while it is, and it reports "
+            f"nothing: `fg` in its shell, or kill -CONT {head}, resumes it)")
 
 
 class RendezvousClient:
@@ -72,8 +88,8 @@ class RendezvousClient:
                 if left > _POLL_AT_MOST_S:
                     continue  # a long wait (an endless one is 1e9 s) polls in parts zmq can take
                 raise HandshakeError(
-                    f"rank {self.rank}: no {waiting_for} from the head within {timeout_s:.1f} s "
-                    "(the head waits for every rank; see its report for who is missing)"
+                    f"rank {self.rank}: no {waiting_for} from the head within {timeout_s:.1f} s " + (
+                        _head_stopped() or "(the head waits for every rank; see its report for who is missing)")
                 )
             msg = wire.decode(self._sock.recv(), token=self.token, sender="the head")
             if isinstance(msg, expected):
