@@ -165,6 +165,36 @@ def test_a_kernel_cache_others_may_write_in_is_never_read(tmp_path: Path, monkey
     assert not planted.is_symlink() and planted.read_bytes() == b"\x7fELF-compiled"
 
 
+def test_a_kernel_cache_writable_by_a_group_others_share_is_never_read(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A cache dir writable by this user's primary group is others' too when the group is not user-private ("users",
+    shared by every account): they may rename this user's builds under each other's names. It was read (the group was
+    this user's primary one); the check is now the jobs root's: a user-private group alone."""
+    import pwd
+    from types import SimpleNamespace
+
+    from tray.launch import jobdir
+
+    monkeypatch.setenv("TRAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(nvrtc, "_untrusted_said", set(), raising=False)
+    monkeypatch.setattr(driver, "nvrtc_compile", lambda source, name, options, output: b"\x7fELF-compiled")
+    assert nvrtc.compile_cached("k()", "k.cu", [], "sm_90") == b"\x7fELF-compiled"
+    kernels = tmp_path / "kernels"
+    (build,) = kernels.iterdir()
+    build.write_bytes(b"\x7fELF-mine")
+    os.chown(kernels, os.getuid(), os.getgid())
+    kernels.chmod(0o770)
+    if jobdir.private_group(os.getgid()):  # a user-private group (root's here; a user's under UPG): its own
+        assert nvrtc.compile_cached("k()", "k.cu", [], "sm_90") == b"\x7fELF-mine"
+    real = pwd.getpwall()
+    other = SimpleNamespace(pw_name="someone", pw_uid=os.getuid() + 1, pw_gid=os.getgid())
+    monkeypatch.setattr(pwd, "getpwall", lambda: [*real, other])  # another account of that primary group
+    assert not jobdir.private_group(os.getgid())
+    assert nvrtc.compile_cached("k()", "k.cu", [], "sm_90") == b"\x7fELF-compiled"
+    err = capsys.readouterr().err
+    assert f"tray: the kernel cache {kernels} has mode 0770: its group (gid {os.getgid()}) may write in it" in err, err
+    assert build.read_bytes() == b"\x7fELF-mine"  # nor written
+
+
 def test_compile_error_carries_the_log() -> None:
     err = driver.CompileError("bad.cu", ["-O3"], 'bad.cu(1): error: identifier "x" is undefined')
     assert isinstance(err, UsageError)

@@ -204,7 +204,7 @@ def test_umask_002_and_a_user_private_group_are_not_taken_for_others(tmp_path, m
     shared.mkdir()
     shared.chmod(0o775)
     os.chown(shared, os.getuid(), os.getgid())
-    if jobdir._private_group(os.getgid()):  # this user's own group (root's here; a user's under UPG)
+    if jobdir.private_group(os.getgid()):  # this user's own group (root's here; a user's under UPG)
         assert jobdir.others_may_change(shared.stat()) is None
     if os.getuid() == 0:
         os.chown(shared, 0, 65534)

@@ -162,12 +162,12 @@ def _others_may_write(st: os.stat_result, sticky_stops_them: bool = False) -> st
         return None
     if st.st_mode & stat.S_IWOTH:
         return f"mode {stat.S_IMODE(st.st_mode):04o}: anyone may write in it"
-    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid):
+    if st.st_mode & stat.S_IWGRP and not private_group(st.st_gid):
         return f"mode {stat.S_IMODE(st.st_mode):04o}: its group (gid {st.st_gid}) may write in it"
     return None
 
 
-def _private_group(gid: int) -> bool:
+def private_group(gid: int) -> bool:
     """Whether group `gid` is this user's own: its primary group, named as the user, with no other member listed
     (a user-private group, as Debian and Fedora give every user)."""
     import grp

@@ -81,14 +81,18 @@ def _untrusted(directory: Path) -> str | None:
     except OSError as exc:
         return f"cannot be read ({exc.strerror})"
     # NOTE: a sticky bit does not help here: another user may still add a file under a name not yet written. A
-    # group-writable one is accepted for this user's own group (umask 002 under user-private groups)
+    # group-writable one is accepted for a user-private group alone (umask 002 under UPG), as the jobs root's is: a
+    # primary group other users share ("users") lets them rename this user's builds under each other's names
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid not in (os.getuid(), 0):
         return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     if mode & stat.S_IWOTH:
         return f"has mode {mode:04o}: anyone may write in it"
-    if mode & stat.S_IWGRP and st.st_gid != os.getgid():
-        return f"has mode {mode:04o}: its group (gid {st.st_gid}) may write in it"
+    if mode & stat.S_IWGRP:
+        from tray.launch.jobdir import private_group
+
+        if not private_group(st.st_gid):
+            return f"has mode {mode:04o}: its group (gid {st.st_gid}) may write in it"
     return None
 
 
