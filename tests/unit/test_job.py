@@ -390,3 +390,25 @@ def test_the_kubernetes_secret_recipe_makes_the_secret_the_yaml_reads(yaml_name)
     secret = json.loads(out.stdout)
     assert secret["metadata"]["name"] == ref.group(1)
     assert re.fullmatch(r"[0-9a-f]{64}", base64.b64decode(secret["data"][ref.group(2)]).decode())
+
+
+def test_a_master_port_taken_on_node_0_is_named_with_where_it_lies_beside_the_roots(capsys):
+    """MASTER_PORT is the root's port + 1, or - 1 for a root on 65535: the line for one taken said "+ 1" for both."""
+    import socket
+    from types import SimpleNamespace
+
+    from tray.launch.node import NodeHead
+
+    for port, root_port, said in ((None, None, "+ 1"), (65534, 65535, "- 1, the root's being the last one")):
+        with socket.socket() as taken:
+            try:
+                taken.bind(("127.0.0.1", port or 0))
+            except OSError:
+                pytest.skip(f"port {port} is in use here")
+            taken.listen()
+            port = taken.getsockname()[1]
+            head = SimpleNamespace(job=SimpleNamespace(is_root=True, root_port=root_port or port - 1),
+                                   _root_address=f"tcp://127.0.0.1:{root_port or port - 1}")
+            assert NodeHead._reserve_master_port(head, -1) is None  # type: ignore[arg-type]
+        err = capsys.readouterr().err
+        assert f"MASTER_PORT {port} (the root's port {said}) is taken on 127.0.0.1" in err, err

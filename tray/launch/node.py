@@ -233,7 +233,8 @@ class NodeHead(Head):
             # below, is listened on, so no other job of this port pair runs here at once
             return PortReservation(host=host, port=port)
         except OSError as exc:
-            say(f"MASTER_PORT {port} (the root's port + 1) is taken on {host} ({exc.strerror}): a program's "
+            beside = "+ 1" if port > self.job.root_port else "- 1, the root's being the last one"
+            say(f"MASTER_PORT {port} (the root's port {beside}) is taken on {host} ({exc.strerror}): a program's "
                 "torch.distributed store cannot listen there; where the program uses one, give the job another "
                 "port with --rdzv-endpoint HOST:PORT (the same on every node)")
             return None
