@@ -218,7 +218,7 @@ class DeviceSpanBarrier(SpanBarrier):
         except BarrierTimeout as exc:
             # odd local epochs are the first local barrier (timeout T), even ones the second (its own timeout)
             t = self._last_timeout_s
-            if exc.epoch % 2 or exc.missing != [self.local_group.members[0]]:
+            if exc.epoch % 2 or self.is_leader or exc.missing != [self.local_group.members[0]]:
                 raise self._as_span(exc, t if exc.epoch % 2 else release_timeout_s(t)) from None
             raise BarrierTimeout(self.group.name, span_epoch(exc.epoch), self.me, exc.missing, release_timeout_s(t),
                                  self._leader_note()) from None

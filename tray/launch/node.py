@@ -525,7 +525,7 @@ class NodeHead(Head):
         stopped, dead): only this node can tell, as the head of one host does for its ranks."""
         named = set(BarrierTimeout.missing_in(stop.summary) or BarrierTimeout.missing_in(stop.report))
         # a node leader named in a spanning barrier may be waiting for the ranks it leads: those are told of too
-        named |= {int(r) for led in _LEADS.findall(stop.summary) for r in led.split(",")}
+        named |= {int(r) for led in _LEADS.findall(f"{stop.summary}\n{stop.report}") for r in led.split(",")}
         late = [p for p in self.procs if p.rank in named]
         if not late:
             return ()
