@@ -435,6 +435,29 @@ def test_head_sigkilled_takes_the_descendants_that_left_the_trays_group(tray_env
     _kill_head_then_check_gone(tray_env, cmd, "up", 2, wait_s=5)
 
 
+def test_head_sigkilled_a_daemon_that_left_the_session_and_cleared_its_environment_is_stopped(tray_env):
+    """A rank's daemon (double fork, setsid, an empty environment) is adopted by the head, its subreaper; the head
+    SIGKILLed, it was known by nothing (neither the tray's group nor TRAY_JOB in its environment) and ran on. The head
+    now tells its watchdog of the orphans it adopts, by pid and start time."""
+    cmd = tray_env.command(1, """
+    with tray.init() as rank:
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            pid = os.fork()
+            if pid == 0:
+                os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(120)", sys.argv[1]], {})
+            os.write(w, str(pid).encode())
+            os._exit(0)
+        os.close(w)
+        daemon = int(os.read(r, 32))
+        time.sleep(1.5)   # the head, its subreaper, has adopted it and looked
+        print("daemon", daemon, flush=True)
+        time.sleep(600)
+    """)
+    _kill_head_then_check_gone(tray_env, cmd, "daemon", 1, wait_s=8)
+
+
 def _kill_head_then_check_gone(tray_env, cmd: list[str], word: str, count: int, wait_s: float) -> None:
     """Start the head of `cmd`, wait for `count` lines "... WORD PID" (children its ranks started), SIGKILL the head,
     then check those children are gone within `wait_s`, and so is every job dir."""

@@ -65,6 +65,7 @@ else:  # NOTE: loaded on first use, after the ranks are spawned (tray.lazy): the
     wire = lazy_import("tray.handshake.wire")
 
 _POLL_MS = 20
+_ADOPTED_EVERY_S = 0.5  # how often the head looks for orphans it adopted, to tell its watchdog of them
 PHASES = ("head", "spawn", "import", "manifest", "device", "allocate", "offer", "table", "import_peers", "join",
           "ready")
 # A rank's phases up to `run`, in the order it passes them. Heartbeats travel on their own socket and
@@ -245,6 +246,8 @@ class Head:
         self._failed_first = False  # the loop ended on a failure, before any stop signal came
         self._watchdog: Watchdog | None = None
         self._children_before: set[int] = set()  # this process's children before the tray (run_tray in a program)
+        self._adopted_told: set[int] = set()  # adopted orphans the watchdog was told of (_note_adopted)
+        self._adopted_next = 0.0  # when to look for newly adopted ones (monotonic)
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
         self._failed_said = False  # the root cause's line is out (at the teardown's start)
         self.t_first_contact: float | None = None  # when the head first heard a rank (monotonic): the handshake's clock
@@ -388,6 +391,7 @@ class Head:
             if not self.failure:
                 self._check_watchdog()
             self._sample_shm(job)
+            self._note_adopted()
             if self._finished():
                 return
 
@@ -1192,6 +1196,24 @@ class Head:
         if pump is not None:
             pump.stop(DRAIN_S)
         self._log_error_reports(job.path)
+
+    def _note_adopted(self) -> None:
+        """Every _ADOPTED_EVERY_S: tell the watchdog of the children the head adopted since (as _kill_adopted finds
+        them), so that a SIGKILLed head leaves none of them running: an orphan that left the tray's process group and
+        cleared its environment (a daemon) is known by nothing else once the head, its subreaper, is gone."""
+        now = time.monotonic()
+        wd = self._watchdog
+        if now < self._adopted_next or wd is None:
+            return
+        self._adopted_next = now + _ADOPTED_EVERY_S
+        known = {p.pid for p in self.procs} | {wd.popen.pid} | self._children_before | self._adopted_told
+        new = [pid for pid in _own_children() if pid not in known]
+        if new and self.spec.launched_at is None and self._job_path is not None:  # run_tray: this tray's alone
+            mark = f"\0TRAY_JOB={self._job_path}\0".encode()
+            new = [pid for pid in new if mark in _environ_of(pid)]
+        if new:
+            self._adopted_told.update(new)
+            wd.adopted(new)
 
     def _kill_adopted(self, exclude: set[int]) -> None:
         """Kill the head's children it did not start: orphans of the ranks' descendants (reparented here, the

@@ -48,6 +48,42 @@ def stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
+def start_time(pid: int | str) -> str | None:
+    """Process `pid`'s start time (field 22 of /proc/PID/stat, clock ticks after boot): with the pid, it names one
+    process, not a later one given the same pid. None when it cannot be read or the process is a zombie."""
+    fields = stat_fields(pid)
+    return fields[19] if fields is not None and len(fields) > 19 and fields[0] != "Z" else None
+
+
+def adopted_line(pid: int, started: str) -> bytes:
+    """What the head tells its watchdog of a process it adopted (stays a child of no one once the head is gone)."""
+    return f"adopted {pid} {started}\n".encode()
+
+
+def adopted_in(data: bytes) -> list[tuple[int, str]]:
+    """(pid, start time) of each `adopted` line the head wrote; other lines are skipped."""
+    found = []
+    for line in data.split(b"\n"):
+        words = line.split()
+        if len(words) == 3 and words[0] == b"adopted" and words[1].isdigit() and words[2].isdigit():
+            found.append((int(words[1]), words[2].decode()))
+    return found
+
+
+def adopted_alive(adopted: list[tuple[int, str]], exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Those of `adopted` still running as the same process (same start time), this user's, minus `exclude`."""
+    uid, alive = os.getuid(), []
+    for pid, started in adopted:
+        try:
+            if pid in exclude or os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if start_time(pid) == started:
+            alive.append(pid)
+    return alive
+
+
 def group_members(pgid: int, exclude: frozenset[int] = frozenset()) -> list[int]:
     """Pids of the live processes in process group `pgid` (from /proc), minus `exclude`."""
     found = []
@@ -190,6 +226,17 @@ class Watchdog:
             os.set_inheritable(lock_fd, False)
         self.pgid = self.popen.pid
 
+    def adopted(self, pids: list[int]) -> None:
+        """Tell the watchdog of processes the head adopted (orphans of the ranks' descendants that left the tray's
+        group): should the head die, no subreaper holds them, nor need their environment name the job dir any more,
+        so the watchdog stops them by pid and start time. Best effort: a full pipe drops the note."""
+        lines = b"".join(adopted_line(pid, started) for pid in pids if (started := start_time(pid)) is not None)
+        if lines and self._write_fd >= 0:
+            try:
+                os.write(self._write_fd, lines)
+            except OSError:
+                pass
+
     def done(self, timeout_s: float = 5.0) -> None:
         """Release the watchdog without a cleanup (the head did it). Idempotent."""
         if self._write_fd >= 0:
@@ -216,8 +263,9 @@ def _watch(root: str, job_name: str, pipe_fd: int, lock_fd: int) -> int:
         if not chunk:
             break
         data += chunk
-    if data == DONE:
+    if data.endswith(DONE):
         return 0
+    adopted = adopted_in(data)
     # the head died without cleaning up: every process of the tray's group, then the rank's descendants that left
     # it (setpgid, setsid: the head, a subreaper, would have adopted and killed them), known by the job dir their
     # environment names; as in the head's teardown, SIGTERM and a moment to end first (the ranks themselves died with
@@ -225,10 +273,14 @@ def _watch(root: str, job_name: str, pipe_fd: int, lock_fd: int) -> int:
     me, pgid = os.getpid(), os.getpgid(0)
     mark = f"TRAY_JOB={Path(root) / job_name}".encode()
     signalled: set[int] = set()
-    _signal_until_gone(lambda: group_members(pgid, frozenset({me})) + marked_processes(mark, frozenset({me})),
+    _signal_until_gone(lambda: group_members(pgid, frozenset({me})) + marked_processes(mark, frozenset({me}))
+                       + adopted_alive(adopted, frozenset({me})),
                        signal.SIGTERM, SETTLE_S, signalled, raise_unlisted=False, again=False)
     kill_group(pgid, frozenset({me}))
     kill_marked(mark, frozenset({me}))
+    # the head's adopted orphans, which may have left both the group and the environment that names the job dir
+    _signal_until_gone(lambda: adopted_alive(adopted, frozenset({me})), signal.SIGKILL, REAP_TIMEOUT_S, set(),
+                       raise_unlisted=False)
     try:
         _, root_fd = open_root(Path(root))
     except SetupError:
