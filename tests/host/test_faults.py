@@ -1161,3 +1161,20 @@ def test_a_step_that_times_out_while_the_head_is_stopped_says_so(tray_env):
     assert run.returncode == 0, run.output
     assert re.search(r"no decision on exchange 'x' from the head within 1\.0 s \(the head, pid [0-9]+, is stopped",
                      run.stdout), run.output
+
+
+@pytest.mark.parametrize("limit", [16, 18])
+def test_a_rank_that_lowered_its_open_file_limit_is_told_so(tray_env, limit):
+    """A program that lowers its own open-file limit before tray.init(): a raw "OSError: [Errno 24] Too many open files"
+    from the rank, or every rank waiting 30 s on a peer whose fd socket could no longer accept. Now the first failure
+    names the limit, within seconds."""
+    run = tray_env.launch(4, f"""
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))
+    with tray.init() as rank:
+        rank.barrier()
+    """, timeout_s=60)
+    assert run.returncode in (1, 2), run.output
+    cause = run.stderr.split("tray: FAILED: ", 1)[1]
+    assert f"open-file limit is {limit}" in cause, run.output   # the verdict, or the report under it
+    assert "OSError: [Errno 24]" not in run.stderr and run.seconds < 20, run.output

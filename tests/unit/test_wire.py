@@ -606,3 +606,48 @@ except HandshakeError as exc:
             os.close(fd)
     assert "this rank could not receive rank 0's fds: its open-file limit is" in out.stdout, out.stdout + out.stderr
     assert "raise it (ulimit -n)" in out.stdout
+
+
+def test_a_rank_with_no_descriptor_free_tells_the_member_that_asks_for_its_fds(tmp_path) -> None:
+    """The serving rank has used up its open-file limit: accept() failed (EMFILE), its serving thread ended, and the
+    member that asked waited on its connection until its timeout (30 s, every rank in import_peers). The server now
+    lets a reserved descriptor go for the moment and refuses, naming its limit."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tray.errors import HandshakeError
+    from tray.handshake import fdpass
+
+    path = str(tmp_path / "r.fds")
+    script = f"""
+import os, resource, sys, time
+from tray.handshake import fdpass
+r, w = os.pipe()
+server = fdpass.FdServer({path!r}, "tok", 0, {{"x": r}})
+server.allow({{{os.getpid()}}})
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+print("full", flush=True)
+time.sleep(20)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "full"
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match="rank 0's fd socket refused: rank 0 has no file descriptor free to "
+                                                 "answer with: its open-file limit is [0-9]+"):
+            fdpass.fetch_fds(path, "tok", ["x"], "rank 0", 10.0)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        if child.stdout is not None:
+            child.stdout.close()

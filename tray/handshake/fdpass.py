@@ -6,6 +6,7 @@ sends anything. ZeroMQ cannot carry fds, hence this side channel.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
 import socket
@@ -62,7 +63,14 @@ class FdServer:
         self._allowed: frozenset[int] | None = None
         self._table_ready = threading.Event()
         self._stop = threading.Event()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # NOTE: one descriptor held in reserve: with none free, accept() fails (EMFILE) and the asking member would
+        # wait on its connection until its timeout; the reserve, let go for the moment, answers it why instead
+        self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except BaseException:
+            os.close(self._spare)
+            raise
         try:
             self._sock.bind(path)
             os.chmod(path, 0o600)
@@ -70,6 +78,7 @@ class FdServer:
             self._sock.settimeout(0.1)
         except OSError as exc:
             self._sock.close()
+            os.close(self._spare)
             gone = not os.path.isdir(os.path.dirname(path))
             raise SetupError(f"rank {rank} cannot make its fd socket {path}: {exc.strerror or exc}; "
                              + ("the job dir was removed while the tray started (by hand, or a cleanup of its "
@@ -77,6 +86,7 @@ class FdServer:
                                 "free space or inodes there, or set TRAY_JOBS_ROOT to another directory")) from None
         except BaseException:
             self._sock.close()
+            os.close(self._spare)
             raise
         self._thread = threading.Thread(target=self._serve, name=f"tray-fds-{rank}", daemon=True)
         self._thread.start()
@@ -92,13 +102,37 @@ class FdServer:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._refuse_without_fds():
+                    continue
                 return
             with conn:
                 try:
                     self._answer(conn)
                 except (OSError, ConnectionError, ValueError, msgpack.UnpackException) as exc:
                     self._refuse(conn, f"bad request: {exc}", log=True)
+
+    def _refuse_without_fds(self) -> bool:
+        """accept() found no descriptor free: the reserve let go, the waiting member is told why, the reserve taken
+        back. False when that cannot be done (the serving thread then ends, as it did)."""
+        if self._spare < 0:
+            return False
+        said = fd_limit_said()
+        os.close(self._spare)
+        self._spare = -1
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:
+            conn = None
+        if conn is not None:
+            with conn:
+                self._refuse(conn, f"rank {self.rank} has no file descriptor free to answer with: {said}; raise it "
+                                   "(ulimit -n before the launch)")
+        try:
+            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        return True
 
     def _refuse(self, conn: socket.socket, reason: str, log: bool = True) -> None:
         self.refusals.append(reason)
@@ -157,6 +191,9 @@ class FdServer:
             pass
         self._sock.close()
         self._thread.join(timeout=2.0)
+        if self._spare >= 0 and not self._thread.is_alive():
+            os.close(self._spare)
+            self._spare = -1
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -190,7 +227,7 @@ def _reply(sock: socket.socket, data: bytes, nfds: int, owner: str) -> tuple[lis
     return names, bool(reply.get("more"))
 
 
-def _fd_limit_said() -> str:
+def fd_limit_said() -> str:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -227,7 +264,7 @@ def fetch_fds(path: str, token: str, names: list[str], owner: str, timeout_s: fl
             data, fds, flags, _addr = socket.recv_fds(sock, _MAX_REQUEST_NBYTES, _MAX_FDS)
             try:
                 if flags & socket.MSG_CTRUNC:  # the kernel dropped the fds this process had no room for
-                    raise HandshakeError(f"this rank could not receive {owner}'s fds: {_fd_limit_said()}, and the "
+                    raise HandshakeError(f"this rank could not receive {owner}'s fds: {fd_limit_said()}, and the "
                                          f"reply's fds beyond {len(fds)} were dropped; raise it (ulimit -n) or export "
                                          "fewer buffers")
                 names, more = _reply(sock, data, len(fds), owner)

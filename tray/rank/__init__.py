@@ -12,6 +12,7 @@ An exception leaving the `with` block is reported to the head (the tray's root c
 
 from __future__ import annotations
 
+import errno
 import json
 import operator
 import os
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype
-from tray.errors import UsageError, WireError
+from tray.errors import SetupError, UsageError, WireError
 from tray.handshake import wire
 from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, describe_step
 from tray.manifest import Manifest, ResolvedManifest
@@ -108,7 +109,19 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
         early = early_join.from_environ(env.rank, env.device, timeout_s)
     parts = Parts(env, PhaseClock(), early=early)
     try:
-        wiring = lifecycle.start(parts, manifest or env.manifest or None, timeout_s, warmup)
+        try:
+            wiring = lifecycle.start(parts, manifest or env.manifest or None, timeout_s, warmup)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            from tray.handshake.fdpass import fd_limit_said
+
+            # NOTE: a rank maps every peer's buffers (an fd each while it imports them) and holds its sockets: a
+            # limit the program lowered, or one set low for the job, ends here, wherever the next descriptor was due
+            raise SetupError(f"rank {env.rank} ran out of file descriptors in tray.init() (phase "
+                             f"{parts.phases.current}: {exc.strerror}): {fd_limit_said()}; raise it (ulimit -n before "
+                             "the launch; a program that lowers it with resource.setrlimit leaves the tray too few), "
+                             "or export fewer buffers") from exc
     except BaseException as exc:
         _report(env, parts.phases.current, parts.client, exc)
         parts.close()
