@@ -79,4 +79,9 @@ def stop_signals() -> tuple[int, ...]:
     handler = signal.getsignal(signal.SIGHUP)
     if handler is signal.SIG_DFL or getattr(handler, "stops_tray", False):
         sigs.append(signal.SIGHUP)
+    # SIGQUIT (Ctrl-\, kill -QUIT) as torchrun takes it: a stop with the ranks' grace, where it would end this
+    # process anyway (its default dumped the head's core and the ranks died at once of the head's death)
+    handler = signal.getsignal(signal.SIGQUIT)
+    if handler is signal.SIG_DFL or getattr(handler, "stops_tray", False):
+        sigs.append(signal.SIGQUIT)
     return tuple(sigs)

@@ -369,7 +369,7 @@ with tray.init() as rank:
         head.stdout.close()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
 def test_a_signal_to_the_watchdog_while_it_starts_changes_nothing(tray_env, sig):
     """The watchdog ignores the stop signals (the head acts on them), but only from its main(): one that reached it
     while its interpreter started (a SIGTERM to the tray's process group, in its first ~0.1-0.5 s) killed it, and the
@@ -457,6 +457,37 @@ with tray.init() as rank:
             assert code == 130, err
             assert "tray: interrupted (SIGHUP: its terminal closed; nohup tray launch ... keeps a tray running past " \
                 "its terminal); the tray was stopped" in err
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.close()
+        head.stderr.close()
+    assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
+
+
+def test_sigquit_stops_the_tray_as_sigterm_does(tray_env):
+    """Ctrl-\\ or kill -QUIT to the head, as torchrun takes it: the head dumped its core and the ranks died at once
+    of its death (no grace, a rank's handlers never run); now an interruption like SIGTERM."""
+    body = """
+import signal
+with tray.init() as rank:
+    signal.signal(signal.SIGTERM, lambda *_: (print("graceful", rank.rank, flush=True), sys.exit(0)))
+    print("up", flush=True)
+    time.sleep(600)
+"""
+    head = subprocess.Popen(tray_env.command(2, body), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=tray_env.env(), cwd=str(tray_env.tmp))
+    try:
+        seen, deadline = 0, time.monotonic() + 30
+        while seen < 2 and time.monotonic() < deadline:
+            seen += head.stdout.readline().strip().endswith("up")
+        assert seen == 2, "the ranks did not come up"
+        head.send_signal(signal.SIGQUIT)
+        code = head.wait(timeout=20)
+        out, err = head.stdout.read(), head.stderr.read()
+        assert code == 130, err
+        assert "tray: interrupted (SIGQUIT); the tray was stopped" in err, err
+        assert out.count("graceful") == 2, out + err
     finally:
         if head.poll() is None:
             head.kill()

@@ -747,7 +747,7 @@ class Head:
             self._drain(sock, 0)
             if self.failure:
                 return
-            if code in (-signal.SIGTERM, -signal.SIGINT) and self._interrupted_too():
+            if code in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGQUIT) and self._interrupted_too():
                 return  # the signal came to the whole job (Ctrl-C, scancel, a time limit): the loop says so
             self._fail(self._death(p, code))
             return

@@ -34,7 +34,7 @@ REAP_TIMEOUT_S = 5.0
 # resource tracker (which ignores SIGTERM) then unlinks the /dev/shm semaphores and segments its dead clients left.
 SETTLE_S = 1.0
 # what the watchdog ignores: the stop signals are the head's to act on, SIGUSR1/SIGUSR2 (Slurm's --signal) the ranks'
-IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _ROOT_ENV, _JOB_ENV = "TRAY_WATCHDOG_ROOT", "TRAY_WATCHDOG_JOB"  # the jobs root and the job dir's name
 
 
