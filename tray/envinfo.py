@@ -84,6 +84,8 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(),
         "cpus": os.cpu_count(),
+        # the 1-minute load average when the run started: a figure timed on a busy machine says so
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "variables": knobs(),
