@@ -527,7 +527,7 @@ def itemsize(dtype: str) -> int:
 def numpy_dtype(dtype: str) -> np.dtype:
     """The numpy dtype of a manifest dtype name (bf16 through ml_dtypes). Raises UsageError naming the names
     tray takes (and the one meant, for a numpy name like "float32")."""
-    if dtype == "bf16":
+    if isinstance(dtype, str) and dtype == "bf16":  # not `dtype == ...` alone: an array compares elementwise
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)

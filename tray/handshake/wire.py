@@ -22,9 +22,15 @@ LONGEST_WAIT_S = 1e9  # a vote's wait_s: an endless wait (inf) is sent as this
 
 def step_wait(timeout_s: float, what: str) -> float:
     """A step's timeout as it is waited for and sent: > 0 (UsageError otherwise, NaN too), inf as LONGEST_WAIT_S."""
-    t = float(timeout_s)
+    try:  # a bool, a string or what float() refuses is no number of seconds (NaN, refused below, stands for it)
+        t = math.nan if isinstance(timeout_s, (bool, str, bytes)) else float(timeout_s)
+    except OverflowError:  # an int beyond a float's range: endless when positive
+        t = math.inf if timeout_s > 0 else -math.inf
+    except (TypeError, ValueError):
+        t = math.nan
     if not t > 0:
-        raise UsageError(f"{what}: timeout_s must be a number of seconds > 0 (inf: no end), got {timeout_s!r}")
+        raise UsageError(f"{what}: timeout_s must be a number of seconds > 0 (inf: no end), got "
+                         f"{type(timeout_s).__name__} {repr(timeout_s)[:60]}")
     return min(t, LONGEST_WAIT_S)
 # NOTE: a CUDA fabric handle (CUmemFabricHandle) is 64 opaque bytes. A group's join info is whatever
 # its collectives need (an ncclUniqueId is 128 bytes); 4 KiB bounds it far above that.

@@ -197,7 +197,7 @@ class Session(_Handle):
         if page_indices is None:
             r.dirty = [True] * r.npages
             return
-        idx = [_index(i, r.npages, "session.touch", r.id) for i in page_indices]
+        idx = [_index(i, r.npages, "session.touch", r.id) for i in _iterable(page_indices, "session.touch")]
         for i in idx:
             r.dirty[i] = True
 
@@ -210,7 +210,7 @@ class Session(_Handle):
             raise UsageError(f"session.mark_clean: session {r.id} was never parked, so its pages have no host "
                              "copy to keep; park it first")
         idx = range(r.npages) if page_indices is None else \
-            [_index(i, r.npages, "session.mark_clean", r.id) for i in page_indices]
+            [_index(i, r.npages, "session.mark_clean", r.id) for i in _iterable(page_indices, "session.mark_clean")]
         for i in idx:
             r.dirty[i] = False
 
@@ -277,6 +277,16 @@ class ParkedSession(_Handle):
         r = self._record
         state = r.where.value if r.generation == self._generation else "stale handle"
         return f"ParkedSession(id={r.id}, state={r.pool.name!r}, npages={r.npages}, {state})"
+
+
+def _iterable(page_indices: object, what: str) -> Iterable[object]:
+    """`page_indices` as given to touch/mark_clean: an iterable of indices; one index alone is a UsageError."""
+    try:
+        return iter(page_indices)  # type: ignore[call-overload]
+    except TypeError:
+        raise UsageError(f"{what}: page_indices is a list (any iterable) of session page indices, or None for "
+                         f"all; got {type(page_indices).__name__} {repr(page_indices)[:60]}: pass [i] for one "
+                         "page") from None
 
 
 def _index(i: Any, npages: int, what: str, sid: int) -> int:

@@ -32,6 +32,7 @@ from tray.handshake import wire
 from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, describe_step
 from tray.manifest import Manifest, ResolvedManifest
 from tray.rank import lifecycle
+from tray.rank.args import int_arg, name_arg, seconds_arg, shown, stream_arg
 from tray.rank.env import RankEnv
 from tray.rank.phases import PhaseClock
 from tray.rank.views import BufferView, Leases, check_member
@@ -62,7 +63,8 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = None, early: Any = None) -> Rank:
+def init(manifest: str | os.PathLike[str] | None = None, timeout_s: float = 60.0, warmup: Any = None,
+         early: Any = None) -> Rank:
     """Join the tray this process was launched into. Blocks until every rank is ready (`go`).
 
     `manifest` overrides TRAY_MANIFEST (every rank must load the same one: the head checks).
@@ -73,12 +75,21 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
     form.
     """
     global _initialised, _initialised_pid
-    if not float(timeout_s) > 0:
+    try:
+        timeout_s = seconds_arg("tray.init()", timeout_s)
+        if isinstance(manifest, os.PathLike):
+            manifest = os.fspath(manifest)
+        if manifest is not None and not isinstance(manifest, str):
+            raise UsageError(f"tray.init(manifest=...): a manifest file's path or a built-in's name (a str or a "
+                             f"pathlib.Path), got {shown(manifest)}; or leave it out for the launch's --manifest")
+        wrong = None
+    except UsageError as exc:
+        wrong = exc
+    if wrong is not None:
         if warmup is not None:
             warmup.release()
         if early is not None:
             early.cancel()
-        wrong = UsageError(f"tray.init(timeout_s={timeout_s!r}): a number of seconds > 0")
         try:
             env = RankEnv.from_environ()
         except UsageError:
@@ -109,6 +120,7 @@ def init(manifest: str | None = None, timeout_s: float = 60.0, warmup: Any = Non
         early = early_join.from_environ(env.rank, env.device, timeout_s)
     parts = Parts(env, PhaseClock(), early=early)
     try:
+        assert manifest is None or isinstance(manifest, str)  # checked above, a Path made a str
         try:
             wiring = lifecycle.start(parts, manifest or env.manifest or None, timeout_s, warmup)
         except OSError as exc:
@@ -198,8 +210,8 @@ class Rank:
     def buffer(self, name: str) -> BufferView:
         """The manifest buffer `name` on this rank: `.ptr`, and a zero-copy tensor (`torch.from_dlpack`,
         `np.from_dlpack`; see tray.rank.views) typed and shaped as the manifest says."""
-        b = self._wiring.buffer(name)
         self._require_open(f"buffer({name!r})")
+        b = self._wiring.buffer(name_arg("buffer()", "the buffer", name))
         return BufferView(b.name, b.dtype, b.shape, b.nbytes, b.ptr, b.export, self.rank, self.backend,
                           self._wiring.buffers[name], self._leases)
 
@@ -209,6 +221,7 @@ class Rank:
         in the buffer's group; this rank's own gives its own buffer. The mapping stays while a view of it
         lives, even past close(). Raises UsageError for an unknown buffer or member, or after close()."""
         self._require_open(f"peer_view({name!r}, {member})")
+        name_arg("peer_view()", "the buffer", name)
         if not isinstance(member, bool) and hasattr(member, "__index__"):
             try:
                 member = operator.index(member)  # a numpy integer, a one-element integer tensor: the rank it holds
@@ -224,12 +237,12 @@ class Rank:
     def peers(self, name: str) -> PeerTable:
         """Every member's address of exported buffer `name` (over the buffer's group)."""
         self._require_open("peers()")
-        return self._wiring.peers(name)
+        return self._wiring.peers(name_arg("peers()", "the buffer", name))
 
     def group(self, name: str = "world") -> GroupInfo:
         """This rank's instance of group `name`: `.members` (global ranks, member order), `.index`, `.size`."""
         self._require_open(f"group({name!r})")
-        return self._wiring.group(name)
+        return self._wiring.group(name_arg("group()", "the group", name))
 
     def barrier(self, group: str = "world", timeout_s: float | None = None, stream: int | None = None) -> None:
         """Wait until every member of `group` arrives; BarrierTimeout names who did not. `timeout_s` None:
@@ -238,7 +251,8 @@ class Rank:
         With `stream` (an int handle, e.g. `torch.cuda.current_stream().cuda_stream`) the barrier is only
         enqueued on that stream (no sync, no allocation: a CUDA graph capture on it records the barrier);
         a timeout then surfaces at the next `synchronize()` after that stream's work ended."""
-        timeout_s = self.barrier_timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.barrier_timeout_s if timeout_s is None else seconds_arg(f"barrier({group!r})", timeout_s)
+        stream = stream_arg(f"barrier({group!r})", stream)
         if stream is None:
             self.barrier_of(group).wait(timeout_s)
         else:
@@ -248,11 +262,12 @@ class Rank:
         """The group's Barrier object, for launching without synchronising (benchmarks, graphs)."""
         self._require_open("barrier()")
         self._require_own_process(f"barrier({group!r})")
-        return self._wiring.barrier(group)
+        return self._wiring.barrier(name_arg("barrier()", "the group", group))
 
     def kernel(self, name: str) -> Kernel:
         """The manifest kernel `name`, compiled and loaded once (host: its numpy twin)."""
         self._require_open(f"kernel({name!r})")
+        name_arg("kernel()", "the kernel", name)
         if name not in self._kernels:
             spec = next((k for k in self.manifest.kernels if k.name == name), None)
             if spec is None:
@@ -267,7 +282,7 @@ class Rank:
         that every rank must make (like `exchange`); a program with a collective op makes it in lockstep."""
         self._require_open("collectives()")
         self._require_own_process(f"collectives({group!r})")
-        return self._wiring.collectives_of(group, self._exchange)
+        return self._wiring.collectives_of(name_arg("collectives()", "the group", group), self._exchange)
 
     def read(self, name: str) -> np.ndarray:
         """A host copy of buffer `name`, typed and shaped as the manifest says."""
@@ -285,7 +300,12 @@ class Rank:
             # a tensor: numpy cannot take every dtype (bf16) nor device memory; the buffer's view can
             raise UsageError(f"write({name!r}): takes numpy data, got a {type(data).__name__}; copy a tensor into the "
                              f"buffer's view instead: torch.from_dlpack(rank.buffer({name!r})).copy_(tensor)")
-        arr = np.ascontiguousarray(data)
+        try:
+            arr = np.ascontiguousarray(data)
+        except (TypeError, ValueError) as exc:  # ragged nested lists, objects numpy cannot make an array of
+            raise UsageError(f"write({name!r}): takes a numpy array (or what np.asarray makes one of), got a "
+                             f"{type(data).__name__} numpy refuses ({exc}); pass an array of the buffer's dtype "
+                             f"{b.dtype} or its raw bits") from None
         want = numpy_dtype(b.dtype)
         # NOTE: raw bits are fine: an integer array of the element's size (bf16 as uint16; bool as u8), or bytes
         raw = arr.dtype == np.uint8 or (arr.dtype.kind in "uib" and arr.dtype.itemsize == want.itemsize)
@@ -303,6 +323,7 @@ class Rank:
         every rank must call it with the same topic. Raises UsageError, before sending, when the
         value is larger than wire.vote_limit_nbytes(world_size) (all values travel back in one message), or
         when the topic is one of tray's own (`tray:...`, tray.collectives.join, tray.park)."""
+        name_arg("exchange()", "the topic", topic)
         if topic.startswith("tray:") or topic in (JOIN_TOPIC, PARK_TOPIC):  # GROUP_PREFIX is tray:group:
             raise UsageError(f"exchange({topic!r}): topics beginning with 'tray:', and {JOIN_TOPIC!r} and "
                              f"{PARK_TOPIC!r}, are tray's own steps; choose another topic")
@@ -345,8 +366,15 @@ class Rank:
         (see tray.rank.streams); run it once outside a capture first (plans and kernels are built then)."""
         self._require_open("run()")
         self._require_own_process(f"run({program!r})")
+        name_arg("run()", "the program", program)
         if vars is not None and not isinstance(vars, dict):
             raise UsageError(f"run({program!r}): vars is a dict of var name -> int, got a {type(vars).__name__}")
+        checked: dict[str, int] = {}
+        for key, value in (vars or {}).items():
+            name_arg(f"run({program!r})", "a key of vars (a var of the manifest)", key)
+            checked[key] = int_arg(f"run({program!r})", f"var {key!r}", value)
+        vars = checked
+        stream = stream_arg(f"run({program!r})", stream)
         if self._executor is None:
             from tray.rank.executor import Executor
 
@@ -365,12 +393,22 @@ class Rank:
         for barrier in self._wiring.barriers.values():
             barrier.check()
 
-    def load_weights(self, **kwargs: Any) -> WeightsReport:
+    def load_weights(self, *, staging_nbytes: int | None = None, progress: bool = True) -> WeightsReport:
         """Fill every buffer whose manifest entry has a `bind` from its safetensors file (pread into
-        pinned double buffers, copied while the next read runs). Returns a tray.weights.WeightsReport."""
+        pinned double buffers, copied while the next read runs; `staging_nbytes` each, None: the default).
+        Returns a tray.weights.WeightsReport."""
         from tray.weights import load_weights
+        from tray.weights.loader import DEFAULT_STAGING_NBYTES
 
-        return load_weights(self.context(), **kwargs)
+        staging = DEFAULT_STAGING_NBYTES if staging_nbytes is None else \
+            int_arg("load_weights()", "staging_nbytes", staging_nbytes)
+        if staging < 1:
+            raise UsageError(f"load_weights(): staging_nbytes must be >= 1 (bytes per staging buffer; leave it out "
+                             f"for {DEFAULT_STAGING_NBYTES}), got {staging}")
+        if progress is not None and not isinstance(progress, (bool, int, np.bool_)):
+            raise UsageError(f"load_weights(): progress is a bool (print the progress line or not; None: not), got "
+                             f"{shown(progress)}")
+        return load_weights(self.context(), staging_nbytes=staging, progress=bool(progress))
 
     def _parking(self) -> Parking:
         self._require_open("park/wake")
@@ -383,7 +421,9 @@ class Rank:
 
     def lease(self, pages: int, state: str | None = None) -> Session:
         """Lease `pages` device pages of `state` (default: the manifest's only state) on this rank."""
-        return self._parking().lease(pages, state)
+        if state is not None:
+            name_arg("lease()", "the state", state)
+        return self._parking().lease(int_arg("lease()", "pages", pages), state)
 
     def park(self, session: Session) -> ParkedSession:
         """Tray-wide: move every rank's pages of `session` to host memory, all or nothing (NoRoom)."""
