@@ -12,6 +12,7 @@ receive range that runs past the end of the buffer it starts in is named before 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -146,6 +147,10 @@ class HostCollectives(Collectives):
 
     def _check_ranges(self, what: str, count: int, dtype: str, send: tuple[int, int], recv: tuple[int, int]) -> None:
         for (ptr, nbytes), side in ((send, "send"), (recv, "receive")):
+            if not _NO_MEMORY_BELOW <= ptr < 2**64 and nbytes > 0:
+                raise UsageError(f"{what} over group {self.group.name!r}: its {side} address {ptr} is no memory (below "
+                                 f"{_NO_MEMORY_BELOW} nothing is ever mapped; addresses are < 2**64); pass a buffer's "
+                                 "address (rank.buffer(name).ptr), a view, or a tensor or array over tray memory")
             check_range(ptr, nbytes, f"{what} of {count} {dtype} over group {self.group.name!r}: its {side} range")
 
     def _stage_only(self, send_ptr: int, nbytes: int) -> None:
@@ -168,6 +173,7 @@ class HostCollectives(Collectives):
 
     def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                   stream: int | None = None) -> None:
+        count = _count("allreduce", count)
         nbytes = count * numpy_dtype(dtype).itemsize
         self._begin("allreduce", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes))
         result = self._reduce(0, count, dtype)
@@ -176,6 +182,7 @@ class HostCollectives(Collectives):
 
     def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                   stream: int | None = None) -> None:
+        count = _count("allgather", count)
         nbytes = count * numpy_dtype(dtype).itemsize
         self._begin("allgather", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes * self.group.size))
         recv = self._typed(recv_ptr, count * self.group.size, dtype)
@@ -185,6 +192,7 @@ class HostCollectives(Collectives):
 
     def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                       stream: int | None = None) -> None:
+        count = _count("reducescatter", count)
         chunk = count * numpy_dtype(dtype).itemsize
         self._begin("reducescatter", count, dtype, (send_ptr, chunk * self.group.size), (recv_ptr, chunk))
         result = self._reduce(self.group.index * chunk, count, dtype)
@@ -193,6 +201,7 @@ class HostCollectives(Collectives):
 
     def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                  stream: int | None = None) -> None:
+        count = _count("alltoall", count)
         chunk = count * numpy_dtype(dtype).itemsize
         self._begin("alltoall", count, dtype, (send_ptr, chunk * self.group.size), (recv_ptr, chunk * self.group.size))
         recv = self._typed(recv_ptr, count * self.group.size, dtype)
@@ -205,8 +214,12 @@ class HostCollectives(Collectives):
         """Exchange with one peer; the other members take no part. Round k with the peer: stage, post the bytes
         sent and "sent" k, wait for the peer's "sent" k, check the two sizes agree, copy its rows, post "read" k,
         wait for the peer's "read" k (so neither restages its scratch while the other still reads it)."""
+        count = _count("sendrecv", count)
         nbytes = count * numpy_dtype(dtype).itemsize
         me, peer = self.group.index, peer_index
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise UsageError(f"group {self.group.name!r}: sendrecv's peer_index is a member index (an int), got "
+                             f"{type(peer).__name__} {repr(peer)[:60]}")
         if not 0 <= peer < self.group.size:
             raise UsageError(f"group {self.group.name!r}: sendrecv with member {peer}; the group has members "
                              f"0..{self.group.size - 1}")
@@ -253,3 +266,23 @@ class HostCollectives(Collectives):
     def close(self) -> None:
         self._barrier.close()
         self._sent = self._read = self._sends = self._calls = []
+
+
+# NOTE: the first page of the address space is never mapped (Linux: vm.mmap_min_addr >= 4096): an address below it (0,
+# a count or an index passed for an address, a negative int) is refused rather than read, which would kill the process
+_NO_MEMORY_BELOW = 4096
+
+
+def _count(what: str, count: object) -> int:
+    """A collective's `count`: an int >= 0 (a numpy integer is the int it holds); UsageError otherwise."""
+    if type(count) is not int:
+        try:
+            if isinstance(count, bool):
+                raise TypeError
+            count = operator.index(count)  # type: ignore[arg-type]
+        except TypeError:
+            raise UsageError(f"{what}: count is a number of elements (an int >= 0), got {type(count).__name__} "
+                             f"{repr(count)[:60]}") from None
+    if count < 0:  # type: ignore[operator]
+        raise UsageError(f"{what}: count is a number of elements (an int >= 0), got {count}")
+    return count  # type: ignore[return-value]
