@@ -577,3 +577,21 @@ def test_the_ep_moe_bench_help_says_which_paths_cross_nodes():
     nnodes = next(a for a in ep_moe._actions if "--nnodes" in a.option_strings)
     assert "staged and carried by an NCCL all-to-all" in nnodes.help and "the NCCL path beside it" in nnodes.help
     assert "staged and carried by an NCCL all-to-all" in CROSS_NODE_PATH
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["launch", "--backend", "host", "-n", "99999999999999999999", "--", "true"], "-n must be at most 1048576"),
+    (["bench", "park", "--backend", "host", "-n", "2", "--gib", "nan"], "argument --gib: expected a number > 0"),
+    (["bench", "park", "--backend", "host", "-n", "2", "--gib", "-1"], "argument --gib: expected a number > 0"),
+    (["bench", "park", "--backend", "host", "-n", "2", "--page-mib", "inf"], "--page-mib: expected a number > 0"),
+])
+def test_absurd_rank_counts_and_sizes_are_one_line_and_exit_2(capsys, argv, said):
+    """-n 10**20 raised OverflowError sizing a list per rank; --gib nan raised ValueError in the bench and --gib -1
+    ran a bench of one page."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # an argument argparse refused
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

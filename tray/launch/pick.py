@@ -9,6 +9,8 @@ from tray.errors import UsageError
 
 # NOTE: with no GPU visible, a 4-rank tray is what CI and the demo run.
 HOST_DEFAULT_NPROCS = 4
+# more ranks than one host could run as processes: refused before anything is sized by it
+MAX_NPROCS = 1 << 20
 
 
 def backend_and_nprocs(backend: str | None, nprocs: int | None, share: bool | None = None) -> tuple[str, int]:
@@ -22,6 +24,8 @@ def backend_and_nprocs(backend: str | None, nprocs: int | None, share: bool | No
         raise UsageError(f"unknown backend {chosen!r}; expected one of {', '.join(BACKENDS)}")
     if nprocs is not None and nprocs < 1:
         raise UsageError(f"-n must be at least 1, got {nprocs}")
+    if nprocs is not None and nprocs > MAX_NPROCS:
+        raise UsageError(f"-n must be at most {MAX_NPROCS} (ranks of one node, each a process), got {nprocs}")
     if chosen == "cuda":
         from tray.backend.cuda import gpu_count
 

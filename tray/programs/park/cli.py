@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from tray.bench.cli import add_tray_args, backend_and_nprocs
+
+
+def _positive(text: str) -> float:
+    """A size in GiB or MiB: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
 
 
 def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     """Add `park` to the `tray bench` subcommands."""
     b = benches.add_parser("park", help="park/wake GB/s per rank and tray-wide vs the pinned-copy ceiling")
     add_tray_args(b)
-    b.add_argument("--gib", type=float, default=None, help="GiB leased per rank (default 4 on cuda, 0.25 on host)")
-    b.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (default 2)")
+    b.add_argument("--gib", type=_positive, default=None, help="GiB leased per rank (default 4 on cuda, 0.25 on host)")
+    b.add_argument("--page-mib", type=_positive, default=2.0, help="page size in MiB (default 2)")
     b.add_argument("--repeats", type=int, default=5, help="park/wake repeats per round (median)")
     b.add_argument("--ceiling-repeats", type=int, default=None, help=argparse.SUPPRESS)
     b.add_argument("--plot", default=None, metavar="PNG",
