@@ -200,12 +200,14 @@ class Rank:
         """Whether this is a child the rank's process forked after tray.init() (a DataLoader worker, a fork Pool's)."""
         return _forked_after_init and os.getpid() != self._pid
 
-    def _require_own_process(self, what: str) -> None:
+    def _require_own_process(self, what: str, name: object = None) -> None:
         """The steps that talk to the head or to the peers (barriers, exchange, collectives, programs, park/wake) are
         the rank's process's: in a forked child its head socket has no I/O thread (a wait there never ends) and a
-        barrier would bump the peers' flags for an epoch the rank never entered. UsageError there, at once."""
+        barrier would bump the peers' flags for an epoch the rank never entered. UsageError there, at once. `what`
+        is the call, `name` its argument when it has one (formatted only then: these calls are the hot ones)."""
         if self._forked():
-            raise UsageError(_forked_child(f"{what} in process {os.getpid()}", self._pid, self.rank))
+            call = what if name is None else f"{what}({name!r})"
+            raise UsageError(_forked_child(f"{call} in process {os.getpid()}", self._pid, self.rank))
 
     def buffer(self, name: str) -> BufferView:
         """The manifest buffer `name` on this rank: `.ptr`, and a zero-copy tensor (`torch.from_dlpack`,
@@ -252,7 +254,8 @@ class Rank:
         enqueued on that stream (no sync, no allocation: a CUDA graph capture on it records the barrier);
         a timeout then surfaces at the next `synchronize()` after that stream's work ended."""
         timeout_s = self.barrier_timeout_s if timeout_s is None else seconds_arg(f"barrier({group!r})", timeout_s)
-        stream = stream_arg(f"barrier({group!r})", stream)
+        if stream is not None:
+            stream = stream_arg(f"barrier({group!r})", stream)
         if stream is None:
             self.barrier_of(group).wait(timeout_s)
         else:
@@ -261,7 +264,7 @@ class Rank:
     def barrier_of(self, group: str = "world") -> Barrier:
         """The group's Barrier object, for launching without synchronising (benchmarks, graphs)."""
         self._require_open("barrier()")
-        self._require_own_process(f"barrier({group!r})")
+        self._require_own_process("barrier", group)
         return self._wiring.barrier(name_arg("barrier()", "the group", group))
 
     def kernel(self, name: str) -> Kernel:
@@ -281,7 +284,7 @@ class Rank:
         """The collectives of `group`. The first call joins every group's collectives: a tray-wide step
         that every rank must make (like `exchange`); a program with a collective op makes it in lockstep."""
         self._require_open("collectives()")
-        self._require_own_process(f"collectives({group!r})")
+        self._require_own_process("collectives", group)
         return self._wiring.collectives_of(name_arg("collectives()", "the group", group), self._exchange)
 
     def read(self, name: str) -> np.ndarray:
@@ -332,7 +335,7 @@ class Rank:
     def _exchange(self, topic: str, value: Any, timeout_s: float = 60.0) -> list[Any]:
         """exchange() for tray's own steps too (the collectives' join, park and wake)."""
         self._require_open("exchange()")
-        self._require_own_process(f"exchange({topic!r})")
+        self._require_own_process("exchange", topic)
         timeout_s = wire.step_wait(timeout_s, f"exchange({topic!r})")
         client = self._wiring.client
         rnd = self._rounds.get(topic, 0) + 1
@@ -365,16 +368,20 @@ class Rank:
         With `stream` (an int handle) the program runs after the work on that stream and before the next
         (see tray.rank.streams); run it once outside a capture first (plans and kernels are built then)."""
         self._require_open("run()")
-        self._require_own_process(f"run({program!r})")
+        self._require_own_process("run", program)
         name_arg("run()", "the program", program)
         if vars is not None and not isinstance(vars, dict):
             raise UsageError(f"run({program!r}): vars is a dict of var name -> int, got a {type(vars).__name__}")
         checked: dict[str, int] = {}
         for key, value in (vars or {}).items():
+            if type(key) is str and type(value) is int:  # the common case, without formatting a message
+                checked[key] = value
+                continue
             name_arg(f"run({program!r})", "a key of vars (a var of the manifest)", key)
             checked[key] = int_arg(f"run({program!r})", f"var {key!r}", value)
         vars = checked
-        stream = stream_arg(f"run({program!r})", stream)
+        if stream is not None:
+            stream = stream_arg(f"run({program!r})", stream)
         if self._executor is None:
             from tray.rank.executor import Executor
 
