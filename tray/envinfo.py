@@ -77,6 +77,9 @@ def knobs(environ: dict[str, str] | None = None) -> dict[str, str]:
             if k.startswith(_KNOBS) and not any(s in k for s in _SECRET)}
 
 
+_LOAD_AT_IMPORT = round(os.getloadavg()[0], 2)
+
+
 def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Facts to store beside every result: commit, host, Python, GPU, driver, NCCL, the variables in effect."""
     env = {
@@ -84,8 +87,10 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(),
         "cpus": os.cpu_count(),
-        # the 1-minute load average when the run started: a figure timed on a busy machine says so
-        "load_average_1m": round(os.getloadavg()[0], 2),
+        # the 1-minute load average when this module was imported (a bench's start) and now (its report, its own
+        # processes counted): a figure timed on a machine already busy says so
+        "load_average_1m_start": _LOAD_AT_IMPORT,
+        "load_average_1m_end": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "variables": knobs(),
