@@ -56,6 +56,15 @@ def start_head(tray_env, n: int, body: str, *args: str) -> subprocess.Popen:
     return head
 
 
+def sigkill_leaves_nothing(tray_env, head: subprocess.Popen) -> None:
+    """SIGKILL the head: what it leaves (ranks, their children, the job dir) is gone within 5 s (the watchdog)."""
+    t0 = time.monotonic()
+    head.send_signal(signal.SIGKILL)
+    head.wait(timeout=10)
+    assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
+    assert time.monotonic() - t0 < 5
+
+
 # --- 1. the jobs root --------------------------------------------------------------------------------
 
 def launch_with_root(tray_env, root: Path):
@@ -307,11 +316,7 @@ with tray.init() as rank:
 """)
     try:
         assert wait_for(lambda: len(tray_env.leftovers()) >= 7, 10)  # 3 ranks, 3 children, the job dir
-        t0 = time.monotonic()
-        head.send_signal(signal.SIGKILL)
-        head.wait(timeout=10)
-        assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
-        assert time.monotonic() - t0 < 5
+        sigkill_leaves_nothing(tray_env, head)
     finally:
         if head.poll() is None:
             head.kill()
@@ -335,11 +340,7 @@ if __name__ == "__main__":
     try:
         made = lambda: {s for s in os.listdir("/dev/shm") if s.startswith("sem.mp-")} - tray_env.shm_before  # noqa: E731
         assert wait_for(made, 10), "the pool made no semaphore"
-        t0 = time.monotonic()
-        head.send_signal(signal.SIGKILL)
-        head.wait(timeout=10)
-        assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
-        assert time.monotonic() - t0 < 5
+        sigkill_leaves_nothing(tray_env, head)
     finally:
         if head.poll() is None:
             head.kill()
@@ -358,11 +359,7 @@ with tray.init() as rank:
 """)
     try:
         assert wait_for(lambda: len(tray_env.leftovers()) >= 5, 10)  # 2 ranks, 2 children, the job dir
-        t0 = time.monotonic()
-        head.send_signal(signal.SIGKILL)
-        head.wait(timeout=10)
-        assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
-        assert time.monotonic() - t0 < 5
+        sigkill_leaves_nothing(tray_env, head)
     finally:
         if head.poll() is None:
             head.kill()

@@ -263,20 +263,28 @@ def test_a_jobs_root_reached_through_another_users_link_is_refused(tmp_path):
         open_root(shared / "link" / "jobs")
 
 
-def test_a_default_root_name_taken_by_another_user_falls_back_to_the_home(tmp_path, monkeypatch):
-    """Any user may make $TMPDIR/tray-<uid> for any uid first (a link, a dir of theirs), and this user cannot remove
-    it from a sticky /tmp: every launch then failed with a SetupError. The default root moves to the home instead."""
+def _default_root_between(tmp_path, monkeypatch, tmp_mode: int):
+    """No TRAY_JOBS_ROOT nor XDG_RUNTIME_DIR; TMPDIR a fresh `tmp` of `tmp_mode` (returned), HOME a fresh 0700 home."""
     from tray.launch import jobdir
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    tmp.chmod(0o1777)
+    tmp.chmod(tmp_mode)
     (tmp_path / "home").mkdir(mode=0o700)
     monkeypatch.delenv("TRAY_JOBS_ROOT", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setattr(jobdir.tempfile, "tempdir", None)
+    return tmp
+
+
+def test_a_default_root_name_taken_by_another_user_falls_back_to_the_home(tmp_path, monkeypatch):
+    """Any user may make $TMPDIR/tray-<uid> for any uid first (a link, a dir of theirs), and this user cannot remove
+    it from a sticky /tmp: every launch then failed with a SetupError. The default root moves to the home instead."""
+    from tray.launch import jobdir
+
+    tmp = _default_root_between(tmp_path, monkeypatch, 0o1777)
     squat = tmp / f"tray-{os.getuid()}"
     assert jobdir.default_root() == squat  # free: the tmp
     squat.symlink_to(tmp_path / "elsewhere")
@@ -320,15 +328,7 @@ def test_a_jobs_root_that_cannot_be_made_says_why_not_to_remove_it_and_why_the_t
     error said to remove what does not exist, and not why the temporary directory was passed over."""
     from tray.launch import jobdir
 
-    unsafe_tmp = tmp_path / "tmp"
-    unsafe_tmp.mkdir()
-    unsafe_tmp.chmod(0o777)
-    (tmp_path / "home").mkdir(mode=0o700)
-    monkeypatch.delenv("TRAY_JOBS_ROOT", raising=False)
-    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    monkeypatch.setenv("TMPDIR", str(unsafe_tmp))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(jobdir.tempfile, "tempdir", None)
+    unsafe_tmp = _default_root_between(tmp_path, monkeypatch, 0o777)
     real_mkdir = os.mkdir
 
     def mkdir(path, mode=0o777, **kw):
