@@ -77,10 +77,14 @@ def absent_leaders_note(words: np.ndarray, parts: Sequence[Sequence[int]], waite
     absent = [part for j, part in enumerate(parts) if int(words[j, 0]) & ABSENT and j != mine]
     if not absent:
         return ""
-    told = "; ".join(f"rank {part[0]} leads ranks {','.join(map(str, part))} on its node" for part in absent)
-    return (f"{told}, and never reached the nodes' step: it may instead still be waiting there for one of them, when "
-            f"its barrier timeout is longer than this rank's {waiter_timeout_s:g} s (give every rank the same timeout "
-            "to have the missing one named)")
+    return (f"{_leads(absent)}, and never reached the nodes' step: it may instead still be waiting there for one of "
+            f"them, when its barrier timeout is longer than this rank's {waiter_timeout_s:g} s (give every rank the "
+            "same timeout to have the missing one named)")
+
+
+def _leads(parts: Sequence[Sequence[int]]) -> str:
+    """"rank L leads ranks L,M on its node" for each node's members `parts` (its leader first); node.py reads it."""
+    return "; ".join(f"rank {part[0]} leads ranks {','.join(map(str, part))} on its node" for part in parts)
 
 
 def mask_of(missing: Sequence[int], part: Sequence[int]) -> int:
@@ -186,10 +190,9 @@ class DeviceSpanBarrier(SpanBarrier):
             if self.is_leader:
                 others = [p for j, p in enumerate(self.parts) if j != self.node_index]
                 suspects = [p[0] for p in others]
-                note = ("the nodes' step (the leaders' allgather) never ended: " + "; ".join(
-                    f"rank {p[0]} leads ranks {','.join(map(str, p))} on its node" for p in others) +
-                    ", and one of them never joined it: besides having died or hung, it may still be waiting for "
-                    f"a member of its node, when its barrier timeout is longer than this rank's {timeout_s:g} s")
+                note = (f"the nodes' step (the leaders' allgather) never ended: {_leads(others)}, and one of them "
+                        "never joined it: besides having died or hung, it may still be waiting for a member of its "
+                        f"node, when its barrier timeout is longer than this rank's {timeout_s:g} s")
             else:
                 suspects, note = [self.local_group.members[0]], self._leader_note()
             self._broken = BarrierTimeout(self.group.name, self.epoch, self.me, suspects, exc.waited_s, note)

@@ -1197,6 +1197,14 @@ class Head:
             pump.stop(DRAIN_S)
         self._log_error_reports(job.path)
 
+    def _this_trays(self, adopted: list[int]) -> list[int]:
+        """Those of the head's adopted children `adopted` that are this tray's: in `tray launch` all of them; in a
+        program that called run_tray() (children of its own), those whose environment names this tray's job dir."""
+        if not adopted or self.spec.launched_at is not None or self._job_path is None:
+            return adopted
+        mark = f"\0TRAY_JOB={self._job_path}\0".encode()
+        return [pid for pid in adopted if mark in _environ_of(pid)]
+
     def _note_adopted(self) -> None:
         """Every _ADOPTED_EVERY_S: tell the watchdog of the children the head adopted since (as _kill_adopted finds
         them), so that a SIGKILLed head leaves none of them running: an orphan that left the tray's process group and
@@ -1207,10 +1215,7 @@ class Head:
             return
         self._adopted_next = now + _ADOPTED_EVERY_S
         known = {p.pid for p in self.procs} | {wd.popen.pid} | self._children_before | self._adopted_told
-        new = [pid for pid in _own_children() if pid not in known]
-        if new and self.spec.launched_at is None and self._job_path is not None:  # run_tray: this tray's alone
-            mark = f"\0TRAY_JOB={self._job_path}\0".encode()
-            new = [pid for pid in new if mark in _environ_of(pid)]
+        new = self._this_trays([pid for pid in _own_children() if pid not in known])
         if new:
             self._adopted_told.update(new)
             wd.adopted(new)
@@ -1226,9 +1231,8 @@ class Head:
             adopted = [c for c in me.children() if c.pid not in exclude and c.pid not in self._children_before]
         except psutil.Error:
             return
-        if self.spec.launched_at is None and self._job_path is not None:
-            mark = f"\0TRAY_JOB={self._job_path}\0".encode()
-            adopted = [c for c in adopted if mark in _environ_of(c.pid)]
+        ours = set(self._this_trays([c.pid for c in adopted]))
+        adopted = [c for c in adopted if c.pid in ours]
         for c in adopted:
             try:
                 c.kill()

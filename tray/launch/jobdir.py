@@ -91,6 +91,16 @@ def _tmp_refused(tmp: Path) -> str | None:
     return f"{tmp} {problem}" if problem else None
 
 
+def _make_it_hint(root: Path | None, path: Path) -> str:
+    """What to do about a jobs root `path` that could not be made; for the home's fallback, why the temporary
+    directory's was not taken."""
+    made = "set TRAY_JOBS_ROOT to a directory of your own (0700)"
+    refused = _tmp_refused(_tmp_root()) if root is None and not os.environ.get("TRAY_JOBS_ROOT") else None
+    if refused and path.name == "tray-jobs":
+        made += f" (the temporary directory's was not taken: {refused})"
+    return made
+
+
 def _taken(path: Path) -> bool:
     """Whether `path` exists as something other than a directory of this user (a link, a file, another's dir)."""
     try:
@@ -105,10 +115,6 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
     owner and mode through the fd. Returns (path, fd). Raises SetupError saying what is wrong."""
     path = Path(root) if root is not None else default_root()
     hint = "remove it or set TRAY_JOBS_ROOT to a directory of your own"
-    made = "set TRAY_JOBS_ROOT to a directory of your own (0700)"
-    refused = _tmp_refused(_tmp_root()) if root is None and not os.environ.get("TRAY_JOBS_ROOT") else None
-    if refused and path.name == "tray-jobs":
-        made += f" (the temporary directory's was not taken: {refused})"
     try:
         make_private_dirs(path.parent)
         try:
@@ -122,7 +128,7 @@ def open_root(root: Path | None = None) -> tuple[Path, int]:
         if exc.errno == errno.EEXIST and exc.filename not in (None, str(path)):  # makedirs met a file on the way
             raise SetupError(f"cannot create the jobs root {path}: {exc.filename} is not a directory; {hint}") from None
         raise SetupError(f"cannot create the jobs root {path}: {exc.strerror}; "
-                         f"{hint if os.path.lexists(path) else made}") from None
+                         f"{hint if os.path.lexists(path) else _make_it_hint(root, path)}") from None
     st = os.fstat(fd)
     problem = None
     if st.st_uid != os.getuid():

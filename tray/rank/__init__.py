@@ -46,9 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["Buffer", "BufferView", "PeerTable", "Rank", "RankContext", "init"]
 
 
-# tray.init() was called in this process (it may be called once: a second offer would be refused by the head)
-_initialised = False
-# the process that called it (a child forked after it inherits `_initialised`, not the tray)
+# the process that called tray.init(), once it did (it may be called once: a second offer would be refused by the
+# head); a child forked after it inherits this, not the tray
 _initialised_pid: int | None = None
 # set in a child forked after tray.init() (os.register_at_fork), so that the rank's own calls need no getpid()
 _forked_after_init = False
@@ -56,7 +55,7 @@ _forked_after_init = False
 
 def _after_fork_in_child() -> None:
     global _forked_after_init
-    if _initialised:
+    if _initialised_pid is not None:
         _forked_after_init = True
 
 
@@ -74,7 +73,7 @@ def init(manifest: str | os.PathLike[str] | None = None, timeout_s: float = 60.0
     Raises UsageError outside a tray or when this process already called it, HandshakeError when the tray cannot
     form.
     """
-    global _initialised, _initialised_pid
+    global _initialised_pid
     try:
         timeout_s = seconds_arg("tray.init()", timeout_s)
         if isinstance(manifest, os.PathLike):
@@ -96,12 +95,12 @@ def init(manifest: str | os.PathLike[str] | None = None, timeout_s: float = 60.0
             raise wrong from None
         _report(env, "spawn", None, wrong)  # the error file: the head says it in one line, as a usage error
         raise wrong
-    if _initialised:
+    if _initialised_pid is not None:
         if warmup is not None:
             warmup.release()
         if early is not None:
             early.cancel()
-        if _initialised_pid is not None and _initialised_pid != os.getpid():
+        if _initialised_pid != os.getpid():
             raise UsageError(_forked_child(f"process {os.getpid()} called tray.init()", _initialised_pid))
         raise UsageError("tray.init() was already called in this process: a rank joins its tray once (the head "
                          "knows it by its process); keep the first Rank, or launch a new tray")
@@ -113,7 +112,7 @@ def init(manifest: str | os.PathLike[str] | None = None, timeout_s: float = 60.0
         if early is not None:
             early.cancel()
         raise
-    _initialised, _initialised_pid = True, os.getpid()
+    _initialised_pid = os.getpid()
     if early is None:
         from tray.collectives import early as early_join
 
