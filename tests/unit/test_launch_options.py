@@ -189,6 +189,7 @@ def test_version(capsys):
     (["-n", "two"], "tray launch: argument -n/--nprocs/--nproc-per-node: expected a number of ranks (or gpu, auto, "
                     "cpu), got 'two'"),
     (["--bakend=host"], "unrecognized arguments: --bakend=host (did you mean --backend?)"),
+    (["--manifest", ""], "the manifest's name is empty (--manifest ''); give a manifest file or a built-in name"),
 ])
 def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
     try:

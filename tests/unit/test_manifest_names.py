@@ -21,6 +21,8 @@ def test_manifest_names_resolve_to_builtins_and_paths_win(tmp_path, monkeypatch)
         resolve_manifest("ep_mo")
     with pytest.raises(UsageError, match="no manifest file 'nothing/here.json'"):
         resolve_manifest("nothing/here.json")
+    with pytest.raises(UsageError, match=r"the manifest's name is empty .*or leave --manifest out for the default"):
+        resolve_manifest("")  # `--manifest "$M"` with M unset: refused, not the default manifest
     listing = format_builtins().splitlines()
     assert len(listing) == len(known) and listing[0].split()[0] == sorted(known)[0]
 

@@ -135,3 +135,18 @@ def test_a_str_subclass_and_numpy_str_are_names() -> None:
 def test_bools_zero_staging_negative_streams_and_one_page_index_are_refused(call) -> None:
     with pytest.raises(UsageError):
         call()
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ("", r"tray.init\(manifest=''\): the manifest's name is empty; give a manifest file's path or a built-in's name"),
+    (3, r"tray.init\(manifest=...\): a manifest file's path or a built-in's name \(a str or a pathlib.Path\), got "),
+])
+def test_init_refuses_an_empty_or_odd_manifest_before_looking_for_its_tray(monkeypatch, manifest, message) -> None:
+    """`tray.init(manifest=os.environ.get("M", ""))` with M unset is refused, not the launch's manifest taken in its
+    place; outside a tray too (the argument is checked first)."""
+    import tray
+
+    for name in [k for k in __import__("os").environ if k.startswith("TRAY_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(UsageError, match=message):
+        tray.init(manifest=manifest)

@@ -33,6 +33,9 @@ def builtin_manifests() -> dict[str, str]:
 def resolve_manifest(arg: str) -> str:
     """The manifest file `arg` names: an existing file wins; else the built-in manifest of that name
     ("ep_moe" or "ep_moe.json"). Raises UsageError listing the built-ins (with a did-you-mean)."""
+    if not arg:  # `--manifest "$M"` with M unset: not the default manifest, which leaving the flag out gives
+        raise UsageError("the manifest's name is empty (--manifest ''); give a manifest file or a built-in name "
+                         "(`tray inspect --list`), or leave --manifest out for the default (the world group)")
     if Path(arg).is_file():
         return arg
     kind = _not_a_file(arg)

@@ -81,6 +81,9 @@ def init(manifest: str | os.PathLike[str] | None = None, timeout_s: float = 60.0
         if manifest is not None and not isinstance(manifest, str):
             raise UsageError(f"tray.init(manifest=...): a manifest file's path or a built-in's name (a str or a "
                              f"pathlib.Path), got {shown(manifest)}; or leave it out for the launch's --manifest")
+        if manifest == "":
+            raise UsageError("tray.init(manifest=''): the manifest's name is empty; give a manifest file's path or a "
+                             "built-in's name (`tray inspect --list`), or leave it out for the launch's --manifest")
         wrong = None
     except UsageError as exc:
         wrong = exc
