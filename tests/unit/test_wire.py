@@ -651,3 +651,34 @@ time.sleep(20)
         child.wait(timeout=10)
         if child.stdout is not None:
             child.stdout.close()
+
+
+def test_an_fd_socket_closed_before_its_table_arrived_lets_a_waiting_member_go_at_once(tmp_path) -> None:
+    """A member asked while the rank had no table yet (its serving thread waits up to 30 s for it), then the rank's
+    start-up failed and it closed the socket: close() waited 2 s for that thread and left it running, its reserve
+    descriptor open, until the 30 s were up (and the member waiting as long). Now the close ends the wait: the
+    member is refused at once, and the thread is gone."""
+    import os
+    import socket
+    import time
+
+    from tray.handshake import fdpass
+
+    r, w = os.pipe()
+    server = fdpass.FdServer(str(tmp_path / "r.fds"), "tok", 0, {"x": r})
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(server.path)
+            time.sleep(0.3)  # accepted: the serving thread waits for the table
+            t0 = time.monotonic()
+            server.close()
+            took = time.monotonic() - t0
+            s.settimeout(3.0)
+            reply = s.recv(4096)
+        assert took < 1.0, took
+        assert not server._thread.is_alive()
+        assert b"closed its fd socket before the tray table arrived" in reply, reply
+    finally:
+        server.close()
+        os.close(r)
+        os.close(w)

@@ -152,7 +152,9 @@ class FdServer:
             return self._refuse(conn, f"pid {pid} runs as uid {uid}, the tray as uid {os.getuid()}")
         if not self._table_ready.wait(timeout=30.0):
             return self._refuse(conn, f"pid {pid} asked before the tray table arrived")
-        assert self._allowed is not None
+        if self._allowed is None:  # close() ended the wait: this rank's start-up failed before its table came
+            return self._refuse(conn, f"rank {self.rank} closed its fd socket before the tray table arrived (its "
+                                      "start-up failed: its own report says why)", log=False)
         if pid not in self._allowed:
             return self._refuse(conn, f"pid {pid} is not a member of the tray table")
         deadline = time.monotonic() + _REQUEST_WITHIN_S
@@ -183,6 +185,7 @@ class FdServer:
 
     def close(self) -> None:
         self._stop.set()
+        self._table_ready.set()  # a member waiting for the table is refused now, not after the wait's 30 s
         try:
             # wakes the serving thread's accept() now (Linux: EINVAL); a close alone leaves it blocked
             # until its 0.1 s timeout, which every rank's exit would wait for
