@@ -15,7 +15,7 @@ from tray.backend.base import GroupInfo
 from tray.backend.cuda import barrier as barrier_mod
 from tray.backend.cuda import driver
 from tray.backend.cuda.barrier import CudaBarrier, OwnCapture, launch_mode
-from tray.errors import UsageError
+from tray.errors import BarrierTimeout, UsageError
 
 ILLEGAL_ADDRESS = 700  # CUDA_ERROR_ILLEGAL_ADDRESS in cuda.h
 REAL_GRAPH_LAUNCHER = driver.graph_launcher  # the fake driver below replaces it; one test wants it back
@@ -265,6 +265,31 @@ def test_the_host_barrier_refuses_a_bad_timeout_as_cuda_does() -> None:
             barrier.launch(bad)
     assert barrier.epoch == 0 and not flags.any()
     barrier.check()  # refused, not broken
+
+
+def test_a_host_barrier_whose_last_member_arrives_as_its_wait_runs_out_passes(monkeypatch) -> None:
+    """The last member's flag landed between the wait's final poll and the count of who was missing: the barrier
+    raised a BarrierTimeout that named no missing rank (its peers, which saw every flag, went on), and the head
+    took it for the root cause. Every member arrived: the barrier passes."""
+    import numpy as np
+
+    from tray.backend.host import barrier as host_barrier
+
+    flags = np.zeros(2, np.uint64)
+    barrier = host_barrier.HostBarrier(GroupInfo("world", (0, 1), 0), flags.ctypes.data, [flags.ctypes.data] * 2)
+    real = host_barrier.spin_until
+
+    def peer_arrives_after_the_last_poll(done, timeout_s):
+        waited = real(done, timeout_s)
+        flags[1] = barrier.epoch
+        return waited
+
+    monkeypatch.setattr(host_barrier, "spin_until", peer_arrives_after_the_last_poll)
+    barrier.launch(0.01)
+    barrier.check()
+    monkeypatch.setattr(host_barrier, "spin_until", real)
+    with pytest.raises(BarrierTimeout, match="for rank 1"):  # a member that does not come is still named
+        barrier.launch(0.01)
 
 
 def test_a_failed_graph_launch_is_a_named_error(fake, monkeypatch, symbols) -> None:

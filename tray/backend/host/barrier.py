@@ -71,6 +71,8 @@ class HostBarrier(Barrier):
         waited = spin_until(lambda: bool(own.min() >= epoch), timeout_s)
         if waited is not None:
             missing = [self.group.members[i] for i in range(self.group.size) if own[i] < epoch]
+            if not missing:  # the last flag landed after the wait's final poll, before this count: every member came
+                return
             self._broken = BarrierTimeout(self.group.name, epoch, self.group.members[me], missing, waited)
             raise self._broken
 
