@@ -857,6 +857,38 @@ with tray.init() as rank:
         head.stderr.close()
 
 
+def test_a_sigint_to_the_whole_step_while_the_ranks_start_is_an_interruption_not_a_rank_failure(tray_env):
+    """A SIGINT to every process of the step (scancel --signal=INT, kill -INT to the group) reaches the ranks a
+    moment before the head: rank 0 is inside tray.init() (waiting for rank 1's offer), rank 1 not there yet. Rank 0's
+    KeyboardInterrupt was reported to the head as its error, which then took it for the root cause (exit 1) instead
+    of the interruption it is (exit 130), as a KeyboardInterrupt leaving the `with` block is."""
+    head = subprocess.Popen(tray_env.command(2, """
+if os.environ["TRAY_RANK"] == "1":
+    open("up-1", "w").close()
+    time.sleep(60)
+open("up-0", "w").close()
+with tray.init() as rank:
+    rank.barrier()
+"""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=tray_env.env(), cwd=str(tray_env.tmp))
+    try:
+        assert wait_for(lambda: len(list(tray_env.tmp.glob("up-*"))) == 2, 30)
+        time.sleep(1.0)  # rank 0 well inside tray.init(), waiting for the table
+        ranks = [c.pid for c in psutil.Process(head.pid).children() if tray_env.marker in " ".join(c.cmdline())]
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.05)  # the head hears of it a moment after its ranks
+        head.send_signal(signal.SIGINT)
+        assert head.wait(timeout=20) == 130, head.stderr.read()
+        err = head.stderr.read()
+        assert "FAILED" not in err and "reported KeyboardInterrupt" not in err, err
+        assert "tray: interrupted" in err, err
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stderr.close()
+
+
 def test_sigusr1_to_the_whole_step_is_the_ranks_to_handle(tray_env):
     """Slurm's --signal=USR1@T warning and scancel --signal=USR1 reach every process of the step: the head and its
     watchdog died of it (no word from tray, the ranks killed with them), so a rank's handler (a checkpoint) was cut

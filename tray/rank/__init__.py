@@ -137,7 +137,10 @@ def init(manifest: str | os.PathLike[str] | None = None, timeout_s: float = 60.0
                              "the launch; a program that lowers it with resource.setrlimit leaves the tray too few), "
                              "or export fewer buffers") from exc
     except BaseException as exc:
-        _report(env, parts.phases.current, parts.client, exc)
+        # NOTE: an interruption (SIGINT) or an exit is no error of the rank's, as in Rank.__exit__: the head names the
+        # signal or the exit code, or takes it for the whole tray's Ctrl-C when it got one too
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            _report(env, parts.phases.current, parts.client, exc)
         parts.close()
         raise
     return Rank(wiring)
