@@ -377,6 +377,21 @@ def test_a_root_host_that_does_not_resolve_is_one_line_not_a_hang(tray_env):
     assert "does not resolve yet" in run.stderr, run.output
 
 
+def test_a_root_host_zeromq_cannot_dial_is_one_line_not_a_hang(tray_env):
+    """Node 1 does not resolve the root's host itself (ZeroMQ does, as it dials): a name ZeroMQ refuses outright
+    raised from the link's connect with its sockets open, and the head's teardown then waited for them for ever."""
+    env = tray_env.env()
+    env["TRAY_JOB_TOKEN"] = TOKEN
+    try:
+        run = tray_env.run(launch_cmd("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "bad host:29500",
+                                      "--timeout-s", "3", "--", sys.executable, "-c", "pass"), timeout_s=30, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the head hung")
+    assert run.returncode == 2, run.output
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "'bad host'" in run.stderr and "--rdzv-endpoint" in run.stderr, run.stderr
+
+
 def test_a_second_node_0_on_the_roots_host_is_told_node_rank_0_may_be_given_twice(tray_env):
     """A second head given --node-rank 0 on the host where node 0's root already listens cannot bind the root's port:
     the error names that cause beside another program on the port, not only a port to change."""

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tray.errors import BarrierTimeout, WireError
+from tray.errors import BarrierTimeout, UsageError, WireError
 from tray.handshake import jobwire, wire
 from tray.handshake.steps import GROUP_PREFIX, describe_pending, step_voters
 from tray.launch.curve import job_keys, make_client
@@ -60,15 +60,29 @@ class NodeLink:
         self.job = job
         self.connect_timeout_s = connect_timeout_s
         self.sock = make_client(ctx, job_keys(job.token))
-        # unique per head, so a second head given the same node rank is heard (and refused by name), not
-        # silently dropped by the ROUTER as a duplicate identity
-        self.sock.setsockopt(zmq.IDENTITY, f"node-{job.node_rank}-{os.getpid()}".encode())
-        self.sock.setsockopt(zmq.LINGER, 1000)  # a failure report must leave before the head exits
-        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CONNECTED)
-        self.sock.connect(f"tcp://{job.root_host}:{job.root_port}")
+        try:
+            # unique per head, so a second head given the same node rank is heard (and refused by name), not
+            # silently dropped by the ROUTER as a duplicate identity
+            self.sock.setsockopt(zmq.IDENTITY, f"node-{job.node_rank}-{os.getpid()}".encode())
+            self.sock.setsockopt(zmq.LINGER, 1000)  # a failure report must leave before the head exits
+            self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_CONNECTED)
+            try:
+                self.sock.connect(f"tcp://{job.root_host}:{job.root_port}")
+            except zmq.ZMQError as exc:  # a name ZeroMQ refuses outright (it resolves the others as it dials)
+                raise UsageError(f"the root's host {job.root_host!r} (from {host_source(job.source)}) is no address "
+                                 f"ZeroMQ can dial ({exc.strerror}); give a name or address every node can "
+                                 "reach") from None
+        except BaseException:
+            # NOTE: an open socket would keep the context's term() at the head's teardown waiting for ever
+            monitor = getattr(self, "monitor", None)
+            if monitor is not None:
+                self.sock.disable_monitor()
+                monitor.close()
+            self.sock.close(linger=0)
+            raise
         self.t_start = time.monotonic()
         self.last_heard: float | None = None
         self.refused = False
