@@ -857,6 +857,34 @@ with tray.init() as rank:
         head.stderr.close()
 
 
+def test_a_sighup_to_the_whole_step_is_an_interruption_not_a_rank_failure(tray_env):
+    """SIGHUP stops a tray as SIGTERM does (envvars.stop_signals): sent to every process of the step, the ranks died
+    of it a moment before the head noted its own, and the head blamed the first rank it saw dead (exit 1) instead of
+    saying it was interrupted (exit 130), as it does for SIGTERM, SIGINT and SIGQUIT."""
+    head = subprocess.Popen(tray_env.command(2, """
+with tray.init() as rank:
+    open(f"up-{rank.rank}", "w").close()
+    time.sleep(60)
+"""), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=tray_env.env(), cwd=str(tray_env.tmp),
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # not under nohup
+    try:
+        assert wait_for(lambda: len(list(tray_env.tmp.glob("up-*"))) == 2, 30)
+        ranks = [c.pid for c in psutil.Process(head.pid).children() if tray_env.marker in " ".join(c.cmdline())]
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            os.kill(pid, signal.SIGHUP)
+        time.sleep(0.05)  # the head hears of it a moment after its ranks
+        head.send_signal(signal.SIGHUP)
+        assert head.wait(timeout=20) == 130, head.stderr.read()
+        err = head.stderr.read()
+        assert "FAILED" not in err, err
+        assert "tray: interrupted (SIGHUP" in err, err
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stderr.close()
+
+
 def test_a_sigint_to_the_whole_step_while_the_ranks_start_is_an_interruption_not_a_rank_failure(tray_env):
     """A SIGINT to every process of the step (scancel --signal=INT, kill -INT to the group) reaches the ranks a
     moment before the head: rank 0 is inside tray.init() (waiting for rank 1's offer), rank 1 not there yet. Rank 0's

@@ -92,6 +92,9 @@ _DEATH_SEEN_WITHIN_S = 0.5
 _BUSY_CPU_S = 0.02
 # NOTE: how long the head waits, after a rank died of SIGTERM/SIGINT, for the same signal to reach itself
 _SIGNAL_SIBLING_S = 0.2
+# the exit statuses of a rank killed by one of the signals that stop a tray (envvars.stop_signals): one the head got
+# too is the whole tray's interruption, not the rank's failure
+_STOP_DEATHS = (-signal.SIGTERM, -signal.SIGINT, -signal.SIGQUIT, -signal.SIGHUP)
 _MIN_WINDOW_S = 0.5  # CPU time is counted in clock ticks (10 ms): a shorter window would misjudge
 # a verdict that names a late rank samples its CPU this long when the tick has not yet (two ticks of a busy CPU, also
 # when it gets half of one)
@@ -747,7 +750,7 @@ class Head:
             self._drain(sock, 0)
             if self.failure:
                 return
-            if code in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGQUIT) and self._interrupted_too():
+            if code in _STOP_DEATHS and self._interrupted_too():
                 return  # the signal came to the whole job (Ctrl-C, scancel, a time limit): the loop says so
             self._fail(self._death(p, code))
             return
