@@ -143,6 +143,36 @@ def test_an_unwritable_stdout_or_stderr_stops_nothing(tray_env):
         assert "[rank 0] done 0" in out and "[rank 1] done 1" in out, out
 
 
+def test_characters_the_heads_streams_cannot_encode_are_escaped_not_fatal(tray_env, tmp_path):
+    """A head whose locale encodes its output and log files as ASCII (LC_ALL=C without UTF-8 mode), and a rank that
+    writes UTF-8 bytes: the output thread died on the first line it could not encode (a traceback), and the ranks'
+    lines were lost; the rank then failed writing to its closed pipe, and the head named that BrokenPipeError as
+    the root cause (exit 1). The line is written with what the encoding lacks escaped (\\xe9), to the terminal and
+    to the rank's log, and the tray runs to its end."""
+    import subprocess
+
+    body = """
+    with tray.init() as rank:
+        for i in range(3000):
+            sys.stdout.buffer.write(b"caf\\xc3\\xa9 %d %s\\n" % (i, b"y" * 60))
+        sys.stdout.flush()
+        rank.barrier()
+        print("done", rank.rank, flush=True)
+    """
+    env = tray_env.env() | {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    logs = tmp_path / "logs"
+    try:
+        proc = subprocess.run(tray_env.command(2, body, "--log-dir", str(logs)), capture_output=True, timeout=60,
+                              env=env, cwd=str(tray_env.tmp))
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the tray hung") from None
+    err, out = proc.stderr.decode(errors="replace"), proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "[rank 0] caf\\xe9 2999 " in out and "[rank 0] done 0" in out and "[rank 1] done 1" in out, out[-2000:]
+    log = (logs / "rank-1.log").read_text(encoding="ascii")
+    assert " caf\\xe9 2999 " in log and log.rstrip().endswith(" done 1"), log[-500:]
+
+
 def test_a_log_file_that_cannot_be_written_is_said_once(tmp_path, capfd):
     """--log-dir on a full disk: the rank's lines are no longer kept there, said once; the pump reads on, so the
     rank is never left blocked on its full pipe, and the terminal still gets its lines."""

@@ -221,7 +221,8 @@ def open_log(log_dir: str, rank: int, buffering: int = -1) -> TextIO:
         if st.st_uid != os.getuid():
             raise OSError(errno.EPERM, f"{path} belongs to another user", str(path))
         os.set_blocking(fd, True)
-        return open(fd, "a", buffering=buffering, closefd=True)
+        # NOTE: in the locale's encoding, as the rank's own files; what it lacks (LC_ALL=C: ASCII) escaped (\xe9)
+        return open(fd, "a", buffering=buffering, closefd=True, errors="backslashreplace")
     except BaseException:
         os.close(fd)
         raise
@@ -291,6 +292,13 @@ def process_started_at() -> float | None:
     except (OSError, ValueError, IndexError, TypeError):
         return None
     return time.time() - max(0.0, age)
+
+
+def _escaped(text: str, stream: TextIO) -> str:
+    """`text` with the characters `stream`'s encoding cannot write as backslash escapes (\\xe9), as Python writes
+    them to its own stderr: a rank's line is shown, never the end of the output thread."""
+    encoding = stream.encoding or "utf-8"
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def _reader_gone(dst: TextIO, exc: OSError) -> None:
@@ -474,7 +482,11 @@ class OutputPump:
         if s.dst is not None:
             with _lock_of(s.dst):
                 try:
-                    s.dst.write(f"[rank {s.proc.rank}] {line}\n")
+                    out = f"[rank {s.proc.rank}] {line}\n"
+                    try:
+                        s.dst.write(out)
+                    except UnicodeEncodeError:  # a character its encoding lacks (LC_ALL=C, PYTHONIOENCODING=ascii)
+                        s.dst.write(_escaped(out, s.dst))
                     s.dst.flush()
                 except OSError as exc:
                     _reader_gone(s.dst, exc)
