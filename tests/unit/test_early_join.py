@@ -328,6 +328,26 @@ def test_a_start_that_fails_after_the_collectives_exist_aborts_without_waiting(t
     blocked.go.set()
 
 
+def test_a_start_that_fails_while_the_join_waits_for_the_ids_never_joins(tmp_path: Path) -> None:
+    """The rank's start failed after begin(), while the join's thread still waited for the head's ids: the close
+    could not stop it, and once the file came the thread joined NCCL for a tray that had failed (a communicator,
+    the device's context held, and a thread waiting in ncclCommInitRank for members that never come). A join
+    cancelled before it began never begins."""
+    from tray.rank.wiring import Parts
+
+    path = tmp_path / early.IDS_FILE
+    join = _FakeJoin()
+    ej = early.EarlyJoin(str(path), 0, 0, timeout_s=5.0, join=join)
+    ej.begin()
+    time.sleep(0.05)  # the thread polls for the ids file
+    Parts(_rank_env(), PhaseClock(), early=ej).close()
+    early.write_ids(path, early.plan(_resolved(2), range(2), _ids()))
+    deadline = time.monotonic() + 5.0
+    while not ej.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ej.done and join.joined == [] and ej._release is None
+
+
 def test_no_ids_from_the_head_means_the_lazy_join(tmp_path: Path) -> None:
     early.write_ids(tmp_path / early.IDS_FILE, None, error="no NCCL in the head's Python")
     join = _FakeJoin()

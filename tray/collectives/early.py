@@ -312,6 +312,8 @@ class EarlyJoin:
             self._entries, self.lazy_because, self.steps["head_ids"] = read_ids(self.path, self.rank,
                                                                                  self._timeout_s)
             self.steps["ids"] = time.perf_counter() - t0
+            if self._cancelled:  # the rank's start failed while this waited for the ids: no join for a failed tray
+                return
             if self._entries is not None:
                 self.step = "in ncclCommInitRank for " + ", ".join(
                     f"{e.group} (ranks {', '.join(map(str, e.members))})" for e in self._entries)
@@ -332,7 +334,8 @@ class EarlyJoin:
         self._go.set()
 
     def cancel(self) -> None:
-        """A start-up that failed before `begin()`: the thread ends without joining."""
+        """A start-up that failed: the thread ends without joining (before `begin()`, or while it waits for the ids; a
+        join already in NCCL is left to the process's end)."""
         self._cancelled = True
         self._go.set()
 
