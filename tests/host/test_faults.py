@@ -944,6 +944,36 @@ def test_what_a_closed_rank_and_bad_exchange_values_say(tray_env):
     assert run.stdout.count("closed:") == 2, run.output
 
 
+def test_a_step_made_while_another_thread_of_the_rank_waits_in_one_is_refused_at_once(tray_env):
+    """Rank 0's thread waits in exchange 'a' (rank 1 comes later) while its main thread makes exchange 'b': the two
+    shared the rank's one connection to the head, each skipping the other's decision as stale, and both waited out
+    their timeouts, naming the head's report (which had nothing to say). The second step is refused at once; made
+    after the first, it runs."""
+    run = tray_env.launch(2, """
+    import threading
+    with tray.init() as rank:
+        if rank.rank == 0:
+            got = {}
+            waiter = threading.Thread(target=lambda: got.update(a=rank.exchange("a", 1, timeout_s=10)))
+            waiter.start()
+            time.sleep(0.5)
+            try:
+                rank.exchange("b", 2, timeout_s=3)
+            except tray.UsageError as exc:
+                print("refused:", exc, flush=True)
+            waiter.join()
+            print("a:", got.get("a"), flush=True)
+        else:
+            time.sleep(1.5)
+            rank.exchange("a", 1)
+        print("b:", rank.exchange("b", 2, timeout_s=10), flush=True)
+    """, timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert "refused: rank 0: exchange 'b' in thread 'MainThread' while thread " in run.stdout, run.output
+    assert "waits in exchange 'a': a rank's tray-wide steps" in run.stdout, run.output
+    assert "a: [1, 1]" in run.stdout and run.stdout.count("b: [2, 2]") == 2, run.output
+
+
 def test_a_rank_whose_own_start_up_wait_runs_out_first_is_a_tray_that_did_not_form(tray_env):
     """tray.init(timeout_s=2) shorter than the head's --timeout-s, a peer late: exit 3 as when the head's deadline
     passes (it was 1); and a timeout that is no number of seconds is a UsageError at once."""

@@ -45,14 +45,15 @@ class VoteStep:
 
     def __call__(self, topic: str, value: Any, wait_s: float) -> list[Any]:
         wait_s = wire.step_wait(wait_s, f"step {topic!r}")
-        rnd = self._rounds.get(topic, 0) + 1
-        self._rounds[topic] = rnd
-        self._client.send(wire.Vote(token=self._token, rank=self._rank, topic=topic, round=rnd, value=value,
-                                    wait_s=wait_s))
-        while True:
-            d = self._client.receive(wire.Decision, wait_s, f"decision on {topic!r}")
-            if d.topic == topic and d.round == rnd:
-                return list(d.values)
+        with self._client.step("step", topic):
+            rnd = self._rounds.get(topic, 0) + 1
+            self._rounds[topic] = rnd
+            self._client.send(wire.Vote(token=self._token, rank=self._rank, topic=topic, round=rnd, value=value,
+                                        wait_s=wait_s))
+            while True:
+                d = self._client.receive(wire.Decision, wait_s, f"decision on {topic!r}")
+                if d.topic == topic and d.round == rnd:
+                    return list(d.values)
 
 
 class RelayBarrier(Barrier):

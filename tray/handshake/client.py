@@ -6,14 +6,16 @@ heartbeat thread owns a second DEALER so a rank busy in its program still proves
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
-from tray.errors import HandshakeError
+from tray.errors import HandshakeError, UsageError
 from tray.handshake import HEARTBEAT_INTERVAL_S, wire
 
 _POLL_AT_MOST_S = 3600.0  # one poll's longest wait (zmq takes the timeout as a C int of ms)
@@ -44,6 +46,8 @@ class RendezvousClient:
         self._ctx = zmq.Context()
         self._sock = self._connect(endpoint, f"rank-{rank}")
         self._stop = threading.Event()
+        self._step = threading.Lock()  # held by the thread making a tray-wide step on the main socket (step())
+        self._step_of = ("", "", "")  # that thread's name and its step, for the refusal of another's
         self._hb = threading.Thread(target=self._heartbeat, args=(endpoint,), name="tray-heartbeat",
                                     daemon=True)
         self._hb.start()
@@ -71,6 +75,25 @@ class RendezvousClient:
                 self._stop.wait(HEARTBEAT_INTERVAL_S)
         finally:
             sock.close()
+
+    @contextlib.contextmanager
+    def step(self, kind: str, topic: str) -> Iterator[None]:
+        """The main socket for the calling thread's tray-wide step (`kind` "exchange", say, and its `topic`): its vote,
+        then the wait for the decision. Another thread's step meanwhile would share the socket (not thread-safe) and
+        each would skip the other's decision as stale, both waiting out their timeouts: it is refused at once
+        (UsageError), naming both."""
+        if not self._step.acquire(blocking=False):
+            holder, held_kind, held_topic = self._step_of
+            raise UsageError(f"rank {self.rank}: {kind} {topic!r} in thread {threading.current_thread().name!r} while "
+                             f"thread {holder!r} waits in {held_kind} {held_topic!r}: a rank's tray-wide steps "
+                             "(exchange, the collectives' first use, park and wake, barriers over groups that span "
+                             "nodes) share its one connection to the head, one step at a time; make them from one "
+                             "thread, or one after the other")
+        try:
+            self._step_of = (threading.current_thread().name, kind, topic)
+            yield
+        finally:
+            self._step.release()
 
     def send(self, msg: Any) -> None:
         self._sock.send(wire.encode(msg))

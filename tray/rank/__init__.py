@@ -358,12 +358,13 @@ class Rank:
                 f"exchange({topic!r}): rank {self.rank}'s value takes {len(data)} B; the head sends every "
                 f"rank's value back in one message of at most {wire.MAX_MESSAGE_NBYTES} B, so each of the "
                 f"{self.world_size} ranks may send at most {limit} B: exchange less (e.g. a digest or a path)")
-        self._rounds[topic] = rnd
-        client.send_bytes(data)
-        while True:
-            d = client.receive(wire.Decision, timeout_s, f"decision on {describe_step(topic)}")
-            if d.topic == topic and d.round == rnd:
-                return list(d.values)
+        with client.step("exchange", topic):
+            self._rounds[topic] = rnd
+            client.send_bytes(data)
+            while True:
+                d = client.receive(wire.Decision, timeout_s, f"decision on {describe_step(topic)}")
+                if d.topic == topic and d.round == rnd:
+                    return list(d.values)
 
     # --- programs, weights and park/wake (tray/rank/executor.py, tray/weights/, tray/park/) ----------
     def run(self, program: str, vars: dict[str, int] | None = None, stream: int | None = None) -> None:
