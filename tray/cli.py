@@ -46,8 +46,7 @@ def _parse_vars(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
 
 def _job_of(args: argparse.Namespace):  # -> JobSpec | None
 
-    from tray.launch.job import JobArgs, resolve_job
-    from tray.launch.root import HEARTBEAT_INTERVAL_S
+    from tray.launch.job import HEARTBEAT_INTERVAL_S, JobArgs, resolve_job
 
     least = 2 * HEARTBEAT_INTERVAL_S
     if not least <= args.node_heartbeat_timeout_s < float("inf"):

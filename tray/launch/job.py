@@ -25,6 +25,10 @@ TOKEN_VAR = "TRAY_JOB_TOKEN"
 # is the floor (the sbatch script makes 64 hex characters).
 MIN_TOKEN_CHARS = 16
 # NOTE: torchrun's default master port; used where a scheduler names the root's host but no port (LWS).
+# NOTE: the root and the heads say they are alive this often; each declares the other lost after its heartbeat
+# timeout (default 5 s: ten missed beats). Here, not in tray.launch.root, so that checking --node-heartbeat-timeout-s
+# of a one-host launch loads neither the root nor ZeroMQ.
+HEARTBEAT_INTERVAL_S = 0.5
 DEFAULT_PORT = 29500
 RDZV_DEFAULT_PORT = 29400  # torchrun's port for an --rdzv-endpoint given without one
 # NOTE: the Slurm port is derived from the job id so every node computes the same one without talking;

@@ -26,11 +26,10 @@ from tray.handshake import jobwire, wire
 from tray.handshake.steps import GROUP_PREFIX, describe_pending, step_voters
 from tray.launch.curve import job_keys, make_client
 from tray.launch.head import Head
-from tray.launch.job import JobSpec, job_rank_env, master_port_of
+from tray.launch.job import HEARTBEAT_INTERVAL_S, JobSpec, job_rank_env, master_port_of
 from tray.launch.ports import PortReservation
 from tray.launch.root import (
     FAILED_HANDSHAKE,
-    HEARTBEAT_INTERVAL_S,
     TOKEN_FAILURES,
     Root,
     bind_address,

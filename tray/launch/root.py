@@ -36,14 +36,11 @@ from tray.handshake.steps import (
 )
 from tray.handshake.wire import MAX_FRAME_NBYTES
 from tray.launch.curve import ZapHandler, job_keys, make_server
-from tray.launch.job import SLURM_PORT_BASE, SLURM_PORT_JOBS, SLURM_PORT_STEP_STRIDE, JobSpec
+from tray.launch.job import HEARTBEAT_INTERVAL_S, SLURM_PORT_BASE, SLURM_PORT_JOBS, SLURM_PORT_STEP_STRIDE, JobSpec
 from tray.launch.spawn import raise_fd_limit, say
 from tray.launch.spec import EXIT_HANDSHAKE
 from tray.text import printable
 
-# NOTE: the root says it is alive this often; a head declares the root lost after its heartbeat
-# timeout (default 5 s), i.e. after ten missed beats.
-HEARTBEAT_INTERVAL_S = 0.5
 EXIT_JOB = 1
 FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
