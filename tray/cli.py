@@ -578,6 +578,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "dependencies: install tray with them (pip install tray, or `make` in a checkout, then use "
               ".venv/bin/tray)", file=sys.stderr)
         return EXIT_USAGE
+    except AttributeError:  # a lazily imported dependency (zmq, psutil) that a lone module of its name hides
+        shadow = _shadowed_dependency()
+        if not shadow:
+            raise
+        print(f"tray: SetupError: {shadow}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:
         code = _output_lost(exc)
         if code is None:

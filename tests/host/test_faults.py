@@ -630,12 +630,15 @@ def test_a_rank_holding_the_gil_is_busy_not_frozen_unless_it_uses_no_cpu(tray_en
     backtracking, a CPU used) it is watched, not failed; asleep in such a call (no CPU) it is failed at the
     timeout, the message saying how to give it longer."""
     busy = """
-import json
+import math
 import re
 with tray.init() as rank:
     rank.barrier()
     if rank.rank == 0:
-        re.match(r"(a+)+$", "a" * 28 + "b")   # seconds in C with the GIL held
+        t = time.perf_counter()
+        re.match(r"(a+)+$", "a" * 16 + "b")   # each further "a" doubles the time: sized to 4-8 s on this machine
+        n = 16 + max(0, math.ceil(math.log2(4.0 / max(time.perf_counter() - t, 1e-6))))
+        re.match(r"(a+)+$", "a" * n + "b")   # seconds in C with the GIL held
     rank.barrier(timeout_s=120)
     print("ok", rank.rank)
 """

@@ -10,8 +10,10 @@ indexing, vector packing and bf16 bit recipes are checked here; only the intrins
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -1203,12 +1205,15 @@ GEMM_SHAPES = [TILE.values(), (64, 128, 32, 3, 0, 0, 0), (32, 64, 64, 4, 256, 0,
 
 @pytest.fixture(scope="module")
 def gemm_shapes(tmp_path_factory):
-    """One CPU build of ep_gemm.cu per GEMM_SHAPES entry."""
-    out = {}
-    for shape in GEMM_SHAPES:
-        defines = [f"{k}={v}" for k, v in zip(NAMES, shape, strict=True)]
-        out[shape] = build(tmp_path_factory.mktemp("gemm"), {"ep_gemm.cu": KERNELS["ep_gemm.cu"]}, defines)
-    return out
+    """One CPU build of ep_gemm.cu per GEMM_SHAPES entry, compiled side by side (one compiler per core)."""
+    dirs = [tmp_path_factory.mktemp("gemm") for _ in GEMM_SHAPES]
+
+    def one(shape, d):
+        return build(d, {"ep_gemm.cu": KERNELS["ep_gemm.cu"]}, [f"{k}={v}" for k, v in zip(NAMES, shape, strict=True)])
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        libs = list(pool.map(one, GEMM_SHAPES, dirs))
+    return dict(zip(GEMM_SHAPES, libs, strict=True))
 
 
 def test_masked_gemm_bytes_do_not_depend_on_the_tile_shape(gemm_shapes):
