@@ -35,12 +35,15 @@ demo: $(BIN)/.installed
 
 # TESTS: what pytest runs (`make test TESTS="tests/unit -k wire"`; the whole suite by default)
 TESTS ?= tests
+# TEST_JOBS: test files run side by side, one per CPU by default (a tray's ranks spend much of a test waiting:
+# a test file alone kept about one of 2 cores busy); TEST_JOBS=0 runs them one after another in this process
+TEST_JOBS ?= auto
 
 # tray's modules compiled first: every rank a test starts loads them, and with PYTHONDONTWRITEBYTECODE set each
 # process would compile them again (about 0.25 s of CPU per process here)
 test: $(BIN)/.installed $(BIN)/.torch
 	$(BIN)/python -m compileall -q tray
-	$(BIN)/python -m pytest -q $(TESTS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(TESTS)
 
 examples: $(BIN)/.installed
 	$(BIN)/python examples/run_all.py

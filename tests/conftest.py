@@ -52,6 +52,29 @@ def _marked(marker: str) -> list[psutil.Process]:
     return found
 
 
+def _shm_held_by_others() -> set[str]:
+    """/dev/shm entries that a live process other than this one maps or holds open: another test's tray still running
+    beside this one (`make test` runs test files side by side). One this process holds still counts as left."""
+    held: set[str] = set()
+    me = str(os.getpid())
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find("/dev/shm/")
+                    if at >= 0:
+                        held.add(line[at + 9:].rstrip("\n").removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[9:].removesuffix(" (deleted)"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return held
+
+
 class Tray:
     """Launches trays for one test; on teardown asserts nothing was left behind."""
 
@@ -95,7 +118,10 @@ class Tray:
         left = [f"process {p.pid}: {' '.join(p.info['cmdline'] or [])}" for p in _marked(self.marker)]
         left += [f"job dir {d}" for d in self.jobs_root.iterdir()]
         if os.path.isdir("/dev/shm"):
-            left += [f"shm {s}" for s in set(os.listdir("/dev/shm")) - self.shm_before]
+            made = set(os.listdir("/dev/shm")) - self.shm_before
+            if made:  # a segment another live process maps or holds open is its own, not one this test left
+                made -= _shm_held_by_others()
+            left += [f"shm {s}" for s in made]
         return left
 
     def cleanup(self) -> None:

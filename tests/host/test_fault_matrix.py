@@ -10,9 +10,11 @@ import fcntl
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -124,15 +126,18 @@ def test_socket_path_too_long_is_a_setup_error(tray_env, tmp_path):
     assert "UNIX sockets allow 107" in line and "set TRAY_JOBS_ROOT to a shorter directory" in line
 
 
-def test_socket_path_too_long_in_bytes_is_a_setup_error(tray_env, tmp_path):
+def test_socket_path_too_long_in_bytes_is_a_setup_error(tray_env):
     """A socket path holds bytes: a root of few characters but many bytes (é is two) is refused before the spawn,
     not by the bind after it."""
-    suffix = len(f"/job-{4 * 1024 * 1024}-abcdef01/head.sock")
-    chars = 107 - suffix - len(str(tmp_path)) - 1
-    if chars < 8:
-        pytest.skip(f"{tmp_path} leaves too little room below 107 characters")
-    root = tmp_path / ("é" * chars)  # within 107 characters, beyond 107 bytes
-    run = launch_with_root(tray_env, root)
+    base = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: pytest's own temp dirs can leave no room
+    try:
+        suffix = len(f"/job-{4 * 1024 * 1024}-abcdef01/head.sock")
+        chars = 107 - suffix - len(str(base)) - 1
+        assert chars >= 8, f"{base} leaves too little room below 107 characters"
+        root = base / ("é" * chars)  # within 107 characters, beyond 107 bytes
+        run = launch_with_root(tray_env, root)
+    finally:
+        shutil.rmtree(base)
     assert run.returncode == 2, run.stderr
     line = one_error_line(run.stderr)
     assert "bytes; UNIX sockets allow 107" in line and "set TRAY_JOBS_ROOT to a shorter directory" in line
