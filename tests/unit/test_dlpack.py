@@ -152,3 +152,25 @@ def test_host_view_has_array_interfaces_and_bf16_through_array():
     del view, arr, bf, h
     gc.collect()
     assert leases.live() == 0
+
+
+def test_a_view_that_goes_while_the_rank_closes_is_released_and_breaks_no_iteration():
+    """A view's finalizer may run inside `rank.close()` (the collector runs where the close allocates, or another
+    thread drops its last view): the close walked the leased resources while that drop took one out ("dictionary
+    changed size during iteration"), and the resource it had just detached stayed mapped with no view left."""
+    leases = Leases()
+    first, second = object(), object()
+    leases.take(first, "view of 'a'")
+    leases.take(second, "view of 'b'")
+    released = []
+
+    class Backend:
+        def detach(self, resource):
+            if resource is first:  # the last view of `second` goes meanwhile
+                leases.drop(id(second))
+            return lambda: released.append(resource)
+
+    assert leases.close(Backend()) == 1  # `first` stays mapped for its view; `second` is gone, nothing to keep
+    assert released == []
+    leases.drop(id(first))
+    assert released == [first] and leases.live() == 0

@@ -20,6 +20,7 @@ process's end returns it all.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -41,25 +42,30 @@ class Leases:
         self._closed = False
         # NOTE: kept here: `drop` may run while the interpreter shuts down, after module globals are cleared
         self._finalizing = sys.is_finalizing
+        # a view's finalizer runs on whichever thread drops its last reference; reentrant: the collector may run one
+        # on this thread while it holds the lock
+        self._lock = threading.RLock()
 
     def take(self, resource: Any, what: str) -> None:
         """One more live view of `resource` (the caller ties `drop` to its view's life). After the rank
         closed, only memory a live view still holds can be viewed again; else UsageError naming `what`."""
         key = id(resource)
-        if self._closed and key not in self._release:
-            raise UsageError(f"{what}: the rank is closed and this memory was released; take views "
-                             "(from_dlpack, np.asarray) before rank.close()")
-        self._counts[key] = self._counts.get(key, 0) + 1
-        self._resources[key] = resource
+        with self._lock:
+            if self._closed and key not in self._release:
+                raise UsageError(f"{what}: the rank is closed and this memory was released; take views "
+                                 "(from_dlpack, np.asarray) before rank.close()")
+            self._counts[key] = self._counts.get(key, 0) + 1
+            self._resources[key] = resource
 
     def drop(self, key: int) -> None:
-        count = self._counts.get(key, 0) - 1
-        if count > 0:
-            self._counts[key] = count
-            return
-        self._counts.pop(key, None)
-        self._resources.pop(key, None)
-        release = self._release.pop(key, None)
+        with self._lock:
+            count = self._counts.get(key, 0) - 1
+            if count > 0:
+                self._counts[key] = count
+                return
+            self._counts.pop(key, None)
+            self._resources.pop(key, None)
+            release = self._release.pop(key, None)
         if release is not None and not self._finalizing():
             release()
 
@@ -70,11 +76,17 @@ class Leases:
     def close(self, backend: Backend) -> int:
         """At `rank.close()`: detach every leased resource from the backend (so its close leaves them
         mapped); each is released when its last view goes. Returns how many resources stay mapped."""
-        self._closed = True
-        for key, resource in self._resources.items():
-            if key not in self._release:
-                self._release[key] = backend.detach(resource)
-        return len(self._release)
+        with self._lock:
+            self._closed = True
+            # a copy: a view's last drop may come while a resource is detached (the collector, another thread)
+            for key, resource in list(self._resources.items()):
+                if key in self._resources and key not in self._release:
+                    release = backend.detach(resource)
+                    if key in self._resources:
+                        self._release[key] = release
+                    elif not self._finalizing():  # its last view went during its own detach
+                        release()
+            return len(self._release)
 
 
 class BufferView:
