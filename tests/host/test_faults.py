@@ -1209,7 +1209,9 @@ def test_a_rank_that_lowered_its_open_file_limit_is_told_so(tray_env, limit):
     with tray.init() as rank:
         rank.barrier()
     """, timeout_s=60)
-    assert run.returncode in (1, 2), run.output
+    # 2: tray.init() could not open what it needs (a SetupError); 3: a rank could not take in its peers' fds (the
+    # handshake failed); 1: a rank's error otherwise. Which comes first depends on how the ranks interleave.
+    assert run.returncode in (1, 2, 3), run.output
     cause = run.stderr.split("tray: FAILED: ", 1)[1]
     assert f"open-file limit is {limit}" in cause, run.output   # the verdict, or the report under it
     assert "OSError: [Errno 24]" not in run.stderr and run.seconds < 20, run.output
