@@ -36,8 +36,9 @@ demo: $(BIN)/.installed
 # TESTS: what pytest runs (`make test TESTS="tests/unit -k wire"`; the whole suite by default)
 TESTS ?= tests
 # TEST_JOBS: test files run side by side, one per CPU by default (a tray's ranks spend much of a test waiting:
-# a test file alone kept about one of 2 cores busy); TEST_JOBS=0 runs them one after another in this process
-TEST_JOBS ?= auto
+# a test file alone kept about one of 2 cores busy); TEST_JOBS=0 runs them one after another in this process, the
+# default where nvidia-smi lists a GPU (each GPU test takes every GPU it sees)
+TEST_JOBS ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 0 || echo auto)
 
 # tray's modules compiled first: every rank a test starts loads them, and with PYTHONDONTWRITEBYTECODE set each
 # process would compile them again (about 0.25 s of CPU per process here)
