@@ -4,9 +4,11 @@ leaves no process, socket, job dir or shared-memory segment behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -80,8 +82,9 @@ class Tray:
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp = tmp_path
-        self.jobs_root = tmp_path / "jobs"
-        self.jobs_root.mkdir(mode=0o700)
+        # NOTE: short, not under tmp_path: socket paths under it must fit a UNIX socket's 107 bytes, and pytest's
+        # temp dirs (longer with a worker's popen-gwN, a long user name) leave a job dir too little room
+        self.jobs_root = Path(tempfile.mkdtemp(prefix="tray-jobs-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.marker = f"traytest-{uuid.uuid4().hex[:12]}"
         self.shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
@@ -143,6 +146,7 @@ def tray_env(tmp_path: Path):
         assert t.leftovers() == [], "the tray left things behind"
     finally:
         t.cleanup()
+        shutil.rmtree(t.jobs_root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

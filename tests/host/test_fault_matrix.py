@@ -143,18 +143,28 @@ def test_socket_path_too_long_in_bytes_is_a_setup_error(tray_env):
     assert "bytes; UNIX sockets allow 107" in line and "set TRAY_JOBS_ROOT to a shorter directory" in line
 
 
-def test_jobs_root_not_utf8_is_a_setup_error(tray_env, tmp_path):
+def test_jobs_root_not_utf8_is_a_setup_error(tray_env):
     """ZeroMQ binds the head's socket by a UTF-8 address: a root whose name is other bytes is refused by name. It
     once failed the bind with a traceback, and the socket left open kept the teardown waiting for good."""
-    root = tmp_path / os.fsdecode(b"jobs-\xff")
-    env = tray_env.env()
-    env["TRAY_JOBS_ROOT"] = str(root)
-    cmd = [sys.executable, "-m", "tray", "launch", "-n", "1", "--backend", "host", "--", sys.executable, "-c", "pass"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=20, env=env, cwd=str(tray_env.tmp))
-    assert run.returncode == 2, run.stderr
-    line = one_error_line(run.stderr)
-    assert "the jobs root" in line and "jobs-\\xff is not a UTF-8 path" in line and "set TRAY_JOBS_ROOT" in line
-    assert os.listdir(root) == []
+    base = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: under pytest's own temp dirs the length is refused
+    try:
+        root = base / os.fsdecode(b"jobs-\xff")
+        env = tray_env.env()
+        env["TRAY_JOBS_ROOT"] = str(root)
+        cmd = [sys.executable, "-m", "tray", "launch", "-n", "1", "--backend", "host", "--", sys.executable, "-c",
+               "pass"]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=20, env=env, cwd=str(tray_env.tmp))
+        assert run.returncode == 2, run.stderr
+        line = one_error_line(run.stderr)
+        assert "the jobs root" in line and "jobs-\\xff is not a UTF-8 path" in line and "set TRAY_JOBS_ROOT" in line
+        assert os.listdir(root) == []
+        long_root = base / ("x" * 80) / os.fsdecode(b"jobs-\xff")  # too long as well: the path said as it is held
+        env["TRAY_JOBS_ROOT"] = str(long_root)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=20, env=env, cwd=str(tray_env.tmp))
+        line = one_error_line(run.stderr)
+        assert run.returncode == 2 and "UNIX sockets allow 107" in line and "jobs-\\xff would be" in line, line
+    finally:
+        shutil.rmtree(base)
 
 
 def test_head_socket_bind_failure_is_named_and_cleaned(tray_env, monkeypatch):

@@ -312,7 +312,7 @@ def make_job_dir(nprocs: int, root: Path | None = None, kind: str = "job") -> Jo
                       len(os.fsencode(path / name / "head.sock")))
         if kind == "job" and longest > MAX_SOCKET_PATH:
             raise SetupError(
-                f"socket paths under the jobs root {path} would be {longest} bytes; UNIX sockets allow "
+                f"socket paths under the jobs root {path_text(path)} would be {longest} bytes; UNIX sockets allow "
                 f"{MAX_SOCKET_PATH}: set TRAY_JOBS_ROOT to a shorter directory (e.g. /tmp/tray-{os.getuid()})")
         if kind == "job" and not _utf8(str(path)):
             raise SetupError(
