@@ -872,6 +872,19 @@ with tray.init() as rank:
         head.stderr.close()
 
 
+def signal_the_step(tray_env, head: subprocess.Popen, sig: int) -> str:
+    """`sig` to the head's two ranks, then to the head a moment later (as a signal to the whole step arrives); the
+    head's exit must be 130; returns its stderr."""
+    ranks = [c.pid for c in psutil.Process(head.pid).children() if tray_env.marker in " ".join(c.cmdline())]
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, sig)
+    time.sleep(0.05)  # the head hears of it a moment after its ranks
+    head.send_signal(sig)
+    assert head.wait(timeout=20) == 130, head.stderr.read()
+    return head.stderr.read()
+
+
 def test_a_sighup_to_the_whole_step_is_an_interruption_not_a_rank_failure(tray_env):
     """SIGHUP stops a tray as SIGTERM does (envvars.stop_signals): sent to every process of the step, the ranks died
     of it a moment before the head noted its own, and the head blamed the first rank it saw dead (exit 1) instead of
@@ -884,14 +897,7 @@ with tray.init() as rank:
                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # not under nohup
     try:
         assert wait_for(lambda: len(list(tray_env.tmp.glob("up-*"))) == 2, 30)
-        ranks = [c.pid for c in psutil.Process(head.pid).children() if tray_env.marker in " ".join(c.cmdline())]
-        assert len(ranks) == 2, ranks
-        for pid in ranks:
-            os.kill(pid, signal.SIGHUP)
-        time.sleep(0.05)  # the head hears of it a moment after its ranks
-        head.send_signal(signal.SIGHUP)
-        assert head.wait(timeout=20) == 130, head.stderr.read()
-        err = head.stderr.read()
+        err = signal_the_step(tray_env, head, signal.SIGHUP)
         assert "FAILED" not in err, err
         assert "tray: interrupted (SIGHUP" in err, err
     finally:
@@ -916,14 +922,7 @@ with tray.init() as rank:
     try:
         assert wait_for(lambda: len(list(tray_env.tmp.glob("up-*"))) == 2, 30)
         time.sleep(1.0)  # rank 0 well inside tray.init(), waiting for the table
-        ranks = [c.pid for c in psutil.Process(head.pid).children() if tray_env.marker in " ".join(c.cmdline())]
-        assert len(ranks) == 2, ranks
-        for pid in ranks:
-            os.kill(pid, signal.SIGINT)
-        time.sleep(0.05)  # the head hears of it a moment after its ranks
-        head.send_signal(signal.SIGINT)
-        assert head.wait(timeout=20) == 130, head.stderr.read()
-        err = head.stderr.read()
+        err = signal_the_step(tray_env, head, signal.SIGINT)
         assert "FAILED" not in err and "reported KeyboardInterrupt" not in err, err
         assert "tray: interrupted" in err, err
     finally:
