@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tray.launch.shm import in_use
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 
@@ -52,29 +54,6 @@ def _marked(marker: str) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return found
-
-
-def _shm_held_by_others() -> set[str]:
-    """/dev/shm entries that a live process other than this one maps or holds open: another test's tray still running
-    beside this one (`make test` runs test files side by side). One this process holds still counts as left."""
-    held: set[str] = set()
-    me = str(os.getpid())
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or pid == me:
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    at = line.find("/dev/shm/")
-                    if at >= 0:
-                        held.add(line[at + 9:].rstrip("\n").removesuffix(" (deleted)"))
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    held.add(target[9:].removesuffix(" (deleted)"))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return held
 
 
 class Tray:
@@ -122,8 +101,10 @@ class Tray:
         left += [f"job dir {d}" for d in self.jobs_root.iterdir()]
         if os.path.isdir("/dev/shm"):
             made = set(os.listdir("/dev/shm")) - self.shm_before
-            if made:  # a segment another live process maps or holds open is its own, not one this test left
-                made -= _shm_held_by_others()
+            if made:  # a segment another live process maps or holds open is its own, not one this test left (one
+                # this process holds still counts): another test's tray still running beside this one (`make test`
+                # runs test files side by side)
+                made -= {os.path.basename(p) for p in in_use({f"/dev/shm/{s}" for s in made}, but=os.getpid())}
             left += [f"shm {s}" for s in made]
         return left
 

@@ -69,12 +69,12 @@ def recorded_shm(job_fd: int) -> set[str]:
         return {ln.strip() for ln in f if SHM_NAME_RE.match(ln.strip())}
 
 
-def _in_use(paths: set[str]) -> set[str]:
-    """The paths among `paths` that a visible process of this uid maps or holds open."""
+def in_use(paths: set[str], but: int | None = None) -> set[str]:
+    """The paths among `paths` that a visible process of this uid (other than pid `but`) maps or holds open."""
     used: set[str] = set()
     for proc in psutil.process_iter(["uids"]):
         try:
-            if proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+            if proc.pid == but or proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
                 continue
             used.update(m.path for m in proc.memory_maps(grouped=True) if m.path in paths)
             used.update(f.path for f in proc.open_files() if f.path in paths)
@@ -98,7 +98,7 @@ def remove_shm(names: Iterable[str]) -> list[str]:
             candidates[path] = name
     if not candidates:
         return []
-    busy = _in_use(set(candidates))
+    busy = in_use(set(candidates))
     removed = []
     for path, name in candidates.items():
         if path in busy:
