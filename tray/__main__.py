@@ -1,3 +1,3 @@
-from tray.cli import program
+from tray.command import program
 
 program()

@@ -596,3 +596,38 @@ def test_absurd_rank_counts_and_sizes_are_one_line_and_exit_2(capsys, argv, said
     assert code == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C while `tray` is still importing its command (tray.cli and what it loads, ~50-100 ms): one line saying
+    nothing was started, exit 130, as one during a launch; not a traceback through the import machinery. The
+    interruption lands deterministically: a finder that sitecustomize puts first raises it as tray.cli is looked up."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tray.cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, _Interrupt())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo)]))
+    for argv in ([sys.executable, "-m", "tray"], [sys.executable, "-c", "from tray.command import program; program()"]):
+        run = subprocess.run([*argv, "launch", "-n", "2", "--backend", "host", "--", "true"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 130, (argv, run.returncode, run.stderr)
+        assert run.stderr == "tray: interrupted while the command was loading; nothing was started\n", run.stderr
+
+
+def test_the_tray_command_enters_through_tray_command():
+    """The `tray` script and `python -m tray` both start at tray.command.program (the Ctrl-C above is handled there)."""
+    import tomllib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    scripts = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"tray": "tray.command:program"}
+    assert "from tray.command import program" in (repo / "tray" / "__main__.py").read_text()
