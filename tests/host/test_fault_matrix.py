@@ -387,12 +387,21 @@ def test_a_signal_to_the_watchdog_while_it_starts_changes_nothing(tray_env, sig)
     """The watchdog ignores the stop signals (the head acts on them), but only from its main(): one that reached it
     while its interpreter started (a SIGTERM to the tray's process group, in its first ~0.1-0.5 s) killed it, and the
     tray stopped with exit 3 ("exited with code -15 ... its stderr, above, says why"). Now they are blocked from its
-    start until it ignores them."""
+    start until it ignores them. The signal lands in that window on any machine: a sitecustomize holds the
+    watchdog's interpreter start for 1 s (the watchdog keeps the PYTHONPATH it is given)."""
+    site = tray_env.tmp / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys, time\n"
+        "if 'tray.launch.watchdog' in getattr(sys, 'orig_argv', ()):\n"
+        "    time.sleep(1.0)\n")
+    env = tray_env.env()
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     head = subprocess.Popen(tray_env.command(2, """
 with tray.init() as rank:
     rank.barrier()
 print("done", flush=True)
-"""), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(), cwd=str(tray_env.tmp))
+"""), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tray_env.tmp))
     try:
         def watchdog() -> int | None:
             try:
@@ -411,7 +420,9 @@ print("done", flush=True)
         while pid is None and time.monotonic() < deadline and head.poll() is None:
             pid = watchdog()
         assert pid is not None, "no watchdog seen"
-        os.kill(pid, sig)  # as soon as it runs Python, long before its main()
+        time.sleep(0.3)  # in its sitecustomize's second, long before its main()
+        assert "tray.launch.watchdog" in " ".join(psutil.Process(pid).cmdline())
+        os.kill(pid, sig)
         out, err = head.communicate(timeout=30)
         assert head.returncode == 0, err
         assert out.count("done") == 2, out + err
