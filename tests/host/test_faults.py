@@ -977,6 +977,92 @@ def test_a_step_made_while_another_thread_of_the_rank_waits_in_one_is_refused_at
     assert "a: [1, 1]" in run.stdout and run.stdout.count("b: [2, 2]") == 2, run.output
 
 
+WAITER = """
+import signal, threading
+said = []
+
+
+def wait(rank, t0):
+    try:
+        rank.exchange("a", 1, timeout_s=30)
+        said.append("waiter: decided")
+    except BaseException as exc:
+        said.append(f"waiter: {type(exc).__name__} {time.monotonic() - t0[0]:.2f} s after the close began: {exc}")
+
+
+t0 = [0.0]
+waiter = threading.Thread(target=wait, args=(rank, t0), name="waiter", daemon=True)
+"""
+
+
+def test_an_error_leaving_the_with_block_while_another_thread_waits_in_a_step_is_the_root_cause(tray_env):
+    """Rank 0's thread waits in exchange 'a' (rank 1 never comes) while its main thread leaves the `with` block with an
+    exception: the error report and the close used the rank's one connection to the head beside the waiting thread's
+    poll (ZeroMQ sockets are not thread-safe), and the socket closed under it ended the wait with "Socket operation on
+    non-socket" (or worse). The waiting step ends first, at once, with a UsageError saying why; the report is the
+    root cause."""
+    run = tray_env.launch(2, """
+    rank = tray.init()
+    """ + WAITER.replace("\n", "\n    ") + """
+    if rank.rank == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 ends on its own, once it said how its waiter ended
+    try:
+        with rank:
+            if rank.rank == 0:
+                waiter.start()
+                time.sleep(0.5)
+                t0[0] = time.monotonic()
+                raise ValueError("boom")
+            rank.barrier(timeout_s=30)
+    finally:
+        if rank.rank == 0:
+            waiter.join(10)
+            print(*(said or ["waiter: still waiting"]), flush=True)
+    """, timeout_s=60)
+    assert run.returncode == 1, run.output
+    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert first == ["tray: FAILED: rank 0 reported ValueError: boom"], run.stderr
+    said = re.search(r"waiter: (\w+) ([0-9.]+) s after the close began: (.*)", run.stdout)
+    assert said and said[1] == "UsageError", run.output
+    assert said[3].startswith("rank 0: exchange 'a' in thread 'waiter' ended unanswered: thread 'MainThread' is "
+                              "closing the rank's tray"), run.output
+    assert float(said[2]) < 1.0, run.output
+    assert run.seconds < 15
+
+
+def test_a_rank_closing_while_another_thread_waits_in_a_step_says_bye_and_ends_that_step(tray_env):
+    """Rank 0's thread waits in exchange 'a' while its main thread ends the `with` block: the bye and the close no
+    longer share the socket with the waiting thread, which ends at once with a UsageError saying why. The head got
+    the bye: it names rank 0 as having closed its tray when rank 1 then waits in a step rank 0 never joins (rank 0's
+    process still alive)."""
+    run = tray_env.launch(2, """
+    rank = tray.init()
+    """ + WAITER.replace("\n", "\n    ") + """
+    with rank:
+        if rank.rank == 0:
+            waiter.start()
+            time.sleep(0.5)
+            t0[0] = time.monotonic()
+        else:
+            time.sleep(1.5)
+            print("a:", rank.exchange("a", 1, timeout_s=30), flush=True)
+            rank.exchange("b", 2, timeout_s=30)
+    if rank.rank == 0:
+        waiter.join(10)
+        print(*(said or ["waiter: still waiting"]), flush=True)
+        time.sleep(30)
+    """, timeout_s=60)
+    assert run.returncode == 1, run.output
+    assert "a: [1, 1]" in run.stdout, run.output
+    said = re.search(r"waiter: (\w+) ([0-9.]+) s after the close began: (.*)", run.stdout)
+    assert said and said[1] == "UsageError", run.output
+    assert said[3].startswith("rank 0: exchange 'a' in thread 'waiter' ended unanswered: thread 'MainThread' is "
+                              "closing the rank's tray"), run.output
+    assert float(said[2]) < 1.0, run.output
+    assert re.search(r"FAILED: rank 0 \(pid \d+\) closed its tray .*exchange 'b'", run.stderr), run.stderr
+    assert run.seconds < 15
+
+
 def test_a_rank_whose_own_start_up_wait_runs_out_first_is_a_tray_that_did_not_form(tray_env):
     """tray.init(timeout_s=2) shorter than the head's --timeout-s, a peer late: exit 3 as when the head's deadline
     passes (it was 1); and a timeout that is no number of seconds is a UsageError at once."""

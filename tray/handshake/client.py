@@ -1,7 +1,9 @@
 """The rank's side of the rendezvous: a ZeroMQ DEALER to the head, plus a heartbeat thread.
 
-The main socket is used by the rank's main thread only (ZeroMQ sockets are not thread-safe); the
-heartbeat thread owns a second DEALER so a rank busy in its program still proves it is alive.
+ZeroMQ sockets are not thread-safe: the main socket is used by one thread at a time, the one making a tray-wide step
+(`step()`), or, at the end, the one that sends the rank's last messages and closes it (`send_last()`, `close()`),
+which first ends a step another thread waits in. The heartbeat thread owns a second DEALER so a rank busy in its
+program still proves it is alive.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from tray.errors import HandshakeError, UsageError
 from tray.handshake import HEARTBEAT_INTERVAL_S, wire
 
 _POLL_AT_MOST_S = 3600.0  # one poll's longest wait (zmq takes the timeout as a C int of ms)
+# NOTE: how long the rank's last message (its error report, its bye) and the socket's close wait for a step that
+# another thread makes to let go of the main socket; woken at once (its wait polls the wake fd too), it lets go within
+# a few ms: past this, the message is not sent (the error file stands for the report; the head sees the rank's exit)
+# and the socket is left to the process's end
+LAST_WAIT_S = 2.0
 
 
 def _head_stopped() -> str:
@@ -48,6 +55,16 @@ class RendezvousClient:
         self._stop = threading.Event()
         self._step = threading.Lock()  # held by the thread making a tray-wide step on the main socket (step())
         self._step_of = ("", "", "")  # that thread's name and its step, for the refusal of another's
+        self._holder: int | None = None  # that thread's ident
+        # once the rank's last message or its close began: the thread that did it (the socket is its from then on:
+        # `_step` taken for good, by `_owner`), and a wake fd made readable then, so that a step's wait ends at once
+        self._closing = ""
+        self._owner: int | None = None
+        self._last = threading.Lock()  # one thread at a time ends the socket's use
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake, zmq.POLLIN)
         self._hb = threading.Thread(target=self._heartbeat, args=(endpoint,), name="tray-heartbeat",
                                     daemon=True)
         self._hb.start()
@@ -81,8 +98,11 @@ class RendezvousClient:
         """The main socket for the calling thread's tray-wide step (`kind` "exchange", say, and its `topic`): its vote,
         then the wait for the decision. Another thread's step meanwhile would share the socket (not thread-safe) and
         each would skip the other's decision as stale, both waiting out their timeouts: it is refused at once
-        (UsageError), naming both."""
+        (UsageError), naming both. Once the rank's last message or its close began, every step is refused (UsageError),
+        and one waiting ends so (receive)."""
         if not self._step.acquire(blocking=False):
+            if self._closing:
+                raise self._closed(f"{kind} {topic!r}", "was refused")
             holder, held_kind, held_topic = self._step_of
             raise UsageError(f"rank {self.rank}: {kind} {topic!r} in thread {threading.current_thread().name!r} while "
                              f"thread {holder!r} waits in {held_kind} {held_topic!r}: a rank's tray-wide steps "
@@ -90,10 +110,53 @@ class RendezvousClient:
                              "nodes) share its one connection to the head, one step at a time; make them from one "
                              "thread, or one after the other")
         try:
+            if self._closing:  # begun as the rank closes: its socket is the closing thread's
+                raise self._closed(f"{kind} {topic!r}", "was refused")
             self._step_of = (threading.current_thread().name, kind, topic)
+            self._holder = threading.get_ident()
             yield
         finally:
+            self._holder = None
             self._step.release()
+
+    def _closed(self, what: str, how: str) -> UsageError:
+        return UsageError(
+            f"rank {self.rank}: {what} in thread {threading.current_thread().name!r} {how}: thread {self._closing!r} "
+            "is closing the rank's tray (rank.close(), or the end of its `with tray.init()` block, which reports an "
+            "exception leaving it first) and has its connection to the head; a rank's tray-wide steps end with its "
+            "tray: end them, or the threads that make them, before it closes")
+
+    def _take_socket(self, wait_s: float) -> bool:
+        """Make the main socket the calling thread's for the rest of the rank's life (`_last` held): no step begins any
+        more, one waiting on another thread ends at once (UsageError there) and lets go of it, waited for at most
+        `wait_s`. False when it did not let go in time, or when the calling thread itself waits in a step (a signal
+        handler ran in it): then the socket must not be closed under that step."""
+        me = threading.get_ident()
+        if self._owner is not None:  # taken already (by this thread, or by one that is done with it: `_last` is held)
+            self._owner = me
+            return True
+        if not self._closing:
+            self._closing = threading.current_thread().name
+            os.eventfd_write(self._wake, 1)  # never read: every wait from here on ends at once
+        if self._holder == me or not self._step.acquire(timeout=wait_s):
+            return False
+        self._owner = me
+        return True
+
+    def send_last(self, msg: Any, wait_s: float = LAST_WAIT_S) -> bool:
+        """Send the rank's last message (its error report, its bye) on the main socket, which is this thread's from
+        here on (`_take_socket`: a step another thread waits in ends, at once, with a UsageError). False when it was
+        not sent: that step did not let go within `wait_s`, or the socket is closed."""
+        with self._last:
+            took = self._take_socket(wait_s)
+            if not took and self._holder != threading.get_ident():
+                return False
+            if self._sock.closed:
+                return False
+            # NOTE: a step the calling thread itself waits in (a signal handler closing the rank) is below it on the
+            # same thread, not beside it: a send from here does not share the socket with another thread
+            self._sock.send(wire.encode(msg))
+            return True
 
     def send(self, msg: Any) -> None:
         self._sock.send(wire.encode(msg))
@@ -107,7 +170,12 @@ class RendezvousClient:
         deadline = time.monotonic() + timeout_s
         while True:
             left = max(0.0, deadline - time.monotonic())
-            if not self._sock.poll(int(min(left, _POLL_AT_MOST_S) * 1000), zmq.POLLIN):
+            ready = self._poller.poll(int(min(left, _POLL_AT_MOST_S) * 1000))
+            if self._closing:  # the rank's last message or its close: the socket is another thread's now
+                in_step = self._holder == threading.get_ident()
+                raise self._closed(f"{self._step_of[1]} {self._step_of[2]!r}" if in_step else
+                                   f"the wait for the {waiting_for}", "ended unanswered")
+            if not ready:
                 if left > _POLL_AT_MOST_S:
                     continue  # a long wait (an endless one is 1e9 s) polls in parts zmq can take
                 raise HandshakeError(
@@ -122,7 +190,15 @@ class RendezvousClient:
             # anything else is stale (e.g. a decision for an old round): skip it
 
     def close(self) -> None:
-        self._stop.set()
-        self._hb.join(timeout=2.0)
-        self._sock.close()
-        self._ctx.term()
+        """Stop the heartbeats and close the sockets. A step another thread waits in ends first (UsageError there);
+        should it not let go within LAST_WAIT_S, the main socket and the context are left to the process's end
+        rather than closed under it."""
+        with self._last:
+            took = self._take_socket(LAST_WAIT_S)
+            self._stop.set()
+            self._hb.join(timeout=2.0)
+            if not took or self._sock.closed:
+                return
+            self._sock.close()
+            os.close(self._wake)
+            self._ctx.term()

@@ -460,7 +460,9 @@ class Rank:
             return
         if not self._reported:
             try:
-                self._wiring.client.send(wire.Bye(token=self.env.token, rank=self.rank))
+                # NOTE: a step another thread of the rank waits in ends first (a UsageError there): the socket is not
+                # shared between threads
+                self._wiring.client.send_last(wire.Bye(token=self.env.token, rank=self.rank))
             except Exception:  # NOTE: a head that is gone needs no bye; the rank still releases what it holds
                 pass
         failures: list[BaseException] = []
@@ -540,8 +542,9 @@ def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
         pass
     if client is not None:
         try:
-            client.send(report)
-            sent = True
+            # the rank's last message: a step another thread waits in ends first (a UsageError there), so that the
+            # report does not share the socket with it
+            sent = client.send_last(report)
         except Exception:  # the head may be gone; the error file stays
             pass
     # NOTE: a message to a head whose job dir (its socket's) is gone may sit queued, never delivered: only then is

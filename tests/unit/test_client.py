@@ -1,0 +1,115 @@
+"""The rank's connection to the head (tray/handshake/client.py) against a head stood in for by a ROUTER socket: a
+rank's last messages and its close while another of its threads waits in a tray-wide step."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import tempfile
+import threading
+import time
+import types
+
+import pytest
+import zmq
+
+from tray.errors import UsageError
+from tray.handshake import wire
+from tray.handshake.client import RendezvousClient
+from tray.rank import _report
+
+TOKEN = secrets.token_hex(32)
+
+
+@pytest.fixture
+def head():
+    """A ROUTER bound where ranks connect, its endpoint and a directory for error files."""
+    with tempfile.TemporaryDirectory(prefix="tray-client-", dir="/tmp") as tmp:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(f"ipc://{tmp}/head")
+        try:
+            yield sock, f"ipc://{tmp}/head", tmp
+        finally:
+            sock.close(0)
+            ctx.term()
+
+
+def messages(sock: zmq.Socket, n: int, rank: int = 0, within_s: float = 5.0) -> list[str]:
+    """The kinds of the next `n` messages from `rank-<rank>` (heartbeats, from `rank-<rank>.hb`, skipped)."""
+    kinds: list[str] = []
+    deadline = time.monotonic() + within_s
+    while len(kinds) < n and sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        ident, payload = sock.recv_multipart()
+        if ident == f"rank-{rank}".encode():
+            kinds.append(wire.decode(payload, token=TOKEN).KIND)
+    return kinds
+
+
+def wait_in_step(client: RendezvousClient, ended: list, voted: threading.Event) -> None:
+    """Vote in exchange 'a' and wait for its decision; how the wait ended goes to `ended` (the exception, when)."""
+    try:
+        with client.step("exchange", "a"):
+            client.send(wire.Vote(token=TOKEN, rank=client.rank, topic="a", round=1, value=1, wait_s=30.0))
+            voted.set()
+            client.receive(wire.Decision, 30.0, "decision on exchange 'a'")
+    except BaseException as exc:
+        ended.append((exc, time.monotonic()))
+
+
+def test_a_rank_reporting_and_closing_while_another_thread_waits_in_a_step_ends_that_step_first(head, monkeypatch):
+    """A thread waits in a step (its vote sent, polling the main socket for the decision) while the rank's main thread
+    reports an error and closes: the report and the close used the socket beside the waiting thread's poll (ZeroMQ
+    sockets are not thread-safe), and the socket closed under the poll ended it with "Socket operation on non-socket"
+    (or worse). Now the waiting step ends first, at once, with a UsageError naming the closing thread, and the report
+    follows the vote to the head. Many rounds, the report made at varying points of the waiting thread's start; each
+    round a rank of its own (a ROUTER drops a connection whose identity it still holds)."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # _report installs a hook that prints a reported error once
+    sock, endpoint, tmp = head
+    for i in range(40):
+        env = types.SimpleNamespace(token=TOKEN, rank=i, job_dir=tmp)
+        client = RendezvousClient(endpoint, TOKEN, i)
+        ended: list[tuple[BaseException, float]] = []
+        voted = threading.Event()
+        waiter = threading.Thread(target=wait_in_step, args=(client, ended, voted), name="waiter")
+        waiter.start()
+        assert voted.wait(5.0)
+        time.sleep((i % 4) * 0.002)  # 0 to 6 ms: the waiter still on its way into the poll, or in it
+        t0 = time.monotonic()
+        _report(env, "running", client, ValueError("boom"))
+        client.close()
+        waiter.join(5.0)
+        assert not waiter.is_alive(), "the waiting step outlived the rank's close"
+        err, t_end = ended[0]
+        assert isinstance(err, UsageError), repr(err)
+        assert (f"rank {i}: exchange 'a' in thread 'waiter' ended unanswered: thread "
+                f"'{threading.current_thread().name}' is closing the rank's tray") in str(err), str(err)
+        assert t_end - t0 < 1.0
+        got = messages(sock, 2, i)
+        assert got == ["vote", "error"], (i, got)
+
+
+def test_a_step_begun_after_the_last_message_is_refused_and_close_does_not_wait_for_it(head):
+    """Once the rank's bye went, a step on another thread is refused at once (UsageError) instead of voting on a socket
+    that another thread is closing; close() takes no longer for it."""
+    sock, endpoint, _ = head
+    client = RendezvousClient(endpoint, TOKEN, 0)
+    assert client.send_last(wire.Bye(token=TOKEN, rank=0)) is True
+    refused: list[BaseException] = []
+
+    def late() -> None:
+        try:
+            with client.step("exchange", "b"):
+                pass
+        except UsageError as exc:
+            refused.append(exc)
+
+    t = threading.Thread(target=late, name="late")
+    t.start()
+    t.join(5.0)
+    assert refused and "rank 0: exchange 'b' in thread 'late' was refused: thread" in str(refused[0]), refused
+    t0 = time.monotonic()
+    client.close()
+    assert time.monotonic() - t0 < 1.0
+    assert messages(sock, 1) == ["bye"]
+    assert client.send_last(wire.Bye(token=TOKEN, rank=0)) is False  # closed: nothing is sent
