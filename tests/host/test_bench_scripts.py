@@ -113,3 +113,18 @@ def test_address_cost_times_the_wrapped_and_unwrapped_call(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["ns_per_call"]) == {"wrapped_ints", "unwrapped_ints", "wrapped_numpy_int"}
     assert all(v > 0 for v in report["ns_per_call"].values()) and "environment" in report
+
+
+def test_the_long_run_bench_samples_the_head_and_a_rank_in_each_mode(tray_env, tmp_path):
+    """bench/long_run.py, tiny: a checkpoint every 100 exchanges, its growth figures and rank 0's count of topics."""
+    report_path = tmp_path / "report.json"
+    run = tray_env.run([sys.executable, str(REPO / "bench" / "long_run.py"), "-n", "2", "--steps", "300", "--every",
+                        "100", "--json", str(report_path)], timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert [line[:17] for line in run.stdout.splitlines() if line.startswith("long_run: [")] == \
+        ["long_run: [1/2] 2", "long_run: [2/2] 2"], run.stdout
+    report = json.loads(report_path.read_text())
+    for mode, topics in (("unique", 301), ("reused", 2)):  # 'warm' and the steps' topics
+        m = report["modes"][mode]
+        assert [p["step"] for p in m["points"]] == [100, 200, 300] and m["us_per_exchange_median"] > 0, m
+        assert m["last"]["rank_topics"] == topics and m["last"]["head_rss"] > 0 and m["last"]["rank_fds"] > 0, m

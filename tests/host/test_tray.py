@@ -57,6 +57,34 @@ def test_four_ranks_share_memory_barrier_and_exchange(tray_env):
     assert head and 0 < float(head.group(1)) < 1000 * (float(m.group(2)) - float(m.group(1))) + 20, run.stderr
 
 
+def test_a_topic_per_step_keeps_a_bounded_count_of_topics_and_a_round_given_up_stays_stale(tray_env):
+    """A rank kept the round count of every exchange topic it used for the tray's life: a topic per step
+    (`f"step-{i}"`) cost ~100 B a step (10 MiB a rank after 100k steps: bench/long_run.py). It keeps those of the
+    topics used last (ROUNDS_KEPT). Rank 0 gives up exchange 'x' (its timeout) and rank 1 makes it late; after more
+    other topics than are kept, both make 'x' again and take that step's values, not the decision of the step given
+    up."""
+    run = tray_env.launch(2, """
+    from tray.handshake.steps import ROUNDS_KEPT
+    with tray.init() as rank:
+        if rank.rank == 0:
+            try:
+                rank.exchange("x", "given up", timeout_s=0.5)
+            except tray.HandshakeError:
+                print("gave up", flush=True)
+        else:
+            time.sleep(1.5)
+            print("late:", rank.exchange("x", "late"), flush=True)
+        for i in range(ROUNDS_KEPT + 500):
+            assert rank.exchange(f"step-{i}", i) == [i, i]
+        print("again:", rank.exchange("x", f"again {rank.rank}"), "kept:", len(rank._rounds), "of", ROUNDS_KEPT,
+              flush=True)
+    """, timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert "[rank 0] gave up" in run.stdout and "[rank 1] late: ['given up', 'late']" in run.stdout, run.output
+    kept = re.findall(r"again: \['again 0', 'again 1'\] kept: (\d+) of (\d+)", run.stdout)
+    assert len(kept) == 2 and all(int(k) <= int(bound) for k, bound in kept), run.output
+
+
 def test_host_collectives_match_numpy(tray_env):
     body = """
     with tray.init() as rank:

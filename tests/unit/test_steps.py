@@ -1,8 +1,9 @@
-"""The crossed-steps search (tray/handshake/steps.py): cycles of steps that wait for one another's ranks."""
+"""The crossed-steps search (tray/handshake/steps.py): cycles of steps that wait for one another's ranks; a rank's round
+numbers per topic (Rounds)."""
 
 from __future__ import annotations
 
-from tray.handshake.steps import crossed_steps, group_topic, step_voters
+from tray.handshake.steps import Rounds, crossed_steps, group_topic, step_voters
 
 WORLD = 4
 
@@ -59,3 +60,48 @@ def test_a_chain_of_waits_longer_than_the_recursion_limit_is_walked():
 
     cycle = crossed_steps(boxes, ring, range(n))
     assert len(cycle) == n and dict(cycle)[("s0", 1)] == 1 and dict(cycle)[(f"s{n - 1}", 1)] == 0
+
+
+def made(rounds: Rounds, topic: str) -> int:
+    rnd = rounds.next(topic)
+    rounds.begin(topic, rnd)
+    return rnd
+
+
+def test_rounds_count_each_topic_and_keep_the_topics_used_last():
+    """A topic per step kept every topic's count for the tray's life (100k exchanges: 10 MiB a rank). The counts of the
+    `kept` topics used last stay (a topic in use keeps counting); one used again after `kept` others starts at 1, as it
+    does on every rank that made the same steps."""
+    rounds = Rounds(kept=3)
+    assert [made(rounds, "step") for _ in range(3)] == [1, 2, 3]
+    for i in range(100):
+        assert made(rounds, f"step-{i}") == 1
+        if i % 2:
+            assert made(rounds, "step") == 4 + i // 2  # used every other step: never forgotten
+    assert len(rounds) == 3
+    other = Rounds(kept=3)
+    assert [made(other, "x"), made(other, "a"), made(other, "b"), made(other, "c"), made(other, "x")] == [1, 1, 1, 1, 1]
+
+
+def test_a_round_given_up_is_never_reused_until_its_decision_came_whatever_came_between():
+    """A rank that gave up round 1 of 'x' (its timeout) takes round 2 next, so that the decision of round 1, should it
+    still come, is skipped as stale; forgetting 'x' among many topics must not bring round 1 back before that decision
+    came. Once it came (skipped in a later step), 'x' is forgotten like any topic."""
+    rounds = Rounds(kept=2)
+    assert made(rounds, "x") == 1
+    rounds.gave_up("x", 1)
+    for i in range(10):
+        made(rounds, f"t-{i}")
+    assert rounds.next("x") == 2 and len(rounds) == 3  # kept beyond the bound
+    rounds.skipped("x", 1)  # its decision came at last
+    assert rounds.next("x") == 1 and len(rounds) == 2
+    assert made(rounds, "y") == 1
+    rounds.gave_up("y", 1)
+    assert made(rounds, "y") == 2  # the retry: round 1's decision is stale to it
+    rounds.gave_up("y", 2)
+    rounds.skipped("y", 1)  # round 1's decision: round 2's may still come
+    for i in range(10):
+        made(rounds, f"u-{i}")
+    assert rounds.next("y") == 3
+    rounds.skipped("y", 2)
+    assert rounds.next("y") == 1

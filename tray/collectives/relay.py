@@ -41,6 +41,9 @@ class VoteStep:
         self._client = client
         self._token = token
         self._rank = rank
+        # NOTE: every topic kept for the tray's life: they are the manifest's, not the program's (a barrier and a gather
+        # step per spanning group instance, a sendrecv step per pair of its members), and the root answers a late vote
+        # of a group step it gave up by (topic, round): a round number never reused
         self._rounds: dict[str, int] = {}
 
     def __call__(self, topic: str, value: Any, wait_s: float) -> list[Any]:

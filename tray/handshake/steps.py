@@ -10,6 +10,7 @@ Pure data: the head, the root and the rank all derive the same voters from the t
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from tray.text import is_digits, ranks_text
@@ -22,6 +23,56 @@ _OWN_STEPS = {
     JOIN_TOPIC: "the join of the groups' collectives (a rank's first rank.collectives() or program collective op)",
     PARK_TOPIC: "a tray-wide park or wake",
 }
+
+
+# NOTE: the topics whose round counts a rank keeps (Rounds): ~100 B each (about 0.1 MiB in all), against ~100 B per
+# topic for the tray's whole life when every topic was kept (10 MiB a rank after 100k exchanges of a topic per step)
+ROUNDS_KEPT = 1024
+
+
+class Rounds:
+    """A rank's round numbers of its tray-wide steps, per topic: the k-th use of a topic is its round k, on every rank
+    that makes the same steps, and a rank takes only the decision of the round it waits in (one of an earlier round, a
+    step it gave up when its timeout passed, is stale).
+
+    Bounded: the counts of the `kept` topics used last. A topic used again after `kept` others starts at round 1
+    again, on every rank alike (each rank makes the same steps, so each forgets the same topics at the same step). A
+    round given up whose decision has not come is kept beside them, beyond the bound, until that decision comes (read
+    and skipped in a later step): the topic's next round is past it, so that a late decision of a round given up is
+    never taken for a later one, however many topics came between. Those are one per step given up, as the head keeps
+    the votes of such a step."""
+
+    def __init__(self, kept: int = ROUNDS_KEPT) -> None:
+        self._last: OrderedDict[str, int] = OrderedDict()  # topic -> its latest round; the topic used last at the end
+        self._given_up: dict[str, int] = {}  # topic -> its latest round given up whose decision has not come
+        self._kept = kept
+
+    def __len__(self) -> int:
+        """The topics whose rounds are kept (the bound's and those given up)."""
+        return len(self._last.keys() | self._given_up.keys())
+
+    def next(self, topic: str) -> int:
+        """The round `topic`'s next step takes (counted once `begin` says it was made)."""
+        return max(self._last.get(topic, 0), self._given_up.get(topic, 0)) + 1
+
+    def begin(self, topic: str, rnd: int) -> None:
+        """A step of `topic` in round `rnd` (next()'s) is being made: its vote goes to the head."""
+        self._last[topic] = rnd
+        self._last.move_to_end(topic)
+        if len(self._last) > self._kept:
+            self._last.popitem(last=False)
+
+    def gave_up(self, topic: str, rnd: int) -> None:
+        """The step of `topic` in round `rnd` ended without its decision (a timeout, an interruption): that decision may
+        still come."""
+        self._given_up[topic] = rnd
+
+    def skipped(self, topic: str, rnd: int) -> None:
+        """A decision not waited for came (and was skipped): the latest round given up of its topic, once it comes,
+        needs keeping no more (an earlier round's decision comes before a later one's: every rank votes in them in
+        order, over one connection)."""
+        if self._given_up.get(topic) == rnd:
+            del self._given_up[topic]
 
 
 def who_waits(ranks: Sequence[int]) -> str:

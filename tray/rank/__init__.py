@@ -29,7 +29,7 @@ import numpy as np
 from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype
 from tray.errors import SetupError, UsageError, WireError
 from tray.handshake import wire
-from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, describe_step
+from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, Rounds, describe_step
 from tray.manifest import Manifest, ResolvedManifest
 from tray.rank import lifecycle
 from tray.rank.args import int_arg, name_arg, seconds_arg, shown, stream_arg
@@ -156,7 +156,7 @@ class Rank:
         self.world_size = wiring.env.world_size
         self.local_rank = wiring.env.local_rank
         self._kernels: dict[str, Kernel] = {}
-        self._rounds: dict[str, int] = {}
+        self._rounds = Rounds()  # the rounds of this rank's tray-wide steps, per topic (bounded)
         self._executor: Executor | None = None
         self._park: Parking | None = None
         self._leases = Leases()  # live views of this rank's memory (tray/rank/views.py)
@@ -343,7 +343,7 @@ class Rank:
         self._require_own_process("exchange", topic)
         timeout_s = wire.step_wait(timeout_s, f"exchange({topic!r})")
         client = self._wiring.client
-        rnd = self._rounds.get(topic, 0) + 1
+        rnd = self._rounds.next(topic)
         try:
             data = wire.encode(wire.Vote(token=self.env.token, rank=self.rank, topic=topic, round=rnd, value=value,
                                          wait_s=timeout_s))
@@ -359,12 +359,17 @@ class Rank:
                 f"rank's value back in one message of at most {wire.MAX_MESSAGE_NBYTES} B, so each of the "
                 f"{self.world_size} ranks may send at most {limit} B: exchange less (e.g. a digest or a path)")
         with client.step("exchange", topic):
-            self._rounds[topic] = rnd
+            self._rounds.begin(topic, rnd)
             client.send_bytes(data)
-            while True:
-                d = client.receive(wire.Decision, timeout_s, f"decision on {describe_step(topic)}")
-                if d.topic == topic and d.round == rnd:
-                    return list(d.values)
+            try:
+                while True:
+                    d = client.receive(wire.Decision, timeout_s, f"decision on {describe_step(topic)}")
+                    if d.topic == topic and d.round == rnd:
+                        return list(d.values)
+                    self._rounds.skipped(d.topic, d.round)  # stale: a decision of a step this rank gave up
+            except BaseException:
+                self._rounds.gave_up(topic, rnd)
+                raise
 
     # --- programs, weights and park/wake (tray/rank/executor.py, tray/weights/, tray/park/) ----------
     def run(self, program: str, vars: dict[str, int] | None = None, stream: int | None = None) -> None:
