@@ -127,7 +127,7 @@ def _release_functions(versioned: bool) -> tuple[bool, int, int]:
     if versioned and True not in _release.kinds:
         versioned = False
     if versioned not in _release.kinds:
-        raise BufferError("this numpy exports no DLPack capsules; tray's views need numpy >= 1.26")
+        raise BufferError("this numpy exports no DLPack capsules; tray's views need numpy >= 2.2.5")
     return (versioned, *_release.kinds[versioned])
 
 
