@@ -1,7 +1,8 @@
-"""Small text checks shared by the parsers of names, ids and messages."""
+"""Small text checks shared by the parsers of names, ids, numbers and messages."""
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from collections.abc import Iterable
@@ -11,6 +12,15 @@ def is_digits(s: str) -> bool:
     """Whether `s` is a non-negative integer in ASCII digits. str.isdigit() alone passes '²' (which int() refuses)
     and '٠' (which int() reads as 0): an identity or topic carrying them must not pass for a number."""
     return s.isascii() and s.isdigit()
+
+
+def int_index(value: object) -> int:
+    """The int an integer holds (a numpy integer's too, as `operator.index`), never a bool's: neither Python's nor
+    numpy's, which numpy before 2.3 still gives an `__index__` (deprecated) that takes np.True_ for 1. Raises
+    TypeError for what is no integer."""
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        raise TypeError(f"{type(value).__name__} is a bool, not an integer")
+    return operator.index(value)  # type: ignore[arg-type]
 
 
 def ranks_text(ranks: Iterable[int]) -> str:

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tray.backend.base import GroupInfo, numpy_dtype
+from tray.collectives.host import _count as host_count
 from tray.errors import UsageError
 from tray.handshake import wire
 from tray.manifest import parse_manifest
@@ -133,6 +134,18 @@ def test_a_str_subclass_and_numpy_str_are_names() -> None:
                                   lambda: RANK.barrier("world", 1, stream=-1), lambda: RANK.run("step", stream="0"),
                                   lambda: _iterable(3, "session.touch")])
 def test_bools_zero_staging_negative_streams_and_one_page_index_are_refused(call) -> None:
+    with pytest.raises(UsageError):
+        call()
+
+
+@pytest.mark.parametrize("call", [lambda: RANK.barrier("world", 1, stream=np.True_),
+                                  lambda: RANK.load_weights(staging_nbytes=np.True_),
+                                  lambda: RANK.run("step", {"n": np.True_}),
+                                  lambda: RANK.peer_view("x", np.True_),
+                                  lambda: host_count("allreduce", np.True_)],
+                         ids=["stream", "staging_nbytes", "run vars value", "peer_view member", "collective count"])
+def test_numpy_bools_are_refused_as_bools_are(call) -> None:
+    """numpy before 2.3 still gives its bool an __index__ (deprecated): operator.index took np.True_ for 1 there."""
     with pytest.raises(UsageError):
         call()
 

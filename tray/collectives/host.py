@@ -12,7 +12,6 @@ receive range that runs past the end of the buffer it starts in is named before 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,7 +29,7 @@ from tray.backend.host import PAGE_NBYTES, view
 from tray.backend.host.barrier import HostBarrier, spin_until, u64_view
 from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import BarrierTimeout, UsageError
-from tray.text import ranks_text
+from tray.text import int_index, ranks_text
 from tray.twins import check_range
 
 # NOTE: a member's scratch ends in a trailer of u64 words: four per member (the collectives' own barrier flags,
@@ -277,9 +276,7 @@ def _count(what: str, count: object) -> int:
     """A collective's `count`: an int >= 0 (a numpy integer is the int it holds); UsageError otherwise."""
     if type(count) is not int:
         try:
-            if isinstance(count, bool):
-                raise TypeError
-            count = operator.index(count)  # type: ignore[arg-type]
+            count = int_index(count)
         except TypeError:
             raise UsageError(f"{what}: count is a number of elements (an int >= 0), got {type(count).__name__} "
                              f"{repr(count)[:60]}") from None

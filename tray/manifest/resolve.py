@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import operator
 from typing import NoReturn
 
 from tray.errors import ManifestError, UsageError
@@ -50,6 +49,7 @@ from tray.manifest.schema import (
     ResolvedState,
     StageSpec,
 )
+from tray.text import int_index
 
 Instances = tuple[tuple[int, ...], ...]
 
@@ -88,8 +88,8 @@ def resolve_vars(
                 f"known: {known_list(manifest.vars)}{did_you_mean(name, manifest.vars)}"
             )
         if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
-            try:  # a numpy integer (np.int64 from arithmetic on arrays): the int it holds; numpy's bool has none
-                value = operator.index(value)
+            try:  # a numpy integer (np.int64 from arithmetic on arrays): the int it holds; not numpy's bool
+                value = int_index(value)
             except TypeError:
                 pass
         if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= INT_LIMIT:

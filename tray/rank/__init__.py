@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import json
-import operator
 import os
 import stat
 import sys
@@ -37,6 +36,7 @@ from tray.rank.env import RankEnv
 from tray.rank.phases import PhaseClock
 from tray.rank.views import BufferView, Leases, check_member
 from tray.rank.wiring import Buffer, Parts, PeerTable, RankContext, Wiring
+from tray.text import int_index
 
 if TYPE_CHECKING:
     from tray.park import ParkedSession, Parking, Session
@@ -231,7 +231,7 @@ class Rank:
         name_arg("peer_view()", "the buffer", name)
         if not isinstance(member, bool) and hasattr(member, "__index__"):
             try:
-                member = operator.index(member)  # a numpy integer, a one-element integer tensor: the rank it holds
+                member = int_index(member)  # a numpy integer, a one-element integer tensor: the rank it holds
             except TypeError:  # an array, a float tensor: no rank (check_member says so, a UsageError)
                 pass
         table = self.peers(name)

@@ -7,6 +7,7 @@ import math
 import operator
 
 from tray.errors import UsageError
+from tray.text import int_index
 
 
 def shown(value: object) -> str:
@@ -45,7 +46,7 @@ def stream_arg(call: str, value: object) -> int | None:
     if value is None:
         return None
     try:
-        handle = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+        handle = int_index(value)
     except TypeError:
         handle = None
     if handle is None or handle < 0:
@@ -57,8 +58,6 @@ def stream_arg(call: str, value: object) -> int | None:
 def int_arg(call: str, what: str, value: object) -> int:
     """An integer (a numpy integer is the int it holds); not a bool, a float or a string."""
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)  # type: ignore[arg-type]
+        return int_index(value)
     except TypeError:
         raise UsageError(f"{call}: {what} must be an int, got {shown(value)}") from None
