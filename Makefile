@@ -3,12 +3,13 @@
 #   make demo      set up .venv, run a 4-rank tray (host backend when no GPU is visible): the peer-barrier gate
 #   make test      set up .venv, run the test suite (GPU tests skip when no GPU is visible; runs the examples)
 #   make examples  run every example in examples/ on the host backend, as its docstring says
+#   make test-lowest  the test suite against the oldest releases pyproject.toml allows, in .venv-lowest
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := setup
-.PHONY: setup demo test examples lint gpu-wheels gpu-install clean
+.PHONY: setup demo test test-lowest examples lint gpu-wheels gpu-install clean
 
 setup: $(BIN)/.installed
 	@echo "tray is installed in $(VENV). Put it on PATH with:  . $(BIN)/activate"
@@ -46,6 +47,30 @@ test: $(BIN)/.installed $(BIN)/.torch
 	$(BIN)/python -m compileall -q tray
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(TESTS)
 
+# The lower bounds of pyproject.toml kept true: uv's lowest-direct resolution installs the oldest release each direct
+# dependency's range allows (their own dependencies at their newest), then the suite runs there as `make test` runs it.
+# torch is taken as `make test` takes it, not at its lowest (2.4 is a multi-GB CUDA build from PyPI): LOWEST_TORCH
+# names what pip installs (`LOWEST_TORCH=torch==2.13.0` a CPU build on disk, empty: none, the interop tests skip).
+# Bytecode is compiled at install (uv does not by default): with PYTHONDONTWRITEBYTECODE set, every rank compiled
+# numpy's modules again and its start took over the 3 s some tests allow. pyzmq, ml_dtypes and safetensors come as
+# wheels only: their lowest have wheels for 3.11, and on a newer Python the lowest release with one is taken (their
+# sdists of then do not build there: pyzmq 25.0 on 3.12, ml_dtypes 0.4.0 and safetensors 0.4.0 on 3.13); msgpack 1.0.0
+# and psutil 5.9.0 build from source (msgpack as its pure-Python fallback). Not run by .ci/run: a fresh venv and a
+# second whole suite (2 cores: about 80 s to install, then the suite's time again).
+LOWEST_VENV ?= .venv-lowest
+LOWEST_TORCH ?= -e '.[torch]'
+test-lowest: $(BIN)/.installed
+	$(BIN)/pip install -q uv
+	rm -rf $(LOWEST_VENV)
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(BIN)/uv pip install -q --python $(LOWEST_VENV)/bin/python --resolution lowest-direct --compile-bytecode \
+		--only-binary pyzmq --only-binary ml-dtypes --only-binary safetensors -e '.[test]'
+	$(if $(LOWEST_TORCH),$(LOWEST_VENV)/bin/pip install -q --retries 1 --timeout 20 \
+		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) $(LOWEST_TORCH))
+	$(LOWEST_VENV)/bin/pip list
+	$(LOWEST_VENV)/bin/python -m compileall -q tray
+	$(LOWEST_VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(TESTS)
+
 examples: $(BIN)/.installed
 	$(BIN)/python examples/run_all.py
 
@@ -62,4 +87,4 @@ gpu-install:
 	scripts/gpu-wheels.sh install
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info
