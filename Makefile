@@ -56,7 +56,7 @@ test: $(BIN)/.installed $(BIN)/.torch
 # wheels only: their lowest have wheels for 3.11, and on a newer Python the lowest release with one is taken (their
 # sdists of then do not build there: pyzmq 25.0 on 3.12, ml_dtypes 0.4.0 and safetensors 0.4.0 on 3.13); msgpack 1.0.0
 # and psutil 5.9.0 build from source (msgpack as its pure-Python fallback). Not run by .ci/run: a fresh venv and a
-# second whole suite (2 cores: about 80 s to install, then the suite's time again).
+# second whole suite (2 cores: about 90 s to install, then the suite's time again).
 LOWEST_VENV ?= .venv-lowest
 LOWEST_TORCH ?= -e '.[torch]'
 test-lowest: $(BIN)/.installed
