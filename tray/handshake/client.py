@@ -56,10 +56,11 @@ class RendezvousClient:
         self._step = threading.Lock()  # held by the thread making a tray-wide step on the main socket (step())
         self._step_of = ("", "", "")  # that thread's name and its step, for the refusal of another's
         self._holder: int | None = None  # that thread's ident
-        # once the rank's last message or its close began: the thread that did it (the socket is its from then on:
-        # `_step` taken for good, by `_owner`), and a wake fd made readable then, so that a step's wait ends at once
+        # once the rank's last message or its close began: the thread that did it, whether it has the socket (`_step`
+        # taken for good: `_last`, held by whoever ends the socket's use, serializes them), and a wake fd made readable
+        # then, so that a step's wait ends at once
         self._closing = ""
-        self._owner: int | None = None
+        self._taken = False
         self._last = threading.Lock()  # one thread at a time ends the socket's use
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._poller = zmq.Poller()
@@ -131,16 +132,14 @@ class RendezvousClient:
         more, one waiting on another thread ends at once (UsageError there) and lets go of it, waited for at most
         `wait_s`. False when it did not let go in time, or when the calling thread itself waits in a step (a signal
         handler ran in it): then the socket must not be closed under that step."""
-        me = threading.get_ident()
-        if self._owner is not None:  # taken already (by this thread, or by one that is done with it: `_last` is held)
-            self._owner = me
+        if self._taken:  # by this thread, or by one that is done with it (`_last` is held)
             return True
         if not self._closing:
             self._closing = threading.current_thread().name
             os.eventfd_write(self._wake, 1)  # never read: every wait from here on ends at once
-        if self._holder == me or not self._step.acquire(timeout=wait_s):
+        if self._holder == threading.get_ident() or not self._step.acquire(timeout=wait_s):
             return False
-        self._owner = me
+        self._taken = True
         return True
 
     def send_last(self, msg: Any, wait_s: float = LAST_WAIT_S) -> bool:
