@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import re
@@ -14,11 +15,29 @@ def is_digits(s: str) -> bool:
     return s.isascii() and s.isdigit()
 
 
+def is_bool(value: object) -> bool:
+    """Python's bool or numpy's (np.True_, a 0-d bool array): what a count or a timeout never is."""
+    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b"
+
+
+def seconds_value(value: object) -> float:
+    """`value` as a float number of seconds, NaN for what is no number (a bool, numpy's too, a str, bytes, what
+    float() refuses); an int beyond a float's range is +-inf. The caller refuses what is not > 0."""
+    if isinstance(value, (str, bytes)) or is_bool(value):
+        return math.nan
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond a float's range: an endless wait when positive
+        return math.inf if operator.index(value) > 0 else -math.inf  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def int_index(value: object) -> int:
     """The int an integer holds (a numpy integer's too, as `operator.index`), never a bool's: neither Python's nor
     numpy's, which numpy before 2.3 still gives an `__index__` (deprecated) that takes np.True_ for 1. Raises
     TypeError for what is no integer."""
-    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
+    if is_bool(value):
         raise TypeError(f"{type(value).__name__} is a bool, not an integer")
     return operator.index(value)  # type: ignore[arg-type]
 

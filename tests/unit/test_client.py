@@ -113,3 +113,39 @@ def test_a_step_begun_after_the_last_message_is_refused_and_close_does_not_wait_
     assert time.monotonic() - t0 < 1.0
     assert messages(sock, 1) == ["bye"]
     assert client.send_last(wire.Bye(token=TOKEN, rank=0)) is False  # closed: nothing is sent
+
+
+def test_a_step_that_does_not_let_go_is_named_when_the_last_message_and_the_close_give_up(head, monkeypatch, capfd):
+    """A thread holding a step that never returns to its wait (it runs code of its own) cannot be ended by the eventfd:
+    the bye is given up after its wait and the close leaves the socket open, each with a line on stderr that names the
+    thread and its step (both were silent before)."""
+    import tray.handshake.client as client_module
+
+    monkeypatch.setattr(client_module, "LAST_WAIT_S", 0.2)
+    _, endpoint, _ = head
+    client = RendezvousClient(endpoint, TOKEN, 3)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with client.step("exchange", "busy"):
+            inside.set()
+            release.wait(10.0)
+
+    t = threading.Thread(target=hold, name="holder")
+    t.start()
+    try:
+        assert inside.wait(5.0)
+        t0 = time.monotonic()
+        assert client.send_last(wire.Bye(token=TOKEN, rank=3), wait_s=0.2) is False
+        client.close()
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        release.set()
+        t.join(5.0)
+        client.close()  # the step let go: this close takes the socket and closes it
+    err = capfd.readouterr().err
+    closing = threading.current_thread().name
+    assert (f"tray: rank 3: thread 'holder' did not end its exchange 'busy' within 0.2 s of thread {closing!r} "
+            "closing the rank's tray") in err, err
+    assert "the rank's last message to the head (bye) is not sent" in err, err
+    assert "the connection to the head is left open until the process ends" in err, err

@@ -142,8 +142,11 @@ def test_bools_zero_staging_negative_streams_and_one_page_index_are_refused(call
                                   lambda: RANK.load_weights(staging_nbytes=np.True_),
                                   lambda: RANK.run("step", {"n": np.True_}),
                                   lambda: RANK.peer_view("x", np.True_),
-                                  lambda: host_count("allreduce", np.True_)],
-                         ids=["stream", "staging_nbytes", "run vars value", "peer_view member", "collective count"])
+                                  lambda: host_count("allreduce", np.True_),
+                                  lambda: RANK.barrier("world", np.True_),
+                                  lambda: RANK.exchange("t", 1, np.True_)],
+                         ids=["stream", "staging_nbytes", "run vars value", "peer_view member", "collective count",
+                              "barrier timeout_s", "exchange timeout_s"])
 def test_numpy_bools_are_refused_as_bools_are(call) -> None:
     """numpy before 2.3 still gives its bool an __index__ (deprecated): operator.index took np.True_ for 1 there."""
     with pytest.raises(UsageError):

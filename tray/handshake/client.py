@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -127,17 +128,24 @@ class RendezvousClient:
             "exception leaving it first) and has its connection to the head; a rank's tray-wide steps end with its "
             "tray: end them, or the threads that make them, before it closes")
 
-    def _take_socket(self, wait_s: float) -> bool:
+    def _take_socket(self, wait_s: float, what: str) -> bool:
         """Make the main socket the calling thread's for the rest of the rank's life (`_last` held): no step begins any
         more, one waiting on another thread ends at once (UsageError there) and lets go of it, waited for at most
-        `wait_s`. False when it did not let go in time, or when the calling thread itself waits in a step (a signal
-        handler ran in it): then the socket must not be closed under that step."""
+        `wait_s`. False when it did not let go in time (a line on stderr names that thread, its step and `what` is
+        given up), or when the calling thread itself waits in a step (a signal handler ran in it): then the socket
+        must not be closed under that step."""
         if self._taken:  # by this thread, or by one that is done with it (`_last` is held)
             return True
         if not self._closing:
             self._closing = threading.current_thread().name
             os.eventfd_write(self._wake, 1)  # never read: every wait from here on ends at once
-        if self._holder == threading.get_ident() or not self._step.acquire(timeout=wait_s):
+        if self._holder == threading.get_ident():
+            return False
+        if not self._step.acquire(timeout=wait_s):
+            holder, kind, topic = self._step_of
+            print(f"tray: rank {self.rank}: thread {holder!r} did not end its {kind} {topic!r} within {wait_s:.1f} s "
+                  f"of thread {self._closing!r} closing the rank's tray (it runs code that never returns to the "
+                  f"step's wait); {what}", file=sys.stderr, flush=True)
             return False
         self._taken = True
         return True
@@ -147,7 +155,8 @@ class RendezvousClient:
         here on (`_take_socket`: a step another thread waits in ends, at once, with a UsageError). False when it was
         not sent: that step did not let go within `wait_s`, or the socket is closed."""
         with self._last:
-            took = self._take_socket(wait_s)
+            kind = getattr(msg, "KIND", type(msg).__name__)
+            took = self._take_socket(wait_s, f"the rank's last message to the head ({kind}) is not sent")
             if not took and self._holder != threading.get_ident():
                 return False
             if self._sock.closed:
@@ -193,7 +202,7 @@ class RendezvousClient:
         should it not let go within LAST_WAIT_S, the main socket and the context are left to the process's end
         rather than closed under it."""
         with self._last:
-            took = self._take_socket(LAST_WAIT_S)
+            took = self._take_socket(LAST_WAIT_S, "the connection to the head is left open until the process ends")
             self._stop.set()
             self._hb.join(timeout=2.0)
             if not took or self._sock.closed:

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Self, TypeAlias
 import msgpack  # type: ignore[import-untyped]
 
 from tray.errors import UsageError, WireError
+from tray.text import seconds_value
 
 PROTOCOL_VERSION = 6
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
@@ -22,12 +23,7 @@ LONGEST_WAIT_S = 1e9  # a vote's wait_s: an endless wait (inf) is sent as this
 
 def step_wait(timeout_s: float, what: str) -> float:
     """A step's timeout as it is waited for and sent: > 0 (UsageError otherwise, NaN too), inf as LONGEST_WAIT_S."""
-    try:  # a bool, a string or what float() refuses is no number of seconds (NaN, refused below, stands for it)
-        t = math.nan if isinstance(timeout_s, (bool, str, bytes)) else float(timeout_s)
-    except OverflowError:  # an int beyond a float's range: endless when positive
-        t = math.inf if timeout_s > 0 else -math.inf
-    except (TypeError, ValueError):
-        t = math.nan
+    t = seconds_value(timeout_s)  # NaN for what is no number of seconds (a bool, a string), refused below
     if not t > 0:
         raise UsageError(f"{what}: timeout_s must be a number of seconds > 0 (inf: no end), got "
                          f"{type(timeout_s).__name__} {repr(timeout_s)[:60]}")

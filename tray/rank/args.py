@@ -3,11 +3,8 @@ call takes, what it got and what to pass, never the TypeError or AttributeError 
 
 from __future__ import annotations
 
-import math
-import operator
-
 from tray.errors import UsageError
-from tray.text import int_index
+from tray.text import int_index, seconds_value
 
 
 def shown(value: object) -> str:
@@ -27,15 +24,7 @@ def name_arg(call: str, what: str, value: object) -> str:
 
 def seconds_arg(call: str, value: object) -> float:
     """A timeout in seconds: a real number > 0 (inf: no end); not a bool, a string or NaN."""
-    if isinstance(value, (bool, str, bytes)):
-        t = math.nan
-    else:
-        try:
-            t = float(value)  # type: ignore[arg-type]
-        except OverflowError:  # an int beyond a float's range: an endless wait when positive
-            t = math.inf if operator.index(value) > 0 else -math.inf  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            t = math.nan
+    t = seconds_value(value)
     if not t > 0:
         raise UsageError(f"{call}: timeout_s must be a number of seconds > 0 (inf: no end), got {shown(value)}")
     return t
