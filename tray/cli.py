@@ -509,7 +509,7 @@ def _which_signal(exc: KeyboardInterrupt) -> str:
         return ""
     name = signal.Signals(int(words[1])).name
     if name == "SIGTERM" and os.environ.get("SLURM_JOB_ID"):
-        return f" ({name}: under Slurm, scancel or the job's time limit)"
+        return f" ({name}: under Slurm, scancel, the job's time limit, or its preemption or requeue)"
     if name == "SIGHUP":
         return f" ({name}: its terminal closed; nohup tray launch ... keeps a tray running past its terminal)"
     return f" ({name})"

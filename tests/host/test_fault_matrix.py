@@ -876,7 +876,8 @@ with tray.init() as rank:
         assert head.wait(timeout=20) == 130
         err = head.stderr.read()
         assert "FAILED" not in err, err
-        assert "tray: interrupted (SIGTERM: under Slurm, scancel or the job's time limit); the tray was stopped" in err
+        assert ("tray: interrupted (SIGTERM: under Slurm, scancel, the job's time limit, or its preemption or "
+                "requeue); the tray was stopped") in err
     finally:
         if head.poll() is None:
             head.kill()
