@@ -49,8 +49,10 @@ test: $(BIN)/.installed $(BIN)/.torch
 
 # The lower bounds of pyproject.toml kept true: uv's lowest-direct resolution installs the oldest release each direct
 # dependency's range allows (their own dependencies at their newest), then the suite runs there as `make test` runs it.
-# torch is taken as `make test` takes it, not at its lowest (2.4 is a multi-GB CUDA build from PyPI): LOWEST_TORCH
-# names what pip installs (`LOWEST_TORCH=torch==2.13.0` a CPU build on disk, empty: none, the interop tests skip).
+# torch is taken as `make test` takes it, not at its lowest (2.4 has no CPU build on PyPI: its CUDA build and nvidia-*
+# libraries made a 5.1 GB venv): LOWEST_TORCH names what pip installs (`LOWEST_TORCH=torch==2.4.0` the lowest,
+# `torch==2.13.0` a CPU build on disk, empty: none, the interop tests skip). The interop tests at 2.4.0:
+# bench/results/host/compat/torch_2.4.0_3464b6e.log.
 # Bytecode is compiled at install (uv does not by default): with PYTHONDONTWRITEBYTECODE set, every rank compiled
 # numpy's modules again and its start took over the 3 s some tests allow. pyzmq, ml_dtypes and safetensors come as
 # wheels only: their lowest have wheels for 3.11, and on a newer Python the lowest release with one is taken (their
