@@ -153,6 +153,12 @@ def test_numpy_bools_are_refused_as_bools_are(call) -> None:
         call()
 
 
+def test_an_unknown_kernel_is_named_as_the_other_names_are() -> None:
+    """The manifest by its name and file, its kernels as names (was a Python list: "declares ['a']")."""
+    with pytest.raises(UsageError, match=r"^no kernel 'nope' in manifest 'w' \(<test>\); it declares \(none\)$"):
+        RANK.kernel("nope")
+
+
 @pytest.mark.parametrize("manifest, message", [
     ("", r"tray.init\(manifest=''\): the manifest's name is empty; give a manifest file's path or a built-in's name"),
     (3, r"tray.init\(manifest=...\): a manifest file's path or a built-in's name \(a str or a pathlib.Path\), got "),

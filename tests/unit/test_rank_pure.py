@@ -87,7 +87,9 @@ def test_wiring_lookups_name_what_exists() -> None:
         w.buffer("z")
     with pytest.raises(UsageError, match=r"no buffer 'xx' .*; it declares x, y; did you mean 'x'\?"):
         w.buffer("xx")
-    with pytest.raises(UsageError, match=r"no peer table for 'y'; .* rank 1: \['x'\]"):
+    with pytest.raises(UsageError, match=r"no peer table for 'y' \(buffer 'y' is not exported: set \"export\": true on "
+                                         r"it in manifest 'w' \(<test>\)\); exported buffers with a group containing "
+                                         r"rank 1: x$"):
         w.peers("y")
     with pytest.raises(UsageError, match=r"no buffer 'xx' in manifest 'w' \(<test>\); it declares x, y; did you mean "
                                          r"'x'\?"):
@@ -99,6 +101,26 @@ def test_wiring_lookups_name_what_exists() -> None:
         w.barrier("pair")
     with pytest.raises(UsageError, match=r"no group 'tp' in manifest 'w'"):
         w.barrier("tp")
+
+
+def test_a_missing_peer_table_or_group_says_why_in_the_manifest_s_terms() -> None:
+    """An exported buffer whose group leaves this rank out has no table here: said so, not "set export"; names are
+    listed as names, not as a Python list."""
+    doc = {"format": 1, "name": "w", "groups": [{"name": "pair", "ranks": [[0, 1]]}],
+           "buffers": [{"name": "pb", "dtype": "f32", "shape": [4], "export": True, "group": "pair"}]}
+    resolved = parse_manifest(doc, "<test>", ".").resolve(3)
+    env = RankEnv(rank=2, world_size=3, local_rank=2, device=2, endpoint="", job_dir="", token="t",
+                  manifest="", backend="host", vars=(), t_spawn=None)
+    w = Wiring(env=env, phases=PhaseClock(), client=None, manifest=resolved.manifest, resolved=resolved,
+               backend=None, fd_server=None, groups={"world": GroupInfo("world", (0, 1, 2), 2)}, buffers={},
+               ptr_tables={}, peer_tables={}, barriers={}, collectives={})  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"no peer table for 'pb' \(buffer 'pb' is exported over group 'pair', whose "
+                                         r"instances \[\[0, 1\]\] leave out rank 2\); exported buffers with a group "
+                                         r"containing rank 2: \(none\)$"):
+        w.peers("pb")
+    with pytest.raises(UsageError, match=r"rank 2 is no member of group 'pair' \(its instances: \[\[0, 1\]\]\); its "
+                                         r"groups: world$"):
+        w.group("pair")
 
 
 class _SlowClose:

@@ -30,6 +30,7 @@ from tray.errors import SetupError, UsageError, WireError
 from tray.handshake import wire
 from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, Rounds, describe_step
 from tray.manifest import Manifest, ResolvedManifest
+from tray.manifest.expr import did_you_mean, known_list
 from tray.rank import lifecycle
 from tray.rank.args import int_arg, name_arg, seconds_arg, shown, stream_arg
 from tray.rank.env import RankEnv
@@ -280,7 +281,8 @@ class Rank:
             spec = next((k for k in self.manifest.kernels if k.name == name), None)
             if spec is None:
                 known = sorted(k.name for k in self.manifest.kernels)
-                raise UsageError(f"no kernel {name!r}; the manifest declares {known or 'none'}")
+                raise UsageError(f"no kernel {name!r} in {self._wiring.manifest_said()}; it declares "
+                                 f"{known_list(known)}{did_you_mean(name, known)}")
             self._kernels[name] = self.backend.load_kernel(spec.name, spec.code, spec.entry, spec.options,
                                                            spec.peers, filename=os.path.basename(spec.source))
         return self._kernels[name]

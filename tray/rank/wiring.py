@@ -314,11 +314,11 @@ class Wiring:
         """The resolved manifest buffer `name`."""
         if name not in self._specs:
             declared = [b for b in sorted(self._specs) if not b.startswith("tray:")]
-            raise UsageError(f"no buffer {name!r} in {self._manifest_said()}; it declares "
+            raise UsageError(f"no buffer {name!r} in {self.manifest_said()}; it declares "
                              f"{known_list(declared)}{did_you_mean(name, declared)}")
         return self._specs[name]
 
-    def _manifest_said(self) -> str:
+    def manifest_said(self) -> str:
         """The rank's manifest as a message names it: its name and file, or the built-in default and how to give
         one (the usual cause of a missing name)."""
         if self.manifest.path == BUILTIN_PATH:
@@ -342,17 +342,27 @@ class Wiring:
                              f"{members[-1]}) spans nodes, and peer tables exist only within a node; use the group's "
                              "collectives, or give the buffer a group within one node")
         if name not in self.peer_tables or name.startswith(INTERNAL_PREFIX):
-            exported = sorted(n for n in self.peer_tables if not n.startswith(INTERNAL_PREFIX))
-            raise UsageError(f"no peer table for {name!r}; exported buffers with a group containing rank "
-                             f"{self.rank}: {exported or 'none'} (set \"export\": true in the manifest)")
+            exported = known_list(sorted(n for n in self.peer_tables if not n.startswith(INTERNAL_PREFIX)))
+            why = ""  # the cause as the manifest has it: a table is an exported buffer's, on its group's members
+            if spec is not None and not name.startswith(INTERNAL_PREFIX) and not spec.export:
+                why = f" (buffer {name!r} is not exported: set \"export\": true on it in {self.manifest_said()})"
+            elif spec is not None and not name.startswith(INTERNAL_PREFIX) and spec.group not in self.groups:
+                why = (f" (buffer {name!r} is exported over group {spec.group!r}, whose instances "
+                       f"{self._instances(spec.group)} leave out rank {self.rank})")
+            raise UsageError(f"no peer table for {name!r}{why}; exported buffers with a group containing rank "
+                             f"{self.rank}: {exported}")
         return self.peer_tables[name]
+
+    def _instances(self, group: str) -> list[list[int]]:
+        """The instances of `group` as the manifest writes them: [[0, 1], [2, 3]]."""
+        return [list(m) for m in self.resolved.groups[group]]
 
     def group(self, name: str) -> GroupInfo:
         if name not in self.groups:
             if name in self.resolved.groups:
                 raise UsageError(f"rank {self.rank} is no member of group {name!r} (its instances: "
-                                 f"{[list(m) for m in self.resolved.groups[name]]}); its groups: {sorted(self.groups)}")
-            raise UsageError(f"no group {name!r} in {self._manifest_said()}; its groups: "
+                                 f"{self._instances(name)}); its groups: {known_list(sorted(self.groups))}")
+            raise UsageError(f"no group {name!r} in {self.manifest_said()}; its groups: "
                              f"{known_list(sorted(self.resolved.groups))}{did_you_mean(name, self.resolved.groups)}")
         return self.groups[name]
 
