@@ -153,6 +153,17 @@ def test_numpy_bools_are_refused_as_bools_are(call) -> None:
         call()
 
 
+@pytest.mark.parametrize("member, shown", [(1.0, "float 1.0"), (True, "bool True"), ("1", "str '1'"),
+                                           (np.array(1.5), r"ndarray array\(1.5\)")])
+def test_a_peer_view_member_that_is_no_int_is_said_so_not_said_out_of_the_group(member, shown) -> None:
+    """1.0 and True are no ranks, but rank 1 is in the group: "rank 1.0 is not in group 'world'" was no cause."""
+    with pytest.raises(UsageError, match=rf"^peer_view\('x', member\): member \(a global rank\) must be an int, got "
+                                         rf"{shown}$"):
+        RANK.peer_view("x", member)
+    with pytest.raises(UsageError, match=r"^peer_view\('x', 2\): rank 2 is not in group 'world' of that buffer"):
+        RANK.peer_view("x", 2)
+
+
 def test_an_unknown_kernel_is_named_as_the_other_names_are() -> None:
     """The manifest by its name and file, its kernels as names (was a Python list: "declares ['a']")."""
     with pytest.raises(UsageError, match=r"^no kernel 'nope' in manifest 'w' \(<test>\); it declares \(none\)$"):

@@ -37,7 +37,6 @@ from tray.rank.env import RankEnv
 from tray.rank.phases import PhaseClock
 from tray.rank.views import BufferView, Leases, check_member
 from tray.rank.wiring import Buffer, Parts, PeerTable, RankContext, Wiring
-from tray.text import int_index
 
 if TYPE_CHECKING:
     from tray.park import ParkedSession, Parking, Session
@@ -230,11 +229,8 @@ class Rank:
         lives, even past close(). Raises UsageError for an unknown buffer or member, or after close()."""
         self._require_open(f"peer_view({name!r}, {member})")
         name_arg("peer_view()", "the buffer", name)
-        if not isinstance(member, bool) and hasattr(member, "__index__"):
-            try:
-                member = int_index(member)  # a numpy integer, a one-element integer tensor: the rank it holds
-            except TypeError:  # an array, a float tensor: no rank (check_member says so, a UsageError)
-                pass
+        # a numpy integer, a one-element integer tensor: the rank it holds; a bool, a float, an array: no rank
+        member = int_arg(f"peer_view({name!r}, member)", "member (a global rank)", member)
         table = self.peers(name)
         check_member(name, member, table.group.members, table.group.name)
         b = self._wiring.buffer(name)

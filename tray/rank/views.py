@@ -200,7 +200,7 @@ class _Interface:
 
 
 def check_member(name: str, member: int, members: tuple[int, ...], group: str) -> None:
-    """UsageError unless `member` (a global rank) is in the buffer's group."""
-    if isinstance(member, bool) or not isinstance(member, int) or member not in members:
+    """UsageError unless `member` (a global rank, an int) is in the buffer's group."""
+    if member not in members:
         raise UsageError(f"peer_view({name!r}, {member!r}): rank {member!r} is not in group {group!r} of that "
                          f"buffer; its members (global ranks): {list(members)}")
