@@ -516,6 +516,18 @@ def test_missing_command_is_a_usage_error(tray_env):
     assert "Traceback" not in run.stderr
 
 
+def test_a_command_in_this_directory_named_without_a_slash_is_said_to_be_looked_for_on_path(tray_env):
+    """`tray launch -- prog.py` (or --no-python) with prog.py right here: exec looks on PATH only, and "No such file
+    or directory" alone denied a file the user can see."""
+    (tray_env.tmp / "prog.py").write_text("pass\n")
+    run = tray_env.run([sys.executable, "-m", "tray", "launch", "-n", "2", "--backend", "host", "--", "prog.py"])
+    assert run.returncode == 2, run.output
+    assert ("cannot start rank 0: 'prog.py': No such file or directory; a command without a '/' is looked for on PATH "
+            "only, and prog.py in this directory is not: name it ./prog.py, or without `--` and --no-python (tray "
+            "launch -n N prog.py: this Python runs it)") in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_exchange_timeout_names_who_never_joined_the_step(tray_env):
     run = tray_env.launch(3, """
     with tray.init() as rank:

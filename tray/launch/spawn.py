@@ -265,7 +265,12 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
     except OSError as exc:
         program = spec.cmd[0]
         hint = "check the command: a path, or a program on PATH"
-        if exc.errno == errno.EACCES and program.endswith(".py"):
+        if exc.errno == errno.ENOENT and os.sep not in program and os.path.isfile(program):
+            # a name without a slash is looked for on PATH only: the file beside it is not what was said missing
+            hint = (f"a command without a '/' is looked for on PATH only, and {program} in this directory is not: "
+                    f"name it ./{program}" + (f", or without `--` and --no-python (tray launch -n N {program}: this "
+                                               "Python runs it)" if program.endswith(".py") else ""))
+        elif exc.errno == errno.EACCES and program.endswith(".py"):
             hint = (f"{program} is not executable: name it without `--` (tray launch -n N {program}: this Python "
                     f"runs it), or start it with python (-- python {program})")
         elif exc.errno in (errno.EMFILE, errno.ENFILE):
