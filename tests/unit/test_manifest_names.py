@@ -28,6 +28,21 @@ def test_manifest_names_resolve_to_builtins_and_paths_win(tmp_path, monkeypatch)
 
 
 
+def test_a_manifest_that_is_a_directory_is_said_to_be_one(tmp_path, monkeypatch):
+    """It was "no manifest file 'conf' and no built-in manifest of that name", of a directory that is there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf").mkdir()
+    with pytest.raises(UsageError, match=r"^manifest 'conf' is a directory, not a manifest file; give the manifest's "
+                                         r"JSON file$"):
+        resolve_manifest("conf")
+    (tmp_path / "conf" / "m.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"a directory, not a manifest file; give the manifest's JSON file \(in it: "
+                                         r"m.json\)$"):
+        resolve_manifest("conf/")
+    (tmp_path / "peer_fill").mkdir()  # a directory of a built-in's name does not hide the built-in
+    assert resolve_manifest("peer_fill").endswith("peer_fill.json")
+
+
 def test_a_manifest_on_a_pipe_is_named_a_pipe(tmp_path, monkeypatch):
     """`--manifest /dev/stdin` fed by a pipe, `<(...)`, a FIFO: said to be a pipe (every rank reads the file by its
     path), not "no manifest file" for a path that is there; a directory of a built-in's name hides nothing."""

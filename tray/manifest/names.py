@@ -46,6 +46,14 @@ def resolve_manifest(arg: str) -> str:
     stem = arg[:-5] if arg.endswith(".json") else arg
     if "/" not in stem and stem in known:
         return str(builtin_dir() / f"{stem}.json")
+    if os.path.isdir(arg):  # it exists: "no manifest file" would deny what the user sees
+        try:
+            inside = sorted(p.name for p in Path(arg).iterdir() if p.suffix == ".json" and p.is_file())
+        except OSError:
+            inside = []
+        listed = f" (in it: {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})" if inside else ""
+        raise UsageError(f"manifest {arg!r} is a directory, not a manifest file; give the manifest's JSON "
+                         f"file{listed}")
     close = difflib.get_close_matches(Path(stem).name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     folder = Path(arg).parent
