@@ -76,6 +76,10 @@ def test_an_rdzv_endpoint_without_a_port_takes_torchruns():
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:"), "HOST:PORT"),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint=":29400"), "HOST:PORT"),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:70000"), "1..65535"),
+    # the endpoint said whole: "--rdzv-endpoint='abc': expected an integer" read as if the option's value were abc
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:abc"),
+     r"^--rdzv-endpoint 'h:abc': its port 'abc' is no TCP port \(1..65535\); expected HOST:PORT, e.g. node001:29500$"),
+    (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:70000"), r"^--rdzv-endpoint 'h:70000': its port '70000' is no "),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="[::1]:29500"), "an IPv6 address; the heads reach the root"),
     (JobArgs(node_rank=0, rdzv_endpoint="h:1"), "without --nnodes"),
     (JobArgs(nnodes=0), "at least 1"),
@@ -169,6 +173,13 @@ def test_pytorchjob_and_lws():
         resolve_job(JobArgs(), {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "auto", "TRAY_JOB_TOKEN": TOKEN})
     with pytest.raises(UsageError, match="LWS_WORKER_INDEX is unset"):
         resolve_job(JobArgs(), {k: v for k, v in lws.items() if k != "LWS_WORKER_INDEX"})
+    # the size unknown: the variable that gives it named (was "lws: the number of nodes is unknown")
+    with pytest.raises(UsageError, match=r"^LWS_LEADER_ADDRESS is set but LWS_GROUP_SIZE \(the pods of its group\) is "
+                                         r"not; give --nnodes N$"):
+        resolve_job(JobArgs(), {k: v for k, v in lws.items() if k != "LWS_GROUP_SIZE"})
+    with pytest.raises(UsageError, match=r"^PET_NODE_RANK is set but PET_NNODES \(the job's nodes\) is not; give "
+                                         r"--nnodes N$"):
+        resolve_job(JobArgs(), {k: v for k, v in pet.items() if k != "PET_NNODES"})
 
 
 def test_a_pytorchjobs_nproc_per_node_is_torchruns_default_for_n():

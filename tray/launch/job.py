@@ -119,11 +119,14 @@ def _split_endpoint(endpoint: str, name: str) -> tuple[str, int | None]:
     if ":" in host:
         raise UsageError(f"{name} {endpoint!r}: an IPv6 address; the heads reach the root over IPv4: give a host name "
                          "or an IPv4 address")
-    return host, _port(port, name, lo=0)
+    if not is_digits(port) or int(port) > 65535:  # said of the whole endpoint: the port alone reads as the option's
+        raise UsageError(f"{name} {endpoint!r}: its port {port!r} is no TCP port (1..65535); expected HOST:PORT, e.g. "
+                         "node001:29500")
+    return host, int(port)
 
 
-def _port(value: str | int, name: str, lo: int = 1) -> int:
-    n = _int(str(value), name, lo)
+def _port(value: str | int, name: str) -> int:
+    n = _int(str(value), name, 1)
     if n > 65535:
         raise UsageError(f"{name}={n}: a TCP port is 1..65535")
     return n
@@ -324,8 +327,10 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
         return value, source
 
     nnodes, _ = pick("nnodes")
-    if nnodes is None:
-        raise UsageError(f"{s.source}: the number of nodes is unknown; give --nnodes N")
+    if nnodes is None:  # a scheduler's variables name the job, but not its size
+        unset = {"pytorchjob": "PET_NODE_RANK is set but PET_NNODES (the job's nodes) is not",
+                 "lws": "LWS_LEADER_ADDRESS is set but LWS_GROUP_SIZE (the pods of its group) is not"}.get(s.source)
+        raise UsageError(f"{unset or s.source + ': the number of nodes is unknown'}; give --nnodes N")
     assert isinstance(nnodes, int)
     if nnodes < 1:
         raise UsageError(f"--nnodes must be at least 1, got {nnodes}")
