@@ -322,6 +322,16 @@ def test_overrides(root: Path) -> None:
         m.program("step")
 
 
+def test_a_var_for_the_builtin_default_says_no_manifest_was_given() -> None:
+    """`tray launch --var n=8 prog.py` without --manifest: the ranks took the built-in default, and the message said
+    "unknown var 'n' for manifest minimal (<builtin>); known: (none)", which names neither cause nor remedy."""
+    with pytest.raises(UsageError, match=r"^unknown var 'n': the ranks' manifest is the built-in default \(no "
+                                         r"--manifest given, no tray.init\(manifest=...\)\), which declares no vars; "
+                                         r"tray launch --manifest FILE.json gives the ranks the manifest that declares "
+                                         r"it$"):
+        builtin_manifest().resolve(2, {"n": 8})
+
+
 def test_resolve_errors(root: Path) -> None:
     m = load_manifest(write(root, full_doc()))
     with pytest.raises(ManifestError) as info:

@@ -6,6 +6,7 @@ import math
 from typing import NoReturn
 
 from tray.errors import ManifestError, UsageError
+from tray.manifest.builtin import BUILTIN_PATH
 from tray.manifest.expr import (
     INT_LIMIT,
     PEERS_PREFIX,
@@ -81,6 +82,13 @@ def resolve_vars(
             raise UsageError(
                 f"'{name}' cannot be overridden: the tray sets it ({WORLD_SIZE_VAR}: the number of ranks, "
                 f"{LOCAL_WORLD_SIZE_VAR}: the ranks per node)"
+            )
+        if name not in manifest.vars and manifest.path == BUILTIN_PATH and not manifest.vars:
+            # the usual cause: --var given, the manifest that declares it not (the ranks took the built-in)
+            raise UsageError(
+                f"unknown var '{name}': the ranks' manifest is the built-in default (no --manifest given, no "
+                "tray.init(manifest=...)), which declares no vars; tray launch --manifest FILE.json gives the ranks "
+                "the manifest that declares it"
             )
         if name not in manifest.vars:
             raise UsageError(
