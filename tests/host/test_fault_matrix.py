@@ -699,6 +699,30 @@ def test_a_program_that_never_calls_init_runs_on_as_under_torchrun(tray_env):
     assert run.returncode == 1 and "FAILED: rank 1" in run.stderr and "exited with code 1" in run.stderr, run.output
 
 
+def test_a_rank_that_dies_silently_before_init_is_said_to_have_printed_nothing(tray_env):
+    """A rank that ends before tray.init() without a line of output: the head does not point at its last lines, which
+    do not exist; one that printed is pointed at them."""
+    run = tray_env.launch(2, """
+if os.environ["RANK"] == "1":
+    os._exit(7)
+with tray.init() as rank:
+    rank.barrier(timeout_s=60)
+""")
+    assert run.returncode == 1, run.output
+    assert "exited with code 7" in run.stderr and "it failed before its first message: it printed nothing)" in \
+        run.stderr, run.stderr
+    run = tray_env.launch(2, """
+if os.environ["RANK"] == "1":
+    print("loading failed", flush=True)
+    os._exit(7)
+with tray.init() as rank:
+    rank.barrier(timeout_s=60)
+""")
+    assert run.returncode == 1, run.output
+    assert "it failed before its first message: the rank's last lines say)" in run.stderr, run.stderr
+    assert "loading failed" in run.stderr, run.stderr
+
+
 def test_once_a_rank_joined_the_others_must_within_the_timeout(tray_env):
     """The handshake's clock starts at the first rank's contact: ranks that all start late (loading weights before
     tray.init()) still form a tray; one that never joins is named --timeout-s after the first did."""

@@ -881,8 +881,9 @@ class Head:
             # NOTE: t_spawn is wall-clock time (the ranks get it too); a rank that exited ran until its exit
             ran = (p.t_exit or time.time()) - p.t_spawn
             if p.returncode is not None:
+                said = "the rank's last lines say" if p.tail else "it printed nothing"
                 return (f"spawn: its program ran {ran:.1f} s and never reached the head (tray.init() not called, or "
-                        "it failed before its first message: the rank's last lines say)")
+                        f"it failed before its first message: {said})")
             return (f"spawn: not heard from in its {ran:.1f} s (tray.init() not called yet, or still in its first "
                     "steps)")
         return p.phase
