@@ -14,7 +14,14 @@ from tray.cli import build_parser, main
 from tray.envvars import share_gpus
 from tray.errors import BarrierTimeout, ManifestError, UsageError
 from tray.launch.output import BOTH, STDERR, STDOUT, Routing, check_streams, parse_ranks_filter, parse_streams, stamp
-from tray.launch.pick import check_gpus, devices_for, rank_devices, shared_note, warn_if_oversubscribed
+from tray.launch.pick import (
+    backend_and_nprocs,
+    check_gpus,
+    devices_for,
+    rank_devices,
+    shared_note,
+    warn_if_oversubscribed,
+)
 from tray.manifest.load import parse_manifest
 from tray.rank.env import RankEnv
 
@@ -151,6 +158,14 @@ def test_share_gpus_from_the_flag_or_the_environment(monkeypatch):
     assert devices_for("host", 3, True) == [0, 1, 2]  # no GPUs to share
     monkeypatch.delenv("TRAY_SHARE_GPUS")
     assert devices_for("cuda", 2, None) == [0, 1]
+
+
+def test_a_wrong_share_gpus_variable_is_refused_on_the_host_backend_too(monkeypatch):
+    """TRAY_SHARE_GPUS=maybe was read only where GPUs are shared: a host tray took it, the GPU host refused it."""
+    monkeypatch.setenv("TRAY_SHARE_GPUS", "maybe")
+    with pytest.raises(UsageError, match=r"TRAY_SHARE_GPUS must be 1 \(ranks may share GPUs\) or 0, got 'maybe'"):
+        backend_and_nprocs("host", 2)
+    assert backend_and_nprocs("host", 2, share=True) == ("host", 2)  # --share-gpus given: the variable is not read
 
 
 def test_cuda_without_gpus_is_one_line_and_exit_2(capsys, monkeypatch):
@@ -320,6 +335,12 @@ def test_a_missing_or_unexecutable_program_is_one_line_saying_what_to_do(capsys,
     assert main(["launch", "-n", "2", "-q", "--backend", "host", "--", str(prog)]) == 2
     err = capsys.readouterr().err
     assert f"Permission denied; {prog} is not executable: name it without `--`" in err and err.count("\n") == 1, err
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/sh\necho 1\n")  # not executable, and no .py: its interpreter is not this Python
+    assert main(["launch", "-n", "2", "-q", "--backend", "host", "--", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert (f"Permission denied; {script} is a file without execute permission: chmod +x {script}, or start it with "
+            "its interpreter") in err and err.count("\n") == 1, err
 
 
 def test_a_py_program_on_path_needs_no_dashes(tmp_path, monkeypatch):

@@ -26,14 +26,15 @@ def backend_and_nprocs(backend: str | None, nprocs: int | None, share: bool | No
         raise UsageError(f"-n must be at least 1, got {nprocs}")
     if nprocs is not None and nprocs > MAX_NPROCS:
         raise UsageError(f"-n must be at most {MAX_NPROCS} (ranks of one node, each a process), got {nprocs}")
+    from tray.envvars import share_gpus
+
+    # NOTE: read on every backend: a wrong TRAY_SHARE_GPUS is refused on the laptop too, not first on the GPU host
+    sharing = share_gpus(share, os.environ.get("TRAY_SHARE_GPUS"))
     if chosen == "cuda":
         from tray.backend.cuda import gpu_count
 
         visible = gpu_count()  # NOTE: from /proc where it can: no cuInit in the head before its ranks start
-        from tray.envvars import share_gpus
-
-        check_gpus(nprocs, visible, os.environ.get("CUDA_VISIBLE_DEVICES"),
-                   share=share_gpus(share, os.environ.get("TRAY_SHARE_GPUS")))
+        check_gpus(nprocs, visible, os.environ.get("CUDA_VISIBLE_DEVICES"), share=sharing)
         nprocs = visible if nprocs is None else nprocs
     elif nprocs is None:
         nprocs = HOST_DEFAULT_NPROCS

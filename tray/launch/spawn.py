@@ -273,6 +273,9 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
         elif exc.errno == errno.EACCES and program.endswith(".py"):
             hint = (f"{program} is not executable: name it without `--` (tray launch -n N {program}: this Python "
                     f"runs it), or start it with python (-- python {program})")
+        elif exc.errno == errno.EACCES and os.path.isfile(program) and not os.access(program, os.X_OK):
+            hint = (f"{program} is a file without execute permission: chmod +x {program}, or start it with its "
+                    "interpreter")
         elif exc.errno in (errno.EMFILE, errno.ENFILE):
             hint = "the head ran out of file descriptors: raise the open-file limit (ulimit -n)"
         elif exc.errno == errno.EAGAIN:
