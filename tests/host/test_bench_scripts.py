@@ -128,3 +128,19 @@ def test_the_long_run_bench_samples_the_head_and_a_rank_in_each_mode(tray_env, t
         m = report["modes"][mode]
         assert [p["step"] for p in m["points"]] == [100, 200, 300] and m["us_per_exchange_median"] > 0, m
         assert m["last"]["rank_topics"] == topics and m["last"]["head_rss"] > 0 and m["last"]["rank_fds"] > 0, m
+
+
+def test_the_step_latency_bench_times_tray_and_its_floor_at_each_rank_count(tray_env, tmp_path):
+    """bench/step_latency.py, tiny: 2 ranks, 20 exchanges after 5 of warm-up; the tray, its floor, their ratio and
+    the encoding's share, from every rank's steps."""
+    report_path = tmp_path / "report.json"
+    run = tray_env.run([sys.executable, str(REPO / "bench" / "step_latency.py"), "--ranks", "2", "--steps", "20",
+                        "--warmup", "5", "--json", str(report_path)], timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert any(line.startswith("step_latency: [1/1] 2 ranks") for line in run.stdout.splitlines()), run.stdout
+    assert any(line.startswith("step_latency: done in ") for line in run.stdout.splitlines()), run.stdout
+    r = json.loads(report_path.read_text())["ranks"]["2"]
+    for side in ("tray", "floor"):
+        assert r[side]["samples"] == 40 and 0 < r[side]["p10_us"] <= r[side]["median_us"] <= r[side]["p90_us"], r
+    assert r["ratio"] == pytest.approx(r["tray"]["median_us"] / r["floor"]["median_us"]), r
+    assert 0 < r["parts"]["vote_decode_us"] < r["parts"]["codec_on_path_us"] and r["parts"]["codec_share"] > 0, r
