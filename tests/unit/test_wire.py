@@ -252,6 +252,20 @@ def test_unknown_field() -> None:
     _refused(_raw(body), "unknown field 'device.serial'")
 
 
+def test_a_body_with_exactly_a_votes_field_names_is_still_checked_field_by_field() -> None:
+    """The fields' names are checked in one test when they are exactly the message's (every valid message): that
+    test must not stand for the fields' values, the token, nor a name swapped for another of the same count."""
+    vote = SAMPLES[9]
+    assert decode(encode(vote), token=TOKEN) == vote == decode(encode(vote), token=TOKEN)  # the same bytes twice
+    _refused(_raw({**_body(vote), "token": "another-token"}), "wrong token")
+    _refused(_raw({**_body(vote), "rank": "1"}), "field 'rank': expected int, got str")
+    _refused(_raw({**_body(vote), "round": -1}), "field 'round': expected int >= 0, got -1")
+    _refused(_raw({**_body(vote), "wait_s": float("nan")}), "field 'wait_s': expected a finite float")
+    body = _body(vote)
+    body["rnd"] = body.pop("round")
+    _refused(_raw(body), "unknown field 'rnd'")
+
+
 def test_missing_field() -> None:
     body = _body(SAMPLES[7])
     del body["seq"]
