@@ -178,6 +178,8 @@ def crossed_steps(boxes: Mapping[tuple[str, int], Mapping[int, object]],
     or [] when there is none. A vote `waiting(step, rank)` says no longer waits (its wait ran out: the rank may have
     caught the timeout and gone on) places its rank nowhere: where it waits now, a later vote says; a rank found
     waiting in two steps is judged free. Either way: no false deadlock."""
+    if len(boxes) < 2:  # a step waits only for ranks that wait in another: one step alone is no cycle
+        return []
     ours = set(ranks)
     where: dict[int, tuple[str, int]] = {}
     twice: set[int] = set()  # ranks judged free: found waiting in two steps

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import math
 import os
 import re
 import secrets
@@ -23,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tray.collectives.early import StartJoin
 from tray.envvars import join_collectives, stop_signals
@@ -205,6 +206,10 @@ def _signals_held() -> Iterator[list[int]]:
 _WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long (at most half its wait) before it runs out
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
+# NOTE: ZMQ_POLLIN and ZMQ_DONTWAIT (zmq.h) as plain ints: pyzmq's zmq.POLLIN and zmq.NOBLOCK are enum flags, and
+# each & or | with one makes a new enum member (~3 us), on every message's path
+_POLLIN = 1
+_NOBLOCK = 1
 
 
 class Head:
@@ -239,6 +244,8 @@ class Head:
         self._rejects = 0  # messages refused (only the first _REJECTS_SAID are kept and said)
         self._waits_until: dict[tuple[str, int], dict[int, float]] = {}  # step -> rank -> until when it waits there
         self._last_vote: dict[int, tuple[str, int]] = {}  # rank -> the step of its latest vote
+        # the identities the ranks connect with (client.py): their main socket's and their heartbeat's
+        self._idents = {f"rank-{r}{end}": r for r in range(rank_base, rank_base + spec.nprocs) for end in ("", ".hb")}
         self.t_go: float | None = None
         self.t_table: float | None = None
         self.t_spawned = 0.0
@@ -375,18 +382,23 @@ class Head:
         poller = zmq.Poller()
         for s in (sock, *extra):
             poller.register(s, zmq.POLLIN)
+        next_turn = 0.0  # when the supervision below runs next (monotonic)
         while not self.failure:
             self._raise_if_signalled()
-            if extra:
-                ready = dict(poller.poll(_POLL_MS))
-                for s in extra:
-                    if s in ready:
-                        self._on_extra(s)
-                self._drain(sock, 0)
-                if not self.failure:
-                    self._tick(sock)
-            else:
-                self._drain(sock, _POLL_MS)
+            ready = dict(poller.poll(max(0, math.ceil((next_turn - time.monotonic()) * 1000))))
+            for s in extra:
+                if s in ready:
+                    self._on_extra(s)
+            self._drain(sock, 0)
+            # NOTE: the supervision (children's exits, deadlines, the watchdog, segments, adopted orphans: ~50 us of
+            # CPU, most of it waitpid and /proc) runs _POLL_MS apart, not after every batch of messages: with ranks
+            # in lockstep that was once per vote, on every step's path (bench/step_latency.py)
+            now = time.monotonic()
+            if now < next_turn:
+                continue
+            next_turn = now + _POLL_MS / 1000
+            if extra and not self.failure:
+                self._tick(sock)
             if not self.failure:
                 self._check_children(sock)
             if not self.failure:
@@ -413,11 +425,18 @@ class Head:
 
     def _drain(self, sock: zmq.Socket, timeout_ms: int) -> None:
         """Handle the messages waiting (the first after up to `timeout_ms`) until a failure is known, at most
-        _DRAIN_MAX of them: the loop's supervision runs between two batches whatever floods the socket."""
+        _DRAIN_MAX of them: the loop's supervision, when due, runs between two batches whatever floods the socket."""
         for _ in range(_DRAIN_MAX):
-            if self.failure or self._signals or not sock.poll(timeout_ms, zmq.POLLIN):
+            if self.failure or self._signals:
                 return
-            timeout_ms = 0
+            if timeout_ms:
+                if not sock.poll(timeout_ms, zmq.POLLIN):
+                    return
+                timeout_ms = 0
+            # NOTE: whether a message waits, without a wait, is the socket's EVENTS (what zmq_poll asks it first):
+            # sock.poll() makes a Poller each call, ~10 us of the head's CPU per message
+            elif not cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN:
+                return
             ident, payload = self._recv(sock)
             if ident is not None:
                 self._on_message(sock, ident, payload)
@@ -452,7 +471,7 @@ class Head:
         """One of _extra_sockets() is readable."""
 
     def _tick(self, sock: zmq.Socket) -> None:
-        """Every loop turn (at most _POLL_MS apart) when there are extra sockets."""
+        """Every _POLL_MS (at least: a message being handled delays it) when there are extra sockets."""
 
     def _finished(self) -> bool:
         return all(p.returncode is not None for p in self.procs)
@@ -498,6 +517,9 @@ class Head:
 
     # --- messages -------------------------------------------------------------------------------
     def _sender_rank(self, ident: str) -> int | None:
+        rank = self._idents.get(ident)  # a rank's own identity: every message but a stranger's
+        if rank is not None:
+            return rank
         base = ident[:-3] if ident.endswith(".hb") else ident
         if base.startswith("rank-") and is_digits(base[5:]) and \
                 self.rank_base <= int(base[5:]) < self.rank_base + self.spec.nprocs:
@@ -687,7 +709,7 @@ class Head:
         box[vote.rank] = vote.value
         self._note_wait(key, vote)
         if len(box) < self.spec.nprocs:
-            self._check_abandoned_steps()
+            self._check_abandoned_steps(key)
             self._check_crossed_steps()
             return
         del self.votes[key]
@@ -716,7 +738,7 @@ class Head:
         try:
             # NOTE: never blocking: a peer that stops reading must not stop the head (its queue holds 1000 messages,
             # far more than a rank is ever sent unread)
-            sock.send_multipart([ident.encode(), data], flags=zmq.NOBLOCK)
+            sock.send_multipart([ident.encode(), data], flags=_NOBLOCK)
         except zmq.ZMQError as exc:  # the rank is gone (its exit is the failure we report), or it reads nothing
             rank = self._sender_rank(ident)
             if rank is not None and self.procs[rank - self.rank_base].popen.poll() is not None:
@@ -801,14 +823,16 @@ class Head:
         """Rank `p` takes part in no step any more (it exited 0, or closed its tray): this head judges its own
         steps (_check_abandoned_steps); a node of a job of several also tells the root, which judges the job's."""
 
-    def _check_abandoned_steps(self) -> None:
+    def _check_abandoned_steps(self, key: tuple[str, int] | None = None) -> None:
         """A rank that exited 0 or closed its tray (said bye) takes part in no step any more: a tray-wide step
         that other ranks wait in and it has not voted in fails now, naming it, instead of when the waiting
-        ranks' timeouts pass (60 s for an exchange)."""
+        ranks' timeouts pass (60 s for an exchange). `key`: judge that step alone (a vote in it came: the others are
+        as they were when last judged, once a rank left)."""
         if self.failure is not None:
             return
         now = time.monotonic()
-        for (topic, rnd), box in self.votes.items():
+        steps = self.votes.items() if key is None else [(key, self.votes[key])]
+        for (topic, rnd), box in steps:
             if not any(self._waits((topic, rnd), r, now) for r in box):
                 continue  # every rank that voted gave the step up (a caught timeout): nobody waits in it
             for p in self._not_voted(topic, box):
