@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import fields
 
 import msgpack
@@ -93,6 +94,38 @@ def test_lists_of_one_entry_per_rank_or_step_must_be_of_one_length(kind, field):
         jobwire.decode(msgpack.packb(body), token=TOKEN)
     with pytest.raises(WireError, match=f"cannot encode {kind}: .*differ in length"):
         dataclasses.replace(msg, **{field: getattr(msg, field)[:-1]}).to_msgpack()
+
+def test_a_decision_of_every_rank_is_checked_whole_and_a_bad_entry_still_named(monkeypatch):
+    """A decision holds a value of each of the job's W ranks, checked where the root builds it and at every head: the
+    per-rank lists are checked whole, with no call (and no field path made) per entry, and one bad entry is still named
+    by its place."""
+    calls = [0]
+
+    def counted(check):  # type: ignore[no-untyped-def]
+        def call(*a, **k):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            return check(*a, **k)
+        return call
+
+    for module in (wire, jobwire):
+        for name in ("_as_int", "_as_float", "_as_plain", "_as_str"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    w = 1024
+    decision = jobwire.JobDecision(token=TOKEN, topic="x", round=3, ranks=tuple(range(w)),
+                                   values=tuple(r if r % 2 else f"v{r}" for r in range(w)), missing=(), waited_s=2.0)
+    assert jobwire.decode(decision.to_msgpack(), token=TOKEN) == decision
+    vote = jobwire.NodeVote(token=TOKEN, node_rank=1, topic="x", round=3, ranks=tuple(range(w)), values=(None,) * w,
+                            waits=(1.5,) * w)
+    assert jobwire.decode(vote.to_msgpack(), token=TOKEN) == vote
+    assert calls[0] < 50, calls[0]
+    for field, bad, said in (("ranks", -1, "expected int >= 0, got -1"), ("waits", "x", "expected float, got str"),
+                             ("values", [[[[[[[[[1]]]]]]]]], "nested deeper than 8 levels")):
+        body = vote.to_body()
+        body[field][700] = bad
+        with pytest.raises(WireError, match=re.escape(f"field '{field}[700]") + ".*" + re.escape(said)):
+            jobwire.decode(msgpack.packb(body), token=TOKEN)
+
 
 def test_step_voters_and_spanning():
     groups = {"world": ((0, 1, 2, 3),), "pairs": ((0, 1), (2, 3))}

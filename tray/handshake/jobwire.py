@@ -8,6 +8,7 @@ root answers per step with one message per node, so the root handles O(nodes) me
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeAlias
@@ -15,6 +16,7 @@ from typing import Any, ClassVar, Self, TypeAlias
 from tray.errors import WireError
 from tray.handshake import wire
 from tray.handshake.wire import (
+    _SCALARS,
     PROTOCOL_VERSION,
     Offer,
     _as_float,
@@ -22,7 +24,7 @@ from tray.handshake.wire import (
     _as_int,
     _as_list,
     _as_map,
-    _as_plain,
+    _as_plains,
     _as_str,
     _fields,
 )
@@ -52,16 +54,30 @@ def _float(v: Any, p: str) -> float:
     return _as_float(v, p)
 
 
+# NOTE: the lists below (a step's ranks, values and waits: one entry per rank of the job in a decision) are checked
+# whole first, and element by element, naming the bad one, only when that fails: a path string per element was most of
+# the root's and the heads' cost of a decision
+
+
 def _ints(v: Any, p: str) -> tuple[int, ...]:
-    return tuple(_as_int(x, f"{p}[{i}]", lo=0) for i, x in enumerate(_as_list(v, p)))
+    items = _as_list(v, p)
+    if all(type(x) is int and x >= 0 for x in items):
+        return tuple(items)
+    return tuple(_as_int(x, f"{p}[{i}]", lo=0) for i, x in enumerate(items))
 
 
 def _floats(v: Any, p: str) -> tuple[float, ...]:
-    return tuple(_as_float(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
+    items = _as_list(v, p)
+    if all(type(x) is float and math.isfinite(x) for x in items):
+        return tuple(items)
+    return tuple(_as_float(x, f"{p}[{i}]") for i, x in enumerate(items))
 
 
 def _strs(v: Any, p: str) -> tuple[str, ...]:
-    return tuple(_as_str(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
+    items = _as_list(v, p)
+    if all(type(x) is str for x in items):
+        return tuple(items)
+    return tuple(_as_str(x, f"{p}[{i}]") for i, x in enumerate(items))
 
 
 def _int_lists(v: Any, p: str) -> tuple[tuple[int, ...], ...]:
@@ -69,7 +85,7 @@ def _int_lists(v: Any, p: str) -> tuple[tuple[int, ...], ...]:
 
 
 def _plains(v: Any, p: str) -> tuple[Any, ...]:
-    return tuple(_as_plain(x, f"{p}[{i}]") for i, x in enumerate(_as_list(v, p)))
+    return tuple(_as_plains(_as_list(v, p), p))
 
 
 def _offers(v: Any, p: str, token: str) -> tuple[Offer, ...]:
@@ -88,7 +104,7 @@ def _to_wire(value: Any) -> Any:
     if isinstance(value, tuple) and value and isinstance(value[0], Offer):
         return [o._payload() for o in value]
     if isinstance(value, tuple):
-        return [_to_wire(v) for v in value]
+        return [v if type(v) in _SCALARS else _to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: value[k] for k in sorted(value)}
     return value

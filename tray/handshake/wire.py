@@ -138,19 +138,28 @@ def _as_float_map(value: object, path: str) -> dict[str, float]:
     return {k: _as_float(v, f"{path}[{_show(k)}]") for k, v in _as_map(value, path).items()}
 
 
+_SCALARS = frozenset((type(None), bool, int, float, str, bytes))
+
+
 def _as_plain(value: object, path: str, depth: int = 0) -> Any:
     """Any msgpack value of at most MAX_VALUE_DEPTH nested lists/maps; returns it canonical:
     tuples become lists, maps are sorted by key (so encoding is deterministic)."""
-    if value is None or type(value) in (bool, int, float, str, bytes):
+    if type(value) in _SCALARS:
         return value
     if type(value) not in (list, tuple, dict):
         raise _bad(path, "None, bool, int, float, str, bytes, list or map", value)
     if depth >= MAX_VALUE_DEPTH:
         raise WireError(f"field '{path}': nested deeper than {MAX_VALUE_DEPTH} levels of lists/maps")
     if isinstance(value, (list, tuple)):
-        return [_as_plain(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        return _as_plains(value, path, depth + 1)
     mapping = _as_map(value, path)
     return {k: _as_plain(mapping[k], f"{path}[{_show(k)}]", depth + 1) for k in sorted(mapping)}
+
+
+def _as_plains(values: list[Any] | tuple[Any, ...], path: str, depth: int = 0) -> list[Any]:
+    """[_as_plain(v, f"{path}[{i}]") for each v]. NOTE: an element's path is made only for a nested one: a decision
+    of a job's W ranks is checked where it is built and where it arrives, and a string per scalar was most of that."""
+    return [v if type(v) in _SCALARS else _as_plain(v, f"{path}[{i}]", depth) for i, v in enumerate(values)]
 
 
 def _fields(body: object, names: tuple[str, ...], prefix: str) -> dict[str, Any]:
@@ -555,7 +564,7 @@ class Decision(_Message):
         return {
             "topic": self.topic,
             "round": self.round,
-            "values": [_as_plain(v, f"values[{i}]") for i, v in enumerate(self.values)],
+            "values": _as_plains(self.values, "values"),
         }
 
     @classmethod
@@ -566,7 +575,7 @@ class Decision(_Message):
             token=_as_str(b["token"], prefix + "token"),
             topic=_as_str(b["topic"], prefix + "topic"),
             round=_as_int(b["round"], prefix + "round", lo=0),
-            values=tuple(_as_plain(v, f"{prefix}values[{i}]") for i, v in enumerate(values)),
+            values=tuple(_as_plains(values, prefix + "values")),
         )
 
 
