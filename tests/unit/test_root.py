@@ -411,3 +411,81 @@ def test_a_nodes_steps_out_of_order_are_refused_and_a_vote_without_a_finite_time
     finally:
         root.close()
         ctx.term()
+
+
+def _joined_root(ctx: zmq.Context, nnodes: int, local_world_size: int = 1, **job: object) -> Root:
+    """A root of `nnodes` nodes, every one joined (messages handed to it as its socket would)."""
+    spec = JobSpec(nnodes=nnodes, node_rank=0, root_host="127.0.0.1", root_port=_free_port(), rdzv_id="test",
+                   token=TOKEN, source="cli", **job)
+    root = Root(ctx, spec, local_world_size=local_world_size, manifest="m" * 64, backend="host", groups={},
+                join_timeout_s=30.0)
+    for n in range(nnodes):
+        join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=nnodes, local_world_size=local_world_size,
+                                rdzv_id="test", hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
+        root._on_message(f"node-{n}".encode(), join.to_msgpack())
+    assert len(root.nodes) == nnodes and root.stop is None
+    return root
+
+
+def test_a_tray_wide_step_costs_the_root_no_pass_over_every_voter_at_each_vote(monkeypatch):
+    """A job-wide step is decided when the root has heard every voter: each node's vote is checked against its own
+    ranks, not by a pass over the job's W voters (which made one step O(nodes x ranks) at the root)."""
+    from tray.launch import root as root_module
+
+    passes = [0]
+
+    class Voters(tuple):  # counts the passes over the step's voters
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            passes[0] += 1
+            return super().__iter__()
+
+    monkeypatch.setattr(root_module, "step_voters", lambda topic, world, *a: Voters(range(world)))
+    ctx = zmq.Context()
+    root = _joined_root(ctx, 64)
+    sent: list[bytes] = []
+    monkeypatch.setattr(root, "_send_bytes", lambda ident, data: sent.append(ident))
+    try:
+        for n in range(64):
+            vote = jobwire.NodeVote(token=TOKEN, node_rank=n, topic="step", round=1, ranks=(n,), values=(n,),
+                                    waits=(10.0,))
+            root._on_message(f"node-{n}".encode(), vote.to_msgpack())
+            assert bool(root.steps) == (n < 63)
+        assert sorted(sent) == sorted(f"node-{n}".encode() for n in range(64))  # one decision per node
+        assert passes[0] <= 8, passes[0]
+    finally:
+        root.close()
+        ctx.term()
+
+
+def test_the_root_looks_for_a_lost_node_when_one_can_be_lost_not_at_every_turn(monkeypatch):
+    """The root's tick runs at every turn of node 0's loop (about one per message); its look over every node for one
+    silent past the heartbeat timeout is due only when the oldest silence can pass it: the node is still named as
+    soon as it does."""
+    calls = [0]
+    look = Root._check_lost
+
+    def counted(self: Root, now: float) -> None:
+        calls[0] += 1
+        look(self, now)
+
+    monkeypatch.setattr(Root, "_check_lost", counted)
+    ctx = zmq.Context()
+    root = _joined_root(ctx, 32, node_heartbeat_timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        beat = [jobwire.Beat(token=TOKEN, node_rank=n, seq=1).to_msgpack() for n in range(32)]
+        turns = 0
+        while root.stop is None and time.monotonic() - t0 < 5.0:
+            for n in range(1, 32):  # node 0 falls silent; the others are heard from at every turn
+                root._on_message(f"node-{n}".encode(), beat[n])
+            root.tick()
+            turns += 1
+            time.sleep(0.001)
+        took = time.monotonic() - root.nodes[0].last_seen  # its silence when named
+    finally:
+        root.close()
+        ctx.term()
+    assert root.stop is not None and root.stop.summary.startswith("node 0 (h, head pid 100) lost: no heartbeat for ")
+    assert 0.5 < took < 0.5 + 0.2, took  # named as soon as its silence passed the timeout
+    assert turns > 50 and calls[0] <= 3, (turns, calls[0])
+

@@ -122,6 +122,12 @@ class _Step:
     t0: float = field(default_factory=time.monotonic)
     timeout_s: float | None = None
     until: dict[int, float] = field(default_factory=dict)  # rank -> until when it waits for the decision (monotonic)
+    # the voters not heard from yet: the step is decided when none is left. NOTE: not a pass over every voter at each
+    # vote, which made a tray-wide step O(nodes x ranks) at the root
+    unheard: set[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unheard = set(self.voters)
 
 
 class Root:
@@ -165,6 +171,7 @@ class Root:
         self._seq = 0
         self._last_beat = 0.0
         self._last_wait_said = 0.0
+        self._lost_check_at = 0.0  # when a node may first be silent past the heartbeat timeout (_check_lost)
         self.messages_in = 0
         self.messages_out = 0
         self.busy_s = 0.0  # time spent handling messages and ticks: the root's own cost
@@ -408,11 +415,12 @@ class Root:
         for r, v, w in zip(msg.ranks, msg.values, msg.waits):
             step.values[r] = v
             step.until[r] = now + w
+            step.unheard.discard(r)
             if step.timeout_s is None and msg.topic.startswith(GROUP_PREFIX) and isinstance(v, dict):
                 t = v.get("timeout_s")
                 # a finite time only: NaN never compares greater, and that step would never time out here
                 step.timeout_s = float(t) if isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 else None
-        if all(r in step.values for r in step.voters):
+        if not step.unheard:
             del self.steps[key]
             self._decide(key, step, missing=())
             return
@@ -574,14 +582,9 @@ class Root:
             say(f"root: waiting for node(s) {self._missing_nodes()} at {self.job.endpoint} ({len(self.nodes)} of "
                 f"{self.nnodes} joined, {now - self.t_start:.0f} s; gives up after --timeout-s "
                 f"{self.join_timeout_s:g} s)")
-        limit = self.job.node_heartbeat_timeout_s
-        for n, state in sorted(self.nodes.items()):
-            silent = now - state.last_seen
-            if not state.done and silent > limit:
-                j = state.join
-                self._stop(n, -1, f"node {n} ({j.hostname}, head pid {j.pid}) lost: no heartbeat for {silent:.1f} s "
-                           f"(timeout {limit:.1f} s): its head was killed or stopped, its machine is down, or the "
-                           "network is cut")
+        if now >= self._lost_check_at:
+            self._check_lost(now)
+            if self.stop is not None:
                 return
         if self._crossed_due and now - self._crossed_at >= _CROSSED_EVERY_S:
             self._crossed_due, self._crossed_at = False, now
@@ -592,6 +595,25 @@ class Root:
             if step.timeout_s is not None and now - step.t0 > step.timeout_s:
                 del self.steps[key]
                 self._decide(key, step, missing=tuple(r for r in step.voters if r not in step.values))
+
+    def _check_lost(self, now: float) -> None:
+        """Stop the job naming the first node silent past the heartbeat timeout. NOTE: a node's last_seen only grows,
+        so none can pass the timeout before the oldest one does: the next look is due then, not at every turn of the
+        loop (a look is one pass over every node, and a busy root turns its loop once per message or so)."""
+        limit = self.job.node_heartbeat_timeout_s
+        oldest = now
+        for n, state in sorted(self.nodes.items()):
+            if state.done:
+                continue
+            silent = now - state.last_seen
+            if silent > limit:
+                j = state.join
+                self._stop(n, -1, f"node {n} ({j.hostname}, head pid {j.pid}) lost: no heartbeat for {silent:.1f} s "
+                           f"(timeout {limit:.1f} s): its head was killed or stopped, its machine is down, or the "
+                           "network is cut")
+                return
+            oldest = min(oldest, state.last_seen)
+        self._lost_check_at = oldest + limit
 
     def stop_job(self, node: int, summary: str) -> None:
         """Stop the job from the root's own node (its head was interrupted): `summary` is the root cause."""
