@@ -489,3 +489,66 @@ def test_the_root_looks_for_a_lost_node_when_one_can_be_lost_not_at_every_turn(m
     assert 0.5 < took < 0.5 + 0.2, took  # named as soon as its silence passed the timeout
     assert turns > 50 and calls[0] <= 3, (turns, calls[0])
 
+
+def test_a_head_encodes_the_jobs_decision_and_table_once_for_all_its_ranks(monkeypatch):
+    """The job's table and each decision hold an entry per rank of the job: a head encodes each once and sends those
+    bytes to each of its ranks (it encoded them once per rank: O(ranks of the job x ranks of the node) per step)."""
+    from types import SimpleNamespace
+
+    from tray.handshake import wire
+    from tray.launch.node import NodeHead
+
+    encoded: list[str] = []
+    for cls in (wire.Decision, wire.Table):
+        monkeypatch.setattr(cls, "to_msgpack", lambda self, _f=cls.to_msgpack: encoded.append(self.KIND) or _f(self))
+    sent: list[tuple[str, bytes]] = []
+    procs = [SimpleNamespace(rank=r) for r in (4, 5, 6, 7)]
+    head = SimpleNamespace(
+        _rank_sock=object(), votes={("x", 1): {r: r for r in (4, 5, 6, 7)}}, _forget_waits=lambda key: None,
+        _expired=set(), _forwarded={("x", 1)}, token=TOKEN, procs=procs, _t_offered=None, t_table=None,
+        _send_bytes=lambda sock, ident, data, kind: sent.append((ident, data)),
+        _send=lambda sock, ident, msg: sent.append((ident, wire.encode(msg))))
+    decision = jobwire.JobDecision(token=TOKEN, topic="x", round=1, ranks=tuple(range(16)), values=tuple(range(16)),
+                                   missing=(), waited_s=0.0)
+    NodeHead._on_job_message(head, decision)  # type: ignore[arg-type]
+    offers = tuple(wire.Offer(token=TOKEN, rank=r, world_size=16, host="boot", pid=100 + r, uid=0,
+                              device=wire.DeviceIdentity(ordinal=r % 4, uuid=f"host-{r % 4}", pci_bus="", numa_node=-1),
+                              backend="host", manifest="a" * 64, fd_socket=f"/j/rank-{r}.fds", buffers=(), groups={},
+                              timings={}) for r in range(16))
+    NodeHead._on_job_message(head, jobwire.JobTable(token=TOKEN, offers=offers))  # type: ignore[arg-type]
+    assert encoded == ["decision", "table"], encoded
+    assert [ident for ident, _ in sent] == [f"rank-{r}" for r in (4, 5, 6, 7)] * 2
+    assert wire.decode(sent[0][1], token=TOKEN).values == tuple(range(16))
+    assert len(wire.decode(sent[-1][1], token=TOKEN).offers) == 16
+
+
+def test_a_heads_vote_in_a_tray_wide_step_takes_no_pass_over_the_jobs_ranks(monkeypatch):
+    """Every rank of the job votes in a tray-wide step: a head forwards its node's votes once all its own ranks voted,
+    and judges its steps (crossed, abandoned by a rank that left) over its own ranks, knowing them from its node rank:
+    no list of the job's W voters is built and searched at each vote."""
+    from types import SimpleNamespace
+
+    from tray.handshake import wire
+    from tray.launch import head as head_module
+    from tray.launch import node
+
+    built = [0]
+    for module in (head_module, node):
+        monkeypatch.setattr(module, "step_voters", lambda *a, _f=module.step_voters: built.__setitem__(
+            0, built[0] + 1) or _f(*a))
+    sent: list[jobwire.NodeVote] = []
+    failed: list[object] = []
+    head = SimpleNamespace(
+        world_size=4096, rank_base=12, spec=SimpleNamespace(nprocs=4), resolved=SimpleNamespace(groups={}), votes={},
+        _expired=set(), _waits_until={}, _forwarded=set(), _held_said=frozenset(), token=TOKEN, failure=None,
+        procs=[SimpleNamespace(rank=r, returncode=None, phase="running") for r in range(12, 16)],
+        job=SimpleNamespace(token=TOKEN, node_rank=3), link=SimpleNamespace(send=sent.append),
+        _note_wait=lambda key, vote: head._waits_until.setdefault(key, {}).__setitem__(vote.rank, time.monotonic() + 9),
+        _tell_left=lambda: None, _fail=failed.append)
+    for name in ("_voters_here", "_not_voted", "_waits", "_check_crossed_steps", "_check_abandoned_steps"):
+        setattr(head, name, getattr(head_module.Head, name).__get__(head))
+    for r in (13, 12, 15, 14):
+        vote = wire.Vote(token=TOKEN, rank=r, topic="step", round=1, value=r, wait_s=10.0)
+        node.NodeHead._on_vote(head, object(), vote)  # type: ignore[arg-type]
+    assert [(m.ranks, m.values) for m in sent] == [((12, 13, 14, 15), (12, 13, 14, 15))] and not failed
+    assert built[0] == 0

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -30,7 +30,15 @@ from tray.collectives.early import StartJoin
 from tray.envvars import join_collectives, stop_signals
 from tray.errors import BarrierTimeout, TrayError, WireError
 from tray.handshake import HEARTBEAT_INTERVAL_S, STACK_DUMP_SIGNAL_OFFSET
-from tray.handshake.steps import NO_DECISION, crossed_steps, describe_cycle, describe_step, never_joined, step_voters
+from tray.handshake.steps import (
+    GROUP_PREFIX,
+    NO_DECISION,
+    crossed_steps,
+    describe_cycle,
+    describe_step,
+    never_joined,
+    step_voters,
+)
 from tray.launch.jobdir import JobDir, SetupError, make_job_dir
 from tray.launch.output import Routing, stamp
 from tray.launch.pick import devices_for, shared_note
@@ -868,9 +876,7 @@ class Head:
         if self.failure is not None:
             return
         now = time.monotonic()
-        cycle = crossed_steps(self.votes, lambda topic: step_voters(topic, self.world_size, self.resolved.groups,
-                                                                     self.spec.nprocs),
-                              range(self.rank_base, self.rank_base + self.spec.nprocs),
+        cycle = crossed_steps(self.votes, self._voters_here, range(self.rank_base, self.rank_base + self.spec.nprocs),
                               lambda key, rank: self._waits(key, rank, now))
         if cycle:
             self._fail(Failure(cycle[0][1], describe_cycle(cycle)))
@@ -1116,8 +1122,18 @@ class Head:
     def _not_voted(self, topic: str, box: dict[int, object]) -> list[RankProcess]:
         """This head's ranks that take part in step `topic` (a node leaders' step: the leader alone) and have no
         vote in `box`."""
-        voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
+        voters = self._voters_here(topic)
         return [p for p in self.procs if p.rank not in box and (voters is None or p.rank in voters)]
+
+    def _voters_here(self, topic: str) -> Sequence[int] | None:
+        """This head's ranks that vote on `topic`, in voter order; None when the topic names no group instance of the
+        manifest. NOTE: a tray-wide step's are this head's ranks: the job's list of its W voters, built and searched
+        at each vote, made each of a node's votes O(ranks of the job)."""
+        mine = range(self.rank_base, self.rank_base + self.spec.nprocs)
+        if not topic.startswith(GROUP_PREFIX):
+            return mine
+        voters = step_voters(topic, self.world_size, self.resolved.groups, self.spec.nprocs)
+        return None if voters is None else [r for r in voters if r in mine]
 
     def _status(self, p: RankProcess, more: str = "give it more time") -> str:
         """What the head knows of rank `p` now: dead (how), or alive with its last heartbeat and phase, and

@@ -359,7 +359,7 @@ class NodeHead(Head):
 
     def _on_vote(self, sock: zmq.Socket, vote: wire.Vote) -> None:
         assert self.link is not None
-        voters = step_voters(vote.topic, self.world_size, self.resolved.groups, self.spec.nprocs)
+        voters = self._voters_here(vote.topic)
         if voters is None or vote.rank not in voters:
             reason = f"rank {vote.rank} voted on {vote.topic!r}, a step it takes no part in"
             self._reject_log(f"rank-{vote.rank}", reason)
@@ -370,7 +370,7 @@ class NodeHead(Head):
         box[vote.rank] = vote.value
         if key not in self._expired:
             self._note_wait(key, vote)
-        local = [r for r in voters if self.rank_base <= r < self.rank_base + self.spec.nprocs]
+        local = list(voters)
         if vote.topic.startswith(GROUP_PREFIX):
             # a group step is bounded by its timeout at the root, which must see each arrival as it happens
             ranks: tuple[int, ...] = (vote.rank,)
@@ -554,8 +554,9 @@ class NodeHead(Head):
                 self._table_wait_s = time.monotonic() - self._t_offered
             table = wire.Table(token=self.token,
                                offers=tuple(dataclasses.replace(o, token=self.token) for o in msg.offers))
+            data = wire.encode(table)  # once for every rank: it holds every rank of the job
             for p in self.procs:
-                self._send(sock, f"rank-{p.rank}", table)
+                self._send_bytes(sock, f"rank-{p.rank}", data, table.KIND)
         elif isinstance(msg, jobwire.JobGo):
             if not self.spec.quiet and self.spec.timeline:
                 first, last = self.rank_base, self.rank_base + self.spec.nprocs - 1
@@ -569,8 +570,9 @@ class NodeHead(Head):
                 self._expired.add((msg.topic, msg.round))
             self._forwarded.discard((msg.topic, msg.round))
             decision = wire.Decision(token=self.token, topic=msg.topic, round=msg.round, values=msg.values)
+            data = wire.encode(decision)  # once for every rank: it holds a value of every voter of the job
             for r in sorted(box):
-                self._send(sock, f"rank-{r}", decision)
+                self._send_bytes(sock, f"rank-{r}", data, decision.KIND)
         elif isinstance(msg, jobwire.JobStop):
             self.job_stop = msg
             where = f"node {msg.node_rank}, " if msg.node_rank >= 0 and not msg.summary.startswith("node ") else ""
