@@ -552,3 +552,30 @@ def test_a_heads_vote_in_a_tray_wide_step_takes_no_pass_over_the_jobs_ranks(monk
         node.NodeHead._on_vote(head, object(), vote)  # type: ignore[arg-type]
     assert [(m.ranks, m.values) for m in sent] == [((12, 13, 14, 15), (12, 13, 14, 15))] and not failed
     assert built[0] == 0
+
+
+def test_a_job_larger_than_node_0s_open_file_limit_is_refused_naming_it_and_a_large_one_gets_its_listen_queue(
+        monkeypatch):
+    """Node 0's head holds a TCP connection per node: past its open-file limit libzmq leaves connections unaccepted,
+    and the join timed out naming those nodes as not started. A job that cannot fit is refused at once, naming the
+    limit and how to raise it; one that fits gets a listen queue for every node dialling at once."""
+    from tray.errors import UsageError
+    from tray.launch import root as root_module
+
+    ctx = zmq.Context()
+    try:
+        job = JobSpec(nnodes=1000, node_rank=0, root_host="127.0.0.1", root_port=_free_port(), rdzv_id="test",
+                      token=TOKEN, source="cli")
+        monkeypatch.setattr(root_module, "raise_fd_soft_limit", lambda: (1024, 1024))
+        with pytest.raises(UsageError, match=r"a job of 1000 nodes needs about 1096 open files there, and this "
+                                             r"process may open 1024 \(ulimit -n; hard limit 1024\); raise the limit "
+                                             r"where node 0's head starts \(ulimit -n 1096"):
+            Root(ctx, job, local_world_size=4, manifest="m" * 64, backend="host", groups={}, join_timeout_s=1.0)
+        monkeypatch.setattr(root_module, "raise_fd_soft_limit", lambda: (4096, 4096))
+        root = Root(ctx, job, local_world_size=4, manifest="m" * 64, backend="host", groups={}, join_timeout_s=1.0)
+        try:
+            assert root.sock.getsockopt(zmq.BACKLOG) == 1000
+        finally:
+            root.close()
+    finally:
+        ctx.term()

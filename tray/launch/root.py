@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import math
+import resource
 import socket
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tray.errors import BarrierTimeout, UsageError, WireError
-from tray.handshake import jobwire
+from tray.handshake import jobwire, raise_fd_soft_limit
 from tray.handshake.steps import (
     GROUP_PREFIX,
     NO_DECISION,
@@ -37,7 +38,7 @@ from tray.handshake.steps import (
 from tray.handshake.wire import MAX_FRAME_NBYTES
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import HEARTBEAT_INTERVAL_S, SLURM_PORT_BASE, SLURM_PORT_JOBS, SLURM_PORT_STEP_STRIDE, JobSpec
-from tray.launch.spawn import raise_fd_limit, say
+from tray.launch.spawn import say
 from tray.launch.spec import EXIT_HANDSHAKE
 from tray.text import printable
 
@@ -99,6 +100,11 @@ def bind_address(host: str, port: int, source: str = "cli", wait_s: float = 0.0)
 _REJECTS_KEPT = 100
 _WAIT_SAID_EVERY_S = 10.0  # while nodes are missing, the root says so this often
 _HANDSHAKE_MS = 5000  # a connection to the root that has not finished CURVE's handshake by then is dropped
+_BACKLOG_MIN = 100  # ZeroMQ's default listen queue
+# descriptors node 0's head needs beside one per node's connection: its ZeroMQ sockets and their mailboxes, the job
+# dir, the watchdog's pipe, and per local rank its connection, output pipes and pidfd
+_FDS_BESIDE_NODES = 64
+_FDS_PER_RANK = 8
 
 
 @dataclass
@@ -182,17 +188,30 @@ class Root:
         # resolved first: a name that does not resolve must fail before any socket exists (one left open would
         # keep the context's term() waiting for ever)
         self.endpoint = address or bind_address(job.root_host, job.root_port, job.source)
+        # NOTE: anyone who reaches the port may open connections: the soft limit on descriptors is raised to the hard
+        # one, so idle connections cannot take the descriptors the heads' connections and the teardown need. A limit
+        # below one descriptor per node (and the head's own) is said now: libzmq would leave the connections past it
+        # unaccepted, and the join would time out naming those nodes as not started
+        soft, hard = raise_fd_soft_limit()
+        need = job.nnodes + _FDS_BESIDE_NODES + _FDS_PER_RANK * local_world_size
+        if soft != resource.RLIM_INFINITY and soft < need:
+            shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+            raise UsageError(f"node 0's head serves a TCP connection per node: a job of {job.nnodes} nodes needs about "
+                             f"{need} open files there, and this process may open {soft} (ulimit -n; hard limit "
+                             f"{shown}); raise the limit where node 0's head starts (ulimit -n {need}, LimitNOFILE= of "
+                             "its service, or the hard limit the scheduler gives), or run fewer nodes")
         keys = job_keys(job.token)
         self.zap = ZapHandler(ctx, keys)
         self.sock = make_server(ctx, keys)
         self.sock.setsockopt(zmq.LINGER, 1000)  # a JobStop/JobEnd must leave before the head exits
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_NBYTES)  # a larger one drops its sender
-        # NOTE: anyone who reaches the port may open connections: one that has not finished CURVE's handshake within
-        # HANDSHAKE_IVL is dropped (ZeroMQ waits 30 s by default), and the soft limit on descriptors is raised to the
-        # hard one, so idle connections cannot take the descriptors the heads' connections and the teardown need
+        # NOTE: a connection that has not finished CURVE's handshake within HANDSHAKE_IVL is dropped (ZeroMQ waits 30 s
+        # by default): idle ones cannot hold descriptors for long
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
-        raise_fd_limit()
+        # every node dials at once at the start: a listen queue of ZeroMQ's default 100 would drop the SYNs of a larger
+        # job's heads beyond it, each then redialling a second or more later (the kernel caps it at somaxconn)
+        self.sock.setsockopt(zmq.BACKLOG, max(_BACKLOG_MIN, job.nnodes))
         # NOTE: the monitor is attached before the bind: a head that dials while the root binds may fail its
         # handshake at once, and an event raised before the monitor exists is lost, so the root could not
         # say why that node never joined.

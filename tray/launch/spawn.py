@@ -109,11 +109,6 @@ def _tasks_of(uid: int) -> int:
     return used
 
 
-def raise_fd_limit() -> None:
-    """Raise this process's soft open-file limit to its hard one (a process that serves connections from outside)."""
-    raise_fd_soft_limit()
-
-
 def say(msg: str) -> None:
     """One line of tray's own on stderr, `tray: msg`, written in one piece under the lock the output pump
     writes the ranks' lines to stderr under: never cut by, or joined to, a rank's line (print() writes the text
