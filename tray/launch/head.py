@@ -503,8 +503,9 @@ class Head:
         """Every local offer arrived and passed validation: hand out the table."""
         self.t_table = time.time()
         table = wire.Table(token=self.token, offers=tuple(self.offers[p.rank] for p in self.procs))
+        data = wire.encode(table)  # once for every rank, as a decision is
         for p in self.procs:
-            self._send(sock, f"rank-{p.rank}", table)
+            self._send_bytes(sock, f"rank-{p.rank}", data, table.KIND)
 
     def _all_ready(self, sock: zmq.Socket) -> None:
         """Every local rank reported ready: say go."""
