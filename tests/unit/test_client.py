@@ -13,7 +13,7 @@ import types
 import pytest
 import zmq
 
-from tray.errors import UsageError
+from tray.errors import UsageError, WireError
 from tray.handshake import wire
 from tray.handshake.client import RendezvousClient
 from tray.rank import _report
@@ -149,3 +149,26 @@ def test_a_step_that_does_not_let_go_is_named_when_the_last_message_and_the_clos
             "closing the rank's tray") in err, err
     assert "the rank's last message to the head (bye) is not sent" in err, err
     assert "the connection to the head is left open until the process ends" in err, err
+
+
+@pytest.mark.parametrize("world_size", [400, 4])
+def test_a_rank_of_a_job_of_many_ranks_takes_a_decision_past_one_mib(head, world_size):
+    """A decision holds every rank's value: in a job of more than 256 ranks it may take 4 KiB per rank, past the
+    1 MiB of any other message, and the rank decodes it within its job's limit; a rank of a small job still refuses
+    it."""
+    sock, endpoint, _ = head
+    client = RendezvousClient(endpoint, TOKEN, 0, world_size)
+    try:
+        client.send(wire.Vote(token=TOKEN, rank=0, topic="a", round=1, value=1, wait_s=30.0))
+        assert messages(sock, 1) == ["vote"]  # the head knows the rank's connection now
+        values = ("v" * 3000,) * 400
+        data = wire.encode(wire.Decision(token=TOKEN, topic="a", round=1, values=values), wire.job_message_limit(400))
+        assert len(data) > wire.MAX_MESSAGE_NBYTES
+        sock.send_multipart([b"rank-0", data])
+        if world_size == 400:
+            assert client.receive(wire.Decision, 10.0, "decision on exchange 'a'").values == values
+        else:
+            with pytest.raises(WireError, match=f"message of {len(data)} bytes exceeds the limit of 1048576 bytes"):
+                client.receive(wire.Decision, 10.0, "decision on exchange 'a'")
+    finally:
+        client.close()

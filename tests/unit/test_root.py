@@ -4,8 +4,10 @@ with another token stops dialling at its first failed handshake."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -500,12 +502,13 @@ def test_a_head_encodes_the_jobs_decision_and_table_once_for_all_its_ranks(monke
 
     encoded: list[str] = []
     for cls in (wire.Decision, wire.Table):
-        monkeypatch.setattr(cls, "to_msgpack", lambda self, _f=cls.to_msgpack: encoded.append(self.KIND) or _f(self))
+        monkeypatch.setattr(cls, "to_msgpack", lambda self, limit=wire.MAX_MESSAGE_NBYTES, _f=cls.to_msgpack:
+                            encoded.append(self.KIND) or _f(self, limit))
     sent: list[tuple[str, bytes]] = []
     procs = [SimpleNamespace(rank=r) for r in (4, 5, 6, 7)]
     head = SimpleNamespace(
         _rank_sock=object(), votes={("x", 1): {r: r for r in (4, 5, 6, 7)}}, _forget_waits=lambda key: None,
-        _expired=set(), _forwarded={("x", 1)}, token=TOKEN, procs=procs, _t_offered=None, t_table=None,
+        _expired=set(), _forwarded={("x", 1)}, token=TOKEN, procs=procs, _t_offered=None, t_table=None, world_size=16,
         _send_bytes=lambda sock, ident, data, kind: sent.append((ident, data)),
         _send=lambda sock, ident, msg: sent.append((ident, wire.encode(msg))))
     decision = jobwire.JobDecision(token=TOKEN, topic="x", round=1, ranks=tuple(range(16)), values=tuple(range(16)),
@@ -579,3 +582,129 @@ def test_a_job_larger_than_node_0s_open_file_limit_is_refused_naming_it_and_a_la
             root.close()
     finally:
         ctx.term()
+
+
+def _wide_offer(rank: int, world: int, nbuffers: int) -> Any:
+    """A rank's offer exporting `nbuffers` fabric-shared buffers: ~100 B each on the wire."""
+    from tray.handshake import wire
+
+    return wire.Offer(token=TOKEN, rank=rank, world_size=world, host="boot", pid=100 + rank, uid=0,
+                      device=wire.DeviceIdentity(ordinal=0, uuid=f"GPU-{rank}", pci_bus="", numa_node=-1),
+                      backend="host", manifest="a" * 64, fd_socket=f"/j/rank-{rank}.fds",
+                      buffers=tuple(wire.BufferOffer(name=f"b{i}", nbytes=4096, handle="fabric", fabric=bytes(64))
+                                    for i in range(nbuffers)),
+                      groups={}, timings={})
+
+
+def _run_root(root: Root, links: list, until, within_s: float = 20.0) -> list:
+    """Poll the root and the links' sockets as heads do until `until(received)` holds (received: every message the
+    links got, decoded as a head decodes it); returns what they got."""
+    poller = zmq.Poller()
+    for s in (*root.sockets(), *(link.sock for link in links)):
+        poller.register(s, zmq.POLLIN)
+    got: list = []
+    deadline = time.monotonic() + within_s
+    while not until(got):
+        assert time.monotonic() < deadline, f"nothing more within {within_s} s; got {[m.KIND for m in got]}"
+        for s, _ in poller.poll(20):
+            if s in root.sockets():
+                root.on_readable(s)
+        for link in links:
+            got.extend(link.receive())
+            assert link.tick() is None
+        root.tick()
+    return got
+
+
+def _job_of(nnodes: int, local: int, port: int) -> tuple[JobSpec, list[JobSpec], list]:
+    job = JobSpec(nnodes=nnodes, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    specs = [JobSpec(nnodes=nnodes, node_rank=n, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                     source="cli") for n in range(nnodes)]
+    joins = [jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=nnodes, local_world_size=local, rdzv_id="test",
+                              hostname=f"h{n}", pid=10 + n, manifest="m" * 64, backend="host") for n in range(nnodes)]
+    return job, specs, joins
+
+
+def test_a_jobs_table_past_one_mib_reaches_every_head_in_a_job_of_many_ranks():
+    """The table holds every rank's offer: ~0.6 KiB a rank with two exported buffers, so one message of 1 MiB held no
+    table past ~1,600 ranks, and a larger job failed once every node had offered. A message with an entry per rank
+    may now take 4 KiB per rank where that is more than 1 MiB; the heads decode it within that."""
+    from tray.handshake import wire
+
+    nnodes, local, nbuf = 2, 200, 30  # 400 ranks: a table may take 1.6 MB
+    job, specs, joins = _job_of(nnodes, local, _free_port())
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=local, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
+    links = []
+    try:
+        links = [NodeLink(ctx, specs[n], joins[n], 30.0) for n in range(nnodes)]
+        _run_root(root, links, lambda got: sum(m.KIND == "beat" for m in got) >= nnodes)
+        offers = [_wide_offer(r, nnodes * local, nbuf) for r in range(nnodes * local)]
+        for n, link in enumerate(links):
+            link.send(jobwire.NodeOffers(token=TOKEN, node_rank=n,
+                                         offers=tuple(offers[n * local:(n + 1) * local])))
+        got = _run_root(root, links, lambda got: sum(m.KIND == "job_table" for m in got) == nnodes)
+        table = next(m for m in got if m.KIND == "job_table")
+        nbytes = len(table.to_msgpack(wire.job_message_limit(nnodes * local)))
+        assert wire.MAX_MESSAGE_NBYTES < nbytes <= wire.job_message_limit(nnodes * local), nbytes
+        assert table.offers == tuple(offers)
+        assert root.stop is None
+    finally:
+        for link in links:
+            link.close(linger_ms=0)
+        root.close()
+        ctx.term()
+
+
+def test_offers_that_pass_the_tables_limit_are_refused_before_every_node_offered():
+    """A job whose offers cannot fit one table was refused only once every node had offered (at 1,000 nodes, after
+    every head had started its ranks and they had allocated). Now the root stops the job at the offers that pass the
+    limit, naming the sizes and what to change."""
+    nnodes, local, nbuf = 3, 2, 3000  # ~0.6 MB of offers per node; a table of 6 ranks may take 1 MiB
+    job, specs, joins = _job_of(nnodes, local, _free_port())
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=local, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
+    links = []
+    try:
+        links = [NodeLink(ctx, specs[n], joins[n], 30.0) for n in range(nnodes)]
+        _run_root(root, links, lambda got: sum(m.KIND == "beat" for m in got) >= nnodes)
+        for n in (0, 1):  # node 2 never offers: the job is refused without it
+            links[n].send(jobwire.NodeOffers(token=TOKEN, node_rank=n, offers=tuple(
+                _wide_offer(r, nnodes * local, nbuf) for r in range(n * local, (n + 1) * local))))
+        got = _run_root(root, links, lambda got: sum(m.KIND == "job_stop" for m in got) == nnodes)
+    finally:
+        for link in links:
+            link.close(linger_ms=0)
+        root.close()
+        ctx.term()
+    stop = next(m for m in got if m.KIND == "job_stop")
+    assert stop.exit_code == EXIT_HANDSHAKE and "job_table" not in [m.KIND for m in got]
+    assert re.fullmatch(r"the job's table cannot hold every rank's offer: the offers of 2 of 3 nodes take \d+ B, about "
+                        r"\d+ B per rank, and a table of 6 ranks may take 1048576 B \(4096 B per rank\); export fewer "
+                        r"buffers per rank \(the manifest's buffers and groups\), or run fewer ranks per job",
+                        stop.summary), stop.summary
+
+
+def test_a_head_hands_its_ranks_a_table_and_a_decision_past_one_mib_in_a_job_of_many_ranks():
+    """A head re-encodes the root's table and decisions for its ranks: within the job's limit, not 1 MiB."""
+    from types import SimpleNamespace
+
+    from tray.handshake import wire
+    from tray.launch.node import NodeHead
+
+    world = 400
+    sent: list[bytes] = []
+    head = SimpleNamespace(
+        _rank_sock=object(), votes={("x", 1): {0: None}}, _forget_waits=lambda key: None, _expired=set(),
+        _forwarded=set(), token=TOKEN, procs=[SimpleNamespace(rank=0)], _t_offered=None, t_table=None,
+        world_size=world, _send_bytes=lambda sock, ident, data, kind: sent.append(data))
+    big = "v" * 3000  # 400 x 3 KB: a decision of 1.2 MB
+    NodeHead._on_job_message(head, jobwire.JobDecision(  # type: ignore[arg-type]
+        token=TOKEN, topic="x", round=1, ranks=tuple(range(world)), values=(big,) * world, missing=(), waited_s=0.0))
+    NodeHead._on_job_message(head, jobwire.JobTable(  # type: ignore[arg-type]
+        token=TOKEN, offers=tuple(_wide_offer(r, world, 30) for r in range(world))))
+    assert len(sent) == 2 and all(len(d) > wire.MAX_MESSAGE_NBYTES for d in sent), [len(d) for d in sent]
+    limit = wire.job_message_limit(world)
+    assert wire.decode(sent[0], token=TOKEN, limit=limit).values == (big,) * world
+    assert len(wire.decode(sent[1], token=TOKEN, limit=limit).offers) == world

@@ -330,6 +330,23 @@ def test_table_paths_and_nested_tokens() -> None:
     _refused(_raw(body), "field 'offers[1]': expected map, got int")
 
 
+def test_a_message_with_an_entry_per_rank_may_take_4_kib_a_rank_past_256_ranks() -> None:
+    """Up to 256 ranks every message keeps the 1 MiB limit (and a vote its share of it); past that, a table or a
+    decision may take 4 KiB per rank, and a vote about 4 KiB."""
+    from tray.handshake.wire import job_message_limit, vote_limit_nbytes
+
+    assert [job_message_limit(w) for w in (1, 8, 256)] == [MAX_MESSAGE_NBYTES] * 3
+    assert job_message_limit(257) == 257 * 4096 and job_message_limit(4000) == 4000 * 4096
+    assert vote_limit_nbytes(8) == (MAX_MESSAGE_NBYTES - 64) // 8
+    assert vote_limit_nbytes(4000) == 4095
+    big = Decision(token=TOKEN, topic="t", round=1, values=("v" * 3000,) * 400)
+    with pytest.raises(WireError, match="exceeds the limit of 1048576 bytes"):
+        encode(big)
+    data = encode(big, job_message_limit(400))
+    assert decode(data, token=TOKEN, limit=job_message_limit(400)) == big
+    _refused(data, f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_NBYTES} bytes")
+
+
 def test_size_and_framing() -> None:
     _refused(b"\x00" * (MAX_MESSAGE_NBYTES + 1), f"exceeds the limit of {MAX_MESSAGE_NBYTES} bytes")
     _refused(_raw([1, 2, 3]), "expected a map at top level, got list")

@@ -47,9 +47,11 @@ def _head_stopped() -> str:
 class RendezvousClient:
     """Talks to the head at `endpoint` as rank `rank`, signing every message with `token`."""
 
-    def __init__(self, endpoint: str, token: str, rank: int) -> None:
+    def __init__(self, endpoint: str, token: str, rank: int, world_size: int = 1) -> None:
+        """`world_size`: the job's ranks, which bound the size of the table and the decisions the head sends."""
         self.rank = rank
         self.token = token
+        self.limit = wire.job_message_limit(world_size)
         self.phase = "start"
         self._ctx = zmq.Context()
         self._sock = self._connect(endpoint, f"rank-{rank}")
@@ -190,7 +192,7 @@ class RendezvousClient:
                     f"rank {self.rank}: no {waiting_for} from the head within {timeout_s:.1f} s " + (
                         _head_stopped() or "(the head waits for every rank; see its report for who is missing)")
                 )
-            msg = wire.decode(self._sock.recv(), token=self.token, sender="the head")
+            msg = wire.decode(self._sock.recv(), token=self.token, sender="the head", limit=self.limit)
             if isinstance(msg, expected):
                 return msg
             if isinstance(msg, wire.Reject):

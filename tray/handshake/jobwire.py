@@ -383,6 +383,7 @@ KINDS: dict[str, type[JobMessage]] = {cls.KIND: cls for cls in (
     NodeDone, NodeLeft, JobEnd, Beat)}
 
 
-def decode(data: bytes, *, token: str, sender: str | None = None) -> JobMessage:
-    """Check and decode one job message; raises WireError (only) saying what was expected and seen."""
-    return wire.decode_kinds(KINDS, data, token=token, sender=sender)  # type: ignore[no-any-return]
+def decode(data: bytes, *, token: str, sender: str | None = None, limit: int = wire.MAX_MESSAGE_NBYTES) -> JobMessage:
+    """Check and decode one job message of at most `limit` bytes (a head reading the root: wire.job_message_limit);
+    raises WireError (only) saying what was expected and seen."""
+    return wire.decode_kinds(KINDS, data, token=token, sender=sender, limit=limit)  # type: ignore[no-any-return]

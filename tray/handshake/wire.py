@@ -18,6 +18,10 @@ PROTOCOL_VERSION = 6
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
 MAX_FRAME_NBYTES = MAX_MESSAGE_NBYTES + 4096  # the sockets' MAXMSGSIZE: a message and its frame's envelope
+# NOTE: a message with an entry per rank of the job (a table, a decision), sent by a head or the root only, may take
+# this much per rank where that is more than MAX_MESSAGE_NBYTES (a job of more than 256 ranks): a job's offers are
+# ~0.6 KiB per rank with two exported buffers (bench/root_scale.py), so 1 MiB held no table past ~1,600 ranks
+PER_RANK_NBYTES = 4096
 LONGEST_WAIT_S = 1e9  # a vote's wait_s: an endless wait (inf) is sent as this
 
 
@@ -285,9 +289,9 @@ class _Message:
         """Check `body` (the wire map without kind and v) and build the message; raises WireError."""
         raise NotImplementedError
 
-    def to_msgpack(self) -> bytes:
+    def to_msgpack(self, limit: int = MAX_MESSAGE_NBYTES) -> bytes:
         """The wire bytes. Raises WireError when the peer would refuse them (a field out of range,
-        a wrong type, over MAX_MESSAGE_NBYTES), so a bad message fails where it is built."""
+        a wrong type, over `limit` bytes), so a bad message fails where it is built."""
         try:
             body = self.to_body()
             type(self).from_body({k: v for k, v in body.items() if k not in _ENVELOPE})
@@ -296,10 +300,8 @@ class _Message:
             raise WireError(f"cannot encode {self.KIND}: {e.reason}") from None
         except (AttributeError, TypeError, ValueError, OverflowError) as e:
             raise WireError(f"cannot encode {self.KIND}: {type(e).__name__}: {_show(str(e), 200)}") from None
-        if len(data) > MAX_MESSAGE_NBYTES:
-            raise WireError(
-                f"cannot encode {self.KIND}: {len(data)} bytes exceeds the limit of {MAX_MESSAGE_NBYTES} bytes"
-            )
+        if len(data) > limit:
+            raise WireError(f"cannot encode {self.KIND}: {len(data)} bytes exceeds the limit of {limit} bytes")
         return data
 
 
@@ -611,38 +613,49 @@ KINDS: dict[str, type[Message]] = {
 }
 
 
+def job_message_limit(world_size: int) -> int:
+    """The most bytes a message with an entry per rank may take in a job of `world_size` ranks: a Table or a
+    Decision (head -> rank), a JobTable or a JobDecision (root -> head). MAX_MESSAGE_NBYTES, or PER_RANK_NBYTES per
+    rank where that is more. Their receivers know the job's size and decode within it; whatever a rank or a node
+    sends stays within MAX_MESSAGE_NBYTES."""
+    return max(MAX_MESSAGE_NBYTES, max(world_size, 1) * PER_RANK_NBYTES)
+
+
 def vote_limit_nbytes(world_size: int) -> int:
     """The most wire bytes one Vote may take in a tray of `world_size` ranks. The head's Decision
-    carries every rank's value in one message of at most MAX_MESSAGE_NBYTES; each Vote carries at
+    carries every rank's value in one message of at most job_message_limit(world_size); each Vote carries at
     least the envelope and topic that the Decision carries once, so N votes within this limit always
     make a Decision within it."""
     # NOTE: 64 B covers the Decision's array header and its kind name, longer than a Vote's.
-    return (MAX_MESSAGE_NBYTES - 64) // max(world_size, 1)
+    return (job_message_limit(world_size) - 64) // max(world_size, 1)
 
 
 # ---------------------------------------------------------------------------------------------------
 # encode / decode
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: Message, limit: int = MAX_MESSAGE_NBYTES) -> bytes:
     """The wire bytes of `msg`: one msgpack map {kind, v, token, ...fields}; bytes as bin, nested
     values as maps, tuples as arrays, maps sorted by key, so the same message gives the same bytes.
-    Raises WireError when the message would be refused by decode()."""
-    return msg.to_msgpack()
+    Raises WireError when the message would be refused by decode() (over `limit` bytes: job_message_limit for a
+    message with an entry per rank)."""
+    return msg.to_msgpack(limit)
 
 
-def decode(data: bytes, *, token: str | None, sender: str | None = None) -> Message:
+def decode(data: bytes, *, token: str | None, sender: str | None = None, limit: int = MAX_MESSAGE_NBYTES) -> Message:
     """Check and decode one message. `token`: the tray's token (None: accept any); `sender`: who sent
-    it (e.g. "rank-3"), named in the error. Raises WireError (and nothing else) saying what was
-    expected and what was seen; the token is never echoed."""
-    return decode_kinds(KINDS, data, token=token, sender=sender)  # type: ignore[no-any-return]
+    it (e.g. "rank-3"), named in the error; `limit`: the most bytes it may take (a rank reading its head:
+    job_message_limit). Raises WireError (and nothing else) saying what was expected and what was seen; the token is
+    never echoed."""
+    return decode_kinds(KINDS, data, token=token, sender=sender, limit=limit)  # type: ignore[no-any-return]
 
 
-def decode_kinds(kinds: dict[str, Any], data: bytes, *, token: str | None, sender: str | None = None) -> Any:
+def decode_kinds(kinds: dict[str, Any], data: bytes, *, token: str | None, sender: str | None = None,
+                 limit: int = MAX_MESSAGE_NBYTES) -> Any:
     """`decode` over another protocol's message classes `kinds` (KIND -> class with from_body), e.g. the
     head <-> root messages of tray.handshake.jobwire: the same envelope, limits and errors."""
     try:
-        return _decode(data, token, sender, kinds)
+        return _decode(data, token, sender, kinds, limit)
     except WireError as e:
         raise WireError(e.reason, sender) from None
     except (ValueError, TypeError, OverflowError, RecursionError, UnicodeError, KeyError) as e:
@@ -650,12 +663,12 @@ def decode_kinds(kinds: dict[str, Any], data: bytes, *, token: str | None, sende
         raise WireError(f"malformed message ({type(e).__name__}: {_show(str(e), 200)})", sender) from None
 
 
-def _decode(data: bytes, token: str | None, sender: str | None, kinds: dict[str, Any]) -> Any:
+def _decode(data: bytes, token: str | None, sender: str | None, kinds: dict[str, Any], limit: int) -> Any:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"expected bytes, got {_tn(data)}")
     nbytes = len(data)
-    if nbytes > MAX_MESSAGE_NBYTES:
-        raise WireError(f"message of {nbytes} bytes exceeds the limit of {MAX_MESSAGE_NBYTES} bytes")
+    if nbytes > limit:
+        raise WireError(f"message of {nbytes} bytes exceeds the limit of {limit} bytes")
     body = _unpack(data)
     if type(body) is not dict:
         raise WireError(f"expected a map at top level, got {_tn(body)}")

@@ -503,7 +503,7 @@ class Head:
         """Every local offer arrived and passed validation: hand out the table."""
         self.t_table = time.time()
         table = wire.Table(token=self.token, offers=tuple(self.offers[p.rank] for p in self.procs))
-        data = wire.encode(table)  # once for every rank, as a decision is
+        data = wire.encode(table, wire.job_message_limit(self.world_size))  # once for every rank, as a decision is
         for p in self.procs:
             self._send_bytes(sock, f"rank-{p.rank}", data, table.KIND)
 
@@ -726,7 +726,7 @@ class Head:
         decision = wire.Decision(token=self.token, topic=vote.topic, round=vote.round,
                                  values=tuple(box[r] for r in range(self.spec.nprocs)))
         try:
-            data = wire.encode(decision)
+            data = wire.encode(decision, wire.job_message_limit(self.world_size))
         except WireError as exc:
             # Ranks check their own value's size before voting (wire.vote_limit_nbytes); a rank that
             # skipped the check is named here, and the tray fails like any rank failure.

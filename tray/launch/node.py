@@ -16,7 +16,7 @@ import re
 import signal
 import socket
 import time
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -58,6 +58,8 @@ class NodeLink:
     def __init__(self, ctx: zmq.Context, job: JobSpec, join: jobwire.NodeJoin, connect_timeout_s: float) -> None:
         self.job = job
         self.connect_timeout_s = connect_timeout_s
+        # the root's table and decisions hold an entry per rank of the job
+        self.limit = wire.job_message_limit(job.nnodes * join.local_world_size)
         self.sock = make_client(ctx, job_keys(job.token))
         try:
             # unique per head, so a second head given the same node rank is heard (and refused by name), not
@@ -103,11 +105,12 @@ class NodeLink:
     def receive(self) -> list[Any]:
         """Every pending message from the root (malformed ones dropped: only the root can send here)."""
         out: list[Any] = []
-        while not self.closed and self.sock.poll(0, zmq.POLLIN):
+        # NOTE: the socket's EVENTS says whether a message waits; sock.poll() makes a Poller each call
+        while not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             data = self.sock.recv()
             self.last_heard = time.monotonic()
             try:
-                out.append(jobwire.decode(data, token=self.job.token, sender="the root"))
+                out.append(jobwire.decode(data, token=self.job.token, sender="the root", limit=self.limit))
             except WireError as exc:  # CURVE authenticated the root: a version skew, said and skipped
                 say(f"rejected a message from the root: {exc.reason}")
         return out
@@ -554,7 +557,8 @@ class NodeHead(Head):
                 self._table_wait_s = time.monotonic() - self._t_offered
             table = wire.Table(token=self.token,
                                offers=tuple(dataclasses.replace(o, token=self.token) for o in msg.offers))
-            data = wire.encode(table)  # once for every rank: it holds every rank of the job
+            # once for every rank: it holds every rank of the job
+            data = wire.encode(table, wire.job_message_limit(self.world_size))
             for p in self.procs:
                 self._send_bytes(sock, f"rank-{p.rank}", data, table.KIND)
         elif isinstance(msg, jobwire.JobGo):
@@ -570,7 +574,8 @@ class NodeHead(Head):
                 self._expired.add((msg.topic, msg.round))
             self._forwarded.discard((msg.topic, msg.round))
             decision = wire.Decision(token=self.token, topic=msg.topic, round=msg.round, values=msg.values)
-            data = wire.encode(decision)  # once for every rank: it holds a value of every voter of the job
+            # once for every rank: it holds a value of every voter of the job
+            data = wire.encode(decision, wire.job_message_limit(self.world_size))
             for r in sorted(box):
                 self._send_bytes(sock, f"rank-{r}", data, decision.KIND)
         elif isinstance(msg, jobwire.JobStop):

@@ -19,7 +19,7 @@ import resource
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -35,7 +35,7 @@ from tray.handshake.steps import (
     ranks_by_node,
     step_voters,
 )
-from tray.handshake.wire import MAX_FRAME_NBYTES
+from tray.handshake.wire import MAX_FRAME_NBYTES, PER_RANK_NBYTES, job_message_limit
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import HEARTBEAT_INTERVAL_S, SLURM_PORT_BASE, SLURM_PORT_JOBS, SLURM_PORT_STEP_STRIDE, JobSpec
 from tray.launch.spawn import say
@@ -59,6 +59,8 @@ _CROSSED_EVERY_S = 0.1
 # its ranks
 _NODE_LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 _VOTERS_KEPT = 4096
+_DRAIN_MAX = 256  # messages from the nodes handled per readable event (the head's loop goes on between batches)
+_OFFERS_ENVELOPE_NBYTES = 128  # a NodeOffers message beside its offers, at most: its kind, version, token, node rank
 
 
 # where a job's root host came from, by the job's source (JobSpec.source: "cli", "slurm", "cli+pytorchjob", ...)
@@ -150,12 +152,16 @@ class Root:
         self.nnodes = job.nnodes
         self.local_world_size = local_world_size
         self.world_size = job.nnodes * local_world_size
+        self.limit = job_message_limit(self.world_size)  # the table's and a decision's most bytes
+        self._offered_nbytes = 0  # of the offers messages so far: what the table holds of them, at least
         self.manifest = manifest
         self.backend = backend
         self.groups = groups
         self.join_timeout_s = join_timeout_s
         self.token = job.token
         self.nodes: dict[int, NodeState] = {}
+        # nodes that sent their offers, said ready, said done: counted, not found by a pass over every node per message
+        self.offered = self.readied = self.finished = 0
         self.by_ident: dict[bytes, int] = {}
         self.steps: dict[tuple[str, int], _Step] = {}
         self.expired: dict[tuple[str, int], jobwire.JobDecision] = {}
@@ -263,7 +269,12 @@ class Root:
                     self.auth_failures += event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
             self._log_handshake_failures()
         else:
-            while self.sock.poll(0, zmq.POLLIN):
+            # NOTE: at most _DRAIN_MAX messages a turn, so the head's own loop and the root's tick run between two
+            # batches whatever the nodes send; whether one waits is the socket's EVENTS: sock.poll() makes a Poller
+            # each call, the largest part of the root's CPU per message with hundreds of nodes (bench/root_scale.py)
+            for _ in range(_DRAIN_MAX):
+                if not cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    break
                 frames = self.sock.recv_multipart()
                 if len(frames) != 2:
                     self._reject(frames[0], f"expected 1 frame, got {len(frames) - 1}")
@@ -312,14 +323,15 @@ class Root:
             if state.offers:
                 self._reject(ident, f"node {node} sent its offers again (once per job)")
                 return
-            self._on_offers(state, msg)
+            self._on_offers(state, msg, len(payload))
         elif isinstance(msg, jobwire.NodeReady):
             if self.t_table is None or state.ready is not None:
                 self._reject(ident, f"node {node} said ready " + ("again (once per job)" if state.ready is not None
                                                                    else "before the job's table was sent"))
                 return
             state.ready = dict(msg.timings)
-            if all(s.ready is not None for s in self.nodes.values()) and len(self.nodes) == self.nnodes:
+            self.readied += 1
+            if self.readied == self.nnodes:
                 self.t_go = time.time()
                 self._broadcast(jobwire.JobGo(token=self.token, t_go=self.t_go))
         elif isinstance(msg, jobwire.NodeVote):
@@ -332,8 +344,10 @@ class Root:
             self.left[msg.rank] = msg.how
             self._check_left()
         elif isinstance(msg, jobwire.NodeDone):
-            state.done = True
-            if len(self.nodes) == self.nnodes and all(s.done for s in self.nodes.values()) and self.stop is None:
+            if not state.done:
+                state.done = True
+                self.finished += 1
+            if self.finished == self.nnodes and self.stop is None:
                 self.ended = True
                 self._broadcast(jobwire.JobEnd(token=self.token, nnodes=self.nnodes))
         else:
@@ -389,7 +403,7 @@ class Root:
             return
         self._send(ident, jobwire.Beat(token=self.token, node_rank=0, seq=self._seq))
 
-    def _on_offers(self, state: NodeState, msg: jobwire.NodeOffers) -> None:
+    def _on_offers(self, state: NodeState, msg: jobwire.NodeOffers, nbytes: int) -> None:
         base = msg.node_rank * self.local_world_size
         got = [o.rank for o in msg.offers]
         if got != list(range(base, base + self.local_world_size)):
@@ -397,14 +411,27 @@ class Root:
                        f"{base}..{base + self.local_world_size - 1}", exit_code=EXIT_HANDSHAKE)
             return
         state.offers = msg.offers
-        if len(self.nodes) == self.nnodes and all(s.offers for s in self.nodes.values()):
+        self.offered += 1
+        # NOTE: the table holds every node's offers as they came, less each message's envelope: once those seen so far
+        # pass the table's limit, the job is refused now, not after every node offered
+        self._offered_nbytes += max(0, nbytes - _OFFERS_ENVELOPE_NBYTES)
+        if self._offered_nbytes > self.limit:
+            per_rank = self._offered_nbytes // (self.offered * self.local_world_size)
+            self._stop(None, -1, f"the job's table cannot hold every rank's offer: the offers of {self.offered} of "
+                       f"{self.nnodes} nodes take {self._offered_nbytes} B, about {per_rank} B per rank, and a table "
+                       f"of {self.world_size} ranks may take {self.limit} B ({PER_RANK_NBYTES} B per rank); export "
+                       "fewer buffers per rank (the manifest's buffers and groups), or run fewer ranks per job",
+                       exit_code=EXIT_HANDSHAKE)
+            return
+        if len(self.nodes) == self.nnodes and self.offered == self.nnodes:
             offers = tuple(o for n in range(self.nnodes) for o in self.nodes[n].offers)
             self.t_table = time.time()
             try:
                 self._broadcast(jobwire.JobTable(token=self.token, offers=offers))
             except WireError as exc:
-                self._stop(None, -1, f"the job's table of {len(offers)} offers cannot be sent ({exc.reason}); fewer "
-                           "ranks or fewer exported buffers per job", exit_code=EXIT_HANDSHAKE)
+                self._stop(None, -1, f"the job's table of {len(offers)} offers cannot be sent ({exc.reason}); export "
+                           "fewer buffers per rank (the manifest's buffers and groups), or run fewer ranks per job",
+                           exit_code=EXIT_HANDSHAKE)
 
     def _on_held(self, node: int, msg: jobwire.NodeHeld) -> None:
         now = time.monotonic()
@@ -518,7 +545,7 @@ class Root:
                                        values=tuple(step.values.get(r) for r in step.voters), missing=missing,
                                        waited_s=time.monotonic() - step.t0)
         try:
-            data = decision.to_msgpack()
+            data = decision.to_msgpack(self.limit)
         except WireError as exc:
             self._stop(None, -1, f"step {key[0]!r} (round {key[1]}): the decision for {len(step.voters)} ranks "
                        f"cannot be sent ({exc.reason}); vote smaller values")
@@ -688,7 +715,7 @@ class Root:
         return "; the root: " + "; ".join(said) if said else ""
 
     def _broadcast(self, msg: Any) -> None:
-        data = msg.to_msgpack()  # once for every node
+        data = msg.to_msgpack(self.limit)  # once for every node
         for state in self.nodes.values():
             self._send_bytes(state.ident, data)
 

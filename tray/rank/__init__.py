@@ -354,8 +354,8 @@ class Rank:
         if len(data) > limit:
             raise UsageError(
                 f"exchange({topic!r}): rank {self.rank}'s value takes {len(data)} B; the head sends every "
-                f"rank's value back in one message of at most {wire.MAX_MESSAGE_NBYTES} B, so each of the "
-                f"{self.world_size} ranks may send at most {limit} B: exchange less (e.g. a digest or a path)")
+                f"rank's value back in one message of at most {wire.job_message_limit(self.world_size)} B, so each of "
+                f"the {self.world_size} ranks may send at most {limit} B: exchange less (e.g. a digest or a path)")
         with client.step("exchange", topic):
             self._rounds.begin(topic, rnd)
             client.send_bytes(data)

@@ -88,7 +88,7 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any
     if env.t_spawn is not None:
         phases.timings["import"] = time.time() - env.t_spawn
     register_stack_dump()  # before the head can see this rank: it signals only ranks that reached it
-    client = parts.client = RendezvousClient(env.endpoint, env.token, env.rank)
+    client = parts.client = RendezvousClient(env.endpoint, env.token, env.rank, env.world_size)
     phases.sink = client
 
     with phases.timed("manifest"):
