@@ -78,12 +78,12 @@ def serve_root(nnodes: int, local: int, port: int, deadline_s: float, heartbeat_
             now = time.monotonic()
             if now >= next_snap:
                 next_snap = now + SNAP_S
-                snaps.append((now, root.messages_in, root.messages_out, root.busy_cpu_s))
+                snaps.append((now, root.messages_in, root.messages_out, root.busy_cpu_s, time.process_time()))
             if now >= next_turn:
                 next_turn = now + TICK_S
                 root.tick()
         now = time.monotonic()
-        snaps.append((now, root.messages_in, root.messages_out, root.busy_cpu_s))
+        snaps.append((now, root.messages_in, root.messages_out, root.busy_cpu_s, time.process_time()))
         print(json.dumps({"snaps": snaps, "ended": root.ended, "stop": root.stop.summary if root.stop else None,
                           "rejects": root.rejected[:5], "summary": root.summary()}), flush=True)
     finally:
@@ -285,23 +285,25 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
         raise RuntimeError(f"the root did not end the job: {result}")
     snaps = result["snaps"]
 
-    def at(t: float) -> tuple[int, int, float]:
-        """The root's counters (in, out, cpu) at the last snapshot before `t`."""
+    def at(t: float) -> tuple[int, int, float, float]:
+        """The root's counters (in, out, its CPU, its process's CPU) at the last snapshot before `t`."""
         best = snaps[0]
         for s in snaps:
             if s[0] <= t:
                 best = s
-        return best[1], best[2], best[3]
+        return best[1], best[2], best[3], best[4]
 
     def between(a: float, b: float) -> dict:
-        i0, o0, c0 = at(a)
-        i1, o1, c1 = at(b)
+        i0, o0, c0, p0 = at(a)
+        i1, o1, c1, p1 = at(b)
         return {"messages_in": i1 - i0, "messages_out": o1 - o0, "cpu_ms": round((c1 - c0) * 1e3, 2),
-                "cpu_us_per_message_in": round((c1 - c0) * 1e6 / max(1, i1 - i0), 1)}
+                "cpu_us_per_message_in": round((c1 - c0) * 1e6 / max(1, i1 - i0), 1),
+                # with ZeroMQ's I/O thread (CURVE encryption, TCP) and the ZAP handler's
+                "process_cpu_ms": round((p1 - p0) * 1e3, 2)}
 
     decided = sorted(s["decided_s"] for s in steps)
-    i0, o0, c0 = at(marks["idle_from"])
-    i1, o1, c1 = at(marks["idle_to"])
+    i0, o0, c0, _ = at(marks["idle_from"])
+    i1, o1, c1, _ = at(marks["idle_to"])
     span = marks["idle_to"] - marks["idle_from"]
     return {
         "nnodes": nnodes, "local": local, "world_size": nnodes * local,
@@ -360,7 +362,8 @@ def main() -> None:
         runs.append(r)
         print(f"{n} nodes x {a.L}: join {r['join_s']:.2f} s, table {r['table_s']:.2f} s ({r['table_bytes']} B), "
               f"go {r['go_s']:.3f} s, step {r['step_ms']['median']:.1f} ms (p90 {r['step_ms']['p90']:.1f}), "
-              f"root CPU {r['root']['cpu_ms_per_step']:.1f} ms/step, table {r['root']['table']['cpu_ms']:.0f} ms; "
+              f"root CPU {r['root']['cpu_ms_per_step']:.1f} ms/step, table {r['root']['table']['cpu_ms']:.0f} ms "
+              f"({r['root']['table']['process_cpu_ms']:.0f} ms with I/O); "
               f"idle: root in/out "
               f"{r['root']['idle']['messages_in_per_s']:.0f}/{r['root']['idle']['messages_out_per_s']:.0f} msg/s, "
               f"{r['root']['idle']['cpu_ms_per_s']:.1f} ms CPU/s  [{time.monotonic() - t:.0f} s]", flush=True)

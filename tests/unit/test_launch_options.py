@@ -240,6 +240,19 @@ def test_other_commands_refuse_bad_options_in_one_line(capsys, argv, message):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "tp", "-n", "1"], "tray: UsageError: tp compares a TP group of the ranks of a node with one rank: -n / "
+                                 "--nnodes must be at least 2, got -n 1 over 1 node(s)"),
+    (["bench", "ep-moe", "-n", "3"], "tray: UsageError: --experts 16 must divide over 3 ranks"),
+])
+def test_a_bench_refusing_its_options_says_nothing_of_its_defaults_first(capsys, argv, message):
+    """The host backend's benches print the defaults they take; a run refused at once printed them before the error,
+    as if it were about to run."""
+    assert main([*argv, "--backend", "host"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == message + "\n", (out, err)
+
+
 def test_barrier_timeout_from_env():
     base = {"TRAY_RANK": "0", "TRAY_WORLD_SIZE": "1", "TRAY_RDZV": "ipc://x", "TRAY_JOB": "/j", "TRAY_TOKEN": "t",
             "TRAY_BACKEND": "host"}

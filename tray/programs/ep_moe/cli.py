@@ -60,7 +60,7 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
 
 def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
     from tray.bench import require_plot
-    from tray.programs.ep_moe.bench import EpBenchArgs, run_ep_bench
+    from tray.programs.ep_moe.bench import EpBenchArgs, run_ep_bench, validate
 
     backend, nprocs = backend_and_nprocs(args)
     require_plot(args.plot)
@@ -69,34 +69,34 @@ def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
         extra["repeats"] = 3  # NOTE: numpy twins: three samples per figure keep the host run short
     shape = dict(CUDA_SHAPE if backend == "cuda" else HOST_SHAPE)
     given = {k: getattr(args, k) for k in shape if getattr(args, k) is not None}
-    if backend == "host" and len(given) < len(shape):
-        print("ep-moe: host backend defaults: " + ", ".join(f"{k.replace('_', '-')} {shape[k]}" for k in shape
-                                                            if k not in given)
-              + " (a DeepSeek-sized layer takes > 10 GB per rank and minutes in numpy)", flush=True)
+    defaults = {k: v for k, v in shape.items() if k not in given}
     shape.update(given)
-    return run_ep_bench(
-        EpBenchArgs(
-            nprocs=nprocs,
-            backend=backend,
-            tokens=shape["tokens"],
-            hidden=shape["hidden"],
-            experts=shape["experts"],
-            topk=shape["topk"],
-            expert_dim=shape["expert_dim"],
-            routings=args.routing,
-            capacity=args.capacity,
-            gemm=args.gemm,
-            budgets=args.sms,
-            seed=args.seed,
-            ref_tokens=args.ref_tokens,
-            json_path=args.json,
-            plot_path=args.plot,
-            log_dir=args.log_dir,
-            keep=args.keep,
-            nccl_timing=args.nccl_timing,
-            nnodes=args.nnodes,
-            dispatch=args.dispatch,
-            ll_phases=args.ll_phases,
-            **extra,
-        )
+    bench = EpBenchArgs(
+        nprocs=nprocs,
+        backend=backend,
+        tokens=shape["tokens"],
+        hidden=shape["hidden"],
+        experts=shape["experts"],
+        topk=shape["topk"],
+        expert_dim=shape["expert_dim"],
+        routings=args.routing,
+        capacity=args.capacity,
+        gemm=args.gemm,
+        budgets=args.sms,
+        seed=args.seed,
+        ref_tokens=args.ref_tokens,
+        json_path=args.json,
+        plot_path=args.plot,
+        log_dir=args.log_dir,
+        keep=args.keep,
+        nccl_timing=args.nccl_timing,
+        nnodes=args.nnodes,
+        dispatch=args.dispatch,
+        ll_phases=args.ll_phases,
+        **extra,
     )
+    validate(bench)  # a usage error before the defaults line, not after it
+    if backend == "host" and defaults:
+        print("ep-moe: host backend defaults: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in defaults.items())
+              + " (a DeepSeek-sized layer takes > 10 GB per rank and minutes in numpy)", flush=True)
+    return run_ep_bench(bench)

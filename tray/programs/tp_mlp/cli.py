@@ -35,7 +35,7 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
 
 def cmd_bench_tp(args: argparse.Namespace) -> int:
     from tray.bench import require_plot
-    from tray.programs.tp_mlp.bench import DEFAULTS, TpBenchArgs, run_tp_bench
+    from tray.programs.tp_mlp.bench import DEFAULTS, TpBenchArgs, run_tp_bench, validate
     from tray.programs.tp_mlp.ll import parse_ll_shapes
 
     backend, nprocs = backend_and_nprocs(args)
@@ -45,27 +45,27 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
         extra["ll_shapes"] = parse_ll_shapes(args.ll_shapes)
     if args.repeats is not None:
         extra["repeats"] = args.repeats
+    bench = TpBenchArgs(
+        nprocs=nprocs,
+        backend=backend,
+        sizes=args.sizes,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        ffn=args.ffn,
+        seed=args.seed,
+        json_path=args.json,
+        log_dir=args.log_dir,
+        keep=args.keep,
+        ll_max_bytes=args.ll_max_bytes,
+        ll_sweep_bytes=args.ll_sweep_bytes,
+        nnodes=args.nnodes,
+        nccl_windows=args.nccl_windows,
+        **extra,
+    )
+    validate(bench.resolved())  # a usage error before the defaults line, not after it
     if backend == "host" and None in (args.sizes, args.tokens, args.repeats):
         d = DEFAULTS["host"]
         print(f"tp: host backend defaults: sizes {d['sizes'][0]} .. {d['sizes'][-1]} B, tokens {list(d['tokens'])}, "
               f"hidden {d['hidden']}, ffn {d['ffn']}, {d['repeats']} repeats (--sizes, --tokens, ... to change)",
               flush=True)
-    return run_tp_bench(
-        TpBenchArgs(
-            nprocs=nprocs,
-            backend=backend,
-            sizes=args.sizes,
-            tokens=args.tokens,
-            hidden=args.hidden,
-            ffn=args.ffn,
-            seed=args.seed,
-            json_path=args.json,
-            log_dir=args.log_dir,
-            keep=args.keep,
-            ll_max_bytes=args.ll_max_bytes,
-            ll_sweep_bytes=args.ll_sweep_bytes,
-            nnodes=args.nnodes,
-            nccl_windows=args.nccl_windows,
-            **extra,
-        )
-    )
+    return run_tp_bench(bench)
