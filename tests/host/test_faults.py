@@ -48,6 +48,39 @@ def test_rank_raises_reports_its_error(tray_env):
     assert "FAILED: rank 1 reported MemoryError (no message)\n" in run.stderr, run.stderr
 
 
+def test_an_uncaught_error_of_a_rank_kept_without_with_is_reported_and_so_is_a_second_init(tray_env):
+    """`rank = tray.init()` at a program's top, as scripts under torchrun keep it, has no `with` to report what ends
+    the program: the head said only "exited with code 1". Now the rank's uncaught exception is its error report, and
+    the rank prints one line of it, not the traceback twice; a second tray.init() is one such error. sys.exit(1)
+    stays an exit code."""
+    run = tray_env.launch(2, """
+    rank = tray.init()
+    if rank.rank == 1:
+        raise ValueError('bad input 42')
+    rank.barrier(timeout_s=30)
+""")
+    assert run.returncode == 1, run.output
+    assert "tray: FAILED: rank 1 reported ValueError: bad input 42\n" in run.stderr, run.stderr
+    assert "[rank 1] rank 1: ValueError: bad input 42 (reported to the head, which says it first)" in run.stderr
+    # the traceback once: the head's, in its error report
+    assert run.stderr.count("Traceback") == 1 and run.stderr.count("raise ValueError('bad input 42')") == 1, run.stderr
+    run = tray_env.launch(2, """
+    rank = tray.init()
+    tray.init()
+""")
+    assert run.returncode == 1, run.output
+    assert "tray: FAILED: rank 0 reported UsageError: tray.init() was already called in this process" in run.stderr \
+        or "tray: FAILED: rank 1 reported UsageError: tray.init() was already called in this process" in run.stderr, \
+        run.stderr
+    run = tray_env.launch(2, """
+    rank = tray.init()
+    if rank.rank == 1:
+        sys.exit(3)
+    rank.barrier(timeout_s=30)
+""")
+    assert "tray: FAILED: rank 1 (pid " in run.stderr and "exited with code 3" in run.stderr, run.stderr
+
+
 def test_rank_sigkilled(tray_env):
     run = tray_env.launch(4, fault("os.kill(os.getpid(), 9)"))
     assert run.returncode == 1, run.output

@@ -19,6 +19,7 @@ import stat
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -166,6 +167,7 @@ class Rank:
         # the timeout of barriers without one of their own (programs' barrier ops, rank.barrier()), s:
         # the launch's or the environment's (TRAY_BARRIER_TIMEOUT_S), else the manifest's, else the default
         self.barrier_timeout_s = wiring.env.barrier_wait_s(wiring.manifest.barrier_timeout_s)
+        _report_uncaught(self)
 
     # --- what start-up made ------------------------------------------------------------------------
     @property
@@ -554,6 +556,29 @@ def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
     # the traceback left to the head; else this process prints it, as any uncaught exception
     if written or (sent and os.path.isdir(env.job_dir)):
         _print_once(exc, env.rank)
+
+
+def _report_uncaught(rank: Rank) -> None:
+    """An exception that ends the rank's process uncaught while its Rank is open is reported to the head, as one that
+    leaves `with tray.init() as rank:` is: a program that keeps the Rank without `with` (`rank = tray.init()` at its
+    top, as scripts under torchrun do), a second tray.init(). The head then names it as the rank's failure, where it
+    said only "exited with code 1"."""
+    previous = sys.excepthook
+    owner = weakref.ref(rank)
+
+    def hook(kind, value, tb) -> None:
+        r = owner()
+        if r is None or r._closed or r._reported or os.getpid() != r._pid or not isinstance(value, Exception):
+            previous(kind, value, tb)  # a child's, one reported already, an exit or an interruption
+            return
+        r._reported = True  # no bye: the report is the rank's last message
+        try:
+            _report(r.env, r.phase, r._wiring.client, value)
+        except Exception:  # NOTE: the process ends now whatever: the traceback below says it
+            pass
+        (sys.excepthook if sys.excepthook is not hook else previous)(kind, value, tb)  # one line once reported
+
+    sys.excepthook = hook
 
 
 def _print_once(reported: BaseException, rank: int) -> None:
