@@ -39,7 +39,6 @@ from tray.launch.job import JobSpec
 
 MANIFEST = "a" * 64
 TICK_S = 0.020  # the head's supervision period (tray/launch/head.py _POLL_MS)
-SNAP_S = 0.001  # how often (at most) the root process records its counters
 
 
 def _port() -> int:
@@ -64,27 +63,33 @@ def serve_root(nnodes: int, local: int, port: int, deadline_s: float, heartbeat_
                 backend="cuda", groups={}, join_timeout_s=deadline_s)
     print(json.dumps({"listening": True}), flush=True)
     poller = zmq.Poller()
+    marks_in = sys.stdin.fileno()  # the nodes' process names each phase's start and end here, and waits for "ok"
+    poller.register(marks_in, zmq.POLLIN)
     for s in root.sockets():
         poller.register(s, zmq.POLLIN)
-    snaps = []
-    next_turn = next_snap = 0.0
+    marks: dict[str, tuple] = {}
+    pending = b""
+    next_turn = 0.0
     end = time.monotonic() + deadline_s
     try:
         while not root.ended and root.stop is None and time.monotonic() < end:
             ready = dict(poller.poll(max(0, math.ceil((next_turn - time.monotonic()) * 1000))))
+            # NOTE: a mark before the messages of this turn: a phase's first message, sent after its start was
+            # acknowledged, counts in it; its end is marked once every node received what the phase ends with
+            if marks_in in ready:
+                pending += os.read(marks_in, 4096)
+                while b"\n" in pending:
+                    name, _, pending = pending.partition(b"\n")
+                    marks[name.decode()] = (root.messages_in, root.messages_out, root.busy_cpu_s, time.process_time())
+                    os.write(sys.stdout.fileno(), b"ok\n")
             for s in root.sockets():
                 if s in ready:
                     root.on_readable(s)
             now = time.monotonic()
-            if now >= next_snap:
-                next_snap = now + SNAP_S
-                snaps.append((now, root.messages_in, root.messages_out, root.busy_cpu_s, time.process_time()))
             if now >= next_turn:
                 next_turn = now + TICK_S
                 root.tick()
-        now = time.monotonic()
-        snaps.append((now, root.messages_in, root.messages_out, root.busy_cpu_s, time.process_time()))
-        print(json.dumps({"snaps": snaps, "ended": root.ended, "stop": root.stop.summary if root.stop else None,
+        print(json.dumps({"marks": marks, "ended": root.ended, "stop": root.stop.summary if root.stop else None,
                           "rejects": root.rejected[:5], "summary": root.summary()}), flush=True)
     finally:
         root.close()
@@ -225,30 +230,43 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
     port = _port()
     env = dict(os.environ, TRAY_JOB_TOKEN=token)
     root = subprocess.Popen([sys.executable, __file__, "--serve-root", str(nnodes), str(local), str(port),
-                             str(timeout_s)], stdout=subprocess.PIPE, text=True, env=env, cwd=str(REPO))
+                             str(timeout_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                            cwd=str(REPO))
+    marks: dict[str, float] = {}
+
+    def mark(name: str, t: float | None = None) -> None:
+        """A phase's start or end, at `t` (now): the root records its counters before its next messages."""
+        marks[name] = time.monotonic() if t is None else t
+        root.stdin.write(name + "\n")
+        root.stdin.flush()
+        if root.stdout.readline() != "ok\n":
+            raise RuntimeError(f"the root's process did not acknowledge mark {name!r}")
+
     try:
         line = root.stdout.readline()
         if not line:
             raise RuntimeError("the root's process exited before listening")
+        mark("t0")
         nodes = Nodes(nnodes, local, port, token, timeout_s=60.0)
         try:
-            marks = {"t0": nodes.t0, "joins_sent": nodes.t_joins_sent}
-            marks["joined"], _ = nodes.wait_all("beat", timeout_s)
+            marks["joins_sent"] = nodes.t_joins_sent
+            mark("joined", nodes.wait_all("beat", timeout_s)[0])
             world = nnodes * local
             offers = [_offer(r, world, local, token) for r in range(world)]
-            marks["offers_from"] = time.monotonic()
+            mark("offers_from")
             for n, link in enumerate(nodes.links):
                 link.send(jobwire.NodeOffers(token=token, node_rank=n, offers=tuple(offers[n * local:(n + 1) * local])))
             marks["offers_sent"] = time.monotonic()
-            marks["table"], tables = nodes.wait_all("job_table", timeout_s)
+            t, tables = nodes.wait_all("job_table", timeout_s)
+            mark("table", t)
             table = jobwire.decode(tables[-1], token=token, sender="root", limit=wire.job_message_limit(world))
             assert table.offers == tuple(offers), "the table is not every rank's offer in rank order"
-            marks["ready_from"] = time.monotonic()
+            mark("ready_from")
             for n, link in enumerate(nodes.links):
                 link.send(jobwire.NodeReady(token=token, node_rank=n, timings={"ready": 1.0}))
-            marks["go"], _ = nodes.wait_all("job_go", timeout_s)
+            mark("go", nodes.wait_all("job_go", timeout_s)[0])
             steps = []
-            marks["steps_from"] = time.monotonic()
+            mark("steps_from")
             for k in range(iters):
                 t = time.monotonic()
                 for n, link in enumerate(nodes.links):
@@ -261,12 +279,12 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
                     d = jobwire.decode(got[i], token=token, sender="root", limit=wire.job_message_limit(world))
                     assert d.round == k and d.values == tuple(r * 1000 + k for r in range(world)), "a wrong decision"
                 steps.append({"send_s": sent - t, "decided_s": last - sent, "bytes": len(got[0])})
-            marks["steps_to"] = time.monotonic()
+            mark("steps_to")
             received0, beats0 = nodes.received, nodes.beats_in
             sent0 = nodes.sent()
-            marks["idle_from"] = time.monotonic()
+            mark("idle_from")
             nodes.idle(idle_s)
-            marks["idle_to"] = time.monotonic()
+            mark("idle_to")
             idle = {"root_to_nodes_per_s": (nodes.received - received0) / idle_s,
                     "beats_root_to_nodes_per_s": (nodes.beats_in - beats0) / idle_s,
                     "beats_nodes_to_root_per_s": (nodes.sent() - sent0) / idle_s}
@@ -275,7 +293,7 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
             marks["end"], _ = nodes.wait_all("job_end", timeout_s)
         finally:
             nodes.close() if "nodes" in locals() else None
-        out, _ = root.communicate(timeout=timeout_s)
+        out, _ = root.communicate(timeout=timeout_s)  # closes its stdin
     finally:
         if root.poll() is None:
             root.kill()
@@ -283,27 +301,18 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
     result = json.loads(out.strip().splitlines()[-1])
     if not result["ended"]:
         raise RuntimeError(f"the root did not end the job: {result}")
-    snaps = result["snaps"]
+    counted = result["marks"]
 
-    def at(t: float) -> tuple[int, int, float, float]:
-        """The root's counters (in, out, its CPU, its process's CPU) at the last snapshot before `t`."""
-        best = snaps[0]
-        for s in snaps:
-            if s[0] <= t:
-                best = s
-        return best[1], best[2], best[3], best[4]
-
-    def between(a: float, b: float) -> dict:
-        i0, o0, c0, p0 = at(a)
-        i1, o1, c1, p1 = at(b)
+    def between(a: str, b: str) -> dict:
+        i0, o0, c0, p0 = counted[a]
+        i1, o1, c1, p1 = counted[b]
         return {"messages_in": i1 - i0, "messages_out": o1 - o0, "cpu_ms": round((c1 - c0) * 1e3, 2),
                 "cpu_us_per_message_in": round((c1 - c0) * 1e6 / max(1, i1 - i0), 1),
                 # with ZeroMQ's I/O thread (CURVE encryption, TCP) and the ZAP handler's
                 "process_cpu_ms": round((p1 - p0) * 1e3, 2)}
 
     decided = sorted(s["decided_s"] for s in steps)
-    i0, o0, c0, _ = at(marks["idle_from"])
-    i1, o1, c1, _ = at(marks["idle_to"])
+    idle_root = between("idle_from", "idle_to")
     span = marks["idle_to"] - marks["idle_from"]
     return {
         "nnodes": nnodes, "local": local, "world_size": nnodes * local,
@@ -316,14 +325,14 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
                     "p90": round(decided[int(0.9 * (len(decided) - 1))] * 1e3, 2),
                     "votes_sent_median": round(statistics.median(s["send_s"] for s in steps) * 1e3, 2),
                     "decision_bytes": steps[0]["bytes"]},
-        "root": {"join": between(marks["t0"], marks["joined"]),
-                 "table": between(marks["offers_from"], marks["table"]),
-                 "go": between(marks["ready_from"], marks["go"]),
-                 "steps": between(marks["steps_from"], marks["steps_to"]),
-                 "cpu_ms_per_step": round((at(marks["steps_to"])[2] - at(marks["steps_from"])[2]) * 1e3 / iters, 2),
-                 "idle": {"messages_in_per_s": round((i1 - i0) / span, 1),
-                          "messages_out_per_s": round((o1 - o0) / span, 1),
-                          "cpu_ms_per_s": round((c1 - c0) * 1e3 / span, 2)},
+        "root": {"join": between("t0", "joined"),
+                 "table": between("offers_from", "table"),
+                 "go": between("ready_from", "go"),
+                 "steps": between("steps_from", "steps_to"),
+                 "cpu_ms_per_step": round(between("steps_from", "steps_to")["cpu_ms"] / iters, 2),
+                 "idle": {"messages_in_per_s": round(idle_root["messages_in"] / span, 1),
+                          "messages_out_per_s": round(idle_root["messages_out"] / span, 1),
+                          "cpu_ms_per_s": round(idle_root["cpu_ms"] / span, 2)},
                  "summary": result["summary"]},
         "idle_seen_by_nodes": {k: round(v, 1) for k, v in idle.items()},
     }

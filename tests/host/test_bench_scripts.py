@@ -144,3 +144,21 @@ def test_the_step_latency_bench_times_tray_and_its_floor_at_each_rank_count(tray
         assert r[side]["samples"] == 40 and 0 < r[side]["p10_us"] <= r[side]["median_us"] <= r[side]["p90_us"], r
     assert r["ratio"] == pytest.approx(r["tray"]["median_us"] / r["floor"]["median_us"]), r
     assert 0 < r["parts"]["vote_decode_us"] < r["parts"]["codec_on_path_us"] and r["parts"]["codec_share"] > 0, r
+
+
+def test_the_root_scale_bench_runs_a_root_and_its_nodes_links_through_a_job(tray_env, tmp_path):
+    """bench/root_scale.py, tiny: 3 nodes of 2, 3 steps, 1.2 s idle (two heartbeats each way): every phase timed, the table checked to be
+    every rank's offer, each step's decision checked, the root's counters per phase."""
+    report_path = tmp_path / "report.json"
+    run = tray_env.run([sys.executable, str(REPO / "bench" / "root_scale.py"), "--nodes", "3", "-L", "2", "--iters", "3",
+                        "--idle-s", "1.2", "--timeout-s", "60", "--json", str(report_path)], timeout_s=120)
+    assert run.returncode == 0, run.output
+    assert run.stdout.startswith("3 nodes x 2: join "), run.stdout
+    r = json.loads(report_path.read_text())["runs"][0]
+    assert r["world_size"] == 6 and r["table_bytes"] > 6 * 400, r
+    assert 0 < r["step_ms"]["median"] <= r["step_ms"]["p90"], r
+    root = r["root"]
+    # a vote per node and step in, a decision per node and step out
+    assert root["steps"]["messages_in"] >= 3 * 3 and root["steps"]["messages_out"] >= 3 * 3, root
+    assert 0 < root["table"]["cpu_ms"] <= root["table"]["process_cpu_ms"], root
+    assert root["idle"]["messages_in_per_s"] > 0 and "3 nodes" in root["summary"], root
