@@ -81,6 +81,23 @@ def test_an_uncaught_error_of_a_rank_kept_without_with_is_reported_and_so_is_a_s
     assert "tray: FAILED: rank 1 (pid " in run.stderr and "exited with code 3" in run.stderr, run.stderr
 
 
+def test_another_threads_exception_passed_to_the_excepthook_is_not_the_ranks_failure(tray_env):
+    """A common recipe routes other threads' exceptions to sys.excepthook; such a thread ends, the process goes on:
+    the rank must not be reported failed for it (nor its bye withheld)."""
+    run = tray_env.launch(2, """
+    import threading
+    threading.excepthook = lambda a: sys.excepthook(a.exc_type, a.exc_value, a.exc_traceback)
+    rank = tray.init()
+    t = threading.Thread(target=lambda: 1 / 0)
+    t.start()
+    t.join()
+    rank.barrier(timeout_s=30)
+    rank.close()
+""")
+    assert run.returncode == 0, run.output
+    assert "ZeroDivisionError" in run.stderr and "FAILED" not in run.stderr, run.stderr
+
+
 def test_rank_sigkilled(tray_env):
     run = tray_env.launch(4, fault("os.kill(os.getpid(), 9)"))
     assert run.returncode == 1, run.output

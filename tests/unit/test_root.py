@@ -681,7 +681,8 @@ def test_offers_that_pass_the_tables_limit_are_refused_before_every_node_offered
     stop = next(m for m in got if m.KIND == "job_stop")
     assert stop.exit_code == EXIT_HANDSHAKE and "job_table" not in [m.KIND for m in got]
     assert re.fullmatch(r"the job's table cannot hold every rank's offer: the offers of 2 of 3 nodes take \d+ B, about "
-                        r"\d+ B per rank, and a table of 6 ranks may take 1048576 B \(4096 B per rank\); export fewer "
+                        r"\d+ B per rank, and a table of 6 ranks may take 1048576 B \(1 MiB, or 4096 B per rank in a job "
+                        r"of more than 256 ranks\); export fewer "
                         r"buffers per rank \(the manifest's buffers and groups\), or run fewer ranks per job",
                         stop.summary), stop.summary
 
@@ -708,3 +709,95 @@ def test_a_head_hands_its_ranks_a_table_and_a_decision_past_one_mib_in_a_job_of_
     limit = wire.job_message_limit(world)
     assert wire.decode(sent[0], token=TOKEN, limit=limit).values == (big,) * world
     assert len(wire.decode(sent[1], token=TOKEN, limit=limit).offers) == world
+
+
+def _root_and_links(nnodes: int, local: int, groups: dict | None = None):
+    job, specs, joins = _job_of(nnodes, local, _free_port())
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=local, manifest="m" * 64, backend="host", groups=groups or {},
+                join_timeout_s=30.0)
+    links = [NodeLink(ctx, specs[n], joins[n], 30.0) for n in range(nnodes)]
+    _run_root(root, links, lambda got: sum(m.KIND == "beat" for m in got) >= nnodes)
+    return ctx, root, links
+
+
+def _close(ctx, root, links) -> None:
+    for link in links:
+        link.close(linger_ms=0)
+    root.close()
+    ctx.term()
+
+
+def test_a_nodes_votes_past_one_mib_reach_the_root_in_a_job_of_many_ranks():
+    """Past 256 ranks a rank may vote ~4 KiB: a node of 300 such ranks votes 1.2 MB in one message, which its head could
+    not encode and the root would not take (1 MiB each); both now take the job's limit."""
+    from tray.handshake import wire
+
+    nnodes, local = 2, 300
+    ctx, root, links = _root_and_links(nnodes, local)
+    try:
+        value = "v" * (wire.vote_limit_nbytes(nnodes * local) - 200)
+        for n, link in enumerate(links):
+            ranks = tuple(range(n * local, (n + 1) * local))
+            vote = jobwire.NodeVote(token=TOKEN, node_rank=n, topic="x", round=1, ranks=ranks, values=(value,) * local,
+                                    waits=(30.0,) * local)
+            assert len(vote.to_msgpack(link.limit)) > wire.MAX_MESSAGE_NBYTES
+            link.send(vote)
+        got = _run_root(root, links, lambda got: sum(m.KIND == "job_decision" for m in got) == nnodes)
+        assert [m.values == (value,) * nnodes * local for m in got if m.KIND == "job_decision"] == [True] * nnodes
+        assert root.stop is None and root.rejects == 0, root.rejected
+    finally:
+        _close(ctx, root, links)
+
+
+def test_a_late_voter_of_a_step_that_timed_out_gets_its_decision_past_one_mib():
+    """A group step's decision, once timed out, is kept for its late voters: it was kept as a message and encoded again
+    for each within 1 MiB, so a decision past that (a job of many ranks) raised in node 0's head as a late vote came.
+    It is kept as the bytes its voters got."""
+    from tray.handshake.steps import group_topic
+
+    nnodes, local = 2, 150
+    members = tuple(range(nnodes * local))
+    ctx, root, links = _root_and_links(nnodes, local, groups={"g": (members,)})
+    topic = group_topic("g", members, "gather")
+    value = {"timeout_s": 0.3, "data": "v" * 3500}  # 299 x 3.5 KB: a decision of 1.05 MB
+    late = members[-1]
+    try:
+        for n, link in enumerate(links):
+            ranks = tuple(r for r in range(n * local, (n + 1) * local) if r != late)
+            link.send(jobwire.NodeVote(token=TOKEN, node_rank=n, topic=topic, round=1, ranks=ranks,
+                                       values=(value,) * len(ranks), waits=(0.3,) * len(ranks)))
+        got = _run_root(root, links, lambda got: sum(m.KIND == "job_decision" for m in got) == nnodes)
+        first = next(m for m in got if m.KIND == "job_decision")
+        assert first.missing == (late,)
+        links[1].send(jobwire.NodeVote(token=TOKEN, node_rank=1, topic=topic, round=1, ranks=(late,), values=(value,),
+                                       waits=(0.3,)))
+        again = _run_root(root, links, lambda got: any(m.KIND == "job_decision" for m in got))
+        assert [m for m in again if m.KIND == "job_decision"] == [first]
+        assert root.stop is None
+    finally:
+        _close(ctx, root, links)
+
+
+def test_a_nodes_offers_larger_than_the_jobs_table_fail_that_node_naming_the_limit():
+    """A node whose ranks' offers alone pass the job's table limit cannot send them: its head failed with an uncaught
+    WireError; now it fails the job naming the sizes and what to change."""
+    from types import SimpleNamespace
+
+    from tray.errors import WireError
+    from tray.launch.node import NodeHead
+
+    failures = []
+
+    def refuse(msg):
+        raise WireError("cannot encode node_offers: 1500000 bytes exceeds the limit of 1048576 bytes")
+
+    head = SimpleNamespace(link=SimpleNamespace(send=refuse, limit=1 << 20), offers={0: None, 1: None},
+                           procs=[SimpleNamespace(rank=0), SimpleNamespace(rank=1)], world_size=4, _t_offered=None,
+                           job=SimpleNamespace(token=TOKEN, node_rank=1), _fail=failures.append)
+    NodeHead._offers_complete(head, None)  # type: ignore[arg-type]
+    assert len(failures) == 1 and failures[0].exit_code == EXIT_HANDSHAKE
+    assert failures[0].summary == (
+        "node 1: its ranks' offers cannot go to the root (cannot encode node_offers: 1500000 bytes exceeds the limit of "
+        "1048576 bytes); a job of 4 ranks has a table of at most 1048576 B: export fewer buffers per rank (the "
+        "manifest's buffers and groups), or run fewer ranks per job")

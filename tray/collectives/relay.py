@@ -24,8 +24,8 @@ from tray.twins import check_range
 # NOTE: the rank waits this much longer than the step's timeout, so that the root's verdict (which
 # names who is missing) arrives before the rank gives up on its own.
 VERDICT_MARGIN_S = 5.0
-# NOTE: a decision carries every member's bytes in one control message (capped at 1 MiB); keep room
-# for the envelope.
+# NOTE: a decision carries every member's bytes in one control message (1 MiB, more only in a job of over 256
+# ranks: wire.job_message_limit); kept within 1 MiB whatever the job, with room for the envelope.
 RELAY_NBYTES = MAX_MESSAGE_NBYTES - 16 * 1024
 
 # step(topic, value, wait_s) -> every member's value, in member order (None: never arrived)

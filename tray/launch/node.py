@@ -98,7 +98,7 @@ class NodeLink:
         if self.closed:  # refused by the root: nothing sent can reach it
             return
         try:
-            self.sock.send(msg.to_msgpack(), zmq.NOBLOCK)
+            self.sock.send(msg.to_msgpack(self.limit), zmq.NOBLOCK)
         except zmq.Again:  # not connected yet and the queue is full: heartbeats will tell
             pass
 
@@ -353,7 +353,14 @@ class NodeHead(Head):
         assert self.link is not None
         self._t_offered = time.monotonic()
         offers = tuple(self.offers[p.rank] for p in self.procs)
-        self.link.send(jobwire.NodeOffers(token=self.job.token, node_rank=self.job.node_rank, offers=offers))
+        try:
+            self.link.send(jobwire.NodeOffers(token=self.job.token, node_rank=self.job.node_rank, offers=offers))
+        except WireError as exc:  # more than the job's whole table may hold: no node's offers fit beside them
+            self._fail(Failure(None, f"node {self.job.node_rank}: its ranks' offers cannot go to the root "
+                               f"({exc.reason}); a job of {self.world_size} ranks has a table of at most "
+                               f"{self.link.limit} B: export "
+                               "fewer buffers per rank (the manifest's buffers and groups), or run fewer ranks per job",
+                               exit_code=EXIT_HANDSHAKE))
 
     def _all_ready(self, sock: zmq.Socket) -> None:
         assert self.link is not None
@@ -557,8 +564,13 @@ class NodeHead(Head):
                 self._table_wait_s = time.monotonic() - self._t_offered
             table = wire.Table(token=self.token,
                                offers=tuple(dataclasses.replace(o, token=self.token) for o in msg.offers))
-            # once for every rank: it holds every rank of the job
-            data = wire.encode(table, wire.job_message_limit(self.world_size))
+            try:  # once for every rank: it holds every rank of the job
+                data = wire.encode(table, wire.job_message_limit(self.world_size))
+            except WireError as exc:  # the root's table, with this tray's own token: a few bytes more, at the limit
+                self._fail(Failure(None, f"node {self.job.node_rank}: the job's table cannot go to its ranks "
+                                   f"({exc.reason}); export fewer buffers per rank, or run fewer ranks per job",
+                                   exit_code=EXIT_HANDSHAKE))
+                return
             for p in self.procs:
                 self._send_bytes(sock, f"rank-{p.rank}", data, table.KIND)
         elif isinstance(msg, jobwire.JobGo):

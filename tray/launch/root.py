@@ -35,7 +35,7 @@ from tray.handshake.steps import (
     ranks_by_node,
     step_voters,
 )
-from tray.handshake.wire import MAX_FRAME_NBYTES, PER_RANK_NBYTES, job_message_limit
+from tray.handshake.wire import MAX_FRAME_NBYTES, MAX_MESSAGE_NBYTES, PER_RANK_NBYTES, job_message_limit
 from tray.launch.curve import ZapHandler, job_keys, make_server
 from tray.launch.job import HEARTBEAT_INTERVAL_S, SLURM_PORT_BASE, SLURM_PORT_JOBS, SLURM_PORT_STEP_STRIDE, JobSpec
 from tray.launch.spawn import say
@@ -61,7 +61,8 @@ _NODE_LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 _VOTERS_KEPT = 4096
 _DRAIN_MAX = 256  # messages from the nodes handled per readable event (the head's loop goes on between batches)
 _COPY_BELOW = 1 << 16  # smaller messages are copied as they are sent; a larger one is shared (zero-copy)
-_OFFERS_ENVELOPE_NBYTES = 128  # a NodeOffers message beside its offers, at most: its kind, version, token, node rank
+# a NodeOffers message beside its offers and token, at most: its kind, version, node rank and the field names (~55 B)
+_OFFERS_ENVELOPE_NBYTES = 64
 
 
 # where a job's root host came from, by the job's source (JobSpec.source: "cli", "slurm", "cli+pytorchjob", ...)
@@ -70,6 +71,10 @@ _HOST_FROM = {"cli": "--rdzv-endpoint or --master-addr", "slurm": "the first hos
 # how often the root asks again for an address its host name does not have yet
 _RESOLVE_EVERY_S = 0.5
 _RESOLVE_SAID_AFTER_S = 2.0
+
+
+def _table_limit_said() -> str:
+    return f"1 MiB, or {PER_RANK_NBYTES} B per rank in a job of more than {MAX_MESSAGE_NBYTES // PER_RANK_NBYTES} ranks"
 
 
 def host_source(source: str) -> str:
@@ -165,7 +170,7 @@ class Root:
         self.offered = self.readied = self.finished = 0
         self.by_ident: dict[bytes, int] = {}
         self.steps: dict[tuple[str, int], _Step] = {}
-        self.expired: dict[tuple[str, int], jobwire.JobDecision] = {}
+        self.expired: dict[tuple[str, int], bytes] = {}  # a timed-out step's decision, encoded: a late voter's answer
         self.left: dict[int, str] = {}  # ranks that take part in no step any more (NodeLeft): how they left
         # votes held at their node's head in tray-wide steps (NodeHeld): node -> step -> rank -> until when it waits
         self.held: dict[int, dict[tuple[str, int], dict[int, float]]] = {}
@@ -215,7 +220,9 @@ class Root:
         self.sock = make_server(ctx, keys)
         self.sock.setsockopt(zmq.LINGER, 1000)  # a JobStop/JobEnd must leave before the head exits
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_NBYTES)  # a larger one drops its sender
+        # a larger one drops its sender; a node's votes and offers in a job of many ranks may pass 1 MiB (a head
+        # sends them, CURVE-authenticated: a stranger delivers nothing)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.limit + MAX_FRAME_NBYTES - MAX_MESSAGE_NBYTES)
         # NOTE: a connection that has not finished CURVE's handshake within HANDSHAKE_IVL is dropped (ZeroMQ waits 30 s
         # by default): idle ones cannot hold descriptors for long
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
@@ -291,7 +298,7 @@ class Root:
 
     def _on_message(self, ident: bytes, payload: bytes) -> None:
         try:
-            msg = jobwire.decode(payload, token=self.token, sender=ident.decode(errors="replace"))
+            msg = jobwire.decode(payload, token=self.token, sender=ident.decode(errors="replace"), limit=self.limit)
         except WireError as exc:
             self._reject(ident, exc.reason)
             return
@@ -415,12 +422,12 @@ class Root:
         self.offered += 1
         # NOTE: the table holds every node's offers as they came, less each message's envelope: once those seen so far
         # pass the table's limit, the job is refused now, not after every node offered
-        self._offered_nbytes += max(0, nbytes - _OFFERS_ENVELOPE_NBYTES)
+        self._offered_nbytes += max(0, nbytes - _OFFERS_ENVELOPE_NBYTES - len(self.token.encode()))
         if self._offered_nbytes > self.limit:
             per_rank = self._offered_nbytes // (self.offered * self.local_world_size)
             self._stop(None, -1, f"the job's table cannot hold every rank's offer: the offers of {self.offered} of "
                        f"{self.nnodes} nodes take {self._offered_nbytes} B, about {per_rank} B per rank, and a table "
-                       f"of {self.world_size} ranks may take {self.limit} B ({PER_RANK_NBYTES} B per rank); export "
+                       f"of {self.world_size} ranks may take {self.limit} B ({_table_limit_said()}); export "
                        "fewer buffers per rank (the manifest's buffers and groups), or run fewer ranks per job",
                        exit_code=EXIT_HANDSHAKE)
             return
@@ -452,7 +459,7 @@ class Root:
         if held:  # the node's votes in this step are here now
             held.pop(key, None)
         if key in self.expired:  # a late voter of a step that timed out gets the same verdict
-            self._send(self.nodes[node].ident, self.expired[key])
+            self._send_bytes(self.nodes[node].ident, self.expired[key])
             return
         step = self.steps.get(key)
         if step is None:
@@ -552,7 +559,7 @@ class Root:
                        f"cannot be sent ({exc.reason}); vote smaller values")
             return
         if missing:
-            self.expired[key] = decision
+            self.expired[key] = data
         for n in sorted({r // self.local_world_size for r in step.voters}):
             if n in self.nodes:
                 self._send_bytes(self.nodes[n].ident, data)
@@ -721,7 +728,7 @@ class Root:
             self._send_bytes(state.ident, data)
 
     def _send(self, ident: bytes, msg: Any) -> None:
-        self._send_bytes(ident, msg.to_msgpack())
+        self._send_bytes(ident, msg.to_msgpack(self.limit))
 
     def _send_bytes(self, ident: bytes, data: bytes) -> None:
         try:

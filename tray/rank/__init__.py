@@ -17,6 +17,7 @@ import json
 import os
 import stat
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -568,8 +569,11 @@ def _report_uncaught(rank: Rank) -> None:
 
     def hook(kind, value, tb) -> None:
         r = owner()
-        if r is None or r._closed or r._reported or os.getpid() != r._pid or not isinstance(value, Exception):
-            previous(kind, value, tb)  # a child's, one reported already, an exit or an interruption
+        if (r is None or r._closed or r._reported or os.getpid() != r._pid or not isinstance(value, Exception)
+                or threading.current_thread() is not threading.main_thread()):
+            # a child's, one reported already, an exit or an interruption; or not the end of the process (another
+            # thread's, passed here by a threading.excepthook, or a caught one a program logs through the hook)
+            previous(kind, value, tb)
             return
         r._reported = True  # no bye: the report is the rank's last message
         try:
