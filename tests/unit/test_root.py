@@ -680,11 +680,10 @@ def test_offers_that_pass_the_tables_limit_are_refused_before_every_node_offered
         ctx.term()
     stop = next(m for m in got if m.KIND == "job_stop")
     assert stop.exit_code == EXIT_HANDSHAKE and "job_table" not in [m.KIND for m in got]
-    assert re.fullmatch(r"the job's table cannot hold every rank's offer: the offers of 2 of 3 nodes take \d+ B, about "
-                        r"\d+ B per rank, and a table of 6 ranks may take 1048576 B \(1 MiB, or 4096 B per rank in a job "
-                        r"of more than 256 ranks\); export fewer "
-                        r"buffers per rank \(the manifest's buffers and groups\), or run fewer ranks per job",
-                        stop.summary), stop.summary
+    assert re.fullmatch(r"the job's table cannot hold every rank's offer: the offers of 2 of 3 nodes take \d+ B, "
+                        r"about \d+ B per rank, and a table of 6 ranks may take 1048576 B \(1 MiB, or 4096 B per rank "
+                        r"in a job of more than 256 ranks\); export fewer buffers per rank \(the manifest's buffers "
+                        r"and groups\), or run fewer ranks per job", stop.summary), stop.summary
 
 
 def test_a_head_hands_its_ranks_a_table_and_a_decision_past_one_mib_in_a_job_of_many_ranks():
@@ -798,6 +797,6 @@ def test_a_nodes_offers_larger_than_the_jobs_table_fail_that_node_naming_the_lim
     NodeHead._offers_complete(head, None)  # type: ignore[arg-type]
     assert len(failures) == 1 and failures[0].exit_code == EXIT_HANDSHAKE
     assert failures[0].summary == (
-        "node 1: its ranks' offers cannot go to the root (cannot encode node_offers: 1500000 bytes exceeds the limit of "
-        "1048576 bytes); a job of 4 ranks has a table of at most 1048576 B: export fewer buffers per rank (the "
+        "node 1: its ranks' offers cannot go to the root (cannot encode node_offers: 1500000 bytes exceeds the limit "
+        "of 1048576 bytes); a job of 4 ranks has a table of at most 1048576 B: export fewer buffers per rank (the "
         "manifest's buffers and groups), or run fewer ranks per job")
