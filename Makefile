@@ -56,8 +56,8 @@ test: $(BIN)/.installed $(BIN)/.torch
 # Bytecode is compiled at install (uv does not by default): with PYTHONDONTWRITEBYTECODE set, every rank compiled
 # numpy's modules again and its start took over the 3 s some tests allow. pyzmq, ml_dtypes and safetensors come as
 # wheels only: their lowest have wheels for 3.11, and on a newer Python the lowest release with one is taken (their
-# sdists of then do not build there: pyzmq 25.0 on 3.12, ml_dtypes 0.4.0 and safetensors 0.4.0 on 3.13); msgpack 1.0.0
-# and psutil 5.9.0 build from source (msgpack as its pure-Python fallback). Not run by .ci/run: a fresh venv and a
+# sdists of then do not build there: pyzmq 25.0 on 3.12, ml_dtypes 0.4.0 and safetensors 0.4.0 on 3.13); psutil 5.9.0
+# builds from source. Not run by .ci/run: a fresh venv and a
 # second whole suite (2 cores: about 90 s to install, then the suite's time again).
 LOWEST_VENV ?= .venv-lowest
 LOWEST_TORCH ?= -e '.[torch]'
