@@ -142,10 +142,10 @@ class Nodes:
             if reason is not None:
                 raise RuntimeError(f"node {link.job.node_rank}: {reason}")
 
-    def wait_all(self, kind: str, timeout_s: float) -> tuple[float, list[bytes]]:
+    def wait_all(self, kind: str, timeout_s: float) -> tuple[float, list[list[bytes]]]:
         """Until every node received a message of `kind` (its first is kept); beats are counted and the links tick
-        as the heads' do. Returns when the last one came, and each node's message as bytes."""
-        got: list[bytes | None] = [None] * self.nnodes
+        as the heads' do. Returns when the last one came, and each node's message as its frames."""
+        got: list[list[bytes] | None] = [None] * self.nnodes
         left = self.nnodes
         end = time.monotonic() + timeout_s
         next_tick = 0.0
@@ -162,19 +162,19 @@ class Nodes:
                 i = self.index[sock]
                 while True:
                     try:
-                        data = sock.recv(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self.links[i].last_heard = time.monotonic()
                     self.received += 1
-                    k = _kind(data)
+                    k = _kind(frames)
                     if k == "beat":
                         self.beats_in += 1
                     if k == "job_stop":
-                        stop = jobwire.decode(data, token=self.token)
+                        stop = jobwire.decode(jobwire.message_of(frames, self.links[i].limit), token=self.token)
                         raise RuntimeError(f"the root stopped the job: {stop.summary}")
                     if k == kind and got[i] is None:
-                        got[i] = data
+                        got[i] = frames
                         left -= 1
                         last = time.monotonic()
         return last, got  # type: ignore[return-value]
@@ -190,12 +190,12 @@ class Nodes:
             for sock, _ in self.poller.poll(int(TICK_S * 1000)):
                 while True:
                     try:
-                        data = sock.recv(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self.links[self.index[sock]].last_heard = time.monotonic()
                     self.received += 1
-                    self.beats_in += _kind(data) == "beat"
+                    self.beats_in += _kind(frames) == "beat"
 
     def sent(self) -> int:
         return sum(link._seq for link in self.links)  # beats sent so far
@@ -206,11 +206,15 @@ class Nodes:
         self.ctx.term()
 
 
-def _kind(data: bytes) -> str:
+def _kind(frames: list[bytes]) -> str:
     # NOTE: a job message is a msgpack map whose "kind" entry comes first (tray/handshake/wire.py _Message.to_body):
-    # read it without decoding the rest (a table of thousands of offers)
+    # read it without decoding the rest (a table of thousands of offers), inflating only its start when the root
+    # deflated it (jobwire.frames_of): the one process of every node would otherwise time inflating N tables
+    import zlib
+
     import msgpack
 
+    data = frames[0] if len(frames) == 1 else zlib.decompressobj().decompress(frames[1], 256)
     unpacker = msgpack.Unpacker(raw=False)
     unpacker.feed(data[:256])
     try:
@@ -259,7 +263,9 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
             marks["offers_sent"] = time.monotonic()
             t, tables = nodes.wait_all("job_table", timeout_s)
             mark("table", t)
-            table = jobwire.decode(tables[-1], token=token, sender="root", limit=wire.job_message_limit(world))
+            limit = wire.job_message_limit(world)
+            table_bytes = jobwire.message_of(tables[-1], limit)
+            table = jobwire.decode(table_bytes, token=token, sender="root", limit=limit)
             assert table.offers == tuple(offers), "the table is not every rank's offer in rank order"
             mark("ready_from")
             for n, link in enumerate(nodes.links):
@@ -276,9 +282,10 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
                 sent = time.monotonic()
                 last, got = nodes.wait_all("job_decision", timeout_s)
                 for i in (0, nnodes - 1):
-                    d = jobwire.decode(got[i], token=token, sender="root", limit=wire.job_message_limit(world))
+                    d = jobwire.decode(jobwire.message_of(got[i], limit), token=token, sender="root", limit=limit)
                     assert d.round == k and d.values == tuple(r * 1000 + k for r in range(world)), "a wrong decision"
-                steps.append({"send_s": sent - t, "decided_s": last - sent, "bytes": len(got[0])})
+                steps.append({"send_s": sent - t, "decided_s": last - sent,
+                              "bytes": len(jobwire.message_of(got[0], limit)), "wire_bytes": len(got[0][-1])})
             mark("steps_to")
             received0, beats0 = nodes.received, nodes.beats_in
             sent0 = nodes.sent()
@@ -319,12 +326,13 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
         "join_s": round(marks["joined"] - marks["t0"], 3),
         "links_created_s": round(marks["joins_sent"] - marks["t0"], 3),
         "table_s": round(marks["table"] - marks["offers_from"], 3),
-        "table_bytes": len(tables[0]),
+        "table_bytes": len(table_bytes),
+        "table_wire_bytes": len(tables[0][-1]),  # as sent: deflated when the root deflates it
         "go_s": round(marks["go"] - marks["ready_from"], 3),
         "step_ms": {"median": round(statistics.median(decided) * 1e3, 2),
                     "p90": round(decided[int(0.9 * (len(decided) - 1))] * 1e3, 2),
                     "votes_sent_median": round(statistics.median(s["send_s"] for s in steps) * 1e3, 2),
-                    "decision_bytes": steps[0]["bytes"]},
+                    "decision_bytes": steps[0]["bytes"], "decision_wire_bytes": steps[0]["wire_bytes"]},
         "root": {"join": between("t0", "joined"),
                  "table": between("offers_from", "table"),
                  "go": between("ready_from", "go"),
@@ -369,7 +377,8 @@ def main() -> None:
         t = time.monotonic()
         r = run(n, a.L, a.iters, a.idle_s, a.timeout_s)
         runs.append(r)
-        print(f"{n} nodes x {a.L}: join {r['join_s']:.2f} s, table {r['table_s']:.2f} s ({r['table_bytes']} B), "
+        print(f"{n} nodes x {a.L}: join {r['join_s']:.2f} s, table {r['table_s']:.2f} s ({r['table_bytes']} B, "
+              f"{r['table_wire_bytes']} B sent), "
               f"go {r['go_s']:.3f} s, step {r['step_ms']['median']:.1f} ms (p90 {r['step_ms']['p90']:.1f}), "
               f"root CPU {r['root']['cpu_ms_per_step']:.1f} ms/step, table {r['root']['table']['cpu_ms']:.0f} ms "
               f"({r['root']['table']['process_cpu_ms']:.0f} ms with I/O); "

@@ -179,3 +179,34 @@ def test_manifests_of_two_nodes_are_compared_part_by_part():
     said = jobwire.manifest_differs("a" * 64, "b" * 64, theirs, ours)
     assert said.startswith("manifest aaaaaaaaaaaa..., node 0 loaded bbbbbbbbbbbb... (they differ in programs, "), said
     assert "(they differ" not in jobwire.manifest_differs("a" * 64, "b" * 64)  # a node that sent no parts
+
+
+def test_the_root_deflates_a_large_message_and_a_head_inflates_it_within_its_limit():
+    """A message of 16 KiB or more goes from the root deflated, as two frames: the same bytes come out, within the
+    job's limit; a frame that inflates past the limit (a deflate bomb), does not inflate, or is framed otherwise is
+    refused, and a small message stays one frame."""
+    import zlib
+
+    small = jobwire.Beat(token=TOKEN, node_rank=0, seq=1).to_msgpack()
+    assert jobwire.frames_of(small) == [small] and jobwire.message_of([small], 1 << 20) == small
+    offers = tuple(_offer(r % 4) for r in range(64))
+    table = jobwire.JobTable(token=TOKEN, offers=offers).to_msgpack()
+    assert len(table) >= jobwire.DEFLATE_FROM
+    frames = jobwire.frames_of(table)
+    assert frames[0] == b"z" and len(frames) == 2 and len(frames[1]) < len(table) // 4
+    assert jobwire.message_of(frames, 1 << 20) == table
+    with pytest.raises(WireError, match=f"inflates past the limit of {len(table) - 1} bytes"):
+        jobwire.message_of(frames, len(table) - 1)
+    bomb = zlib.compress(bytes(64 << 20), 9)  # 64 MiB of zeros in ~64 KB
+    with pytest.raises(WireError, match="inflates past the limit of 1048576 bytes"):
+        jobwire.message_of([b"z", bomb], 1 << 20)
+    with pytest.raises(WireError, match="does not inflate"):
+        jobwire.message_of([b"z", b"not deflate"], 1 << 20)
+    with pytest.raises(WireError, match="does not end where its frame does"):
+        jobwire.message_of([b"z", frames[1][:-10]], 1 << 20)
+    with pytest.raises(WireError, match="does not end where its frame does"):
+        jobwire.message_of([b"z", frames[1] + b"tail"], 1 << 20)
+    with pytest.raises(WireError, match=r"expected 1 frame, or 2 \(b'z' and a deflated message\), got 3"):
+        jobwire.message_of([b"z", frames[1], b""], 1 << 20)
+    with pytest.raises(WireError, match="got 2"):
+        jobwire.message_of([b"x", frames[1]], 1 << 20)

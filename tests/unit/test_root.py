@@ -445,7 +445,7 @@ def test_a_tray_wide_step_costs_the_root_no_pass_over_every_voter_at_each_vote(m
     ctx = zmq.Context()
     root = _joined_root(ctx, 64)
     sent: list[bytes] = []
-    monkeypatch.setattr(root, "_send_bytes", lambda ident, data: sent.append(ident))
+    monkeypatch.setattr(root, "_send_frames", lambda ident, frames: sent.append(ident))
     try:
         for n in range(64):
             vote = jobwire.NodeVote(token=TOKEN, node_rank=n, topic="step", round=1, ranks=(n,), values=(n,),

@@ -107,9 +107,10 @@ class NodeLink:
         out: list[Any] = []
         # NOTE: the socket's EVENTS says whether a message waits; sock.poll() makes a Poller each call
         while not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            data = self.sock.recv()
+            frames = self.sock.recv_multipart()
             self.last_heard = time.monotonic()
             try:
+                data = jobwire.message_of(frames, self.limit)
                 out.append(jobwire.decode(data, token=self.job.token, sender="the root", limit=self.limit))
             except WireError as exc:  # CURVE authenticated the root: a version skew, said and skipped
                 say(f"rejected a message from the root: {exc.reason}")

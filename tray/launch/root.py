@@ -170,7 +170,8 @@ class Root:
         self.offered = self.readied = self.finished = 0
         self.by_ident: dict[bytes, int] = {}
         self.steps: dict[tuple[str, int], _Step] = {}
-        self.expired: dict[tuple[str, int], bytes] = {}  # a timed-out step's decision, encoded: a late voter's answer
+        # a timed-out step's decision as its voters got it (jobwire.frames_of): a late voter's answer
+        self.expired: dict[tuple[str, int], list[bytes]] = {}
         self.left: dict[int, str] = {}  # ranks that take part in no step any more (NodeLeft): how they left
         # votes held at their node's head in tray-wide steps (NodeHeld): node -> step -> rank -> until when it waits
         self.held: dict[int, dict[tuple[str, int], dict[int, float]]] = {}
@@ -459,7 +460,7 @@ class Root:
         if held:  # the node's votes in this step are here now
             held.pop(key, None)
         if key in self.expired:  # a late voter of a step that timed out gets the same verdict
-            self._send_bytes(self.nodes[node].ident, self.expired[key])
+            self._send_frames(self.nodes[node].ident, self.expired[key])
             return
         step = self.steps.get(key)
         if step is None:
@@ -553,16 +554,16 @@ class Root:
                                        values=tuple(step.values.get(r) for r in step.voters), missing=missing,
                                        waited_s=time.monotonic() - step.t0)
         try:
-            data = decision.to_msgpack(self.limit)
+            frames = jobwire.frames_of(decision.to_msgpack(self.limit))
         except WireError as exc:
             self._stop(None, -1, f"step {key[0]!r} (round {key[1]}): the decision for {len(step.voters)} ranks "
                        f"cannot be sent ({exc.reason}); vote smaller values")
             return
         if missing:
-            self.expired[key] = data
+            self.expired[key] = frames
         for n in sorted({r // self.local_world_size for r in step.voters}):
             if n in self.nodes:
-                self._send_bytes(self.nodes[n].ident, data)
+                self._send_frames(self.nodes[n].ident, frames)
 
     def _failed_handshakes(self, count: int) -> str:
         """'3 connections failed the CURVE handshake from 10.0.0.7', addresses as far as they are known:
@@ -723,18 +724,18 @@ class Root:
         return "; the root: " + "; ".join(said) if said else ""
 
     def _broadcast(self, msg: Any) -> None:
-        data = msg.to_msgpack(self.limit)  # once for every node
+        frames = jobwire.frames_of(msg.to_msgpack(self.limit))  # once for every node
         for state in self.nodes.values():
-            self._send_bytes(state.ident, data)
+            self._send_frames(state.ident, frames)
 
     def _send(self, ident: bytes, msg: Any) -> None:
-        self._send_bytes(ident, msg.to_msgpack(self.limit))
+        self._send_frames(ident, jobwire.frames_of(msg.to_msgpack(self.limit)))
 
-    def _send_bytes(self, ident: bytes, data: bytes) -> None:
+    def _send_frames(self, ident: bytes, frames: list[bytes]) -> None:
         try:
             # NOTE: a large message (the table, a decision of many ranks) goes to every node as the one bytes object,
             # not a copy per node: 2.5 MB x 1,000 nodes was 2.5 GB copied by the root (bench/root_scale.py)
-            self.sock.send_multipart([ident, data], zmq.NOBLOCK, copy=len(data) < _COPY_BELOW)
+            self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=len(frames[-1]) < _COPY_BELOW)
             self.messages_out += 1
         except zmq.ZMQError:  # the node is gone or not keeping up; its silence is what gets reported
             pass
