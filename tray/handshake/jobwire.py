@@ -126,7 +126,11 @@ class _JobMessage(wire._Message):
 
     @classmethod
     def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
-        b = _fields(body, ("token", *cls.FIELDS), prefix)
+        names = cls.__dict__.get("_NAMES")
+        if names is None:  # the wire's field names, once per class
+            names = ("token", *cls.FIELDS)
+            type.__setattr__(cls, "_NAMES", names)
+        b = _fields(body, names, prefix)
         token = _as_str(b["token"], prefix + "token")
         values = {}
         for name, check in cls.FIELDS.items():

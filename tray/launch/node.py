@@ -50,6 +50,7 @@ HELD_SAID_MAX = 64  # held votes told the root in one NodeHeld, at most
 LATE_TELL_S = 5.0
 # a head that finds the root silent reads what the link still delivers for this long first (sent while it was stopped)
 CATCH_UP_S = 0.2
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: an operation on pyzmq's enum builds an enum
 
 
 class NodeLink:
@@ -106,7 +107,7 @@ class NodeLink:
         """Every pending message from the root (malformed ones dropped: only the root can send here)."""
         out: list[Any] = []
         # NOTE: the socket's EVENTS says whether a message waits; sock.poll() makes a Poller each call
-        while not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while not self.closed and cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN:
             frames = self.sock.recv_multipart()
             self.last_heard = time.monotonic()
             try:

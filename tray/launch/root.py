@@ -60,6 +60,9 @@ _CROSSED_EVERY_S = 0.1
 _NODE_LATE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 _VOTERS_KEPT = 4096
 _DRAIN_MAX = 256  # messages from the nodes handled per readable event (the head's loop goes on between batches)
+# zmq's flags as plain ints: each operation on pyzmq's enum constants builds an enum (~1 us per message at the root)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _COPY_BELOW = 1 << 16  # smaller messages are copied as they are sent; a larger one is shared (zero-copy)
 # a NodeOffers message beside its offers and token, at most: its kind, version, node rank and the field names (~55 B)
 _OFFERS_ENVELOPE_NBYTES = 64
@@ -282,7 +285,7 @@ class Root:
             # batches whatever the nodes send; whether one waits is the socket's EVENTS: sock.poll() makes a Poller
             # each call, the largest part of the root's CPU per message with hundreds of nodes (bench/root_scale.py)
             for _ in range(_DRAIN_MAX):
-                if not cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                if not cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN:
                     break
                 frames = self.sock.recv_multipart()
                 if len(frames) != 2:
@@ -735,7 +738,12 @@ class Root:
         try:
             # NOTE: a large message (the table, a decision of many ranks) goes to every node as the one bytes object,
             # not a copy per node: 2.5 MB x 1,000 nodes was 2.5 GB copied by the root (bench/root_scale.py)
-            self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=len(frames[-1]) < _COPY_BELOW)
+            # NOTE: the parts sent one by one with plain int flags: send_multipart combines pyzmq's enum flags per part
+            copy = len(frames[-1]) < _COPY_BELOW
+            self.sock.send(ident, _NOBLOCK_MORE)
+            for part in frames[:-1]:
+                self.sock.send(part, _NOBLOCK_MORE)
+            self.sock.send(frames[-1], _NOBLOCK, copy=copy)
             self.messages_out += 1
         except zmq.ZMQError:  # the node is gone or not keeping up; its silence is what gets reported
             pass
