@@ -50,7 +50,8 @@ HELD_SAID_MAX = 64  # held votes told the root in one NodeHeld, at most
 LATE_TELL_S = 5.0
 # a head that finds the root silent reads what the link still delivers for this long first (sent while it was stopped)
 CATCH_UP_S = 0.2
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: an operation on pyzmq's enum builds an enum
+# plain ints: an operation on pyzmq's enum constants builds an enum
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class NodeLink:
@@ -99,7 +100,7 @@ class NodeLink:
         if self.closed:  # refused by the root: nothing sent can reach it
             return
         try:
-            self.sock.send(msg.to_msgpack(self.limit), zmq.NOBLOCK)
+            self.sock.send(msg.to_msgpack(self.limit), _NOBLOCK)
         except zmq.Again:  # not connected yet and the queue is full: heartbeats will tell
             pass
 
