@@ -396,8 +396,12 @@ DEFLATED = b"z"
 
 
 def frames_of(data: bytes) -> list[bytes]:
-    """The frames that carry the encoded message `data` from the root to a head."""
-    return [data] if len(data) < DEFLATE_FROM else [DEFLATED, zlib.compress(data, 1)]
+    """The frames that carry the encoded message `data` from the root to a head: deflated when that makes it smaller
+    (a decision of random bytes does not shrink)."""
+    if len(data) < DEFLATE_FROM:
+        return [data]
+    deflated = zlib.compress(data, 1)
+    return [DEFLATED, deflated] if len(deflated) < len(data) else [data]
 
 
 def message_of(frames: list[bytes], limit: int) -> bytes:
@@ -405,8 +409,10 @@ def message_of(frames: list[bytes], limit: int) -> bytes:
     WireError for other frames, or a deflated message that does not inflate whole within the limit."""
     if len(frames) == 1:
         return frames[0]
-    if len(frames) != 2 or frames[0] != DEFLATED:
+    if len(frames) != 2:
         raise WireError(f"expected 1 frame, or 2 ({DEFLATED!r} and a deflated message), got {len(frames)}")
+    if frames[0] != DEFLATED:
+        raise WireError(f"expected {DEFLATED!r} as the first of 2 frames, got {bytes(frames[0][:16])!r}")
     inflate = zlib.decompressobj()
     try:
         data = inflate.decompress(frames[1], limit + 1)

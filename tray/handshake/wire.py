@@ -13,7 +13,7 @@ import msgpack  # type: ignore[import-untyped]
 from tray.errors import UsageError, WireError
 from tray.text import seconds_value
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7  # 7: the root deflates a large message (jobwire.frames_of), which a head of 6 cannot read
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
