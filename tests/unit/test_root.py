@@ -800,3 +800,41 @@ def test_a_nodes_offers_larger_than_the_jobs_table_fail_that_node_naming_the_lim
         "node 1: its ranks' offers cannot go to the root (cannot encode node_offers: 1500000 bytes exceeds the limit "
         "of 1048576 bytes); a job of 4 ranks has a table of at most 1048576 B: export fewer buffers per rank (the "
         "manifest's buffers and groups), or run fewer ranks per job")
+
+
+def test_a_head_of_another_protocol_version_is_named_when_the_join_times_out(capsys):
+    """A head of another tray release holds the job's token (CURVE passes) but speaks another protocol version: its
+    join was refused in silence and the join timed out saying "not started, a wrong root address, or a firewall".
+    The root now says at once whose join it cannot read and why, and the timeout names it."""
+    import msgpack
+
+    port = _free_port()
+    job, specs, joins = _job_of(2, 1, port)
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=1, manifest="m" * 64, backend="host", groups={}, join_timeout_s=1.0)
+    head = make_client(ctx, job_keys(TOKEN))
+    head.setsockopt(zmq.IDENTITY, b"node-1-4242")
+    head.setsockopt(zmq.LINGER, 0)
+    head.connect(f"tcp://127.0.0.1:{port}")
+    old = {**msgpack.unpackb(joins[1].to_msgpack()), "v": 6}
+    head.send(msgpack.packb(old, use_bin_type=True))
+    poller = zmq.Poller()
+    for s in root.sockets():
+        poller.register(s, zmq.POLLIN)
+    deadline = time.monotonic() + 10.0
+    try:
+        while root.stop is None and time.monotonic() < deadline:
+            for s, _ in poller.poll(20):
+                root.on_readable(s)
+            root.tick()
+    finally:
+        head.close()
+        root.close()
+        ctx.term()
+    assert root.stop is not None and root.stop.exit_code == EXIT_HANDSHAKE
+    assert root.stop.summary.endswith(
+        "the root could not read what 1 head(s) sent: node-1-4242: protocol version 6, expected 7; upgrade tray on "
+        "node-1-4242 (run one tray version everywhere)"), root.stop.summary
+    said = [line for line in capsys.readouterr().err.splitlines() if "cannot read the join" in line]
+    assert said == ["tray: root: cannot read the join of node-1-4242: protocol version 6, expected 7; upgrade tray on "
+                    "node-1-4242 (run one tray version everywhere)"], said

@@ -109,6 +109,7 @@ def bind_address(host: str, port: int, source: str = "cli", wait_s: float = 0.0)
 
 
 _REJECTS_KEPT = 100
+_REJECTS_SAID = 20  # connections whose unreadable first message is said, at most
 _WAIT_SAID_EVERY_S = 10.0  # while nodes are missing, the root says so this often
 _HANDSHAKE_MS = 5000  # a connection to the root that has not finished CURVE's handshake by then is dropped
 _BACKLOG_MIN = 100  # ZeroMQ's default listen queue
@@ -180,6 +181,7 @@ class Root:
         self.held: dict[int, dict[tuple[str, int], dict[int, float]]] = {}
         self.told: set[int] = set()  # node ranks refused at their join, told why (not waited for after a stop)
         self.strangers: dict[int, str] = {}  # node rank -> why a head of another job that gave it was refused (last)
+        self.unjoined: dict[bytes, str] = {}  # connection -> why its first unreadable message was refused (not joined)
         self._voters: dict[str, tuple[int, ...] | None] = {}  # step_voters by topic, for the crossed-steps check
         self._crossed_due = False  # votes came since the last crossed-steps check
         self._crossed_at = 0.0
@@ -305,6 +307,12 @@ class Root:
             msg = jobwire.decode(payload, token=self.token, sender=ident.decode(errors="replace"), limit=self.limit)
         except WireError as exc:
             self._reject(ident, exc.reason)
+            if ident not in self.by_ident and ident not in self.unjoined and len(self.unjoined) < _REJECTS_SAID:
+                # NOTE: a connection that passed CURVE holds the job's token: a head of this job whose messages the root
+                # cannot read (another tray's protocol version, most likely): said now, and named if the join times out
+                who = printable(ident.decode(errors="replace")[:64])
+                self.unjoined[ident] = f"{who}: {exc.reason[:300]}"
+                say(f"root: cannot read the join of {self.unjoined[ident]}")
             return
         if isinstance(msg, jobwire.NodeJoin):
             self._on_join(ident, msg)
@@ -633,6 +641,9 @@ class Root:
             elif self.handshake_failures:
                 why = (f"{self._failed_handshakes(self.handshake_failures)}: a head that stopped while connecting, "
                        "or one started with another TRAY_JOB_TOKEN")
+            elif self.unjoined:
+                why = (f"the root could not read what {len(self.unjoined)} head(s) sent: "
+                       f"{'; '.join(list(self.unjoined.values())[:3])}")
             elif refused := [self.strangers[n] for n in self.missing_nodes() if n in self.strangers]:
                 why = f"refused: {'; '.join(refused)}"
             else:
