@@ -626,6 +626,23 @@ def _job_of(nnodes: int, local: int, port: int) -> tuple[JobSpec, list[JobSpec],
     return job, specs, joins
 
 
+def _root_and_links(nnodes: int, local: int, groups: dict | None = None):
+    job, specs, joins = _job_of(nnodes, local, _free_port())
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=local, manifest="m" * 64, backend="host", groups=groups or {},
+                join_timeout_s=30.0)
+    links = [NodeLink(ctx, specs[n], joins[n], 30.0) for n in range(nnodes)]
+    _run_root(root, links, lambda got: sum(m.KIND == "beat" for m in got) >= nnodes)
+    return ctx, root, links
+
+
+def _close(ctx, root, links) -> None:
+    for link in links:
+        link.close(linger_ms=0)
+    root.close()
+    ctx.term()
+
+
 def test_a_jobs_table_past_one_mib_reaches_every_head_in_a_job_of_many_ranks():
     """The table holds every rank's offer: ~0.6 KiB a rank with two exported buffers, so one message of 1 MiB held no
     table past ~1,600 ranks, and a larger job failed once every node had offered. A message with an entry per rank
@@ -633,13 +650,8 @@ def test_a_jobs_table_past_one_mib_reaches_every_head_in_a_job_of_many_ranks():
     from tray.handshake import wire
 
     nnodes, local, nbuf = 2, 200, 30  # 400 ranks: a table may take 1.6 MB
-    job, specs, joins = _job_of(nnodes, local, _free_port())
-    ctx = zmq.Context()
-    root = Root(ctx, job, local_world_size=local, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
-    links = []
+    ctx, root, links = _root_and_links(nnodes, local)
     try:
-        links = [NodeLink(ctx, specs[n], joins[n], 30.0) for n in range(nnodes)]
-        _run_root(root, links, lambda got: sum(m.KIND == "beat" for m in got) >= nnodes)
         offers = [_wide_offer(r, nnodes * local, nbuf) for r in range(nnodes * local)]
         for n, link in enumerate(links):
             link.send(jobwire.NodeOffers(token=TOKEN, node_rank=n,
@@ -651,10 +663,7 @@ def test_a_jobs_table_past_one_mib_reaches_every_head_in_a_job_of_many_ranks():
         assert table.offers == tuple(offers)
         assert root.stop is None
     finally:
-        for link in links:
-            link.close(linger_ms=0)
-        root.close()
-        ctx.term()
+        _close(ctx, root, links)
 
 
 def test_offers_that_pass_the_tables_limit_are_refused_before_every_node_offered():
@@ -662,22 +671,14 @@ def test_offers_that_pass_the_tables_limit_are_refused_before_every_node_offered
     every head had started its ranks and they had allocated). Now the root stops the job at the offers that pass the
     limit, naming the sizes and what to change."""
     nnodes, local, nbuf = 3, 2, 3000  # ~0.6 MB of offers per node; a table of 6 ranks may take 1 MiB
-    job, specs, joins = _job_of(nnodes, local, _free_port())
-    ctx = zmq.Context()
-    root = Root(ctx, job, local_world_size=local, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
-    links = []
+    ctx, root, links = _root_and_links(nnodes, local)
     try:
-        links = [NodeLink(ctx, specs[n], joins[n], 30.0) for n in range(nnodes)]
-        _run_root(root, links, lambda got: sum(m.KIND == "beat" for m in got) >= nnodes)
         for n in (0, 1):  # node 2 never offers: the job is refused without it
             links[n].send(jobwire.NodeOffers(token=TOKEN, node_rank=n, offers=tuple(
                 _wide_offer(r, nnodes * local, nbuf) for r in range(n * local, (n + 1) * local))))
         got = _run_root(root, links, lambda got: sum(m.KIND == "job_stop" for m in got) == nnodes)
     finally:
-        for link in links:
-            link.close(linger_ms=0)
-        root.close()
-        ctx.term()
+        _close(ctx, root, links)
     stop = next(m for m in got if m.KIND == "job_stop")
     assert stop.exit_code == EXIT_HANDSHAKE and "job_table" not in [m.KIND for m in got]
     assert re.fullmatch(r"the job's table cannot hold every rank's offer: the offers of 2 of 3 nodes take \d+ B, "
@@ -708,23 +709,6 @@ def test_a_head_hands_its_ranks_a_table_and_a_decision_past_one_mib_in_a_job_of_
     limit = wire.job_message_limit(world)
     assert wire.decode(sent[0], token=TOKEN, limit=limit).values == (big,) * world
     assert len(wire.decode(sent[1], token=TOKEN, limit=limit).offers) == world
-
-
-def _root_and_links(nnodes: int, local: int, groups: dict | None = None):
-    job, specs, joins = _job_of(nnodes, local, _free_port())
-    ctx = zmq.Context()
-    root = Root(ctx, job, local_world_size=local, manifest="m" * 64, backend="host", groups=groups or {},
-                join_timeout_s=30.0)
-    links = [NodeLink(ctx, specs[n], joins[n], 30.0) for n in range(nnodes)]
-    _run_root(root, links, lambda got: sum(m.KIND == "beat" for m in got) >= nnodes)
-    return ctx, root, links
-
-
-def _close(ctx, root, links) -> None:
-    for link in links:
-        link.close(linger_ms=0)
-    root.close()
-    ctx.term()
 
 
 def test_a_nodes_votes_past_one_mib_reach_the_root_in_a_job_of_many_ranks():
