@@ -28,6 +28,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _until_stopped(root: Root, within_s: float = 10.0) -> None:
+    """Poll the root's sockets and tick it, as node 0's head does, until it stops the job (or `within_s` passes)."""
+    poller = zmq.Poller()
+    for s in root.sockets():
+        poller.register(s, zmq.POLLIN)
+    deadline = time.monotonic() + within_s
+    while root.stop is None and time.monotonic() < deadline:
+        for s, _ in poller.poll(20):
+            root.on_readable(s)
+        root.tick()
+
+
 def _stranger(ctx: zmq.Context, port: int, *, knows_root_key: bool) -> zmq.Socket:
     """A CURVE client without the job's token: a head of another job (both keys wrong) or, knowing the
     root's public key, one that ZAP refuses (the only kind whose address libzmq reports)."""
@@ -223,17 +235,10 @@ def test_one_connection_closed_during_its_handshake_is_not_blamed_on_the_token()
                   source="cli")
     ctx = zmq.Context()
     root = Root(ctx, job, local_world_size=1, manifest="m" * 64, backend="host", groups={}, join_timeout_s=1.0)
-    poller = zmq.Poller()
-    for s in root.sockets():
-        poller.register(s, zmq.POLLIN)
     try:
         with socket.create_connection(("127.0.0.1", port)) as raw:
             raw.sendall(b"\xff" + bytes(8) + b"\x7f")  # a ZMTP greeting begun, then the peer is gone
-        deadline = time.monotonic() + 10.0
-        while root.stop is None and time.monotonic() < deadline:
-            for s, _ in poller.poll(20):
-                root.on_readable(s)
-            root.tick()
+        _until_stopped(root)
     finally:
         root.close()
         ctx.term()
@@ -802,15 +807,8 @@ def test_a_head_of_another_protocol_version_is_named_when_the_join_times_out(cap
     head.connect(f"tcp://127.0.0.1:{port}")
     old = {**msgpack.unpackb(joins[1].to_msgpack()), "v": 6}
     head.send(msgpack.packb(old, use_bin_type=True))
-    poller = zmq.Poller()
-    for s in root.sockets():
-        poller.register(s, zmq.POLLIN)
-    deadline = time.monotonic() + 10.0
     try:
-        while root.stop is None and time.monotonic() < deadline:
-            for s, _ in poller.poll(20):
-                root.on_readable(s)
-            root.tick()
+        _until_stopped(root)
     finally:
         head.close()
         root.close()
