@@ -1266,9 +1266,18 @@ def test_master_port_is_held_on_node_0_and_one_already_taken_is_said(tray_env):
     runs = finish(start_job(tray_env, body, "-n", "1"), timeout_s=60)
     assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
     assert "MASTER_PORT held" in runs[0].stdout, runs[0].output
-    port = free_port()
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", port + 1))
+    # NOTE: a free port whose next one is free too: another test's process may hold port + 1 (files run side by side)
+    for _ in range(50):
+        port = free_port()
+        taken = socket.socket()
+        try:
+            taken.bind(("127.0.0.1", port + 1))
+            break
+        except OSError:
+            taken.close()
+    else:
+        pytest.fail("no free port with a free next one in 50 tries")
+    with taken:
         taken.listen()
         runs = finish(start_job(tray_env, body, "-n", "1", port=port), timeout_s=60)
     assert all(run.returncode == 0 for run in runs), [r.output for r in runs]
