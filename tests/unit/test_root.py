@@ -820,3 +820,55 @@ def test_a_head_of_another_protocol_version_is_named_when_the_join_times_out(cap
     said = [line for line in capsys.readouterr().err.splitlines() if "cannot read the join" in line]
     assert said == ["tray: root: cannot read the join of node-1-4242: protocol version 6, expected 7; upgrade tray on "
                     "node-1-4242 (run one tray version everywhere)"], said
+
+
+def test_heartbeats_are_left_out_while_other_messages_flow():
+    """Any message says its sender is alive: the root leaves out the beat of a node it sent something in the last half
+    period, and a head its own beat after sending a vote (at 1,000 nodes in lockstep, 2,000 messages a second each
+    way beside the steps'); a quiet node or head still beats."""
+    ctx = zmq.Context()
+    root = _joined_root(ctx, 4)
+    real = root.sock
+    sent: list[bytes] = []
+
+    class Fake:
+        closed = False
+
+        def send(self, data: bytes, flags: int = 0, copy: bool = True) -> None:
+            sent.append(bytes(data))
+
+    root.sock = Fake()  # type: ignore[assignment]
+    try:
+        now = time.monotonic()
+        root._sent_at = {b"node-0": now, b"node-1": now - 0.1, b"node-2": now - 0.3}
+        root._last_beat = 0.0
+        root.tick()
+        assert [d for d in sent if d.startswith(b"node-")] == [b"node-2", b"node-3"], sent
+    finally:
+        root.sock = real
+        root.close()
+    spec = JobSpec(nnodes=2, node_rank=1, root_host="127.0.0.1", root_port=_free_port(), rdzv_id="test", token=TOKEN,
+                   source="cli")
+    join = jobwire.NodeJoin(token=TOKEN, node_rank=1, nnodes=2, local_world_size=1, rdzv_id="test", hostname="h",
+                            pid=9, manifest="m" * 64, backend="host")
+    link = NodeLink(ctx, spec, join, 30.0)
+    real = link.sock
+    kinds: list[str] = []
+
+    class Recorder(Fake):
+        def send(self, data: bytes, flags: int = 0, copy: bool = True) -> None:
+            kinds.append(jobwire.decode(data, token=TOKEN).KIND)
+
+    link.sock = Recorder()  # type: ignore[assignment]
+    try:
+        link.last_heard = time.monotonic()
+        link.send(jobwire.NodeVote(token=TOKEN, node_rank=1, topic="x", round=1, ranks=(1,), values=(1,),
+                                   waits=(5.0,)))
+        link._last_beat = 0.0
+        assert link.tick() is None and kinds == ["node_vote"], kinds
+        link._last_beat, link._last_sent = 0.0, time.monotonic() - 0.3
+        assert link.tick() is None and kinds == ["node_vote", "beat"], kinds
+    finally:
+        link.sock = real
+        link.close()
+        ctx.term()
