@@ -73,7 +73,8 @@ def test_a_slow_rank_is_named_slow_not_dead(tray_env):
     registered with faulthandler) before it is stopped."""
     run = tray_env.launch(2, LATE_RANK, "--barrier-timeout-s", "0.5")
     assert run.returncode == 1, run.output
-    assert "waited 0.50 s for rank 1" in run.stderr
+    # the wait as measured: 0.50 s, or a little more on loaded cores (0.5 s is the timeout)
+    assert re.search(r"waited 0\.5\d s for rank 1", run.stderr), run.stderr
     assert re.search(r"rank 1 is alive, last heartbeat [0-9.]+ s ago, phase running: running but not where the "
                      r"others wait for it, slow or stuck elsewhere", run.stderr), run.stderr
     stack = [line for line in run.stderr.splitlines() if line.startswith("[rank 1]")]
