@@ -797,6 +797,8 @@ def test_a_head_of_another_protocol_version_is_named_when_the_join_times_out(cap
     The root now says at once whose join it cannot read and why, and the timeout names it."""
     import msgpack
 
+    from tray.handshake.wire import PROTOCOL_VERSION
+
     port = _free_port()
     job, specs, joins = _job_of(2, 1, port)
     ctx = zmq.Context()
@@ -805,7 +807,7 @@ def test_a_head_of_another_protocol_version_is_named_when_the_join_times_out(cap
     head.setsockopt(zmq.IDENTITY, b"node-1-4242")
     head.setsockopt(zmq.LINGER, 0)
     head.connect(f"tcp://127.0.0.1:{port}")
-    old = {**msgpack.unpackb(joins[1].to_msgpack()), "v": 6}
+    old = {**msgpack.unpackb(joins[1].to_msgpack()), "v": PROTOCOL_VERSION - 1}
     head.send(msgpack.packb(old, use_bin_type=True))
     try:
         _until_stopped(root)
@@ -814,18 +816,27 @@ def test_a_head_of_another_protocol_version_is_named_when_the_join_times_out(cap
         root.close()
         ctx.term()
     assert root.stop is not None and root.stop.exit_code == EXIT_HANDSHAKE
+    v = PROTOCOL_VERSION
     assert root.stop.summary.endswith(
-        "the root could not read what 1 head(s) sent: node-1-4242: protocol version 6, expected 7; upgrade tray on "
-        "node-1-4242 (run one tray version everywhere)"), root.stop.summary
+        f"the root could not read what 1 head(s) sent: node-1-4242: protocol version {v - 1}, expected {v}; upgrade "
+        "tray on node-1-4242 (run one tray version everywhere)"), root.stop.summary
     said = [line for line in capsys.readouterr().err.splitlines() if "cannot read the join" in line]
-    assert said == ["tray: root: cannot read the join of node-1-4242: protocol version 6, expected 7; upgrade tray on "
-                    "node-1-4242 (run one tray version everywhere)"], said
+    assert said == [f"tray: root: cannot read the join of node-1-4242: protocol version {v - 1}, expected {v}; upgrade "
+                    "tray on node-1-4242 (run one tray version everywhere)"], said
 
 
-def test_heartbeats_are_left_out_while_other_messages_flow():
-    """Any message says its sender is alive: the root leaves out the beat of a node it sent something in the last half
-    period, and a head its own beat after sending a vote (at 1,000 nodes in lockstep, 2,000 messages a second each
-    way beside the steps'); a quiet node or head still beats."""
+def test_heartbeats_are_left_out_while_other_messages_flow(monkeypatch):
+    """Any message says its sender is alive: the root leaves out the beat of a node it sent something within the last
+    period (less its look interval), and a head its own beat while it sends votes (at 1,000 nodes in lockstep, 2,000
+    messages a second each way beside the steps'); a quiet node or head still hears or sends one every period."""
+    import types
+
+    from tray.launch import node as node_module
+    from tray.launch import root as root_module
+
+    t = [1000.0]  # a clock the test moves: the root's and the head's
+    clock = types.SimpleNamespace(monotonic=lambda: t[0], perf_counter=time.perf_counter, thread_time=time.thread_time,
+                                  time=time.time, clock_gettime=time.clock_gettime, CLOCK_BOOTTIME=time.CLOCK_BOOTTIME)
     ctx = zmq.Context()
     root = _joined_root(ctx, 4)
     real = root.sock
@@ -838,12 +849,21 @@ def test_heartbeats_are_left_out_while_other_messages_flow():
             sent.append(bytes(data))
 
     root.sock = Fake()  # type: ignore[assignment]
+    monkeypatch.setattr(root_module, "time", clock)
     try:
-        now = time.monotonic()
-        root._sent_at = {b"node-0": now, b"node-1": now - 0.1, b"node-2": now - 0.3}
+        for n in range(4):
+            root.nodes[n].last_seen = t[0]
+        root._sent_at = {b"node-0": t[0], b"node-1": t[0] - 0.3, b"node-2": t[0] - 0.4, b"node-3": t[0] - 2.0}
         root._last_beat = 0.0
         root.tick()
         assert [d for d in sent if d.startswith(b"node-")] == [b"node-2", b"node-3"], sent
+        sent.clear()
+        t[0] += 0.06  # within the look interval: no look
+        root.tick()
+        assert sent == [], sent
+        t[0] += 0.06  # node 1 now quiet for 0.42 s: its beat goes, so it hears the root every 0.5 s at most
+        root.tick()
+        assert [d for d in sent if d.startswith(b"node-")] == [b"node-1"], sent
     finally:
         root.sock = real
         root.close()
@@ -860,15 +880,39 @@ def test_heartbeats_are_left_out_while_other_messages_flow():
             kinds.append(jobwire.decode(data, token=TOKEN).KIND)
 
     link.sock = Recorder()  # type: ignore[assignment]
+    monkeypatch.setattr(node_module, "time", clock)
     try:
-        link.last_heard = time.monotonic()
+        link.last_heard = t[0]
         link.send(jobwire.NodeVote(token=TOKEN, node_rank=1, topic="x", round=1, ranks=(1,), values=(1,),
                                    waits=(5.0,)))
-        link._last_beat = 0.0
+        t[0] += 0.45  # a vote 0.45 s ago: no beat yet
+        link.last_heard = t[0]
         assert link.tick() is None and kinds == ["node_vote"], kinds
-        link._last_beat, link._last_sent = 0.0, time.monotonic() - 0.3
+        t[0] += 0.05  # 0.5 s quiet: the beat goes
         assert link.tick() is None and kinds == ["node_vote", "beat"], kinds
     finally:
         link.sock = real
         link.close()
         ctx.term()
+
+
+def test_a_head_restarted_on_the_right_release_is_not_blamed_when_another_node_never_joins():
+    """Node 1's head first ran another release (its join unreadable), then joined from a new process; node 2 never
+    came: the join's timeout names node 2 as not started, not node 1's earlier head."""
+    spec = JobSpec(nnodes=3, node_rank=0, root_host="127.0.0.1", root_port=_free_port(), rdzv_id="test", token=TOKEN,
+                   source="cli")
+    ctx = zmq.Context()
+    root = Root(ctx, spec, local_world_size=1, manifest="m" * 64, backend="host", groups={}, join_timeout_s=0.0)
+    try:
+        root._on_message(b"node-1-4242", b"\x81\xa4kind\xa4join")  # unreadable: said, and kept for the timeout
+        assert b"node-1-4242" in root.unjoined
+        for n in (0, 1):
+            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=3, local_world_size=1, rdzv_id="test",
+                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
+            root._on_message(f"node-{n}-{100 + n}".encode(), join.to_msgpack())
+        root.tick()
+    finally:
+        root.close()
+        ctx.term()
+    assert root.stop is not None and "node(s) 2 did not join" in root.stop.summary, root.stop
+    assert "could not read" not in root.stop.summary and root.stop.summary.endswith("or a firewall"), root.stop.summary

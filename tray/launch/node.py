@@ -92,8 +92,7 @@ class NodeLink:
         self.connected = False  # a TCP connection to the root's port was made (whatever answers there)
         self._closed_handshakes = 0  # handshakes the peer closed unanswered
         self._seq = 0
-        self._last_beat = 0.0
-        self._last_sent = 0.0  # when a message last went to the root: a heartbeat is due only after a quiet spell
+        self._last_sent = 0.0  # when a message last went to the root: a heartbeat is due only after a quiet period
         self._last_tick: float | None = None  # when tick() last ran: a gap longer than the timeout is this head's own
         self.send(join)
 
@@ -163,13 +162,12 @@ class NodeLink:
             return (f"this head did not run for {paused} (stopped, suspended, or starved of CPU), nothing heard from "
                     f"the root for longer than --node-heartbeat-timeout-s {limit:g} s: the other nodes count {lost} "
                     "lost")
-        if now - self._last_beat >= HEARTBEAT_INTERVAL_S and self.last_heard is not None:
-            self._last_beat = now
-            # NOTE: any message tells the root this node is alive: while votes flow (a step every few ms) the beat is
-            # left out; the root hears from the node at least every 1.5 heartbeat periods all the same
-            if now - self._last_sent >= HEARTBEAT_INTERVAL_S / 2:
-                self._seq += 1
-                self.send(jobwire.Beat(token=self.job.token, node_rank=self.job.node_rank, seq=self._seq))
+        # NOTE: any message tells the root this node is alive: a beat goes only after HEARTBEAT_INTERVAL_S with nothing
+        # sent (while votes flow, a step every few ms, none does), so the root hears from the node every period at most
+        # (and a tick) all the same
+        if now - self._last_sent >= HEARTBEAT_INTERVAL_S and self.last_heard is not None:
+            self._seq += 1
+            self.send(jobwire.Beat(token=self.job.token, node_rank=self.job.node_rank, seq=self._seq))
         where = f"the root (node 0 at {self.job.endpoint})"
         if self.refused:
             return (f"{where} refused this node's CURVE handshake: TRAY_JOB_TOKEN differs from node 0's (every node "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import math
+import re
 import resource
 import socket
 import time
@@ -63,6 +64,7 @@ _DRAIN_MAX = 256  # messages from the nodes handled per readable event (the head
 # zmq's flags as plain ints: each operation on pyzmq's enum constants builds an enum (~1 us per message at the root)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_BEAT_LOOK_S = 0.1  # how often the root looks for nodes it has sent nothing for a while (a beat is then due)
 _COPY_BELOW = 1 << 16  # smaller messages are copied as they are sent; a larger one is shared (zero-copy)
 # a NodeOffers message beside its offers and token, at most: its kind, version, node rank and the field names (~55 B)
 _OFFERS_ENVELOPE_NBYTES = 64
@@ -74,6 +76,12 @@ _HOST_FROM = {"cli": "--rdzv-endpoint or --master-addr", "slurm": "the first hos
 # how often the root asks again for an address its host name does not have yet
 _RESOLVE_EVERY_S = 0.5
 _RESOLVE_SAID_AFTER_S = 2.0
+
+
+def _node_of(ident: bytes) -> int | None:
+    """The node rank a head's identity names (`node-R-PID`, tray/launch/node.py), None for another."""
+    m = re.fullmatch(rb"node-([0-9]{1,9})-[0-9]{1,12}", ident)
+    return int(m.group(1)) if m else None
 
 
 def _table_limit_said() -> str:
@@ -626,16 +634,19 @@ class Root:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        if now - self._last_beat >= HEARTBEAT_INTERVAL_S:
+        if now - self._last_beat >= _BEAT_LOOK_S:
             self._last_beat = now
-            self._seq += 1
-            # NOTE: a node sent anything in the last half period has heard the root: its beat is left out (at 1,000
-            # nodes in lockstep, 2,000 messages a second beside the steps'); each hears from it every 1.5 periods at
-            # most
-            frames = jobwire.frames_of(jobwire.Beat(token=self.token, node_rank=0, seq=self._seq).to_msgpack())
-            quiet = now - HEARTBEAT_INTERVAL_S / 2
+            # NOTE: a node the root sent anything in the last HEARTBEAT_INTERVAL_S - _BEAT_LOOK_S has heard from it: its
+            # beat is left out (at 1,000 nodes in lockstep, 2,000 messages a second beside the steps'); looked at every
+            # _BEAT_LOOK_S, so each node hears from the root every period at most all the same
+            quiet = now - (HEARTBEAT_INTERVAL_S - _BEAT_LOOK_S)
+            frames = None
             for state in self.nodes.values():
                 if self._sent_at.get(state.ident, 0.0) <= quiet:
+                    if frames is None:
+                        self._seq += 1
+                        frames = jobwire.frames_of(jobwire.Beat(token=self.token, node_rank=0,
+                                                                seq=self._seq).to_msgpack())
                     self._send_frames(state.ident, frames)
         self._log_handshake_failures()
         if self.stop is not None or self.ended:
@@ -649,9 +660,8 @@ class Root:
             elif self.handshake_failures:
                 why = (f"{self._failed_handshakes(self.handshake_failures)}: a head that stopped while connecting, "
                        "or one started with another TRAY_JOB_TOKEN")
-            elif self.unjoined:
-                why = (f"the root could not read what {len(self.unjoined)} head(s) sent: "
-                       f"{'; '.join(list(self.unjoined.values())[:3])}")
+            elif unread := [text for ident, text in self.unjoined.items() if _node_of(ident) not in self.nodes]:
+                why = f"the root could not read what {len(unread)} head(s) sent: {'; '.join(unread[:3])}"
             elif refused := [self.strangers[n] for n in self.missing_nodes() if n in self.strangers]:
                 why = f"refused: {'; '.join(refused)}"
             else:
@@ -763,7 +773,8 @@ class Root:
             for part in frames[:-1]:
                 self.sock.send(part, _NOBLOCK_MORE)
             self.sock.send(frames[-1], _NOBLOCK, copy=copy)
-            self._sent_at[ident] = time.monotonic()
+            if ident in self.by_ident:  # a member's (a refused head's would stay for the job's life)
+                self._sent_at[ident] = time.monotonic()
             self.messages_out += 1
         except zmq.ZMQError:  # the node is gone or not keeping up; its silence is what gets reported
             pass
