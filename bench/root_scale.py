@@ -21,7 +21,6 @@ import json
 import math
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,18 +32,13 @@ sys.path.insert(0, str(REPO))
 
 import zmq
 
+from tray.bench.nodes import free_port
 from tray.envinfo import environment
 from tray.handshake import jobwire, raise_fd_soft_limit, wire
 from tray.launch.job import JobSpec
 
 MANIFEST = "a" * 64
 TICK_S = 0.020  # the head's supervision period (tray/launch/head.py _POLL_MS)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job(nnodes: int, node_rank: int, port: int, token: str, timeout_s: float) -> JobSpec:
@@ -231,7 +225,7 @@ def _kind(frames: list[bytes]) -> str:
 
 def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) -> dict:
     token = secrets.token_hex(32)
-    port = _port()
+    port = free_port()
     env = dict(os.environ, TRAY_JOB_TOKEN=token)
     root = subprocess.Popen([sys.executable, __file__, "--serve-root", str(nnodes), str(local), str(port),
                              str(timeout_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,

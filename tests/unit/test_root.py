@@ -853,8 +853,9 @@ def test_heartbeats_are_left_out_while_other_messages_flow(monkeypatch):
     try:
         for n in range(4):
             root.nodes[n].last_seen = t[0]
-        root._sent_at = {b"node-0": t[0], b"node-1": t[0] - 0.3, b"node-2": t[0] - 0.4, b"node-3": t[0] - 2.0}
-        root._last_beat = 0.0
+        for n, ago in enumerate((0.0, 0.3, 0.4, 2.0)):
+            root.nodes[n].last_sent = t[0] - ago
+        root._beats_looked_at = 0.0
         root.tick()
         assert [d for d in sent if d.startswith(b"node-")] == [b"node-2", b"node-3"], sent
         sent.clear()

@@ -134,6 +134,7 @@ class NodeState:
     ident: bytes
     join: jobwire.NodeJoin
     last_seen: float
+    last_sent: float = 0.0  # when the root last sent it anything (monotonic): its beat is left out until a quiet spell
     offers: tuple = ()
     ready: dict[str, float] | None = None
     done: bool = False
@@ -201,8 +202,7 @@ class Root:
         self.t_table: float | None = None
         self.t_go: float | None = None
         self._seq = 0
-        self._last_beat = 0.0
-        self._sent_at: dict[bytes, float] = {}  # connection -> when the root last sent it anything (monotonic)
+        self._beats_looked_at = 0.0  # when the root last looked for nodes a beat is due to
         self._last_wait_said = 0.0
         self._lost_check_at = 0.0  # when a node may first be silent past the heartbeat timeout (_check_lost)
         self.messages_in = 0
@@ -634,15 +634,15 @@ class Root:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        if now - self._last_beat >= _BEAT_LOOK_S:
-            self._last_beat = now
+        if now - self._beats_looked_at >= _BEAT_LOOK_S:
+            self._beats_looked_at = now
             # NOTE: a node the root sent anything in the last HEARTBEAT_INTERVAL_S - _BEAT_LOOK_S has heard from it: its
             # beat is left out (at 1,000 nodes in lockstep, 2,000 messages a second beside the steps'); looked at every
             # _BEAT_LOOK_S, so each node hears from the root every period at most all the same
             quiet = now - (HEARTBEAT_INTERVAL_S - _BEAT_LOOK_S)
             frames = None
             for state in self.nodes.values():
-                if self._sent_at.get(state.ident, 0.0) <= quiet:
+                if state.last_sent <= quiet:
                     if frames is None:
                         self._seq += 1
                         frames = jobwire.frames_of(jobwire.Beat(token=self.token, node_rank=0,
@@ -773,8 +773,9 @@ class Root:
             for part in frames[:-1]:
                 self.sock.send(part, _NOBLOCK_MORE)
             self.sock.send(frames[-1], _NOBLOCK, copy=copy)
-            if ident in self.by_ident:  # a member's (a refused head's would stay for the job's life)
-                self._sent_at[ident] = time.monotonic()
+            node = self.by_ident.get(ident)
+            if node is not None:  # a member's
+                self.nodes[node].last_sent = time.monotonic()
             self.messages_out += 1
         except zmq.ZMQError:  # the node is gone or not keeping up; its silence is what gets reported
             pass
