@@ -21,6 +21,7 @@ import json
 import math
 import os
 import secrets
+import select
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from tray.handshake import jobwire, raise_fd_soft_limit, wire
 from tray.launch.job import JobSpec
 
 MANIFEST = "a" * 64
+MARK_WAIT_S = 30.0  # the root's acknowledgement of a phase's mark, at most
 TICK_S = 0.020  # the head's supervision period (tray/launch/head.py _POLL_MS)
 
 
@@ -237,8 +239,12 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
         marks[name] = time.monotonic() if t is None else t
         root.stdin.write(name + "\n")
         root.stdin.flush()
+        # NOTE: the root reads marks at every turn of its loop (20 ms at most): one unanswered this long is stuck
+        if not select.select([root.stdout], [], [], MARK_WAIT_S)[0]:
+            raise RuntimeError(f"the root's process (pid {root.pid}) did not acknowledge mark {name!r} within "
+                               f"{MARK_WAIT_S:g} s")
         if root.stdout.readline() != "ok\n":
-            raise RuntimeError(f"the root's process did not acknowledge mark {name!r}")
+            raise RuntimeError(f"the root's process (pid {root.pid}) ended before acknowledging mark {name!r}")
 
     try:
         line = root.stdout.readline()
