@@ -1,11 +1,12 @@
 """The job's root at hundreds of nodes, on one machine: a real root (tray.launch.root.Root, driven as node 0's head
 drives it: a poll loop with its tick every 20 ms) in one process, and N nodes' links to it (tray.launch.node.NodeLink:
 CURVE over TCP, the heads' own heartbeat rule) in another, without ranks. Each node joins, sends the offers of its L
-ranks (CUDA-shaped: two fabric-exported buffers; rank 0 carries a 128-byte NCCL id), says ready, votes in ITERS
-job-wide steps, idles for IDLE seconds and says done.
+ranks (CUDA-shaped: two fabric-exported buffers; rank 0 carries a 128-byte NCCL id: what a node sends of them, their
+join info), says ready, votes in ITERS job-wide steps, idles for IDLE seconds and says done.
 
 Measured, per job size: join (every link created -> every node acknowledged), table (every node's offers sent ->
-every node holds the table), go, each step (every vote sent -> every node holds the decision; the decisions are
+every node holds the table; then, timed apart, node 0's head making its ranks' table of it and a rank decoding that),
+go, each step (every vote sent -> every node holds the decision; the decisions are
 received as bytes, node 0's and one other's decoded and checked: decoding thousands of tables and decisions in the
 one process of all nodes would time the bench, not the root), the messages each way and the root's CPU per phase,
 and while idle the messages per second each way. The links' process costs CPU too: on a machine of few cores the
@@ -17,6 +18,7 @@ figures include the root waiting for a core.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -93,6 +95,39 @@ def serve_root(nnodes: int, local: int, port: int, deadline_s: float, heartbeat_
 
 
 # --- the nodes' process ------------------------------------------------------------------------------------
+# NOTE: protocol 8 sends the root the join info of a node's offers and every node the job's (tray/launch/root.py);
+# before it the whole offers went to the root and every node got every rank's offer. Both are driven here, to compare
+JOINS_TABLE = "joins" in {f.name for f in dataclasses.fields(jobwire.NodeOffers)}
+
+
+def _node_offers(token: str, node: int, offers: list[wire.Offer]) -> jobwire.NodeOffers:
+    if JOINS_TABLE:
+        return jobwire.NodeOffers(token=token, node_rank=node, joins=wire.joins_of(offers))
+    return jobwire.NodeOffers(token=token, node_rank=node, offers=tuple(offers))  # type: ignore[call-arg]
+
+
+def _ranks_table(frames: list[bytes], mine: list[wire.Offer], local: int, world: int, token: str) -> dict:
+    """What node 0's head then does with the table as tray/launch/node.py does (inflate and decode it, build its ranks'
+    table, encode it once) and what each of its ranks does (decode that), medians of 5 in ms, and that table's bytes."""
+    limit = wire.job_message_limit(world)
+    head, rank = [], []
+    for _ in range(5):
+        t = time.perf_counter()
+        job = jobwire.decode(jobwire.message_of(frames, limit), token=token, sender="root", limit=limit)
+        if JOINS_TABLE:
+            table = wire.Table(token=token, offers=tuple(mine),
+                               joins={r: v for r, v in job.joins.items() if not 0 <= r < local})
+        else:
+            table = wire.Table(token=token, offers=tuple(job.offers))
+        data = wire.encode(table, limit)
+        t1 = time.perf_counter()
+        wire.decode(data, token=token, limit=limit)
+        head.append(t1 - t)
+        rank.append(time.perf_counter() - t1)
+    return {"head_ms": round(statistics.median(head) * 1e3, 2), "rank_ms": round(statistics.median(rank) * 1e3, 2),
+            "bytes": len(data)}
+
+
 def _offer(rank: int, world: int, local: int, token: str) -> wire.Offer:
     """A CUDA rank's offer as a real one is shaped: its GPU, two fabric-exported buffers, an NCCL id at rank 0."""
     dev = wire.DeviceIdentity(ordinal=rank % local, uuid=f"GPU-{rank:08x}-1c2d-3e4f-5a6b-7c8d9e0f1a2b",
@@ -259,14 +294,18 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
             offers = [_offer(r, world, local, token) for r in range(world)]
             mark("offers_from")
             for n, link in enumerate(nodes.links):
-                link.send(jobwire.NodeOffers(token=token, node_rank=n, offers=tuple(offers[n * local:(n + 1) * local])))
+                link.send(_node_offers(token, n, offers[n * local:(n + 1) * local]))
             marks["offers_sent"] = time.monotonic()
             t, tables = nodes.wait_all("job_table", timeout_s)
             mark("table", t)
             limit = wire.job_message_limit(world)
             table_bytes = jobwire.message_of(tables[-1], limit)
             table = jobwire.decode(table_bytes, token=token, sender="root", limit=limit)
-            assert table.offers == tuple(offers), "the table is not every rank's offer in rank order"
+            if JOINS_TABLE:
+                assert table.joins == wire.joins_of(offers), "the table is not the job's join info"
+            else:
+                assert table.offers == tuple(offers), "the table is not every rank's offer in rank order"
+            ranks_table = _ranks_table(tables[0], offers[:local], local, world, token)
             mark("ready_from")
             for n, link in enumerate(nodes.links):
                 link.send(jobwire.NodeReady(token=token, node_rank=n, timings={"ready": 1.0}))
@@ -328,6 +367,7 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
         "table_s": round(marks["table"] - marks["offers_from"], 3),
         "table_bytes": len(table_bytes),
         "table_wire_bytes": len(tables[0][-1]),  # as sent: deflated when the root deflates it
+        "ranks_table": ranks_table,
         "go_s": round(marks["go"] - marks["ready_from"], 3),
         "step_ms": {"median": round(statistics.median(decided) * 1e3, 2),
                     "p90": round(decided[int(0.9 * (len(decided) - 1))] * 1e3, 2),
@@ -378,7 +418,8 @@ def main() -> None:
         r = run(n, a.L, a.iters, a.idle_s, a.timeout_s)
         runs.append(r)
         print(f"{n} nodes x {a.L}: join {r['join_s']:.2f} s, table {r['table_s']:.2f} s ({r['table_bytes']} B, "
-              f"{r['table_wire_bytes']} B sent), "
+              f"{r['table_wire_bytes']} B sent; a head {r['ranks_table']['head_ms']:.1f} ms on it, a rank "
+              f"{r['ranks_table']['rank_ms']:.1f} ms on its {r['ranks_table']['bytes']} B), "
               f"go {r['go_s']:.3f} s, step {r['step_ms']['median']:.1f} ms (p90 {r['step_ms']['p90']:.1f}), "
               f"root CPU {r['root']['cpu_ms_per_step']:.1f} ms/step, table {r['root']['table']['cpu_ms']:.0f} ms "
               f"({r['root']['table']['process_cpu_ms']:.0f} ms with I/O); "

@@ -16,19 +16,13 @@ from tray.handshake.steps import group_topic, spans_nodes, step_voters
 TOKEN = "t" * 32
 
 
-def _offer(rank: int) -> wire.Offer:
-    return wire.Offer(token=TOKEN, rank=rank, world_size=4, host="boot", pid=100 + rank, uid=0,
-                      device=wire.DeviceIdentity(ordinal=rank % 2, uuid=f"host-{rank % 2}", pci_bus="", numa_node=-1),
-                      backend="host", manifest="a" * 64, fd_socket=f"/j/rank-{rank}.fds",
-                      buffers=(wire.BufferOffer(name="x", nbytes=64, handle="memfd", fabric=None),),
-                      groups={}, timings={"offer": 0.5})
-
-
 MESSAGES = [
     jobwire.NodeJoin(token=TOKEN, node_rank=1, nnodes=2, local_world_size=2, rdzv_id="j", hostname="h", pid=9,
                      manifest="a" * 64, backend="host"),
-    jobwire.NodeOffers(token=TOKEN, node_rank=1, offers=(_offer(2), _offer(3))),
-    jobwire.JobTable(token=TOKEN, offers=tuple(_offer(r) for r in range(4))),
+    jobwire.NodeOffers(token=TOKEN, node_rank=1, joins={3: {"tray:leaders:ep": b"\x03" * 128}}),
+    jobwire.NodeOffers(token=TOKEN, node_rank=0, joins={}),
+    jobwire.JobTable(token=TOKEN, joins={0: {"tray:leaders:world": b"\x01" * 128, "tray:leaders:x": b"\x02"},
+                                         3: {"tray:leaders:ep": b"\x03" * 128}}),
     jobwire.NodeReady(token=TOKEN, node_rank=1, timings={"table": 0.25}),
     jobwire.JobGo(token=TOKEN, t_go=12.5),
     jobwire.NodeVote(token=TOKEN, node_rank=1, topic="x", round=3, ranks=(2, 3), values=({"a": [1, 2]}, None),
@@ -74,10 +68,13 @@ def test_refusals_name_the_fault():
         jobwire.decode(msgpack.packb({**good, "v": 99}), token=TOKEN)
     with pytest.raises(WireError, match="not valid msgpack"):
         jobwire.decode(b"\xc1garbage", token=TOKEN)
-    with pytest.raises(WireError, match="nested offers carry no token"):
-        body = MESSAGES[2].to_body()
-        body["offers"][0]["token"] = TOKEN
-        jobwire.decode(msgpack.packb(body), token=TOKEN)
+    table = next(m for m in MESSAGES if m.KIND == "job_table").to_body()
+    with pytest.raises(WireError, match=r"field 'joins\[1\]\[0\]': ranks in increasing order, got 0 after 3"):
+        jobwire.decode(msgpack.packb({**table, "joins": table["joins"][::-1]}), token=TOKEN)
+    with pytest.raises(WireError, match=r"field 'joins\[0\]\[1\]\['g'\]': expected at most 4096 bytes, got 4097"):
+        jobwire.decode(msgpack.packb({**table, "joins": [[0, {"g": bytes(4097)}]]}), token=TOKEN)
+    with pytest.raises(WireError, match=r"field 'joins\[0\]': expected \[rank, map\]"):
+        jobwire.decode(msgpack.packb({**table, "joins": [[0]]}), token=TOKEN)
     with pytest.raises(WireError, match="cannot encode beat"):
         jobwire.Beat(token=TOKEN, node_rank=0, seq=-1).to_msgpack()
 
@@ -189,8 +186,10 @@ def test_the_root_deflates_a_large_message_and_a_head_inflates_it_within_its_lim
 
     small = jobwire.Beat(token=TOKEN, node_rank=0, seq=1).to_msgpack()
     assert jobwire.frames_of(small) == [small] and jobwire.message_of([small], 1 << 20) == small
-    offers = tuple(_offer(r % 4) for r in range(64))
-    table = jobwire.JobTable(token=TOKEN, offers=offers).to_msgpack()
+    n = 4096
+    values = tuple({"step": 7, "ok": True} for _ in range(n))
+    table = jobwire.JobDecision(token=TOKEN, topic="x", round=1, ranks=tuple(range(n)), values=values, missing=(),
+                                waited_s=0.0).to_msgpack(1 << 20)
     assert len(table) >= jobwire.DEFLATE_FROM
     frames = jobwire.frames_of(table)
     assert frames[0] == b"z" and len(frames) == 2 and len(frames[1]) < len(table) // 4

@@ -4,6 +4,7 @@ with another token stops dialling at its first failed handshake."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import time
@@ -376,15 +377,6 @@ def test_a_nodes_steps_out_of_order_are_refused_and_a_vote_without_a_finite_time
     """A node's ready before the job's table, its ready or offers twice: each refused and logged (two readies before
     any table made the root send go with no table); a group step whose vote carries a NaN timeout is not timed (NaN
     never compares greater: it stood as a deadline that never came), its heads' own deadlines stand."""
-    from tray.handshake import wire
-
-    def offer(rank: int) -> wire.Offer:
-        return wire.Offer(token=TOKEN, rank=rank, world_size=4, host="boot", pid=100 + rank, uid=0,
-                          device=wire.DeviceIdentity(ordinal=rank % 2, uuid=f"host-{rank % 2}", pci_bus="",
-                                                     numa_node=-1),
-                          backend="host", manifest="a" * 64, fd_socket=f"/j/rank-{rank}.fds", buffers=(), groups={},
-                          timings={})
-
     port = _free_port()
     job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
                   source="cli")
@@ -401,7 +393,7 @@ def test_a_nodes_steps_out_of_order_are_refused_and_a_vote_without_a_finite_time
         assert root.t_go is None and len(root.rejected) == 2
         assert "node 1 said ready before the job's table was sent" in root.rejected[1]
         for n in (0, 0, 1):
-            offers = jobwire.NodeOffers(token=TOKEN, node_rank=n, offers=(offer(2 * n), offer(2 * n + 1)))
+            offers = jobwire.NodeOffers(token=TOKEN, node_rank=n, joins={})
             root._on_message(f"node-{n}".encode(), offers.to_msgpack())
         assert root.t_table is not None and "node 0 sent its offers again" in root.rejected[2]
         for n in (0, 0):
@@ -511,23 +503,25 @@ def test_a_head_encodes_the_jobs_decision_and_table_once_for_all_its_ranks(monke
                             encoded.append(self.KIND) or _f(self, limit))
     sent: list[tuple[str, bytes]] = []
     procs = [SimpleNamespace(rank=r) for r in (4, 5, 6, 7)]
+    offers = {r: wire.Offer(token=TOKEN, rank=r, world_size=16, host="boot", pid=100 + r, uid=0,
+                            device=wire.DeviceIdentity(ordinal=r % 4, uuid=f"host-{r % 4}", pci_bus="", numa_node=-1),
+                            backend="host", manifest="a" * 64, fd_socket=f"/j/rank-{r}.fds", buffers=(), groups={},
+                            timings={}) for r in (4, 5, 6, 7)}
     head = SimpleNamespace(
         _rank_sock=object(), votes={("x", 1): {r: r for r in (4, 5, 6, 7)}}, _forget_waits=lambda key: None,
         _expired=set(), _forwarded={("x", 1)}, token=TOKEN, procs=procs, _t_offered=None, t_table=None, world_size=16,
+        offers=offers, rank_base=4, spec=SimpleNamespace(nprocs=4),
         _send_bytes=lambda sock, ident, data, kind: sent.append((ident, data)),
         _send=lambda sock, ident, msg: sent.append((ident, wire.encode(msg))))
     decision = jobwire.JobDecision(token=TOKEN, topic="x", round=1, ranks=tuple(range(16)), values=tuple(range(16)),
                                    missing=(), waited_s=0.0)
     NodeHead._on_job_message(head, decision)  # type: ignore[arg-type]
-    offers = tuple(wire.Offer(token=TOKEN, rank=r, world_size=16, host="boot", pid=100 + r, uid=0,
-                              device=wire.DeviceIdentity(ordinal=r % 4, uuid=f"host-{r % 4}", pci_bus="", numa_node=-1),
-                              backend="host", manifest="a" * 64, fd_socket=f"/j/rank-{r}.fds", buffers=(), groups={},
-                              timings={}) for r in range(16))
-    NodeHead._on_job_message(head, jobwire.JobTable(token=TOKEN, offers=offers))  # type: ignore[arg-type]
+    NodeHead._on_job_message(head, jobwire.JobTable(token=TOKEN, joins={0: {"tray:leaders:world": b"\x01" * 128}}))  # type: ignore[arg-type]
     assert encoded == ["decision", "table"], encoded
     assert [ident for ident, _ in sent] == [f"rank-{r}" for r in (4, 5, 6, 7)] * 2
     assert wire.decode(sent[0][1], token=TOKEN).values == tuple(range(16))
-    assert len(wire.decode(sent[-1][1], token=TOKEN).offers) == 16
+    table = wire.decode(sent[-1][1], token=TOKEN)
+    assert table.offers == tuple(offers.values()) and table.joins == {0: {"tray:leaders:world": b"\x01" * 128}}
 
 
 def test_a_heads_vote_in_a_tray_wide_step_takes_no_pass_over_the_jobs_ranks(monkeypatch):
@@ -648,48 +642,84 @@ def _close(ctx, root, links) -> None:
     ctx.term()
 
 
-def test_a_jobs_table_past_one_mib_reaches_every_head_in_a_job_of_many_ranks():
-    """The table holds every rank's offer: ~0.6 KiB a rank with two exported buffers, so one message of 1 MiB held no
-    table past ~1,600 ranks, and a larger job failed once every node had offered. A message with an entry per rank
-    may now take 4 KiB per rank where that is more than 1 MiB; the heads decode it within that."""
+def test_a_nodes_table_holds_its_own_offers_and_of_other_nodes_only_the_join_info():
+    """Every node got every rank's offer (~0.6 KiB a rank with two exported buffers), so the table grew with the square
+    of the job (8,000 ranks: 5.1 MB to each node) though a node's ranks map peers within their node only. A node now
+    sends the root the join info its ranks offered (the groups that span nodes), the root sends every node the job's,
+    and each head hands its ranks their node's offers beside it: the root's table no longer grows with the offers."""
     from tray.handshake import wire
 
-    nnodes, local, nbuf = 2, 200, 30  # 400 ranks: a table may take 1.6 MB
+    nnodes, local, nbuf = 2, 200, 30  # 400 ranks of 30 exported buffers: every offer in every table took 1.6 MB
     ctx, root, links = _root_and_links(nnodes, local)
     try:
         offers = [_wide_offer(r, nnodes * local, nbuf) for r in range(nnodes * local)]
+        offers[0] = dataclasses.replace(offers[0], groups={"tray:leaders:world": b"\x01" * 128, "x": b""})
+        offers[local + 3] = dataclasses.replace(offers[local + 3], groups={"tray:leaders:ep": b"\x02" * 128})
         for n, link in enumerate(links):
             link.send(jobwire.NodeOffers(token=TOKEN, node_rank=n,
-                                         offers=tuple(offers[n * local:(n + 1) * local])))
+                                         joins=wire.joins_of(offers[n * local:(n + 1) * local])))
         got = _run_root(root, links, lambda got: sum(m.KIND == "job_table" for m in got) == nnodes)
-        table = next(m for m in got if m.KIND == "job_table")
-        nbytes = len(table.to_msgpack(wire.job_message_limit(nnodes * local)))
-        assert wire.MAX_MESSAGE_NBYTES < nbytes <= wire.job_message_limit(nnodes * local), nbytes
-        assert table.offers == tuple(offers)
-        assert root.stop is None
+        tables = [m for m in got if m.KIND == "job_table"]
+        assert [t.joins for t in tables] == [{0: {"tray:leaders:world": b"\x01" * 128},
+                                             local + 3: {"tray:leaders:ep": b"\x02" * 128}}] * nnodes
+        assert len(tables[0].to_msgpack()) < 400 and root.stop is None
     finally:
         _close(ctx, root, links)
 
 
-def test_offers_that_pass_the_tables_limit_are_refused_before_every_node_offered():
-    """A job whose offers cannot fit one table was refused only once every node had offered (at 1,000 nodes, after
-    every head had started its ranks and they had allocated). Now the root stops the job at the offers that pass the
+def test_a_jobs_table_past_one_mib_reaches_every_head_in_a_job_of_many_ranks():
+    """A message with an entry per rank may take 4 KiB per rank where that is more than 1 MiB; the heads decode the
+    table within that: 400 ranks of 3 KB join info each."""
+    from tray.handshake import wire
+
+    nnodes, local = 2, 200
+    ctx, root, links = _root_and_links(nnodes, local)
+    try:
+        joins = {r: {"g": bytes([r % 256]) * 3000} for r in range(nnodes * local)}
+        for n, link in enumerate(links):
+            link.send(jobwire.NodeOffers(token=TOKEN, node_rank=n,
+                                         joins={r: joins[r] for r in range(n * local, (n + 1) * local)}))
+        got = _run_root(root, links, lambda got: sum(m.KIND == "job_table" for m in got) == nnodes)
+        table = next(m for m in got if m.KIND == "job_table")
+        nbytes = len(table.to_msgpack(wire.job_message_limit(nnodes * local)))
+        assert wire.MAX_MESSAGE_NBYTES < nbytes <= wire.job_message_limit(nnodes * local), nbytes
+        assert table.joins == joins and root.stop is None
+    finally:
+        _close(ctx, root, links)
+
+
+def test_join_info_that_passes_the_tables_limit_is_refused_before_every_node_offered():
+    """A job whose join info cannot fit one table was refused only once every node had offered (at 1,000 nodes, after
+    every head had started its ranks and they had allocated). The root stops the job at the message that passes the
     limit, naming the sizes and what to change."""
-    nnodes, local, nbuf = 3, 2, 3000  # ~0.6 MB of offers per node; a table of 6 ranks may take 1 MiB
+    nnodes, local = 3, 2  # ~0.6 MB of join info per node; a table of 6 ranks may take 1 MiB
     ctx, root, links = _root_and_links(nnodes, local)
     try:
         for n in (0, 1):  # node 2 never offers: the job is refused without it
-            links[n].send(jobwire.NodeOffers(token=TOKEN, node_rank=n, offers=tuple(
-                _wide_offer(r, nnodes * local, nbuf) for r in range(n * local, (n + 1) * local))))
+            links[n].send(jobwire.NodeOffers(token=TOKEN, node_rank=n, joins={
+                r: {f"g{i}": bytes(4000) for i in range(75)} for r in range(n * local, (n + 1) * local)}))
         got = _run_root(root, links, lambda got: sum(m.KIND == "job_stop" for m in got) == nnodes)
     finally:
         _close(ctx, root, links)
     stop = next(m for m in got if m.KIND == "job_stop")
     assert stop.exit_code == EXIT_HANDSHAKE and "job_table" not in [m.KIND for m in got]
-    assert re.fullmatch(r"the job's table cannot hold every rank's offer: the offers of 2 of 3 nodes take \d+ B, "
-                        r"about \d+ B per rank, and a table of 6 ranks may take 1048576 B \(1 MiB, or 4096 B per rank "
-                        r"in a job of more than 256 ranks\); export fewer buffers per rank \(the manifest's buffers "
-                        r"and groups\), or run fewer ranks per job", stop.summary), stop.summary
+    assert re.fullmatch(r"the job's table cannot hold every rank's join info: that of 2 of 3 nodes takes \d+ B, and a "
+                        r"table of 6 ranks may take 1048576 B \(1 MiB, or 4096 B per rank in a job of more than 256 "
+                        r"ranks\); span fewer groups across nodes \(the manifest's groups\), or run fewer ranks per "
+                        r"job", stop.summary), stop.summary
+
+
+def test_a_node_that_forwards_another_nodes_join_info_stops_the_job():
+    """A node speaks for its own ranks: join info of another node's rank in its offers stops the job, naming it."""
+    ctx, root, links = _root_and_links(2, 2)
+    try:
+        links[1].send(jobwire.NodeOffers(token=TOKEN, node_rank=1, joins={0: {"g": b"x"}}))
+        got = _run_root(root, links, lambda got: sum(m.KIND == "job_stop" for m in got) == 2)
+    finally:
+        _close(ctx, root, links)
+    stop = next(m for m in got if m.KIND == "job_stop")
+    assert stop.exit_code == EXIT_HANDSHAKE
+    assert "node 1 forwarded the join info of ranks [0], not its own (ranks 2..3)" in stop.summary, stop.summary
 
 
 def test_a_head_hands_its_ranks_a_table_and_a_decision_past_one_mib_in_a_job_of_many_ranks():
@@ -704,16 +734,18 @@ def test_a_head_hands_its_ranks_a_table_and_a_decision_past_one_mib_in_a_job_of_
     head = SimpleNamespace(
         _rank_sock=object(), votes={("x", 1): {0: None}}, _forget_waits=lambda key: None, _expired=set(),
         _forwarded=set(), token=TOKEN, procs=[SimpleNamespace(rank=0)], _t_offered=None, t_table=None,
-        world_size=world, _send_bytes=lambda sock, ident, data, kind: sent.append(data))
+        world_size=world, offers={0: _wide_offer(0, world, 30)}, rank_base=0, spec=SimpleNamespace(nprocs=1),
+        _send_bytes=lambda sock, ident, data, kind: sent.append(data))
     big = "v" * 3000  # 400 x 3 KB: a decision of 1.2 MB
     NodeHead._on_job_message(head, jobwire.JobDecision(  # type: ignore[arg-type]
         token=TOKEN, topic="x", round=1, ranks=tuple(range(world)), values=(big,) * world, missing=(), waited_s=0.0))
     NodeHead._on_job_message(head, jobwire.JobTable(  # type: ignore[arg-type]
-        token=TOKEN, offers=tuple(_wide_offer(r, world, 30) for r in range(world))))
+        token=TOKEN, joins={r: {"g": b"j" * 3000} for r in range(1, world)}))  # another 1.2 MB
     assert len(sent) == 2 and all(len(d) > wire.MAX_MESSAGE_NBYTES for d in sent), [len(d) for d in sent]
     limit = wire.job_message_limit(world)
     assert wire.decode(sent[0], token=TOKEN, limit=limit).values == (big,) * world
-    assert len(wire.decode(sent[1], token=TOKEN, limit=limit).offers) == world
+    table = wire.decode(sent[1], token=TOKEN, limit=limit)
+    assert len(table.offers) == 1 and len(table.joins) == world - 1
 
 
 def test_a_nodes_votes_past_one_mib_reach_the_root_in_a_job_of_many_ranks():
@@ -767,8 +799,8 @@ def test_a_late_voter_of_a_step_that_timed_out_gets_its_decision_past_one_mib():
         _close(ctx, root, links)
 
 
-def test_a_nodes_offers_larger_than_the_jobs_table_fail_that_node_naming_the_limit():
-    """A node whose ranks' offers alone pass the job's table limit cannot send them: its head failed with an uncaught
+def test_a_nodes_join_info_larger_than_the_jobs_table_fails_that_node_naming_the_limit():
+    """A node whose ranks' join info alone pass the job's table limit cannot send them: its head failed with an uncaught
     WireError; now it fails the job naming the sizes and what to change."""
     from types import SimpleNamespace
 
@@ -780,15 +812,16 @@ def test_a_nodes_offers_larger_than_the_jobs_table_fail_that_node_naming_the_lim
     def refuse(msg):
         raise WireError("cannot encode node_offers: 1500000 bytes exceeds the limit of 1048576 bytes")
 
-    head = SimpleNamespace(link=SimpleNamespace(send=refuse, limit=1 << 20), offers={0: None, 1: None},
+    head = SimpleNamespace(link=SimpleNamespace(send=refuse, limit=1 << 20),
+                           offers={r: SimpleNamespace(rank=r, groups={"g": b"x"}) for r in (0, 1)},
                            procs=[SimpleNamespace(rank=0), SimpleNamespace(rank=1)], world_size=4, _t_offered=None,
                            job=SimpleNamespace(token=TOKEN, node_rank=1), _fail=failures.append)
     NodeHead._offers_complete(head, None)  # type: ignore[arg-type]
     assert len(failures) == 1 and failures[0].exit_code == EXIT_HANDSHAKE
     assert failures[0].summary == (
-        "node 1: its ranks' offers cannot go to the root (cannot encode node_offers: 1500000 bytes exceeds the limit "
-        "of 1048576 bytes); a job of 4 ranks has a table of at most 1048576 B: export fewer buffers per rank (the "
-        "manifest's buffers and groups), or run fewer ranks per job")
+        "node 1: its ranks' join info cannot go to the root (cannot encode node_offers: 1500000 bytes exceeds the "
+        "limit of 1048576 bytes); a job of 4 ranks has a table of at most 1048576 B: span fewer groups across nodes "
+        "(the manifest's groups), or run fewer ranks per job")
 
 
 def test_a_head_of_another_protocol_version_is_named_when_the_join_times_out(capsys):

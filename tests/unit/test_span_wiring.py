@@ -13,6 +13,7 @@ import pytest
 
 from tray.backend.base import GroupInfo
 from tray.collectives.span import DeviceSpanBarrier
+from tray.handshake import wire
 from tray.rank import lifecycle
 from tray.rank.env import RankEnv
 from tray.rank.phases import PhaseClock
@@ -90,10 +91,9 @@ def wired(rank: int, offered: bytes | None = UID):
     node = parts.span_local["world"].members
     parts.ptr_tables = {name: SimpleNamespace(ptrs=tuple(0x1000 * (m + 1) for m in node), ptr=0)
                         for name in (SPAN_FLAGS_PREFIX + "world", SPAN_BUFFER_PREFIX + "world")}
-    offers = [SimpleNamespace(groups={}) for _ in range(4)]
-    if offered is not None:
-        offers[0].groups[LEADERS_PREFIX + "world"] = offered
-    lifecycle._join(parts, backend, joiner, SimpleNamespace(offers=offers), 60.0)
+    # member 0's join info as a node's table holds it: in `joins` (another node's rank) for ranks 2 and 3
+    table = wire.Table(token="t", offers=(), joins={0: {LEADERS_PREFIX + "world": offered}} if offered else {})
+    lifecycle._join(parts, backend, joiner, table, 60.0)
     return parts, joiner, offered_info, backend
 
 

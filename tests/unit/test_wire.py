@@ -80,6 +80,8 @@ SAMPLES: list[Message] = [
     Vote(token=TOKEN, rank=0, topic="x", round=0, value=None),
     Decision(token=TOKEN, topic="batch", round=2, values=(1, 2.5, "three", None, [True], {"k": b"v"})),
     Reject(token=TOKEN, reason="offer: field 'rank': expected int, got str"),
+    Table(token=TOKEN, offers=tuple(_offer(rank=r, world_size=8) for r in range(4, 6)),
+          joins={0: {"tray:leaders:world": b"\x07" * 128}, 7: {"tray:leaders:ep": b"\x08" * 128}}),
 ]
 
 
@@ -120,11 +122,31 @@ def test_table_nests_offers_without_envelope() -> None:
     table = SAMPLES[2]
     assert isinstance(table, Table)
     body = _body(table)
-    assert list(body) == ["kind", "v", "token", "offers"]
+    assert list(body) == ["kind", "v", "token", "offers", "joins"]
     assert all(not {"kind", "v", "token"} & set(o) for o in body["offers"])
     back = decode(encode(table), token=TOKEN)
     assert isinstance(back, Table) and back.offers[0].groups["tp"] == b"\x01" * 128
     assert back.offers[3].buffers[0].fabric == b"\x03" * 64
+    assert back.offer(3) is back.offers[3] and back.join_info(0, "tp") == b"\x01" * 128
+
+
+def test_a_nodes_table_holds_its_own_offers_and_the_join_info_of_other_nodes() -> None:
+    """In a job of several nodes a rank's table holds its node's offers (consecutive ranks) and, of other nodes' ranks,
+    only the join info they offered: a lookup of another node's offer names what the table holds."""
+    table = SAMPLES[-1]
+    assert isinstance(table, Table)
+    back = decode(encode(table), token=TOKEN)
+    assert back == table and back.offer(5).rank == 5
+    assert back.join_info(0, "tray:leaders:world") == b"\x07" * 128 and back.join_info(7, "tray:leaders:x") == b""
+    assert back.join_info(4, "tp") == b"" and back.join_info(6, "tray:leaders:world") == b""
+    with pytest.raises(WireError, match=r"the table holds ranks 4\.\.5 \(this node's\), not rank 6"):
+        back.offer(6)
+    with pytest.raises(WireError, match="the table holds no offer"):
+        Table(token=TOKEN, offers=()).offer(0)
+    with pytest.raises(WireError, match=r"offers\[1\]\.rank': expected 5 \(one node's ranks, in order\), got 6"):
+        encode(Table(token=TOKEN, offers=(_offer(4, 8), _offer(6, 8))))
+    with pytest.raises(WireError, match="joins': rank 5's join info beside its offer"):
+        encode(dataclasses.replace(table, joins={5: {"g": b"x"}}))
 
 
 def test_maps_are_sorted_so_bytes_do_not_depend_on_insertion_order() -> None:
@@ -167,7 +189,7 @@ GOLDEN_OFFER = Offer(
     manifest_path="/srv/m.json",
 )
 GOLDEN_OFFER_HEX = (
-    "de0010a46b696e64a56f66666572a17607a5746f6b656eaa746f6b2d676f6c64656ea472616e6b01aa776f726c645f73"
+    "de0010a46b696e64a56f66666572a17608a5746f6b656eaa746f6b2d676f6c64656ea472616e6b01aa776f726c645f73"
     "697a6502a4686f7374a9626f6f742d31323334a3706964cd1092a3756964cd03e8a664657669636584a76f7264696e61"
     "6c01a475756964a84750552d30303131a77063695f627573ac303030303a31623a30302e30a96e756d615f6e6f646500"
     "a76261636b656e64a463756461a86d616e6966657374d940616261626162616261626162616261626162616261626162"
@@ -184,7 +206,7 @@ GOLDEN_OFFER_HEX = (
 )
 GOLDEN_HEARTBEAT = Heartbeat(token="tok-golden", rank=3, phase="connect", seq=7)
 GOLDEN_HEARTBEAT_HEX = (
-    "86a46b696e64a9686561727462656174a17607a5746f6b656eaa746f6b2d676f6c64656ea472616e6b03a57068617365"
+    "86a46b696e64a9686561727462656174a17608a5746f6b656eaa746f6b2d676f6c64656ea472616e6b03a57068617365"
     "a7636f6e6e656374a373657107"
 )
 

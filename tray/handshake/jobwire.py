@@ -19,19 +19,17 @@ from tray.handshake import wire
 from tray.handshake.wire import (
     _SCALARS,
     PROTOCOL_VERSION,
-    Offer,
     _as_float,
     _as_float_map,
     _as_int,
     _as_list,
-    _as_map,
     _as_plains,
     _as_str,
     _fields,
 )
 from tray.manifest.digest import parts_differing
 
-# (value, field path) -> checked value; `_offers` also takes the enclosing token
+# (value, field path) -> checked value
 Check: TypeAlias = Callable[..., Any]
 
 
@@ -89,21 +87,7 @@ def _plains(v: Any, p: str) -> tuple[Any, ...]:
     return tuple(_as_plains(_as_list(v, p), p))
 
 
-def _offers(v: Any, p: str, token: str) -> tuple[Offer, ...]:
-    """Offers nested without kind, v and token (the enclosing message's token applies)."""
-    out = []
-    for i, raw in enumerate(_as_list(v, p)):
-        q = f"{p}[{i}]"
-        nested = _as_map(raw, q)
-        if "token" in nested:
-            raise WireError(f"field '{q}.token': nested offers carry no token")
-        out.append(Offer.from_body({**nested, "token": token}, prefix=q + "."))
-    return tuple(out)
-
-
 def _to_wire(value: Any) -> Any:
-    if isinstance(value, tuple) and value and isinstance(value[0], Offer):
-        return [o._payload() for o in value]
     if isinstance(value, tuple):
         return [v if type(v) in _SCALARS else _to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -121,7 +105,9 @@ class _JobMessage(wire._Message):
 
     def to_body(self) -> dict[str, Any]:
         body = {"kind": self.KIND, "v": PROTOCOL_VERSION, "token": self.token}
-        body.update({name: _to_wire(getattr(self, name)) for name in self.FIELDS})
+        for name, check in self.FIELDS.items():  # joins: a list of pairs (msgpack map keys are strings here)
+            value = getattr(self, name)
+            body[name] = wire.joins_to_wire(value) if check is wire.joins_from_wire else _to_wire(value)
         return body
 
     @classmethod
@@ -134,10 +120,7 @@ class _JobMessage(wire._Message):
         token = _as_str(b["token"], prefix + "token")
         values = {}
         for name, check in cls.FIELDS.items():
-            if check is _offers:
-                values[name] = _offers(b[name], prefix + name, token)
-            else:
-                values[name] = check(b[name], prefix + name)
+            values[name] = check(b[name], prefix + name)
         if len({len(values[name]) for name in cls.PARALLEL}) > 1:
             said = ", ".join(f"'{prefix}{name}' {len(values[name])}" for name in cls.PARALLEL)
             raise WireError(f"fields of one entry each per rank or step differ in length: {said}")
@@ -186,21 +169,24 @@ def manifest_differs(theirs: str, ours: str, theirs_parts: tuple[str, ...] = (),
 
 @dataclass(frozen=True, slots=True)
 class NodeOffers(_JobMessage):
-    """head -> root: every offer of the node's ranks, checked by the head, in rank order."""
+    """head -> root: every rank of the node offered and the head checked the offers; `joins` the join info they
+    carry (rank -> {group: info}, non-empty only: wire.joins_of), the one part of them other nodes' ranks use."""
 
     KIND: ClassVar[str] = "node_offers"
-    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "offers": _offers}
+    FIELDS: ClassVar[dict[str, Check]] = {"node_rank": _int(0), "joins": wire.joins_from_wire}
     node_rank: int
-    offers: tuple[Offer, ...]
+    joins: dict[int, dict[str, bytes]]
 
 
 @dataclass(frozen=True, slots=True)
 class JobTable(_JobMessage):
-    """root -> every head: the offers of every rank of the job, in global rank order."""
+    """root -> every head: every node offered; `joins` the join info of every rank of the job that offered one (rank
+    -> {group: info}). Each head hands its ranks a table of their own offers and these (wire.Table): what a
+    node's ranks use of other nodes' offers, so the table does not grow with the square of the job."""
 
     KIND: ClassVar[str] = "job_table"
-    FIELDS: ClassVar[dict[str, Check]] = {"offers": _offers}
-    offers: tuple[Offer, ...]
+    FIELDS: ClassVar[dict[str, Check]] = {"joins": wire.joins_from_wire}
+    joins: dict[int, dict[str, bytes]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hmac
 import math
 import re
-from dataclasses import dataclass, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self, TypeAlias
 
 import msgpack  # type: ignore[import-untyped]
@@ -13,7 +14,9 @@ import msgpack  # type: ignore[import-untyped]
 from tray.errors import UsageError, WireError
 from tray.text import seconds_value
 
-PROTOCOL_VERSION = 7  # 7: the root deflates a large message (jobwire.frames_of), which a head of 6 cannot read
+# 7: the root deflates a large message (jobwire.frames_of), which a head of 6 cannot read; 8: a table holds the offers
+# of its node's ranks and the join info of other nodes' (`joins`), where 7 held every offer of the job
+PROTOCOL_VERSION = 8
 # NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
@@ -378,19 +381,80 @@ class Offer(_Message):
         )
 
 
+def joins_of(offers: Iterable[Offer]) -> dict[int, dict[str, bytes]]:
+    """The join info that `offers` carry, non-empty only: rank -> {group: info}. What another node's ranks use of
+    these offers: their buffers map within a node only, and an empty join info reads as none."""
+    out = {}
+    for o in offers:
+        infos = {k: v for k, v in o.groups.items() if v}
+        if infos:
+            out[o.rank] = infos
+    return out
+
+
+def joins_to_wire(joins: dict[int, dict[str, bytes]]) -> list[list[Any]]:
+    """`joins` on the wire: [[rank, {group: info}], ...] in rank order (msgpack map keys are strings here)."""
+    return [[r, {k: joins[r][k] for k in sorted(joins[r])}] for r in sorted(joins)]
+
+
+def joins_from_wire(value: object, path: str) -> dict[int, dict[str, bytes]]:
+    """joins_to_wire's inverse, checked: ranks >= 0, increasing; every info at most MAX_JOIN_INFO_NBYTES."""
+    out: dict[int, dict[str, bytes]] = {}
+    last = -1
+    for i, pair in enumerate(_as_list(value, path)):
+        q = f"{path}[{i}]"
+        if type(pair) is not list or len(pair) != 2:
+            raise _bad(q, "[rank, map]", pair)
+        rank = _as_int(pair[0], q + "[0]", lo=0)
+        if rank <= last:
+            raise WireError(f"field '{q}[0]': ranks in increasing order, got {rank} after {last}")
+        last = rank
+        out[rank] = _as_blob_map(pair[1], q + "[1]", MAX_JOIN_INFO_NBYTES)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Table(_Message):
-    """head -> every rank: all offers, in rank order, after the head checked them. Nested offers go
-    on the wire without kind, v and token; they carry the table's token."""
+    """head -> every rank: the offers of the head's ranks (every rank of a tray of one host), in rank order, after
+    the head checked them; in a job of several nodes, `joins` the join info that ranks of other nodes offered
+    (rank -> {group: info}, non-empty only), which is all its ranks use of them (wire.joins_of). Nested offers
+    go on the wire without kind, v and token; they carry the table's token."""
 
     KIND: ClassVar[str] = "table"
     offers: tuple[Offer, ...]
+    joins: dict[int, dict[str, bytes]] = field(default_factory=dict)
+
+    def offer(self, rank: int) -> Offer:
+        """Rank `rank`'s offer; a WireError when the table holds none (a rank of another node)."""
+        i = rank - self.offers[0].rank if self.offers else -1
+        if not 0 <= i < len(self.offers):
+            held = f"ranks {self.offers[0].rank}..{self.offers[-1].rank}" if self.offers else "no offer"
+            raise WireError(f"the table holds {held} (this node's), not rank {rank}")
+        return self.offers[i]
+
+    def join_info(self, rank: int, group: str) -> bytes:
+        """What rank `rank` offered to join `group` (b"" for none), from its offer or, on another node, `joins`."""
+        if self.offers and self.offers[0].rank <= rank <= self.offers[-1].rank:
+            return self.offers[rank - self.offers[0].rank].groups.get(group, b"")
+        return self.joins.get(rank, {}).get(group, b"")
 
     def _payload(self) -> dict[str, Any]:
         for i, offer in enumerate(self.offers):
             if not hmac.compare_digest(offer.token.encode(), self.token.encode()):
                 raise WireError(f"field 'offers[{i}].token': differs from the table's token")
-        return {"offers": [offer._payload() for offer in self.offers]}
+        return {"offers": [offer._payload() for offer in self.offers], "joins": joins_to_wire(self.joins)}
+
+    @staticmethod
+    def _check(offers: tuple[Offer, ...], joins: dict[int, dict[str, bytes]], prefix: str) -> None:
+        """The offers' ranks consecutive (one node's), and no join info for one of them beside its offer."""
+        for i, o in enumerate(offers[1:], 1):
+            if o.rank != offers[0].rank + i:
+                raise WireError(f"field '{prefix}offers[{i}].rank': expected {offers[0].rank + i} (one node's ranks, "
+                                f"in order), got {o.rank}")
+        if offers:
+            inside = [r for r in joins if offers[0].rank <= r <= offers[-1].rank]
+            if inside:
+                raise WireError(f"field '{prefix}joins': rank {inside[0]}'s join info beside its offer")
 
     @classmethod
     def from_body(cls, body: dict[str, Any], *, prefix: str = "") -> Self:
@@ -403,7 +467,9 @@ class Table(_Message):
             if "token" in nested:
                 raise WireError(f"field '{p}.token': nested offers carry no token (the table's applies)")
             offers.append(Offer.from_body({**nested, "token": token}, prefix=p + "."))
-        return cls(token=token, offers=tuple(offers))
+        joins = joins_from_wire(b["joins"], prefix + "joins")
+        cls._check(tuple(offers), joins, prefix)
+        return cls(token=token, offers=tuple(offers), joins=joins)
 
 
 @dataclass(frozen=True, slots=True)

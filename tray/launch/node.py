@@ -2,8 +2,9 @@
 root (node 0's head, which also serves the root in the same loop).
 
 What changes against a head of one host: rank numbers are global (node_rank * L + local rank); the
-local offers, ready reports and votes go to the root as one message per node and step, and the table,
-go and decisions come back from it; the first failure on this node is reported to the root, and the
+local offers (the join info in them), ready reports and votes go to the root as one message per node and step,
+and the table (the job's join info, beside which each head hands its ranks their own node's offers), go and
+decisions come back from it; the first failure on this node is reported to the root, and the
 job's root cause (wherever it happened) is what every head prints; heartbeats both ways bound how long
 a lost node or a lost root goes unnoticed.
 """
@@ -358,15 +359,14 @@ class NodeHead(Head):
     def _offers_complete(self, sock: zmq.Socket) -> None:
         assert self.link is not None
         self._t_offered = time.monotonic()
-        offers = tuple(self.offers[p.rank] for p in self.procs)
+        joins = wire.joins_of(self.offers[p.rank] for p in self.procs)
         try:
-            self.link.send(jobwire.NodeOffers(token=self.job.token, node_rank=self.job.node_rank, offers=offers))
-        except WireError as exc:  # more than the job's whole table may hold: no node's offers fit beside them
-            self._fail(Failure(None, f"node {self.job.node_rank}: its ranks' offers cannot go to the root "
+            self.link.send(jobwire.NodeOffers(token=self.job.token, node_rank=self.job.node_rank, joins=joins))
+        except WireError as exc:  # more than the job's whole table may hold: no node's join info fits beside it
+            self._fail(Failure(None, f"node {self.job.node_rank}: its ranks' join info cannot go to the root "
                                f"({exc.reason}); a job of {self.world_size} ranks has a table of at most "
-                               f"{self.link.limit} B: export "
-                               "fewer buffers per rank (the manifest's buffers and groups), or run fewer ranks per job",
-                               exit_code=EXIT_HANDSHAKE))
+                               f"{self.link.limit} B: span fewer groups across nodes (the manifest's groups), or run "
+                               "fewer ranks per job", exit_code=EXIT_HANDSHAKE))
 
     def _all_ready(self, sock: zmq.Socket) -> None:
         assert self.link is not None
@@ -568,13 +568,15 @@ class NodeHead(Head):
             self.t_table = time.time()
             if self._t_offered is not None:  # a node slower to offer is not this node's ranks' to answer for
                 self._table_wait_s = time.monotonic() - self._t_offered
-            table = wire.Table(token=self.token,
-                               offers=tuple(dataclasses.replace(o, token=self.token) for o in msg.offers))
-            try:  # once for every rank: it holds every rank of the job
+            # this node's offers, and of other nodes' the join info their ranks use (peer mappings stay in a node)
+            here = range(self.rank_base, self.rank_base + self.spec.nprocs)
+            table = wire.Table(token=self.token, offers=tuple(self.offers[p.rank] for p in self.procs),
+                               joins={r: infos for r, infos in msg.joins.items() if r not in here})
+            try:
                 data = wire.encode(table, wire.job_message_limit(self.world_size))
-            except WireError as exc:  # the root's table, with this tray's own token: a few bytes more, at the limit
+            except WireError as exc:  # the job's join info, with this node's offers: at the limit
                 self._fail(Failure(None, f"node {self.job.node_rank}: the job's table cannot go to its ranks "
-                                   f"({exc.reason}); export fewer buffers per rank, or run fewer ranks per job",
+                                   f"({exc.reason}); export fewer buffers per rank, or span fewer groups across nodes",
                                    exit_code=EXIT_HANDSHAKE))
                 return
             for p in self.procs:

@@ -2,7 +2,8 @@
 
 Heads connect over TCP with CURVE (keys from the job token). The root checks that the nodes form one
 job (node ranks 0..N-1 once each, one node count, one ranks-per-node, one manifest, one backend, one
-rendezvous id), assembles one table from one offers message per node, gathers per-node votes into
+rendezvous id), assembles one table from one offers message per node (the join info of the groups that
+span nodes: all a node's ranks use of other nodes' offers), gathers per-node votes into
 one decision per step, says go when every node is ready, and ends the job when every node is done.
 The first failure anywhere (a node's report, a lost node, a node that never joined) becomes the job's
 root cause, sent to every head as JobStop. A connection that fails its CURVE handshake is not a node
@@ -66,7 +67,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _BEAT_LOOK_S = 0.1  # how often the root looks for nodes it has sent nothing for a while (a beat is then due)
 _COPY_BELOW = 1 << 16  # smaller messages are copied as they are sent; a larger one is shared (zero-copy)
-# a NodeOffers message beside its offers and token, at most: its kind, version, node rank and the field names (~55 B)
+# a NodeOffers message beside its join info and token, at most: its kind, version, node rank and the field names (~55 B)
 _OFFERS_ENVELOPE_NBYTES = 64
 
 
@@ -135,7 +136,8 @@ class NodeState:
     join: jobwire.NodeJoin
     last_seen: float
     last_sent: float = 0.0  # when the root last sent it anything (monotonic): its beat is left out until a quiet spell
-    offers: tuple = ()
+    offered: bool = False
+    joins: dict[int, dict[str, bytes]] = field(default_factory=dict)  # its ranks' join info (NodeOffers)
     ready: dict[str, float] | None = None
     done: bool = False
 
@@ -349,7 +351,7 @@ class Root:
                                                       jobwire.NodeHeld)):
             return  # the job stopped: no table, go or decision follows (a late node's offers included)
         if isinstance(msg, jobwire.NodeOffers):
-            if state.offers:
+            if state.offered:
                 self._reject(ident, f"node {node} sent its offers again (once per job)")
                 return
             self._on_offers(state, msg, len(payload))
@@ -434,33 +436,32 @@ class Root:
 
     def _on_offers(self, state: NodeState, msg: jobwire.NodeOffers, nbytes: int) -> None:
         base = msg.node_rank * self.local_world_size
-        got = [o.rank for o in msg.offers]
-        if got != list(range(base, base + self.local_world_size)):
-            self._stop(msg.node_rank, -1, f"node {msg.node_rank} forwarded offers of ranks {got}, expected ranks "
-                       f"{base}..{base + self.local_world_size - 1}", exit_code=EXIT_HANDSHAKE)
+        foreign = [r for r in msg.joins if not base <= r < base + self.local_world_size]
+        if foreign:
+            self._stop(msg.node_rank, -1, f"node {msg.node_rank} forwarded the join info of ranks {foreign[:8]}, not "
+                       f"its own (ranks {base}..{base + self.local_world_size - 1})", exit_code=EXIT_HANDSHAKE)
             return
-        state.offers = msg.offers
+        state.offered = True
+        state.joins = msg.joins
         self.offered += 1
-        # NOTE: the table holds every node's offers as they came, less each message's envelope: once those seen so far
-        # pass the table's limit, the job is refused now, not after every node offered
+        # NOTE: the table holds every node's join info as it came, less each message's envelope: once what came so far
+        # passes the table's limit, the job is refused now, not after every node offered
         self._offered_nbytes += max(0, nbytes - _OFFERS_ENVELOPE_NBYTES - len(self.token.encode()))
         if self._offered_nbytes > self.limit:
-            per_rank = self._offered_nbytes // (self.offered * self.local_world_size)
-            self._stop(None, -1, f"the job's table cannot hold every rank's offer: the offers of {self.offered} of "
-                       f"{self.nnodes} nodes take {self._offered_nbytes} B, about {per_rank} B per rank, and a table "
-                       f"of {self.world_size} ranks may take {self.limit} B ({_table_limit_said()}); export "
-                       "fewer buffers per rank (the manifest's buffers and groups), or run fewer ranks per job",
-                       exit_code=EXIT_HANDSHAKE)
+            self._stop(None, -1, f"the job's table cannot hold every rank's join info: that of {self.offered} of "
+                       f"{self.nnodes} nodes takes {self._offered_nbytes} B, and a table of {self.world_size} ranks "
+                       f"may take {self.limit} B ({_table_limit_said()}); span fewer groups across nodes (the "
+                       "manifest's groups), or run fewer ranks per job", exit_code=EXIT_HANDSHAKE)
             return
         if len(self.nodes) == self.nnodes and self.offered == self.nnodes:
-            offers = tuple(o for n in range(self.nnodes) for o in self.nodes[n].offers)
+            joins = {r: infos for n in range(self.nnodes) for r, infos in self.nodes[n].joins.items()}
             self.t_table = time.time()
             try:
-                self._broadcast(jobwire.JobTable(token=self.token, offers=offers))
+                self._broadcast(jobwire.JobTable(token=self.token, joins=joins))
             except WireError as exc:
-                self._stop(None, -1, f"the job's table of {len(offers)} offers cannot be sent ({exc.reason}); export "
-                           "fewer buffers per rank (the manifest's buffers and groups), or run fewer ranks per job",
-                           exit_code=EXIT_HANDSHAKE)
+                self._stop(None, -1, f"the job's table of the join info of {len(joins)} ranks cannot be sent "
+                           f"({exc.reason}); span fewer groups across nodes (the manifest's groups), or run fewer "
+                           "ranks per job", exit_code=EXIT_HANDSHAKE)
 
     def _on_held(self, node: int, msg: jobwire.NodeHeld) -> None:
         now = time.monotonic()

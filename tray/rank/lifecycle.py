@@ -280,7 +280,7 @@ def _import_peers(parts: Parts, backend: Backend, table: wire.Table, timeout_s: 
     mapped: dict[tuple[int, str], int] = {}
     mappings = parts.mappings = {}  # (peer, buffer) -> its PeerMapping here (views hold them past close)
     for peer, names in sorted(wanted.items()):
-        offer = table.offers[peer]
+        offer = table.offer(peer)
         kinds = {b.name: b for b in offer.buffers}
         need_fds = [n for n in names if kinds[n].handle != "fabric"]
         fds = fetch_fds(offer.fd_socket, env.token, need_fds, f"rank {peer}", timeout_s) if need_fds else {}
@@ -376,7 +376,7 @@ def _join_spanning(parts: Parts, backend: Backend, joiner: collectives.Joiner, t
         parts.barriers[g.name] = HostSpanBarrier(g, local_group, local, node_members, span, leader_span_ptr, step,
                                                  relayed=relay)
         return
-    info = table.offers[g.members[0]].groups.get(LEADERS_PREFIX + g.name, b"")
+    info = table.join_info(g.members[0], LEADERS_PREFIX + g.name)
     if not info:  # member 0 could not make the leaders' join info: relayed on every member
         local.close()
         return
