@@ -148,14 +148,17 @@ def test_the_step_latency_bench_times_tray_and_its_floor_at_each_rank_count(tray
 
 def test_the_root_scale_bench_runs_a_root_and_its_nodes_links_through_a_job(tray_env, tmp_path):
     """bench/root_scale.py, tiny: 3 nodes of 2, 3 steps, 1.2 s idle (two heartbeats each way): every phase timed, the
-    table checked to be every rank's offer, each step's decision checked, the root's counters per phase."""
+    table checked to be the job's join info (rank 0's NCCL id alone), a node's ranks' table timed, each step's decision
+    checked, the root's counters per phase."""
     report_path = tmp_path / "report.json"
     run = tray_env.run([sys.executable, str(REPO / "bench" / "root_scale.py"), "--nodes", "3", "-L", "2", "--iters",
                         "3", "--idle-s", "1.2", "--timeout-s", "60", "--json", str(report_path)], timeout_s=120)
     assert run.returncode == 0, run.output
     assert run.stdout.startswith("3 nodes x 2: join "), run.stdout
     r = json.loads(report_path.read_text())["runs"][0]
-    assert r["world_size"] == 6 and r["table_bytes"] > 6 * 400, r
+    assert r["world_size"] == 6 and 128 < r["table_bytes"] < 400, r  # rank 0's 128-byte id, not six offers
+    ranks = r["ranks_table"]  # two offers of ~0.64 KB and rank 0's id
+    assert ranks["head_ms"] > 0 and ranks["rank_ms"] > 0 and 2 * 400 < ranks["bytes"] < 4 * 400, ranks
     assert 0 < r["step_ms"]["median"] <= r["step_ms"]["p90"], r
     root = r["root"]
     # a vote per node and step in, a decision per node and step out

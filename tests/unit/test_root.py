@@ -858,6 +858,71 @@ def test_a_head_of_another_protocol_version_is_named_when_the_join_times_out(cap
                     "tray on node-1-4242 (run one tray version everywhere)"], said
 
 
+def test_a_rank_that_left_is_named_from_a_votes_own_step_without_a_pass_over_every_undecided_step(monkeypatch):
+    """Once a rank had left (exited 0, closed its tray), every vote made the root copy every undecided step's votes
+    (O(ranks of the job) per vote) to find one waiting for it. It now looks at the vote's step alone, through the ranks
+    that left: a step of a group without them goes on; a job-wide step stops the job naming the rank; votes held at a
+    head count as waiting."""
+    from tray.handshake.steps import group_topic
+
+    port = _free_port()
+    job = JobSpec(nnodes=3, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=2, manifest="m" * 64, backend="host",
+                groups={"g": ((0, 1), (2, 3), (4, 5))}, join_timeout_s=30.0)
+    passes = []
+    monkeypatch.setattr(root, "_heard", lambda: passes.append(1) or ({}, {}))
+    try:
+        for n in range(3):
+            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=3, local_world_size=2, rdzv_id="test",
+                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
+            root._on_message(f"node-{n}".encode(), join.to_msgpack())
+
+        def vote(node: int, topic: str, ranks: tuple[int, ...]) -> bytes:
+            return jobwire.NodeVote(token=TOKEN, node_rank=node, topic=topic, round=1, ranks=ranks,
+                                    values=tuple(7 for _ in ranks), waits=tuple(10.0 for _ in ranks)).to_msgpack()
+
+        root._on_message(b"node-0", jobwire.NodeLeft(token=TOKEN, node_rank=0, rank=1, how="exited 0").to_msgpack())
+        root._on_message(b"node-1", vote(1, group_topic("g", (2, 3), "barrier"), (2,)))
+        root._on_message(b"node-2", jobwire.NodeHeld(token=TOKEN, node_rank=2, topics=("x",), rounds=(1,), ranks=(4,),
+                                                     waits=(0.0,)).to_msgpack())
+        assert root.stop is None  # rank 1 is not of group g's instance (2, 3); rank 4 held, but gave the step up
+        assert passes == []  # (a stop says the steps left pending: one pass then)
+        root._on_message(b"node-2", jobwire.NodeHeld(token=TOKEN, node_rank=2, topics=("x",), rounds=(1,), ranks=(4,),
+                                                     waits=(10.0,)).to_msgpack())
+        assert root.stop is not None
+        assert root.stop.summary == "rank 1 exited 0 while rank 4 waits for it in exchange 'x' (round 1), which it " \
+            "never joined: every rank must make the same tray-wide steps", root.stop.summary
+    finally:
+        root.close()
+        ctx.term()
+
+
+def test_a_vote_after_a_rank_left_stops_the_job_when_its_step_waits_for_that_rank():
+    """The same through votes that reach the root: a job-wide step that rank 1 never joins."""
+    port = _free_port()
+    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
+                  source="cli")
+    ctx = zmq.Context()
+    root = Root(ctx, job, local_world_size=2, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
+    try:
+        for n in range(2):
+            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=2, local_world_size=2, rdzv_id="test",
+                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
+            root._on_message(f"node-{n}".encode(), join.to_msgpack())
+        root._on_message(b"node-0", jobwire.NodeLeft(token=TOKEN, node_rank=0, rank=1, how="closed its tray")
+                         .to_msgpack())
+        assert root.stop is None
+        root._on_message(b"node-1", jobwire.NodeVote(token=TOKEN, node_rank=1, topic="x", round=1, ranks=(2, 3),
+                                                     values=(1, 2), waits=(5.0, 5.0)).to_msgpack())
+        assert root.stop is not None and root.stop.rank == 1
+        assert "rank 1 closed its tray while ranks 2,3 wait for it in exchange 'x' (round 1)" in root.stop.summary
+    finally:
+        root.close()
+        ctx.term()
+
+
 def test_heartbeats_are_left_out_while_other_messages_flow(monkeypatch):
     """Any message says its sender is alive: the root leaves out the beat of a node it sent something within the last
     period (less its look interval), and a head its own beat while it sends votes (at 1,000 nodes in lockstep, 2,000

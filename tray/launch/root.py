@@ -20,6 +20,7 @@ import re
 import resource
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -151,6 +152,7 @@ class _Step:
     t0: float = field(default_factory=time.monotonic)
     timeout_s: float | None = None
     until: dict[int, float] = field(default_factory=dict)  # rank -> until when it waits for the decision (monotonic)
+    latest: float = 0.0  # the latest of `until`: whether any voter still waits, without a pass over them
     # the voters not heard from yet: the step is decided when none is left. NOTE: not a pass over every voter at each
     # vote, which made a tray-wide step O(nodes x ranks) at the root
     unheard: set[int] = field(init=False)
@@ -190,6 +192,7 @@ class Root:
         self.left: dict[int, str] = {}  # ranks that take part in no step any more (NodeLeft): how they left
         # votes held at their node's head in tray-wide steps (NodeHeld): node -> step -> rank -> until when it waits
         self.held: dict[int, dict[tuple[str, int], dict[int, float]]] = {}
+        self._held_at: dict[tuple[str, int], dict[int, float]] = {}  # the same by step: step -> rank -> until when
         self.told: set[int] = set()  # node ranks refused at their join, told why (not waited for after a stop)
         self.strangers: dict[int, str] = {}  # node rank -> why a head of another job that gave it was refused (last)
         self.unjoined: dict[bytes, str] = {}  # connection -> why its first unreadable message was refused (not joined)
@@ -470,16 +473,30 @@ class Root:
         for t, n, r, w in zip(msg.topics, msg.rounds, msg.ranks, msg.waits):
             if lo <= r < hi:
                 held.setdefault((t, n), {})[r] = now + w
+        before = self.held.get(node, {})
+        self._unhold(before)
+        for key, ranks in held.items():
+            self._held_at.setdefault(key, {}).update(ranks)
         self.held[node] = held
         self._crossed_due = True
         if self.left:
-            self._check_left()
+            self._check_left(set(held) | set(before))
+
+    def _unhold(self, held: dict[tuple[str, int], dict[int, float]]) -> None:
+        """Take a node's held votes `held` out of the by-step index."""
+        for key, ranks in held.items():
+            at = self._held_at.get(key)
+            if at is not None:
+                for r in ranks:
+                    at.pop(r, None)
+                if not at:
+                    del self._held_at[key]
 
     def _on_vote(self, node: int, msg: jobwire.NodeVote) -> None:
         key = (msg.topic, msg.round)
         held = self.held.get(node)
-        if held:  # the node's votes in this step are here now
-            held.pop(key, None)
+        if held and key in held:  # the node's votes in this step are here now
+            self._unhold({key: held.pop(key)})
         if key in self.expired:  # a late voter of a step that timed out gets the same verdict
             self._send_frames(self.nodes[node].ident, self.expired[key])
             return
@@ -495,6 +512,7 @@ class Root:
         for r, v, w in zip(msg.ranks, msg.values, msg.waits):
             step.values[r] = v
             step.until[r] = now + w
+            step.latest = max(step.latest, now + w)
             step.unheard.discard(r)
             if step.timeout_s is None and msg.topic.startswith(GROUP_PREFIX) and isinstance(v, dict):
                 t = v.get("timeout_s")
@@ -505,7 +523,7 @@ class Root:
             self._decide(key, step, missing=())
             return
         if self.left:
-            self._check_left()
+            self._check_left((key,))
         self._crossed_due = True
 
     def _heard(self) -> tuple[dict[tuple[str, int], dict[int, Any]], dict[tuple[str, int], dict[int, float]]]:
@@ -513,11 +531,10 @@ class Root:
         when each voter waits: ({step: {rank: value}}, {step: {rank: until}})."""
         boxes: dict[tuple[str, int], dict[int, Any]] = {key: dict(step.values) for key, step in self.steps.items()}
         until = {key: dict(step.until) for key, step in self.steps.items()}
-        for held in self.held.values():
-            for key, ranks in held.items():
-                for r, t in ranks.items():
-                    boxes.setdefault(key, {})[r] = None
-                    until.setdefault(key, {})[r] = t
+        for key, ranks in self._held_at.items():
+            for r, t in ranks.items():
+                boxes.setdefault(key, {})[r] = None
+                until.setdefault(key, {})[r] = t
         return boxes, until
 
     def _pending(self) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -555,19 +572,27 @@ class Root:
             else:
                 self._stop(None, cycle[0][1], f"across nodes {','.join(map(str, nodes))}: {describe_cycle(cycle)}")
 
-    def _check_left(self) -> None:
+    def _check_left(self, keys: Iterable[tuple[str, int]] | None = None) -> None:
         """A step some ranks wait in whose voters include a rank that left (exited 0, closed its tray) without
-        voting can never be decided: the job stops now, naming that rank, not when the waiters' timeouts pass."""
+        voting can never be decided: the job stops now, naming that rank, not when the waiters' timeouts pass.
+        `keys`: the steps to look at (a vote's, a node's held ones), every undecided one when None (a rank left).
+        NOTE: a pass over the ranks that left, not over each step's votes: a vote after a rank left copied every
+        undecided step (O(ranks of the job) per vote, at every node's vote of a job-wide step)."""
         now = time.monotonic()
-        boxes, until = self._heard()  # votes held at heads too: a node's other rank may never come
-        for (topic, rnd), box in boxes.items():
-            if not any(t > now for t in until[(topic, rnd)].values()):
+        for key in (set(self.steps) | set(self._held_at)) if keys is None else keys:
+            step = self.steps.get(key)
+            held = self._held_at.get(key, {})  # votes held at heads too: a node's other rank may never come
+            if not ((step is not None and step.latest > now) or any(t > now for t in held.values())):
                 continue  # every rank that voted gave the step up (a caught timeout): nobody waits in it
-            gone = [r for r in self._voters_of(topic) or () if r in self.left and r not in box]
+            if step is not None:
+                gone = [r for r in self.left if r in step.unheard and r not in held]
+            else:
+                voters = self._voters_of(key[0]) or ()
+                gone = [r for r in self.left if r not in held and r in voters]
             if gone:
-                r = gone[0]
-                self._stop(r // self.local_world_size, r,
-                           f"rank {r} {self.left[r]} {never_joined(list(box), topic, rnd)}")
+                r = min(gone)
+                waiting = [*(step.values if step is not None else ()), *held]
+                self._stop(r // self.local_world_size, r, f"rank {r} {self.left[r]} {never_joined(waiting, *key)}")
                 return
 
     def _decide(self, key: tuple[str, int], step: _Step, missing: tuple[int, ...]) -> None:
