@@ -57,8 +57,9 @@ def serve_root(nnodes: int, local: int, port: int, deadline_s: float, heartbeat_
 
     token = os.environ["TRAY_JOB_TOKEN"]
     ctx = zmq.Context()
+    # one group over the whole job, which spans its nodes: its leaders' NCCL id (rank 0's) is the table's
     root = Root(ctx, _job(nnodes, 0, port, token, heartbeat_timeout_s), local_world_size=local, manifest=MANIFEST,
-                backend="cuda", groups={}, join_timeout_s=deadline_s)
+                backend="cuda", groups={"world": (tuple(range(nnodes * local)),)}, join_timeout_s=deadline_s)
     print(json.dumps({"listening": True}), flush=True)
     poller = zmq.Poller()
     marks_in = sys.stdin.fileno()  # the nodes' process names each phase's start and end here, and waits for "ok"
@@ -137,7 +138,7 @@ def _offer(rank: int, world: int, local: int, token: str) -> wire.Offer:
     return wire.Offer(token=token, rank=rank, world_size=world, host=f"boot-{rank // local:06d}", pid=1000 + rank,
                       uid=1000, device=dev, backend="cuda", manifest=MANIFEST,
                       fd_socket=f"/tmp/tray-jobs.1000/job-0123456789ab/rank-{rank}.fds", buffers=bufs,
-                      groups={"world": secrets.token_bytes(128)} if rank == 0 else {},
+                      groups={"tray:leaders:world": secrets.token_bytes(128)} if rank == 0 else {},
                       timings={"import": 0.31, "manifest": 0.01, "device": 0.12, "allocate": 0.02, "offer": 0.0})
 
 

@@ -516,7 +516,8 @@ def test_a_head_encodes_the_jobs_decision_and_table_once_for_all_its_ranks(monke
     decision = jobwire.JobDecision(token=TOKEN, topic="x", round=1, ranks=tuple(range(16)), values=tuple(range(16)),
                                    missing=(), waited_s=0.0)
     NodeHead._on_job_message(head, decision)  # type: ignore[arg-type]
-    NodeHead._on_job_message(head, jobwire.JobTable(token=TOKEN, joins={0: {"tray:leaders:world": b"\x01" * 128}}))  # type: ignore[arg-type]
+    job_joins = {0: {"tray:leaders:world": b"\x01" * 128}, 4: {"tray:leaders:ep": b"\x02" * 128}}  # 4 is its own
+    NodeHead._on_job_message(head, jobwire.JobTable(token=TOKEN, joins=job_joins))  # type: ignore[arg-type]
     assert encoded == ["decision", "table"], encoded
     assert [ident for ident, _ in sent] == [f"rank-{r}" for r in (4, 5, 6, 7)] * 2
     assert wire.decode(sent[0][1], token=TOKEN).values == tuple(range(16))
@@ -642,27 +643,62 @@ def _close(ctx, root, links) -> None:
     ctx.term()
 
 
-def test_a_nodes_table_holds_its_own_offers_and_of_other_nodes_only_the_join_info():
+def test_the_root_sends_each_node_the_join_info_of_the_groups_its_ranks_are_in_and_no_offer():
     """Every node got every rank's offer (~0.6 KiB a rank with two exported buffers), so the table grew with the square
     of the job (8,000 ranks: 5.1 MB to each node) though a node's ranks map peers within their node only. A node now
-    sends the root the join info its ranks offered (the groups that span nodes), the root sends every node the job's,
-    and each head hands its ranks their node's offers beside it: the root's table no longer grows with the offers."""
+    sends the root the join info its ranks offered (of the groups that span nodes), and the root sends each node that
+    of the ranks leading an instance of a group with a member on it: one message for every node alike."""
     from tray.handshake import wire
 
-    nnodes, local, nbuf = 2, 200, 30  # 400 ranks of 30 exported buffers: every offer in every table took 1.6 MB
-    ctx, root, links = _root_and_links(nnodes, local)
+    nnodes, local, nbuf = 3, 100, 30  # 300 ranks of 30 exported buffers: every offer in every table took 1.2 MB
+    world = nnodes * local
+    pairs = tuple((r, r + local) for r in range(local))  # pairs across nodes 0 and 1 (node 2 is in none)
+    groups = {"world": (tuple(range(world)),), "pairs": pairs, "node": tuple(
+        tuple(range(n * local, (n + 1) * local)) for n in range(nnodes))}
+    ctx, root, links = _root_and_links(nnodes, local, groups=groups)
+    sent = []
+    real = root._send_frames
+    root._send_frames = lambda ident, frames: sent.append((ident, frames)) or real(ident, frames)
     try:
-        offers = [_wide_offer(r, nnodes * local, nbuf) for r in range(nnodes * local)]
-        offers[0] = dataclasses.replace(offers[0], groups={"tray:leaders:world": b"\x01" * 128, "x": b""})
-        offers[local + 3] = dataclasses.replace(offers[local + 3], groups={"tray:leaders:ep": b"\x02" * 128})
+        offers = [_wide_offer(r, world, nbuf) for r in range(world)]
+        ids = {r: bytes([r % 256]) * 128 for r in range(local)}
+        offers[0] = dataclasses.replace(offers[0], groups={"tray:leaders:world": b"\x01" * 128, "node": b"",
+                                                           "tray:leaders:pairs": ids[0]})
+        for r in range(1, local):
+            offers[r] = dataclasses.replace(offers[r], groups={"tray:leaders:pairs": ids[r]})
         for n, link in enumerate(links):
             link.send(jobwire.NodeOffers(token=TOKEN, node_rank=n,
                                          joins=wire.joins_of(offers[n * local:(n + 1) * local])))
         got = _run_root(root, links, lambda got: sum(m.KIND == "job_table" for m in got) == nnodes)
-        tables = [m for m in got if m.KIND == "job_table"]
-        assert [t.joins for t in tables] == [{0: {"tray:leaders:world": b"\x01" * 128},
-                                             local + 3: {"tray:leaders:ep": b"\x02" * 128}}] * nnodes
-        assert len(tables[0].to_msgpack()) < 400 and root.stop is None
+        tables = {bytes(i): jobwire.decode(jobwire.message_of(f, root.limit), token=TOKEN, limit=root.limit)
+                  for i, f in sent if jobwire.decode(jobwire.message_of(f, root.limit), token=TOKEN,
+                                                     limit=root.limit).KIND == "job_table"}
+        by_node = {root.by_ident[i]: t.joins for i, t in tables.items()}
+        every = wire.joins_of(offers[:local])
+        assert by_node[0] == every and by_node[1] == every  # the pairs' leaders: node 0's ranks, for nodes 0 and 1
+        assert by_node[2] == {0: every[0]}  # node 2 is in the world group alone
+        assert len(tables) == 3 and root.stop is None and len(got) >= 3
+        assert max(len(jobwire.JobTable(token=TOKEN, joins=j).to_msgpack()) for j in by_node.values()) < 200 * local
+    finally:
+        _close(ctx, root, links)
+
+
+def test_nodes_that_need_the_same_join_info_get_one_message_encoded_once(monkeypatch):
+    """A group over the whole job (the common case): every node needs its leader's id alone, and gets the same bytes."""
+    from tray.handshake import wire
+
+    nnodes, local = 4, 2
+    ctx, root, links = _root_and_links(nnodes, local, groups={"world": (tuple(range(nnodes * local)),)})
+    encoded = []
+    monkeypatch.setattr(jobwire.JobTable, "to_msgpack", lambda self, limit=wire.MAX_MESSAGE_NBYTES,
+                        _f=jobwire.JobTable.to_msgpack: encoded.append(self.joins) or _f(self, limit))
+    try:
+        for n, link in enumerate(links):
+            link.send(jobwire.NodeOffers(token=TOKEN, node_rank=n, joins={0: {"tray:leaders:world": b"\x09" * 128}}
+                                         if n == 0 else {}))
+        got = _run_root(root, links, lambda got: sum(m.KIND == "job_table" for m in got) == nnodes)
+        assert [m.joins for m in got if m.KIND == "job_table"] == [{0: {"tray:leaders:world": b"\x09" * 128}}] * nnodes
+        assert encoded == [{0: {"tray:leaders:world": b"\x09" * 128}}]
     finally:
         _close(ctx, root, links)
 
@@ -673,7 +709,9 @@ def test_a_jobs_table_past_one_mib_reaches_every_head_in_a_job_of_many_ranks():
     from tray.handshake import wire
 
     nnodes, local = 2, 200
-    ctx, root, links = _root_and_links(nnodes, local)
+    # every rank leads an instance of "g" with a member on each node: both nodes need every rank's join info
+    ctx, root, links = _root_and_links(nnodes, local, groups={"g": tuple(
+        (r, (r + local) % (nnodes * local)) for r in range(nnodes * local))})
     try:
         joins = {r: {"g": bytes([r % 256]) * 3000} for r in range(nnodes * local)}
         for n, link in enumerate(links):

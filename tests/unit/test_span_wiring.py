@@ -73,6 +73,13 @@ class FakeJoiner:
         return {j.group.name: SimpleNamespace(group=j.group, close=lambda: None) for j in joins}
 
 
+def _offer(rank: int, groups: dict[str, bytes]) -> wire.Offer:
+    return wire.Offer(token="t", rank=rank, world_size=4, host="boot", pid=100 + rank, uid=0,
+                      device=wire.DeviceIdentity(ordinal=rank % 2, uuid=f"GPU-{rank}", pci_bus="", numa_node=-1),
+                      backend="cuda", manifest="a" * 64, fd_socket=f"/j/rank-{rank}.fds", buffers=(), groups=groups,
+                      timings={})
+
+
 def wired(rank: int, offered: bytes | None = UID):
     """Rank `rank` of 2 nodes x 2 ranks, groups world (spans) and pairs (within a node), through
     _allocate_spanning, _leaders_join_info and _join; (parts, joiner, join info it offered)."""
@@ -91,8 +98,12 @@ def wired(rank: int, offered: bytes | None = UID):
     node = parts.span_local["world"].members
     parts.ptr_tables = {name: SimpleNamespace(ptrs=tuple(0x1000 * (m + 1) for m in node), ptr=0)
                         for name in (SPAN_FLAGS_PREFIX + "world", SPAN_BUFFER_PREFIX + "world")}
-    # member 0's join info as a node's table holds it: in `joins` (another node's rank) for ranks 2 and 3
-    table = wire.Table(token="t", offers=(), joins={0: {LEADERS_PREFIX + "world": offered}} if offered else {})
+    # member 0's join info as a node's table holds it: in rank 0's offer on node 0, in `joins` on node 1
+    info = {LEADERS_PREFIX + "world": offered} if offered else {}
+    if rank < 2:
+        table = wire.Table(token="t", offers=tuple(_offer(r, info if r == 0 else {}) for r in (0, 1)))
+    else:
+        table = wire.Table(token="t", offers=tuple(_offer(r, {}) for r in (2, 3)), joins={0: info} if info else {})
     lifecycle._join(parts, backend, joiner, table, 60.0)
     return parts, joiner, offered_info, backend
 

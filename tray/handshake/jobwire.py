@@ -180,9 +180,10 @@ class NodeOffers(_JobMessage):
 
 @dataclass(frozen=True, slots=True)
 class JobTable(_JobMessage):
-    """root -> every head: every node offered; `joins` the join info of every rank of the job that offered one (rank
-    -> {group: info}). Each head hands its ranks a table of their own offers and these (wire.Table): what a
-    node's ranks use of other nodes' offers, so the table does not grow with the square of the job."""
+    """root -> each head: every node offered; `joins` the join info of the ranks that lead (are member 0 of) an instance
+    of a group with a member on that node (rank -> {group: info}). Each head hands its ranks a table of their own
+    offers and these (wire.Table): what a node's ranks use of other nodes' offers. It grows with the instances of the
+    groups that span nodes a node's ranks are in, not with the job's offers."""
 
     KIND: ClassVar[str] = "job_table"
     FIELDS: ClassVar[dict[str, Check]] = {"joins": wire.joins_from_wire}
@@ -374,9 +375,10 @@ KINDS: dict[str, type[JobMessage]] = {cls.KIND: cls for cls in (
     NodeDone, NodeLeft, JobEnd, Beat)}
 
 
-# NOTE: the root sends a message of this size or more deflated (zlib, level 1), as two frames [DEFLATED, deflated]: the
-# table of a job of 1,000 nodes of 4 is 2.56 MB for every node, 0.61 MB deflated (random fabric handles are most of
-# that), and CURVE encrypts it once per node on one I/O thread. Smaller ones, and all a head sends, are one frame.
+# NOTE: the root sends a message of this size or more deflated (zlib, level 1), as two frames [DEFLATED, deflated]:
+# a decision over many ranks (every rank's value), which CURVE encrypts once per node on one I/O thread. Before
+# protocol 8 the table held every offer: 2.56 MB for every node of a job of 1,000 nodes of 4, 0.61 MB deflated.
+# Smaller ones, and all a head sends, are one frame.
 DEFLATE_FROM = 16 * 1024
 DEFLATED = b"z"
 

@@ -17,13 +17,13 @@ from tray.text import seconds_value
 # 7: the root deflates a large message (jobwire.frames_of), which a head of 6 cannot read; 8: a table holds the offers
 # of its node's ranks and the join info of other nodes' (`joins`), where 7 held every offer of the job
 PROTOCOL_VERSION = 8
-# NOTE: the largest legitimate message is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
+# NOTE: the largest legitimate message of one host is a Table for 8+ ranks, a few KiB (an ErrorReport with a long
 # traceback maybe tens of KiB). Anything near a MiB is garbage or an attack; refuse it before unpacking.
 MAX_MESSAGE_NBYTES = 1 << 20
 MAX_FRAME_NBYTES = MAX_MESSAGE_NBYTES + 4096  # the sockets' MAXMSGSIZE: a message and its frame's envelope
-# NOTE: a message with an entry per rank of the job (a table, a decision), sent by a head or the root only, may take
-# this much per rank where that is more than MAX_MESSAGE_NBYTES (a job of more than 256 ranks): a job's offers are
-# ~0.6 KiB per rank with two exported buffers (bench/root_scale.py), so 1 MiB held no table past ~1,600 ranks
+# NOTE: a message with an entry per rank of the job (a decision; a table, which holds join info of other nodes' ranks),
+# sent by a head or the root only, may take this much per rank where that is more than MAX_MESSAGE_NBYTES (a job of
+# more than 256 ranks): a tray-wide step's decision holds every rank's value
 PER_RANK_NBYTES = 4096
 LONGEST_WAIT_S = 1e9  # a vote's wait_s: an endless wait (inf) is sent as this
 

@@ -240,7 +240,7 @@ class Root:
         self.sock = make_server(ctx, keys)
         self.sock.setsockopt(zmq.LINGER, 1000)  # a JobStop/JobEnd must leave before the head exits
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # a larger one drops its sender; a node's votes and offers in a job of many ranks may pass 1 MiB (a head
+        # a larger one drops its sender; a node's votes or join info in a job of many ranks may pass 1 MiB (a head
         # sends them, CURVE-authenticated: a stranger delivers nothing)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.limit + MAX_FRAME_NBYTES - MAX_MESSAGE_NBYTES)
         # NOTE: a connection that has not finished CURVE's handshake within HANDSHAKE_IVL is dropped (ZeroMQ waits 30 s
@@ -459,12 +459,34 @@ class Root:
         if len(self.nodes) == self.nnodes and self.offered == self.nnodes:
             joins = {r: infos for n in range(self.nnodes) for r, infos in self.nodes[n].joins.items()}
             self.t_table = time.time()
-            try:
-                self._broadcast(jobwire.JobTable(token=self.token, joins=joins))
-            except WireError as exc:
-                self._stop(None, -1, f"the job's table of the join info of {len(joins)} ranks cannot be sent "
-                           f"({exc.reason}); span fewer groups across nodes (the manifest's groups), or run fewer "
-                           "ranks per job", exit_code=EXIT_HANDSHAKE)
+            # NOTE: each node gets the join info of the ranks that lead an instance of a group with a member on it, and
+            # nodes that need the same ranks' get the same bytes, encoded once (every node alike for a group over the
+            # whole job): a node of a job of many small spanning groups (pairs across nodes) is not sent the job's
+            tables: dict[tuple[int, ...], list[int]] = {}
+            for node, ranks in self._joins_needed(joins).items():
+                tables.setdefault(ranks, []).append(node)
+            for ranks, nodes in tables.items():
+                try:
+                    frames = jobwire.frames_of(jobwire.JobTable(token=self.token, joins={r: joins[r] for r in ranks})
+                                               .to_msgpack(self.limit))
+                except WireError as exc:
+                    self._stop(None, -1, f"the table of node {nodes[0]}, the join info of {len(ranks)} ranks, cannot "
+                               f"be sent ({exc.reason}); span fewer groups across nodes (the manifest's groups), or "
+                               "run fewer ranks per job", exit_code=EXIT_HANDSHAKE)
+                    return
+                for node in nodes:
+                    self._send_frames(self.nodes[node].ident, frames)
+
+    def _joins_needed(self, joins: dict[int, dict[str, bytes]]) -> dict[int, tuple[int, ...]]:
+        """node -> the ranks of `joins` whose join info its ranks use: those that are member 0 of an instance of a group
+        with a member on that node (its own ranks' included: its head leaves them out, its ranks have their offers)."""
+        needed: dict[int, set[int]] = {n: set() for n in range(self.nnodes)}
+        for instances in self.groups.values():
+            for members in instances:
+                if members and members[0] in joins:
+                    for node in {m // self.local_world_size for m in members}:
+                        needed[node].add(members[0])
+        return {n: tuple(sorted(ranks)) for n, ranks in needed.items()}
 
     def _on_held(self, node: int, msg: jobwire.NodeHeld) -> None:
         now = time.monotonic()
