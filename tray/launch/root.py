@@ -531,15 +531,17 @@ class Root:
                 return
             step = self.steps[key] = _Step(voters=voters)
         now = time.monotonic()
+        group_step = msg.topic.startswith(GROUP_PREFIX)
         for r, v, w in zip(msg.ranks, msg.values, msg.waits):
             step.values[r] = v
             step.until[r] = now + w
-            step.latest = max(step.latest, now + w)
             step.unheard.discard(r)
-            if step.timeout_s is None and msg.topic.startswith(GROUP_PREFIX) and isinstance(v, dict):
+            if group_step and step.timeout_s is None and isinstance(v, dict):
                 t = v.get("timeout_s")
                 # a finite time only: NaN never compares greater, and that step would never time out here
                 step.timeout_s = float(t) if isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 else None
+        if msg.waits:
+            step.latest = max(step.latest, now + max(msg.waits))
         if not step.unheard:
             del self.steps[key]
             self._decide(key, step, missing=())
