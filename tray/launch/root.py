@@ -13,9 +13,11 @@ so no stranger can stop the job; a join that then times out says how many failed
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import math
+import os
 import re
 import resource
 import socket
@@ -70,6 +72,27 @@ _BEAT_LOOK_S = 0.1  # how often the root looks for nodes it has sent nothing for
 _COPY_BELOW = 1 << 16  # smaller messages are copied as they are sent; a larger one is shared (zero-copy)
 # a NodeOffers message beside its join info and token, at most: its kind, version, node rank and the field names (~55 B)
 _OFFERS_ENVELOPE_NBYTES = 64
+
+
+# NOTE: a job-wide step sends every node its decision, which ZeroMQ's I/O thread encrypts (CURVE) into a buffer per
+# node: at 1,000 nodes of 4 about 19 MB allocated and freed at once per step, which glibc gave back to the OS and
+# faulted in again at every step (4,600 page faults a step, a sixth more of the root's process CPU there:
+# bench/root_scale.py). The root keeps this much freed memory per node of the job, within these bounds, rather than
+# trim it (glibc's own threshold starts at 128 KiB)
+_KEPT_PER_NODE = 64 << 10
+_KEPT_LEAST, _KEPT_MOST = 1 << 20, 256 << 20
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt() parameter
+
+
+def keep_freed_memory(nbytes: int) -> bool:
+    """Have glibc keep up to `nbytes` of freed memory in this process (its trim threshold) rather than give it back to
+    the OS at each free; what was never allocated is not taken. False where the C library is not glibc or refused."""
+    try:
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return False
+        return bool(ctypes.CDLL(None).mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(nbytes)))
+    except (ValueError, OSError, AttributeError):  # no such confstr name, no libc to load, no mallopt
+        return False
 
 
 # where a job's root host came from, by the job's source (JobSpec.source: "cli", "slurm", "cli+pytorchjob", ...)
@@ -235,6 +258,7 @@ class Root:
                              f"{need} open files there, and this process may open {soft} (ulimit -n; hard limit "
                              f"{shown}); raise the limit where node 0's head starts (ulimit -n {need}, LimitNOFILE= of "
                              "its service, or the hard limit the scheduler gives), or run fewer nodes")
+        keep_freed_memory(min(_KEPT_MOST, max(_KEPT_LEAST, job.nnodes * _KEPT_PER_NODE)))
         keys = job_keys(job.token)
         self.zap = ZapHandler(ctx, keys)
         self.sock = make_server(ctx, keys)
