@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import secrets
 import select
 import statistics
@@ -79,7 +80,8 @@ def serve_root(nnodes: int, local: int, port: int, deadline_s: float, heartbeat_
                 pending += os.read(marks_in, 4096)
                 while b"\n" in pending:
                     name, _, pending = pending.partition(b"\n")
-                    marks[name.decode()] = (root.messages_in, root.messages_out, root.busy_cpu_s, time.process_time())
+                    marks[name.decode()] = (root.messages_in, root.messages_out, root.busy_cpu_s, time.process_time(),
+                                            resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
                     os.write(sys.stdout.fileno(), b"ok\n")
             for s in root.sockets():
                 if s in ready:
@@ -351,12 +353,13 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
     counted = result["marks"]
 
     def between(a: str, b: str) -> dict:
-        i0, o0, c0, p0 = counted[a]
-        i1, o1, c1, p1 = counted[b]
+        i0, o0, c0, p0, f0 = counted[a]
+        i1, o1, c1, p1, f1 = counted[b]
         return {"messages_in": i1 - i0, "messages_out": o1 - o0, "cpu_ms": round((c1 - c0) * 1e3, 2),
                 "cpu_us_per_message_in": round((c1 - c0) * 1e6 / max(1, i1 - i0), 1),
                 # with ZeroMQ's I/O thread (CURVE encryption, TCP) and the ZAP handler's
-                "process_cpu_ms": round((p1 - p0) * 1e3, 2)}
+                "process_cpu_ms": round((p1 - p0) * 1e3, 2),
+                "page_faults": f1 - f0}  # the root's process's minor faults: memory given back and taken again
 
     decided = sorted(s["decided_s"] for s in steps)
     idle_root = between("idle_from", "idle_to")
@@ -379,6 +382,8 @@ def run(nnodes: int, local: int, iters: int, idle_s: float, timeout_s: float) ->
                  "go": between("ready_from", "go"),
                  "steps": between("steps_from", "steps_to"),
                  "cpu_ms_per_step": round(between("steps_from", "steps_to")["cpu_ms"] / iters, 2),
+                 "process_cpu_ms_per_step": round(between("steps_from", "steps_to")["process_cpu_ms"] / iters, 2),
+                 "page_faults_per_step": round(between("steps_from", "steps_to")["page_faults"] / iters),
                  "idle": {"messages_in_per_s": round(idle_root["messages_in"] / span, 1),
                           "messages_out_per_s": round(idle_root["messages_out"] / span, 1),
                           "cpu_ms_per_s": round(idle_root["cpu_ms"] / span, 2)},
