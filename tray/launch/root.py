@@ -76,21 +76,34 @@ _OFFERS_ENVELOPE_NBYTES = 64
 
 # NOTE: a job-wide step sends every node its decision, which ZeroMQ's I/O thread encrypts (CURVE) into a buffer per
 # node: at 1,000 nodes of 4 about 19 MB allocated and freed at once per step, which glibc gave back to the OS and
-# faulted in again at every step (4,600 page faults a step, a sixth more of the root's process CPU there:
-# bench/root_scale.py). The root keeps this much freed memory per node of the job, within these bounds, rather than
-# trim it (glibc's own threshold starts at 128 KiB)
+# faulted in again at every step (about 8,200 page faults a step in the root's process, a sixth more of its CPU there:
+# bench/results/host/root_scale/faults_before_1000L4_*.json). The root keeps this much freed memory per node of the job,
+# within these bounds, rather than trim it (glibc's own threshold starts at 128 KiB and adapts up to 64 MiB), in each of
+# glibc's arenas. Setting it stops glibc adapting its mmap threshold too (128 KiB, where a larger buffer is mapped and
+# unmapped each time): the root sets that to its largest message (a decision of every rank's value), at most 32 MiB
 _KEPT_PER_NODE = 64 << 10
 _KEPT_LEAST, _KEPT_MOST = 1 << 20, 256 << 20
-_M_TRIM_THRESHOLD = -1  # glibc's mallopt() parameter
+_MAPPED_LEAST, _MAPPED_MOST = 128 << 10, 32 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt() parameters
+# an operator's own settings of glibc's malloc, which the root leaves as they are
+_MALLOC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
-def keep_freed_memory(nbytes: int) -> bool:
-    """Have glibc keep up to `nbytes` of freed memory in this process (its trim threshold) rather than give it back to
-    the OS at each free; what was never allocated is not taken. False where the C library is not glibc or refused."""
+def keep_freed_memory(nbytes: int, mapped_from: int = _MAPPED_MOST) -> bool:
+    """Have glibc keep up to `nbytes` of freed memory in this process (its trim threshold, per arena) rather than give
+    it back to the OS at each free, and allocate blocks below `mapped_from` bytes from its heap rather than map each
+    (its mmap threshold); what was never allocated is not taken. False, changing nothing, where the C library is not
+    glibc, where the environment sets glibc's malloc already (MALLOC_*_ or GLIBC_TUNABLES with glibc.malloc), or where
+    glibc refused."""
+    env = os.environ
+    if any(k in env for k in _MALLOC_SETTINGS) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+        return False
     try:
         if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
             return False
-        return bool(ctypes.CDLL(None).mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(nbytes)))
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(mapped_from))) and \
+            bool(libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(nbytes)))
     except (ValueError, OSError, AttributeError):  # no such confstr name, no libc to load, no mallopt
         return False
 
@@ -258,7 +271,8 @@ class Root:
                              f"{need} open files there, and this process may open {soft} (ulimit -n; hard limit "
                              f"{shown}); raise the limit where node 0's head starts (ulimit -n {need}, LimitNOFILE= of "
                              "its service, or the hard limit the scheduler gives), or run fewer nodes")
-        keep_freed_memory(min(_KEPT_MOST, max(_KEPT_LEAST, job.nnodes * _KEPT_PER_NODE)))
+        keep_freed_memory(min(_KEPT_MOST, max(_KEPT_LEAST, job.nnodes * _KEPT_PER_NODE)),
+                          min(_MAPPED_MOST, max(_MAPPED_LEAST, self.limit + (64 << 10))))
         keys = job_keys(job.token)
         self.zap = ZapHandler(ctx, keys)
         self.sock = make_server(ctx, keys)
@@ -489,15 +503,17 @@ class Root:
             tables: dict[tuple[int, ...], list[int]] = {}
             for node, ranks in self._joins_needed(joins).items():
                 tables.setdefault(ranks, []).append(node)
+            encoded = []  # every node's first, then sent: all nodes get their table, or none does
             for ranks, nodes in tables.items():
                 try:
-                    frames = jobwire.frames_of(jobwire.JobTable(token=self.token, joins={r: joins[r] for r in ranks})
-                                               .to_msgpack(self.limit))
+                    encoded.append((nodes, jobwire.frames_of(jobwire.JobTable(
+                        token=self.token, joins={r: joins[r] for r in ranks}).to_msgpack(self.limit))))
                 except WireError as exc:
                     self._stop(None, -1, f"the table of node {nodes[0]}, the join info of {len(ranks)} ranks, cannot "
                                f"be sent ({exc.reason}); span fewer groups across nodes (the manifest's groups), or "
                                "run fewer ranks per job", exit_code=EXIT_HANDSHAKE)
                     return
+            for nodes, frames in encoded:
                 for node in nodes:
                     self._send_frames(self.nodes[node].ident, frames)
 
@@ -526,7 +542,7 @@ class Root:
         self.held[node] = held
         self._crossed_due = True
         if self.left:
-            self._check_left(set(held) | set(before))
+            self._check_left([*held, *(k for k in before if k not in held)])
 
     def _unhold(self, held: dict[tuple[str, int], dict[int, float]]) -> None:
         """Take a node's held votes `held` out of the by-step index."""
@@ -627,13 +643,17 @@ class Root:
         NOTE: a pass over the ranks that left, not over each step's votes: a vote after a rank left copied every
         undecided step (O(ranks of the job) per vote, at every node's vote of a job-wide step)."""
         now = time.monotonic()
-        for key in (set(self.steps) | set(self._held_at)) if keys is None else keys:
+        if keys is None:  # in the order the steps came (the root cause named is the same from run to run)
+            keys = [*self.steps, *(k for k in self._held_at if k not in self.steps)]
+        for key in keys:
             step = self.steps.get(key)
             held = self._held_at.get(key, {})  # votes held at heads too: a node's other rank may never come
             if not ((step is not None and step.latest > now) or any(t > now for t in held.values())):
                 continue  # every rank that voted gave the step up (a caught timeout): nobody waits in it
-            if step is not None:
-                gone = [r for r in self.left if r in step.unheard and r not in held]
+            if step is not None:  # through the fewer of the ranks that left and those the step still waits for
+                few, many = (self.left, step.unheard) if len(self.left) <= len(step.unheard) else \
+                    (step.unheard, self.left)
+                gone = [r for r in few if r in many and r not in held]
             else:
                 voters = self._voters_of(key[0]) or ()
                 gone = [r for r in self.left if r not in held and r in voters]
