@@ -626,6 +626,8 @@ class Root:
         taken for waiting nowhere."""
         if self.stop is not None:
             return
+        if len(self.steps) + sum(k not in self.steps for k in self._held_at) < 2:
+            return  # one step alone is no cycle: its votes are not copied to find that
         boxes, until = self._heard()
         cycle = crossed_steps(boxes, self._voters_of, range(self.world_size),
                               lambda key, rank: until[key].get(rank, 0.0) > now)
