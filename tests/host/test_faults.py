@@ -98,6 +98,28 @@ def test_another_threads_exception_passed_to_the_excepthook_is_not_the_ranks_fai
     assert "ZeroDivisionError" in run.stderr and "FAILED" not in run.stderr, run.stderr
 
 
+def test_a_caught_exception_the_program_logs_through_the_excepthook_is_not_the_ranks_failure(tray_env):
+    """A program may log an exception it caught by calling sys.excepthook itself, then go on: with its Rank kept
+    without `with`, that was reported as the rank's failure and the tray stopped. It prints, and the tray goes on; an
+    exception that then ends the program is still reported."""
+    run = tray_env.launch(2, """
+    rank = tray.init()
+    try:
+        1 / 0
+    except ZeroDivisionError:
+        sys.excepthook(*sys.exc_info())
+    rank.barrier(timeout_s=30)
+    if rank.rank == 1:
+        raise ValueError('bad input 43')
+    rank.barrier(timeout_s=30)
+""")
+    assert run.returncode == 1, run.output
+    for r in (0, 1):  # each rank's, printed
+        assert f"[rank {r}] ZeroDivisionError: division by zero" in run.stderr, run.stderr
+    assert "reported ZeroDivisionError" not in run.stderr, run.stderr
+    assert "tray: FAILED: rank 1 reported ValueError: bad input 43\n" in run.stderr, run.stderr
+
+
 def test_rank_sigkilled(tray_env):
     run = tray_env.launch(4, fault("os.kill(os.getpid(), 9)"))
     assert run.returncode == 1, run.output

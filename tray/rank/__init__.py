@@ -570,7 +570,7 @@ def _report_uncaught(rank: Rank) -> None:
     def hook(kind, value, tb) -> None:
         r = owner()
         if (r is None or r._closed or r._reported or os.getpid() != r._pid or not isinstance(value, Exception)
-                or threading.current_thread() is not threading.main_thread()):
+                or threading.current_thread() is not threading.main_thread() or _program_running()):
             # a child's, one reported already, an exit or an interruption; or not the end of the process (another
             # thread's, passed here by a threading.excepthook, or a caught one a program logs through the hook)
             previous(kind, value, tb)
@@ -583,6 +583,17 @@ def _report_uncaught(rank: Rank) -> None:
         (sys.excepthook if sys.excepthook is not hook else previous)(kind, value, tb)  # one line once reported
 
     sys.excepthook = hook
+
+
+def _program_running() -> bool:
+    """Whether the program's own code is still on this thread's stack below the excepthook: it called the hook itself
+    (to log an exception it caught) and goes on. An exception that ends the process reaches the hook from the
+    interpreter once the program's frames are gone: the stack's first frame is then a hook's (this one, or one a
+    program set that calls it)."""
+    frame = sys._getframe()
+    while frame.f_back is not None:
+        frame = frame.f_back
+    return frame.f_code.co_name == "<module>" or frame.f_globals.get("__name__") == "runpy"
 
 
 def _print_once(reported: BaseException, rank: int) -> None:
