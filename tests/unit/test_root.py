@@ -413,11 +413,12 @@ def test_a_nodes_steps_out_of_order_are_refused_and_a_vote_without_a_finite_time
         ctx.term()
 
 
-def _joined_root(ctx: zmq.Context, nnodes: int, local_world_size: int = 1, **job: object) -> Root:
+def _joined_root(ctx: zmq.Context, nnodes: int, local_world_size: int = 1, groups: dict | None = None,
+                 **job: object) -> Root:
     """A root of `nnodes` nodes, every one joined (messages handed to it as its socket would)."""
     spec = JobSpec(nnodes=nnodes, node_rank=0, root_host="127.0.0.1", root_port=_free_port(), rdzv_id="test",
                    token=TOKEN, source="cli", **job)
-    root = Root(ctx, spec, local_world_size=local_world_size, manifest="m" * 64, backend="host", groups={},
+    root = Root(ctx, spec, local_world_size=local_world_size, manifest="m" * 64, backend="host", groups=groups or {},
                 join_timeout_s=30.0)
     for n in range(nnodes):
         join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=nnodes, local_world_size=local_world_size,
@@ -904,20 +905,11 @@ def test_a_rank_that_left_is_named_from_a_votes_own_step_without_a_pass_over_eve
     head count as waiting."""
     from tray.handshake.steps import group_topic
 
-    port = _free_port()
-    job = JobSpec(nnodes=3, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
-                  source="cli")
     ctx = zmq.Context()
-    root = Root(ctx, job, local_world_size=2, manifest="m" * 64, backend="host",
-                groups={"g": ((0, 1), (2, 3), (4, 5))}, join_timeout_s=30.0)
+    root = _joined_root(ctx, 3, 2, groups={"g": ((0, 1), (2, 3), (4, 5))})
     passes = []
     monkeypatch.setattr(root, "_heard", lambda: passes.append(1) or ({}, {}))
     try:
-        for n in range(3):
-            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=3, local_world_size=2, rdzv_id="test",
-                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
-            root._on_message(f"node-{n}".encode(), join.to_msgpack())
-
         def vote(node: int, topic: str, ranks: tuple[int, ...]) -> bytes:
             return jobwire.NodeVote(token=TOKEN, node_rank=node, topic=topic, round=1, ranks=ranks,
                                     values=tuple(7 for _ in ranks), waits=tuple(10.0 for _ in ranks)).to_msgpack()
@@ -942,17 +934,9 @@ def test_the_roots_index_of_held_votes_follows_each_nodes_latest_word():
     """Votes held at a head are indexed by step: a node's NodeHeld replaces what it said before, and its vote in a step
     takes that step's held votes out. A stale entry would count a rank as waiting after it stopped (and stop the job
     when a rank leaves) or hide it."""
-    port = _free_port()
-    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
-                  source="cli")
     ctx = zmq.Context()
-    root = Root(ctx, job, local_world_size=2, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
+    root = _joined_root(ctx, 2, 2)
     try:
-        for n in range(2):
-            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=2, local_world_size=2, rdzv_id="test",
-                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
-            root._on_message(f"node-{n}".encode(), join.to_msgpack())
-
         def held(topics: tuple[str, ...], ranks: tuple[int, ...]) -> bytes:
             return jobwire.NodeHeld(token=TOKEN, node_rank=1, topics=topics, rounds=(1,) * len(topics), ranks=ranks,
                                     waits=(10.0,) * len(topics)).to_msgpack()
@@ -973,16 +957,9 @@ def test_the_roots_index_of_held_votes_follows_each_nodes_latest_word():
 
 def test_a_vote_after_a_rank_left_stops_the_job_when_its_step_waits_for_that_rank():
     """The same through votes that reach the root: a job-wide step that rank 1 never joins."""
-    port = _free_port()
-    job = JobSpec(nnodes=2, node_rank=0, root_host="127.0.0.1", root_port=port, rdzv_id="test", token=TOKEN,
-                  source="cli")
     ctx = zmq.Context()
-    root = Root(ctx, job, local_world_size=2, manifest="m" * 64, backend="host", groups={}, join_timeout_s=30.0)
+    root = _joined_root(ctx, 2, 2)
     try:
-        for n in range(2):
-            join = jobwire.NodeJoin(token=TOKEN, node_rank=n, nnodes=2, local_world_size=2, rdzv_id="test",
-                                    hostname="h", pid=100 + n, manifest="m" * 64, backend="host")
-            root._on_message(f"node-{n}".encode(), join.to_msgpack())
         root._on_message(b"node-0", jobwire.NodeLeft(token=TOKEN, node_rank=0, rank=1, how="closed its tray")
                          .to_msgpack())
         assert root.stop is None
