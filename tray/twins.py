@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import mmap
 from collections.abc import Callable
 from typing import Any
 
@@ -116,6 +117,44 @@ def check_range(ptr: int, nbytes: int, what: str = "") -> None:
                      "given: a buffer in the manifest is smaller than what the kernel reads or writes there (on a GPU "
                      "this would overwrite or read whatever lies next to it); check the buffer's shape against the "
                      "kernel's args")
+
+
+def in_region(ptr: int, nbytes: int) -> bool:
+    """Whether [ptr, ptr + nbytes) lies within one registered region (memory the rank's backend mapped)."""
+    i = bisect.bisect_right(_STARTS, ptr) - 1
+    return i >= 0 and ptr + nbytes <= _REGIONS[_STARTS[i]]
+
+
+def mapped(ptr: int, nbytes: int) -> bool:
+    """Whether every page of [ptr, ptr + nbytes) is mapped in this process (mincore(2), which fails with ENOMEM on a
+    page no mapping holds): reading an address of another process, or of memory since unmapped, would kill this one.
+    True where that cannot be told (no mincore). Whether the pages may be written is not told."""
+    if nbytes <= 0:
+        return True
+    page = mmap.PAGESIZE
+    start = ptr - ptr % page
+    npages = (ptr + nbytes - start + page - 1) // page
+    libc = _libc()
+    if libc is None:
+        return True
+    vec = ctypes.create_string_buffer(npages)
+    return libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(npages * page), vec) == 0
+
+
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any:
+    """The C library with mincore(2) typed, loaded once; None where it has none."""
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+            libc.mincore.restype = ctypes.c_int
+            _LIBC.append(libc)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    return _LIBC[0]
 
 
 def at(ptr: int, count: int, dtype: Any) -> np.ndarray:

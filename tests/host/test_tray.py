@@ -395,7 +395,8 @@ def test_write_refuses_data_of_another_dtype_and_a_clean_sys_exit_code_is_named(
 def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
     """A ragged list given to write() raised numpy's ValueError; a collective given count None or -1, a sendrecv peer
     None, a dtype that is an array, or an address of 0, 1 or 2**70 raised TypeError, OverflowError, ValueError or
-    killed the rank (SIGSEGV reading address 1); a timeout given as a string raised float()'s ValueError."""
+    killed the rank (SIGSEGV reading address 1), as did an address of memory unmapped since; a timeout given as a
+    string raised float()'s ValueError."""
     body = """
     from tray.errors import UsageError
     with tray.init() as rank:
@@ -405,6 +406,11 @@ def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
                  lambda: c.allreduce(send, recv, 4, np.array(["f32", "f32"])), lambda: c.allreduce(0, recv, 4, "f32"),
                  lambda: c.allreduce(1, recv, 4, "f32"), lambda: c.allreduce(send, 2 ** 70, 4, "f32"),
                  lambda: rank.exchange("t", 1, "5"), lambda: rank.barrier("world", "5")]
+        import ctypes, mmap
+        gone = mmap.mmap(-1, 8192)
+        freed = ctypes.addressof(ctypes.c_char.from_buffer(gone))
+        gone.close()   # memory unmapped since: reading it killed the rank (SIGSEGV)
+        calls.append(lambda: c.allreduce(freed, recv, 4, "f32"))
         for call in calls:
             try:
                 call()
@@ -416,11 +422,13 @@ def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
     run = tray_env.launch(2, body, "--manifest", FILL, "--var", "count=64", timeout_s=60)
     assert run.returncode == 0, run.output
     refused = [line for line in run.stdout.splitlines() if line.startswith("[rank 0] refused: ")]
-    assert len(refused) == 10, run.stdout
+    assert len(refused) == 11, run.stdout
     assert "write('send'): takes a numpy array" in refused[0] and "count is a number of elements" in refused[1]
     assert "its send address 0 is no memory" in refused[5], refused
     assert "its receive address 1180591620717411303424 is no memory" in refused[7], refused
-    assert all("timeout_s must be a number of seconds > 0" in r for r in refused[8:]), refused
+    assert all("timeout_s must be a number of seconds > 0" in r for r in refused[8:10]), refused
+    assert re.search(r"allreduce of 4 f32 over group 'world': its send range of 16 B at 0x[0-9a-f]+ is not all memory "
+                     r"of this process", refused[10]), refused
 
 
 def test_a_group_that_leaves_ranks_out_forms_and_its_members_meet(tray_env, tmp_path):
