@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import mmap
 from collections.abc import Callable
 from typing import Any
@@ -125,20 +126,28 @@ def in_region(ptr: int, nbytes: int) -> bool:
     return i >= 0 and ptr + nbytes <= _REGIONS[_STARTS[i]]
 
 
+_MINCORE_PAGES = 4096  # pages asked of mincore at once: one vector of this many bytes, whatever the range
+
+
 def mapped(ptr: int, nbytes: int) -> bool:
-    """Whether every page of [ptr, ptr + nbytes) is mapped in this process (mincore(2), which fails with ENOMEM on a
-    page no mapping holds): reading an address of another process, or of memory since unmapped, would kill this one.
-    True where that cannot be told (no mincore). Whether the pages may be written is not told."""
+    """Whether every page of [ptr, ptr + nbytes) is mapped in this process (mincore(2) fails with ENOMEM on a page no
+    mapping holds): reading an address of another process, or of memory since unmapped, would kill this one. Asked
+    16 MiB at a time, ending at the first page not mapped. True where that cannot be told (no mincore, or it fails
+    otherwise). Whether the pages may be read or written is not told."""
     if nbytes <= 0:
         return True
-    page = mmap.PAGESIZE
-    start = ptr - ptr % page
-    npages = (ptr + nbytes - start + page - 1) // page
     libc = _libc()
     if libc is None:
         return True
-    vec = ctypes.create_string_buffer(npages)
-    return libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(npages * page), vec) == 0
+    page = mmap.PAGESIZE
+    start, end = ptr - ptr % page, ptr + nbytes
+    vec = ctypes.create_string_buffer(_MINCORE_PAGES)
+    while start < end:
+        length = min(end - start, _MINCORE_PAGES * page)
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+            return ctypes.get_errno() != errno.ENOMEM
+        start += length
+    return True
 
 
 _LIBC: list[Any] = []

@@ -120,6 +120,27 @@ def test_a_caught_exception_the_program_logs_through_the_excepthook_is_not_the_r
     assert "tray: FAILED: rank 1 reported ValueError: bad input 43\n" in run.stderr, run.stderr
 
 
+@pytest.mark.parametrize("end", ["sys.exit(1)", "os._exit(1)"])
+def test_an_exception_logged_through_the_excepthook_then_an_exit_is_named_with_the_death(tray_env, end):
+    """A runner that catches the program's exception, logs it through sys.excepthook and exits (coverage's does
+    sys.exit(1)): the program is still on the stack then, so it is no report; the head names it with the exit."""
+    run = tray_env.launch(2, f"""
+    rank = tray.init()
+    rank.barrier(timeout_s=30)
+    if rank.rank == 1:
+        try:
+            raise ValueError('bad input 44')
+        except ValueError:
+            sys.excepthook(*sys.exc_info())
+            {end}
+    rank.barrier(timeout_s=30)
+""")
+    assert run.returncode == 1, run.output
+    assert re.search(r"tray: FAILED: rank 1 \(pid \d+\) exited with code 1 \(last phase: running\), after logging "
+                     r"ValueError: bad input 44\n", run.stderr), run.stderr
+    assert "raise ValueError('bad input 44')" in run.stderr, run.stderr  # its traceback, in the report or its output
+
+
 def test_rank_sigkilled(tray_env):
     run = tray_env.launch(4, fault("os.kill(os.getpid(), 9)"))
     assert run.returncode == 1, run.output

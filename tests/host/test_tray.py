@@ -407,10 +407,17 @@ def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
                  lambda: c.allreduce(1, recv, 4, "f32"), lambda: c.allreduce(send, 2 ** 70, 4, "f32"),
                  lambda: rank.exchange("t", 1, "5"), lambda: rank.barrier("world", "5")]
         import ctypes, mmap
-        gone = mmap.mmap(-1, 8192)
-        freed = ctypes.addressof(ctypes.c_char.from_buffer(gone))
-        gone.close()   # memory unmapped since: reading it killed the rank (SIGSEGV)
-        calls.append(lambda: c.allreduce(freed, recv, 4, "f32"))
+
+        def freed():   # memory unmapped just now (12 KiB: no mapping of that size comes between): reading it killed
+            gone = mmap.mmap(-1, 12288)   # the rank (SIGSEGV)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(gone))
+            gone.close()
+            return address
+
+        mine = np.zeros(4, np.float32)
+        calls += [lambda: c.allreduce(freed(), recv, 4, "f32"),
+                  lambda: c.allreduce(mine.ctypes.data, recv, 10 ** 15, "f32"),   # a count past its end
+                  lambda: c.allreduce(2 ** 64 - 8, recv, 4, "f32")]
         for call in calls:
             try:
                 call()
@@ -422,13 +429,16 @@ def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
     run = tray_env.launch(2, body, "--manifest", FILL, "--var", "count=64", timeout_s=60)
     assert run.returncode == 0, run.output
     refused = [line for line in run.stdout.splitlines() if line.startswith("[rank 0] refused: ")]
-    assert len(refused) == 11, run.stdout
+    assert len(refused) == 13, run.stdout
     assert "write('send'): takes a numpy array" in refused[0] and "count is a number of elements" in refused[1]
     assert "its send address 0 is no memory" in refused[5], refused
     assert "its receive address 1180591620717411303424 is no memory" in refused[7], refused
     assert all("timeout_s must be a number of seconds > 0" in r for r in refused[8:10]), refused
     assert re.search(r"allreduce of 4 f32 over group 'world': its send range of 16 B at 0x[0-9a-f]+ is not all memory "
                      r"of this process", refused[10]), refused
+    assert re.search(r"allreduce of 1000000000000000 f32 over group 'world': its send range of 4000000000000000 B at "
+                     r"0x[0-9a-f]+ is not all memory of this process", refused[11]), refused
+    assert "its send range of 16 B at 0xfffffffffffffff8 runs past the end of the address space" in refused[12], refused
 
 
 def test_a_group_that_leaves_ranks_out_forms_and_its_members_meet(tray_env, tmp_path):

@@ -146,7 +146,11 @@ class HostCollectives(Collectives):
 
     def _check_ranges(self, what: str, count: int, dtype: str, send: tuple[int, int], recv: tuple[int, int]) -> None:
         for (ptr, nbytes), side in ((send, "send"), (recv, "receive")):
-            if not _NO_MEMORY_BELOW <= ptr < 2**64 and nbytes > 0:
+            if nbytes > 0 and _NO_MEMORY_BELOW <= ptr < 2**64 < ptr + nbytes:
+                raise UsageError(f"{what} of {count} {dtype} over group {self.group.name!r}: its {side} range of "
+                                 f"{nbytes} B at {ptr:#x} runs past the end of the address space (2**64): pass a count "
+                                 "that fits the memory")
+            if nbytes > 0 and not _NO_MEMORY_BELOW <= ptr < 2**64:
                 raise UsageError(f"{what} over group {self.group.name!r}: its {side} address {ptr} is no memory (below "
                                  f"{_NO_MEMORY_BELOW} nothing is ever mapped; addresses are < 2**64); pass a buffer's "
                                  "address (rank.buffer(name).ptr), a view, or a tensor or array over tray memory")

@@ -796,7 +796,15 @@ class Head:
             # a tray.init() called wrongly, said before its first message: the user's input
             return Failure(p.rank, f"rank {p.rank} reported {data.get('error_type')}: {data.get('message')}",
                            tail=tuple(p.tail), notes=notes, exit_code=EXIT_USAGE)
-        return Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)})",
+        logged = ""
+        if data is None and self._job_path is not None:
+            # no report, but an exception the program caught and logged through sys.excepthook (then exited: a
+            # runner's sys.exit(1) after it, say): named with the death
+            data = self._error_data(self._job_path, p, "logged")
+            if data is not None:
+                first = str(data.get("message", "")).splitlines()[0][:200] if data.get("message") else ""
+                logged = f", after logging {data.get('error_type')}" + (f": {first}" if first else "")
+        return Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)}){logged}",
                        report=_error_report(data), tail=tuple(p.tail), notes=notes)
 
     def _fail_on_a_death_first(self, rank: int, msg: wire.ErrorReport) -> bool:
@@ -919,13 +927,14 @@ class Head:
                     "steps)")
         return p.phase
 
-    def _error_data(self, job_dir: Path, p: RankProcess) -> dict[str, Any] | None:
-        """The failing rank's error file as a JSON object, or None where there is none to read: not through a link,
+    def _error_data(self, job_dir: Path, p: RankProcess, kind: str = "error") -> dict[str, Any] | None:
+        """The failing rank's error file (`kind` "logged": the last exception its program logged through
+        sys.excepthook) as a JSON object, or None where there is none to read: not through a link,
         not from what is not a regular file (a FIFO planted there would block the head for good), not past
         ERROR_FILE_MAX_NBYTES (a rank's report is far smaller), nor one of a start-up phase the head heard the rank
         get past (a tray.init() refused, then called again: not why the rank ended)."""
         try:
-            fd = os.open(job_dir / f"rank-{p.rank}.error.json",
+            fd = os.open(job_dir / f"rank-{p.rank}.{kind}.json",
                          os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             return None

@@ -12,6 +12,7 @@ An exception leaving the `with` block is reported to the head (the tray's root c
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -517,16 +518,19 @@ def _forked_child(what: str, owner: int, rank: int | None = None) -> str:
             "the rank; make those calls in the rank's process and hand the child what it needs")
 
 
-def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
-    """Tell the head why this rank fails: an error file (survives a dead socket) and a message."""
+def _error_report(env: RankEnv, phase: str, exc: BaseException) -> wire.ErrorReport:
     tb = "".join(traceback.format_exception(exc))
     # NOTE: control messages are capped at 1 MiB; keep the traceback's end, where the cause is.
     tb = tb if len(tb) <= 64_000 else "...\n" + tb[-64_000:]
-    report = wire.ErrorReport(token=env.token, rank=env.rank, phase=phase, error_type=type(exc).__name__,
-                              message=str(exc)[:16_000], traceback=tb)
-    written = sent = False
+    return wire.ErrorReport(token=env.token, rank=env.rank, phase=phase, error_type=type(exc).__name__,
+                            message=str(exc)[:16_000], traceback=tb)
+
+
+def _write_error_file(env: RankEnv, report: wire.ErrorReport, kind: str = "error") -> bool:
+    """`report` as the file `rank-R.<kind>.json` in the job dir, which the head reads when the rank dies: "error",
+    why it fails; "logged", the last exception the program logged through sys.excepthook. False if not written."""
     try:
-        path = Path(env.job_dir) / f"rank-{env.rank}.error.json"
+        path = Path(env.job_dir) / f"rank-{env.rank}.{kind}.json"
         tmp = path.with_suffix(".tmp")
         data = json.dumps({"rank": report.rank, "phase": report.phase, "error_type": report.error_type,
                            "message": report.message, "traceback": report.traceback}).encode()
@@ -543,9 +547,16 @@ def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
         finally:
             os.close(fd)
         tmp.replace(path)
-        written = True
+        return True
     except OSError:
-        pass
+        return False
+
+
+def _report(env: RankEnv, phase: str, client: Any, exc: BaseException) -> None:
+    """Tell the head why this rank fails: an error file (survives a dead socket) and a message."""
+    report = _error_report(env, phase, exc)
+    sent = False
+    written = _write_error_file(env, report)
     if client is not None:
         try:
             # the rank's last message: a step another thread waits in ends first (a UsageError there), so that the
@@ -570,9 +581,16 @@ def _report_uncaught(rank: Rank) -> None:
     def hook(kind, value, tb) -> None:
         r = owner()
         if (r is None or r._closed or r._reported or os.getpid() != r._pid or not isinstance(value, Exception)
-                or threading.current_thread() is not threading.main_thread() or _program_running()):
+                or threading.current_thread() is not threading.main_thread()):
             # a child's, one reported already, an exit or an interruption; or not the end of the process (another
-            # thread's, passed here by a threading.excepthook, or a caught one a program logs through the hook)
+            # thread's, passed here by a threading.excepthook)
+            previous(kind, value, tb)
+            return
+        if _program_running():
+            # a caught one the program logs through the hook: it may go on (not the rank's failure), or exit next
+            # (sys.exit(1), os._exit(1), a runner such as coverage's): the head names it then, from this file
+            with contextlib.suppress(Exception):
+                _write_error_file(r.env, _error_report(r.env, r.phase, value), "logged")
             previous(kind, value, tb)
             return
         r._reported = True  # no bye: the report is the rank's last message
@@ -587,7 +605,7 @@ def _report_uncaught(rank: Rank) -> None:
 
 def _program_running() -> bool:
     """Whether the program's own code is still on this thread's stack below the excepthook: it called the hook itself
-    (to log an exception it caught) and goes on. An exception that ends the process reaches the hook from the
+    (to log an exception it caught), and may go on. An exception that ends the process reaches the hook from the
     interpreter once the program's frames are gone: the stack's first frame is then a hook's (this one, or one a
     program set that calls it)."""
     frame = sys._getframe()
