@@ -127,6 +127,12 @@ def in_region(ptr: int, nbytes: int) -> bool:
 
 
 _MINCORE_PAGES = 4096  # pages asked of mincore at once: one vector of this many bytes, whatever the range
+try:  # mincore(2), typed; None where the C library has none
+    _mincore: Any = ctypes.CDLL(None, use_errno=True).mincore
+    _mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    _mincore.restype = ctypes.c_int
+except (OSError, AttributeError):
+    _mincore = None
 
 
 def mapped(ptr: int, nbytes: int) -> bool:
@@ -134,36 +140,17 @@ def mapped(ptr: int, nbytes: int) -> bool:
     mapping holds): reading an address of another process, or of memory since unmapped, would kill this one. Asked
     16 MiB at a time, ending at the first page not mapped. True where that cannot be told (no mincore, or it fails
     otherwise). Whether the pages may be read or written is not told."""
-    if nbytes <= 0:
-        return True
-    libc = _libc()
-    if libc is None:
+    if nbytes <= 0 or _mincore is None:
         return True
     page = mmap.PAGESIZE
     start, end = ptr - ptr % page, ptr + nbytes
     vec = ctypes.create_string_buffer(_MINCORE_PAGES)
     while start < end:
         length = min(end - start, _MINCORE_PAGES * page)
-        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        if _mincore(start, length, vec) != 0:
             return ctypes.get_errno() != errno.ENOMEM
         start += length
     return True
-
-
-_LIBC: list[Any] = []
-
-
-def _libc() -> Any:
-    """The C library with mincore(2) typed, loaded once; None where it has none."""
-    if not _LIBC:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-            libc.mincore.restype = ctypes.c_int
-            _LIBC.append(libc)
-        except (OSError, AttributeError):
-            _LIBC.append(None)
-    return _LIBC[0]
 
 
 def at(ptr: int, count: int, dtype: Any) -> np.ndarray:

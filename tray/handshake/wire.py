@@ -424,19 +424,23 @@ class Table(_Message):
     offers: tuple[Offer, ...]
     joins: dict[int, dict[str, bytes]] = field(default_factory=dict)
 
+    def _index(self, rank: int) -> int:
+        """Where rank `rank`'s offer is in `offers` (consecutive ranks); -1 when it is not there."""
+        i = rank - self.offers[0].rank if self.offers else -1
+        return i if 0 <= i < len(self.offers) else -1
+
     def offer(self, rank: int) -> Offer:
         """Rank `rank`'s offer; a WireError when the table holds none (a rank of another node)."""
-        i = rank - self.offers[0].rank if self.offers else -1
-        if not 0 <= i < len(self.offers):
+        i = self._index(rank)
+        if i < 0:
             held = f"ranks {self.offers[0].rank}..{self.offers[-1].rank}" if self.offers else "no offer"
             raise WireError(f"the table holds {held} (this node's), not rank {rank}")
         return self.offers[i]
 
     def join_info(self, rank: int, group: str) -> bytes:
         """What rank `rank` offered to join `group` (b"" for none), from its offer or, on another node, `joins`."""
-        if self.offers and self.offers[0].rank <= rank <= self.offers[-1].rank:
-            return self.offers[rank - self.offers[0].rank].groups.get(group, b"")
-        return self.joins.get(rank, {}).get(group, b"")
+        i = self._index(rank)
+        return (self.offers[i].groups if i >= 0 else self.joins.get(rank, {})).get(group, b"")
 
     def _payload(self) -> dict[str, Any]:
         for i, offer in enumerate(self.offers):
