@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import errno
 import json
@@ -502,6 +503,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return ap
 
 
+_interrupt_said = False  # main said the interruption (program says it where a second signal cut main short)
+
+
+def _say_interrupted(exc: KeyboardInterrupt) -> None:
+    global _interrupt_said
+    print(f"tray: interrupted{_which_signal(exc)}; the tray was stopped", file=sys.stderr, flush=True)
+    _interrupt_said = True
+
+
 def _which_signal(exc: KeyboardInterrupt) -> str:
     """` (SIGTERM: ...)` for an interruption the head raised for a signal it got; `""` for a plain Ctrl-C."""
     words = str(exc).split()
@@ -593,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a second signal now is held until the line is out (then raised, as any signal would be)
         held = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
         try:
-            print(f"tray: interrupted{_which_signal(exc)}; the tray was stopped", file=sys.stderr, flush=True)
+            _say_interrupted(exc)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return 130
@@ -616,8 +626,12 @@ def program() -> NoReturn:
             code = main()
         finally:
             _ignore_late_signals()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         _ignore_late_signals()
+        # NOTE: a second signal can land in main's own handling of the first, before it holds signals: said here
+        if not _interrupt_said:
+            with contextlib.suppress(OSError):
+                _say_interrupted(exc)
         code = 130
     except SystemExit as exc:  # argparse: --help and --version (0) printed, a usage error (2) said
         if not isinstance(exc.code, int):

@@ -665,3 +665,26 @@ def test_the_tray_command_enters_through_tray_command():
     scripts = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"tray": "tray.command:program"}
     assert "from tray.command import program" in (repo / "tray" / "__main__.py").read_text()
+
+
+def test_a_second_signal_inside_mains_handling_of_the_first_still_says_the_interruption(monkeypatch, capsys):
+    """A storm of SIGTERMs: one that lands in main's handling of the first, before it holds signals, escaped main as a
+    second KeyboardInterrupt and the head exited 130 saying nothing. `program` says it then."""
+    import signal
+
+    from tray import cli
+
+    def storm() -> int:  # main, interrupted by a second signal while handling the first
+        raise KeyboardInterrupt(f"signal {int(signal.SIGTERM)}")
+
+    previous = {sig: signal.getsignal(sig) for sig in cli._STOP_SIGNALS}
+    monkeypatch.setattr(cli, "main", storm)
+    monkeypatch.setattr(cli, "_interrupt_said", False)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            cli.program()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert ended.value.code == 130
+    assert capsys.readouterr().err == "tray: interrupted (SIGTERM); the tray was stopped\n"
