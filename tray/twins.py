@@ -139,7 +139,7 @@ def mapped(ptr: int, nbytes: int) -> bool:
     """Whether every page of [ptr, ptr + nbytes) is mapped in this process (mincore(2) fails with ENOMEM on a page no
     mapping holds): reading an address of another process, or of memory since unmapped, would kill this one. Asked
     16 MiB at a time, ending at the first page not mapped. True where that cannot be told (no mincore, or it fails
-    otherwise). Whether the pages may be read or written is not told."""
+    otherwise). Whether the pages may be read or written is not told (`access_fault` tells)."""
     if nbytes <= 0 or _mincore is None:
         return True
     page = mmap.PAGESIZE
@@ -151,6 +151,83 @@ def mapped(ptr: int, nbytes: int) -> bool:
             return ctypes.get_errno() != errno.ENOMEM
         start += length
     return True
+
+
+# The last reading of /proc/self/maps: each mapping's start, end and whether it may be read and written, by start.
+# Read again only when a range is not found there with the access asked: a program's own memory (its heap, its
+# arrays) is found at once, for a bisect. A mapping that has changed in place since (mprotect, or one unmapped and
+# another mapped at its address) is judged as it was read; `mapped` is asked first, so one unmapped since is not.
+_MAP_STARTS: list[int] = []
+NOT_ITS_MEMORY = "is not all memory of this process"  # access_fault's words for a range with an unmapped page
+_MAPS: list[tuple[int, int, bool, bool]] = []
+
+
+def _read_maps() -> bool:
+    """Read /proc/self/maps into _MAP_STARTS / _MAPS; False where it cannot be read (no /proc)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    maps = []
+    for line in data.splitlines():
+        span, _, rest = line.partition(b" ")
+        lo, _, hi = span.partition(b"-")
+        try:
+            maps.append((int(lo, 16), int(hi, 16), rest[:1] == b"r", rest[1:2] == b"w"))
+        except ValueError:
+            continue
+    maps.sort()
+    _MAPS[:] = maps
+    _MAP_STARTS[:] = [m[0] for m in maps]
+    return True
+
+
+def _first_fault(ptr: int, end: int, write: bool) -> tuple[int, str] | None:
+    """The first address of [ptr, end) that the last reading of the maps gives no mapping with the access asked, and
+    what is there ("unmapped", "no access", "read-only" or "write-only"); None when every byte may be accessed."""
+    i = bisect.bisect_right(_MAP_STARTS, ptr) - 1
+    at = ptr
+    while at < end:
+        if i < 0 or i >= len(_MAPS) or _MAPS[i][1] <= at:
+            i += 1  # `at` lies past mapping i: it is in the next one, or in none
+            if i >= len(_MAPS) or _MAPS[i][0] > at:
+                return at, "unmapped"
+            continue
+        _, hi, readable, writable = _MAPS[i]
+        if not (writable if write else readable):
+            return at, ("no access" if not (readable or writable) else "read-only" if readable else "write-only")
+        at = hi
+        i += 1
+        if at < end and (i >= len(_MAPS) or _MAPS[i][0] != at):
+            return at, "unmapped"
+    return None
+
+
+def access_fault(ptr: int, nbytes: int, write: bool = False) -> str | None:
+    """Why reading (or, with `write`, writing) [ptr, ptr + nbytes) would kill this process, in a few words naming the
+    first page that is out of reach; None when every byte may be accessed, or where that cannot be told (no /proc).
+    Unmapped pages are found by `mapped`; pages mapped without the access (a PROT_NONE reservation such as a GPU
+    driver's address range or a guard page, or a read-only mapping written to) from /proc/self/maps."""
+    if nbytes <= 0:
+        return None
+    if not mapped(ptr, nbytes):
+        return NOT_ITS_MEMORY
+    end = ptr + nbytes
+    if _first_fault(ptr, end, write) is None:
+        return None
+    if not _read_maps():
+        return None
+    fault = _first_fault(ptr, end, write)
+    if fault is None:
+        return None
+    at, what = fault
+    if what == "unmapped":  # mapped meanwhile, or mincore could not tell
+        return NOT_ITS_MEMORY
+    if what == "no access":
+        return (f"reaches {at:#x}, {at - ptr} B in, memory mapped without access (a reservation: a GPU's device "
+                "memory or a guard page)")
+    return f"reaches {at:#x}, {at - ptr} B in, {what} memory, which this rank may not {'write' if write else 'read'}"
 
 
 def at(ptr: int, count: int, dtype: Any) -> np.ndarray:

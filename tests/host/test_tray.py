@@ -396,7 +396,8 @@ def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
     """A ragged list given to write() raised numpy's ValueError; a collective given count None or -1, a sendrecv peer
     None, a dtype that is an array, or an address of 0, 1 or 2**70 raised TypeError, OverflowError, ValueError or
     killed the rank (SIGSEGV reading address 1), as did an address of memory unmapped since; a timeout given as a
-    string raised float()'s ValueError."""
+    string raised float()'s ValueError; memory mapped without access (PROT_NONE) as a send range, or read-only as a
+    receive range, killed it."""
     body = """
     from tray.errors import UsageError
     with tray.init() as rank:
@@ -414,10 +415,19 @@ def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
             gone.close()
             return address
 
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]
+
+        def held(prot):   # mapped, but without the access a collective needs: reading a reservation (PROT_NONE, as
+            return libc.mmap(None, 8192, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)   # a GPU driver's range
+                                                                # or a guard page) or writing a read-only page killed it
         mine = np.zeros(4, np.float32)
         calls += [lambda: c.allreduce(freed(), recv, 4, "f32"),
                   lambda: c.allreduce(mine.ctypes.data, recv, 10 ** 15, "f32"),   # a count past its end
-                  lambda: c.allreduce(2 ** 64 - 8, recv, 4, "f32")]
+                  lambda: c.allreduce(2 ** 64 - 8, recv, 4, "f32"),
+                  lambda: c.allreduce(held(0), recv, 4, "f32"),
+                  lambda: c.allreduce(send, held(mmap.PROT_READ), 4, "f32")]
         for call in calls:
             try:
                 call()
@@ -429,7 +439,7 @@ def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
     run = tray_env.launch(2, body, "--manifest", FILL, "--var", "count=64", timeout_s=60)
     assert run.returncode == 0, run.output
     refused = [line for line in run.stdout.splitlines() if line.startswith("[rank 0] refused: ")]
-    assert len(refused) == 13, run.stdout
+    assert len(refused) == 15, run.stdout
     assert "write('send'): takes a numpy array" in refused[0] and "count is a number of elements" in refused[1]
     assert "its send address 0 is no memory" in refused[5], refused
     assert "its receive address 1180591620717411303424 is no memory" in refused[7], refused
@@ -439,6 +449,10 @@ def test_odd_arguments_to_writes_and_collectives_are_usage_errors(tray_env):
     assert re.search(r"allreduce of 1000000000000000 f32 over group 'world': its send range of 4000000000000000 B at "
                      r"0x[0-9a-f]+ is not all memory of this process", refused[11]), refused
     assert "its send range of 16 B at 0xfffffffffffffff8 runs past the end of the address space" in refused[12], refused
+    assert re.search(r"its send range of 16 B at 0x[0-9a-f]+ reaches 0x[0-9a-f]+, 0 B in, memory mapped without "
+                     r"access \(a reservation", refused[13]), refused
+    assert re.search(r"its receive range of 16 B at 0x[0-9a-f]+ reaches 0x[0-9a-f]+, 0 B in, read-only memory, which "
+                     r"this rank may not write", refused[14]), refused
 
 
 def test_a_group_that_leaves_ranks_out_forms_and_its_members_meet(tray_env, tmp_path):

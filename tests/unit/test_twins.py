@@ -43,3 +43,55 @@ def test_a_second_twin_under_a_taken_name_is_refused(registry):
         @registry.twin("test_once")
         def other(*args) -> None:
             pass
+
+
+def _libc_mmap():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_access_fault_names_the_first_page_out_of_reach_and_finds_memory_mapped_since_its_last_reading():
+    """mincore tells mapped from unmapped only: a PROT_NONE reservation (a GPU driver's range, a guard page) passed,
+    as did a read-only page given to be written; a collective over them killed the rank."""
+    import mmap
+
+    libc, page = _libc_mmap(), mmap.PAGESIZE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+    twins._read_maps()  # a reading from before the mappings below: they are found by reading again
+    base = libc.mmap(None, 4 * page, rw, flags, -1, 0)
+    assert base not in (None, 2**64 - 1)
+    try:
+        assert libc.mprotect(base + 2 * page, page, 0) == 0          # page 2: no access
+        assert libc.mprotect(base + 3 * page, page, mmap.PROT_READ) == 0  # page 3: read-only
+        assert twins.access_fault(base, 2 * page, write=True) is None  # pages 0-1, whatever mappings they are
+        assert twins.access_fault(base + 8, 2 * page, write=False) == (
+            f"reaches {base + 2 * page:#x}, {2 * page - 8} B in, memory mapped without access (a reservation: a "
+            "GPU's device memory or a guard page)")
+        assert twins.access_fault(base + 3 * page, page, write=False) is None
+        assert twins.access_fault(base + 3 * page + 4, 8, write=True) == (
+            f"reaches {base + 3 * page + 4:#x}, 0 B in, read-only memory, which this rank may not write")
+        assert twins.access_fault(base, 0, write=True) is None
+    finally:
+        libc.munmap(base, 4 * page)
+    assert twins.access_fault(base, 8) == twins.NOT_ITS_MEMORY  # unmapped since: mincore says so first
+
+
+def test_first_fault_walks_adjacent_mappings_and_names_a_gap_between_them(monkeypatch):
+    maps = [(0x1000, 0x3000, True, True), (0x3000, 0x4000, True, False), (0x5000, 0x6000, False, False)]
+    monkeypatch.setattr(twins, "_MAPS", maps)
+    monkeypatch.setattr(twins, "_MAP_STARTS", [m[0] for m in maps])
+    assert twins._first_fault(0x1000, 0x4000, False) is None       # two mappings, one after the other
+    assert twins._first_fault(0x1000, 0x4000, True) == (0x3000, "read-only")
+    assert twins._first_fault(0x2000, 0x4800, False) == (0x4000, "unmapped")  # the gap
+    assert twins._first_fault(0x800, 0x1800, False) == (0x800, "unmapped")    # before the first
+    assert twins._first_fault(0x4100, 0x4200, False) == (0x4100, "unmapped")  # inside the gap
+    assert twins._first_fault(0x5000, 0x5001, False) == (0x5000, "no access")
+    assert twins._first_fault(0x6000, 0x6001, False) == (0x6000, "unmapped")  # past the last
