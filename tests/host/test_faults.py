@@ -120,6 +120,50 @@ def test_a_caught_exception_the_program_logs_through_the_excepthook_is_not_the_r
     assert "tray: FAILED: rank 1 reported ValueError: bad input 43\n" in run.stderr, run.stderr
 
 
+def test_an_exception_an_atexit_handler_logs_is_not_the_ranks_failure_and_one_through_a_programs_hook_is(tray_env):
+    """An atexit handler (or a greenlet) that logs an exception through sys.excepthook has its own frame at the bottom
+    of the stack, not the program's module: it was reported as the rank's failure, and a tray whose every rank ended
+    well failed. The rule now is the other way round: only a call from the interpreter, whose first frame is a hook's
+    (tray's, or the one the program set over it, here a callable object and a partial), ends the process."""
+    run = tray_env.launch(2, """
+    import atexit
+    rank = tray.init()
+
+    def flush():
+        try:
+            raise ValueError('logged at exit')
+        except ValueError:
+            sys.excepthook(*sys.exc_info())
+
+    atexit.register(flush)
+    rank.barrier(timeout_s=30)
+""")
+    assert run.returncode == 0, run.output
+    for r in (0, 1):
+        assert f"[rank {r}] ValueError: logged at exit" in run.stderr, run.stderr
+    assert "FAILED" not in run.stderr and "reported" not in run.stderr, run.stderr
+    for wrap in ("Hook(sys.excepthook)", "functools.partial(lambda prev, *a: prev(*a), sys.excepthook)"):
+        run = tray_env.launch(2, f"""
+    import functools
+
+    class Hook:
+        def __init__(self, previous):
+            self.previous = previous
+
+        def __call__(self, *exc):
+            self.previous(*exc)
+
+    rank = tray.init()
+    sys.excepthook = {wrap}
+    rank.barrier(timeout_s=30)
+    if rank.rank == 1:
+        raise ValueError('bad input 45')
+    rank.barrier(timeout_s=30)
+""")
+        assert run.returncode == 1, run.output
+        assert "tray: FAILED: rank 1 reported ValueError: bad input 45\n" in run.stderr, (wrap, run.stderr)
+
+
 @pytest.mark.parametrize("end", ["sys.exit(1)", "os._exit(1)"])
 def test_an_exception_logged_through_the_excepthook_then_an_exit_is_named_with_the_death(tray_env, end):
     """A runner that catches the program's exception, logs it through sys.excepthook and exits (coverage's does

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import stat
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -586,7 +588,7 @@ def _report_uncaught(rank: Rank) -> None:
             # thread's, passed here by a threading.excepthook)
             previous(kind, value, tb)
             return
-        if _program_running():
+        if _program_running(sys._getframe(0).f_code):
             # a caught one the program logs through the hook: it may go on (not the rank's failure), or exit next
             # (sys.exit(1), os._exit(1), a runner such as coverage's): the head names it then, from this file
             with contextlib.suppress(Exception):
@@ -603,15 +605,33 @@ def _report_uncaught(rank: Rank) -> None:
     sys.excepthook = hook
 
 
-def _program_running() -> bool:
-    """Whether the program's own code is still on this thread's stack below the excepthook: it called the hook itself
-    (to log an exception it caught), and may go on. An exception that ends the process reaches the hook from the
-    interpreter once the program's frames are gone: the stack's first frame is then a hook's (this one, or one a
-    program set that calls it)."""
+def _program_running(own: types.CodeType) -> bool:
+    """Whether the program's own code is still on this thread's stack below the excepthook (`own`, the hook's code):
+    it called the hook itself to log an exception it caught (from its module, a function, an atexit handler or a
+    greenlet), and may go on. An exception that ends the process reaches the hook from the interpreter, which calls
+    sys.excepthook with no frame of the program's left: the stack's first frame is then a hook's (this one, or the one
+    the program set, which calls it)."""
     frame = sys._getframe()
     while frame.f_back is not None:
         frame = frame.f_back
-    return frame.f_code.co_name == "<module>" or frame.f_globals.get("__name__") == "runpy"
+    return frame.f_code is not own and frame.f_code is not _code_of(sys.excepthook)
+
+
+def _code_of(fn: object) -> types.CodeType | None:
+    """The code the interpreter runs first when it calls `fn`: a function's, a bound method's, a partial's function's,
+    or a callable object's __call__; None for a builtin."""
+    for _ in range(16):  # partials of partials, bound methods of callables: a few layers at most
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        elif isinstance(fn, types.FunctionType):
+            return fn.__code__
+        elif callable(fn) and not isinstance(fn, (types.BuiltinFunctionType, type)):
+            fn = type(fn).__call__  # type: ignore[operator]
+        else:
+            return None
+    return None
 
 
 def _print_once(reported: BaseException, rank: int) -> None:
