@@ -23,6 +23,7 @@ import bisect
 import ctypes
 import errno
 import mmap
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -153,81 +154,79 @@ def mapped(ptr: int, nbytes: int) -> bool:
     return True
 
 
-# The last reading of /proc/self/maps: each mapping's start, end and whether it may be read and written, by start.
-# Read again only when a range is not found there with the access asked: a program's own memory (its heap, its
-# arrays) is found at once, for a bisect. A mapping that has changed in place since (mprotect, or one unmapped and
-# another mapped at its address) is judged as it was read; `mapped` is asked first, so one unmapped since is not.
-_MAP_STARTS: list[int] = []
-NOT_ITS_MEMORY = "is not all memory of this process"  # access_fault's words for a range with an unmapped page
-_MAPS: list[tuple[int, int, bool, bool]] = []
+# The last reading of /proc/self/maps: the mappings' starts, and each mapping's (start, end, readable, writable), by
+# start; published as one pair, so that a thread reading it while another reads the maps again sees one reading whole.
+# Read again only when a range is not found there with the access asked: a program's own memory (its heap, its arrays)
+# is found at once, for a bisect. A mapping whose protection changed since it was read (mprotect, or one unmapped and
+# another mapped at its address) is judged as it was then; `mapped` is asked first, so one unmapped since is not.
+_Maps = tuple[list[int], list[tuple[int, int, bool, bool]]]
+_MAPPINGS: _Maps = ([], [])
+_MAPS_LINE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) (.)(.)", re.MULTILINE)
+_NOT_ITS_MEMORY = ("is not all memory of this process (an address of another process, memory freed since, or a count "
+                   "past its end)")
 
 
-def _read_maps() -> bool:
-    """Read /proc/self/maps into _MAP_STARTS / _MAPS; False where it cannot be read (no /proc)."""
+def _read_maps() -> _Maps | None:
+    """/proc/self/maps read again, published as _MAPPINGS; None where it cannot be read (no /proc). A page that may be
+    written may be read (x86, arm64)."""
+    global _MAPPINGS
     try:
         with open("/proc/self/maps", "rb") as f:
             data = f.read()
     except OSError:
-        return False
-    maps = []
-    for line in data.splitlines():
-        span, _, rest = line.partition(b" ")
-        lo, _, hi = span.partition(b"-")
-        try:
-            maps.append((int(lo, 16), int(hi, 16), rest[:1] == b"r", rest[1:2] == b"w"))
-        except ValueError:
-            continue
-    maps.sort()
-    _MAPS[:] = maps
-    _MAP_STARTS[:] = [m[0] for m in maps]
-    return True
+        return None
+    maps = sorted((int(lo, 16), int(hi, 16), r == b"r" or w == b"w", w == b"w")
+                  for lo, hi, r, w in _MAPS_LINE.findall(data))
+    _MAPPINGS = reading = ([m[0] for m in maps], maps)
+    return reading
 
 
-def _first_fault(ptr: int, end: int, write: bool) -> tuple[int, str] | None:
-    """The first address of [ptr, end) that the last reading of the maps gives no mapping with the access asked, and
-    what is there ("unmapped", "no access", "read-only" or "write-only"); None when every byte may be accessed."""
-    i = bisect.bisect_right(_MAP_STARTS, ptr) - 1
+def _first_fault(ptr: int, end: int, write: bool, reading: _Maps) -> tuple[int, str] | None:
+    """The first address of [ptr, end) that `reading` (of the maps) gives no mapping with the access asked, and what is
+    there ("unmapped", "no access" or "read-only"); None when every byte may be accessed."""
+    starts, maps = reading
+    i = bisect.bisect_right(starts, ptr) - 1
     at = ptr
     while at < end:
-        if i < 0 or i >= len(_MAPS) or _MAPS[i][1] <= at:
+        if i < 0 or maps[i][1] <= at:
             i += 1  # `at` lies past mapping i: it is in the next one, or in none
-            if i >= len(_MAPS) or _MAPS[i][0] > at:
+            if i >= len(maps) or maps[i][0] > at:
                 return at, "unmapped"
             continue
-        _, hi, readable, writable = _MAPS[i]
+        _, hi, readable, writable = maps[i]
         if not (writable if write else readable):
-            return at, ("no access" if not (readable or writable) else "read-only" if readable else "write-only")
+            return at, "read-only" if readable else "no access"
         at = hi
         i += 1
-        if at < end and (i >= len(_MAPS) or _MAPS[i][0] != at):
+        if at < end and (i >= len(maps) or maps[i][0] != at):
             return at, "unmapped"
     return None
 
 
 def access_fault(ptr: int, nbytes: int, write: bool = False) -> str | None:
-    """Why reading (or, with `write`, writing) [ptr, ptr + nbytes) would kill this process, in a few words naming the
-    first page that is out of reach; None when every byte may be accessed, or where that cannot be told (no /proc).
-    Unmapped pages are found by `mapped`; pages mapped without the access (a PROT_NONE reservation such as a GPU
-    driver's address range or a guard page, or a read-only mapping written to) from /proc/self/maps."""
+    """Why reading (or, with `write`, writing) [ptr, ptr + nbytes) would kill this process, in words that follow "its
+    range of N B at 0x...": the first page out of reach; None when every byte may be accessed, or where that cannot be
+    told (no /proc). Unmapped pages are found by `mapped` (mincore); pages mapped without the access (a PROT_NONE
+    reservation such as a GPU driver's address range or a guard page, or a read-only mapping written to) from
+    /proc/self/maps. A count that runs past an array into other memory of the process is not told apart."""
     if nbytes <= 0:
         return None
     if not mapped(ptr, nbytes):
-        return NOT_ITS_MEMORY
+        return _NOT_ITS_MEMORY
     end = ptr + nbytes
-    if _first_fault(ptr, end, write) is None:
+    if _first_fault(ptr, end, write, _MAPPINGS) is None:
         return None
-    if not _read_maps():
-        return None
-    fault = _first_fault(ptr, end, write)
-    if fault is None:
+    reading = _read_maps()
+    fault = None if reading is None else _first_fault(ptr, end, write, reading)
+    if fault is None or fault[1] == "unmapped":
+        # NOTE: mincore found every page mapped: a page the maps lack was mapped after a reading taken in parts
+        # while other threads map memory; not told apart, as where /proc cannot be read
         return None
     at, what = fault
-    if what == "unmapped":  # mapped meanwhile, or mincore could not tell
-        return NOT_ITS_MEMORY
     if what == "no access":
-        return (f"reaches {at:#x}, {at - ptr} B in, memory mapped without access (a reservation: a GPU's device "
-                "memory or a guard page)")
-    return f"reaches {at:#x}, {at - ptr} B in, {what} memory, which this rank may not {'write' if write else 'read'}"
+        return (f"has memory mapped without access at {at:#x} ({at - ptr} B in): a reservation such as a GPU's "
+                "device memory, a guard page, or an allocator's unused reserve")
+    return f"has read-only memory at {at:#x} ({at - ptr} B in), which this rank may not write"
 
 
 def at(ptr: int, count: int, dtype: Any) -> np.ndarray:

@@ -67,31 +67,44 @@ def test_access_fault_names_the_first_page_out_of_reach_and_finds_memory_mapped_
     rw = mmap.PROT_READ | mmap.PROT_WRITE
     twins._read_maps()  # a reading from before the mappings below: they are found by reading again
     base = libc.mmap(None, 4 * page, rw, flags, -1, 0)
-    assert base not in (None, 2**64 - 1)
+    assert base not in (None, 2**64 - 1), "mmap failed"
     try:
         assert libc.mprotect(base + 2 * page, page, 0) == 0          # page 2: no access
         assert libc.mprotect(base + 3 * page, page, mmap.PROT_READ) == 0  # page 3: read-only
         assert twins.access_fault(base, 2 * page, write=True) is None  # pages 0-1, whatever mappings they are
         assert twins.access_fault(base + 8, 2 * page, write=False) == (
-            f"reaches {base + 2 * page:#x}, {2 * page - 8} B in, memory mapped without access (a reservation: a "
-            "GPU's device memory or a guard page)")
+            f"has memory mapped without access at {base + 2 * page:#x} ({2 * page - 8} B in): a reservation such as "
+            "a GPU's device memory, a guard page, or an allocator's unused reserve")
         assert twins.access_fault(base + 3 * page, page, write=False) is None
         assert twins.access_fault(base + 3 * page + 4, 8, write=True) == (
-            f"reaches {base + 3 * page + 4:#x}, 0 B in, read-only memory, which this rank may not write")
+            f"has read-only memory at {base + 3 * page + 4:#x} (0 B in), which this rank may not write")
         assert twins.access_fault(base, 0, write=True) is None
     finally:
         libc.munmap(base, 4 * page)
-    assert twins.access_fault(base, 8) == twins.NOT_ITS_MEMORY  # unmapped since: mincore says so first
+    assert twins.access_fault(base, 8).startswith("is not all memory of this process")  # mincore says so first
 
 
-def test_first_fault_walks_adjacent_mappings_and_names_a_gap_between_them(monkeypatch):
+def test_first_fault_walks_adjacent_mappings_and_names_a_gap_between_them():
     maps = [(0x1000, 0x3000, True, True), (0x3000, 0x4000, True, False), (0x5000, 0x6000, False, False)]
-    monkeypatch.setattr(twins, "_MAPS", maps)
-    monkeypatch.setattr(twins, "_MAP_STARTS", [m[0] for m in maps])
-    assert twins._first_fault(0x1000, 0x4000, False) is None       # two mappings, one after the other
-    assert twins._first_fault(0x1000, 0x4000, True) == (0x3000, "read-only")
-    assert twins._first_fault(0x2000, 0x4800, False) == (0x4000, "unmapped")  # the gap
-    assert twins._first_fault(0x800, 0x1800, False) == (0x800, "unmapped")    # before the first
-    assert twins._first_fault(0x4100, 0x4200, False) == (0x4100, "unmapped")  # inside the gap
-    assert twins._first_fault(0x5000, 0x5001, False) == (0x5000, "no access")
-    assert twins._first_fault(0x6000, 0x6001, False) == (0x6000, "unmapped")  # past the last
+    reading = ([m[0] for m in maps], maps)
+    assert twins._first_fault(0x1000, 0x4000, False, reading) is None       # two mappings, one after the other
+    assert twins._first_fault(0x1000, 0x4000, True, reading) == (0x3000, "read-only")
+    assert twins._first_fault(0x2000, 0x4800, False, reading) == (0x4000, "unmapped")  # the gap
+    assert twins._first_fault(0x800, 0x1800, False, reading) == (0x800, "unmapped")    # before the first
+    assert twins._first_fault(0x4100, 0x4200, False, reading) == (0x4100, "unmapped")  # inside the gap
+    assert twins._first_fault(0x5000, 0x5001, False, reading) == (0x5000, "no access")
+    assert twins._first_fault(0x6000, 0x6001, False, reading) == (0x6000, "unmapped")  # past the last
+    assert twins._first_fault(0x2000, 0x2000, True, reading) is None  # nothing asked
+
+
+def test_a_reading_of_the_maps_is_published_whole():
+    """The starts and the mappings were two lists, assigned one after the other: a thread that missed the cache while
+    another read the maps again could index one reading's mappings with the other's starts (a PROT_NONE page passed,
+    or an IndexError)."""
+    reading = twins._read_maps()
+    if reading is None:
+        pytest.skip("needs /proc/self/maps")
+    assert twins._MAPPINGS is reading
+    starts, maps = reading
+    assert starts == [m[0] for m in maps] and starts == sorted(starts) and maps
+    assert all(hi > lo for lo, hi, _, _ in maps)

@@ -30,7 +30,7 @@ from tray.backend.host.barrier import HostBarrier, spin_until, u64_view
 from tray.collectives.base import GroupJoin, Joiner
 from tray.errors import BarrierTimeout, UsageError
 from tray.text import int_index, ranks_text
-from tray.twins import NOT_ITS_MEMORY, access_fault, check_range, in_region
+from tray.twins import access_fault, check_range, in_region
 
 # NOTE: a member's scratch ends in a trailer of u64 words: four per member (the collectives' own barrier flags,
 # so a program's rank.barrier() never pairs with a barrier inside a collective; then per peer the rounds of
@@ -160,8 +160,6 @@ class HostCollectives(Collectives):
             # the program's own memory, or memory it may not touch, or none at all
             fault = access_fault(ptr, nbytes, write=side == "receive")
             if fault is not None:
-                if fault == NOT_ITS_MEMORY:
-                    fault += " (an address of another process, memory freed since, or a count past its end)"
                 raise UsageError(f"{what} of {count} {dtype} over group {self.group.name!r}: its {side} range of "
                                  f"{nbytes} B at {ptr:#x} {fault}; pass a buffer's address (rank.buffer(name).ptr), a "
                                  "view, or a tensor or array this rank holds")
