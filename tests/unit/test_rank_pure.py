@@ -181,3 +181,41 @@ def test_a_dtype_tray_does_not_know_is_named_with_the_names_it_takes() -> None:
         numpy_dtype("float32")
     with pytest.raises(UsageError, match="dtype 'fp8' is not one tray knows; it takes bf16"):
         numpy_dtype("fp8")
+
+
+def test_the_code_a_hook_runs_first_is_found_through_what_wraps_it_and_never_raises():
+    """An uncaught exception is told from one the program logs by the stack's first frame: the code of the hook the
+    interpreter calls. A hook that wraps tray's in a way not seen through passed for a log (no report), and a dead
+    weakref.proxy as the hook raised inside tray's own hook (neither report nor the previous hook's print)."""
+    import functools
+    import weakref
+
+    from tray.rank import _code_of
+
+    def hook(*exc):
+        pass
+
+    class Callable:
+        def __call__(self, *exc):
+            pass
+
+    class Hook:
+        def __init__(self, *exc):
+            pass
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    proxy = weakref.proxy(gone)
+    del gone
+    wrapped = functools.wraps(hook)(lambda *exc: hook(*exc))
+    found = {name: _code_of(h) for name, h in [
+        ("function", hook), ("partial", functools.partial(hook, 1)), ("callable", Callable()),
+        ("method", Callable().__call__), ("class", Hook), ("staticmethod", staticmethod(hook)),
+        ("lru_cache", functools.lru_cache(hook)), ("wraps", wrapped), ("builtin", print),
+        ("partial of a builtin", functools.partial(print)), ("dead proxy", proxy)]}
+    assert found == {"function": hook.__code__, "partial": hook.__code__, "callable": Callable.__call__.__code__,
+                     "method": Callable.__call__.__code__, "class": Hook.__init__.__code__,
+                     "staticmethod": hook.__code__, "lru_cache": hook.__code__, "wraps": wrapped.__code__,
+                     "builtin": None, "partial of a builtin": None, "dead proxy": None}

@@ -618,19 +618,27 @@ def _program_running(own: types.CodeType) -> bool:
 
 
 def _code_of(fn: object) -> types.CodeType | None:
-    """The code the interpreter runs first when it calls `fn`: a function's, a bound method's, a partial's function's,
-    or a callable object's __call__; None for a builtin."""
-    for _ in range(16):  # partials of partials, bound methods of callables: a few layers at most
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif isinstance(fn, types.MethodType):
-            fn = fn.__func__
-        elif isinstance(fn, types.FunctionType):
-            return fn.__code__
-        elif callable(fn) and not isinstance(fn, (types.BuiltinFunctionType, type)):
-            fn = type(fn).__call__  # type: ignore[operator]
-        else:
-            return None
+    """The code the interpreter runs first when it calls `fn`: a function's, and through what wraps one (a bound or
+    static method, functools.partial, a decorator that sets __wrapped__, lru_cache), or a callable object's __call__
+    or a class's __init__; None for a builtin, or where that cannot be told."""
+    try:
+        for _ in range(16):  # wrappers of wrappers: a few layers at most
+            if isinstance(fn, types.FunctionType):
+                return fn.__code__
+            if isinstance(fn, functools.partial):
+                fn = fn.func
+            elif isinstance(fn, (types.MethodType, staticmethod, classmethod)):
+                fn = fn.__func__
+            elif getattr(fn, "__wrapped__", None) is not None:
+                fn = fn.__wrapped__  # type: ignore[attr-defined]
+            elif isinstance(fn, type):
+                fn = fn.__init__  # type: ignore[misc]
+            elif isinstance(type(fn).__call__, types.FunctionType):  # type: ignore[operator]
+                fn = type(fn).__call__  # type: ignore[operator]
+            else:
+                return None
+    except Exception:  # NOTE: a hook of any kind (a dead weakref.proxy raises on every attribute): not told
+        return None
     return None
 
 
