@@ -556,3 +556,64 @@ def test_the_head_takes_the_ranks_manifest_only_from_a_regular_file(tmp_path) ->
             t.join(5.0)
         assert not hung and notes == [""], path
         assert head.manifest.digest == ours
+
+
+def test_a_stop_signal_during_a_long_spawn_stops_it_between_two_ranks_and_the_spawn_says_its_progress(
+        monkeypatch, tmp_path) -> None:
+    """`tray launch -n 1000` on 2 cores: the ranks took minutes to start, one fork at a time, and a Ctrl-C was only
+    noted, acted on once every rank had started (the head had to be killed); nothing was said meanwhile."""
+    import signal
+
+    from tray.launch import head as head_mod
+    from tray.launch.head import Head
+    from tray.launch.spec import TraySpec
+
+    head = Head(TraySpec(nprocs=50, cmd=("true",), backend="host"))
+    said: list[str] = []
+    spawned: list[int] = []
+
+    def spawn(spec, rank, env, placement, group):
+        spawned.append(rank)
+        if rank == 3:
+            head._signals.append(signal.SIGINT)  # as the held handler notes it
+        return SimpleNamespace(rank=rank)
+
+    monkeypatch.setattr(head_mod, "spawn_rank", spawn)
+    monkeypatch.setattr(head_mod, "_say", said.append)
+    monkeypatch.setattr(head_mod, "_SPAWN_SAY_S", 0.0)
+    with pytest.raises(KeyboardInterrupt):
+        head._spawn_all(tmp_path, "ipc://x", 0)
+    assert spawned == [0, 1, 2, 3] and len(head.procs) == 4  # the teardown stops those
+    assert said == [f"started {r} of 50 ranks in 0 s" for r in range(4)]
+
+
+def test_the_head_says_whom_its_handshake_waits_for_every_10_s_before_it_gives_up(monkeypatch) -> None:
+    """A rank that never reaches tray.init() left the tray silent for the whole --timeout-s (30 s by default), where
+    the root of a job of several nodes says whom it waits for every 10 s."""
+    import time
+
+    from tray.launch import head as head_mod
+    from tray.launch.head import Head
+    from tray.launch.spec import RankProcess, TraySpec
+
+    head = Head(TraySpec(nprocs=2, cmd=("true",), backend="host", handshake_timeout_s=30.0))
+    head.procs = [RankProcess(rank=r, popen=SimpleNamespace(pid=4000 + r, poll=lambda: None),  # type: ignore[arg-type]
+                              t_spawn=time.time() - 12) for r in range(2)]
+    head.procs[0].last_heartbeat = time.monotonic()
+    head.offers = {0: SimpleNamespace()}  # type: ignore[dict-item]
+    said: list[str] = []
+    monkeypatch.setattr(head_mod, "_say", said.append)
+    head.t_first_contact = time.monotonic() - 5
+    head._check_deadlines()
+    assert said == []  # 5 s in: nothing yet
+    head.t_first_contact = time.monotonic() - 11
+    head._check_deadlines()
+    head._check_deadlines()  # said once per 10 s
+    assert len(said) == 1 and said[0].startswith("waiting for rank 1 to offer (1 of 2 did, 11 s; gives up after "
+                                                 "--timeout-s 30 s): rank 1 alive, last phase: spawn: not heard from "
+                                                 "in its 12."), said
+    assert head.failure is None
+    head.t_first_contact = time.monotonic() - 31
+    head._check_deadlines()
+    assert head.failure is not None and "rank 1 did not offer within 30 s" in head.failure.summary
+    assert len(said) == 1

@@ -59,7 +59,7 @@ from tray.launch.watchdog import REAP_TIMEOUT_S, SETTLE_S, Watchdog, kill_group,
 from tray.manifest import Manifest, builtin_manifest, load_manifest
 from tray.manifest.builtin import BUILTIN_PATH
 from tray.numa import NumaPlacement, placement_for
-from tray.text import is_digits, printable, text_path
+from tray.text import is_digits, printable, ranks_text, text_path
 
 if TYPE_CHECKING:
     import psutil
@@ -214,6 +214,8 @@ def _signals_held() -> Iterator[list[int]]:
 _WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long (at most half its wait) before it runs out
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
+_WAIT_SAID_EVERY_S = 10.0  # while ranks have not offered (or said ready), the head says so this often
+_SPAWN_SAY_S = 5.0  # a spawn of the ranks that runs longer says how far it got this often
 # NOTE: ZMQ_POLLIN and ZMQ_DONTWAIT (zmq.h) as plain ints: pyzmq's zmq.POLLIN and zmq.NOBLOCK are enum flags, and
 # each & or | with one makes a new enum member (~3 us), on every message's path
 _POLLIN = 1
@@ -270,6 +272,7 @@ class Head:
         self._failed_said = False  # the root cause's line is out (at the teardown's start)
         self.t_first_contact: float | None = None  # when the head first heard a rank (monotonic): the handshake's clock
         self._no_contact_said = False
+        self._last_wait_said = 0.0  # when the head last said whom the handshake waits for (monotonic)
         self._busy_said: set[int] = set()  # ranks said to be busy without heartbeats
         # the ranks join NCCL while they start (tray/collectives/early.py); the head's time making the ids
         # the ranks' collectives join while they start (tray/collectives/early.py), or at their first use
@@ -373,8 +376,17 @@ class Head:
                              f"({exc.strerror}); choose another, or leave it out (a free port)") from None
 
     def _spawn_all(self, job_dir: Path, endpoint: str, process_group: int) -> None:
+        """Start every rank. A stop signal is acted on between two spawns (the ranks started are stopped by the
+        teardown), and a spawn that runs long says its progress every _SPAWN_SAY_S: hundreds of ranks on a few cores
+        take minutes to start, each fork waiting for a core."""
         manifest = str(Path(self.spec.manifest).resolve()) if self.spec.manifest else ""
+        t0 = time.monotonic()
+        next_say = t0 + _SPAWN_SAY_S
         for r in range(self.spec.nprocs):
+            self._raise_if_signalled()
+            if (now := time.monotonic()) >= next_say:
+                next_say = now + _SPAWN_SAY_S
+                _say(f"started {r} of {self.spec.nprocs} ranks in {now - t0:.0f} s")
             t_spawn = time.time()
             env = rank_env(self.spec, r, job_dir=job_dir, endpoint=endpoint, token=self.token,
                            manifest=manifest, t_spawn=t_spawn, restart_count=self.restart_count,
@@ -972,7 +984,22 @@ class Head:
                 self._no_contact_said = True
                 _say(f"no rank has called tray.init() {timeout_s:.0f} s after the spawn (--timeout-s): supervising "
                      "them as a plain launcher until one does (a rank's exit still ends the tray; Ctrl-C stops it)")
-        elif not self.t_go and clock is not None and now - clock - waited > timeout_s and self._handshake_is_ours():
+        elif not self.t_go and clock is not None and now - clock - waited > _WAIT_SAID_EVERY_S and \
+                now - self._last_wait_said >= _WAIT_SAID_EVERY_S and now - clock - waited <= timeout_s and \
+                self._handshake_is_ours():
+            # a rank that has not reached tray.init() (loading weights, stuck): said while the others wait for it
+            self._last_wait_said = now
+            missing = [p for p in self.procs if p.rank not in self.offers] or \
+                      [p for p in self.procs if p.rank not in self.ready]
+            what = "offer" if len(self.offers) < self.spec.nprocs else "report ready"
+            if missing:
+                ranks = ranks_text([p.rank for p in missing[:8]]) + \
+                    (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                first = missing[0]
+                _say(f"waiting for {ranks} to {what} ({self.spec.nprocs - len(missing)} of {self.spec.nprocs} did, "
+                     f"{now - clock - waited:.0f} s; gives up after --timeout-s {timeout_s:g} s): rank {first.rank} "
+                     f"{self._liveness(first)}, last phase: {self._phase_of(first)}")
+        if not self.t_go and clock is not None and now - clock - waited > timeout_s and self._handshake_is_ours():
             # the deadline runs from the first rank's contact: once one joins, every rank must, within --timeout-s
             missing = [p for p in self.procs if p.rank not in self.offers] or \
                       [p for p in self.procs if p.rank not in self.ready]
