@@ -184,6 +184,56 @@ def test_a_root_that_closes_during_the_handshake_is_not_taken_for_another_token(
         ctx.term()
 
 
+def test_a_root_host_that_does_not_resolve_is_said_while_waiting_and_in_the_failure(monkeypatch):
+    """ZeroMQ resolves the root's host name as it dials and says nothing when that fails: node 1 waited out
+    --timeout-s in silence and then named every cause but that one, where node 0 said at once that the name did not
+    resolve. A name that resolves later (a Kubernetes service's record) is still dialled."""
+    from tray.launch import node as node_mod
+
+    said: list[str] = []
+    answers = [socket.gaierror(-2, "Name or service not known")]
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if answers:
+            raise answers[0]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(node_mod.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(node_mod, "say", said.append)
+    monkeypatch.setattr(node_mod, "RESOLVE_EVERY_S", 0.02)
+    job = JobSpec(nnodes=2, node_rank=1, root_host="node0.invalid", root_port=_free_port(), rdzv_id="test",
+                  token=TOKEN, source="cli")
+    join = jobwire.NodeJoin(token=TOKEN, node_rank=1, nnodes=2, local_world_size=1, rdzv_id="test",
+                            hostname="h", pid=1, manifest="m" * 64, backend="host")
+    ctx = zmq.Context()
+    link = NodeLink(ctx, job, join, connect_timeout_s=30.0)
+    try:
+        deadline = time.monotonic() + 5.0
+        while not link.unresolved and time.monotonic() < deadline:
+            time.sleep(0.01)
+        link.t_start -= 11  # 11 s into the wait: said once
+        link._last_wait_said -= 11
+        assert link.tick() is None
+        assert said == ["node 1: no answer yet from the root (node 0 at node0.invalid:%d) (11 s; its host "
+                        "'node0.invalid' (from --rdzv-endpoint or --master-addr) does not resolve ([Errno -2] Name "
+                        "or service not known)); gives up after --timeout-s 30 s" % job.root_port], said
+        link.t_start -= 20
+        reason = link.tick() or ""
+        assert reason.startswith("could not reach the root (node 0 at node0.invalid:") and reason.endswith(
+            "within 30 s (--timeout-s): its host 'node0.invalid' (from --rdzv-endpoint or --master-addr) does not "
+            "resolve ([Errno -2] Name or service not known); give a name or address every node can resolve (or wait "
+            "longer for its record: --timeout-s)"), reason
+        answers.clear()  # the record comes
+        deadline = time.monotonic() + 5.0
+        while link.unresolved and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.unresolved == ""
+        assert "could not reach the root" in (link.tick() or "") and "resolve" not in (link.tick() or "")
+    finally:
+        link.close()
+        ctx.term()
+
+
 def test_a_connection_that_never_finishes_the_handshake_is_dropped_and_descriptors_are_raised(monkeypatch):
     """Anyone who reaches the root's port may open connections and say nothing: each held a descriptor of node 0's
     head for ZeroMQ's default 30 s, and 1100 of them under `ulimit -n 1024` kept the real node out and broke the

@@ -12,10 +12,12 @@ a lost node or a lost root goes unnoticed.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import signal
 import socket
+import threading
 import time
 from typing import Any, cast
 
@@ -51,8 +53,20 @@ HELD_SAID_MAX = 64  # held votes told the root in one NodeHeld, at most
 LATE_TELL_S = 5.0
 # a head that finds the root silent reads what the link still delivers for this long first (sent while it was stopped)
 CATCH_UP_S = 0.2
+# while a head other than node 0's has heard nothing from the root, it says so this often
+WAIT_SAID_EVERY_S = 10.0
+RESOLVE_EVERY_S = 2.0  # how often a root host name that does not resolve is asked again (beside ZeroMQ's own dialling)
 # plain ints: an operation on pyzmq's enum constants builds an enum
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
+
+def _is_address(host: str) -> bool:
+    """Whether `host` is an IP address as written (nothing to resolve)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 class NodeLink:
@@ -95,7 +109,25 @@ class NodeLink:
         self._seq = 0
         self._last_sent = 0.0  # when a message last went to the root: a heartbeat is due only after a quiet period
         self._last_tick: float | None = None  # when tick() last ran: a gap longer than the timeout is this head's own
+        self._last_wait_said = self.t_start  # when this head last said it waits for the root (monotonic)
+        # ZeroMQ resolves the root's host name as it dials, and says nothing when that fails: a thread asks too, so
+        # that a name that does not resolve (yet: a Kubernetes service's record comes after its pod) is said
+        self.unresolved = ""  # why the root's host name did not resolve when last asked; "" once it did
+        self._resolve_done = threading.Event()
+        if not job.is_root and not _is_address(job.root_host):
+            threading.Thread(target=self._resolve, name="tray-root-resolve", daemon=True).start()
         self.send(join)
+
+    def _resolve(self) -> None:
+        while not self._resolve_done.is_set():
+            try:
+                socket.getaddrinfo(self.job.root_host, self.job.root_port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                self.unresolved = str(exc)
+                self._resolve_done.wait(RESOLVE_EVERY_S)
+                continue
+            self.unresolved = ""
+            return
 
     def send(self, msg: Any) -> None:
         if self.closed:  # refused by the root: nothing sent can reach it
@@ -112,6 +144,8 @@ class NodeLink:
         # NOTE: the socket's EVENTS says whether a message waits; sock.poll() makes a Poller each call
         while not self.closed and cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN:
             frames = self.sock.recv_multipart()
+            if self.last_heard is None:
+                self._resolve_done.set()  # the root answered: its name resolved
             self.last_heard = time.monotonic()
             try:
                 data = jobwire.message_of(frames, self.limit)
@@ -179,10 +213,21 @@ class NodeLink:
                         "accepted a TCP connection, but nothing there finished ZeroMQ's handshake: another program "
                         "listens on that port (node 0's head then fails saying the port is in use; give every node "
                         "another with --rdzv-endpoint HOST:PORT), or node 0's head is stopped")
+            dns = (f"its host {self.job.root_host!r} (from {host_source(self.job.source)}) does not resolve "
+                   f"({self.unresolved})") if self.unresolved else ""
             if now - self.t_start > self.connect_timeout_s:
+                if dns:
+                    return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (--timeout-s): {dns}; "
+                            "give a name or address every node can resolve (or wait longer for its record: "
+                            "--timeout-s)")
                 return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (--timeout-s; node 0 not "
                         f"started or given up already, a wrong root address (from {host_source(self.job.source)}), "
                         "or a firewall)")
+            if not self.job.is_root and now - self._last_wait_said >= WAIT_SAID_EVERY_S:
+                self._last_wait_said = now
+                say(f"node {self.job.node_rank}: no answer yet from {where} ({now - self.t_start:.0f} s" +
+                    (f"; {dns}" if dns else "; TCP connected" if self.connected else "; not connected") +
+                    f"); gives up after --timeout-s {self.connect_timeout_s:g} s")
             return None
         if silent > limit:
             return (f"lost {where}: nothing heard for {silent:.1f} s (timeout {self.job.node_heartbeat_timeout_s:.1f} "
@@ -191,6 +236,7 @@ class NodeLink:
 
     def close(self, linger_ms: int | None = None) -> None:
         """Close the link (again: nothing); `linger_ms` overrides the socket's LINGER."""
+        self._resolve_done.set()
         if self.closed:
             return
         self.sock.disable_monitor()
