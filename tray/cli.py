@@ -159,7 +159,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from tray.envvars import barrier_timeout, join_collectives
 
     barrier_timeout(os.environ.get("TRAY_BARRIER_TIMEOUT_S"))  # a bad value fails here, not in every rank
-    manifest = resolve_manifest(args.manifest) if args.manifest is not None else None
+    program = next((c for c in cmd if c.endswith(".py")), None)  # the program file: `prog.py`, `-- python prog.py`
+    manifest = resolve_manifest(args.manifest, program) if args.manifest is not None else None
     warn_if_oversubscribed(nprocs, timeout_flag="--barrier-timeout-s (or TRAY_BARRIER_TIMEOUT_S)")
     spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=manifest,
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,

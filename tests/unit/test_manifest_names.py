@@ -80,3 +80,28 @@ def test_a_file_name_close_to_one_there_is_suggested_and_long_descriptions_are_c
         name, text = line.split(maxsplit=1)
         assert len(text) <= 104 and (text == known[name] or (text.endswith(" ...") and
                                                               known[name].startswith(text[:-4]))), line
+
+
+def test_a_relative_manifest_not_found_says_where_it_was_looked_for_and_names_the_one_beside_the_program(
+        tmp_path, monkeypatch):
+    """From /tmp, `tray launch -n 2 prog/p.py` whose ranks call tray.init(manifest="m.json"), with prog/m.json beside
+    the program: "no manifest file 'm.json' ...; did you mean the file 'x.json'?", an unrelated file of /tmp."""
+    (tmp_path / "prog").mkdir()
+    (tmp_path / "prog" / "m.json").write_text("{}")
+    (tmp_path / "x.json").write_text("{}")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "my.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as info:
+        resolve_manifest("m.json", "prog/p.py")
+    said = str(info.value)
+    assert said.startswith(f"no manifest file 'm.json' in {tmp_path} (the working directory: a relative path is taken "
+                           f"from there) and no built-in manifest of that name; the program's directory has "
+                           f"'{tmp_path / 'prog' / 'm.json'}': give that path (built-in: "), said
+    with pytest.raises(UsageError) as info:
+        resolve_manifest("m.json")
+    assert "did you mean" not in str(info.value) and "x.json" not in str(info.value), info.value
+    with pytest.raises(UsageError, match=r"did you mean the file 'conf/my.json'\?"):
+        resolve_manifest("conf/my.jsn")
+    with pytest.raises(UsageError, match=r"^no manifest file '/nowhere/m.json' and no built-in"):
+        resolve_manifest("/nowhere/m.json")

@@ -30,9 +30,11 @@ def builtin_manifests() -> dict[str, str]:
     return out
 
 
-def resolve_manifest(arg: str) -> str:
+def resolve_manifest(arg: str, program: str | None = None) -> str:
     """The manifest file `arg` names: an existing file wins; else the built-in manifest of that name
-    ("ep_moe" or "ep_moe.json"). Raises UsageError listing the built-ins (with a did-you-mean)."""
+    ("ep_moe" or "ep_moe.json"). Raises UsageError listing the built-ins (with a did-you-mean), saying where a relative
+    path was looked for, and naming the file of that path beside `program` (the rank's program file) if there is one:
+    a relative path is taken from the working directory, not from the program's."""
     if not arg:  # `--manifest "$M"` with M unset: not the default manifest, which leaving the flag out gives
         raise UsageError("the manifest's name is empty (--manifest ''); give a manifest file or a built-in name "
                          "(`tray inspect --list`), or leave --manifest out for the default (the world group)")
@@ -61,11 +63,23 @@ def resolve_manifest(arg: str) -> str:
         files = sorted(p.name for p in folder.iterdir() if p.suffix == ".json" and p.is_file())[:_FILES_COMPARED]
     except OSError:
         files = []
-    near = difflib.get_close_matches(Path(arg).name, files, n=1, cutoff=0.75)
+    name = Path(arg).name
+    # NOTE: the stems must be close too: "m.json" and "x.json" differ in all that names them
+    near = [f for f in difflib.get_close_matches(name, files, n=3, cutoff=0.75)
+            if difflib.SequenceMatcher(None, Path(name).stem, Path(f).stem).ratio() >= 0.6]
     if near:
         hint = f"; did you mean the file {str(folder / near[0])!r}?"
+    where = ""
+    if not os.path.isabs(arg):
+        try:
+            where = f" in {os.getcwd()} (the working directory: a relative path is taken from there)"
+        except OSError:
+            where = " (a relative path is taken from the working directory)"
+        beside = Path(program).resolve().parent / arg if program else None
+        if beside is not None and beside.is_file():
+            hint = f"; the program's directory has {str(beside)!r}: give that path"
     listing = ", ".join(known) or "none"
-    raise UsageError(f"no manifest file {arg!r} and no built-in manifest of that name{hint} "
+    raise UsageError(f"no manifest file {arg!r}{where} and no built-in manifest of that name{hint} "
                      f"(built-in: {listing}; `tray inspect --list` describes them)")
 
 

@@ -93,7 +93,8 @@ def start(parts: Parts, manifest_path: str | None, timeout_s: float, warmup: Any
 
     with phases.timed("manifest"):
         # a file, or a built-in's name (`tray.init(manifest="peer_fill")`), as `tray launch --manifest` takes it
-        manifest = parts.manifest = load_manifest(resolve_manifest(manifest_path)) if manifest_path \
+        program = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else None
+        manifest = parts.manifest = load_manifest(resolve_manifest(manifest_path, program)) if manifest_path \
             else builtin_manifest()
         resolved = parts.resolved = manifest.resolve(env.world_size, dict(env.vars), env.local_world_size or None)
     with phases.timed("device"):
