@@ -214,9 +214,9 @@ def test_a_root_host_that_does_not_resolve_is_said_while_waiting_and_in_the_fail
         link.t_start -= 11  # 11 s into the wait: said once
         link._last_wait_said -= 11
         assert link.tick() is None
-        assert said == ["node 1: no answer yet from the root (node 0 at node0.invalid:%d) (11 s; its host "
-                        "'node0.invalid' (from --rdzv-endpoint or --master-addr) does not resolve ([Errno -2] Name "
-                        "or service not known)); gives up after --timeout-s 30 s" % job.root_port], said
+        assert said == [f"node 1: no answer yet from the root (node 0 at node0.invalid:{job.root_port}) (11 s; its "
+                        "host 'node0.invalid' (from --rdzv-endpoint or --master-addr) does not resolve ([Errno -2] "
+                        "Name or service not known)); gives up after --timeout-s 30 s"], said
         link.t_start -= 20
         reason = link.tick() or ""
         assert reason.startswith("could not reach the root (node 0 at node0.invalid:") and reason.endswith(
