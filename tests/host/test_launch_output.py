@@ -36,7 +36,7 @@ def test_quiet_redirects_filter_and_logs(tray_env, tmp_path):
     assert run.output.count("Traceback (most recent call last)") == 1, run.output  # printed once, by the head
     assert "FAILED: rank 1 reported ValueError: boom at rank 1" in run.stderr
     # the root cause first: before the teardown says which ranks it stops
-    assert run.stderr.index("tray: FAILED:") < run.stderr.index("tray: stopping ranks"), run.stderr
+    assert run.stderr.index("tray: FAILED:") < run.stderr.index("tray: stopping rank"), run.stderr
     assert run.stderr.count("tray: FAILED:") == 1
 
 

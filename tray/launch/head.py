@@ -1241,8 +1241,8 @@ class Head:
         alive = [p for p in self.procs if p.popen.poll() is None]
         if alive:
             if self.failure:
-                who = ",".join(str(p.rank) for p in alive)
-                _say(f"stopping ranks {who} (SIGTERM, {self.spec.grace_s:.1f} s grace, then SIGKILL)")
+                who = ranks_text(p.rank for p in alive)
+                _say(f"stopping {who} (SIGTERM, {self.spec.grace_s:.1f} s grace, then SIGKILL)")
             for p in alive:
                 p.popen.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + self.spec.grace_s
@@ -1424,9 +1424,11 @@ class Head:
         codes = {p.rank: p.returncode for p in self.procs}
         if self.failure:
             self._print_root_cause()
-            others = [f"rank {r}: {_end_of(c)}" for r, c in codes.items() if r != self.failure.rank]
-            if others:
-                _say("after teardown: " + "; ".join(others))
+            # every rank's end, the root cause's too: a rank that froze or never offered ends in the teardown
+            ends = [f"rank {r}{' (the root cause)' if r == self.failure.rank else ''}: {_end_of(c)}"
+                    for r, c in codes.items()]
+            if ends:
+                _say("after teardown: " + "; ".join(ends))
         if self._rejects > _REJECTS_SAID:
             _say(f"{self._rejects} messages to the head's socket were rejected in all (the first {_REJECTS_SAID} "
                  "said): a process outside this tray wrote to it")

@@ -821,7 +821,11 @@ class Root:
                 missed = sorted({r for p in self._pending() for r in p[2]})
                 if missed:
                     summary += f"; the step waited for {ranks_by_node(missed, self.local_world_size)}"
-            summary += self._silent_nodes_among(missed)
+            # NOTE: first, the node's silence: the likelier cause, where the failed wait could only guess (a rank
+            # slower, or of a longer timeout)
+            if silent := self._silent_nodes_among(missed):
+                nodes = "it" if silent.count("has been silent for") == 1 else "them"
+                summary = f"{silent}; what waited for {nodes}, on node {node}: {summary}"
         stop = jobwire.JobStop.bounded(
             token=self.token, node_rank=node if node is not None else -1, rank=rank, summary=summary, report=report,
             tail=tuple(tail), exit_code=max(1, exit_code))
@@ -849,7 +853,7 @@ class Root:
                         f"{silent:.1f} s (its head beats every {HEARTBEAT_INTERVAL_S:g} s; lost after "
                         f"{self.job.node_heartbeat_timeout_s:g} s): its head was probably killed or stopped, or its "
                         "machine or network is down")
-        return "; the root: " + "; ".join(said) if said else ""
+        return "; ".join(said)
 
     def _broadcast(self, msg: Any) -> None:
         frames = jobwire.frames_of(msg.to_msgpack(self.limit))  # once for every node
