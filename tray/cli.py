@@ -8,6 +8,7 @@ import difflib
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -254,7 +255,7 @@ examples:
   tray launch --manifest peer_fill prog.py                a built-in manifest (tray inspect --list)
   tray launch -n 8 -q --log-dir logs --tee 3 --local-ranks-filter 0 -- python serve.py
                                                           rank 0 on the terminal, every rank's lines in logs/
-  tray launch --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 -n 4 prog.py
+  tray launch --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 -n 4 --manifest m.json prog.py
                                                           node 0 of a job of two trays (node1: --node-rank 1);
                                                           both with the same TRAY_JOB_TOKEN in the environment
   srun -N 2 --ntasks-per-node=1 tray launch -n 4 prog.py  the same under Slurm (launch/slurm/tray.sbatch)
@@ -271,10 +272,16 @@ env: TRAY_JOBS_ROOT (job directories), TRAY_BARRIER_TIMEOUT_S (as --barrier-time
 (a job of several nodes: the secret every node shares; never read from the command line), SLURM_*, PET_*
 (PyTorchJob), LWS_* (LeaderWorkerSet): the job's shape where --nnodes and friends are not given.
 ranks get TRAY_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT): the attempts before theirs.
+torchrun's --rdzv-backend, --rdzv-conf, --monitor-interval, --start-method, --role, --local-addr,
+--logs-specs and --event-log-handler are accepted and change nothing (a note says so where torchrun would
+act on the value given); -m, --no-python and --run-path run the program as torchrun's do.
 """
 
 
 COMMANDS = ("launch", "gate", "inspect", "bench", "doctor")
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -296,6 +303,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         hint = f"`{self.prog} --help` lists the options"
+        if (wrong := _INVALID_CHOICE.search(message)) is not None:  # `tray lanch`: argparse lists, not suggests
+            listed = re.findall(r"'([^']*)'", wrong.group(2)) or [c.strip() for c in wrong.group(2).split(",")]
+            close = difflib.get_close_matches(wrong.group(1), listed, n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
         print(f"tray: UsageError: {self.prog}: {message} ({hint})", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
@@ -464,10 +476,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        description="µs per barrier (eager, eager-sync, captured, eager graph launches), per rank; "
                                    "with --drop R, passes only if every other rank names R missing within the "
                                    "timeout + 0.5 s; with --stress, passes only if no rank received a wrong word.")
-    p.add_argument("gate", help="which gate: peer-barrier")
+    p.add_argument("gate", metavar="GATE", help="which gate: peer-barrier")
     p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: the visible GPUs; host: 4)")
     p.add_argument("--backend", choices=("host", "cuda"), default=None, help="default: cuda if a GPU is visible")
-    p.add_argument("--iters", type=int, default=1000, help="barriers per timed repeat (--stress: rounds per graph)")
+    p.add_argument("--iters", type=int, default=1000,
+                   help="barriers per timed repeat (--stress: rounds per graph; default 1000)")
     p.add_argument("--drop", type=int, default=None, help="this rank never enters the barrier")
     p.add_argument("--timeout-s", type=float, default=2.0, help="barrier timeout, s (default 2)")
     p.add_argument("--json", default=None, help="write the report here (with the environment and the command)")
@@ -475,9 +488,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--stress", action="store_true",
                    help="check the barrier's ordering: --iters rounds of write peers -> barrier -> check on the "
                         "device, eagerly and in a replayed graph; fails on any wrong word")
-    p.add_argument("--replays", type=int, default=5, help="--stress: graph replays")
+    p.add_argument("--replays", type=int, default=5, help="--stress: graph replays (default 5)")
     p.add_argument("--skew-ns", type=int, default=2000, help="--stress: each round one rank starts this much later "
-                   "per step")
+                   "per step (default 2000)")
     p.add_argument("--corrupt", type=int, default=None, metavar="RANK",
                    help="--stress: RANK sends one wrong word (the gate must fail)")
     p.set_defaults(fn=cmd_gate)
@@ -485,8 +498,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="print a manifest's groups, buffers, kernels, programs, digest")
     p.add_argument("manifest", nargs="?", help="a manifest file or a built-in name (see --list)")
     p.add_argument("--list", action="store_true", help="list the built-in manifests")
-    p.add_argument("-n", "--nprocs", type=int, default=4, help="world size to resolve shapes for")
-    p.add_argument("--var", action="append", default=[], metavar="NAME=INT")
+    p.add_argument("-n", "--nprocs", type=int, default=4, help="world size to resolve shapes for (default 4)")
+    p.add_argument("--var", action="append", default=[], metavar="NAME=INT",
+                   help="override a manifest var (repeatable)")
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser("bench", help="benchmarks, each against its baseline measured in the same run")

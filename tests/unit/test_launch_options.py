@@ -397,7 +397,10 @@ def test_torchruns_spellings_parse_as_tray_launchs_own():
     assert ap.parse_args(["launch", "--nproc-per-node", "gpu", "true"]).nprocs == "gpu"
     launch = next(a for a in ap._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices["launch"]
     text = launch.format_help()
-    assert "--nproc-per-node" in text and "--nproc_per_node" not in text and "--rdzv-backend" not in text
+    options, epilog = text.split("examples:")
+    assert "--nproc-per-node" in options and "--nproc_per_node" not in text and "--rdzv-backend" not in options
+    # torchrun's flags that change nothing are not options of the list, but the help names them
+    assert "torchrun's --rdzv-backend, --rdzv-conf, --monitor-interval" in " ".join(epilog.split()), epilog
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -688,3 +691,15 @@ def test_a_second_signal_inside_mains_handling_of_the_first_still_says_the_inter
             signal.signal(sig, handler)
     assert ended.value.code == 130
     assert capsys.readouterr().err == "tray: interrupted (SIGTERM); the tray was stopped\n"
+
+
+@pytest.mark.parametrize("argv, meant", [(["lanch"], "launch"), (["launch", "--backend", "hst"], "host"),
+                                         (["bench", "tpp"], "tp")])
+def test_a_mistyped_choice_is_answered_with_the_one_meant(capsys, argv, meant):
+    """`tray lanch` listed every command and suggested none, as argparse does."""
+    from tray.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser(argv[0]).parse_args(argv)
+    err = capsys.readouterr().err
+    assert f"invalid choice: '{argv[-1]}'" in err and f"; did you mean {meant!r}? (`tray" in err, err

@@ -54,6 +54,7 @@ from tray.bench import (
 from tray.errors import UsageError
 from tray.launch.jobdir import work_dir
 from tray.manifest.builtin import builtin_path
+from tray.programs.tp_mlp.defaults import DEFAULTS
 from tray.programs.tp_mlp.ll import LLShape
 
 MANIFEST = "tp_mlp"  # built-in (package data), see tray.manifest.builtin
@@ -62,12 +63,6 @@ MANIFEST = "tp_mlp"  # built-in (package data), see tray.manifest.builtin
 # same flow at sizes that finish in well under a minute on 2 cores, a few MB per rank.
 # NOTE: the low-latency path's slots hold 2x its bytes per member and parity: ll_sweep_bytes 4 MiB at 8 ranks is
 # 128 MiB
-DEFAULTS = {
-    "cuda": {"sizes": tuple(8 << i for i in range(24)), "tokens": tuple(4**i for i in range(7)),
-             "hidden": 8192, "ffn": 28672, "repeats": 20, "ll_sweep_bytes": 4 << 20},
-    "host": {"sizes": tuple(8 << i for i in range(13)), "tokens": (1, 8, 64), "hidden": 256, "ffn": 1024,
-             "repeats": 3, "ll_sweep_bytes": 32 << 10},
-}
 # NOTE: the TP partials are rounded to bf16 before the sum; one GPU rounds once: a few bf16 ulps apart.
 MLP_TOLERANCE = 2e-2
 PEER_PATHS = ("ar_oneshot", "ar_twoshot")

@@ -5,16 +5,26 @@ from __future__ import annotations
 import argparse
 
 from tray.bench.cli import add_program_args, backend_and_nprocs, ints
+from tray.programs.tp_mlp.defaults import DEFAULTS
+
+
+def _said(key: str) -> str:
+    """Each backend's default of `key`, for the help: "cuda: 8,16,..,67108864; host: 8,16,..,32768"."""
+    def one(v: object) -> str:
+        return f"{v[0]},{v[1]},..,{v[-1]}" if isinstance(v, tuple) and len(v) > 3 else \
+            ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return "; ".join(f"{backend}: {one(d[key])}" for backend, d in DEFAULTS.items())
 
 
 def add_bench_parser(benches: argparse._SubParsersAction) -> None:
     """Add `tp` to the `tray bench` subcommands."""
-    b = benches.add_parser("tp", help="peer allreduce (one-shot, two-shot) vs NCCL, 8 B .. 64 MiB, and a TP MLP layer")
+    b = benches.add_parser("tp", help="TP allreduce vs NCCL, 8 B .. 64 MiB (one-shot, two-shot, low-latency), and "
+                                      "a TP MLP layer")
     add_program_args(b)
-    b.add_argument("--sizes", type=ints, default=None, help="message bytes, comma-separated (cuda: 8 .. 67108864)")
-    b.add_argument("--tokens", type=ints, default=None, help="MLP token counts (cuda: 1,4,..,4096)")
-    b.add_argument("--hidden", type=int, default=None, help="MLP hidden size (cuda: 8192; host: 256)")
-    b.add_argument("--ffn", type=int, default=None, help="MLP ffn size, split over the ranks (cuda: 28672)")
+    b.add_argument("--sizes", type=ints, default=None, help=f"message bytes, comma-separated ({_said('sizes')})")
+    b.add_argument("--tokens", type=ints, default=None, help=f"MLP token counts ({_said('tokens')})")
+    b.add_argument("--hidden", type=int, default=None, help=f"MLP hidden size ({_said('hidden')})")
+    b.add_argument("--ffn", type=int, default=None, help=f"MLP ffn size, split over the ranks ({_said('ffn')})")
     b.add_argument("--ll-max-bytes", type=int, default=None, metavar="N",
                    help="largest message the tray sends through the low-latency path (default: the manifest's)")
     b.add_argument("--ll-sweep-bytes", type=int, default=None, metavar="N",
@@ -35,7 +45,7 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
 
 def cmd_bench_tp(args: argparse.Namespace) -> int:
     from tray.bench import require_plot
-    from tray.programs.tp_mlp.bench import DEFAULTS, TpBenchArgs, run_tp_bench, validate
+    from tray.programs.tp_mlp.bench import TpBenchArgs, run_tp_bench, validate
     from tray.programs.tp_mlp.ll import parse_ll_shapes
 
     backend, nprocs = backend_and_nprocs(args)
