@@ -185,6 +185,27 @@ def test_an_exception_logged_through_the_excepthook_then_an_exit_is_named_with_t
     assert "raise ValueError('bad input 44')" in run.stderr, run.stderr  # its traceback, in the report or its output
 
 
+def test_a_rank_that_logged_long_before_it_died_is_named_with_how_long_before(tray_env):
+    """A rank that logged an exception through sys.excepthook and went on, then died of something else (the OOM
+    killer's SIGKILL, say): the death was said "after logging ValueError", as if that exception had ended it."""
+    run = tray_env.launch(2, """
+    rank = tray.init()
+    rank.barrier(timeout_s=30)
+    if rank.rank == 1:
+        try:
+            raise ValueError('logged and gone on')
+        except ValueError:
+            sys.excepthook(*sys.exc_info())
+        time.sleep(1.5)
+        os.kill(os.getpid(), 9)
+    rank.barrier(timeout_s=30)
+""")
+    assert run.returncode == 1, run.output
+    said = re.search(r"tray: FAILED: rank 1 \(pid \d+\) was killed by SIGKILL \(last phase: running\), ([0-9.]+) s "
+                     r"after logging ValueError: logged and gone on\n", run.stderr)
+    assert said and 1.4 <= float(said.group(1)) < 10, run.stderr
+
+
 def test_rank_sigkilled(tray_env):
     run = tray_env.launch(4, fault("os.kill(os.getpid(), 9)"))
     assert run.returncode == 1, run.output

@@ -215,7 +215,8 @@ _WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long (at most
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
 _WAIT_SAID_EVERY_S = 10.0  # while ranks have not offered (or said ready), the head says so this often
-_SPAWN_SAY_S = 5.0  # a spawn of the ranks that runs longer says how far it got this often
+_SPAWN_SAY_S = 5.0
+_LOGGED_LONG_BEFORE_S = 1.0  # a rank that logged an exception this long before it died: said with how long  # a spawn of the ranks that runs longer says how far it got this often
 # NOTE: ZMQ_POLLIN and ZMQ_DONTWAIT (zmq.h) as plain ints: pyzmq's zmq.POLLIN and zmq.NOBLOCK are enum flags, and
 # each & or | with one makes a new enum member (~3 us), on every message's path
 _POLLIN = 1
@@ -815,7 +816,11 @@ class Head:
             data = self._error_data(self._job_path, p, "logged")
             if data is not None:
                 first = str(data.get("message", "")).splitlines()[0][:200] if data.get("message") else ""
-                logged = f", after logging {data.get('error_type')}" + (f": {first}" if first else "")
+                # NOTE: a program that logged and went on may end much later of something else (the OOM killer):
+                # how long before its end it logged says how much the logged exception may have to do with it
+                age = (p.t_exit or time.time()) - float(data.get("written_at") or 0.0)
+                after = f"{age:.1f} s after logging" if _LOGGED_LONG_BEFORE_S <= age < 10 ** 7 else "after logging"
+                logged = f", {after} {data.get('error_type')}" + (f": {first}" if first else "")
         return Failure(p.rank, f"rank {p.rank} (pid {p.pid}) {how} (last phase: {self._phase_of(p)}){logged}",
                        report=_error_report(data), tail=tuple(p.tail), notes=notes)
 
@@ -951,7 +956,8 @@ class Head:
         except OSError:
             return None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 return None
             chunks, left = [], ERROR_FILE_MAX_NBYTES
             while left and (chunk := os.read(fd, left)):
@@ -968,6 +974,7 @@ class Head:
         phase = _HANDSHAKE_ORDER.get(said, 99) if isinstance(said, str) else 99
         if phase < _HANDSHAKE_ORDER["running"] and phase < _HANDSHAKE_ORDER.get(p.phase, 99):
             return None
+        data["written_at"] = st.st_mtime  # the head's reading of when the rank wrote it (wall-clock, as t_exit)
         return data
 
     def _check_deadlines(self) -> None:
