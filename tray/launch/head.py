@@ -215,8 +215,8 @@ _WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long (at most
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
 _WAIT_SAID_EVERY_S = 10.0  # while ranks have not offered (or said ready), the head says so this often
-_SPAWN_SAY_S = 5.0
-_LOGGED_LONG_BEFORE_S = 1.0  # a rank that logged an exception this long before it died: said with how long  # a spawn of the ranks that runs longer says how far it got this often
+_SPAWN_SAY_S = 5.0  # a spawn of the ranks that runs longer says how far it got this often
+_LOGGED_LONG_BEFORE_S = 1.0  # a rank that logged an exception this long before it died: said with how long
 # NOTE: ZMQ_POLLIN and ZMQ_DONTWAIT (zmq.h) as plain ints: pyzmq's zmq.POLLIN and zmq.NOBLOCK are enum flags, and
 # each & or | with one makes a new enum member (~3 us), on every message's path
 _POLLIN = 1
