@@ -136,6 +136,30 @@ with tray.init() as rank:
     assert run.stdout.count("torch views ok 2") == 2
 
 
+def test_a_temporary_tensor_given_to_a_collective_is_read_whole(tray_env, manifest):
+    """`c.allreduce(torch.full(...), y, ...)`: the temporary was freed before the collective read it (y full of
+    garbage; on 4 ranks a SIGSEGV at the next allocation), as was `big[::2].contiguous()`, which the message for a
+    strided tensor advises."""
+    pytest.importorskip("torch", reason="torch (CPU) is installed by `make test`; this run has none")
+    body = """
+import torch
+with tray.init() as rank:
+    c = rank.collectives("world")
+    for i in range(20):
+        y = torch.zeros(4096)
+        c.allreduce(torch.full((4096,), float(i + rank.rank)), y, 4096, "f32")
+        assert (y == 2 * i + 1).all(), (i, y[:4])
+        big = torch.arange(8192, dtype=torch.float32)
+        c.allreduce(big[::2].contiguous(), y, 4096, "f32")
+        assert (y == 2 * big[::2]).all(), (i, y[:4])
+        junk = [torch.ones(4096) for _ in range(4)]   # what would reuse a freed temporary
+    print("temporaries ok", flush=True)
+"""
+    run = tray_env.launch(2, body, "--manifest", manifest, "--var", "rows=64", "--var", "cols=64")
+    assert run.returncode == 0, run.output
+    assert run.stdout.count("temporaries ok") == 2, run.output
+
+
 def test_views_outlive_close_and_bad_requests_are_named(tray_env, manifest):
     body = """
 from tray import UsageError

@@ -164,3 +164,98 @@ def test_every_list_of_the_heads_exit_codes_has_them_all():
         said = " ".join(text.split())  # the lists wrap across lines
         missing = [c for c in ("0 ", "1 a rank failed", "2 usage", "3 ", "130 interrupted") if c not in said]
         assert not missing, f"{where}: the head's exit codes lack {missing}"
+
+
+class _Plain(Collectives):
+    """Collectives that say what they were given (the addresses), for the wrapper's tests."""
+
+    def __init__(self, size=2, log=None):
+        from tray.backend.base import GroupInfo
+
+        self.group = GroupInfo(name="g", members=tuple(range(size)), index=0)
+        self.log = log if log is not None else []
+
+    def allreduce(self, send_ptr, recv_ptr, count, dtype, stream=None):
+        self.log.append("body")
+        return send_ptr, recv_ptr
+
+    def allgather(self, send_ptr, recv_ptr, count, dtype, stream=None):
+        return send_ptr, recv_ptr
+
+    def reducescatter(self, send_ptr, recv_ptr, count, dtype, stream=None):
+        return send_ptr, recv_ptr
+
+    def alltoall(self, send_ptr, recv_ptr, count, dtype, stream=None):
+        return send_ptr, recv_ptr
+
+    def sendrecv(self, send_ptr, recv_ptr, count, dtype, peer_index, stream=None):
+        return send_ptr, recv_ptr
+
+    def close(self):
+        return None
+
+
+def test_a_temporary_given_to_a_collective_lives_until_the_collective_returns():
+    """`c.allreduce(torch.full((1024,), 7.0), y, 1024, "f32")`: the wrapper rebound its parameter to the address,
+    which dropped the last reference to the temporary (the callee owns its arguments): the tensor was freed before
+    the collective read it (garbage in y, and a SIGSEGV later on 4 ranks)."""
+    log: list[str] = []
+
+    class Temporary:
+        def data_ptr(self):
+            return 4096
+
+        def __del__(self):
+            log.append("freed")
+
+    c = _Plain(log=log)
+    got = c.allreduce(Temporary(), 8192, 1, "f32")  # NOTE: not inside an assert, whose rewriting keeps the temporary
+    assert got == (4096, 8192)
+    assert log == ["body", "freed"]
+
+
+def test_a_typed_object_of_another_element_type_or_too_small_is_refused_by_name():
+    """A float32 array given to a bf16 allreduce was added as bf16, silently; an array smaller than what the
+    collective writes there was written past its end."""
+    import numpy as np
+    import pytest
+
+    from tray.errors import UsageError
+
+    c = _Plain(size=4)
+    f32, ok = np.zeros(64, np.float32), np.zeros(256, np.float32)
+    with pytest.raises(UsageError, match=r"^allreduce of 64 bf16: its send is a float32 array, whose elements it would "
+                                         r"add as bf16: pass dtype 'f32', or a bf16 array$"):
+        c.allreduce(f32, ok, 64, "bf16")
+    with pytest.raises(UsageError, match=r"^reducescatter of 64 f32: its send is a float32 array of 256 B, and the "
+                                         r"collective reads 1024 B there \(4 blocks of 64, one per member\): pass a "
+                                         r"count that fits it, or a larger array$"):
+        c.reducescatter(f32, ok, 64, "f32")
+    with pytest.raises(UsageError, match=r"^allgather of 64 f32: its receive is a float32 array of 256 B, and the "
+                                         r"collective writes 1024 B there"):
+        c.allgather(f32, f32, 64, "f32")
+    # a byte mover takes raw bits of another type; what fits is taken; an int says nothing of itself
+    assert c.allgather(np.zeros(64, np.uint32), ok, 64, "f32")[0] > 0
+    assert c.alltoall(ok, ok, 64, "f32")[0] > 0 and c.allreduce(f32, 1234, 64, "f32")[1] == 1234
+    torch = pytest.importorskip("torch", reason="torch (CPU) is installed by `make test`; this run has none")
+    with pytest.raises(UsageError, match=r"its receive is a float32 tensor, whose elements it would add as bf16: pass "
+                                         r"dtype 'f32'"):
+        c.allreduce(torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64), 64, "bf16")
+    assert c.allreduce(torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16), 64, "bf16")
+
+
+def test_a_strided_receive_is_told_to_copy_the_result_back_not_to_pass_a_copy():
+    """The advice for a strided send (`.contiguous()`) given for a receive had the result written into a copy the
+    caller never sees."""
+    import numpy as np
+    import pytest
+
+    from tray.backend.base import address
+    from tray.errors import UsageError
+
+    a = np.zeros((8, 4), np.float32)
+    with pytest.raises(UsageError, match=r"receive into a contiguous array .* and copy that into this one .*: a "
+                                         r"\.contiguous\(\) copy given here would take the result in its place$"):
+        address(a[:, 1], "allreduce recv_ptr")
+    with pytest.raises(UsageError, match=r"pass a contiguous one \(\.contiguous\(\) or np\.ascontiguousarray"):
+        address(a[:, 1], "allreduce send_ptr")

@@ -222,10 +222,14 @@ def _dense_format(x: Any) -> bool:
 
 
 def _strided(what: str, kind: str, shape: tuple, strides: tuple, unit: str) -> UsageError:
+    if what.endswith("recv_ptr"):  # a copy given to be written takes the result, and the caller's object does not
+        fix = (f"receive into a contiguous {kind} (or a view of a tray buffer) and copy that into this one "
+               "(x.copy_(out), x[...] = out): a .contiguous() copy given here would take the result in its place")
+    else:
+        fix = "pass a contiguous one (.contiguous() or np.ascontiguousarray copy it) or a view of a tray buffer"
     return UsageError(f"{what}: a non-contiguous {kind} (shape {list(shape)}, strides {list(strides)} {unit}); the "
                       "collectives take memory from its first element on, without gaps, so they would read or write "
-                      "other elements than its own: pass a contiguous one (.contiguous() or np.ascontiguousarray copy "
-                      "it) or a view of a tray buffer")
+                      f"other elements than its own: {fix}")
 
 
 def _check_c_contiguous(iface: dict, what: str) -> None:
@@ -266,10 +270,13 @@ def _taking_addresses(fn: Callable[..., Any], n: int, device: bool) -> Callable[
     taken = [p.name for p in named]
     if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
         def general(self: Any, *args: Any, **kwargs: Any) -> Any:
-            bound = sig.bind(self, *args, **kwargs)
+            bound = sig.bind(self, *args, **kwargs)  # NOTE: args and kwargs keep the objects given alive
+            objs = tuple(bound.arguments.get(a) for a in taken)
             for a in taken:
                 if a in bound.arguments:
                     bound.arguments[a] = address(bound.arguments[a], f"{fn.__name__} {a}", device)
+            check_typed(self, fn.__name__, tuple(taken), objs, bound.arguments.get("count"),
+                        bound.arguments.get("dtype"))
             return fn(*bound.args, **bound.kwargs)
 
         return functools.wraps(fn)(general)
@@ -282,13 +289,90 @@ def _taking_addresses(fn: Callable[..., Any], n: int, device: bool) -> Callable[
         else:
             ns[f"_tray_default{i}"] = p.default
             decl.append(f"{p.name}=_tray_default{i}")
-    fixes = "".join(f"        {a} = _tray_address({a}, {fn.__name__ + ' ' + a!r}, _tray_device)\n" for a in taken)
+    ns["_tray_typed"] = check_typed
+    # NOTE: each address goes to a local of its own, never into the parameter: the parameter holds the caller's
+    # object (a temporary tensor, `c.allreduce(x.contiguous(), ...)`) until the call returns, where rebinding it
+    # freed the tensor before the collective read it (the callee owns its arguments' references)
+    fixes = "".join(f"        _tray_a{i} = _tray_address({a}, {fn.__name__ + ' ' + a!r}, _tray_device)\n"
+                    for i, a in enumerate(taken))
+    names = {p.name for p in params}
+    objs = "".join(a + ", " for a in taken)
+    typed = (f"        _tray_typed({params[0].name}, {fn.__name__!r}, {tuple(taken)!r}, ({objs}), "
+             f"{'count' if 'count' in names else 'None'}, {'dtype' if 'dtype' in names else 'None'})\n")
+    converted = ", ".join(f"_tray_a{taken.index(p.name)}" if p.name in taken else p.name for p in params)
     src = (f"def _tray_wrapped({', '.join(decl)}):\n"
-           f"    if {' or '.join(f'_tray_type({a}) is not _tray_int' for a in taken)}:\n{fixes}"
+           f"    if {' or '.join(f'_tray_type({a}) is not _tray_int' for a in taken)}:\n{fixes}{typed}"
+           f"        return _tray_fn({converted})\n"
            f"    return _tray_fn({', '.join(p.name for p in params)})\n")
     # NOTE: source made here from fn's parameter names alone, compiled under a name that says where it comes from
     exec(compile(src, f"<tray.backend.base: addresses of {fn.__qualname__}>", "exec"), ns)
     return functools.wraps(fn)(ns["_tray_wrapped"])
+
+
+# what each collective reads from its send address and writes at its receive one: `count` elements (1), or a block of
+# `count` per member of the group (0); a reduction's elements are added as `dtype`, so a typed object must hold those
+_EXTENTS = {"allreduce": (1, 1), "allgather": (1, 0), "reducescatter": (0, 1), "alltoall": (0, 0), "sendrecv": (1, 1)}
+_REDUCING = ("allreduce", "reducescatter")
+_SIDES = {"send_ptr": "send", "recv_ptr": "receive"}
+
+
+def _typed_extent(x: Any) -> tuple[int | None, str | None, str] | None:
+    """What an object given as an address says of itself: (its bytes, or None for a tray view, whose range the
+    backend checks against the buffer it lies in; its element type's numpy name, or None; what it is); None for
+    what says nothing (an int)."""
+    if type(x) is int or isinstance(x, numbers.Integral):
+        return None
+    if type(getattr(x, "ptr", None)) is int:  # a tray view: a manifest dtype name
+        dtype = getattr(x, "dtype", None)
+        try:
+            return None, numpy_dtype(dtype).name, "tray view"
+        except Exception:  # a view of another kind: its range is still checked by the backend
+            return None, None, "tray view"
+    if callable(getattr(x, "data_ptr", None)):  # a tensor
+        try:
+            return int(x.numel()) * int(x.element_size()), str(x.dtype).rpartition(".")[2], "tensor"
+        except Exception:
+            return None
+    dtype = getattr(x, "dtype", None)
+    nbytes = getattr(x, "nbytes", None)
+    if isinstance(dtype, np.dtype) and type(nbytes) is int:  # a numpy (or cupy) array
+        return nbytes, dtype.name, "array"
+    return None
+
+
+def check_typed(coll: Any, op: str, names: tuple[str, ...], objs: tuple[Any, ...], count: Any, dtype: Any) -> None:
+    """Refuse, naming it, a typed object (a tensor, an array, a tray view) given to collective `op` whose element type
+    is not `dtype` in a reduction (its bytes would be added as `dtype`), or that is smaller than what the collective
+    reads or writes there. Bad counts and dtypes are left to the collective's own checks."""
+    if type(count) is not int or count < 0 or not isinstance(dtype, str):
+        return
+    try:
+        want = numpy_dtype(dtype)
+    except Exception:
+        return
+    extents = _EXTENTS.get(op)
+    for i, (name, obj) in enumerate(zip(names, objs)):
+        typed = _typed_extent(obj)
+        if typed is None:
+            continue
+        nbytes, element, kind = typed
+        side = _SIDES.get(name, name)
+        if op in _REDUCING and element is not None and element != want.name:
+            mine = {v: k for k, v in NUMPY_NAMES.items()} | {"bfloat16": "bf16"}
+            from tray.errors import UsageError
+
+            raise UsageError(f"{op} of {count} {dtype}: its {side} is a {element} {kind}, whose elements it would add "
+                             f"as {dtype}: pass dtype {mine.get(element, element)!r}, or a {dtype} {kind}")
+        if nbytes is not None and extents is not None and i < len(extents):
+            per = 1 if extents[i] else int(getattr(getattr(coll, "group", None), "size", 1))
+            need = count * want.itemsize * per
+            if need > nbytes:
+                from tray.errors import UsageError
+
+                blocks = "" if extents[i] else f" ({per} blocks of {count}, one per member)"
+                raise UsageError(f"{op} of {count} {dtype}: its {side} is a {element} {kind} of {nbytes} B, and the "
+                                 f"collective {'reads' if side == 'send' else 'writes'} {need} B there{blocks}: pass "
+                                 f"a count that fits it, or a larger {kind}")
 
 
 class Collectives(abc.ABC):
