@@ -165,7 +165,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     warn_if_oversubscribed(nprocs, timeout_flag="--barrier-timeout-s (or TRAY_BARRIER_TIMEOUT_S)")
     spec = TraySpec(nprocs=nprocs, cmd=tuple(cmd), backend=backend, manifest=manifest,
                     vars=_parse_vars(args.var), log_dir=args.log_dir, handshake_timeout_s=args.timeout_s,
-                    heartbeat_timeout_s=args.heartbeat_timeout_s, timeline=not args.quiet, tee=tee,
+                    heartbeat_timeout_s=args.heartbeat_timeout_s, grace_s=args.stop_grace_s,
+                    timeline=not args.quiet, tee=tee,
                     redirects=redirects, local_ranks_filter=ranks, barrier_timeout_s=args.barrier_timeout_s,
                     max_restarts=args.max_restarts, launched_at=process_started_at(), share_gpus=args.share_gpus,
                     run_id=args.rdzv_id if job is None else None, master_port=master_port,
@@ -348,6 +349,17 @@ def _nprocs_arg(text: str) -> int | str:
                                          f"{text!r}") from None
 
 
+def _grace_arg(text: str) -> float:
+    """--stop-grace-s: seconds >= 0, at most an hour (a stop must end)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected 0 to 3600 s, got {text}")
+    return value
+
+
 def _nnodes_arg(text: str) -> int:
     """--nnodes N, or torchrun's MIN:MAX when MIN == MAX (an elastic range is refused: tray's jobs are fixed)."""
     low, sep, high = text.partition(":")
@@ -454,6 +466,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "(default 30)")
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0, metavar="S",
                    help="a rank silent this long is stopped or frozen: the tray fails (default 10)")
+    p.add_argument("--stop-grace-s", type=_grace_arg, default=3.0, metavar="S",
+                   help="a stop (a failure elsewhere, Ctrl-C, SIGTERM) gives each rank S after its SIGTERM before "
+                        "SIGKILL: time for a SIGTERM handler to save state (default 3; torchrun's is 30)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="after a failure, tear down and start the tray again up to K times (default 0)")
     p.add_argument("--join-collectives", choices=("auto", "early", "lazy"), default=None,

@@ -206,6 +206,36 @@ def test_a_rank_that_logged_long_before_it_died_is_named_with_how_long_before(tr
     assert said and 1.4 <= float(said.group(1)) < 10, run.stderr
 
 
+@pytest.mark.parametrize("grace", ["0.5", "6"])
+def test_a_sigterm_handler_gets_the_stop_grace_and_one_cut_short_is_said(tray_env, grace):
+    """A rank saving its state in a SIGTERM handler for 2 s was SIGKILLed after the fixed 3 s... or, with a
+    handler longer than that, cut short in silence. --stop-grace-s sets the grace; a rank killed at its end is said."""
+    run = tray_env.launch(2, """
+    import signal
+
+    def save(signum, frame):
+        time.sleep(2)
+        print("saved", flush=True)
+        sys.exit(0)
+
+    if os.environ["TRAY_RANK"] == "0":
+        signal.signal(signal.SIGTERM, save)
+    with tray.init() as rank:
+        rank.barrier(timeout_s=30)
+        if rank.rank == 1:
+            raise ValueError("stop the tray")
+        time.sleep(60)
+    """, "--stop-grace-s", grace, timeout_s=60)
+    assert run.returncode == 1, run.output
+    assert "tray: FAILED: rank 1 reported ValueError: stop the tray" in run.stderr, run.stderr
+    cut = f"rank 0 did not exit within the {float(grace):g} s grace after SIGTERM: SIGKILLed (a SIGTERM handler " \
+          "still running was cut short; --stop-grace-s S gives more)"
+    if grace == "0.5":
+        assert cut in run.stderr and "[rank 0] saved" not in run.stdout, run.output
+    else:
+        assert "[rank 0] saved" in run.stdout and "did not exit within" not in run.stderr, run.output
+
+
 def test_rank_sigkilled(tray_env):
     run = tray_env.launch(4, fault("os.kill(os.getpid(), 9)"))
     assert run.returncode == 1, run.output

@@ -703,3 +703,19 @@ def test_a_mistyped_choice_is_answered_with_the_one_meant(capsys, argv, meant):
         build_parser(argv[0]).parse_args(argv)
     err = capsys.readouterr().err
     assert f"invalid choice: '{argv[-1]}'" in err and f"; did you mean {meant!r}? (`tray" in err, err
+
+
+def test_stop_grace_is_a_flag_of_bounded_seconds():
+    """The 3 s between a rank's SIGTERM and its SIGKILL was fixed (torchrun's is 30 s): a rank saving its state in a
+    SIGTERM handler for longer was cut short, and nothing said so."""
+    import pytest
+
+    from tray.cli import build_parser
+
+    ap = build_parser("launch")
+    assert ap.parse_args(["launch", "prog.py"]).stop_grace_s == 3.0
+    assert ap.parse_args(["launch", "--stop-grace-s", "30", "prog.py"]).stop_grace_s == 30.0
+    assert ap.parse_args(["launch", "--stop_grace_s", "0", "prog.py"]).stop_grace_s == 0.0
+    for bad in ("-1", "1e9", "soon"):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["launch", "--stop-grace-s", bad, "prog.py"])

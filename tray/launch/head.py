@@ -1253,11 +1253,17 @@ class Head:
             for p in alive:
                 p.popen.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + self.spec.grace_s
+            killed = []
             for p in alive:
                 try:
                     p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     p.popen.kill()
+                    killed.append(p.rank)
+            if killed:
+                # NOTE: a program saving its state in a SIGTERM handler was cut short: said, with how to give more
+                _say(f"{ranks_text(killed)} did not exit within the {self.spec.grace_s:g} s grace after SIGTERM: "
+                     "SIGKILLed (a SIGTERM handler still running was cut short; --stop-grace-s S gives more)")
         stuck: list[int] = []
         for p in self.procs:
             if p.returncode is None:
