@@ -282,11 +282,13 @@ print("done", flush=True)
     assert run.seconds < 10
 
 
-@pytest.mark.parametrize("escape", ["session", "process_group", "grandchild_group"])
+@pytest.mark.parametrize("escape", ["session", "process_group", "grandchild_group", "group_with_a_child"])
 def test_a_ranks_descendant_that_left_the_trays_process_group_is_killed_at_the_end(tray_env, escape):
     """A rank's child in a session or process group of its own (setsid, `Popen(process_group=0)`, or a grandchild
     that did setpgid) outlives its rank; at the tray's end it is killed. Before, only a new session was, and the
-    others ran on, reparented to pid 1. (The fixture's check finds any left: each carries the test's marker.)"""
+    others ran on, reparented to pid 1. So is the child of such a child in its group (`timeout 60 CMD` puts itself
+    in a group of its own): CMD ran on once the head killed `timeout`. (The fixture's check finds any left: each
+    carries the test's marker.)"""
     spawn = {
         "session": "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], "
                    "start_new_session=True)",
@@ -295,6 +297,9 @@ def test_a_ranks_descendant_that_left_the_trays_process_group_is_killed_at_the_e
         "grandchild_group": "subprocess.Popen([sys.executable, '-c', 'import os, subprocess, sys, time; "
                             "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(600)\", sys.argv[1]], "
                             "process_group=0); time.sleep(600)', sys.argv[1]])",
+        "group_with_a_child": "subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, time; "
+                              "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(600)\", "
+                              "sys.argv[1]]); time.sleep(600)', sys.argv[1]], process_group=0)",
     }[escape]
     run = tray_env.launch(2, f"""
 import subprocess

@@ -215,6 +215,7 @@ _WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long (at most
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
 _WAIT_SAID_EVERY_S = 10.0  # while ranks have not offered (or said ready), the head says so this often
+_ADOPTED_PASSES = 5  # the teardown's passes over orphans it adopted (each pass kills their trees)
 _SPAWN_SAY_S = 5.0  # a spawn of the ranks that runs longer says how far it got this often
 _LOGGED_LONG_BEFORE_S = 1.0  # a rank that logged an exception this long before it died: said with how long
 # NOTE: ZMQ_POLLIN and ZMQ_DONTWAIT (zmq.h) as plain ints: pyzmq's zmq.POLLIN and zmq.NOBLOCK are enum flags, and
@@ -1321,18 +1322,26 @@ class Head:
         started before the tray or meanwhile), only those whose environment names this tray's job dir (a rank's
         descendants inherit it). They are reaped so none lingers as a zombie."""
         me = psutil.Process()
-        try:
-            adopted = [c for c in me.children() if c.pid not in exclude and c.pid not in self._children_before]
-        except psutil.Error:
-            return
-        ours = set(self._this_trays([c.pid for c in adopted]))
-        adopted = [c for c in adopted if c.pid in ours]
-        for c in adopted:
+        # NOTE: an orphan's own descendants go with it, whatever their group (`timeout CMD` puts itself in a group of
+        # its own, and CMD was left running once `timeout` was killed); each killed parent hands its children to
+        # this head (the subreaper), so passes repeat until none is left, a few at most
+        for _ in range(_ADOPTED_PASSES):
             try:
-                c.kill()
+                adopted = [c for c in me.children() if c.pid not in exclude and c.pid not in self._children_before]
             except psutil.Error:
-                pass
-        psutil.wait_procs(adopted, timeout=2.0)
+                return
+            ours = set(self._this_trays([c.pid for c in adopted]))
+            adopted = [c for c in adopted if c.pid in ours]
+            if not adopted:
+                return
+            tree = list(adopted)
+            for c in adopted:
+                with contextlib.suppress(psutil.Error):
+                    tree += c.children(recursive=True)
+            for c in tree:
+                with contextlib.suppress(psutil.Error):
+                    c.kill()
+            psutil.wait_procs(adopted, timeout=2.0)
 
     # --- reporting ------------------------------------------------------------------------------
     def _launched_at(self) -> float | None:
