@@ -158,7 +158,7 @@ def test_jobs_root_not_utf8_is_a_setup_error(tray_env):
         assert run.returncode == 2, run.stderr
         line = one_error_line(run.stderr)
         assert "the jobs root" in line and "jobs-\\xff is not a UTF-8 path" in line and "set TRAY_JOBS_ROOT" in line
-        assert os.listdir(root) == []
+        assert not os.path.lexists(root)  # refused before it was made
         long_root = base / ("x" * 80) / os.fsdecode(b"jobs-\xff")  # too long as well: the path said as it is held
         env["TRAY_JOBS_ROOT"] = str(long_root)
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=20, env=env, cwd=str(tray_env.tmp))
@@ -1070,3 +1070,23 @@ def test_an_environment_at_the_kernels_limit_is_named(tray_env):
     line = one_error_line(run.stderr)
     assert "cannot start rank 0" in line and "Argument list too long" in line, line
     assert "over the kernel's limit for a new program (ARG_MAX)" in line and "shorten the environment" in line, line
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to give a directory to another user")
+def test_a_jobs_root_or_log_dir_refused_is_not_made_first(tray_env, tmp_path):
+    """A jobs root under another user's directory, a --log-dir there, or a jobs root whose socket paths would be too
+    long were refused (SetupError) after they were made: each left a directory behind, in the other user's."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    os.chmod(theirs, 0o755)
+    env = tray_env.env()
+    run = tray_env.run(tray_env.command(2, "print('ran')"), env={**env, "TRAY_JOBS_ROOT": str(theirs / "jobs")})
+    assert run.returncode == 2 and "owned by uid 65534" in run.stderr, run.output
+    run = tray_env.run(tray_env.command(2, "print('ran')", "--log-dir", str(theirs / "a" / "logs")))
+    assert run.returncode == 2 and "--log-dir" in run.stderr and "owned by uid 65534" in run.stderr, run.output
+    assert list(theirs.iterdir()) == [], list(theirs.iterdir())
+    deep = tmp_path / ("d" * 100) / "jobs"
+    run = tray_env.run(tray_env.command(2, "print('ran')"), env={**env, "TRAY_JOBS_ROOT": str(deep)})
+    assert run.returncode == 2 and "socket paths under the jobs root" in run.stderr, run.output
+    assert not deep.parent.exists()

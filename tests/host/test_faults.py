@@ -236,6 +236,25 @@ def test_a_sigterm_handler_gets_the_stop_grace_and_one_cut_short_is_said(tray_en
         assert "[rank 0] saved" in run.stdout and "did not exit within" not in run.stderr, run.output
 
 
+def test_a_rank_that_closed_its_standard_streams_survives_the_heads_stack_dump(tray_env):
+    """A program that closed fds 1 and 2 before tray.init(): ZeroMQ's eventfd took fd 2, and the head's stack dump
+    signal (faulthandler writing to fd 2) aborted the rank in libzmq (SIGABRT), where the signal must never end a
+    rank."""
+    run = tray_env.launch(2, """
+    import signal
+    from tray.handshake import STACK_DUMP_SIGNAL_OFFSET
+    os.close(1)
+    os.close(2)
+    with tray.init() as rank:
+        os.kill(os.getpid(), signal.SIGRTMIN + STACK_DUMP_SIGNAL_OFFSET)
+        time.sleep(0.3)
+        rank.barrier(timeout_s=30)
+        open(f"survived-{rank.rank}", "w").close()
+    """, timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert sorted(p.name for p in tray_env.tmp.glob("survived-*")) == ["survived-0", "survived-1"], run.output
+
+
 def test_rank_sigkilled(tray_env):
     run = tray_env.launch(4, fault("os.kill(os.getpid(), 9)"))
     assert run.returncode == 1, run.output

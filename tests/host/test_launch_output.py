@@ -409,3 +409,36 @@ def test_a_line_shown_unfinished_ends_without_an_empty_line_or_a_split_character
         run.stdout
     logged = [line[24:] for line in (logs / "rank-0.log").read_text().splitlines()]
     assert logged == ["loading...", "crlf", "next", "caf", "é ok"], logged
+
+
+def test_rank_output_dropped_because_the_heads_stdout_is_stuck_is_said(tray_env):
+    """The head's stdout piped to a reader that takes nothing (`| (sleep 15; cat)`): a rank's 100 MB were dropped at
+    the teardown without a word (the failure itself came first, on time)."""
+    import subprocess
+    import threading
+
+    cmd = tray_env.command(2, """
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 0:
+            for _ in range(2000):
+                sys.stdout.write("x" * 9999 + "\\n")
+            time.sleep(30)
+        time.sleep(1)
+        raise ValueError("stop")
+    """)
+    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(),
+                            cwd=str(tray_env.tmp))
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(head.stderr))
+    reader.start()
+    try:
+        code = head.wait(timeout=60)  # its stdout never read meanwhile
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.stdout.read()
+        reader.join(10)
+    said = "".join(err)
+    assert code == 1 and "tray: FAILED: rank 1 reported ValueError: stop" in said, said
+    assert "tray: rank output not all shown: the head's own stdout or stderr took none for" in said, said

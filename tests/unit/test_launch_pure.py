@@ -617,3 +617,23 @@ def test_the_head_says_whom_its_handshake_waits_for_every_10_s_before_it_gives_u
     head._check_deadlines()
     assert head.failure is not None and "rank 1 did not offer within 30 s" in head.failure.summary
     assert len(said) == 1
+
+
+def test_the_bytes_left_in_a_pipe_are_counted() -> None:
+    """What a rank's stream still held when the teardown's drain ran out was dropped without a word; it is counted
+    (FIONREAD) and said."""
+    import os
+
+    from tray.launch.spawn import _unread_nbytes
+
+    r, w = os.pipe()
+    try:
+        assert _unread_nbytes(r) == 0
+        os.write(w, b"x" * 1234)
+        assert _unread_nbytes(r) == 1234
+        os.read(r, 1000)
+        assert _unread_nbytes(r) == 234
+    finally:
+        os.close(r)
+        os.close(w)
+    assert _unread_nbytes(r) == 0  # closed: not told

@@ -110,11 +110,22 @@ def _taken(path: Path) -> bool:
     return not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
 
 
-def open_root(root: Path | None = None) -> tuple[Path, int]:
+def open_root(root: Path | None = None, before_making: Callable[[Path], None] | None = None) -> tuple[Path, int]:
     """Create (0700) or open the jobs root without following a link at its last component; check
-    owner and mode through the fd. Returns (path, fd). Raises SetupError saying what is wrong."""
+    owner and mode through the fd. Returns (path, fd). Raises SetupError saying what is wrong.
+    `before_making(path)`, when the root is not there yet, may refuse it (raising) before anything is made."""
     path = Path(root) if root is not None else default_root()
     hint = "remove it or set TRAY_JOBS_ROOT to a directory of your own"
+    # NOTE: asked before anything is made too (and again, through the fd, after): a jobs root refused must not be
+    # left behind, in another user's directory
+    if not os.path.lexists(path):
+        if problem := unsafe_ancestor(path):
+            raise SetupError(f"jobs root {path} {problem}; {hint}")
+        above = path
+        while not os.path.lexists(above) and above.parent != above:
+            above = above.parent
+        if before_making is not None and os.path.isdir(above):  # a file on the way is said below, nothing made
+            before_making(path)
     try:
         make_private_dirs(path.parent)
         try:
@@ -295,6 +306,23 @@ def _utf8(text: str) -> bool:
 KINDS = ("job", "scratch")
 
 
+def _check_socket_paths(path: Path, name: str, nprocs: int) -> None:
+    """SetupError when a socket of job dir `name` under the jobs root `path` could not be bound: a path longer than
+    a UNIX socket allows (for ranks 0..nprocs-1), or not UTF-8."""
+    # NOTE: sun_path counts bytes (a character outside ASCII is several), and ZeroMQ takes its ipc:// address as
+    # UTF-8 text, so a name the file system holds in another encoding cannot be bound at all
+    longest = max(len(os.fsencode(path / name / f"rank-{nprocs - 1}.fds")),
+                  len(os.fsencode(path / name / "head.sock")))
+    if longest > MAX_SOCKET_PATH:
+        raise SetupError(
+            f"socket paths under the jobs root {path_text(path)} would be {longest} bytes; UNIX sockets allow "
+            f"{MAX_SOCKET_PATH}: set TRAY_JOBS_ROOT to a shorter directory (e.g. /tmp/tray-{os.getuid()})")
+    if not _utf8(str(path)):
+        raise SetupError(
+            f"the jobs root {path_text(path)} is not a UTF-8 path, and the head's socket (ZeroMQ) takes its "
+            f"address as UTF-8: set TRAY_JOBS_ROOT to a directory whose path is (e.g. /tmp/tray-{os.getuid()})")
+
+
 def make_job_dir(nprocs: int, root: Path | None = None, kind: str = "job") -> JobDir:
     """Sweep stale job dirs, then make a new locked one, 0700, named `<kind>-<pid>-<random>`.
 
@@ -302,22 +330,17 @@ def make_job_dir(nprocs: int, root: Path | None = None, kind: str = "job") -> Jo
     a live job dir without its lock. Raises SetupError when the root is unusable or a socket path
     under it would be longer than a UNIX socket allows (for ranks 0..nprocs-1)."""
     assert kind in KINDS, kind
-    path, root_fd = open_root(root)
+    name = f"{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def check(path: Path) -> None:
+        if kind == "job":
+            _check_socket_paths(path, name, nprocs)
+
+    # NOTE: a root not made yet is checked before it is: one refused must not be left behind
+    path, root_fd = open_root(root, before_making=check)
     try:
+        check(path)
         sweep_stale(root_fd)
-        name = f"{kind}-{os.getpid()}-{secrets.token_hex(4)}"
-        # NOTE: sun_path counts bytes (a character outside ASCII is several), and ZeroMQ takes its ipc:// address as
-        # UTF-8 text, so a name the file system holds in another encoding cannot be bound at all
-        longest = max(len(os.fsencode(path / name / f"rank-{nprocs - 1}.fds")),
-                      len(os.fsencode(path / name / "head.sock")))
-        if kind == "job" and longest > MAX_SOCKET_PATH:
-            raise SetupError(
-                f"socket paths under the jobs root {path_text(path)} would be {longest} bytes; UNIX sockets allow "
-                f"{MAX_SOCKET_PATH}: set TRAY_JOBS_ROOT to a shorter directory (e.g. /tmp/tray-{os.getuid()})")
-        if kind == "job" and not _utf8(str(path)):
-            raise SetupError(
-                f"the jobs root {path_text(path)} is not a UTF-8 path, and the head's socket (ZeroMQ) takes its "
-                f"address as UTF-8: set TRAY_JOBS_ROOT to a directory whose path is (e.g. /tmp/tray-{os.getuid()})")
         temp = f".new-{name}"
         try:
             os.mkdir(temp, 0o700, dir_fd=root_fd)

@@ -109,16 +109,20 @@ def _tasks_of(uid: int) -> int:
     return used
 
 
-def say(msg: str) -> None:
+def say(msg: str, wait_s: float = -1) -> None:
     """One line of tray's own on stderr, `tray: msg`, written in one piece under the lock the output pump
     writes the ranks' lines to stderr under: never cut by, or joined to, a rank's line (print() writes the text
-    and its newline apart, and a rank's line could come between)."""
-    with _stderr_lock:
-        try:
-            sys.stderr.write(f"tray: {msg}\n")
-            sys.stderr.flush()
-        except OSError as exc:
-            _reader_gone(sys.stderr, exc)
+    and its newline apart, and a rank's line could come between). With `wait_s` >= 0, not said when that lock is not
+    free within it (the pump is held up writing to stderr itself)."""
+    if not _stderr_lock.acquire(timeout=wait_s):
+        return
+    try:
+        sys.stderr.write(f"tray: {msg}\n")
+        sys.stderr.flush()
+    except OSError as exc:
+        _reader_gone(sys.stderr, exc)
+    finally:
+        _stderr_lock.release()
 
 
 # torchrun sets these per worker, overriding the launcher's own; ranks here get neither (docs/cli.md): one inherited
@@ -228,6 +232,10 @@ def check_log_dir(log_dir: str) -> None:
     and, if others may write in it, sticky (so none can replace a log file there). OSError (EPERM) says why not."""
     from tray.launch.jobdir import make_private_dirs, others_may_change, unsafe_ancestor
 
+    # NOTE: asked before anything is made too: a directory refused must not be left behind, in another's directory
+    above = unsafe_ancestor(Path(log_dir))
+    if above:
+        raise OSError(errno.EPERM, f"it {above}")
     make_private_dirs(Path(log_dir), 0o755)  # what it makes: no one else writes there, whatever the umask
     why = others_may_change(os.stat(log_dir))
     if why:
@@ -340,6 +348,19 @@ class _Stream:
         self.shown = False  # its line was shown unfinished, and nothing came since: its newline ends nothing new
 
 
+def _unread_nbytes(fd: int) -> int:
+    """Bytes waiting in pipe `fd` (FIONREAD); 0 where that cannot be told."""
+    import fcntl
+    import termios
+
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return 0
+    return int.from_bytes(buf, sys.byteorder)
+
+
 def _incomplete_utf8_tail(data: bytearray) -> int:
     """How many bytes at the end of `data` begin a UTF-8 sequence that is not complete yet (0 when none)."""
     for back in range(1, min(4, len(data)) + 1):
@@ -402,11 +423,16 @@ class OutputPump:
         self._thread.start()
 
     def _run(self) -> None:
+        unread: list[str] = []
         try:
             while self._sel.get_map():
                 with self._lock:
                     until = self._drain_until
                 if until is not None and time.monotonic() >= until:
+                    # NOTE: what a stream still held when the drain ran out is dropped: said, not lost in silence
+                    unread = [f"rank {s.proc.rank}'s {'stdout' if s.src is s.proc.popen.stdout else 'stderr'} "
+                              f"{n} B" for s in (k.data for k in self._sel.get_map().values())
+                              if (n := _unread_nbytes(s.fd))]
                     break
                 for key, _ in self._sel.select(self._TICK_S):
                     self._read(key.data)
@@ -414,6 +440,8 @@ class OutputPump:
         finally:
             for key in list(self._sel.get_map().values()):
                 self._finish(key.data)
+            if unread:
+                say(f"output not shown, still unread when the head stopped reading its ranks: {'; '.join(unread)}")
             self._sel.close()
             for log in self._logs:
                 try:
@@ -510,7 +538,12 @@ class OutputPump:
             "kept in it")
 
     def stop(self, drain_s: float) -> None:
-        """Read for at most `drain_s` more seconds (until every stream ended), then stop and return."""
+        """Read for at most `drain_s` more seconds (until every stream ended), then stop and return; what was left
+        unread is said (the streams' bytes), as is a pump still held up writing to the head's own output."""
         with self._lock:
             self._drain_until = time.monotonic() + drain_s
-        self._thread.join(timeout=drain_s + 5 * self._TICK_S + 1.0)
+        wait_s = drain_s + 5 * self._TICK_S + 1.0
+        self._thread.join(timeout=wait_s)
+        if self._thread.is_alive():
+            say(f"rank output not all shown: the head's own stdout or stderr took none for {wait_s:.1f} s (a pipe "
+                "whose reader is slow or stopped); what was not written is dropped", wait_s=1.0)
