@@ -426,3 +426,28 @@ with tray.init() as rank:
         print("refused", rank.rank, "a tensor on the host" in str(exc), flush=True)
 """, "--manifest", manifest)
     assert run.stdout.count("refused") == n and "False" not in run.stdout, run.stdout
+
+
+def test_a_temporary_tensor_on_torchs_stream_is_reduced_whole_and_a_mistyped_one_refused(tray_env, manifest):
+    """A temporary tensor given to a collective (`c.allreduce(torch.full(...), y, ...)`) was freed before the call
+    used it (the wrapper dropped the last reference); on torch's stream torch's allocator orders its reuse after the
+    collective. A bf16 tensor given to an f32 reduction is refused by name (its bytes were added as f32)."""
+    n, run = _launch(tray_env, """
+with tray.init() as rank:
+    y = torch.from_dlpack(rank.buffer("y")).flatten()[:4096]
+    c = rank.collectives("world")
+    stream = torch.cuda.current_stream().cuda_stream
+    for i in range(20):
+        c.allreduce(torch.full((4096,), float(i + rank.rank), device=device), y, 4096, "f32", stream=stream)
+        junk = [torch.ones(4096, device=device) for _ in range(4)]   # what would take a freed temporary's memory
+        torch.cuda.synchronize()
+        want = float(sum(i + r for r in range(rank.world_size)))
+        assert torch.all(y == want).item(), (i, y[:4])
+    try:
+        c.allreduce(torch.zeros(8, dtype=torch.bfloat16, device=device), y, 8, "f32", stream=stream)
+    except tray.UsageError as exc:
+        print("typed", rank.rank, "a bfloat16 tensor" in str(exc), flush=True)
+    print("temporaries", rank.rank, flush=True)
+""", "--manifest", manifest)
+    assert run.stdout.count("temporaries") == n and run.stdout.count("typed") == n, run.output
+    assert "False" not in run.stdout, run.stdout
