@@ -49,6 +49,11 @@ def init(manifest: str | None = None, timeout_s: float = 60.0) -> Rank:
     tray or on a second call, ManifestError for a manifest it cannot load, HandshakeError when the tray cannot form.
     docs/api.md is the reference."""
     warmup = early = None
+    # NOTE: first, before any thread or descriptor of tray's: a descriptor opened meanwhile would take a closed
+    # standard one's number (the driver's, NCCL's, ZeroMQ's), and stack dumps and prints would write into it
+    from tray.stdfds import fill_closed_std_fds
+
+    fill_closed_std_fds()
     if os.environ.get("TRAY_BACKEND") == "cuda":
         # the driver starts on a thread now, while the rank's modules (numpy, zmq, ...) import below; so does
         # the NCCL join when the head made the ids for it (tray/collectives/early.py)

@@ -771,10 +771,22 @@ def _exit_now(code: int) -> NoReturn:
     bench/teardown.py: the head's exit took 103 ms on one H200 and 23 ms on the host backend ending normally
     (f784566), 67 and 2 ms ending at once (133eb4d, 3a73068); the rest on cuda is the kernel closing the driver's
     files."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
-            pass
+    def flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
+                pass
+
+    # NOTE: on a thread, waited for a while only: a stream whose reader takes nothing (`| (sleep 60; cat)`) holds
+    # the flush, and the output pump's write held the stream's lock, so the head never exited
+    import threading
+
+    t = threading.Thread(target=flush, name="tray-exit-flush", daemon=True)
+    t.start()
+    t.join(_EXIT_FLUSH_S)
     os._exit(code)
+
+
+_EXIT_FLUSH_S = 5.0  # how long the head's exit waits for its own output to be taken

@@ -301,12 +301,16 @@ def test_a_ranks_descendant_that_left_the_trays_process_group_is_killed_at_the_e
                               "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(600)\", "
                               "sys.argv[1]]); time.sleep(600)', sys.argv[1]], process_group=0)",
     }[escape]
+    depth = 2 if escape in ("grandchild_group", "group_with_a_child") else 1
     run = tray_env.launch(2, f"""
 import subprocess
+import psutil
 with tray.init() as rank:
     {spawn}
-    time.sleep(0.5)
-    rank.barrier()
+    t0 = time.monotonic()   # every descendant up (a loaded machine starts them slowly), so the end must find them
+    while len(psutil.Process().children(recursive=True)) < {depth} and time.monotonic() - t0 < 20:
+        time.sleep(0.05)
+    rank.barrier(timeout_s=30)
 print("done", flush=True)
 """, timeout_s=60)
     assert run.returncode == 0, run.output

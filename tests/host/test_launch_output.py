@@ -427,7 +427,9 @@ def test_rank_output_dropped_because_the_heads_stdout_is_stuck_is_said(tray_env)
         time.sleep(1)
         raise ValueError("stop")
     """)
-    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(),
+    env = tray_env.env()
+    env.pop("PYTHONUNBUFFERED", None)  # the head's stdout buffered, as in a plain shell: its flush at exit blocks too
+    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=str(tray_env.tmp))
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(head.stderr))

@@ -224,8 +224,14 @@ def test_a_typed_object_of_another_element_type_or_too_small_is_refused_by_name(
 
     c = _Plain(size=4)
     f32, ok = np.zeros(64, np.float32), np.zeros(256, np.float32)
+    with pytest.raises(UsageError, match=r"its send is a float32 array of 256 B, and the collective reads 512 B"):
+        c.allreduce(f32, ok, np.int64(128), "f32")  # a numpy count is judged as an int
+    with pytest.raises(UsageError, match=r"its send is a complex64 array, whose elements it would add as f32: pass a "
+                                         r"f32 array; to reduce its bytes"):
+        c.allreduce(np.zeros(8, np.complex64), ok, 8, "f32")  # no dtype of tray's to name
     with pytest.raises(UsageError, match=r"^allreduce of 64 bf16: its send is a float32 array, whose elements it would "
-                                         r"add as bf16: pass dtype 'f32', or a bf16 array$"):
+                                         r"add as bf16: pass dtype 'f32', or a bf16 array; to reduce its bytes as "
+                                         r"bf16 elements on purpose, reinterpret it first"):
         c.allreduce(f32, ok, 64, "bf16")
     with pytest.raises(UsageError, match=r"^reducescatter of 64 f32: its send is a float32 array of 256 B, and the "
                                          r"collective reads 1024 B there \(4 blocks of 64, one per member\): pass a "
@@ -259,3 +265,37 @@ def test_a_strided_receive_is_told_to_copy_the_result_back_not_to_pass_a_copy():
         address(a[:, 1], "allreduce recv_ptr")
     with pytest.raises(UsageError, match=r"pass a contiguous one \(\.contiguous\(\) or np\.ascontiguousarray"):
         address(a[:, 1], "allreduce send_ptr")
+
+
+def test_a_collective_bound_under_another_name_and_a_parameter_named_as_the_wrappers_own_still_hold():
+    """`allreduce = _reduce` was judged as `_reduce` (no check at all), and a parameter named `_tray_a0` was overwritten
+    by the wrapper's own local, freeing a temporary again."""
+    import numpy as np
+    import pytest
+
+    from tray.errors import UsageError
+
+    log: list[str] = []
+
+    class Temporary:
+        def data_ptr(self):
+            return 4096
+
+        def __del__(self):
+            log.append("freed")
+
+    class Renamed(_Plain):
+        def _reduce(self, send_ptr, recv_ptr, count, dtype, stream=None):
+            return send_ptr, recv_ptr
+
+        allreduce = _reduce
+
+        def allgather(self, _tray_a0, recv_ptr, count, dtype, stream=None):
+            log.append("body")
+            return _tray_a0, recv_ptr
+
+    c = Renamed()
+    with pytest.raises(UsageError, match="^allreduce of 8 bf16: its send is a float32 array"):
+        c.allreduce(np.zeros(8, np.float32), 8192, 8, "bf16")
+    got = c.allgather(Temporary(), 8192, 1, "f32")
+    assert got == (4096, 8192) and log == ["body", "freed"], log

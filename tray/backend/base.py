@@ -257,26 +257,28 @@ _ADDRESS_ARGS = {"allreduce": 2, "allgather": 2, "reducescatter": 2, "alltoall":
                  "sendrecv": 2, "send": 1, "recv": 1, "register_window": 1}
 
 
-def _taking_addresses(fn: Callable[..., Any], n: int, device: bool) -> Callable[..., Any]:
+def _taking_addresses(fn: Callable[..., Any], n: int, device: bool, op: str = "") -> Callable[..., Any]:
     """`fn` with its first `n` named arguments after self given as address() takes them. Made with `fn`'s own
     parameters where they are plain (no *args to pack), so ints cost one call and a type check each (53 ns on the
     CPU of bench/results/host/address_cost.json).
-    A method that takes *args (delegating to another, say) is left as it is: the one it calls converts."""
+    A method that takes *args (delegating to another, say) is left as it is: the one it calls converts. `op`: the
+    collective's name (its attribute's), which says what typed objects given to it must hold (check_typed)."""
+    op = op or fn.__name__
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     named = [p for p in params[1:n + 1] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(named) < n:
         return fn
     taken = [p.name for p in named]
-    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+    # NOTE: a parameter named as the wrapper's own names would be overwritten by them: the general path then
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD or p.name.startswith("_tray_") for p in params):
         def general(self: Any, *args: Any, **kwargs: Any) -> Any:
             bound = sig.bind(self, *args, **kwargs)  # NOTE: args and kwargs keep the objects given alive
             objs = tuple(bound.arguments.get(a) for a in taken)
             for a in taken:
                 if a in bound.arguments:
                     bound.arguments[a] = address(bound.arguments[a], f"{fn.__name__} {a}", device)
-            check_typed(self, fn.__name__, tuple(taken), objs, bound.arguments.get("count"),
-                        bound.arguments.get("dtype"))
+            check_typed(self, op, tuple(taken), objs, bound.arguments.get("count"), bound.arguments.get("dtype"))
             return fn(*bound.args, **bound.kwargs)
 
         return functools.wraps(fn)(general)
@@ -297,7 +299,7 @@ def _taking_addresses(fn: Callable[..., Any], n: int, device: bool) -> Callable[
                     for i, a in enumerate(taken))
     names = {p.name for p in params}
     objs = "".join(a + ", " for a in taken)
-    typed = (f"        _tray_typed({params[0].name}, {fn.__name__!r}, {tuple(taken)!r}, ({objs}), "
+    typed = (f"        _tray_typed({params[0].name}, {op!r}, {tuple(taken)!r}, ({objs}), "
              f"{'count' if 'count' in names else 'None'}, {'dtype' if 'dtype' in names else 'None'})\n")
     converted = ", ".join(f"_tray_a{taken.index(p.name)}" if p.name in taken else p.name for p in params)
     src = (f"def _tray_wrapped({', '.join(decl)}):\n"
@@ -311,23 +313,34 @@ def _taking_addresses(fn: Callable[..., Any], n: int, device: bool) -> Callable[
 
 # what each collective reads from its send address and writes at its receive one: `count` elements (1), or a block of
 # `count` per member of the group (0); a reduction's elements are added as `dtype`, so a typed object must hold those
-_EXTENTS = {"allreduce": (1, 1), "allgather": (1, 0), "reducescatter": (0, 1), "alltoall": (0, 0), "sendrecv": (1, 1)}
+_EXTENTS = {"allreduce": (1, 1), "allgather": (1, 0), "reducescatter": (0, 1), "alltoall": (0, 0), "sendrecv": (1, 1),
+            "send": (1,), "recv": (1,)}
 _REDUCING = ("allreduce", "reducescatter")
 _SIDES = {"send_ptr": "send", "recv_ptr": "receive"}
+_OWN_SIDE = {"send": "send", "recv": "receive"}  # send(ptr, ...) reads at ptr, recv(ptr, ...) writes there
+_ELEMENTS: dict[str, tuple[str, int]] = {}  # a manifest dtype -> its numpy name and size (kept: ~1 us each to ask)
+
+
+def _element(dtype: str) -> tuple[str, int] | None:
+    found = _ELEMENTS.get(dtype)
+    if found is None:
+        try:
+            np_dtype = numpy_dtype(dtype)
+        except Exception:  # the collective names a bad dtype itself
+            return None
+        found = _ELEMENTS[dtype] = (np_dtype.name, np_dtype.itemsize)
+    return found
 
 
 def _typed_extent(x: Any) -> tuple[int | None, str | None, str] | None:
     """What an object given as an address says of itself: (its bytes, or None for a tray view, whose range the
     backend checks against the buffer it lies in; its element type's numpy name, or None; what it is); None for
-    what says nothing (an int)."""
-    if type(x) is int or isinstance(x, numbers.Integral):
+    what says nothing (an int, numpy's too)."""
+    if type(x) is int or isinstance(x, (np.integer, numbers.Integral)):
         return None
     if type(getattr(x, "ptr", None)) is int:  # a tray view: a manifest dtype name
-        dtype = getattr(x, "dtype", None)
-        try:
-            return None, numpy_dtype(dtype).name, "tray view"
-        except Exception:  # a view of another kind: its range is still checked by the backend
-            return None, None, "tray view"
+        element = _element(getattr(x, "dtype", None)) if isinstance(getattr(x, "dtype", None), str) else None
+        return None, element[0] if element else None, "tray view"
     if callable(getattr(x, "data_ptr", None)):  # a tensor
         try:
             return int(x.numel()) * int(x.element_size()), str(x.dtype).rpartition(".")[2], "tensor"
@@ -344,28 +357,30 @@ def check_typed(coll: Any, op: str, names: tuple[str, ...], objs: tuple[Any, ...
     """Refuse, naming it, a typed object (a tensor, an array, a tray view) given to collective `op` whose element type
     is not `dtype` in a reduction (its bytes would be added as `dtype`), or that is smaller than what the collective
     reads or writes there. Bad counts and dtypes are left to the collective's own checks."""
-    if type(count) is not int or count < 0 or not isinstance(dtype, str):
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0 or not isinstance(dtype, str):
         return
-    try:
-        want = numpy_dtype(dtype)
-    except Exception:
+    want = _element(dtype)
+    if want is None:
         return
+    count = int(count)
     extents = _EXTENTS.get(op)
     for i, (name, obj) in enumerate(zip(names, objs)):
         typed = _typed_extent(obj)
         if typed is None:
             continue
         nbytes, element, kind = typed
-        side = _SIDES.get(name, name)
-        if op in _REDUCING and element is not None and element != want.name:
-            mine = {v: k for k, v in NUMPY_NAMES.items()} | {"bfloat16": "bf16"}
+        side = _SIDES.get(name) or _OWN_SIDE.get(op, name)
+        if op in _REDUCING and element is not None and element != want[0]:
             from tray.errors import UsageError
 
+            ours = {v: k for k, v in NUMPY_NAMES.items()} | {"bfloat16": "bf16"}
+            fix = f"pass dtype {ours[element]!r}, or a {dtype} {kind}" if element in ours else f"pass a {dtype} {kind}"
             raise UsageError(f"{op} of {count} {dtype}: its {side} is a {element} {kind}, whose elements it would add "
-                             f"as {dtype}: pass dtype {mine.get(element, element)!r}, or a {dtype} {kind}")
+                             f"as {dtype}: {fix}; to reduce its bytes as {dtype} elements on purpose, reinterpret it "
+                             "first (tensor.view(dtype), array.view(dtype)) or pass its address (data_ptr(), .ptr)")
         if nbytes is not None and extents is not None and i < len(extents):
             per = 1 if extents[i] else int(getattr(getattr(coll, "group", None), "size", 1))
-            need = count * want.itemsize * per
+            need = count * want[1] * per
             if need > nbytes:
                 from tray.errors import UsageError
 
@@ -394,7 +409,7 @@ class Collectives(abc.ABC):
         for name, n in _ADDRESS_ARGS.items():
             fn = cls.__dict__.get(name)
             if fn is not None and not getattr(fn, "__isabstractmethod__", False):
-                setattr(cls, name, _taking_addresses(fn, n, cls.device_memory))
+                setattr(cls, name, _taking_addresses(fn, n, cls.device_memory, name))
 
     @abc.abstractmethod
     def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,

@@ -215,6 +215,7 @@ _WAIT_MARGIN_S = 1.0  # a rank's vote counts as waiting until this long (at most
 _REJECTS_SAID = 20  # refused messages said (and kept in TrayResult.rejected); the rest are counted
 _DRAIN_MAX = 256  # messages handled per turn of the loop
 _WAIT_SAID_EVERY_S = 10.0  # while ranks have not offered (or said ready), the head says so this often
+_GRACE_POLL_S = 0.02  # how often the teardown's grace looks at the ranks and at stop signals
 _ADOPTED_PASSES = 5  # the teardown's passes over orphans it adopted (each pass kills their trees)
 _SPAWN_SAY_S = 5.0  # a spawn of the ranks that runs longer says how far it got this often
 _LOGGED_LONG_BEFORE_S = 1.0  # a rank that logged an exception this long before it died: said with how long
@@ -1254,14 +1255,18 @@ class Head:
             for p in alive:
                 p.popen.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + self.spec.grace_s
+            signals_before = len(self._signals)
             killed = []
             for p in alive:
-                try:
-                    p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+                # NOTE: a stop signal that comes during the grace (a second Ctrl-C) ends it: SIGKILL at once
+                while p.popen.poll() is None and time.monotonic() < deadline and len(self._signals) == signals_before:
+                    time.sleep(_GRACE_POLL_S)
+                if p.popen.poll() is None:
                     p.popen.kill()
                     killed.append(p.rank)
-            if killed:
+            if len(self._signals) > signals_before and killed:
+                _say(f"{ranks_text(killed)} SIGKILLed at once: a second stop signal during the grace")
+            elif killed:
                 # NOTE: a program saving its state in a SIGTERM handler was cut short: said, with how to give more
                 _say(f"{ranks_text(killed)} did not exit within the {self.spec.grace_s:g} s grace after SIGTERM: "
                      "SIGKILLed (a SIGTERM handler still running was cut short; --stop-grace-s S gives more)")
@@ -1325,12 +1330,14 @@ class Head:
         # NOTE: an orphan's own descendants go with it, whatever their group (`timeout CMD` puts itself in a group of
         # its own, and CMD was left running once `timeout` was killed); each killed parent hands its children to
         # this head (the subreaper), so passes repeat until none is left, a few at most
+        killed: set[int] = set()  # NOTE: handed to this head as they died: theirs, and reaped, without the filter
         for _ in range(_ADOPTED_PASSES):
             try:
                 adopted = [c for c in me.children() if c.pid not in exclude and c.pid not in self._children_before]
             except psutil.Error:
                 return
-            ours = set(self._this_trays([c.pid for c in adopted]))
+            # a zombie's environment cannot be read: one of those killed here is known by its pid
+            ours = set(self._this_trays([c.pid for c in adopted if c.pid not in killed])) | killed
             adopted = [c for c in adopted if c.pid in ours]
             if not adopted:
                 return
@@ -1341,6 +1348,7 @@ class Head:
             for c in tree:
                 with contextlib.suppress(psutil.Error):
                     c.kill()
+                killed.add(c.pid)
             psutil.wait_procs(adopted, timeout=2.0)
 
     # --- reporting ------------------------------------------------------------------------------

@@ -54,32 +54,15 @@ def boot_id() -> str:
         return os.uname().nodename
 
 
-def _fill_closed_std_fds() -> None:
-    """Open /dev/null on whichever of fds 0, 1 and 2 the program closed, before the rank makes its sockets: the
-    kernel gives a new descriptor the lowest free number, so ZeroMQ's eventfd became fd 2, and the head's stack
-    dump (faulthandler, writing to fd 2) aborted the rank in libzmq, or would have written into a buffer's memfd."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            try:
-                null = os.open(os.devnull, os.O_RDWR)
-            except OSError:
-                return
-            if null != fd:
-                os.dup2(null, fd)  # inheritable, as a standard stream is
-                os.close(null)
-            else:
-                os.set_inheritable(fd, True)
-
-
 def register_stack_dump() -> bool:
     """Make STACK_DUMP_SIGNAL write every thread's Python stack to stderr (faulthandler); left alone when the
     program handles or ignores that signal itself. Returns whether it registered."""
     import faulthandler
     import signal
 
-    _fill_closed_std_fds()
+    from tray.stdfds import fill_closed_std_fds
+
+    fill_closed_std_fds()  # tray.init() did it first; again for a rank started otherwise
     sig = signal.SIGRTMIN + STACK_DUMP_SIGNAL_OFFSET
     if signal.getsignal(sig) != signal.SIG_DFL:
         return False
