@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -256,10 +257,28 @@ def test_a_rank_that_closed_its_standard_streams_survives_the_heads_stack_dump(t
     assert sorted(p.name for p in tray_env.tmp.glob("survived-*")) == ["survived-0", "survived-1"], run.output
 
 
-def test_a_second_stop_signal_during_the_grace_ends_it_at_once(tray_env):
-    """With a long --stop-grace-s, a Ctrl-C during the grace was only noted: the head waited out the whole grace."""
+def _head_until_its_teardown(tray_env, cmd: list[str]) -> tuple[subprocess.Popen, list[str], Any]:
+    """The head started on `cmd`, its stderr read on a thread into a list, once it says it stops its ranks."""
     import threading
 
+    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(),
+                            cwd=str(tray_env.tmp))
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(head.stderr))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not any("tray: stopping rank" in ln for ln in err) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not any("tray: stopping rank" in ln for ln in err):
+        head.kill()
+        head.communicate()
+        reader.join(10)
+        raise AssertionError("".join(err))
+    return head, err, reader
+
+
+def test_a_second_stop_signal_during_the_grace_ends_it_at_once(tray_env):
+    """With a long --stop-grace-s, a Ctrl-C during the grace was only noted: the head waited out the whole grace."""
     cmd = tray_env.command(2, """
     import signal
     if os.environ["TRAY_RANK"] == "0":
@@ -270,16 +289,8 @@ def test_a_second_stop_signal_during_the_grace_ends_it_at_once(tray_env):
             raise ValueError("stop the tray")
         time.sleep(60)
     """, "--stop-grace-s", "40")
-    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(),
-                            cwd=str(tray_env.tmp))
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(head.stderr))
-    reader.start()
+    head, err, reader = _head_until_its_teardown(tray_env, cmd)
     try:
-        deadline = time.monotonic() + 30
-        while not any("tray: stopping rank" in ln for ln in err) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert any("tray: stopping rank" in ln for ln in err), "".join(err)
         time.sleep(0.3)
         t0 = time.monotonic()
         head.send_signal(signal.SIGINT)
@@ -1380,17 +1391,8 @@ def test_a_signal_during_the_teardown_of_a_failed_tray_keeps_its_root_cause(tray
             raise RuntimeError("rank 1 fails")
         time.sleep(60)
     """, "--max-restarts", str(restarts))
-    head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tray_env.env(),
-                            cwd=str(tray_env.tmp))
-    import threading
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(head.stderr))
-    reader.start()
+    head, err, reader = _head_until_its_teardown(tray_env, cmd)
     try:
-        deadline = time.monotonic() + 30
-        while not any("tray: stopping rank" in ln for ln in err) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert any("tray: stopping rank" in ln for ln in err), "".join(err)
         head.send_signal(sig)
         assert head.wait(timeout=30) == 1, "".join(err)
     finally:

@@ -195,11 +195,8 @@ class _Plain(Collectives):
         return None
 
 
-def test_a_temporary_given_to_a_collective_lives_until_the_collective_returns():
-    """`c.allreduce(torch.full((1024,), 7.0), y, 1024, "f32")`: the wrapper rebound its parameter to the address,
-    which dropped the last reference to the temporary (the callee owns its arguments): the tensor was freed before
-    the collective read it (garbage in y, and a SIGSEGV later on 4 ranks)."""
-    log: list[str] = []
+def _temporary(log: list[str]) -> type:
+    """A tensor-like class whose objects say in `log` when they are freed."""
 
     class Temporary:
         def data_ptr(self):
@@ -207,6 +204,16 @@ def test_a_temporary_given_to_a_collective_lives_until_the_collective_returns():
 
         def __del__(self):
             log.append("freed")
+
+    return Temporary
+
+
+def test_a_temporary_given_to_a_collective_lives_until_the_collective_returns():
+    """`c.allreduce(torch.full((1024,), 7.0), y, 1024, "f32")`: the wrapper rebound its parameter to the address,
+    which dropped the last reference to the temporary (the callee owns its arguments): the tensor was freed before
+    the collective read it (garbage in y, and a SIGSEGV later on 4 ranks)."""
+    log: list[str] = []
+    Temporary = _temporary(log)
 
     c = _Plain(log=log)
     got = c.allreduce(Temporary(), 8192, 1, "f32")  # NOTE: not inside an assert, whose rewriting keeps the temporary
@@ -276,13 +283,7 @@ def test_a_collective_bound_under_another_name_and_a_parameter_named_as_the_wrap
     from tray.errors import UsageError
 
     log: list[str] = []
-
-    class Temporary:
-        def data_ptr(self):
-            return 4096
-
-        def __del__(self):
-            log.append("freed")
+    Temporary = _temporary(log)
 
     class Renamed(_Plain):
         def _reduce(self, send_ptr, recv_ptr, count, dtype, stream=None):
