@@ -332,24 +332,42 @@ def _element(dtype: str) -> tuple[str, int] | None:
     return found
 
 
+_ELEMENT_NAMES: dict[Any, str] = {}  # a tensor's or array's dtype object -> its element type's numpy name
+
+
+def _element_name(dtype: Any) -> str:
+    """torch.float32 -> "float32", np.dtype("float32") -> "float32" (kept: numpy's dtype.name builds its string at
+    every ask)."""
+    try:
+        return _ELEMENT_NAMES[dtype]
+    except KeyError:
+        name = _ELEMENT_NAMES[dtype] = dtype.name if isinstance(dtype, np.dtype) else str(dtype).rpartition(".")[2]
+        return name
+    except TypeError:  # unhashable
+        return dtype.name if isinstance(dtype, np.dtype) else str(dtype).rpartition(".")[2]
+
+
 def _typed_extent(x: Any) -> tuple[int | None, str | None, str] | None:
     """What an object given as an address says of itself: (its bytes, or None for a tray view, whose range the
     backend checks against the buffer it lies in; its element type's numpy name, or None; what it is); None for
     what says nothing (an int, numpy's too)."""
-    if type(x) is int or isinstance(x, (np.integer, numbers.Integral)):
+    if type(x) is int:
+        return None
+    data_ptr = getattr(x, "data_ptr", None)
+    if callable(data_ptr):  # a tensor
+        try:
+            return int(x.numel()) * int(x.element_size()), _element_name(x.dtype), "tensor"
+        except Exception:
+            return None
+    if isinstance(x, (np.integer, numbers.Integral)):
         return None
     if type(getattr(x, "ptr", None)) is int:  # a tray view: a manifest dtype name
         element = _element(getattr(x, "dtype", None)) if isinstance(getattr(x, "dtype", None), str) else None
         return None, element[0] if element else None, "tray view"
-    if callable(getattr(x, "data_ptr", None)):  # a tensor
-        try:
-            return int(x.numel()) * int(x.element_size()), str(x.dtype).rpartition(".")[2], "tensor"
-        except Exception:
-            return None
     dtype = getattr(x, "dtype", None)
     nbytes = getattr(x, "nbytes", None)
     if isinstance(dtype, np.dtype) and type(nbytes) is int:  # a numpy (or cupy) array
-        return nbytes, dtype.name, "array"
+        return nbytes, _element_name(dtype), "array"
     return None
 
 
@@ -357,7 +375,9 @@ def check_typed(coll: Any, op: str, names: tuple[str, ...], objs: tuple[Any, ...
     """Refuse, naming it, a typed object (a tensor, an array, a tray view) given to collective `op` whose element type
     is not `dtype` in a reduction (its bytes would be added as `dtype`), or that is smaller than what the collective
     reads or writes there. Bad counts and dtypes are left to the collective's own checks."""
-    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0 or not isinstance(dtype, str):
+    if type(count) is not int and (isinstance(count, bool) or not isinstance(count, numbers.Integral)):
+        return
+    if count < 0 or type(dtype) is not str:
         return
     want = _element(dtype)
     if want is None:
