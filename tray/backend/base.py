@@ -340,11 +340,12 @@ def _element_name(dtype: Any) -> str:
     every ask)."""
     try:
         return _ELEMENT_NAMES[dtype]
-    except KeyError:
-        name = _ELEMENT_NAMES[dtype] = dtype.name if isinstance(dtype, np.dtype) else str(dtype).rpartition(".")[2]
-        return name
-    except TypeError:  # unhashable
-        return dtype.name if isinstance(dtype, np.dtype) else str(dtype).rpartition(".")[2]
+    except (KeyError, TypeError):  # not asked yet, or unhashable
+        pass
+    name = dtype.name if isinstance(dtype, np.dtype) else str(dtype).rpartition(".")[2]
+    with contextlib.suppress(TypeError):
+        _ELEMENT_NAMES[dtype] = name
+    return name
 
 
 def _typed_extent(x: Any) -> tuple[int | None, str | None, str] | None:
@@ -361,10 +362,10 @@ def _typed_extent(x: Any) -> tuple[int | None, str | None, str] | None:
             return None
     if isinstance(x, (np.integer, numbers.Integral)):
         return None
-    if type(getattr(x, "ptr", None)) is int:  # a tray view: a manifest dtype name
-        element = _element(getattr(x, "dtype", None)) if isinstance(getattr(x, "dtype", None), str) else None
-        return None, element[0] if element else None, "tray view"
     dtype = getattr(x, "dtype", None)
+    if type(getattr(x, "ptr", None)) is int:  # a tray view: a manifest dtype name
+        element = _element(dtype) if isinstance(dtype, str) else None
+        return None, element[0] if element else None, "tray view"
     nbytes = getattr(x, "nbytes", None)
     if isinstance(dtype, np.dtype) and type(nbytes) is int:  # a numpy (or cupy) array
         return nbytes, _element_name(dtype), "array"
@@ -391,10 +392,8 @@ def check_typed(coll: Any, op: str, names: tuple[str, ...], objs: tuple[Any, ...
         nbytes, element, kind = typed
         side = _SIDES.get(name) or _OWN_SIDE.get(op, name)
         if op in _REDUCING and element is not None and element != want[0]:
-            from tray.errors import UsageError
-
-            ours = {v: k for k, v in NUMPY_NAMES.items()} | {"bfloat16": "bf16"}
-            fix = f"pass dtype {ours[element]!r}, or a {dtype} {kind}" if element in ours else f"pass a {dtype} {kind}"
+            fix = f"pass dtype {TRAY_NAMES[element]!r}, or a {dtype} {kind}" if element in TRAY_NAMES else \
+                f"pass a {dtype} {kind}"
             raise UsageError(f"{op} of {count} {dtype}: its {side} is a {element} {kind}, whose elements it would add "
                              f"as {dtype}: {fix}; to reduce its bytes as {dtype} elements on purpose, reinterpret it "
                              "first (tensor.view(dtype), array.view(dtype)) or pass its address (data_ptr(), .ptr)")
@@ -402,8 +401,6 @@ def check_typed(coll: Any, op: str, names: tuple[str, ...], objs: tuple[Any, ...
             per = 1 if extents[i] else int(getattr(getattr(coll, "group", None), "size", 1))
             need = count * want[1] * per
             if need > nbytes:
-                from tray.errors import UsageError
-
                 blocks = "" if extents[i] else f" ({per} blocks of {count}, one per member)"
                 raise UsageError(f"{op} of {count} {dtype}: its {side} is a {element} {kind} of {nbytes} B, and the "
                                  f"collective {'reads' if side == 'send' else 'writes'} {need} B there{blocks}: pass "
@@ -655,8 +652,8 @@ def numpy_dtype(dtype: str) -> np.dtype:
     except (KeyError, TypeError):
         from tray.errors import UsageError
 
-        meant = {v: k for k, v in NUMPY_NAMES.items()} | {"bfloat16": "bf16"}
-        hint = f" ({meant[dtype]!r} is tray's name for it)" if isinstance(dtype, str) and dtype in meant else ""
+        hint = f" ({TRAY_NAMES[dtype]!r} is tray's name for it)" if isinstance(dtype, str) and dtype in TRAY_NAMES \
+            else ""
         raise UsageError(f"dtype {dtype!r} is not one tray knows{hint}; it takes "
                          f"{', '.join(['bf16', *NUMPY_NAMES])}") from None
 
@@ -665,6 +662,7 @@ NUMPY_NAMES = {
     "u8": "uint8", "i8": "int8", "u16": "uint16", "i16": "int16", "u32": "uint32", "i32": "int32",
     "u64": "uint64", "i64": "int64", "f16": "float16", "f32": "float32", "f64": "float64",
 }
+TRAY_NAMES = {v: k for k, v in NUMPY_NAMES.items()} | {"bfloat16": "bf16"}  # a numpy dtype name -> tray's
 DTYPE_ITEMSIZE = {
     "u8": 1, "i8": 1, "u16": 2, "i16": 2, "u32": 4, "i32": 4, "u64": 8, "i64": 8,
     "f16": 2, "bf16": 2, "f32": 4, "f64": 8,

@@ -979,6 +979,13 @@ class Head:
         data["written_at"] = st.st_mtime  # the head's reading of when the rank wrote it (wall-clock, as t_exit)
         return data
 
+    def _handshake_missing(self) -> tuple[list[RankProcess], str]:
+        """The ranks the handshake waits for, and for what: those that have not offered, else not reported ready."""
+        missing = [p for p in self.procs if p.rank not in self.offers]
+        if missing:
+            return missing, "offer"
+        return [p for p in self.procs if p.rank not in self.ready], "report ready"
+
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         timeout_s = self.spec.handshake_timeout_s
@@ -998,9 +1005,7 @@ class Head:
                 self._handshake_is_ours():
             # a rank that has not reached tray.init() (loading weights, stuck): said while the others wait for it
             self._last_wait_said = now
-            missing = [p for p in self.procs if p.rank not in self.offers] or \
-                      [p for p in self.procs if p.rank not in self.ready]
-            what = "offer" if len(self.offers) < self.spec.nprocs else "report ready"
+            missing, what = self._handshake_missing()
             if missing:
                 ranks = ranks_text([p.rank for p in missing[:8]]) + \
                     (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -1010,9 +1015,7 @@ class Head:
                      f"{self._liveness(first)}, last phase: {self._phase_of(first)}")
         if not self.t_go and clock is not None and now - clock - waited > timeout_s and self._handshake_is_ours():
             # the deadline runs from the first rank's contact: once one joins, every rank must, within --timeout-s
-            missing = [p for p in self.procs if p.rank not in self.offers] or \
-                      [p for p in self.procs if p.rank not in self.ready]
-            what = "offer" if len(self.offers) < self.spec.nprocs else "report ready"
+            missing, what = self._handshake_missing()
             since = "the first rank's contact" if self._deadline_from_first_contact() else "the spawn"
             if waited:
                 since += f", not counting the {waited:.1f} s this node waited for the other nodes' offers"
