@@ -73,8 +73,23 @@ class BarrierTimeout(WaitedForRanks):
                else "rank {who} missing: it died, hangs, or never entered this barrier" if len(missing) == 1
                else "ranks {who} missing: each died, hangs, or never entered this barrier")
         # `also`: what the waiting rank knows of a missing rank beyond that (a node leader's place in a spanning one)
+        self.also = also
+        self.repeated = False
         super().__init__(f"barrier {group} epoch {epoch}", group, epoch, rank, missing, waited_s,
                          why + (f"; {also}" if also else ""))
+
+    def again(self) -> BarrierTimeout:
+        """This timeout raised again by a later call of the barrier, saying so: after a timeout the barrier stays
+        failed on this rank, since its count of barriers no longer matches its peers'."""
+        if self.repeated:
+            return self
+        note = ("raised again by a later call: after a timeout this barrier stays failed on this rank (its count of "
+                "barriers no longer matches its peers'); a rank that catches BarrierTimeout should end, or close its "
+                "tray")
+        copy = BarrierTimeout(self.group, self.epoch, self.rank, self.missing, self.waited_s,
+                              f"{self.also}; {note}" if self.also else note)
+        copy.repeated = True
+        return copy
 
     @staticmethod
     def missing_in(message: str) -> list[int]:

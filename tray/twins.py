@@ -77,41 +77,57 @@ def registered() -> tuple[str, ...]:
 
 
 # The memory a rank's host backend mapped (start -> end): its buffers, its peers' mappings, its host pools and
-# pointer tables. In a rank, a twin's view that starts in one of them and runs past its end is an error naming the
-# range (a buffer the manifest sized too small for what the kernel reads or writes), not a silent overwrite of
-# whatever lies next to it, nor a SIGSEGV. Empty (unchecked) outside a rank: twins called on plain numpy arrays.
+# pointer tables. In a rank, a twin's view that starts in one of them and runs past its end, or starts in the page
+# rounding past its end (a mapping is whole pages: an overrun there reads or writes the padding, where on a GPU it
+# would reach the next allocation), is an error naming the range (a buffer the manifest sized too small for what the
+# kernel reads or writes), not a silent overwrite of whatever lies next to it; a view of memory outside every region
+# that this process may not touch is an error too, not a SIGSEGV. Empty (unchecked) outside a rank: twins called on
+# plain numpy arrays.
 _REGIONS: dict[int, int] = {}
 _NAMES: dict[int, str] = {}
 _STARTS: list[int] = []
+_MAPPED_ENDS: dict[int, int] = {}  # start -> the end of the mapping that holds the region, where it is past the end
 
 
-def add_region(ptr: int, nbytes: int, name: str = "") -> None:
-    """Memory at [ptr, ptr + nbytes) that twins may touch; `name` says what it is ("buffer 'x'")."""
+def add_region(ptr: int, nbytes: int, name: str = "", mapped_nbytes: int = 0) -> None:
+    """Memory at [ptr, ptr + nbytes) that twins may touch; `name` says what it is ("buffer 'x'"). `mapped_nbytes`:
+    what the mapping holding it spans from `ptr` (its page rounding), when more: a range starting there is judged
+    as past the region's end rather than as memory of no region."""
     _REGIONS[ptr] = ptr + nbytes
     _NAMES[ptr] = name
+    if mapped_nbytes > nbytes:
+        _MAPPED_ENDS[ptr] = ptr + mapped_nbytes
+    else:
+        _MAPPED_ENDS.pop(ptr, None)
     _STARTS[:] = sorted(_REGIONS)
 
 
 def remove_region(ptr: int) -> None:
     if _REGIONS.pop(ptr, None) is not None:
         _NAMES.pop(ptr, None)
+        _MAPPED_ENDS.pop(ptr, None)
         _STARTS[:] = sorted(_REGIONS)
 
 
 def check_range(ptr: int, nbytes: int, what: str = "") -> None:
-    """Raise UsageError when [ptr, ptr + nbytes) starts inside a registered region and runs past its end. Memory
-    outside every region is the program's own (a tensor it allocated, say) and is not judged. `what` names the
-    access (default: a kernel twin's)."""
+    """Raise UsageError when [ptr, ptr + nbytes) starts inside a registered region and runs past its end, or starts
+    past its end within the mapping that holds it (the page rounding). Memory outside every region is the program's
+    own (a tensor it allocated, say) and is not judged. `what` names the access (default: a kernel twin's)."""
     if not _REGIONS or nbytes <= 0:
         return
     i = bisect.bisect_right(_STARTS, ptr) - 1
-    if i < 0 or ptr >= _REGIONS[_STARTS[i]] or ptr + nbytes <= _REGIONS[_STARTS[i]]:
+    if i < 0:
+        return
+    start = _STARTS[i]
+    end = _REGIONS[start]
+    if ptr + nbytes <= end or ptr >= _MAPPED_ENDS.get(start, end):
         return
     from tray.errors import UsageError
 
-    start = _STARTS[i]
     region = _NAMES.get(start) or "a region"
-    where = f"{ptr - start} B into {region} of {_REGIONS[start] - start} B"
+    where = f"{ptr - start} B into {region} of {end - start} B"
+    if ptr >= end:
+        where += ": at or past its end, in its mapping's page rounding"
     if what:
         raise UsageError(f"{what} reaches {nbytes} B at {ptr:#x} ({where}), past its end: pass a count that fits "
                          "the buffer (on a GPU this would read or overwrite whatever lies next to it)")
@@ -229,26 +245,50 @@ def access_fault(ptr: int, nbytes: int, write: bool = False) -> str | None:
     return f"has read-only memory at {at:#x} ({at - ptr} B in), which this rank may not write"
 
 
+def _view_of(ptr: int, nbytes: int) -> np.ndarray:
+    """A u8 view of [ptr, ptr + nbytes) for a twin, judged first in a rank (where regions are registered): a range
+    past a region's end (check_range), or memory outside every region that this process may not read, is a
+    UsageError rather than a silent overrun or a SIGSEGV; memory it may read but not write gives a read-only view
+    (a write to it raises ValueError)."""
+    writable = True
+    if _REGIONS:
+        if not 4096 <= ptr < 2**64 - nbytes:
+            from tray.errors import UsageError
+
+            raise UsageError(f"a kernel twin's view of {nbytes} B at {ptr:#x} is no memory (nothing is ever mapped "
+                             "below 4096; addresses are < 2**64): pass a buffer's address from the manifest's args")
+        check_range(ptr, nbytes)
+        if not in_region(ptr, nbytes) and access_fault(ptr, nbytes, write=True) is not None:
+            fault = access_fault(ptr, nbytes)
+            if fault is not None:
+                from tray.errors import UsageError
+
+                raise UsageError(f"a kernel twin's view of {nbytes} B at {ptr:#x} {fault}: a kernel's argument is "
+                                 "an address this rank may not touch (an offset past its buffer, or another "
+                                 "process's address); on a GPU this would fault or corrupt memory")
+            writable = False
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+    if not writable:
+        raw.flags.writeable = False
+    return raw
+
+
 def at(ptr: int, count: int, dtype: Any) -> np.ndarray:
     """A typed view of `count` elements of `dtype` at address `ptr` (no copy; empty when count <= 0)."""
     dt = np.dtype(dtype)
     if count <= 0:
         return np.zeros(0, dt)
-    check_range(ptr, count * dt.itemsize)
-    raw = np.ctypeslib.as_array((ctypes.c_uint8 * (count * dt.itemsize)).from_address(ptr))
-    return raw.view(dt)
+    return _view_of(ptr, count * dt.itemsize).view(dt)
 
 
 def u32_at(ptr: int, count: int) -> np.ndarray:
     """A u32 view of `count` words at `ptr` (no copy)."""
-    check_range(ptr, 4 * count)
-    return np.ctypeslib.as_array((ctypes.c_uint32 * count).from_address(ptr))
+    return at(ptr, count, np.uint32)
 
 
 def u64_at(ptr: int, count: int) -> np.ndarray:
     """A u64 view of `count` words at `ptr` (no copy)."""
-    check_range(ptr, 8 * count)
-    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(ptr))
+    return at(ptr, count, np.uint64)
 
 
 def f32_at(ptr: int, count: int) -> np.ndarray:

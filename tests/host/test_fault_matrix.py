@@ -318,6 +318,32 @@ print("done", flush=True)
     assert wait_for(lambda: tray_env.leftovers() == [], 5), tray_env.leftovers()
 
 
+def test_daemons_the_ranks_children_leave_are_reaped_while_the_tray_runs(tray_env):
+    """The head adopts the orphans of its ranks' descendants (a subreaper); one that ended stayed a zombie until the
+    tray's end, so a long-running tray (a server's; `tray launch` as PID 1 of a container, with no init to reap)
+    gathered one per daemon. Each is reaped within a second of its end now."""
+    run = tray_env.launch(2, """
+import subprocess
+import psutil
+daemon = "import os, sys, time\\nif os.fork():\\n    sys.exit(0)\\nos.setsid()\\ntime.sleep(0.2)"
+with tray.init() as rank:
+    if rank.rank == 0:
+        for _ in range(3):   # a parent that exits at once: its child is handed to the head, then ends
+            subprocess.run([sys.executable, "-c", daemon], timeout=30)
+        head = psutil.Process(os.getppid())
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            zombies = [c.pid for c in head.children() if c.status() == psutil.STATUS_ZOMBIE]
+            if not zombies and time.monotonic() - t0 > 1.5:
+                break
+            time.sleep(0.1)
+        print("zombies left", len(zombies), "after", round(time.monotonic() - t0, 1), flush=True)
+    rank.barrier(timeout_s=30)
+""", timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert "[rank 0] zombies left 0 after" in run.stdout, run.output
+
+
 def test_a_removed_working_directory_is_a_setup_error(tray_env, tmp_path):
     """Started in a directory since removed, the tray's watchdog could not start (its interpreter cannot make
     paths absolute) while the tray ran on unguarded; now a one-line SetupError before anything starts."""

@@ -533,7 +533,17 @@ def test_a_process_taking_a_free_rank_identity_gets_no_token(tray_env):
         print("leaked:", any(os.environ["TRAY_TOKEN"] in str(m) for m in got), flush=True)
         s.send(msgpack.packb({"kind": "bye", "v": PROTOCOL_VERSION, "token": os.environ["TRAY_TOKEN"], "rank": 7}))
         print("with the token:", msgpack.unpackb(s.recv()).get("kind") if s.poll(1500) else None, flush=True)
-        s.close(); ctx.term()
+        s.close()
+        for name in (b"stranger", b"rank-7", b"rank-0x"):   # identities of no rank of this tray: never answered
+            t = ctx.socket(zmq.DEALER)
+            t.setsockopt(zmq.IDENTITY, name)
+            t.setsockopt(zmq.LINGER, 0)
+            t.connect(os.environ["TRAY_RDZV"])
+            t.send(msgpack.packb({"kind": "heartbeat", "v": PROTOCOL_VERSION, "token": os.environ["TRAY_TOKEN"],
+                                  "rank": 0, "phase": "start", "seq": 1}))
+            print("stranger answered:", t.poll(1000) != 0, flush=True)
+            t.close()
+        ctx.term()
     with tray.init() as rank:
         rank.barrier(timeout_s=30)
     """)
@@ -541,6 +551,7 @@ def test_a_process_taking_a_free_rank_identity_gets_no_token(tray_env):
     assert "rejected a message from rank-0" in run.stderr
     assert "leaked: False" in run.stdout
     assert "with the token: reject" in run.stdout
+    assert run.stdout.count("stranger answered: False") == 3, run.stdout
 
 
 def test_a_message_claiming_another_ranks_number_is_refused_and_never_counted_as_its_vote(tray_env):
@@ -1564,3 +1575,17 @@ def test_a_rank_that_lowered_its_open_file_limit_is_told_so(tray_env, limit):
     cause = run.stderr.split("tray: FAILED: ", 1)[1]
     assert f"open-file limit is {limit}" in cause, run.output   # the verdict, or the report under it
     assert "OSError: [Errno 24]" not in run.stderr and run.seconds < 20, run.output
+
+
+def test_a_rank_that_reported_its_exception_is_let_end_by_itself_and_said_so(tray_env):
+    """The rank whose report was the root cause got the head's SIGTERM with the others while it was on its way out,
+    and its end was said as "killed by SIGTERM" (docs: "exit 1"). It is given up to a second to end by itself."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        if rank.rank == 0:
+            raise ValueError("boom")
+        time.sleep(30)
+    """, timeout_s=60)
+    assert run.returncode == 1, run.output
+    assert "after teardown: rank 0 (the root cause): exit 1; rank 1: killed by SIGTERM" in run.stderr, run.stderr
+    assert run.seconds < 15, run.seconds

@@ -19,7 +19,7 @@ from tray.launch.root import TOKEN_FAILURES
 
 FILL = str(MANIFESTS / "peer_fill.json")
 PARK = str(MANIFESTS / "park.json")
-TOKEN = "f00dfeedf00dfeedf00dfeedf00dfeed"
+TOKEN = "f00dfeed0123456789abcdefcafe5678"
 
 
 def free_port() -> int:

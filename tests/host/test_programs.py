@@ -81,3 +81,40 @@ with tray.init() as rank:
     run = tray_env.launch(2, body, "--manifest", str(manifest))
     assert run.returncode == 0, run.output
     assert run.stdout.count("groups ok") == 2
+
+
+def test_vars_given_to_run_concern_its_program_alone_and_a_resized_buffer_is_said_as_such(tray_env):
+    """run("varcnt", vars={"k": 32}) failed with another program's op (coll's count of k * 8 over a buffer of 128),
+    though that program was not run: the whole manifest was resolved with the vars; and vars={"n": 4} was said as the
+    program's copy overrunning buffer 'a' (16 B) rather than as 'a' resized. Now only the program run is resolved, after
+    the buffers and groups are compared with those made at launch."""
+    import json
+
+    manifest = tray_env.tmp / "two.json"
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "two", "vars": {"n": 128, "k": 16},
+        "buffers": [{"name": "a", "dtype": "f32", "shape": ["n"]}, {"name": "b", "dtype": "f32", "shape": [128]},
+                    {"name": "c", "dtype": "f32", "shape": [128]}],
+        "programs": [
+            {"name": "varcnt", "ops": [{"op": "copy", "src": "a", "dst": "c", "bytes": "k * 4"}]},
+            {"name": "coll", "ops": [{"op": "nccl", "collective": "allreduce", "group": "world", "send": "b",
+                                      "recv": "c", "count": "k * 8", "dtype": "f32"}]}]}))
+    body = """
+with tray.init() as rank:
+    rank.write("a", np.arange(128, dtype=np.float32))
+    rank.run("varcnt", vars={"k": 32}); rank.synchronize()   # coll's count would be 256 of 128: not run, not judged
+    assert np.array_equal(rank.read("c")[:32], np.arange(32, dtype=np.float32))
+    for name, v in (("varcnt", {"n": 4}), ("nope", {"k": 1})):
+        try:
+            rank.run(name, vars=v)
+        except tray.UsageError as exc:
+            print("refused:", str(exc).splitlines()[0], flush=True)
+    print("vars ok", flush=True)
+"""
+    run = tray_env.launch(2, body, "--manifest", str(manifest))
+    assert run.returncode == 0, run.output
+    refused = [line for line in run.stdout.splitlines() if line.startswith("[rank 0] refused: ")]
+    assert len(refused) == 2, run.stdout
+    assert "program 'varcnt' with n=4: buffer 'a' would need 16 B but was allocated with 512 B" in refused[0], refused
+    assert "'nope'" in refused[1] and "varcnt" in refused[1] and "coll" in refused[1], refused
+    assert run.stdout.count("vars ok") == 2

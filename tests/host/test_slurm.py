@@ -13,7 +13,7 @@ from conftest import MANIFESTS, REPO
 
 pytestmark = pytest.mark.cluster
 FILL = str(MANIFESTS / "peer_fill.json")
-TOKEN = "5eed5eed5eed5eed5eed5eed5eed5eed"
+TOKEN = "5eedcafe0123456789abcdef5eedcafe"
 
 BODY = """
 with tray.init() as rank:

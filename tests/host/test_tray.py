@@ -566,3 +566,98 @@ def test_ranks_sharing_a_gpu_get_it_and_each_its_own_nccl_hostid(tray_env, monke
     placed = sorted(line.split("placed ", 1)[1] for line in out.splitlines() if "placed " in line)
     assert placed == [f"{r} 0 box/tray-rank-{r}" for r in range(3)], out
     assert "tray: --share-gpus: 3 ranks on 1 GPU(s) (GPU 0: ranks 0,1,2)" in err, err
+
+
+def test_objects_kept_past_close_kernel_arguments_and_calls_the_host_lacks_are_usage_errors(tray_env):
+    """A barrier object kept past close() read the unmapped flags (SIGSEGV), collectives kept past it said "not all
+    memory of this process" or raised IndexError, and a kernel kept past it launched its twin on freed memory; each
+    now says it was used after close(). A view given as a kernel argument reached the twin as a view (TypeError in
+    the twin), where the cuda backend passes its address; a grid of 0 was taken. send/recv/batch on the host raised
+    AttributeError. A barrier that timed out said, at every later call, the same words as the first time."""
+    body = """
+    from tray.errors import BarrierTimeout, UsageError
+
+    def refused(call):
+        try:
+            call()
+        except UsageError as exc:
+            print("refused:", str(exc).splitlines()[0], flush=True)
+        else:
+            print("taken", flush=True)
+
+    rank = tray.init()
+    k, c, bo = rank.kernel("peer_fill"), rank.collectives("world"), rank.barrier_of("world")
+    fill = rank.buffer("fill")
+    G, me, words = rank.world_size, rank.rank, fill.nbytes // 4 // rank.world_size
+    k.launch(1, 1, [rank.peers("fill"), G, me, words, 7])   # a peer table as its address
+    rank.barrier()
+    from tray.backend.host.twins import peer_fill_words
+    assert all((rank.read("fill")[s * words:(s + 1) * words] == peer_fill_words(7, s, me, words)).all()
+               for s in range(G))
+    refused(lambda: k.launch(0, 1, [rank.peers("fill"), G, me, words, 7]))
+    for call in (lambda: c.send(rank.buffer("send"), 4, "f32", 0), lambda: c.recv(rank.buffer("recv"), 4, "f32", 0),
+                 lambda: c.batch()):
+        refused(call)
+    rank.barrier()
+    if rank.rank == 1:
+        for _ in range(2):
+            try:
+                rank.barrier(timeout_s=0.2)
+            except BarrierTimeout as exc:
+                print("timeout:", str(exc), flush=True)
+    rank.close()
+    refused(lambda: bo.wait(1.0))
+    refused(lambda: bo.launch(1.0))
+    refused(lambda: c.allreduce(np.zeros(4, np.float32), np.zeros(4, np.float32), 4, "f32"))
+    refused(lambda: k.launch(1, 1, [0, G, me, words, 7]))
+    print("phase", rank.phase, flush=True)
+    """
+    run = tray_env.launch(2, body, "--manifest", FILL, timeout_s=60)
+    assert run.returncode == 0, run.output
+    for r in (0, 1):
+        lines = [line.split(" ", 2)[2] for line in run.stdout.splitlines() if line.startswith(f"[rank {r}] ")]
+        refused = [line for line in lines if line.startswith("refused:")]
+        assert len(refused) == 8 and "taken" not in lines, lines
+        assert "kernel 'peer_fill': grid must be an int or 1-3 ints, each >= 1, got 0" in refused[0], refused
+        assert all("is NCCL's (cuda backend); these collectives have no point-to-point calls: use sendrecv" in x
+                   for x in refused[1:4]), refused
+        for line, what in zip(refused[4:], ("the barrier of group 'world'", "the barrier of group 'world'",
+                                            "the collectives of group 'world'", "kernel 'peer_fill'")):
+            assert f"refused: {what}: used after close() of its rank" in line, refused
+        assert lines[-1] == "phase closed", lines
+    timeouts = [line for line in run.stdout.splitlines() if line.startswith("[rank 1] timeout:")]
+    assert len(timeouts) == 2, run.stdout
+    assert "raised again" not in timeouts[0] and "waited 0.2" in timeouts[0], timeouts
+    assert "raised again by a later call: after a timeout this barrier stays failed on this rank" in timeouts[1]
+
+
+def test_collectives_called_from_two_threads_at_once_are_refused_naming_both(tray_env):
+    """Two threads of a rank in collectives of one group at once posted into the same slots: the members' calls were
+    paired wrongly and the mismatch blamed on the order of calls (or, with equal data, nothing was said). The second
+    call is a UsageError naming both threads; the first goes on and is right."""
+    body = """
+    import threading
+    from tray.errors import UsageError
+    with tray.init() as rank:
+        c = rank.collectives("world")
+        x = np.full(64, rank.rank + 1.0, np.float32)
+        y = np.zeros(64, np.float32)
+        if rank.rank == 0:
+            worker = threading.Thread(target=lambda: c.allreduce(x, y, 64, "f32"), name="worker")
+            worker.start()
+            time.sleep(0.5)   # the worker waits in its allreduce: rank 1 comes later
+            try:
+                c.allreduce(x, np.zeros(64, np.float32), 64, "f32")
+            except UsageError as exc:
+                print("refused:", exc, flush=True)
+            worker.join(30)
+        else:
+            time.sleep(1.5)
+            c.allreduce(x, y, 64, "f32")
+        print("sum", float(y[0]), flush=True)
+    """
+    run = tray_env.launch(2, body, "--manifest", FILL, timeout_s=60)
+    assert run.returncode == 0, run.output
+    assert ("refused: group 'world': allreduce called on thread 'MainThread' while thread 'worker' is in its allreduce "
+            "on this group") in run.stdout, run.stdout
+    assert run.stdout.count("sum 3.0") == 2, run.stdout

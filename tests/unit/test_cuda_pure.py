@@ -269,10 +269,14 @@ def test_pack_points_at_each_value() -> None:
 
 
 def test_dims() -> None:
-    assert kernels._dims(4, "grid", "k") == (4, 1, 1)
-    assert kernels._dims((2, 3), "grid", "k") == (2, 3, 1)
-    with pytest.raises(UsageError, match="block must be 1-3 positive ints"):
-        kernels._dims((0, 1, 1), "block", "k")
+    from tray.backend.base import launch_dims
+
+    assert launch_dims(4, "grid", "k") == (4, 1, 1)
+    assert launch_dims((2, 3), "grid", "k") == (2, 3, 1)
+    assert launch_dims(np.int64(2), "grid", "k") == (2, 1, 1)
+    for bad in ((0, 1, 1), 0, -1, (), (1, 2, 3, 4), True, 1.5, "4", (1, 2.0), None):
+        with pytest.raises(UsageError, match="block must be an int or 1-3 ints, each >= 1"):
+            launch_dims(bad, "block", "k")
 
 
 # --- the facade ---------------------------------------------------------------------------------------

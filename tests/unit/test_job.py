@@ -95,6 +95,10 @@ def test_token_only_from_the_environment():
         resolve_job(args, {})
     with pytest.raises(UsageError, match="at least 16"):
         resolve_job(args, {"TRAY_JOB_TOKEN": "short"})
+    for weak in (" " * 16, "a" * 40, "ab" * 8, "1234512345123451"):   # long enough, guessed at once
+        with pytest.raises(UsageError, match=r"characters but only [1-5] different ones: a token that is guessed"):
+            resolve_job(args, {"TRAY_JOB_TOKEN": weak})
+    assert resolve_job(args, {"TRAY_JOB_TOKEN": "123456123456123456"}).token == "123456123456123456"
 
 
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "2",
@@ -335,7 +339,7 @@ def test_an_old_pytorchjob_environment_is_noted_not_silently_a_lone_tray(capsys)
 
 def test_lws_names_the_job_by_its_leader():
     env = {"LWS_LEADER_ADDRESS": "tray-job-0.tray-job.default", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1",
-           "TRAY_JOB_TOKEN": "f" * 32}
+           "TRAY_JOB_TOKEN": TOKEN}
     job = resolve_job(JobArgs(nproc_per_node=4), env)
     assert job is not None and job.rdzv_id == "tray-job-0.tray-job.default" and job.node_rank == 1
 
@@ -423,3 +427,40 @@ def test_a_master_port_taken_on_node_0_is_named_with_where_it_lies_beside_the_ro
             assert NodeHead._reserve_master_port(head, -1) is None  # type: ignore[arg-type]
         err = capsys.readouterr().err
         assert f"MASTER_PORT {port} (the root's port {said}) is taken on 127.0.0.1" in err, err
+
+
+def test_a_root_host_that_is_no_address_here_is_not_said_to_have_its_master_port_taken(capsys):
+    """Node 0 given a root host that is not this machine's: the MASTER_PORT hold said the port "is taken on 10.1.2.3
+    (Cannot assign requested address)" before the root's own bind named the real cause; it now leaves that to it."""
+    from types import SimpleNamespace
+
+    from tray.launch.node import NodeHead
+
+    head = SimpleNamespace(job=SimpleNamespace(is_root=True, root_port=29500),
+                           _root_address="tcp://192.0.2.1:29500")  # TEST-NET-1: never an address of this machine
+    assert NodeHead._reserve_master_port(head, -1) is None  # type: ignore[arg-type]
+    assert "MASTER_PORT" not in capsys.readouterr().err
+
+
+def test_a_flag_that_contradicts_the_schedulers_node_count_or_rank_is_refused_naming_the_variable():
+    """`sbatch -N 2 tray.sbatch --nnodes 1 ...` ran two trays of one node that never met, each exiting 0; `--nnodes 3`
+    on 2 nodes waited 30 s and blamed the network; `--node-rank 0` gave every node rank 0. The scheduler gives each
+    node its count and rank: a flag may repeat them, not contradict them. The root's address may still be given."""
+    env = {**SLURM, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "4",
+           "TRAY_JOB_TOKEN": TOKEN}
+    for args, said in ((JobArgs(slurm=True, nnodes=1), r"--nnodes 1 contradicts SLURM_JOB_NUM_NODES=4, set by Slurm"),
+                       (JobArgs(nnodes=3), r"--nnodes 3 contradicts SLURM_JOB_NUM_NODES=4"),
+                       (JobArgs(node_rank=0), r"--node-rank 0 contradicts SLURM_NODEID=2")):
+        with pytest.raises(UsageError, match=said):
+            resolve_job(args, env)
+    job = resolve_job(JobArgs(nnodes=4, node_rank=2, rdzv_endpoint="elsewhere:4000"), env)
+    assert job is not None and (job.nnodes, job.node_rank, job.root_host, job.root_port) == (4, 2, "elsewhere", 4000)
+    pet = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m", "TRAY_JOB_TOKEN": TOKEN}
+    with pytest.raises(UsageError, match=r"--node-rank 0 contradicts PET_NODE_RANK=1, set by the PyTorchJob"):
+        resolve_job(JobArgs(node_rank=0), pet)
+    with pytest.raises(UsageError, match=r"node rank 3 \(LWS_WORKER_INDEX\) is outside 0..1 \(a job of 2 nodes: "
+                                         r"LWS_GROUP_SIZE\)"):
+        resolve_job(JobArgs(), {"LWS_LEADER_ADDRESS": "l", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "3",
+                                "TRAY_JOB_TOKEN": TOKEN})
+    with pytest.raises(UsageError, match=r"^PET_MASTER_ADDR \(set by the training operator .*\) is unset"):
+        resolve_job(JobArgs(), {"PET_NNODES": "2", "PET_NODE_RANK": "1", "TRAY_JOB_TOKEN": TOKEN})

@@ -481,6 +481,18 @@ def test_log_files_are_never_opened_through_a_link_nor_in_a_directory_others_cou
         os.chown(theirs, 65534, 65534)
         with pytest.raises(OSError, match=r"in it \(owned by uid 65534\)"):
             check_log_dir(str(theirs))
+        # --log-dir itself another user's link in a sticky directory others write in (/tmp): its owner could point it
+        # at a directory of theirs while the tray runs, and the logs, opened by path again after the run, would follow
+        mine = tmp_path / "mine"
+        mine.mkdir(mode=0o700)
+        (open_dir / "logs").symlink_to(mine)
+        check_log_dir(str(open_dir / "logs"))   # this user's own link: its owner alone may replace it
+        (open_dir / "logs").unlink()
+        (open_dir / "logs").symlink_to(mine)
+        os.lchown(open_dir / "logs", 65534, 65534)
+        with pytest.raises(OSError, match=rf"a log file in it lies under the link {open_dir / 'logs'} \(owned by "
+                                          r"uid 65534\)"):
+            check_log_dir(str(open_dir / "logs"))
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly():

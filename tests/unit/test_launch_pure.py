@@ -207,7 +207,7 @@ def test_eager_launches_replay_one_graph_per_timeout(fake) -> None:
     assert len(kernel.binds) == 2, "arguments are packed once per timeout"
     barrier.close()
     assert (stream.graphs_destroyed, stream.execs_destroyed) == (2, 2)
-    with pytest.raises(UsageError, match="barrier world is closed"):
+    with pytest.raises(UsageError, match=r"the barrier of group .world.: used after close\(\) of its rank"):
         barrier.launch(2.0)
 
 

@@ -181,6 +181,15 @@ def test_a_dtype_tray_does_not_know_is_named_with_the_names_it_takes() -> None:
         numpy_dtype("float32")
     with pytest.raises(UsageError, match="dtype 'fp8' is not one tray knows; it takes bf16"):
         numpy_dtype("fp8")
+    import ml_dtypes
+    import numpy as np
+
+    # a numpy type, a dtype or ml_dtypes' bfloat16 given for the name: the hint too (it had none)
+    for given, meant in ((np.float32, "f32"), (np.dtype("int16"), "i16"), (ml_dtypes.bfloat16, "bf16")):
+        with pytest.raises(UsageError, match=rf"is not one tray knows \('{meant}' is tray's name for it\)"):
+            numpy_dtype(given)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"dtype \[1\] is not one tray knows; it takes"):
+        numpy_dtype([1])  # type: ignore[arg-type]
 
 
 def test_the_code_a_hook_runs_first_is_found_through_what_wraps_it_and_never_raises():

@@ -108,3 +108,50 @@ def test_a_reading_of_the_maps_is_published_whole():
     starts, maps = reading
     assert starts == [m[0] for m in maps] and starts == sorted(starts) and maps
     assert all(hi > lo for lo, hi, _, _ in maps)
+
+
+@pytest.fixture
+def regions(monkeypatch):
+    """A rank's region table of its own for one test (in a rank the host backend fills it)."""
+    monkeypatch.setattr(twins, "_REGIONS", {})
+    monkeypatch.setattr(twins, "_NAMES", {})
+    monkeypatch.setattr(twins, "_STARTS", [])
+    monkeypatch.setattr(twins, "_MAPPED_ENDS", {})
+    return twins
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_a_twins_view_at_or_past_a_buffers_end_or_of_memory_it_may_not_touch_is_refused_not_a_crash(regions):
+    """A buffer of 512 B in a page of its own: a view starting at its end (the page's padding, where on a GPU the next
+    allocation lies) was not judged, and one a page past it killed the rank by SIGSEGV; both are UsageErrors naming
+    the range. A read-only page gives a read-only view; a view inside the buffer is unchanged."""
+    import mmap
+
+    libc = _libc_mmap()
+    page = mmap.PAGESIZE
+    base = libc.mmap(None, 3 * page, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    try:
+        assert libc.munmap(base + page, page) == 0  # the page after the buffer's: a hole
+        assert libc.mprotect(base + 2 * page, page, mmap.PROT_READ) == 0
+        regions.add_region(base, 512, "buffer 'p'", page)
+        regions.f32_at(base, 128)[:] = 1.0
+        assert regions.f32_at(base + 256, 64).sum() == 64.0
+        for ptr, count in ((base + 512, 1), (base + 1536, 128), (base + 508, 2)):
+            with pytest.raises(UsageError, match=r"kernel twin reaches .*buffer 'p' of 512 B"):
+                regions.f32_at(ptr, count)
+        with pytest.raises(UsageError, match=r"at or past its end"):
+            regions.u32_at(base + 512, 1)
+        with pytest.raises(UsageError, match=r"kernel twin's view of 4 B at .* is not all memory of this process"):
+            regions.f32_at(base + page, 1)
+        with pytest.raises(UsageError, match=r"is no memory"):
+            regions.u64_at(8, 1)
+        ro = regions.u64_at(base + 2 * page, 4)
+        assert ro.tolist() == [0, 0, 0, 0] and not ro.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            ro[0] = 1
+        private = np.zeros(4, np.float32)  # the program's own memory: as before
+        regions.f32_at(private.ctypes.data, 4)[:] = 2.0
+        assert private.tolist() == [2.0] * 4
+    finally:
+        libc.munmap(base, page)
+        libc.munmap(base + 2 * page, page)

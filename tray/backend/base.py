@@ -111,6 +111,52 @@ class HostMemory(abc.ABC):
     def close(self) -> None: ...
 
 
+def closed_call(what: str) -> Callable[..., Any]:
+    """A stand-in for the calls of an object its rank closed: UsageError naming `what`, rather than a use of memory,
+    flags or a communicator released (on the host backend a barrier read unmapped flags: SIGSEGV)."""
+
+    def closed(*args: Any, **kwargs: Any) -> Any:
+        raise UsageError(f"{what}: used after close() of its rank (rank.close(), or the end of the `with tray.init()` "
+                         "block), which released what it uses; make every call before closing, or keep the rank "
+                         "open")
+
+    return closed
+
+
+def seal(obj: Any, what: str, names: Sequence[str]) -> None:
+    """Make each call `names` of `obj` raise UsageError naming `what` from now on (an attribute of the instance over
+    the class's method: the calls of an open object cost nothing more)."""
+    raiser = closed_call(what)
+    for name in names:
+        obj.__dict__[name] = raiser
+
+
+def _sealing_on_close(cls: type, names: Sequence[str], what: Callable[[Any], str]) -> None:
+    """`cls.close` (where `cls` defines one) followed, whatever it raises, by seal(): a barrier's or collectives'
+    object kept past its rank's close() says so when used."""
+    close = cls.__dict__.get("close")
+    if close is None or getattr(close, "__isabstractmethod__", False) or getattr(close, "_tray_seals", False):
+        return
+
+    @functools.wraps(close)
+    def closing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return close(self, *args, **kwargs)
+        finally:
+            seal(self, what(self), names)
+
+    closing._tray_seals = True  # type: ignore[attr-defined]
+    cls.close = closing  # type: ignore[attr-defined]
+
+
+def _group_name(obj: Any) -> str:
+    group = getattr(obj, "group", None)
+    return repr(getattr(group, "name", "?"))
+
+
+_BARRIER_CALLS = ("launch", "check", "wait", "synchronize")
+
+
 class Barrier(abc.ABC):
     """The peer barrier of one group (docs/design.md section 6). Epochs come from a counter the barrier
     keeps itself, so a captured sequence replays with fresh epochs."""
@@ -119,6 +165,10 @@ class Barrier(abc.ABC):
     # which barrier runs: "peer" (within one node), or over a group that spans nodes "hierarchical"
     # (tray/collectives/span.py) or "relayed" (through the job's root, tray/collectives/relay.py)
     path: str = "peer"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _sealing_on_close(cls, _BARRIER_CALLS, lambda b: f"the barrier of group {_group_name(b)}")
 
     @abc.abstractmethod
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
@@ -255,6 +305,8 @@ def _host_memory(what: str, which: str) -> UsageError:
 # the collectives' address arguments: each may be given as address() takes it
 _ADDRESS_ARGS = {"allreduce": 2, "allgather": 2, "reducescatter": 2, "alltoall": 2, "alltoall_among": 2,
                  "sendrecv": 2, "send": 1, "recv": 1, "register_window": 1}
+# what a closed group's collectives refuse
+_COLLECTIVE_CALLS = (*_ADDRESS_ARGS, "batch")
 
 
 def _taking_addresses(fn: Callable[..., Any], n: int, device: bool, op: str = "") -> Callable[..., Any]:
@@ -427,6 +479,7 @@ class Collectives(abc.ABC):
             fn = cls.__dict__.get(name)
             if fn is not None and not getattr(fn, "__isabstractmethod__", False):
                 setattr(cls, name, _taking_addresses(fn, n, cls.device_memory, name))
+        _sealing_on_close(cls, _COLLECTIVE_CALLS, lambda c: f"the collectives of group {_group_name(c)}")
 
     @abc.abstractmethod
     def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
@@ -470,6 +523,23 @@ class Collectives(abc.ABC):
         raise UsageError(f"group {self.group.name!r}: these collectives have no windows (NCCL 2.27 or later, "
                          "cuda backend)")
 
+    def send(self, ptr: int, count: int, dtype: str, peer_index: int, stream: int | None = None) -> None:
+        """NCCL's point-to-point send (cuda); UsageError where these collectives have none."""
+        raise UsageError(self._no_point_to_point("send"))
+
+    def recv(self, ptr: int, count: int, dtype: str, peer_index: int, stream: int | None = None) -> None:
+        """NCCL's point-to-point receive (cuda); UsageError where these collectives have none."""
+        raise UsageError(self._no_point_to_point("recv"))
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        """NCCL's group of calls (cuda); UsageError where these collectives have none."""
+        raise UsageError(self._no_point_to_point("batch"))
+
+    def _no_point_to_point(self, call: str) -> str:
+        return (f"group {self.group.name!r}: {call}() is NCCL's (cuda backend); these "
+                "collectives have no point-to-point calls: use sendrecv(send, recv, count, dtype, peer_index), which "
+                "both members of the pair call")
+
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -479,6 +549,38 @@ class BoundLaunch(abc.ABC):
 
     @abc.abstractmethod
     def launch(self) -> None: ...
+
+
+def launch_dims(dims: Any, what: str, kernel: str) -> tuple[int, int, int]:
+    """(x, y, z) from an int or a sequence of 1-3 ints >= 1 (a kernel's grid or block); UsageError otherwise."""
+    try:
+        seq = (dims,) if isinstance(dims, numbers.Integral) else tuple(dims)
+        ok = 1 <= len(seq) <= 3 and all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 1
+                                        for d in seq)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise UsageError(f"kernel {kernel!r}: {what} must be an int or 1-3 ints, each >= 1, got {dims!r}")
+    x, y, z = (tuple(int(d) for d in seq) + (1, 1))[:3]
+    return x, y, z
+
+
+def pointer_of(arg: Any) -> int | None:
+    """The address a kernel gets for `arg` when it stands for memory: an int `.ptr` (a buffer view, a pointer table,
+    a peer mapping), or a peer table's `.table_ptr` (rank.peers(name)); None for anything else (a number)."""
+    if isinstance(arg, (int, float, np.generic)):
+        return None
+    ptr = getattr(arg, "ptr", None)
+    if ptr is None:
+        ptr = getattr(arg, "table_ptr", None)
+    return ptr if isinstance(ptr, int) else None
+
+
+def kernel_arg(arg: Any) -> Any:
+    """A kernel argument as a launch passes it: memory (pointer_of) as its address, anything else as given (the
+    cuda backend packs the same objects the same way)."""
+    ptr = pointer_of(arg)
+    return arg if ptr is None else ptr
 
 
 class Kernel(abc.ABC):
@@ -652,10 +754,22 @@ def numpy_dtype(dtype: str) -> np.dtype:
     except (KeyError, TypeError):
         from tray.errors import UsageError
 
-        hint = f" ({TRAY_NAMES[dtype]!r} is tray's name for it)" if isinstance(dtype, str) and dtype in TRAY_NAMES \
+        hint = f" ({TRAY_NAMES[meant]!r} is tray's name for it)" if (meant := _dtype_name(dtype)) in TRAY_NAMES \
             else ""
         raise UsageError(f"dtype {dtype!r} is not one tray knows{hint}; it takes "
                          f"{', '.join(['bf16', *NUMPY_NAMES])}") from None
+
+
+def _dtype_name(dtype: object) -> str:
+    """The numpy name of what `dtype` stands for, to suggest tray's: a str as it is; a numpy type or dtype
+    (np.float32, ml_dtypes.bfloat16) or a torch dtype (torch.float32) by its name; "" for anything else."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return np.dtype(dtype).name  # type: ignore[call-overload]
+    except Exception:  # NOTE: anything may come here; a torch dtype says "torch.float32"
+        text = str(dtype)
+        return text.removeprefix("torch.") if text.startswith("torch.") else ""
 
 
 NUMPY_NAMES = {

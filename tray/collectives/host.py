@@ -12,7 +12,9 @@ receive range that runs past the end of the buffer it starts in is named before 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -96,6 +98,27 @@ class HostCollectives(Collectives):
         self._calls = [u64_view(t + 4 * row, _CALL_WORDS) for t in tails]  # [member][word]
         self._rounds = [0] * size  # sendrecv rounds made with each peer
         self._ncalls = 0  # group calls made
+        # a member's calls on the group, one at a time: (thread name, call) of the one under way
+        self._alone_lock = threading.RLock()
+        self._under_way: tuple[str, str] | None = None
+
+    @contextlib.contextmanager
+    def _alone(self, what: str) -> Iterator[None]:
+        """One collective call of this member at a time: a second thread's call while one is under way would post
+        its call into the same slots (the members' calls then paired wrongly, or results read from scratch another
+        call restaged), so it is a UsageError naming both threads."""
+        if not self._alone_lock.acquire(blocking=False):
+            other = self._under_way or ("another thread", "a collective")
+            raise UsageError(f"group {self.group.name!r}: {what} called on thread {threading.current_thread().name!r} "
+                             f"while thread {other[0]!r} is in its {other[1]} on this group: a member makes its "
+                             "collective calls on a group one at a time (from one thread, or one after the other)")
+        before = self._under_way
+        self._under_way = (threading.current_thread().name, what)
+        try:
+            yield
+        finally:
+            self._under_way = before
+            self._alone_lock.release()
 
     def _typed(self, ptr: int, count: int, dtype: str) -> np.ndarray:
         dt = numpy_dtype(dtype)
@@ -184,44 +207,54 @@ class HostCollectives(Collectives):
 
     def allreduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                   stream: int | None = None) -> None:
-        count = _count("allreduce", count)
-        nbytes = count * numpy_dtype(dtype).itemsize
-        self._begin("allreduce", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes))
-        result = self._reduce(0, count, dtype)
-        self._sync("allreduce")  # nobody restages scratch until every member has read it
-        self._typed(recv_ptr, count, dtype)[:] = result
+        with self._alone("allreduce"):
+            count = _count("allreduce", count)
+            nbytes = count * numpy_dtype(dtype).itemsize
+            self._begin("allreduce", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes))
+            result = self._reduce(0, count, dtype)
+            self._sync("allreduce")  # nobody restages scratch until every member has read it
+            self._typed(recv_ptr, count, dtype)[:] = result
 
     def allgather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                   stream: int | None = None) -> None:
-        count = _count("allgather", count)
-        nbytes = count * numpy_dtype(dtype).itemsize
-        self._begin("allgather", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes * self.group.size))
-        recv = self._typed(recv_ptr, count * self.group.size, dtype)
-        for i in range(self.group.size):
-            recv[i * count:(i + 1) * count] = self._peer(i, 0, count, dtype)
-        self._sync("allgather")
+        with self._alone("allgather"):
+            count = _count("allgather", count)
+            nbytes = count * numpy_dtype(dtype).itemsize
+            self._begin("allgather", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes * self.group.size))
+            recv = self._typed(recv_ptr, count * self.group.size, dtype)
+            for i in range(self.group.size):
+                recv[i * count:(i + 1) * count] = self._peer(i, 0, count, dtype)
+            self._sync("allgather")
 
     def reducescatter(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                       stream: int | None = None) -> None:
-        count = _count("reducescatter", count)
-        chunk = count * numpy_dtype(dtype).itemsize
-        self._begin("reducescatter", count, dtype, (send_ptr, chunk * self.group.size), (recv_ptr, chunk))
-        result = self._reduce(self.group.index * chunk, count, dtype)
-        self._sync("reducescatter")
-        self._typed(recv_ptr, count, dtype)[:] = result
+        with self._alone("reducescatter"):
+            count = _count("reducescatter", count)
+            chunk = count * numpy_dtype(dtype).itemsize
+            self._begin("reducescatter", count, dtype, (send_ptr, chunk * self.group.size), (recv_ptr, chunk))
+            result = self._reduce(self.group.index * chunk, count, dtype)
+            self._sync("reducescatter")
+            self._typed(recv_ptr, count, dtype)[:] = result
 
     def alltoall(self, send_ptr: int, recv_ptr: int, count: int, dtype: str,
                  stream: int | None = None) -> None:
-        count = _count("alltoall", count)
-        chunk = count * numpy_dtype(dtype).itemsize
-        self._begin("alltoall", count, dtype, (send_ptr, chunk * self.group.size), (recv_ptr, chunk * self.group.size))
-        recv = self._typed(recv_ptr, count * self.group.size, dtype)
-        for i in range(self.group.size):
-            recv[i * count:(i + 1) * count] = self._peer(i, self.group.index * chunk, count, dtype)
-        self._sync("alltoall")
+        with self._alone("alltoall"):
+            count = _count("alltoall", count)
+            chunk = count * numpy_dtype(dtype).itemsize
+            nbytes = chunk * self.group.size
+            self._begin("alltoall", count, dtype, (send_ptr, nbytes), (recv_ptr, nbytes))
+            recv = self._typed(recv_ptr, count * self.group.size, dtype)
+            for i in range(self.group.size):
+                recv[i * count:(i + 1) * count] = self._peer(i, self.group.index * chunk, count, dtype)
+            self._sync("alltoall")
 
     def sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int,
                  stream: int | None = None) -> None:
+        """See _sendrecv."""
+        with self._alone("sendrecv"):
+            self._sendrecv(send_ptr, recv_ptr, count, dtype, peer_index)
+
+    def _sendrecv(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, peer_index: int) -> None:
         """Exchange with one peer; the other members take no part. Round k with the peer: stage, post the bytes
         sent and "sent" k, wait for the peer's "sent" k, check the two sizes agree, copy its rows, post "read" k,
         wait for the peer's "read" k (so neither restages its scratch while the other still reads it)."""

@@ -78,7 +78,7 @@ class RelayBarrier(Barrier):
 
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
         if self._capturing(stream):
             raise UsageError(f"barrier over group {self.group.name!r}: the group spans nodes and its barrier is "
                              "relayed through the job's root (no NCCL among the node leaders), which is host work "
@@ -95,7 +95,7 @@ class RelayBarrier(Barrier):
 
     def check(self) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
 
     def synchronize(self) -> None:
         pass

@@ -164,7 +164,7 @@ class DeviceSpanBarrier(SpanBarrier):
         if not timeout_s > 0:
             raise UsageError(f"barrier {self.group.name}: timeout_s must be > 0, got {timeout_s}")
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
         self.epoch += 1
         self._last_timeout_s = timeout_s
         nbytes = WORD_NBYTES * len(self.parts)
@@ -182,7 +182,7 @@ class DeviceSpanBarrier(SpanBarrier):
         forever): BarrierTimeout names the other nodes' leaders (with two nodes, exactly the missing one),
         and the barrier stays broken (the stream is left as it is: the rank should report and exit)."""
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
         self.launch(timeout_s)
         try:
             self.local.synchronize(timeout_s=release_timeout_s(timeout_s) + WAIT_SLACK_S)
@@ -215,7 +215,7 @@ class DeviceSpanBarrier(SpanBarrier):
         """After a synchronisation: BarrierTimeout naming this node's missing members (the local barrier's
         own word), else any node's (the gathered words)."""
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
         try:
             self.local.check()
         except BarrierTimeout as exc:
@@ -252,7 +252,7 @@ class HostSpanBarrier(SpanBarrier):
 
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
         self.epoch += 1
         self._last_timeout_s = timeout_s
         t0 = time.perf_counter()
@@ -303,7 +303,7 @@ class HostSpanBarrier(SpanBarrier):
 
     def check(self) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
 
     def close(self) -> None:
         self.local.close()

@@ -74,6 +74,7 @@ else:  # NOTE: loaded on first use, after the ranks are spawned (tray.lazy): the
     wire = lazy_import("tray.handshake.wire")
 
 _POLL_MS = 20
+_REPORTER_EXIT_S = 1.0  # how long a rank that reported its exception may take to end by itself before its SIGTERM
 _ADOPTED_EVERY_S = 0.5  # how often the head looks for orphans it adopted, to tell its watchdog of them
 PHASES = ("head", "spawn", "import", "manifest", "device", "allocate", "offer", "table", "import_peers", "join",
           "ready")
@@ -270,6 +271,7 @@ class Head:
         self._watchdog: Watchdog | None = None
         self._children_before: set[int] = set()  # this process's children before the tray (run_tray in a program)
         self._adopted_told: set[int] = set()  # adopted orphans the watchdog was told of (_note_adopted)
+        self._reporters: set[int] = set()  # ranks that reported their exception: each is ending by itself
         self._adopted_next = 0.0  # when to look for newly adopted ones (monotonic)
         self._signals: list[int] = []  # SIGINT/SIGTERM noted while run() holds them (_signals_held)
         self._failed_said = False  # the root cause's line is out (at the teardown's start)
@@ -576,7 +578,8 @@ class Head:
         if rank is None or getattr(msg, "rank", rank) != rank:
             reason = f"identity {ident!r} does not match the rank it claims ({getattr(msg, 'rank', None)})"
             self._reject_log(ident, reason)
-            self._send(sock, ident, wire.Reject(token=self.token, reason=reason))
+            if rank is not None:  # one of the tray's identities claiming another rank is told; a stranger gets nothing
+                self._send(sock, ident, wire.Reject(token=self.token, reason=reason))
             return
         proc = self.procs[rank - self.rank_base]
         if isinstance(msg, wire.Heartbeat):
@@ -588,6 +591,7 @@ class Head:
             self._on_ready(sock, proc, msg)
         elif isinstance(msg, wire.ErrorReport):
             self._note_phase(proc, msg.phase, force=True)
+            self._reporters.add(rank)
             if self._fail_on_a_death_first(rank, msg):
                 return
             # the failure is known now, before the notes' sampling: a stop signal meanwhile came after it
@@ -1255,10 +1259,22 @@ class Head:
             if self.failure:
                 who = ranks_text(p.rank for p in alive)
                 _say(f"stopping {who} (SIGTERM, {self.spec.grace_s:.1f} s grace, then SIGKILL)")
-            for p in alive:
-                p.popen.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + self.spec.grace_s
             signals_before = len(self._signals)
+            # a rank that reported its exception is on its way out (its close, its exit code): it is given a moment
+            # to end by itself, so that its end is said as it is ("exited with code 1"), not as the head's SIGTERM
+            reporters = [p for p in alive if p.rank in self._reporters]
+            for p in alive:
+                if p not in reporters:
+                    p.popen.send_signal(signal.SIGTERM)
+            if reporters:
+                until = time.monotonic() + min(_REPORTER_EXIT_S, self.spec.grace_s)
+                while any(p.popen.poll() is None for p in reporters) and time.monotonic() < until and \
+                        len(self._signals) == signals_before:
+                    time.sleep(_GRACE_POLL_S)
+                for p in reporters:
+                    if p.popen.poll() is None:
+                        p.popen.send_signal(signal.SIGTERM)
             killed = []
             for p in alive:
                 # NOTE: a stop signal that comes during the grace (a second Ctrl-C) ends it: SIGKILL at once
@@ -1322,6 +1338,15 @@ class Head:
         if new:
             self._adopted_told.update(new)
             wd.adopted(new)
+        # those that ended are reaped now, not at the end: a head that runs long (a server's, PID 1 of a container
+        # with no init to reap for it) would otherwise gather zombies of every daemon its ranks' children left
+        for pid in list(self._adopted_told):
+            try:
+                ended = os.waitpid(pid, os.WNOHANG)[0] == pid
+            except ChildProcessError:  # reaped already, or no child of this process (any more)
+                ended = True
+            if ended:
+                self._adopted_told.discard(pid)
 
     def _kill_adopted(self, exclude: set[int]) -> None:
         """Kill the head's children it did not start: orphans of the ranks' descendants (reparented here, the
@@ -1429,6 +1454,7 @@ class Head:
         local = f.rank is not None and 0 <= f.rank - self.rank_base < len(self.procs)
         if local and f.rank is not None:  # its output drained by now: the lines it wrote as it ended are there too
             tail = list(self.procs[f.rank - self.rank_base].tail) or tail
+        tail = [line for line in tail if line.strip()]  # blank lines alone say nothing: no header over them
         if tail:
             _say(f"last lines of rank {f.rank}:")
             for line in tail[-10:]:

@@ -24,6 +24,9 @@ TOKEN_VAR = "TRAY_JOB_TOKEN"
 # NOTE: the CURVE keys are derived from the token, so they are only as strong as it is; 16 characters
 # is the floor (the sbatch script makes 64 hex characters).
 MIN_TOKEN_CHARS = 16
+# and its characters must vary: "aaaaaaaaaaaaaaaa" or sixteen spaces are guessed at once, and one HELLO captured on the
+# wire lets guesses be checked offline (a random hex token of 16 has fewer than 6 distinct characters 1e-5 of the time)
+MIN_TOKEN_DISTINCT = 6
 # NOTE: torchrun's default master port; used where a scheduler names the root's host but no port (LWS).
 # NOTE: the root and the heads say they are alive this often; each declares the other lost after its heartbeat
 # timeout (default 5 s: ten missed beats). Here, not in tray.launch.root, so that checking --node-heartbeat-timeout-s
@@ -297,6 +300,14 @@ def is_this_host(host: str) -> bool:
     return False
 
 
+# what a scheduler gives each node, which a flag may repeat but not contradict: (the flag, the variable per source)
+_SCHEDULER_DECIDES: dict[str, tuple[str, dict[str, str]]] = {
+    "nnodes": ("--nnodes", {"slurm": "SLURM_JOB_NUM_NODES", "pytorchjob": "PET_NNODES", "lws": "LWS_GROUP_SIZE"}),
+    "node_rank": ("--node-rank", {"slurm": "SLURM_NODEID", "pytorchjob": "PET_NODE_RANK", "lws": "LWS_WORKER_INDEX"}),
+}
+_SOURCE_NAMES = {"slurm": "Slurm", "pytorchjob": "the PyTorchJob", "lws": "the LeaderWorkerSet"}
+
+
 def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     """The job this head belongs to, or None for a tray of one host (no source names more than one node).
 
@@ -320,13 +331,21 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     used: set[str] = set()
 
     def pick(name: str) -> tuple[object, str]:
-        mine = getattr(cli, name)
-        value, source = (mine, "cli") if mine is not None else (getattr(s, name), s.source)
+        mine, theirs = getattr(cli, name), getattr(s, name)
+        if mine is not None and theirs is not None and mine != theirs and name in _SCHEDULER_DECIDES:
+            # the same command line runs on every node: a node count or node rank written there is a mistake (every
+            # node the same rank; a job split into trays that never meet), not an override
+            flag, var = _SCHEDULER_DECIDES[name][0], _SCHEDULER_DECIDES[name][1].get(s.source, s.source)
+            by = _SOURCE_NAMES.get(s.source, s.source)
+            raise UsageError(f"{flag} {mine} contradicts {var}={theirs}, set by {by} for this node: the scheduler "
+                             f"gives each node its {name.replace('_', ' ')}; drop "
+                             f"{flag}{' (--standalone runs a tray of each node alone)' if name == 'nnodes' else ''}")
+        value, source = (mine, "cli") if mine is not None else (theirs, s.source)
         if value is not None:
             used.add(source)
         return value, source
 
-    nnodes, _ = pick("nnodes")
+    nnodes, nnodes_source = pick("nnodes")
     if nnodes is None:  # a scheduler's variables name the job, but not its size
         unset = {"pytorchjob": "PET_NODE_RANK is set but PET_NNODES (the job's nodes) is not",
                  "lws": "LWS_LEADER_ADDRESS is set but LWS_GROUP_SIZE (the pods of its group) is not"}.get(s.source)
@@ -336,7 +355,7 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
         raise UsageError(f"--nnodes must be at least 1, got {nnodes}")
     if nnodes == 1:
         return None
-    node_rank, _ = pick("node_rank")
+    node_rank, rank_source = pick("node_rank")
     host, _ = pick("host")
     port, port_source = pick("port")
     if node_rank is None and s.source == "pytorchjob":
@@ -350,7 +369,9 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     if node_rank is None:
         raise UsageError("this node's rank is unknown; give --node-rank I (0 on the root's node)")
     if host is None:
-        raise UsageError("the root's address is unknown; give --rdzv-endpoint HOST:PORT (node 0's host)")
+        unset = "PET_MASTER_ADDR (set by the training operator in a PyTorchJob with a Master replica) is unset: " \
+            if s.source == "pytorchjob" else ""
+        raise UsageError(f"{unset}the root's address is unknown; give --rdzv-endpoint HOST:PORT (node 0's host)")
     if port is None:
         port = DEFAULT_PORT
     assert isinstance(node_rank, int) and isinstance(host, str) and isinstance(port, int)
@@ -358,7 +379,10 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
         raise UsageError(f"--rdzv-endpoint {host}:0: every node's head must reach the root at a port known before "
                          "the job starts; give one, e.g. 29400")
     if not 0 <= node_rank < nnodes:
-        raise UsageError(f"node rank {node_rank} is outside 0..{nnodes - 1} (a job of {nnodes} nodes)")
+        named = {name: _SCHEDULER_DECIDES[name][1].get(source, _SCHEDULER_DECIDES[name][0])
+                 for name, source in (("node_rank", rank_source), ("nnodes", nnodes_source))}
+        raise UsageError(f"node rank {node_rank} ({named['node_rank']}) is outside 0..{nnodes - 1} (a job of {nnodes} "
+                         f"nodes: {named['nnodes']})")
     token = env.get(TOKEN_VAR, "")
     if not token:
         raise UsageError(f"a job of {nnodes} nodes needs a shared secret in {TOKEN_VAR} (the same on every node; "
@@ -367,6 +391,10 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
     if len(token) < MIN_TOKEN_CHARS:
         raise UsageError(f"{TOKEN_VAR} has {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
                          "(e.g. secrets.token_hex(32))")
+    if len(set(token)) < MIN_TOKEN_DISTINCT:
+        raise UsageError(f"{TOKEN_VAR} has {len(token)} characters but only {len(set(token))} different ones: a token "
+                         "that is guessed at once (the job's keys are derived from it); make a random one, e.g. "
+                         "export TRAY_JOB_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
     rdzv_id, _ = pick("rdzv_id")
     nproc, _ = pick("nproc_per_node")
     return JobSpec(nnodes=nnodes, node_rank=node_rank, root_host=host, root_port=port,

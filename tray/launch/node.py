@@ -12,6 +12,7 @@ a lost node or a lost root goes unnoticed.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import ipaddress
 import os
 import re
@@ -290,9 +291,10 @@ class NodeHead(Head):
         return job_rank_env(self.job, local_rank, self.spec.nprocs)
 
     def _reserve_master_port(self, lock_dir_fd: int) -> PortReservation | None:
-        """The job's MASTER_PORT (the root's port + 1), held on node 0 while it runs, so that no other program
-        takes it from the store of a program's torch.distributed; a port already taken is said, not refused
-        (a program without torch.distributed never uses it). Other nodes hold none: their ranks dial node 0."""
+        """The job's MASTER_PORT (the root's port + 1), held on node 0 while it runs, so that a program binding it
+        plainly cannot take it from the store of a program's torch.distributed (one binding it with SO_REUSEADDR
+        can: see PortReservation); a port already taken is said, not refused (a program without torch.distributed
+        never uses it). Other nodes hold none: their ranks dial node 0."""
         if not self.job.is_root:
             return None
         port = master_port_of(self.job)
@@ -302,6 +304,9 @@ class NodeHead(Head):
             # below, is listened on, so no other job of this port pair runs here at once
             return PortReservation(host=host, port=port)
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                # the root's host is no address of this machine: the root's own bind fails next, and says so
+                return None
             beside = "+ 1" if port > self.job.root_port else "- 1, the root's being the last one"
             say(f"MASTER_PORT {port} (the root's port {beside}) is taken on {host} ({exc.strerror}): a program's "
                 "torch.distributed store cannot listen there; where the program uses one, give the job another "

@@ -63,8 +63,11 @@ class PortReservation:
     kernel gives it to nobody else who binds it that way, such as another tray's head reserving its own.
     SO_REUSEADDR is set after the bind, so rank 0's torch TCPStore (which binds with SO_REUSEADDR and
     listens) can still bind it while this socket holds it: a non-listening holder does not conflict then.
-    The window left open: a process that binds this exact port number by itself, without SO_REUSEADDR,
-    fails with EADDRINUSE while the job runs; none can take it from under rank 0.
+    What this keeps out: a process that binds this exact port number by itself, without SO_REUSEADDR, fails
+    with EADDRINUSE while the job runs. What it does not: Linux lets any user's socket that sets SO_REUSEADDR
+    share a port no socket listens on, so such a process (of any user) may bind it and listen before rank 0's
+    store does; rank 0's store then fails to bind, naming the port. torch's store takes no credentials anyway:
+    whoever can reach it may connect.
 
     A port asked for is bound with SO_REUSEADDR (a connection of its last user left in TIME_WAIT must not refuse
     it), which another holder that set it too would not refuse either: so another tray of this user is kept off it

@@ -240,9 +240,11 @@ def check_log_dir(log_dir: str) -> None:
     why = others_may_change(os.stat(log_dir))
     if why:
         raise OSError(errno.EPERM, f"another user could replace the log files in it ({why})")
-    above = unsafe_ancestor(Path(log_dir))
+    # NOTE: the directory itself judged as a parent of its files: a link there (the logs are opened by path, again
+    # after the run) is judged like a link above it, so another user's link in /tmp cannot be pointed elsewhere
+    above = unsafe_ancestor(Path(log_dir) / "rank-0.log")
     if above:
-        raise OSError(errno.EPERM, f"it {above}")
+        raise OSError(errno.EPERM, f"a log file in it {above}")
 
 
 def _preexec(bind: Callable[[], None] | None) -> Callable[[], None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import NoReturn
 
 from tray.errors import ManifestError, UsageError
@@ -56,11 +57,12 @@ Instances = tuple[tuple[int, ...], ...]
 
 
 def resolve_manifest(
-    manifest: Manifest, world_size: int, overrides: dict[str, int] | None = None, local_world_size: int | None = None
+    manifest: Manifest, world_size: int, overrides: dict[str, int] | None = None, local_world_size: int | None = None,
+    programs: Iterable[str] | None = None,
 ) -> ResolvedManifest:
     """See Manifest.resolve."""
     env = resolve_vars(manifest, world_size, overrides, local_world_size)
-    return _Resolver(manifest, env).run()
+    return _Resolver(manifest, env, None if programs is None else frozenset(programs)).run()
 
 
 def resolve_vars(
@@ -109,9 +111,10 @@ def resolve_vars(
 
 
 class _Resolver:
-    def __init__(self, manifest: Manifest, env: dict[str, int]) -> None:
+    def __init__(self, manifest: Manifest, env: dict[str, int], programs: frozenset[str] | None = None) -> None:
         self.m = manifest
         self.env = env
+        self.only = programs  # the programs to resolve; None: all
         self.world_size = env[WORLD_SIZE_VAR]
         self.groups: dict[str, Instances] = {}
         self.buffers: dict[str, ResolvedBuffer] = {}
@@ -165,7 +168,8 @@ class _Resolver:
             states.append(ResolvedState(st.name, page_nbytes, pages, host_pages))
         programs = {}
         for p in self.m.programs:
-            programs[p.name] = ResolvedProgram(p.name, p.graph, tuple(self.op(op) for op in p.ops))
+            if self.only is None or p.name in self.only:
+                programs[p.name] = ResolvedProgram(p.name, p.graph, tuple(self.op(op) for op in p.ops))
         return ResolvedManifest(
             manifest=self.m,
             world_size=self.world_size,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, Literal, TypeVar
 
@@ -233,9 +234,10 @@ class Manifest:
         return _lookup("program", name, {p.name: p for p in self.programs})
 
     def resolve(self, world_size: int, overrides: dict[str, int] | None = None,
-                local_world_size: int | None = None) -> ResolvedManifest:
+                local_world_size: int | None = None, programs: Iterable[str] | None = None) -> ResolvedManifest:
         """Evaluate every expression for `world_size` ranks and `overrides` of the var defaults, in a job of
-        `local_world_size` ranks per node (None: one node, world_size).
+        `local_world_size` ranks per node (None: one node, world_size). `programs`: the programs to resolve (None:
+        all); the others are left out of the result, unchecked (vars given to one run() concern its program alone).
 
         Raises UsageError for a bad world size, local world size (not dividing world_size) or override
         (unknown or reserved var, non-int value), and
@@ -244,7 +246,7 @@ class Manifest:
         """
         from tray.manifest.resolve import resolve_manifest  # here: resolve.py imports this module
 
-        return resolve_manifest(self, world_size, overrides, local_world_size)
+        return resolve_manifest(self, world_size, overrides, local_world_size, programs)
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,9 @@ def shortage(op: str, votes: Sequence[dict[str, Any]]) -> str | None:
     )
     if op == "park":
         advice = (
-            f"release parked sessions (parked.release()) or give state {state!r} more host_pages in "
-            "the manifest, then park again"
+            f"release sessions that hold host pages of state {state!r}: a parked one (parked.release()), or a woken "
+            "one, whose host copy stays reserved until it is released (session.release()); or give the state more "
+            "host_pages in the manifest; then park again"
         )
     else:
         advice = (

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype
+from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype, seal
 from tray.errors import SetupError, UsageError, WireError
 from tray.handshake import wire
 from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, Rounds, describe_step
@@ -194,7 +194,8 @@ class Rank:
 
     @property
     def phase(self) -> str:
-        return self._wiring.phases.current
+        """Where this rank is: a start-up phase, "running", or "closed" after close()."""
+        return "closed" if self._closed else self._wiring.phases.current
 
     def context(self) -> RankContext:
         """What the executor, parking and weight loading use of this rank."""
@@ -489,6 +490,8 @@ class Rank:
         attempt(lambda: self._leases.close(self.backend))  # memory a live view uses stays mapped until the view goes
         self._wiring.phases.timings["close.programs"] = time.perf_counter() - t0
         attempt(self._wiring.close)
+        for name, kernel in self._kernels.items():  # a kernel kept past close() says so, not a launch on freed memory
+            seal(kernel, f"kernel {name!r}", ("bind", "launch"))
         if failures:
             raise failures[0]
 

@@ -163,9 +163,13 @@ class Executor:
         ctx = self.ctx
         if not vars:
             return ctx.resolved.program(program)
+        ctx.resolved.program(program)  # an unknown name: UsageError naming the manifest's programs
         merged = dict(ctx.wiring.env.vars)
         merged.update(vars)
-        resolved = ctx.manifest.resolve(ctx.world_size, merged, ctx.wiring.env.local_world_size or None)
+        local = ctx.wiring.env.local_world_size or None
+        # groups and buffers first, no program: a var that would resize a buffer is said as such, not as an op of this
+        # program (or of another, which these vars do not concern) overrunning the smaller buffer
+        resolved = ctx.manifest.resolve(ctx.world_size, merged, local, programs=())
         for name, instances in resolved.groups.items():
             # groups (barriers, collectives, peer tables) are formed at launch: the ops run over those, so a program
             # checked against other instances could move more than its buffers hold
@@ -185,7 +189,7 @@ class Executor:
                     f"allocated with {ctx.resolved.buffer(b.name).nbytes} B; set size-changing vars at launch "
                     "(tray launch --var NAME=INT)"
                 )
-        return resolved.program(program)
+        return ctx.manifest.resolve(ctx.world_size, merged, local, programs=(program,)).program(program)
 
     def _build(self, program: str, vars: dict[str, int]) -> Plan:
         """Resolve and bind `program`. Raises ManifestError (before any op runs) where it launches a peers

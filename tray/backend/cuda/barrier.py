@@ -118,6 +118,7 @@ class CudaBarrier(Barrier):
         self._launches: dict[tuple[float, int | None], CudaLaunch] = {}
         self._graphs: dict[float, _OneBarrierGraph] = {}
         self._last_timeout_s = DEFAULT_BARRIER_TIMEOUT_S
+        self._raised: BarrierTimeout | None = None
         self._state = drv.mem_alloc(_STATE_NBYTES)
         try:
             drv.memset_d8_async(self._state, 0, _STATE_NBYTES, stream)
@@ -217,11 +218,14 @@ class CudaBarrier(Barrier):
             raise UsageError(f"barrier {self.group.name} is closed")
         if not self._host_word.value:
             return
+        if self._raised is not None:  # the word stays raised: every later check says it is the same timeout
+            raise self._raised.again()
         err = self._read_err()
         missing = missing_members(self.group.members, int(err[1]))
         if missing:
-            raise BarrierTimeout(self.group.name, int(err[0]), self.group.members[self.group.index],
-                                 missing, self._last_timeout_s)
+            self._raised = BarrierTimeout(self.group.name, int(err[0]), self.group.members[self.group.index],
+                                          missing, self._last_timeout_s)
+            raise self._raised
 
     def epoch(self) -> int:
         """Barriers this member has entered so far (the device counter; synchronises)."""

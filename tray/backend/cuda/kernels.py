@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tray.backend.base import BoundLaunch, Kernel
+from tray.backend.base import BoundLaunch, Kernel, launch_dims, pointer_of
 from tray.backend.cuda import driver as drv
 from tray.errors import UsageError
 
@@ -37,9 +37,9 @@ def pack_plan(param_sizes: Sequence[int], args: Sequence[Any],
               kernel: str = "kernel") -> list[tuple[Any, Any]]:
     """How each argument is packed: a list of (numpy dtype, value), or (None, bytes) for raw structs.
 
-    Rules, by the parameter's size in bytes: an object with an int `.ptr` (a buffer, mapping or table)
-    -> its address (size 8); a numpy scalar of that size -> as is; int (or bool) -> int/uint of the
-    size (signed when negative); float -> f16/f32/f64 by size; bytes of exactly the size -> raw.
+    Rules, by the parameter's size in bytes: an object with an int `.ptr` (a buffer, mapping or table), or a
+    peer table (its `.table_ptr`) -> its address (size 8); a numpy scalar of that size -> as is; int (or bool)
+    -> int/uint of the size (signed when negative); float -> f16/f32/f64 by size; bytes of exactly the size -> raw.
     Raises UsageError naming the kernel when the count differs or an argument does not fit.
     """
     if len(param_sizes) != len(args):
@@ -47,8 +47,8 @@ def pack_plan(param_sizes: Sequence[int], args: Sequence[Any],
     plan: list[tuple[Any, Any]] = []
     for index, (size, arg) in enumerate(zip(param_sizes, args)):
         where = f"kernel {kernel!r} argument {index}"
-        ptr = getattr(arg, "ptr", None)
-        if isinstance(ptr, int) and not isinstance(arg, (int, float, np.generic)):
+        ptr = pointer_of(arg)
+        if ptr is not None:
             if size != 8:
                 raise UsageError(f"{where}: a pointer ({type(arg).__name__}) for a {size}-byte parameter")
             plan.append((np.dtype(np.uint64), ptr))
@@ -66,8 +66,8 @@ def pack_plan(param_sizes: Sequence[int], args: Sequence[Any],
                 raise UsageError(f"{where}: {len(raw)} raw bytes for a {size}-byte parameter")
             plan.append((None, raw))
         else:
-            raise UsageError(f"{where}: cannot pass a {type(arg).__name__} to a {size}-byte parameter "
-                             "(use int, float, a numpy scalar, bytes, or an object with .ptr)")
+            raise UsageError(f"{where}: cannot pass a {type(arg).__name__} to a {size}-byte parameter (use int, "
+                             "float, a numpy scalar, bytes, a buffer view, a peer table, or an object with .ptr)")
     return plan
 
 
@@ -89,15 +89,6 @@ def pack(plan: Sequence[tuple[Any, Any]], param_sizes: Sequence[int]) -> tuple[n
     base = block.ctypes.data
     pointers = np.array([base + off for off in offsets], dtype=np.uint64)
     return block, pointers
-
-
-def _dims(dims: Any, what: str, kernel: str) -> tuple[int, int, int]:
-    """(x, y, z) from an int or a tuple of 1-3 positive ints."""
-    seq = (dims,) if isinstance(dims, int) else tuple(dims)
-    if not 1 <= len(seq) <= 3 or any(int(d) < 1 for d in seq):
-        raise UsageError(f"kernel {kernel!r}: {what} must be 1-3 positive ints, got {dims!r}")
-    x, y, z = (tuple(int(d) for d in seq) + (1, 1))[:3]
-    return x, y, z
 
 
 class CudaLaunch(BoundLaunch):
@@ -138,5 +129,5 @@ class CudaKernel(Kernel):
         if shmem_nbytes > max(self._smem_opt_in, STATIC_SMEM_LIMIT):
             drv.func_set_max_dynamic_smem(self.function, shmem_nbytes, self.entry)
             self._smem_opt_in = int(shmem_nbytes)
-        return CudaLaunch(self, _dims(grid, "grid", self.name), _dims(block, "block", self.name),
+        return CudaLaunch(self, launch_dims(grid, "grid", self.name), launch_dims(block, "block", self.name),
                           int(shmem_nbytes), self._stream if stream is None else stream, plan, programmatic)

@@ -31,6 +31,8 @@ from tray.backend.base import (
     PeerMapping,
     PtrTable,
     Timer,
+    kernel_arg,
+    launch_dims,
     numpy_dtype,
 )
 from tray.backend.host.barrier import HostBarrier
@@ -61,13 +63,14 @@ def check_memfd(fd: int, nbytes: int) -> None:
         raise HandshakeError("its memfd is not sealed against shrinking and growing (F_SEAL_SHRINK|F_SEAL_GROW)")
 
 
-def _track(ptr: int, nbytes: int, name: str) -> None:
-    """In a rank, memory its twins may touch (tray.twins.check_range); outside one (tests calling the backend
-    directly) nothing is tracked, so twins on plain arrays stay unchecked."""
+def _track(ptr: int, nbytes: int, name: str, mapped_nbytes: int = 0) -> None:
+    """In a rank, memory its twins may touch (tray.twins.check_range); `mapped_nbytes`, what the mapping holding it
+    spans (its page rounding). Outside a rank (tests calling the backend directly) nothing is tracked, so twins on
+    plain arrays stay unchecked."""
     if _IN_RANK:
         from tray.twins import add_region
 
-        add_region(ptr, nbytes, name)
+        add_region(ptr, nbytes, name, mapped_nbytes)
 
 
 def _untrack(ptr: int) -> None:
@@ -132,7 +135,7 @@ class HostBuffer(DeviceBuffer):
         except BaseException:
             os.close(self.fd)
             raise
-        _track(self.ptr, nbytes, f"buffer {name!r}")
+        _track(self.ptr, nbytes, f"buffer {name!r}", self.mapped_nbytes)
 
     def handle(self) -> ExportedHandle:
         if not self.export:
@@ -159,7 +162,7 @@ class HostRegion(HostMemory):
         if addr in (None, _MAP_FAILED):
             raise DeviceError(f"mmap(host pool, {nbytes} B): {os.strerror(ctypes.get_errno())}")
         self.ptr = int(addr)
-        _track(self.ptr, nbytes, "a host pool")
+        _track(self.ptr, nbytes, "a host pool", self._mapped)
 
     def close(self) -> None:
         if self.ptr:
@@ -173,13 +176,13 @@ class HostMapping(PeerMapping):
         self.ptr = ptr
         self.nbytes = nbytes
         self._open = True
-        _track(ptr, nbytes, "a peer's buffer as mapped here")
+        _track(ptr, nbytes, "a peer's buffer as mapped here", nbytes)
 
     def holds(self, nbytes: int, what: str) -> None:
         # NOTE: the memfd (and so the mapping) is rounded up to pages; a twin is judged by the buffer's own size, as
         # on the exporting rank, so an overrun within that rounding is named too
         if self._open:
-            _track(self.ptr, min(nbytes, self.nbytes), what)
+            _track(self.ptr, min(nbytes, self.nbytes), what, self.nbytes)
 
     def close(self) -> None:
         if self._open:
@@ -246,7 +249,10 @@ class HostKernel(Kernel):
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
              shmem_nbytes: int = 0, programmatic: bool = False) -> BoundLaunch:
-        frozen = tuple(args)
+        # as the cuda backend takes them: grid and block checked, a view or table given as its address
+        launch_dims(grid, "grid", self.name)
+        launch_dims(block, "block", self.name)
+        frozen = tuple(kernel_arg(a) for a in args)
         backend, twin = self._backend, self._twin
         try:  # the manifest's arguments against the twin's parameters, now rather than at the first launch
             inspect.signature(twin).bind(backend, grid, block, *frozen)

@@ -61,7 +61,7 @@ class HostBarrier(Barrier):
     def launch(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, stream: int | None = None) -> None:
         # `stream` orders device work; the host barrier runs now, in program order
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
         if not timeout_s > 0:
             raise UsageError(f"barrier {self.group.name}: timeout_s must be > 0, got {timeout_s}")
         self.epoch += 1
@@ -78,7 +78,7 @@ class HostBarrier(Barrier):
 
     def check(self) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.again()
 
     def synchronize(self) -> None:
         pass
