@@ -126,15 +126,17 @@ def check_range(ptr: int, nbytes: int, what: str = "") -> None:
 
     region = _NAMES.get(start) or "a region"
     where = f"{ptr - start} B into {region} of {end - start} B"
+    fix = "a count that fits the buffer"
     if ptr >= end:
         where += ": at or past its end, in its mapping's page rounding"
+        fix = "an address inside the buffer (its offset is past the end)"
     if what:
-        raise UsageError(f"{what} reaches {nbytes} B at {ptr:#x} ({where}), past its end: pass a count that fits "
-                         "the buffer (on a GPU this would read or overwrite whatever lies next to it)")
+        raise UsageError(f"{what} reaches {nbytes} B at {ptr:#x} ({where}), past its end: pass {fix} (on a GPU this "
+                         "would read or overwrite whatever lies next to it)")
     raise UsageError(f"a kernel twin reaches {nbytes} B at {ptr:#x} ({where}), past the end of the memory it was "
                      "given: a buffer in the manifest is smaller than what the kernel reads or writes there (on a GPU "
                      "this would overwrite or read whatever lies next to it); check the buffer's shape against the "
-                     "kernel's args")
+                     "kernel's args" + (", and the offsets it computes" if ptr >= end else ""))
 
 
 def in_region(ptr: int, nbytes: int) -> bool:

@@ -455,6 +455,14 @@ def test_a_flag_that_contradicts_the_schedulers_node_count_or_rank_is_refused_na
             resolve_job(args, env)
     job = resolve_job(JobArgs(nnodes=4, node_rank=2, rdzv_endpoint="elsewhere:4000"), env)
     assert job is not None and (job.nnodes, job.node_rank, job.root_host, job.root_port) == (4, 2, "elsewhere", 4000)
+    # a step of one node (`srun -N1`: a bench or test starting nodes of its own on it) leaves the flags be, unless
+    # --slurm says the job is Slurm's
+    one = {**env, "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "1",
+           "SLURM_STEP_NUM_NODES": "1"}
+    job = resolve_job(JobArgs(nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:4000"), one)
+    assert job is not None and (job.nnodes, job.node_rank) == (2, 1)
+    with pytest.raises(UsageError, match=r"--nnodes 2 contradicts SLURM_JOB_NUM_NODES=1"):
+        resolve_job(JobArgs(slurm=True, nnodes=2, node_rank=1), one)
     pet = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "m", "TRAY_JOB_TOKEN": TOKEN}
     with pytest.raises(UsageError, match=r"--node-rank 0 contradicts PET_NODE_RANK=1, set by the PyTorchJob"):
         resolve_job(JobArgs(node_rank=0), pet)
@@ -464,3 +472,17 @@ def test_a_flag_that_contradicts_the_schedulers_node_count_or_rank_is_refused_na
                                 "TRAY_JOB_TOKEN": TOKEN})
     with pytest.raises(UsageError, match=r"^PET_MASTER_ADDR \(set by the training operator .*\) is unset"):
         resolve_job(JobArgs(), {"PET_NNODES": "2", "PET_NODE_RANK": "1", "TRAY_JOB_TOKEN": TOKEN})
+
+
+def test_a_node_is_named_by_slurms_node_name_under_slurm():
+    """A lost node was named by its machine's host name ("vm" for both nodes of a cluster on one machine), not by the
+    name Slurm shows (node2): under Slurm the node name comes first, the host's beside it when they differ."""
+    import socket
+
+    from tray.launch.node import node_name
+
+    host = socket.gethostname()
+    assert node_name("slurm", {"SLURMD_NODENAME": "node2"}) == (f"node2 on {host}" if host != "node2" else "node2")
+    assert node_name("cli+slurm", {"SLURMD_NODENAME": host}) == host
+    assert node_name("cli", {"SLURMD_NODENAME": "node2"}) == host   # no Slurm job: the variable is not this job's
+    assert node_name("slurm", {}) == host

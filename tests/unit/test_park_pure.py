@@ -145,7 +145,7 @@ def test_disagreement_and_shortage_messages():
     )
     assert msg.startswith(
         "park: rank 1 host pool has 3 of 12 pages free, session 1 needs 5; rank 2 host pool "
-        "has 0 of 8 pages free, session 1 needs 1; nothing moved on any rank; release parked"
+        "has 0 of 8 pages free, session 1 needs 1; nothing moved on any rank; release sessions that hold host pages"
     )
     msg = shortage("wake", [vote(op="wake", room=False, free=2, total=32, need=4), vote(op="wake")])
     assert msg.startswith("wake: rank 0 device pool has 2 of 32 pages free, session 1 needs 4; nothing moved")

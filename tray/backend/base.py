@@ -12,6 +12,7 @@ import functools
 import inspect
 import numbers
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,23 @@ def seal(obj: Any, what: str, names: Sequence[str]) -> None:
     raiser = closed_call(what)
     for name in names:
         obj.__dict__[name] = raiser
+
+
+def remember_bound(kernel: Any, bound: Any) -> Any:
+    """`bound` (a launch `kernel.bind` made) noted on `kernel`, weakly, so that seal_kernel reaches it too."""
+    found = kernel.__dict__.get("_tray_bound")
+    if found is None:
+        found = kernel.__dict__["_tray_bound"] = weakref.WeakSet()
+    found.add(bound)
+    return bound
+
+
+def seal_kernel(kernel: Any, name: str) -> None:
+    """A kernel its rank closed: its bind and launch, and the launch of every bound launch it made that still lives
+    (a hot loop's, kept past close()), raise UsageError (on the host a twin would write through unmapped peers)."""
+    seal(kernel, f"kernel {name!r}", ("bind", "launch"))
+    for bound in list(kernel.__dict__.get("_tray_bound", ())):
+        seal(bound, f"a launch of kernel {name!r} bound before", ("launch",))
 
 
 def _sealing_on_close(cls: type, names: Sequence[str], what: Callable[[Any], str]) -> None:

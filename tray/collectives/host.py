@@ -136,8 +136,10 @@ class HostCollectives(Collectives):
                     raise UsageError(f"group {self.group.name!r}: rank {members[me]} called {what} (its call "
                                      f"{self._ncalls} on the group) while rank {m} called sendrecv with it: every "
                                      "member must make the same collective calls in the same order") from None
-            raise BarrierTimeout(f"{self.group.name} (in {what})", exc.epoch, exc.rank, exc.missing,
-                                 exc.waited_s) from None
+            told = BarrierTimeout(f"{self.group.name} (in {what})", exc.epoch, exc.rank, exc.missing, exc.waited_s,
+                                  exc.also)
+            told.repeated = exc.repeated  # its note (`also`) says so already
+            raise told from None
 
     def _begin(self, what: str, count: int, dtype: str, send: tuple[int, int], recv: tuple[int, int]) -> None:
         """Check this member's ranges, post its call, stage its send range, and meet the group; then every member

@@ -222,11 +222,18 @@ class DeviceSpanBarrier(SpanBarrier):
             # odd local epochs are the first local barrier (timeout T), even ones the second (its own timeout)
             t = self._last_timeout_s
             if exc.epoch % 2 or self.is_leader or exc.missing != [self.local_group.members[0]]:
-                raise self._as_span(exc, t if exc.epoch % 2 else release_timeout_s(t)) from None
-            raise BarrierTimeout(self.group.name, span_epoch(exc.epoch), self.me, exc.missing, release_timeout_s(t),
-                                 self._leader_note()) from None
+                self._broken = self._as_span(exc, t if exc.epoch % 2 else release_timeout_s(t))
+            else:
+                self._broken = BarrierTimeout(self.group.name, span_epoch(exc.epoch), self.me, exc.missing,
+                                              release_timeout_s(t), self._leader_note())
+            # NOTE: kept, as launch() keeps its own: every later check or launch says it is this timeout again
+            raise self._broken from None
         words = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * len(self.parts))).from_address(self._result.ptr))
-        self._raise_gathered(words.reshape(len(self.parts), 2))
+        try:
+            self._raise_gathered(words.reshape(len(self.parts), 2))
+        except BarrierTimeout as exc:
+            self._broken = exc
+            raise
 
     def close(self) -> None:
         leaders, self._leaders = self._leaders, None

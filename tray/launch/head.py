@@ -1334,6 +1334,8 @@ class Head:
             return
         self._adopted_next = now + _ADOPTED_EVERY_S
         known = {p.pid for p in self.procs} | {wd.popen.pid} | self._children_before | self._adopted_told
+        if self.start_join.pid is not None:  # the id process: a child the head started (its Popen reaps it)
+            known.add(self.start_join.pid)
         new = self._this_trays([pid for pid in _own_children() if pid not in known])
         if new:
             self._adopted_told.update(new)

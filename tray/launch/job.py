@@ -332,9 +332,11 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
 
     def pick(name: str) -> tuple[object, str]:
         mine, theirs = getattr(cli, name), getattr(s, name)
-        if mine is not None and theirs is not None and mine != theirs and name in _SCHEDULER_DECIDES:
-            # the same command line runs on every node: a node count or node rank written there is a mistake (every
-            # node the same rank; a job split into trays that never meet), not an override
+        if mine is not None and theirs is not None and mine != theirs and name in _SCHEDULER_DECIDES and \
+                ((s.nnodes or 1) > 1 or args.slurm):
+            # the same command line runs on every node of a scheduler's job of several: a node count or node rank
+            # written there is a mistake (every node the same rank; a job split into trays that never meet), not an
+            # override. A step of one node (`srun -N1`, where tools start nodes of their own on it) leaves the flags be
             flag, var = _SCHEDULER_DECIDES[name][0], _SCHEDULER_DECIDES[name][1].get(s.source, s.source)
             by = _SOURCE_NAMES.get(s.source, s.source)
             raise UsageError(f"{flag} {mine} contradicts {var}={theirs}, set by {by} for this node: the scheduler "

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, cast
 
 import zmq
@@ -68,6 +69,16 @@ def _is_address(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def node_name(source: str, env: Mapping[str, str]) -> str:
+    """How a node is named to the others (its join, a lost node's line): under Slurm its node name (SLURMD_NODENAME, as
+    `squeue` and `scontrol` show it), with the host's name beside it when they differ; elsewhere the host's name."""
+    host = socket.gethostname()
+    slurm = env.get("SLURMD_NODENAME", "") if "slurm" in source.split("+") else ""
+    if slurm and slurm != host:
+        return f"{slurm} on {host}"
+    return slurm or host
 
 
 class NodeLink:
@@ -325,7 +336,7 @@ class NodeHead(Head):
                              manifest_parts=parts)
         join = jobwire.NodeJoin(token=self.job.token, node_rank=self.job.node_rank, nnodes=self.job.nnodes,
                                 local_world_size=self.spec.nprocs, rdzv_id=self.job.rdzv_id,
-                                hostname=socket.gethostname(), pid=os.getpid(), manifest=manifest,
+                                hostname=node_name(self.job.source, os.environ), pid=os.getpid(), manifest=manifest,
                                 backend=self.spec.backend, manifest_parts=parts)
         self.link = NodeLink(ctx, self.job, join, self.spec.handshake_timeout_s)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype, seal
+from tray.backend.base import Backend, Barrier, Collectives, GroupInfo, Kernel, numpy_dtype, seal_kernel
 from tray.errors import SetupError, UsageError, WireError
 from tray.handshake import wire
 from tray.handshake.steps import JOIN_TOPIC, PARK_TOPIC, Rounds, describe_step
@@ -491,7 +491,7 @@ class Rank:
         self._wiring.phases.timings["close.programs"] = time.perf_counter() - t0
         attempt(self._wiring.close)
         for name, kernel in self._kernels.items():  # a kernel kept past close() says so, not a launch on freed memory
-            seal(kernel, f"kernel {name!r}", ("bind", "launch"))
+            seal_kernel(kernel, name)
         if failures:
             raise failures[0]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tray.backend.base import BoundLaunch, Kernel, launch_dims, pointer_of
+from tray.backend.base import BoundLaunch, Kernel, launch_dims, pointer_of, remember_bound
 from tray.backend.cuda import driver as drv
 from tray.errors import UsageError
 
@@ -129,5 +129,6 @@ class CudaKernel(Kernel):
         if shmem_nbytes > max(self._smem_opt_in, STATIC_SMEM_LIMIT):
             drv.func_set_max_dynamic_smem(self.function, shmem_nbytes, self.entry)
             self._smem_opt_in = int(shmem_nbytes)
-        return CudaLaunch(self, launch_dims(grid, "grid", self.name), launch_dims(block, "block", self.name),
-                          int(shmem_nbytes), self._stream if stream is None else stream, plan, programmatic)
+        return remember_bound(self, CudaLaunch(self, launch_dims(grid, "grid", self.name),
+                                               launch_dims(block, "block", self.name), int(shmem_nbytes),
+                                               self._stream if stream is None else stream, plan, programmatic))

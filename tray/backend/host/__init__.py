@@ -34,6 +34,7 @@ from tray.backend.base import (
     kernel_arg,
     launch_dims,
     numpy_dtype,
+    remember_bound,
 )
 from tray.backend.host.barrier import HostBarrier
 from tray.errors import DeviceError, HandshakeError, UsageError
@@ -264,7 +265,7 @@ class HostKernel(Kernel):
                              f"block): {exc}; make the launch op's args and the twin's parameters match") from None
         except ValueError:  # no signature to read (a builtin): the call itself will tell
             pass
-        return HostBoundLaunch(lambda: twin(backend, grid, block, *frozen))
+        return remember_bound(self, HostBoundLaunch(lambda: twin(backend, grid, block, *frozen)))
 
 
 class HostBackend(Backend):
