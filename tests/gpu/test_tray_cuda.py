@@ -378,3 +378,61 @@ def test_cuda_ranks_get_nccl_runtime_connect_and_the_barrier_timeout(tray_env):
     run = tray_env.launch(n, body, "--barrier-timeout-s", "7", backend="cuda")
     assert run.returncode == 0, run.output
     assert run.stdout.count("env 0 7.0") == n, run.stdout
+
+
+def test_kernel_arguments_and_objects_kept_past_close_on_cuda(tray_env, tmp_path):
+    """On cuda too: a peer table given as a kernel argument is its table's address, a grid of 0 is refused, and a
+    barrier, collectives, kernel or bound launch kept past close() is a UsageError (not a launch on a destroyed
+    context, nor a read of freed flags)."""
+    manifest = tmp_path / "one.json"
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "peer_fill.cu").write_bytes((MANIFESTS / "kernels" / "peer_fill.cu").read_bytes())
+    manifest.write_text(json.dumps({
+        "format": 1, "name": "one", "vars": {"words": 1024},
+        "buffers": [{"name": "fill", "dtype": "u32", "shape": ["world_size * words"], "export": True},
+                    {"name": "x", "dtype": "f32", "shape": [64]}],
+        "kernels": [{"name": "peer_fill", "source": "kernels/peer_fill.cu", "entry": "tray_peer_fill",
+                     "peers": True}]}))
+    body = """
+    from tray.backend.host.twins import peer_fill_words
+    from tray.errors import UsageError
+
+    def refused(call):
+        try:
+            call()
+        except UsageError as exc:
+            print("refused:", str(exc).splitlines()[0], flush=True)
+        else:
+            print("taken", flush=True)
+
+    rank = tray.init()
+    me, n = rank.rank, rank.world_size
+    words = rank.buffer("fill").shape[0] // n
+    k, bo, c = rank.kernel("peer_fill"), rank.barrier_of("world"), rank.collectives("world")
+    bound = k.bind((8, 1, 1), (128, 1, 1), [rank.peers("fill"), n, me, words, 5])   # the peer table itself
+    bound.launch()
+    rank.synchronize()
+    rank.barrier()
+    got = rank.read("fill").reshape(n, words)
+    assert all((got[w] == peer_fill_words(5, w, me, words)).all() for w in range(n))
+    refused(lambda: k.launch((0, 1, 1), (128, 1, 1), [rank.peers("fill"), n, me, words, 5]))
+    x = rank.buffer("x")
+    c.allreduce(x, x, 64, "f32")
+    rank.synchronize()
+    rank.close()
+    for call in (lambda: bo.wait(1.0), lambda: c.allreduce(x.ptr, x.ptr, 64, "f32"), bound.launch,
+                 lambda: k.launch((1, 1, 1), (32, 1, 1), [0, n, me, words, 5])):
+        refused(call)
+    print("ok", flush=True)
+    """
+    n = min(ngpus(), 2)
+    run = tray_env.launch(n, body, "--manifest", str(manifest), backend="cuda", timeout_s=180)
+    assert run.returncode == 0, run.output
+    for r in range(n):
+        lines = [ln.split(" ", 2)[2] for ln in run.stdout.splitlines() if ln.startswith(f"[rank {r}] ")]
+        assert "taken" not in lines and lines[-1] == "ok", lines
+        refused = [ln for ln in lines if ln.startswith("refused:")]
+        assert len(refused) == 5, lines
+        assert "grid must be an int or 1-3 ints, each >= 1" in refused[0], refused
+        assert all("used after close() of its rank" in ln for ln in refused[1:]), refused
