@@ -344,3 +344,19 @@ def test_a_jobs_root_that_cannot_be_made_says_why_not_to_remove_it_and_why_the_t
            "TRAY_JOBS_ROOT to a directory of your own (0700) (the temporary directory's was not taken: " \
            f"{unsafe_tmp / f'tray-{os.getuid()}'}" in said, said
     assert "remove it" not in said, said
+
+
+def test_a_jobs_root_the_user_named_is_never_advised_removed(tmp_path, monkeypatch):
+    """TRAY_JOBS_ROOT=/tmp as a user other than its owner: refused, rightly, with "remove it or set TRAY_JOBS_ROOT",
+    advice to remove a shared directory. A root the user named gets only "set TRAY_JOBS_ROOT"; tray's own default
+    (a stale one of its own making) may still be removed."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    theirs = tmp_path / "shared"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setenv("TRAY_JOBS_ROOT", str(theirs))
+    with pytest.raises(SetupError, match=r"is owned by uid 65534, not by this user .*; set TRAY_JOBS_ROOT to a "
+                                         r"directory of your own \(a new path") as caught:
+        open_root()
+    assert "remove it" not in str(caught.value)
