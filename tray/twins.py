@@ -278,9 +278,10 @@ def _view_of(ptr: int, nbytes: int) -> np.ndarray:
 def at(ptr: int, count: int, dtype: Any) -> np.ndarray:
     """A typed view of `count` elements of `dtype` at address `ptr` (no copy; empty when count <= 0)."""
     dt = np.dtype(dtype)
+    count = int(count)  # a numpy integer (np.uint64, as a kernel's count may be) is the int it holds
     if count <= 0:
         return np.zeros(0, dt)
-    return _view_of(ptr, count * dt.itemsize).view(dt)
+    return _view_of(int(ptr), count * dt.itemsize).view(dt)
 
 
 def u32_at(ptr: int, count: int) -> np.ndarray:

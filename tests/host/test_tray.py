@@ -589,7 +589,7 @@ def test_objects_kept_past_close_kernel_arguments_and_calls_the_host_lacks_are_u
     k, c, bo = rank.kernel("peer_fill"), rank.collectives("world"), rank.barrier_of("world")
     fill = rank.buffer("fill")
     G, me, words = rank.world_size, rank.rank, fill.nbytes // 4 // rank.world_size
-    k.launch(1, 1, [rank.peers("fill"), G, me, words, 7])   # a peer table as its address
+    k.launch(1, 1, [rank.peers("fill"), np.int32(G), me, np.uint64(words), 7])   # a peer table; numpy scalars
     rank.barrier()
     from tray.backend.host.twins import peer_fill_words
     assert all((rank.read("fill")[s * words:(s + 1) * words] == peer_fill_words(7, s, me, words)).all()

@@ -595,10 +595,13 @@ def pointer_of(arg: Any) -> int | None:
 
 
 def kernel_arg(arg: Any) -> Any:
-    """A kernel argument as a launch passes it: memory (pointer_of) as its address, anything else as given (the
-    cuda backend packs the same objects the same way)."""
+    """A kernel argument as a host twin gets it: memory (pointer_of) as its address, a numpy scalar as its Python
+    number, anything else as given (the cuda backend packs the same objects the same way)."""
     ptr = pointer_of(arg)
-    return arg if ptr is None else ptr
+    if ptr is not None:
+        return ptr
+    # a numpy scalar as the Python number it holds (twins get "ints or floats"; np.uint64 arithmetic overflows)
+    return arg.item() if isinstance(arg, (np.integer, np.floating, np.bool_)) else arg
 
 
 class Kernel(abc.ABC):

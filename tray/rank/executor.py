@@ -7,6 +7,7 @@ graph and replays it; host programs replay their resolved steps the same way.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,6 +96,10 @@ def _nothing() -> None:
     collectives for that group): nothing."""
 
 
+# after this many plans (distinct program and vars) a rank says, once, that each is kept for the tray's life
+PLANS_SAID_AT = 256
+
+
 @dataclass
 class Plan:
     """A program ready to run: `steps` in order, or one captured `graph` of them. `title` is the program and its
@@ -157,6 +162,13 @@ class Executor:
         if plan is None:
             plan = self._build(program, vars)
             self._plans[key] = plan
+            if len(self._plans) == PLANS_SAID_AT:
+                # NOTE: kept for the tray's life (a capture of the caller's may use any of them): a var per request
+                # (a token count) grows the rank without end; said once, on stderr, not refused
+                warnings.warn(f"rank.run() has built {PLANS_SAID_AT} plans (this one: program {program!r} with "
+                              f"{dict(vars)}); each distinct vars keeps its plan (on cuda its graph) for the tray's "
+                              "life: give run() sizes from a few buckets, not a value per step", RuntimeWarning,
+                              stacklevel=3)
         return plan
 
     def _resolved_program(self, program: str, vars: dict[str, int]) -> ResolvedProgram:
