@@ -112,24 +112,18 @@ class HostMemory(abc.ABC):
     def close(self) -> None: ...
 
 
-def closed_call(what: str) -> Callable[..., Any]:
-    """A stand-in for the calls of an object its rank closed: UsageError naming `what`, rather than a use of memory,
-    flags or a communicator released (on the host backend a barrier read unmapped flags: SIGSEGV)."""
+def seal(obj: Any, what: str, names: Sequence[str]) -> None:
+    """Make each call `names` of `obj` raise UsageError naming `what` from now on, rather than use memory, flags or a
+    communicator its rank's close() released (on the host backend a barrier read unmapped flags: SIGSEGV). An
+    attribute of the instance over the class's method: the calls of an open object cost nothing more."""
 
     def closed(*args: Any, **kwargs: Any) -> Any:
         raise UsageError(f"{what}: used after close() of its rank (rank.close(), or the end of the `with tray.init()` "
                          "block), which released what it uses; make every call before closing, or keep the rank "
                          "open")
 
-    return closed
-
-
-def seal(obj: Any, what: str, names: Sequence[str]) -> None:
-    """Make each call `names` of `obj` raise UsageError naming `what` from now on (an attribute of the instance over
-    the class's method: the calls of an open object cost nothing more)."""
-    raiser = closed_call(what)
     for name in names:
-        obj.__dict__[name] = raiser
+        obj.__dict__[name] = closed
 
 
 def remember_bound(kernel: Any, bound: Any) -> Any:

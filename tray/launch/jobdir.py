@@ -91,13 +91,19 @@ def _tmp_refused(tmp: Path) -> str | None:
     return f"{tmp} {problem}" if problem else None
 
 
+def _named(root: Path | None) -> bool:
+    """Whether the jobs root is one the user named (TRAY_JOBS_ROOT, or the caller's), not tray's default: a named one
+    may be a shared directory (/tmp), which tray never advises removing."""
+    return root is not None or bool(os.environ.get("TRAY_JOBS_ROOT"))
+
+
 def _make_it_hint(root: Path | None, path: Path) -> str:
     """What to do about a jobs root `path` that could not be made; for the home's fallback, why the temporary
     directory's was not taken."""
-    named = root is not None or bool(os.environ.get("TRAY_JOBS_ROOT"))
+    named = _named(root)
     made = ("TRAY_JOBS_ROOT names it: set it to a directory you may make (tray makes it 0700)" if named
             else "set TRAY_JOBS_ROOT to a directory of your own (0700)")
-    refused = _tmp_refused(_tmp_root()) if root is None and not os.environ.get("TRAY_JOBS_ROOT") else None
+    refused = None if named else _tmp_refused(_tmp_root())
     if refused and path.name == "tray-jobs":
         made += f" (the temporary directory's was not taken: {refused})"
     return made
@@ -117,9 +123,7 @@ def open_root(root: Path | None = None, before_making: Callable[[Path], None] | 
     owner and mode through the fd. Returns (path, fd). Raises SetupError saying what is wrong.
     `before_making(path)`, when the root is not there yet, may refuse it (raising) before anything is made."""
     path = Path(root) if root is not None else default_root()
-    # a path the user named (TRAY_JOBS_ROOT, or the caller's) may be a shared one (/tmp): never "remove it" there
-    hint = "set TRAY_JOBS_ROOT to a directory of your own (a new path: tray makes it 0700)" \
-        if root is not None or os.environ.get("TRAY_JOBS_ROOT") else \
+    hint = "set TRAY_JOBS_ROOT to a directory of your own (a new path: tray makes it 0700)" if _named(root) else \
         "remove it or set TRAY_JOBS_ROOT to a directory of your own"
     # NOTE: asked before anything is made too (and again, through the fd, after): a jobs root refused must not be
     # left behind, in another user's directory
