@@ -313,6 +313,36 @@ def test_rank_sigkilled(tray_env):
     assert run.seconds < 15
 
 
+@pytest.mark.parametrize("trial", range(3))
+def test_a_rank_ending_on_a_peers_death_a_moment_later_is_not_the_root_cause(tray_env, trial):
+    """Rank 1 is killed; rank 0, connected to it as a gloo or TCPStore client is, exits 1 on the broken connection a
+    moment later, within the head's turn. Exits were judged in rank order at the turn: rank 0 was named."""
+    run = tray_env.launch(2, """
+    import signal, socket
+    port = int(os.environ["MASTER_PORT"])
+    if os.environ["RANK"] == "1":
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen(1)
+        c, _ = s.accept()
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(500):
+        try:
+            c = socket.create_connection(("127.0.0.1", port))
+            break
+        except OSError:
+            time.sleep(0.01)
+    c.recv(1)
+    os._exit(1)
+    """)
+    assert run.returncode == 1, run.output
+    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert first and first[0].startswith("tray: FAILED: rank 1 (pid") and "was killed by SIGKILL" in first[0], \
+        run.stderr
+
+
 def test_rank_segfaults(tray_env):
     run = tray_env.launch(4, fault("import ctypes; ctypes.string_at(0)"))
     assert run.returncode == 1, run.output
@@ -617,6 +647,54 @@ def test_an_error_report_naming_a_rank_number_of_thousands_of_digits_fails_the_t
     assert first and first[0].startswith("tray: FAILED: rank 1 reported X: rank 111"), run.stderr
 
 
+def test_offers_each_within_its_limit_but_too_large_together_fail_the_tray_naming_the_largest(tray_env):
+    """Each offer is checked against one message's limit; the table carries all of them. Together over the table's
+    limit, its encoding raised out of the head's loop: no FAILED line, exit 2 (a usage error), no restart."""
+    run = tray_env.launch(2, """
+    import dataclasses
+    from tray.handshake import client, wire
+    plain = client.RendezvousClient.send
+    def send(self, msg):
+        if isinstance(msg, wire.Offer) and msg.rank == 1:
+            msg = dataclasses.replace(msg, timings={**msg.timings, "x" * 700_000: 1.0})
+        elif isinstance(msg, wire.Offer):
+            msg = dataclasses.replace(msg, timings={**msg.timings, "y" * 600_000: 1.0})
+        return plain(self, msg)
+    client.RendezvousClient.send = send
+    with tray.init() as rank:
+        print("up", flush=True)
+    """)
+    assert run.returncode == 3, run.output
+    assert "Traceback" not in run.stderr and "up" not in run.stdout, run.output
+    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert first and "the table of every rank's offer cannot be sent" in first[0], run.stderr
+    assert "the largest offer is rank 1's" in first[0], run.stderr
+
+
+def test_a_vote_packed_smaller_than_the_head_packs_it_is_named_when_the_decision_is_too_large(tray_env):
+    """A vote whose floats a rank packed as msgpack float32 grows when the head re-encodes it (float64): the handler
+    naming the rank that sent the largest vote re-encoded each at the limit, and raised out of the head's loop."""
+    run = tray_env.launch(2, """
+    import msgpack
+    from tray.handshake import client
+    plain = client.RendezvousClient.send_bytes
+    def send_bytes(self, data):
+        body = msgpack.unpackb(data, raw=False)
+        if body.get("kind") == "vote" and self.rank == 1:
+            body["value"] = [0.5] * 180_000
+            data = msgpack.packb(body, use_bin_type=True, use_single_float=True)
+        return plain(self, data)
+    client.RendezvousClient.send_bytes = send_bytes
+    with tray.init() as rank:
+        rank.exchange("t", 1, timeout_s=30)
+    """)
+    assert run.returncode == 1, run.output
+    assert "Traceback" not in run.stderr, run.stderr
+    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert first and "exchange 't' (round 1): the decision cannot be sent" in first[0], run.stderr
+    assert "rank 1 sent the largest" in first[0], run.stderr
+
+
 def test_a_fifo_at_a_ranks_error_file_does_not_hang_its_report(tray_env):
     """Something other than a file at the name the failing rank writes its error file under (a FIFO, made by the
     rank here for whoever could plant one): the open would block for good, the rank alive and heartbeating, and the
@@ -877,6 +955,36 @@ def test_a_rank_that_gave_a_step_up_is_not_taken_for_one_waiting_in_it(tray_env)
     """)
     assert run.returncode == 0, run.output
     assert "gave a up" in run.stdout and run.stdout.count("ok ") == 2, run.output
+
+
+def test_decisions_of_steps_given_up_do_not_lengthen_a_later_wait(tray_env):
+    """Rank 0 gives exchange 'a' up three times, then waits in 'c' for 2 s; the decisions of its old rounds of 'a'
+    arrive meanwhile (rank 1 votes them late), each skipped as stale. Each restarted the wait's timeout: 'c' gave up
+    after 2 s past the last of them, not 2 s after it began."""
+    run = tray_env.launch(2, """
+    with tray.init() as rank:
+        if rank.rank == 0:
+            for _ in range(3):
+                try:
+                    rank.exchange("a", 0, timeout_s=0.3)
+                except tray.HandshakeError:
+                    pass
+            t0 = time.monotonic()
+            try:
+                rank.exchange("c", 0, timeout_s=2.0)
+            except tray.HandshakeError:
+                print(f"c gave up after {time.monotonic() - t0:.2f} s", flush=True)
+        else:
+            time.sleep(1.5)
+            for i in range(3):
+                assert rank.exchange("a", 1) == [0, 1]
+                time.sleep(0.8)
+            rank.exchange("c", 1)
+        rank.barrier(timeout_s=30)
+    """)
+    assert run.returncode == 0, run.output
+    waited = float(re.search(r"c gave up after ([0-9.]+) s", run.stdout).group(1))
+    assert 2.0 <= waited < 2.6, run.output
 
 
 def test_steps_in_the_same_order_are_not_taken_for_crossed_ones(tray_env):

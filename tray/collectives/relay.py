@@ -8,6 +8,7 @@ root bounds the step by the caller's timeout and names the members that never ar
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,8 +54,9 @@ class VoteStep:
             self._rounds[topic] = rnd
             self._client.send(wire.Vote(token=self._token, rank=self._rank, topic=topic, round=rnd, value=value,
                                         wait_s=wait_s))
+            since = time.monotonic()  # one deadline: a stale decision skipped does not restart the wait
             while True:
-                d = self._client.receive(wire.Decision, wait_s, f"decision on {topic!r}")
+                d = self._client.receive(wire.Decision, wait_s, f"decision on {topic!r}", since)
                 if d.topic == topic and d.round == rnd:
                     return list(d.values)
 

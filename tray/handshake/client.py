@@ -175,9 +175,10 @@ class RendezvousClient:
         """Send a message already encoded with wire.encode (to check its size first)."""
         self._sock.send(data)
 
-    def receive(self, expected: type, timeout_s: float, waiting_for: str) -> Any:
-        """The next message of type `expected`; raises on Reject or after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
+    def receive(self, expected: type, timeout_s: float, waiting_for: str, since: float | None = None) -> Any:
+        """The next message of type `expected`; raises on Reject or after `timeout_s` from `since` (a monotonic time:
+        when the wait began, for a caller that skips stale messages of that type and receives again; default now)."""
+        deadline = (time.monotonic() if since is None else since) + timeout_s
         while True:
             left = max(0.0, deadline - time.monotonic())
             ready = self._poller.poll(int(min(left, _POLL_AT_MOST_S) * 1000))

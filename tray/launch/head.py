@@ -105,6 +105,7 @@ _SIGNAL_SIBLING_S = 0.2
 # the exit statuses of a rank killed by one of the signals that stop a tray (envvars.stop_signals): one the head got
 # too is the whole tray's interruption, not the rank's failure
 _STOP_DEATHS = (-signal.SIGTERM, -signal.SIGINT, -signal.SIGQUIT, -signal.SIGHUP)
+_EXIT_TIE_S = 0.02  # exits seen this close are one event (a turn of the loop: the order the kernel gives may be wrong)
 _MIN_WINDOW_S = 0.5  # CPU time is counted in clock ticks (10 ms): a shorter window would misjudge
 # a verdict that names a late rank samples its CPU this long when the tick has not yet (two ticks of a busy CPU, also
 # when it gets half of one)
@@ -407,33 +408,42 @@ class Head:
         poller = zmq.Poller()
         for s in (sock, *extra):
             poller.register(s, zmq.POLLIN)
-        next_turn = 0.0  # when the supervision below runs next (monotonic)
-        while not self.failure:
-            self._raise_if_signalled()
-            ready = dict(poller.poll(max(0, math.ceil((next_turn - time.monotonic()) * 1000))))
-            for s in extra:
-                if s in ready:
-                    self._on_extra(s)
-            self._drain(sock, 0)
-            # NOTE: the supervision (children's exits, deadlines, the watchdog, segments, adopted orphans: ~50 us of
-            # CPU, most of it waitpid and /proc) runs _POLL_MS apart, not after every batch of messages: with ranks
-            # in lockstep that was once per vote, on every step's path (bench/step_latency.py)
-            now = time.monotonic()
-            if now < next_turn:
-                continue
-            next_turn = now + _POLL_MS / 1000
-            if extra and not self.failure:
-                self._tick(sock)
-            if not self.failure:
-                self._check_children(sock)
-            if not self.failure:
-                self._check_deadlines()
-            if not self.failure:
-                self._check_watchdog()
-            self._sample_shm(job)
-            self._note_adopted()
-            if self._finished():
-                return
+        # NOTE: the order in which ranks exit is seen as it happens (a pidfd per rank in the poll); the exits are
+        # judged at the turns in that order: two ranks ending within one turn (one killed, the other ending on the
+        # broken connection a moment later) were judged in rank order, and the later, a consequence, could be named
+        # the root cause. Judged at the turns still: the last messages of a rank that just exited are read first
+        self._exits = _ExitOrder(self.procs, poller)
+        try:
+            next_turn = 0.0  # when the supervision below runs next (monotonic)
+            while not self.failure:
+                self._raise_if_signalled()
+                ready = dict(poller.poll(max(0, math.ceil((next_turn - time.monotonic()) * 1000))))
+                self._exits.note(ready)
+                for s in extra:
+                    if s in ready:
+                        self._on_extra(s)
+                self._drain(sock, 0)
+                # NOTE: the supervision (children's exits, deadlines, the watchdog, segments, adopted orphans: ~50 us
+                # of CPU, most of it waitpid and /proc) runs _POLL_MS apart, not after every batch of messages: with
+                # ranks in lockstep that was once per vote, on every step's path (bench/step_latency.py)
+                now = time.monotonic()
+                if now < next_turn:
+                    continue
+                next_turn = now + _POLL_MS / 1000
+                if extra and not self.failure:
+                    self._tick(sock)
+                if not self.failure:
+                    self._check_children(sock)
+                if not self.failure:
+                    self._check_deadlines()
+                if not self.failure:
+                    self._check_watchdog()
+                self._sample_shm(job)
+                self._note_adopted()
+                if self._finished():
+                    return
+        finally:
+            self._exits.close()
 
     def _check_watchdog(self) -> None:
         """The watchdog ends only when told (done()): one that exited (at its start, say: its interpreter could
@@ -520,7 +530,15 @@ class Head:
         """Every local offer arrived and passed validation: hand out the table."""
         self.t_table = time.time()
         table = wire.Table(token=self.token, offers=tuple(self.offers[p.rank] for p in self.procs))
-        data = wire.encode(table, wire.job_message_limit(self.world_size))  # once for every rank, as a decision is
+        try:
+            data = wire.encode(table, wire.job_message_limit(self.world_size))  # once for every rank, as a decision is
+        except WireError as exc:  # each offer within its own limit, all of them together not within the table's
+            sizes = {p.rank: _wire_size(self.offers[p.rank]) for p in self.procs}
+            worst = max(sizes, key=lambda r: sizes[r])
+            self._fail(Failure(worst, f"the table of every rank's offer cannot be sent ({exc.reason}); the largest "
+                               f"offer is rank {worst}'s, {sizes[worst]} B: export fewer buffers per rank",
+                               exit_code=EXIT_HANDSHAKE))
+            return
         for p in self.procs:
             self._send_bytes(sock, f"rank-{p.rank}", data, table.KIND)
 
@@ -749,8 +767,8 @@ class Head:
         except WireError as exc:
             # Ranks check their own value's size before voting (wire.vote_limit_nbytes); a rank that
             # skipped the check is named here, and the tray fails like any rank failure.
-            sizes = {r: len(wire.encode(wire.Vote(token=self.token, rank=r, topic=vote.topic, round=vote.round,
-                                                  value=v))) for r, v in box.items()}
+            sizes = {r: _wire_size(wire.Vote(token=self.token, rank=r, topic=vote.topic, round=vote.round, value=v))
+                     for r, v in box.items()}
             worst = max(sizes, key=lambda r: sizes[r])
             said = ", ".join(f"rank {r}: {n} B" for r, n in sorted(sizes.items()))
             self._fail(Failure(worst, f"exchange {vote.topic!r} (round {vote.round}): the decision cannot be "
@@ -780,12 +798,8 @@ class Head:
         return bool(self.offers) or any(p.last_heartbeat is not None for p in self.procs)
 
     def _check_children(self, sock: zmq.Socket) -> None:
-        for p in self.procs:
-            if p.returncode is not None:
-                continue
-            code = p.popen.poll()
-            if code is None:
-                continue
+        # the first exit first: of two failures, the earlier is the cause
+        for p, code, notes in self._exits.ended(self.procs):
             p.returncode, p.t_exit = code, time.time()
             p.state = RankState.EXITED if code == 0 else RankState.FAILED
             if code == 0:
@@ -802,7 +816,7 @@ class Head:
                 return
             if code in _STOP_DEATHS and self._interrupted_too():
                 return  # the signal came to the whole job (Ctrl-C, scancel, a time limit): the loop says so
-            self._fail(self._death(p, code))
+            self._fail(self._death(p, code, notes))
             return
         self._check_early_exits()
 
@@ -1513,6 +1527,79 @@ def _error_report(data: dict[str, Any] | None) -> str:
     if data is None:
         return ""
     return f"{data.get('error_type')}: {data.get('message')}\n{data.get('traceback', '')}"
+
+
+class _ExitOrder:
+    """The order in which the ranks exit, seen as it happens: a pidfd per running rank in the head's poller, readable
+    once the rank has exited (Linux 5.3 and later; where pidfd_open is missing, ranks are judged in rank order)."""
+
+    def __init__(self, procs: Sequence[RankProcess], poller: zmq.Poller) -> None:
+        self._poller = poller
+        self._fds: dict[int, int] = {}  # pidfd -> rank, while the rank runs
+        self._seen: dict[int, float] = {}  # rank -> when its exit was seen (monotonic s)
+        for p in procs:
+            if p.returncode is not None:
+                continue
+            try:
+                fd = os.pidfd_open(p.pid)
+            except (AttributeError, OSError):  # no pidfds here (an old kernel, not Linux), or out of fds
+                continue
+            self._fds[fd] = p.rank
+            poller.register(fd, zmq.POLLIN)
+
+    def note(self, ready: dict[Any, int]) -> None:
+        """Take the exits among the poller's `ready`, and stop watching those ranks (a pidfd stays readable: it would
+        wake every poll)."""
+        now = time.monotonic()
+        for fd in [fd for fd in self._fds if fd in ready]:
+            self._seen[self._fds[fd]] = now
+            self._drop(fd)
+
+    def ended(self, procs: Sequence[RankProcess]) -> list[tuple[RankProcess, int, tuple[str, ...]]]:
+        """The ranks of `procs` that ended since the last call (reaped here): (rank, exit status, notes), the first
+        to end first. Exits seen within _EXIT_TIE_S of each other are one event, whose order the kernel may have
+        turned around (a killed process's sockets close before its exit is seen, and a peer ending on that can be
+        seen first): a rank killed by a fault signal goes before one that exited with a code, and is told of it."""
+        ended = [(p, code) for p in procs if p.returncode is None and (code := p.popen.poll()) is not None]
+        if len(ended) < 2:
+            return [(p, code, ()) for p, code in ended]
+        now = time.monotonic()
+        when = {p.rank: self._seen.get(p.rank, now) for p, _ in ended}
+        first = min(when.values())
+        tied = {p.rank for p, code in ended if code != 0 and when[p.rank] - first <= _EXIT_TIE_S}
+        order = sorted(ended, key=lambda e: (e[0].rank not in tied, not _faulted(e[1]) if e[0].rank in tied else 0,
+                                             when[e[0].rank], e[0].rank))
+        head, code = order[0]
+        if head.rank not in tied or not _faulted(code):
+            return [(p, c, ()) for p, c in order]
+        others = [f"rank {p.rank} {_how_it_ended(c)} within {abs(when[p.rank] - when[head.rank]) * 1e3:.0f} ms of it "
+                  "(taken for a consequence: a process that ends on a fault signal closes its connections first)"
+                  for p, c in order[1:] if p.rank in tied and not _faulted(c)]
+        return [(head, code, tuple(others)), *((p, c, ()) for p, c in order[1:])]
+
+    def close(self) -> None:
+        for fd in list(self._fds):
+            self._drop(fd)
+
+    def _drop(self, fd: int) -> None:
+        del self._fds[fd]
+        self._poller.unregister(fd)
+        os.close(fd)
+
+
+def _faulted(code: int) -> bool:
+    """Whether exit status `code` is a death by a signal other than a stop (SIGTERM, SIGINT...) or SIGPIPE: SIGKILL,
+    SIGSEGV, SIGABRT..."""
+    return code < 0 and code not in _STOP_DEATHS and code != -signal.SIGPIPE
+
+
+def _wire_size(msg: wire.Message) -> int:
+    """The bytes `msg` takes as the head would send it, whatever the limit (a value a peer packed smaller, as msgpack's
+    float32, re-encodes larger)."""
+    try:
+        return len(wire.encode(msg, sys.maxsize))
+    except WireError:
+        return 0
 
 
 def _how_it_ended(code: int) -> str:

@@ -367,8 +367,9 @@ class Rank:
             self._rounds.begin(topic, rnd)
             client.send_bytes(data)
             try:
+                since = time.monotonic()  # one deadline: a stale decision skipped does not restart the wait
                 while True:
-                    d = client.receive(wire.Decision, timeout_s, f"decision on {describe_step(topic)}")
+                    d = client.receive(wire.Decision, timeout_s, f"decision on {describe_step(topic)}", since)
                     if d.topic == topic and d.round == rnd:
                         return list(d.values)
                     self._rounds.skipped(d.topic, d.round)  # stale: a decision of a step this rank gave up
