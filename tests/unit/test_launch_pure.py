@@ -619,6 +619,39 @@ def test_the_head_says_whom_its_handshake_waits_for_every_10_s_before_it_gives_u
     assert len(said) == 1
 
 
+def test_the_votes_of_steps_given_up_do_not_make_each_later_vote_judge_them_all(monkeypatch) -> None:
+    """A program that gives steps up (a caught timeout, in a loop) leaves each one's votes at the head until its
+    decision, the round never reused. The deadlock check judged every one of them on every vote: each vote of the
+    tray took ~1.2 us longer per step given up. It judges the steps of the ranks' latest votes, and still finds a
+    cycle among them."""
+    import time
+
+    from tray.handshake import wire
+    from tray.launch import head as head_mod
+    from tray.launch.head import Head
+    from tray.launch.spec import RankProcess, TraySpec
+
+    head = Head(TraySpec(nprocs=2, cmd=("true",), backend="host"))
+    head.procs = [RankProcess(rank=r, popen=SimpleNamespace(pid=4000 + r, poll=lambda: None),  # type: ignore[arg-type]
+                              t_spawn=time.time()) for r in range(2)]
+    judged: list[int] = []
+    crossed = head_mod.crossed_steps
+    monkeypatch.setattr(head_mod, "crossed_steps", lambda boxes, *a: judged.append(len(boxes)) or crossed(boxes, *a))
+
+    def vote(rank: int, topic: str, rnd: int, wait_s: float) -> None:
+        head._on_vote(None, wire.Vote(token=head.token, rank=rank, topic=topic, round=rnd, value=0,  # type: ignore[arg-type]
+                                      wait_s=wait_s))
+
+    for rnd in range(1, 501):  # given up at once (as if its 0.01 s ran out)
+        vote(0, "poll", rnd, 0.01)
+    time.sleep(0.05)
+    vote(0, "a", 1, 60.0)
+    assert head.failure is None and len(head.votes) == 501 and max(judged) <= 2, judged
+    vote(1, "b", 1, 60.0)  # rank 0 waits in 'a' for rank 1, which waits in 'b' for rank 0: crossed
+    assert head.failure is not None and "'a'" in head.failure.summary and "'b'" in head.failure.summary
+    assert max(judged) <= 2, judged
+
+
 def test_the_bytes_left_in_a_pipe_are_counted() -> None:
     """What a rank's stream still held when the teardown's drain ran out was dropped without a word; it is counted
     (FIONREAD) and said."""
