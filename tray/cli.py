@@ -189,13 +189,23 @@ def cmd_gate(args: argparse.Namespace) -> int:
         close = difflib.get_close_matches(args.gate, GATES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; known gates: {', '.join(GATES)}"
         raise UsageError(f"unknown gate {args.gate!r}{hint}")
+    from tray.bench import check_report_path
     from tray.launch.pick import warn_if_oversubscribed
     from tray.programs.peer_barrier.gate import GateArgs, run_gate
 
     backend, nprocs = _backend_and_n(args.backend, args.nprocs)
+    if not args.stress:
+        given = [f for f, v in (("--replays", args.replays), ("--skew-ns", args.skew_ns)) if v is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} set the rounds of --stress: give --stress, or leave them out")
+    elif args.drop is not None:
+        raise UsageError("--drop and --stress are two gates: --stress checks the barrier's ordering with every rank "
+                         "in it, --drop that a rank that never comes is named; run them one at a time")
+    check_report_path(args.json)
     return run_gate(GateArgs(nprocs=nprocs, backend=backend, iters=args.iters, drop=args.drop,
                              timeout_s=args.timeout_s, json_path=args.json, log_dir=args.log_dir,
-                             stress=args.stress, replays=args.replays, skew_ns=args.skew_ns,
+                             stress=args.stress, replays=5 if args.replays is None else args.replays,
+                             skew_ns=2000 if args.skew_ns is None else args.skew_ns,
                              corrupt=args.corrupt,
                              warn=lambda: warn_if_oversubscribed(nprocs, timeout_flag="--timeout-s")))
 
@@ -210,11 +220,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     if not args.manifest:
         raise UsageError("tray inspect needs a manifest (a file or a built-in name), or --list")
+    from tray.manifest.resolve import MAX_WORLD_SIZE
     from tray.weights.loader import check_bind
     from tray.weights.safetensors import SafetensorsHeader
 
-    if args.nprocs is not None and args.nprocs < 1:
-        raise UsageError(f"tray inspect -n {args.nprocs}: the number of ranks to resolve the manifest for is 1 or more")
+    if args.nprocs is not None and not 1 <= args.nprocs <= MAX_WORLD_SIZE:
+        raise UsageError(f"tray inspect -n {args.nprocs}: the number of ranks to resolve the manifest for is 1 to "
+                         f"{MAX_WORLD_SIZE}")
     manifest = load_manifest(resolve_manifest(args.manifest))
     headers: dict[str, SafetensorsHeader] = {}  # each file's header read once for every rank and buffer
     print(format_inspect(manifest, args.nprocs, dict(_parse_vars(args.var)),
@@ -503,8 +515,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--stress", action="store_true",
                    help="check the barrier's ordering: --iters rounds of write peers -> barrier -> check on the "
                         "device, eagerly and in a replayed graph; fails on any wrong word")
-    p.add_argument("--replays", type=int, default=5, help="--stress: graph replays (default 5)")
-    p.add_argument("--skew-ns", type=int, default=2000, help="--stress: each round one rank starts this much later "
+    p.add_argument("--replays", type=int, default=None, help="--stress: graph replays (default 5)")
+    p.add_argument("--skew-ns", type=int, default=None, help="--stress: each round one rank starts this much later "
                    "per step (default 2000)")
     p.add_argument("--corrupt", type=int, default=None, metavar="RANK",
                    help="--stress: RANK sends one wrong word (the gate must fail)")

@@ -277,6 +277,21 @@ def _head_until_its_teardown(tray_env, cmd: list[str]) -> tuple[subprocess.Popen
     return head, err, reader
 
 
+def test_a_rank_killed_just_before_a_stop_signal_is_said_not_hidden_by_the_interrupt(tray_env):
+    """Rank 1 sends the head SIGINT and is SIGKILLed at once, within the head's turn: the head left its loop on the
+    signal before judging the death, and said only "interrupted". The death is said, judged or not."""
+    run = tray_env.launch(2, """
+    import signal
+    if os.environ["RANK"] == "1":
+        time.sleep(0.5)
+        os.kill(os.getppid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+    """)
+    assert run.returncode == 130, run.output
+    assert re.search(r"tray: (FAILED: )?rank 1 \(pid [0-9]+\) was killed by SIGKILL", run.stderr), run.stderr
+
+
 def test_a_second_stop_signal_during_the_grace_ends_it_at_once(tray_env):
     """With a long --stop-grace-s, a Ctrl-C during the grace was only noted: the head waited out the whole grace."""
     cmd = tray_env.command(2, """
@@ -450,6 +465,31 @@ def test_a_rank_dying_while_its_peers_map_its_buffers_is_the_root_cause(tray_env
     cause = next(line for line in run.stderr.splitlines() if line.startswith("tray: FAILED:"))
     assert cause.startswith("tray: FAILED: rank 1 (pid") and how in cause, run.stderr
     assert run.seconds < 15
+
+
+def test_a_rank_that_closed_its_tray_is_waited_for_aloud_and_failed_once_stopped(tray_env):
+    """A rank sends no heartbeat once it closed its tray (its program may go on without it), and the tray ends when
+    it exits: stopped there (SIGSTOP), the tray waited for good, saying nothing. Whom it waits for is said every
+    10 s once a rank exited; a rank stopped for --heartbeat-timeout-s fails the tray, and its SIGTERM is acted on
+    (SIGCONT with it), not cut short by the SIGKILL after the grace."""
+    run = tray_env.launch(2, """
+    import signal
+    with tray.init() as rank:
+        rank.barrier(timeout_s=30)
+        me = rank.rank
+    if me == 1:
+        time.sleep(10.5)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    """, "--heartbeat-timeout-s", "2", timeout_s=60)
+    assert run.returncode == 1, run.output
+    waiting = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: waiting for rank 1 to exit")]
+    assert len(waiting) == 1 and "(1 of 2 did;" in waiting[0] and "rank 1 closed its tray 10 s ago, sleeping" in \
+        waiting[0], run.stderr
+    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert first and first[0].startswith("tray: FAILED: rank 1 (pid") and "and has been stopped for 2." in first[0] \
+        and "(state T:" in first[0], run.stderr
+    assert "rank 1 (the root cause): killed by SIGTERM" in run.stderr, run.stderr
+    assert run.seconds < 25, run.output
 
 
 def test_a_barrier_that_misses_a_rank_which_closed_its_tray_says_so(tray_env):
@@ -767,6 +807,38 @@ def test_head_sigkilled_takes_its_ranks(tray_env):
     while list(tray_env.jobs_root.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(tray_env.jobs_root.iterdir()) == []
+
+
+def test_a_head_sigkilled_the_moment_its_watchdog_was_released_leaves_no_job_dir(tray_env):
+    """The head released its watchdog at the end of a clean run, then removed the job dir: a SIGKILL in between (a
+    time limit's kill, the OOM killer) left the dir, with nobody to remove it. The dir goes first now. (The fixture
+    checks that no job dir is left.)"""
+    cmd = tray_env.command(2, """
+    with tray.init() as rank:
+        rank.barrier()
+    """)
+    head = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=tray_env.env(),
+                            cwd=str(tray_env.tmp))
+    try:
+        watchdog = None
+        deadline = time.monotonic() + 30
+        while watchdog is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                watchdog = next((c for c in psutil.Process(head.pid).children()
+                                 if "tray.launch.watchdog" in " ".join(c.cmdline())), None)
+        assert watchdog is not None
+        while time.monotonic() < deadline:  # the watchdog's end: the head killed at once (no sleep: a window of ms)
+            try:
+                if watchdog.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+        head.send_signal(signal.SIGKILL)
+        head.wait(timeout=10)
+    finally:
+        if head.poll() is None:
+            head.kill()
+            head.wait(timeout=10)
 
 
 @pytest.mark.parametrize("how", ["process_group", "session"])

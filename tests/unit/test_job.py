@@ -82,7 +82,11 @@ def test_an_rdzv_endpoint_without_a_port_takes_torchruns():
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="h:70000"), r"^--rdzv-endpoint 'h:70000': its port '70000' is no "),
     (JobArgs(nnodes=2, node_rank=0, rdzv_endpoint="[::1]:29500"), "an IPv6 address; the heads reach the root"),
     (JobArgs(node_rank=0, rdzv_endpoint="h:1"), "without --nnodes"),
-    (JobArgs(nnodes=0), "at least 1"),
+    (JobArgs(nnodes=0), "--nnodes must be 1 to 65536, got 0"),
+    (JobArgs(nnodes=10 ** 30, node_rank=0, rdzv_endpoint="h:1"), "--nnodes must be 1 to 65536"),
+    # a job of one node has node 0 alone: node rank 5 of 1 ran as node 0, without a word
+    (JobArgs(nnodes=1, node_rank=5), r"^node rank 5 is outside 0..0 \(a job of 1 node\)"),
+    (JobArgs(nnodes=1, node_rank=-3), "outside 0..0"),
 ])
 def test_cli_errors(args, why):
     with pytest.raises(UsageError, match=why):

@@ -228,7 +228,27 @@ def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
     ([], "tray: UsageError: tray: the following arguments are required"),
     (["bench"], "tray: UsageError: tray bench: the following arguments are required: {ep-moe,tp,park}"),
     (["inspect", "ep_moe", "-n", "0"], "tray: UsageError: tray inspect -n 0: the number of ranks to resolve the "
-                                       "manifest for is 1 or more"),
+                                       "manifest for is 1 to 1048576"),
+    # a world past any job's: a tuple of every rank built (24 GB and the OOM killer), or an OverflowError's traceback
+    (["inspect", "ep_moe", "-n", "1000000000"], "tray inspect -n 1000000000: the number of ranks to resolve the "
+                                                "manifest for is 1 to 1048576"),
+    (["inspect", "ep_moe", "-n", str(10 ** 30)], "the number of ranks to resolve the manifest for is 1 to 1048576"),
+    # each ignored, the run then passing as though they had been taken
+    (["gate", "peer-barrier", "-n", "2", "--stress", "--drop", "1"], "tray: UsageError: --drop and --stress are two "
+                                                                      "gates"),
+    (["gate", "peer-barrier", "-n", "2", "--replays", "3"], "tray: UsageError: --replays set the rounds of --stress"),
+    (["gate", "peer-barrier", "-n", "2", "--skew-ns", "9"], "tray: UsageError: --skew-ns set the rounds of --stress"),
+    (["bench", "tp", "-n", "2", "--hidden", "0"], "and --hidden (0) be a positive multiple of 8"),
+    (["bench", "tp", "-n", "2", "--repeats", "0"], "tray: UsageError: --repeats must be at least 1, got 0"),
+    (["bench", "ep-moe", "-n", "2", "--ref-tokens", "-1"], "tray: UsageError: --ref-tokens is how many tokens"),
+    (["bench", "ep-moe", "-n", "2", "--experts", "0"], "tray: UsageError: --experts 0 must be at least 1"),
+    (["bench", "ep-moe", "-n", "2", "--expert-dim", "0"], "--expert-dim (0) must be at least 8"),
+    # the report's path, checked before the run (it was after it, the results printed then the report lost)
+    (["gate", "peer-barrier", "-n", "2", "--json", "/"], "tray: UsageError: --json / is a directory"),
+    (["gate", "peer-barrier", "-n", "2", "--json", ""], "tray: UsageError: --json needs a file path"),
+    (["bench", "tp", "-n", "2", "--json", "/dev/null"], "tray: UsageError: --json /dev/null is not a regular file"),
+    (["bench", "ep-moe", "-n", "2", "--json", "/"], "tray: UsageError: --json / is a directory"),
+    (["bench", "park", "-n", "2", "--json", "/"], "tray: UsageError: --json / is a directory"),
 ])
 def test_other_commands_refuse_bad_options_in_one_line(capsys, argv, message):
     try:
@@ -243,7 +263,8 @@ def test_other_commands_refuse_bad_options_in_one_line(capsys, argv, message):
 @pytest.mark.parametrize("argv, message", [
     (["bench", "tp", "-n", "1"], "tray: UsageError: tp compares a TP group of the ranks of a node with one rank: -n / "
                                  "--nnodes must be at least 2, got -n 1 over 1 node(s)"),
-    (["bench", "ep-moe", "-n", "3"], "tray: UsageError: --experts 16 must divide over 3 ranks"),
+    (["bench", "ep-moe", "-n", "3"], "tray: UsageError: --experts 16 must be at least 1 and divide over 3 "
+                                      "ranks"),
 ])
 def test_a_bench_refusing_its_options_says_nothing_of_its_defaults_first(capsys, argv, message):
     """The host backend's benches print the defaults they take; a run refused at once printed them before the error,

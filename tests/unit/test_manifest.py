@@ -471,6 +471,9 @@ LOAD_ERRORS = [
     (_set(("vars",), []), "$.vars", ["expected an object"]),
     (_set(("vars", "world_size"), 4), "$.vars.world_size", ["reserved"]),
     (_set(("vars", "local_world_size"), 4), "$.vars.local_world_size", ["reserved", "ranks per node", "rename"]),
+    # a var "rank" or "index" was taken, its value used in expressions while launch args and binds said the running rank
+    (_set(("vars", "rank"), 3), "$.vars.rank", ["reserved", "running rank", "rename"]),
+    (_set(("vars", "index"), 3), "$.vars.index", ["reserved", "index in the buffer's group", "rename"]),
     (_set(("vars", "if"), 4), "$.vars.if", ["invalid var name"]),
     (_set(("vars", "tokens"), "128"), "$.vars.tokens", ['expected an int, got "128"']),
     (_set(("vars", "x"), 1), "$.buffers[0].name", ["buffer 'x' has the name of a var"]),
@@ -1148,3 +1151,16 @@ def test_the_references_top_level_snippets_load_together() -> None:
             doc[key] = {**doc[key], **value} if key == "vars" and key in doc else value
     assert set(keys) <= set(doc), sorted(doc)
     parse_manifest(doc, "docs/manifest.md", str(REPO)).resolve(4)
+
+
+def test_a_world_past_any_jobs_is_refused_before_its_ranks_are_listed():
+    """A job of 2**32 ranks (--nnodes x -n) built a tuple of every rank for a group of "all": gigabytes and the OOM
+    killer, or past 2**63 an OverflowError's traceback."""
+    from tray.errors import UsageError
+    from tray.manifest.builtin import builtin_manifest
+
+    m = builtin_manifest()
+    for n in (1 << 32, 10 ** 30):
+        with pytest.raises(UsageError, match=f"a world of {n} ranks: at most 1048576"):
+            m.resolve(n)
+    assert m.resolve(1 << 20).world_size == 1 << 20

@@ -111,7 +111,8 @@ def test_a_join_timeout_without_failed_handshakes_keeps_its_hint():
         root.close()
         ctx.term()
     assert root.stop is not None
-    assert "within 0 s (--timeout-s; raise it if nodes start later than that); not started, a wrong root address " \
+    assert "within 0 s (--timeout-s; raise it if nodes start later than that); not started, or ended before it " \
+        "joined (its head killed or interrupted as it started: its output says), a wrong root address " \
         "(from --rdzv-endpoint or --master-addr), or a firewall" in root.stop.summary
     assert "CURVE" not in root.stop.summary
 
@@ -595,10 +596,13 @@ def test_a_heads_vote_in_a_tray_wide_step_takes_no_pass_over_the_jobs_ranks(monk
     failed: list[object] = []
     head = SimpleNamespace(
         world_size=4096, rank_base=12, spec=SimpleNamespace(nprocs=4), resolved=SimpleNamespace(groups={}), votes={},
-        _expired=set(), _waits_until={}, _forwarded=set(), _held_said=frozenset(), token=TOKEN, failure=None,
+        _expired=set(), _waits_until={}, _last_vote={}, _forwarded=set(), _held_said=frozenset(), token=TOKEN,
+        failure=None,
         procs=[SimpleNamespace(rank=r, returncode=None, phase="running") for r in range(12, 16)],
         job=SimpleNamespace(token=TOKEN, node_rank=3), link=SimpleNamespace(send=sent.append),
-        _note_wait=lambda key, vote: head._waits_until.setdefault(key, {}).__setitem__(vote.rank, time.monotonic() + 9),
+        _note_wait=lambda key, vote: (
+            head._waits_until.setdefault(key, {}).__setitem__(vote.rank, time.monotonic() + 9),
+            head._last_vote.__setitem__(vote.rank, key)),
         _tell_left=lambda: None, _fail=failed.append)
     for name in ("_voters_here", "_not_voted", "_waits", "_check_crossed_steps", "_check_abandoned_steps"):
         setattr(head, name, getattr(head_module.Head, name).__get__(head))

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shlex
+import stat
 import statistics
 import sys
 import time
@@ -184,6 +185,29 @@ def write_report(report: dict[str, Any], path: str | None, extra_env: dict[str, 
         except OSError as exc:
             raise SetupError(f"--json {path}: cannot write the report ({exc.strerror}); the results above stand: give "
                              "a path where it can be written") from None
+
+
+def check_report_path(path: str | None, flag: str = "--json") -> None:
+    """Raise UsageError, before a bench or gate runs, when its report could not be written at `path` (None: no
+    report): an empty path, a directory, something other than a regular file (a FIFO's write would block after the
+    run), or a parent that is not a directory. The run's results would otherwise be printed, then the report lost."""
+    if path is None:
+        return
+    if not path:
+        raise UsageError(f"{flag} needs a file path to write the report to, got an empty one (an unset variable?)")
+    target = Path(path)
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot be used for the report ({exc.strerror})") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, a device...)"
+        raise UsageError(f"{flag} {path} is {what}; give the path of a file to write the report to")
+    parent = next((p for p in target.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is not a directory; give the path of a file to write the report to")
 
 
 def require_plot(path: str | None) -> None:

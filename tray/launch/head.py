@@ -251,6 +251,7 @@ class Head:
                                ranks=spec.local_ranks_filter, quiet=spec.quiet, rank_base=rank_base)
         self.token = secrets.token_hex(16)
         self.procs: list[RankProcess] = []
+        self._exits = _ExitOrder((), None)  # the loop's watches the ranks' exits
         self.offers: dict[int, wire.Offer] = {}
         self.ready: dict[int, wire.Ready] = {}
         self.votes: dict[tuple[str, int], dict[int, object]] = {}
@@ -362,14 +363,16 @@ class Head:
                 sock.close()
             if ctx is not None:
                 ctx.term()
-            if watchdog is not None:
-                watchdog.done()
             if ids_thread is not None:
                 ids_thread.join(_IDS_JOIN_S)  # it writes into the job dir: done before the dir goes
             self.start_join.close()
             if self.master_port is not None:
                 self.master_port.close()  # before the job: its lock file is removed through the jobs root's fd
             job.close()
+            # NOTE: the watchdog released last: a head SIGKILLed before the job dir is gone is cleaned up after (it was
+            # released first, and a kill between the two left the job dir behind)
+            if watchdog is not None:
+                watchdog.done()
             _set_child_subreaper(False)
         return job.path
 
@@ -1047,6 +1050,9 @@ class Head:
             self._fail(Failure(missing[0].rank if missing else None, names, exit_code=EXIT_HANDSHAKE,
                                tail=tuple(missing[0].tail) if missing else ()))
             return
+        self._check_closed_ranks(now)
+        if self.failure:
+            return
         for p in self.procs:
             if p.returncode is None and p.last_heartbeat is not None and p.phase != "bye":
                 silent = now - p.last_heartbeat
@@ -1066,6 +1072,38 @@ class Head:
                                        "stopped or frozen (or sleeping in a call that holds the GIL: raise "
                                        "--heartbeat-timeout-s)", tail=tuple(p.tail)))
                     return
+
+    def _check_closed_ranks(self, now: float) -> None:
+        """Ranks that closed their tray send no heartbeats (the program may go on without the tray), and the tray ends
+        when they exit: one stopped (SIGSTOP, SIGTSTP, a debugger's stop: state T or t) for --heartbeat-timeout-s never
+        would, and fails the tray; while ranks that closed it keep it waiting after others exited, whom it waits for
+        is said every _WAIT_SAID_EVERY_S (the tray was silent until the job's time limit)."""
+        closed = [p for p in self.procs if p.returncode is None and p.phase == "bye"]
+        for p in closed:
+            fields = stat_fields(p.pid)
+            if fields is None or fields[0] not in ("T", "t"):
+                p.stopped_since = None
+                continue
+            if p.stopped_since is None:
+                p.stopped_since = now
+            elif now - p.stopped_since > self.spec.heartbeat_timeout_s:
+                self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) closed its tray {now - p.phase_at:.1f} s ago "
+                                   f"and has been stopped for {now - p.stopped_since:.1f} s since (state {fields[0]}: "
+                                   "SIGSTOP, SIGTSTP or a debugger; --heartbeat-timeout-s "
+                                   f"{self.spec.heartbeat_timeout_s:g} s): it would never exit, and the tray ends when "
+                                   "every rank has", tail=tuple(p.tail)))
+                return
+        ended = [p for p in self.procs if p.returncode is not None]
+        if not closed or not ended or now - max(p.phase_at for p in closed) < _WAIT_SAID_EVERY_S or \
+                now - self._last_wait_said < _WAIT_SAID_EVERY_S:
+            return
+        self._last_wait_said = now
+        states = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep", "T": "stopped", "t": "stopped"}
+        said = "; ".join(f"rank {p.rank} closed its tray {now - p.phase_at:.0f} s ago, "
+                         f"{states.get((stat_fields(p.pid) or ['?'])[0], 'state unknown')}" for p in closed[:8])
+        more = f"; and {len(closed) - 8} more" if len(closed) > 8 else ""
+        _say(f"waiting for {ranks_text([p.rank for p in closed])} to exit ({len(ended)} of {self.spec.nprocs} "
+             f"did; a program may go on after close(), and the tray ends when every rank has): {said}{more}")
 
     def _busy(self, p: RankProcess, now: float) -> bool:
         """A rank silent for a whole heartbeat window: whether its process kept a CPU busy over it (a call that holds
@@ -1272,6 +1310,14 @@ class Head:
         self._sample_shm(job, force=True)
         if self.failure:  # the root cause first; its report and the ranks' ends follow the teardown
             self._say_failed()
+        elif self._signals:
+            # a rank's death the loop had not judged yet when a stop signal came (within a turn of it): said, so an
+            # interrupt does not hide it; a death by a stop signal may be the same signal's, and is not
+            for p, code, _ in self._exits.ended(self.procs):
+                p.returncode, p.t_exit = code, time.time()
+                if _faulted(code):
+                    _say(f"rank {p.rank} (pid {p.pid}) {_how_it_ended(code)} before the stop signal came, and was "
+                         f"not judged yet (last phase: {self._phase_of(p)})")
         alive = [p for p in self.procs if p.popen.poll() is None]
         if alive:
             if self.failure:
@@ -1284,7 +1330,7 @@ class Head:
             reporters = [p for p in alive if p.rank in self._reporters]
             for p in alive:
                 if p not in reporters:
-                    p.popen.send_signal(signal.SIGTERM)
+                    _terminate(p)
             if reporters:
                 until = time.monotonic() + min(_REPORTER_EXIT_S, self.spec.grace_s)
                 while any(p.popen.poll() is None for p in reporters) and time.monotonic() < until and \
@@ -1292,7 +1338,7 @@ class Head:
                     time.sleep(_GRACE_POLL_S)
                 for p in reporters:
                     if p.popen.poll() is None:
-                        p.popen.send_signal(signal.SIGTERM)
+                        _terminate(p)
             killed = []
             for p in alive:
                 # NOTE: a stop signal that comes during the grace (a second Ctrl-C) ends it: SIGKILL at once
@@ -1537,12 +1583,12 @@ class _ExitOrder:
     """The order in which the ranks exit, seen as it happens: a pidfd per running rank in the head's poller, readable
     once the rank has exited (Linux 5.3 and later; where pidfd_open is missing, ranks are judged in rank order)."""
 
-    def __init__(self, procs: Sequence[RankProcess], poller: zmq.Poller) -> None:
+    def __init__(self, procs: Sequence[RankProcess], poller: zmq.Poller | None) -> None:
         self._poller = poller
         self._fds: dict[int, int] = {}  # pidfd -> rank, while the rank runs
         self._seen: dict[int, float] = {}  # rank -> when its exit was seen (monotonic s)
         for p in procs:
-            if p.returncode is not None:
+            if p.returncode is not None or poller is None:
                 continue
             try:
                 fd = os.pidfd_open(p.pid)
@@ -1587,7 +1633,8 @@ class _ExitOrder:
 
     def _drop(self, fd: int) -> None:
         del self._fds[fd]
-        self._poller.unregister(fd)
+        if self._poller is not None:
+            self._poller.unregister(fd)
         os.close(fd)
 
 
@@ -1627,6 +1674,16 @@ class _LateReport:
     missing: list[int]
     waited_s: float | None
     at: float
+
+
+def _terminate(p: RankProcess) -> None:
+    """SIGTERM to rank `p`, and SIGCONT when it is stopped: a stopped process acts on no signal but SIGKILL, so its
+    SIGTERM handler would not run in the grace, and its end be said as a handler cut short."""
+    p.popen.send_signal(signal.SIGTERM)
+    fields = stat_fields(p.pid)
+    if fields is not None and fields[0] == "T":
+        with contextlib.suppress(OSError):
+            os.kill(p.pid, signal.SIGCONT)
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -23,6 +23,7 @@ __all__ = ["JobArgs", "JobSpec", "TOKEN_VAR", "job_rank_env", "pytorchjob_nprocs
 TOKEN_VAR = "TRAY_JOB_TOKEN"
 # NOTE: the CURVE keys are derived from the token, so they are only as strong as it is; 16 characters
 # is the floor (the sbatch script makes 64 hex characters).
+MAX_NNODES = 1 << 16  # nodes of one job: the root holds a connection per node
 MIN_TOKEN_CHARS = 16
 # and its characters must vary: "aaaaaaaaaaaaaaaa" or sixteen spaces are guessed at once, and one HELLO captured on the
 # wire lets guesses be checked offline (a random hex token of 16 has fewer than 6 distinct characters 1e-5 of the time)
@@ -353,11 +354,14 @@ def resolve_job(args: JobArgs, env: Mapping[str, str]) -> JobSpec | None:
                  "lws": "LWS_LEADER_ADDRESS is set but LWS_GROUP_SIZE (the pods of its group) is not"}.get(s.source)
         raise UsageError(f"{unset or s.source + ': the number of nodes is unknown'}; give --nnodes N")
     assert isinstance(nnodes, int)
-    if nnodes < 1:
-        raise UsageError(f"--nnodes must be at least 1, got {nnodes}")
-    if nnodes == 1:
-        return None
+    if not 1 <= nnodes <= MAX_NNODES:
+        raise UsageError(f"--nnodes must be 1 to {MAX_NNODES}, got {nnodes}")
     node_rank, rank_source = pick("node_rank")
+    if nnodes == 1:
+        if node_rank not in (None, 0):  # a job of one node has node 0 alone: a node rank past it was run as node 0
+            raise UsageError(f"node rank {node_rank} is outside 0..0 (a job of 1 node); drop --node-rank, or give "
+                             "the job's --nnodes")
+        return None
     host, _ = pick("host")
     port, port_source = pick("port")
     if node_rank is None and s.source == "pytorchjob":

@@ -233,8 +233,8 @@ class NodeLink:
                             "give a name or address every node can resolve (or wait longer for its record: "
                             "--timeout-s)")
                 return (f"could not reach {where} within {self.connect_timeout_s:.0f} s (--timeout-s; node 0 not "
-                        f"started or given up already, a wrong root address (from {host_source(self.job.source)}), "
-                        "or a firewall)")
+                        "started, ended or given up already, a wrong root address "
+                        f"(from {host_source(self.job.source)}), or a firewall)")
             if not self.job.is_root and now - self._last_wait_said >= WAIT_SAID_EVERY_S:
                 self._last_wait_said = now
                 say(f"node {self.job.node_rank}: no answer yet from {where} ({now - self.t_start:.0f} s" +

@@ -761,7 +761,8 @@ class Root:
             elif refused := [self.strangers[n] for n in self.missing_nodes() if n in self.strangers]:
                 why = f"refused: {'; '.join(refused)}"
             else:
-                why = f"not started, a wrong root address (from {host_source(self.job.source)}), or a firewall"
+                why = (f"not started, or ended before it joined (its head killed or interrupted as it started: its "
+                       f"output says), a wrong root address (from {host_source(self.job.source)}), or a firewall")
             self._stop(None, -1, f"{late}; {why}", exit_code=EXIT_HANDSHAKE)
             return
         if len(self.nodes) < self.nnodes and now - self._last_wait_said >= _WAIT_SAID_EVERY_S and \

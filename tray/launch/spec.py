@@ -85,6 +85,8 @@ class RankProcess:
     phase_at: float = field(default_factory=time.monotonic)
     # (when, CPU seconds) of the rank's process when its heartbeat window last ran out: whether it ran meanwhile
     cpu_mark: tuple[float, float | None] | None = None
+    # since when (monotonic s) the rank, its tray closed, has been seen stopped (state T or t); None: not stopped
+    stopped_since: float | None = None
 
     @property
     def pid(self) -> int:

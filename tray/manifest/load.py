@@ -408,6 +408,12 @@ class _Parser:
                     jp, f"'{key}' is reserved: the tray sets it ({WORLD_SIZE_VAR}: the number of ranks, "
                     f"{LOCAL_WORLD_SIZE_VAR}: the ranks per node); rename the var"
                 )
+            if key in (RANK_ARG, "index"):
+                self.fail(
+                    jp, f"'{key}' is reserved: a launch argument \"{RANK_ARG}\" and a bind's {{{RANK_ARG}}} are the "
+                    "running rank, a bind's {index} its index in the buffer's group, whatever a var of that name "
+                    "says; rename the var"
+                )
             self.vars[key] = self.int_(value, jp)
 
     def parse_groups(self, raw: object) -> tuple[GroupSpec, ...]:

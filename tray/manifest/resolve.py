@@ -65,6 +65,9 @@ def resolve_manifest(
     return _Resolver(manifest, env, None if programs is None else frozenset(programs)).run()
 
 
+MAX_WORLD_SIZE = 1 << 20  # ranks of one job (a tray's -n is capped alike: tray.launch.pick.MAX_NPROCS)
+
+
 def resolve_vars(
     manifest: Manifest, world_size: int, overrides: dict[str, int] | None, local_world_size: int | None = None
 ) -> dict[str, int]:
@@ -72,6 +75,9 @@ def resolve_vars(
     world_size). Raises UsageError for bad values or unknown names."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"world_size must be an int >= 1, got {world_size!r}")
+    if world_size > MAX_WORLD_SIZE:  # each rank a process: a group of "all" is a tuple of every rank, and so on
+        raise UsageError(f"a world of {world_size} ranks: at most {MAX_WORLD_SIZE} (the ranks of the whole job, its "
+                         "nodes x ranks per node)")
     local = local_world_size or world_size
     if isinstance(local, bool) or not isinstance(local, int) or local < 1 or world_size % local:
         raise UsageError(

@@ -154,8 +154,13 @@ def validate(a: EpBenchArgs) -> None:
 
     if a.nprocs < 2:
         raise UsageError(f"ep-moe compares N ranks with EP1: -n must be at least 2, got {a.nprocs}")
-    if a.experts % a.nprocs:
-        raise UsageError(f"--experts {a.experts} must divide over {a.nprocs} ranks")
+    if a.experts < 1 or a.experts % a.nprocs:
+        raise UsageError(f"--experts {a.experts} must be at least 1 and divide over {a.nprocs} ranks")
+    if a.hidden < 8 or a.expert_dim < 8:
+        raise UsageError(f"--hidden ({a.hidden}) and --expert-dim ({a.expert_dim}) must be at least 8")
+    if a.ref_tokens < 0:
+        raise UsageError(f"--ref-tokens is how many tokens of each run are checked against float64: 0 or more, got "
+                         f"{a.ref_tokens}")
     check_nnodes(a.nnodes, a.nprocs)
     if a.nprocs > 64:
         raise UsageError(f"the reduce keeps one bit per rank: at most 64 ranks, got {a.nprocs}")

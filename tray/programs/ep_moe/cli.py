@@ -59,11 +59,12 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_ep_moe(args: argparse.Namespace) -> int:
-    from tray.bench import require_plot
+    from tray.bench import check_report_path, require_plot
     from tray.programs.ep_moe.bench import EpBenchArgs, run_ep_bench, validate
 
     backend, nprocs = backend_and_nprocs(args)
     require_plot(args.plot)
+    check_report_path(args.json)
     extra = {} if args.repeats is None else {"repeats": args.repeats}
     if backend != "cuda" and args.repeats is None:
         extra["repeats"] = 3  # NOTE: numpy twins: three samples per figure keep the host run short

@@ -33,8 +33,10 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_park(args: argparse.Namespace) -> int:
+    from tray.bench import check_report_path
     from tray.programs.park.bench import CEILING_REPEATS, run
 
     backend, nprocs = backend_and_nprocs(args)
+    check_report_path(args.json)
     return run(nprocs, backend, args.gib, args.page_mib, args.repeats, args.json,
                args.ceiling_repeats or CEILING_REPEATS, args.plot)

@@ -103,8 +103,10 @@ class TpBenchArgs:
         d = DEFAULTS.get(self.backend, DEFAULTS["host"])
         return TpBenchArgs(
             nprocs=self.nprocs, backend=self.backend, sizes=self.sizes or d["sizes"],
-            tokens=self.tokens or d["tokens"], hidden=self.hidden or d["hidden"], ffn=self.ffn or d["ffn"],
-            seed=self.seed, repeats=self.repeats or d["repeats"], warmup=self.warmup, json_path=self.json_path,
+            tokens=self.tokens or d["tokens"], hidden=d["hidden"] if self.hidden is None else self.hidden,
+            ffn=d["ffn"] if self.ffn is None else self.ffn,
+            seed=self.seed, repeats=d["repeats"] if self.repeats is None else self.repeats, warmup=self.warmup,
+            json_path=self.json_path,
             log_dir=self.log_dir, keep=self.keep, plot_path=self.plot_path, ll_max_bytes=self.ll_max_bytes,
             ll_sweep_bytes=d["ll_sweep_bytes"] if self.ll_sweep_bytes is None else self.ll_sweep_bytes,
             ll_shapes=self.ll_shapes, nnodes=self.nnodes, nccl_windows=self.nccl_windows)
@@ -125,10 +127,12 @@ def validate(a: TpBenchArgs) -> None:
                          f"least 2, got -n {a.nprocs} over {a.nnodes} node(s)")
     if a.nnodes > 1 and a.plot_path:
         raise UsageError("--plot draws one tray's sweep; run without --nnodes to plot")
-    if a.ffn % (8 * a.tp_size) or a.hidden % 8:
+    if a.repeats is not None and a.repeats < 1:
+        raise UsageError(f"--repeats must be at least 1, got {a.repeats}")
+    if a.ffn < 8 * a.tp_size or a.hidden < 8 or a.ffn % (8 * a.tp_size) or a.hidden % 8:
         raise UsageError(
-            f"--ffn ({a.ffn}) must split into {a.tp_size} shards (the ranks of a node) of a multiple of 8 and "
-            f"--hidden ({a.hidden}) be a multiple of 8 (16-byte vectors)"
+            f"--ffn ({a.ffn}) must split into {a.tp_size} shards (the ranks of a node) of a positive multiple of 8 "
+            f"and --hidden ({a.hidden}) be a positive multiple of 8 (16-byte vectors)"
         )
     bad = [s for s in a.sizes if s < 2 or s % 2]
     if bad:

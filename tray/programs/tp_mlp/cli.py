@@ -44,12 +44,13 @@ def add_bench_parser(benches: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_tp(args: argparse.Namespace) -> int:
-    from tray.bench import require_plot
+    from tray.bench import check_report_path, require_plot
     from tray.programs.tp_mlp.bench import TpBenchArgs, run_tp_bench, validate
     from tray.programs.tp_mlp.ll import parse_ll_shapes
 
     backend, nprocs = backend_and_nprocs(args)
     require_plot(args.plot)
+    check_report_path(args.json)
     extra: dict = {"plot_path": args.plot}
     if args.ll_shapes is not None:
         extra["ll_shapes"] = parse_ll_shapes(args.ll_shapes)
