@@ -205,6 +205,8 @@ def test_version(capsys):
                     "cpu), got 'two'"),
     (["--bakend=host"], "unrecognized arguments: --bakend=host (did you mean --backend?)"),
     (["--manifest", ""], "the manifest's name is empty (--manifest ''); give a manifest file or a built-in name"),
+    (["--log-dir", ""], "--log-dir needs a directory, got an empty one (an unset variable?)"),
+    (["--log-dir", "", "--tee", "3"], "--log-dir needs a directory, got an empty one"),
 ])
 def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
     try:
@@ -240,6 +242,9 @@ def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
     (["gate", "peer-barrier", "-n", "2", "--skew-ns", "9"], "tray: UsageError: --skew-ns set the rounds of --stress"),
     (["bench", "tp", "-n", "2", "--hidden", "0"], "and --hidden (0) be a positive multiple of 8"),
     (["bench", "tp", "-n", "2", "--repeats", "0"], "tray: UsageError: --repeats must be at least 1, got 0"),
+    # said as a var of the bench's manifest ('max_count', 'pages') the user never gave
+    (["bench", "tp", "-n", "2", "--sizes", str(10 ** 30)], "--sizes are bytes per allreduce, at most 2**40"),
+    (["bench", "park", "-n", "2", "--gib", "1e30"], "--gib: expected at most 1048576"),
     (["bench", "ep-moe", "-n", "2", "--ref-tokens", "-1"], "tray: UsageError: --ref-tokens is how many tokens"),
     (["bench", "ep-moe", "-n", "2", "--experts", "0"], "tray: UsageError: --experts 0 must be at least 1"),
     (["bench", "ep-moe", "-n", "2", "--expert-dim", "0"], "--expert-dim (0) must be at least 8"),

@@ -467,6 +467,10 @@ LOAD_ERRORS = [
     (_del("name"), "$", ["missing key 'name'"]),
     (_set(("format",), 2), "$.format", ["unsupported format 2"]),
     (_set(("format",), True), "$.format", ["unsupported format true"]),
+    (_set(("format",), 1.0), "$.format", ["unsupported format 1.0"]),  # ints are never floats like 4.0
+    # printed by tray inspect as one line: a newline or a terminal's escape went out raw
+    (_set(("description",), "two\nlines"), "$.description", ["one line of text", "two\\nlines"]),
+    (_set(("description",), "\x1b[2J"), "$.description", ["without control characters"]),
     (_set(("name",), "bad name"), "$.name", ["invalid manifest name"]),
     (_set(("vars",), []), "$.vars", ["expected an object"]),
     (_set(("vars", "world_size"), 4), "$.vars.world_size", ["reserved"]),
@@ -709,6 +713,33 @@ def test_unreadable_and_non_object_files(tmp_path: Path) -> None:
         path.write_bytes(text.encode("latin-1"))
         with pytest.raises(ManifestError, match=re.escape(fragment)):
             load_manifest(path)
+
+
+def test_a_manifest_path_that_is_no_regular_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    """A FIFO at a manifest's path blocked its reader (the head's loop, for a manifest a rank named) until someone
+    wrote to it; a directory said only the OS's error."""
+    import threading
+
+    fifo = tmp_path / "m.fifo"
+    os.mkfifo(fifo)
+    errors: list[str] = []
+
+    def load() -> None:
+        try:
+            load_manifest(fifo)
+        except ManifestError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(5.0)
+    if t.is_alive():  # let the reader go
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5.0)
+        raise AssertionError("load_manifest blocked on a FIFO")
+    assert len(errors) == 1 and "the manifest is not a regular file (a FIFO" in errors[0], errors
+    with pytest.raises(ManifestError, match="the manifest is a directory; give a manifest file"):
+        load_manifest(tmp_path)
 
 
 def test_parse_manifest_in_memory(root: Path) -> None:
@@ -1164,3 +1195,13 @@ def test_a_world_past_any_jobs_is_refused_before_its_ranks_are_listed():
         with pytest.raises(UsageError, match=f"a world of {n} ranks: at most 1048576"):
             m.resolve(n)
     assert m.resolve(1 << 20).world_size == 1 << 20
+
+
+def test_an_unknown_group_of_an_index_argument_names_world_once(root: Path) -> None:
+    """A manifest that declares "world" itself heard "known: world, world"."""
+    doc = full_doc()
+    doc["groups"].append({"name": "world", "ranks": "all"})
+    doc["programs"][0]["ops"][0]["args"][2] = "index:nope"
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(doc, "m.json", str(root))
+    assert "known: tp, pairs, world" in str(info.value) and "world, world" not in str(info.value), str(info.value)

@@ -348,6 +348,11 @@ def test_inspect_shows_each_ranks_tensors_and_checks_them_against_the_file(tmp_p
     (tmp_path / "m.json").write_text(json.dumps(doc))
     with pytest.raises(CheckpointError, match="rank 1 of 2: .*no tensor 'e.4'"):
         format_inspect(load_manifest(tmp_path / "m.json"), 2, check_bind=check_bind)
+    # a directory where the file is named was said to be "no such file here"
+    (tmp_path / "c.safetensors").unlink()
+    (tmp_path / "c.safetensors").mkdir()
+    text = format_inspect(load_manifest(tmp_path / "m.json"), 2, check_bind=check_bind)
+    assert f"from {tmp_path / 'c.safetensors'} (not checked: not a regular file)" in text, text
     doc["buffers"][0]["bind"]["tensor"] = doc["buffers"][0]["bind"].pop("tensors")
     (tmp_path / "m.json").write_text(json.dumps(doc))
     with pytest.raises(ManifestError, match="unknown key.*tensor.*did you mean 'tensors'") as err:

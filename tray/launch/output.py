@@ -84,6 +84,9 @@ class Routing:
     rank_base: int = 0  # the global rank of local rank 0 (a node of a job of several)
 
     def __post_init__(self) -> None:
+        if self.log_dir == "":  # an unset variable ($LOGDIR): no logs kept, without a word
+            raise UsageError("--log-dir needs a directory, got an empty one (an unset variable?); give one, or leave "
+                             "--log-dir out to keep no log files")
         given = [flag for flag, value in (("--redirects", self.redirects), ("--tee", self.tee))
                  if any(value if isinstance(value, tuple) else (value,))]
         if given and not self.log_dir:

@@ -115,6 +115,8 @@ def _binds(m: Manifest, r: ResolvedManifest, check_bind: CheckBind | None) -> li
             elif os.path.isfile(file):
                 check_bind(b, env, jp, m.path)
                 seen = " (checked)"
+            elif os.path.exists(file):
+                seen = " (not checked: not a regular file)"
             else:
                 seen = " (not checked: no such file here)"
             shown = ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]}"

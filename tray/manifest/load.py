@@ -7,6 +7,7 @@ import keyword
 import math
 import os
 import re
+import stat
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -61,6 +62,7 @@ IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # NOTE: real manifests nest four levels; the bound keeps the validator's recursion far from the
 # interpreter's limit whatever an in-memory document holds.
 MAX_DEPTH = 64
+MAX_MANIFEST_NBYTES = 256 << 20  # a manifest names weights, it does not hold them
 # NOTE: JSON has no integer bound; 2**64 admits every u64 a bind table could carry while keeping
 # json.dumps (the digest) clear of Python's int-to-str digit limit.
 JSON_INT_LIMIT = 2**64
@@ -171,8 +173,24 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     """
     where = os.fspath(path)
     try:
-        with open(where, "rb") as f:
-            raw = f.read()
+        # NOTE: opened without blocking and judged by what was opened: a FIFO at the path (planted, or put there
+        # after a check of the name) would block the reader, the head's loop with it, until someone wrote to it
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, a device...)"
+            raise ManifestError(where, "$", f"the manifest is {what}; give a manifest file")
+        if st.st_size > MAX_MANIFEST_NBYTES:
+            os.close(fd)
+            raise ManifestError(where, "$", f"the manifest takes {st.st_size} bytes, more than any manifest may "
+                                f"({MAX_MANIFEST_NBYTES}); is it the right file?")
+        with open(fd, "rb") as f:
+            raw = f.read(MAX_MANIFEST_NBYTES + 1)
     except OSError as exc:
         raise ManifestError(where, "$", f"cannot read the manifest: {exc.strerror or exc}") from None
     try:
@@ -366,10 +384,13 @@ class _Parser:
         doc = self.plain(raw)
         top = self.obj(doc, "$", "manifest", TOP_KEYS, ("format", "name"))
         fmt = top["format"]
-        if isinstance(fmt, bool) or fmt != FORMAT_VERSION:
+        if type(fmt) is not int or fmt != FORMAT_VERSION:  # 1.0 too: ints are never floats like 4.0 here
             self.fail("$.format", f"unsupported format {show(fmt)}; this tray reads format {FORMAT_VERSION}")
         name = self.name(top["name"], "$.name", "manifest", MANIFEST_NAME_RE)
         description = self.str_(top.get("description", ""), "$.description", "description")
+        if any(c < " " or c == "\x7f" for c in description):  # printed by tray inspect: a newline, a terminal escape
+            self.fail("$.description", f"the description is one line of text, without control characters; got "
+                      f"{show(description)}")
         barrier_timeout_s = self.seconds(top["barrier_timeout_s"], "$.barrier_timeout_s") \
             if "barrier_timeout_s" in top else None
         self.parse_vars(top.get("vars", {}))
@@ -681,7 +702,7 @@ class _Parser:
         if raw in self.vars or raw in RESERVED_VARS or raw == RANK_ARG:
             return raw
         if raw.startswith(INDEX_PREFIX):
-            self.ref(raw[len(INDEX_PREFIX) :], jp, "group", [*self.groups, "world"])
+            self.ref(raw[len(INDEX_PREFIX) :], jp, "group", list(dict.fromkeys([*self.groups, "world"])))
             return raw
         name, _ = split_ref(raw)
         if name in self.buffers:

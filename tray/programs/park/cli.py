@@ -16,7 +16,12 @@ def _positive(text: str) -> float:
         value = math.nan
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if value > _MOST:  # past any host's memory (and, in bytes, past the manifest's 2**63)
+        raise argparse.ArgumentTypeError(f"expected at most {_MOST} (a size any machine holds), got {text!r}")
     return value
+
+
+_MOST = 1 << 20  # GiB or MiB
 
 
 def add_bench_parser(benches: argparse._SubParsersAction) -> None:

@@ -137,6 +137,13 @@ def validate(a: TpBenchArgs) -> None:
     bad = [s for s in a.sizes if s < 2 or s % 2]
     if bad:
         raise UsageError(f"--sizes must be whole bf16 elements (even byte counts >= 2), got {bad}")
+    bad = [s for s in a.sizes if s > 1 << 40]
+    if bad:
+        raise UsageError(f"--sizes are bytes per allreduce, at most 2**40 (more than any GPU holds), got {bad}")
+    for flag, values, most in (("--tokens", a.tokens, 1 << 24), ("--hidden", (a.hidden,), 1 << 20),
+                               ("--ffn", (a.ffn,), 1 << 24)):
+        if max(values) > most:
+            raise UsageError(f"{flag} takes at most {most}, got {max(values)}")
     if any(t < 1 for t in a.tokens):
         raise UsageError(f"--tokens must be >= 1, got {list(a.tokens)}")
     for flag, value in (("--ll-max-bytes", a.ll_max_bytes), ("--ll-sweep-bytes", a.ll_sweep_bytes)):
