@@ -383,6 +383,23 @@ def test_rank_hangs_before_offer(tray_env):
     assert run.seconds < 15
 
 
+def test_a_rank_stopped_before_it_offers_is_said_stopped_not_only_alive(tray_env):
+    """A rank stopped (SIGSTOP) before tray.init() was said "alive" when the handshake gave up; alive but stopped, it
+    never comes until continued. Its SIGTERM in the teardown is acted on (SIGCONT with it)."""
+    body = """
+    import signal
+    if os.environ["TRAY_RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    with tray.init() as rank:
+        rank.barrier(timeout_s=30)
+    """
+    run = tray_env.launch(2, body, "--timeout-s", "2")
+    assert run.returncode == 3, run.output
+    assert "rank 1 did not offer within 2 s of the first rank's contact (--timeout-s; process alive but stopped " \
+        "(state T: SIGSTOP, SIGTSTP or a debugger)" in run.stderr, run.stderr
+    assert re.search(r"after teardown: .*rank 1 \(the root cause\): killed by SIGTERM", run.stderr), run.stderr
+
+
 def test_rank_hangs_in_barrier_is_named_missing(tray_env):
     run = tray_env.launch(4, """
     with tray.init() as rank:

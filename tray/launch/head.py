@@ -1124,7 +1124,10 @@ class Head:
     def _liveness(p: RankProcess) -> str:
         code = p.popen.poll()
         if code is None:
-            return "alive"
+            fields = stat_fields(p.pid)
+            # a stopped process (SIGSTOP, SIGTSTP, a debugger) is alive, but will not come until continued
+            return "alive but stopped (state T: SIGSTOP, SIGTSTP or a debugger)" if fields and fields[0] in "Tt" \
+                else "alive"
         return f"exited with code {code}" if code >= 0 else f"killed by {_signal_name(code)}"
 
     def _heartbeating(self, p: RankProcess) -> bool:
