@@ -109,8 +109,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     dashed = bool(cmd) and cmd[0] == "--"
     if dashed:
         cmd = cmd[1:]
-    if sum((args.module, args.no_python, args.run_path)) > 1:
-        raise UsageError("-m/--module, --no-python and --run-path say three ways of starting the program; give one")
+    ways = [flag for flag, on in (("-m/--module", args.module), ("--no-python", args.no_python),
+                                  ("--run-path", args.run_path)) if on]
+    if len(ways) > 1:
+        raise UsageError(f"{' and '.join(ways)} say {len(ways)} ways of starting the program; give one")
     if not cmd:
         what = "a module: tray launch -n 4 -m package.module" if args.module else \
             "tray launch -n 4 program.py, or tray launch -n 4 -- CMD ARGS..."

@@ -380,6 +380,13 @@ def test_a_missing_or_unexecutable_program_is_one_line_saying_what_to_do(capsys,
     err = capsys.readouterr().err
     assert (f"Permission denied; {script} is a file without execute permission: chmod +x {script}, or start it with "
             "its interpreter") in err and err.count("\n") == 1, err
+    # a directory or a FIFO where the program is named: said to be one (it was "Permission denied" alone)
+    fifo = tmp_path / "prog.fifo"
+    os.mkfifo(fifo)
+    for path, what in ((tmp_path, "a directory"), (fifo, "not a regular file")):
+        assert main(["launch", "-n", "2", "-q", "--backend", "host", "--", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"Permission denied; {path} is {what}" in err and err.count("\n") == 1, err
 
 
 def test_a_py_program_on_path_needs_no_dashes(tmp_path, monkeypatch):
@@ -432,7 +439,8 @@ def test_torchruns_spellings_parse_as_tray_launchs_own():
 @pytest.mark.parametrize("argv, says", [
     (["--nnodes", "1:2"], "'1:2' is an elastic range (torchrun's MIN:MAX)"),
     (["-n", "many"], "expected a number of ranks (or gpu, auto, cpu), got 'many'"),
-    (["-m", "--no-python"], "-m/--module, --no-python and --run-path say three ways"),
+    (["-m", "--no-python"], "-m/--module and --no-python say 2 ways of starting the program; give one"),
+    (["-m", "--no-python", "--run-path"], "-m/--module and --no-python and --run-path say 3 ways"),
     (["-n", "gpu", "--backend", "host"], "--nproc-per-node gpu: no GPU is visible (or --backend host was given)"),
 ])
 def test_torchruns_forms_that_cannot_be_are_one_line(capsys, argv, says):

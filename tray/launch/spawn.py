@@ -278,6 +278,10 @@ def spawn_rank(spec: TraySpec, rank: int, env: dict[str, str], placement: NumaPl
         elif exc.errno == errno.EACCES and program.endswith(".py"):
             hint = (f"{program} is not executable: name it without `--` (tray launch -n N {program}: this Python "
                     f"runs it), or start it with python (-- python {program})")
+        elif exc.errno == errno.EACCES and os.sep in program and os.path.exists(program) and \
+                not os.path.isfile(program):
+            what = "a directory" if os.path.isdir(program) else "not a regular file (a FIFO, a device...)"
+            hint = f"{program} is {what}: name the program to run"
         elif exc.errno == errno.EACCES and os.path.isfile(program) and not os.access(program, os.X_OK):
             hint = (f"{program} is a file without execute permission: chmod +x {program}, or start it with its "
                     "interpreter")
