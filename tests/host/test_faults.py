@@ -328,21 +328,27 @@ def test_rank_sigkilled(tray_env):
     assert run.seconds < 15
 
 
-@pytest.mark.parametrize("trial", range(3))
-def test_a_rank_ending_on_a_peers_death_a_moment_later_is_not_the_root_cause(tray_env, trial):
-    """Rank 1 is killed; rank 0, connected to it as a gloo or TCPStore client is, exits 1 on the broken connection a
-    moment later, within the head's turn. Exits were judged in rank order at the turn: rank 0 was named."""
-    run = tray_env.launch(2, """
+@pytest.mark.parametrize("leader, first, then, named", [
+    # rank 1 killed; rank 0, connected to it as a gloo or TCPStore client is, exits 1 on the broken connection a
+    # moment later, within the head's turn: exits were judged in rank order at the turn, and rank 0 was named
+    ("1", "os.kill(os.getpid(), signal.SIGKILL)", "os._exit(1)", r"rank 1 \(pid [0-9]+\) was killed by SIGKILL"),
+    ("1", "os.kill(os.getpid(), signal.SIGKILL)", "os._exit(1)", r"rank 1 \(pid [0-9]+\) was killed by SIGKILL"),
+    # rank 0 exits 1, rank 1 aborts on the lost connection (std::terminate in a C++ library): an abort is no more a
+    # cause than the exit (a rule that put every fault signal first named rank 1)
+    ("0", "os._exit(1)", "os.abort()", r"rank 0 \(pid [0-9]+\) exited with code 1"),
+])
+def test_a_rank_ending_on_a_peers_end_a_moment_later_is_not_the_root_cause(tray_env, leader, first, then, named):
+    run = tray_env.launch(2, f"""
     import signal, socket
     port = int(os.environ["MASTER_PORT"])
-    if os.environ["RANK"] == "1":
+    if os.environ["RANK"] == "{leader}":
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
         s.listen(1)
         c, _ = s.accept()
         time.sleep(0.3)
-        os.kill(os.getpid(), signal.SIGKILL)
+        {first}
     for _ in range(500):
         try:
             c = socket.create_connection(("127.0.0.1", port))
@@ -350,12 +356,11 @@ def test_a_rank_ending_on_a_peers_death_a_moment_later_is_not_the_root_cause(tra
         except OSError:
             time.sleep(0.01)
     c.recv(1)
-    os._exit(1)
+    {then}
     """)
     assert run.returncode == 1, run.output
-    first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
-    assert first and first[0].startswith("tray: FAILED: rank 1 (pid") and "was killed by SIGKILL" in first[0], \
-        run.stderr
+    failed = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
+    assert failed and re.match("tray: FAILED: " + named, failed[0]), run.stderr
 
 
 def test_rank_segfaults(tray_env):
@@ -495,13 +500,13 @@ def test_a_rank_that_closed_its_tray_is_waited_for_aloud_and_failed_once_stopped
         rank.barrier(timeout_s=30)
         me = rank.rank
     if me == 1:
-        time.sleep(10.5)
+        time.sleep(12.5)
         os.kill(os.getpid(), signal.SIGSTOP)
     """, "--heartbeat-timeout-s", "2", timeout_s=60)
     assert run.returncode == 1, run.output
     waiting = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: waiting for rank 1 to exit")]
-    assert len(waiting) == 1 and "(1 of 2 did;" in waiting[0] and "rank 1 closed its tray 10 s ago, sleeping" in \
-        waiting[0], run.stderr
+    assert len(waiting) == 1 and "(1 of 2 did;" in waiting[0] and \
+        re.search(r"rank 1 closed its tray 1[0-2] s ago, sleeping", waiting[0]), run.stderr
     first = [ln for ln in run.stderr.splitlines() if ln.startswith("tray: FAILED")]
     assert first and first[0].startswith("tray: FAILED: rank 1 (pid") and "and has been stopped for 2." in first[0] \
         and "(state T:" in first[0], run.stderr
@@ -1073,7 +1078,7 @@ def test_decisions_of_steps_given_up_do_not_lengthen_a_later_wait(tray_env):
     """)
     assert run.returncode == 0, run.output
     waited = float(re.search(r"c gave up after ([0-9.]+) s", run.stdout).group(1))
-    assert 2.0 <= waited < 2.6, run.output
+    assert 2.0 <= waited < 3.0, run.output
 
 
 def test_steps_in_the_same_order_are_not_taken_for_crossed_ones(tray_env):

@@ -251,7 +251,7 @@ def test_launch_refuses_bad_options_before_spawning(capsys, argv, message):
     # the report's path, checked before the run (it was after it, the results printed then the report lost)
     (["gate", "peer-barrier", "-n", "2", "--json", "/"], "tray: UsageError: --json / is a directory"),
     (["gate", "peer-barrier", "-n", "2", "--json", ""], "tray: UsageError: --json needs a file path"),
-    (["bench", "tp", "-n", "2", "--json", "/dev/null"], "tray: UsageError: --json /dev/null is not a regular file"),
+    (["bench", "tp", "-n", "2", "--json", "/dev/null/r.json"], "tray: UsageError: --json /dev/null/r.json: "),
     (["bench", "ep-moe", "-n", "2", "--json", "/"], "tray: UsageError: --json / is a directory"),
     (["bench", "park", "-n", "2", "--json", "/"], "tray: UsageError: --json / is a directory"),
 ])

@@ -423,7 +423,7 @@ except SetupError as exc:
         pytest.skip("this machine's hard open-file limit is below 200")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines() == [
-        "92", "the open-file limit (ulimit -n) is 40 (at most 60); a tray of 12 ranks needs about 92 descriptors in "
+        "104", "the open-file limit (ulimit -n) is 40 (at most 60); a tray of 12 ranks needs about 104 descriptors in "
               "its head: raise it, or run fewer ranks"], out.stdout + out.stderr
 
 
@@ -650,6 +650,44 @@ def test_the_votes_of_steps_given_up_do_not_make_each_later_vote_judge_them_all(
     vote(1, "b", 1, 60.0)  # rank 0 waits in 'a' for rank 1, which waits in 'b' for rank 0: crossed
     assert head.failure is not None and "'a'" in head.failure.summary and "'b'" in head.failure.summary
     assert max(judged) <= 2, judged
+
+
+def test_a_stop_after_close_is_timed_over_the_heads_own_looks(monkeypatch) -> None:
+    """A rank stopped after it closed its tray fails the tray after --heartbeat-timeout-s; a job suspended and resumed
+    (the ranks and the head stopped, the head continued first) failed it at the head's first look after the resume,
+    the time the head itself was stopped counted."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tray.launch import head as head_mod
+    from tray.launch.head import Head
+    from tray.launch.spec import RankProcess, TraySpec
+
+    head = Head(TraySpec(nprocs=1, cmd=("true",), backend="host", heartbeat_timeout_s=10.0))
+    monkeypatch.setattr(head_mod, "_say", lambda text: None)
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while head_mod.stat_fields(child.pid)[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        head.procs = [RankProcess(rank=0, popen=child, t_spawn=time.time(), phase="bye", phase_at=t0)]
+        head._check_closed_ranks(t0)
+        head._check_closed_ranks(t0 + 0.5)
+        head._check_closed_ranks(t0 + 12.0)  # the head did not run for 11.5 s: its look restarts the stop's time
+        assert head.failure is None
+        for k in range(1, 20):  # looks a turn apart, as the loop's
+            head._check_closed_ranks(t0 + 12.0 + 0.6 * k)
+            if head.failure is not None:
+                break
+        assert head.failure is not None and 10.0 < 0.6 * k <= 10.8, k
+        assert "has been stopped for 10.2 s since (state T:" in head.failure.summary, head.failure.summary
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_the_bytes_left_in_a_pipe_are_counted() -> None:

@@ -189,8 +189,8 @@ def write_report(report: dict[str, Any], path: str | None, extra_env: dict[str, 
 
 def check_report_path(path: str | None, flag: str = "--json") -> None:
     """Raise UsageError, before a bench or gate runs, when its report could not be written at `path` (None: no
-    report): an empty path, a directory, something other than a regular file (a FIFO's write would block after the
-    run), or a parent that is not a directory. The run's results would otherwise be printed, then the report lost."""
+    report): an empty path, a directory, or a parent that is not a directory. The run's results would otherwise be
+    printed, then the report lost."""
     if path is None:
         return
     if not path:
@@ -202,9 +202,8 @@ def check_report_path(path: str | None, flag: str = "--json") -> None:
         st = None
     except OSError as exc:
         raise UsageError(f"{flag} {path}: cannot be used for the report ({exc.strerror})") from None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, a device...)"
-        raise UsageError(f"{flag} {path} is {what}; give the path of a file to write the report to")
+    if st is not None and stat.S_ISDIR(st.st_mode):  # a FIFO or a device (/dev/stdout, >(jq .)) is written to
+        raise UsageError(f"{flag} {path} is a directory; give the path of a file to write the report to")
     parent = next((p for p in target.absolute().parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise UsageError(f"{flag} {path}: {parent} is not a directory; give the path of a file to write the report to")

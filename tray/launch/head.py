@@ -105,7 +105,8 @@ _SIGNAL_SIBLING_S = 0.2
 # the exit statuses of a rank killed by one of the signals that stop a tray (envvars.stop_signals): one the head got
 # too is the whole tray's interruption, not the rank's failure
 _STOP_DEATHS = (-signal.SIGTERM, -signal.SIGINT, -signal.SIGQUIT, -signal.SIGHUP)
-_EXIT_TIE_S = 0.02  # exits seen this close are one event (a turn of the loop: the order the kernel gives may be wrong)
+_LOOK_GAP_S = 1.0  # looks this far apart (the head did not run between them) time no stop
+_EXIT_TIE_S = 0.02  # failures seen this close are one moment (a turn of the loop): the order seen may be wrong
 _MIN_WINDOW_S = 0.5  # CPU time is counted in clock ticks (10 ms): a shorter window would misjudge
 # a verdict that names a late rank samples its CPU this long when the tick has not yet (two ticks of a busy CPU, also
 # when it gets half of one)
@@ -252,6 +253,7 @@ class Head:
         self.token = secrets.token_hex(16)
         self.procs: list[RankProcess] = []
         self._exits = _ExitOrder((), None)  # the loop's watches the ranks' exits
+        self._closed_looked_at = 0.0  # when _check_closed_ranks last looked (monotonic)
         self.offers: dict[int, wire.Offer] = {}
         self.ready: dict[int, wire.Ready] = {}
         self.votes: dict[tuple[str, int], dict[int, object]] = {}
@@ -368,12 +370,14 @@ class Head:
             self.start_join.close()
             if self.master_port is not None:
                 self.master_port.close()  # before the job: its lock file is removed through the jobs root's fd
-            job.close()
-            # NOTE: the watchdog released last: a head SIGKILLed before the job dir is gone is cleaned up after (it was
-            # released first, and a kill between the two left the job dir behind)
-            if watchdog is not None:
-                watchdog.done()
-            _set_child_subreaper(False)
+            try:
+                job.close()
+            finally:
+                # NOTE: the watchdog released last: a head SIGKILLed before the job dir is gone is cleaned up after (it
+                # was released first, and a kill between the two left the job dir behind)
+                if watchdog is not None:
+                    watchdog.done()
+                _set_child_subreaper(False)
         return job.path
 
     def _reserve_master_port(self, lock_dir_fd: int) -> PortReservation | None:
@@ -1079,17 +1083,22 @@ class Head:
         would, and fails the tray; while ranks that closed it keep it waiting after others exited, whom it waits for
         is said every _WAIT_SAID_EVERY_S (the tray was silent until the job's time limit)."""
         closed = [p for p in self.procs if p.returncode is None and p.phase == "bye"]
+        # NOTE: a stop is timed over the head's own looks: a head stopped with its ranks (a job suspended and
+        # resumed, the head first) saw none of it pass
+        resumed = now - self._closed_looked_at > _LOOK_GAP_S
+        self._closed_looked_at = now
         for p in closed:
             fields = stat_fields(p.pid)
-            if fields is None or fields[0] not in ("T", "t"):
+            # NOTE: T only: a rank stopped at a debugger's breakpoint (t) is being looked at, not frozen
+            if fields is None or fields[0] != "T":
                 p.stopped_since = None
                 continue
-            if p.stopped_since is None:
+            if p.stopped_since is None or resumed:
                 p.stopped_since = now
             elif now - p.stopped_since > self.spec.heartbeat_timeout_s:
                 self._fail(Failure(p.rank, f"rank {p.rank} (pid {p.pid}) closed its tray {now - p.phase_at:.1f} s ago "
-                                   f"and has been stopped for {now - p.stopped_since:.1f} s since (state {fields[0]}: "
-                                   "SIGSTOP, SIGTSTP or a debugger; --heartbeat-timeout-s "
+                                   f"and has been stopped for {now - p.stopped_since:.1f} s since (state T: "
+                                   "SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU; --heartbeat-timeout-s "
                                    f"{self.spec.heartbeat_timeout_s:g} s): it would never exit, and the tray ends when "
                                    "every rank has", tail=tuple(p.tail)))
                 return
@@ -1126,8 +1135,8 @@ class Head:
         if code is None:
             fields = stat_fields(p.pid)
             # a stopped process (SIGSTOP, SIGTSTP, a debugger) is alive, but will not come until continued
-            return "alive but stopped (state T: SIGSTOP, SIGTSTP or a debugger)" if fields and fields[0] in "Tt" \
-                else "alive"
+            return f"alive but stopped (state {fields[0]}: SIGSTOP, SIGTSTP or a debugger)" \
+                if fields and fields[0] in ("T", "t") else "alive"
         return f"exited with code {code}" if code >= 0 else f"killed by {_signal_name(code)}"
 
     def _heartbeating(self, p: RankProcess) -> bool:
@@ -1319,8 +1328,8 @@ class Head:
             for p, code, _ in self._exits.ended(self.procs):
                 p.returncode, p.t_exit = code, time.time()
                 if _faulted(code):
-                    _say(f"rank {p.rank} (pid {p.pid}) {_how_it_ended(code)} before the stop signal came, and was "
-                         f"not judged yet (last phase: {self._phase_of(p)})")
+                    _say(f"rank {p.rank} (pid {p.pid}) {_how_it_ended(code)} as the stop signal came, its end not "
+                         f"judged yet (last phase: {self._phase_of(p)})")
         alive = [p for p in self.procs if p.popen.poll() is None]
         if alive:
             if self.failure:
@@ -1610,24 +1619,27 @@ class _ExitOrder:
 
     def ended(self, procs: Sequence[RankProcess]) -> list[tuple[RankProcess, int, tuple[str, ...]]]:
         """The ranks of `procs` that ended since the last call (reaped here): (rank, exit status, notes), the first
-        to end first. Exits seen within _EXIT_TIE_S of each other are one event, whose order the kernel may have
-        turned around (a killed process's sockets close before its exit is seen, and a peer ending on that can be
-        seen first): a rank killed by a fault signal goes before one that exited with a code, and is told of it."""
+        to end first. Failures seen within _EXIT_TIE_S of each other are one moment, whose order the kernel may have
+        turned around (a killed process's sockets close before its exit is seen, and a peer that ends on that can be
+        seen first): there a rank SIGKILLed (the OOM killer, a kill from outside: never a process's own reaction to
+        a lost peer, as an abort or an exit may be) goes first, and the others are said beside it."""
         ended = [(p, code) for p in procs if p.returncode is None and (code := p.popen.poll()) is not None]
         if len(ended) < 2:
             return [(p, code, ()) for p, code in ended]
         now = time.monotonic()
         when = {p.rank: self._seen.get(p.rank, now) for p, _ in ended}
-        first = min(when.values())
+        failed = [when[p.rank] for p, code in ended if code != 0]
+        first = min(failed) if failed else now
         tied = {p.rank for p, code in ended if code != 0 and when[p.rank] - first <= _EXIT_TIE_S}
-        order = sorted(ended, key=lambda e: (e[0].rank not in tied, not _faulted(e[1]) if e[0].rank in tied else 0,
-                                             when[e[0].rank], e[0].rank))
+        order = sorted(ended, key=lambda e: (e[0].rank not in tied, e[1] != -signal.SIGKILL if e[0].rank in tied
+                                             else False, when[e[0].rank], e[0].rank))
         head, code = order[0]
-        if head.rank not in tied or not _faulted(code):
+        if head.rank not in tied or code != -signal.SIGKILL:
             return [(p, c, ()) for p, c in order]
         others = [f"rank {p.rank} {_how_it_ended(c)} within {abs(when[p.rank] - when[head.rank]) * 1e3:.0f} ms of it "
-                  "(taken for a consequence: a process that ends on a fault signal closes its connections first)"
-                  for p, c in order[1:] if p.rank in tied and not _faulted(c)]
+                  "(which ended first is not known; a SIGKILL is never a process's own doing, and a killed process's "
+                  "connections close before its end is seen)"
+                  for p, c in order[1:] if p.rank in tied and c != -signal.SIGKILL]
         return [(head, code, tuple(others)), *((p, c, ()) for p, c in order[1:])]
 
     def close(self) -> None:

@@ -37,9 +37,10 @@ def _lock_of(stream: TextIO) -> threading.Lock:
     return _stdout_lock if stream is sys.stdout else _stderr_lock
 
 
-# NOTE: the head holds 4 descriptors per rank and 18 of its own (measured on the host backend: 26 at 2 ranks, 66
-# at 12), and ZeroMQ aborts the process (not an error it can catch) when it runs out: a margin over both
-_FDS_PER_RANK = 5
+# NOTE: the head holds 5 descriptors per rank (its pidfd among them) and 19 of its own (measured on the host
+# backend: 29 at 2 ranks, 79 at 12), and ZeroMQ aborts the process (not an error it can catch) when it runs out: a
+# margin over both
+_FDS_PER_RANK = 6
 _FDS_BASE = 32
 
 
