@@ -203,6 +203,9 @@ def test_a_pytorchjobs_nproc_per_node_is_torchruns_default_for_n():
         pytorchjob_nprocs({**pet, "PET_NPROC_PER_NODE": "eight"})
     with pytest.raises(UsageError, match="PET_NPROC_PER_NODE=0: expected an integer >= 1"):
         pytorchjob_nprocs({**pet, "PET_NPROC_PER_NODE": "0"})
+    # said as "-n must be at most ...", though no -n was given
+    with pytest.raises(UsageError, match=r"^PET_NPROC_PER_NODE=10{30}: at most 1048576 ranks per node"):
+        pytorchjob_nprocs({**pet, "PET_NPROC_PER_NODE": str(10 ** 30)})
 
 
 def test_rank_env_describes_the_job():

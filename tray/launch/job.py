@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tray.errors import UsageError
 from tray.launch.hostlist import first_host
+from tray.launch.pick import MAX_NPROCS
 from tray.text import is_digits
 
 __all__ = ["JobArgs", "JobSpec", "TOKEN_VAR", "job_rank_env", "pytorchjob_nprocs", "resolve_job", "slurm_port"]
@@ -243,7 +244,11 @@ def pytorchjob_nprocs(env: Mapping[str, str]) -> int | str | None:
     if not is_digits(value):
         raise UsageError(f"PET_NPROC_PER_NODE={value!r}: expected a number of ranks per node, or auto, gpu or cpu "
                          "(the PyTorchJob's nprocPerNode)")
-    return _int(value, "PET_NPROC_PER_NODE", 1)
+    n = _int(value, "PET_NPROC_PER_NODE", 1)
+    if n > MAX_NPROCS:  # said here: -n was never given
+        raise UsageError(f"PET_NPROC_PER_NODE={value}: at most {MAX_NPROCS} ranks per node (the PyTorchJob's "
+                         "nprocPerNode)")
+    return n
 
 
 def _scheduler(args: JobArgs, env: Mapping[str, str]) -> _Found | None:
