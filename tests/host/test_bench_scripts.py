@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import importlib.util
 import json
+import subprocess
 import sys
 
 import pytest
@@ -144,6 +145,18 @@ def test_the_step_latency_bench_times_tray_and_its_floor_at_each_rank_count(tray
         assert r[side]["samples"] == 40 and 0 < r[side]["p10_us"] <= r[side]["median_us"] <= r[side]["p90_us"], r
     assert r["ratio"] == pytest.approx(r["tray"]["median_us"] / r["floor"]["median_us"]), r
     assert 0 < r["parts"]["vote_decode_us"] < r["parts"]["codec_on_path_us"] and r["parts"]["codec_share"] > 0, r
+
+
+def test_the_vote_cost_bench_times_the_heads_votes_after_steps_given_up(tmp_path):
+    """bench/vote_cost.py, tiny: a head holding 0 and 300 given-up steps, 20 timed votes a pass; a figure per count,
+    and no more than a few times the first at 300 (each vote judged every given-up step before)."""
+    out = tmp_path / "v.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "vote_cost.py"), "--given-up", "0,300", "--votes", "20",
+                          "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["runs"]
+    assert [r["given_up"] for r in rows] == [0, 300] and all(r["us_per_vote"] > 0 for r in rows), rows
+    assert rows[1]["us_per_vote"] < 20 * rows[0]["us_per_vote"] + 50, rows
 
 
 def test_the_root_scale_bench_runs_a_root_and_its_nodes_links_through_a_job(tray_env, tmp_path):
