@@ -74,8 +74,11 @@ def stop_signals() -> tuple[int, ...]:
     """The signals that stop a tray as Ctrl-C does: SIGINT, SIGTERM (kill, scancel, a time limit) and SIGHUP (its
     terminal closed) where SIGHUP would end this process anyway: its handler is the default, or tray's own. Not
     under nohup (SIGHUP ignored: it asked to outlive its terminal), nor in a program that handles SIGHUP itself
-    (a reload, say) and calls run_tray()."""
-    sigs = [signal.SIGINT, signal.SIGTERM]
+    (a reload, say) and calls run_tray(). SIGINT and SIGTERM unless the process ignores them, or a handler installed
+    outside Python (by a C program embedding it) handles them."""
+    # NOTE: SIGINT and SIGTERM unless ignored (a program started in the background of a script ignores SIGINT), or
+    # handled by a handler installed outside Python (getsignal says None: it could not be put back)
+    sigs = [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) not in (signal.SIG_IGN, None)]
     handler = signal.getsignal(signal.SIGHUP)
     if handler is signal.SIG_DFL or getattr(handler, "stops_tray", False):
         sigs.append(signal.SIGHUP)

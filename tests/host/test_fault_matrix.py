@@ -228,6 +228,92 @@ def test_in_process_tray_leaves_no_fd(tray_env, monkeypatch):
     assert set(os.listdir("/proc/self/fd")) == fds
 
 
+def test_an_exception_of_the_programs_own_signal_handler_in_the_teardown_leaves_nothing(tray_env, monkeypatch):
+    """A program that runs trays in-process with a deadline of its own (a SIGALRM handler that raises, as
+    pytest-timeout's) got its exception in the teardown's grace: the rest of the cleanup was skipped, and a rank, the
+    watchdog, the job dir, fds and the subreaper flag stayed for the process's life. The exception still comes; the
+    tray is torn down whole first. (The fixture checks processes and job dirs.)"""
+    import ctypes
+    import signal
+
+    from tray.launch import head as head_mod
+
+    monkeypatch.setenv("TRAY_JOBS_ROOT", str(tray_env.jobs_root))
+    prog = tray_env.script("""
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # slow to stop: the teardown waits out its grace
+    with tray.init() as rank:
+        rank.barrier()
+        if rank.rank == 1:
+            sys.exit(3)
+        time.sleep(600)
+    """)
+    quick = TraySpec(nprocs=2, cmd=(sys.executable, "-c", "pass", tray_env.marker), backend="host", quiet=True)
+    run_tray(quick)  # the first run imports what it needs (zmq's own fds stay)
+    fds = set(os.listdir("/proc/self/fd"))
+
+    class Deadline(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Deadline
+
+    said = head_mod._say
+
+    def say(text: str) -> None:
+        said(text)
+        if text.startswith("stopping rank 0"):
+            signal.setitimer(signal.ITIMER_REAL, 0.5)  # in the grace's wait
+
+    monkeypatch.setattr(head_mod, "_say", say)
+    before = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Deadline):
+            run_tray(TraySpec(nprocs=2, cmd=(sys.executable, str(prog), tray_env.marker), backend="host", quiet=True,
+                              grace_s=30.0))
+        assert time.monotonic() - t0 < 20
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    assert set(os.listdir("/proc/self/fd")) == fds
+    flag = ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(37, ctypes.byref(flag), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+    assert flag.value == 0
+    assert run_tray(quick).exit_code == 0
+
+
+def test_the_subreaper_flag_is_put_back_as_it_was_and_held_while_any_tray_runs() -> None:
+    """run_tray() cleared the flag at its end: a process that was a subreaper already lost it, and of two trays at
+    once the first to end took it from the other (whose ranks' escaped descendants then went to pid 1)."""
+    import ctypes
+
+    from tray.launch.head import _Subreaper
+
+    libc = ctypes.CDLL(None)
+
+    def flag() -> int:
+        v = ctypes.c_int(-1)
+        libc.prctl(37, ctypes.byref(v), 0, 0, 0)
+        return v.value
+
+    assert flag() == 0
+    s = _Subreaper()
+    s.take()
+    s.take()  # a second tray
+    s.release()
+    assert flag() == 1  # the second still runs
+    s.release()
+    assert flag() == 0
+    libc.prctl(36, 1, 0, 0, 0)  # a subreaper of its own
+    try:
+        s.take()
+        s.release()
+        assert flag() == 1
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
+
+
 def test_run_tray_in_a_program_spares_its_own_children_and_its_own_sighup_handler(tray_env, monkeypatch):
     """run_tray() in a program with children of its own (started before the tray and while it runs, in process
     groups of their own) and a SIGHUP handler of its own: the teardown kills only what carries the tray's job in

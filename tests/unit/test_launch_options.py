@@ -765,3 +765,29 @@ def test_stop_grace_is_a_flag_of_bounded_seconds():
     for bad in ("-1", "1e9", "soon"):
         with pytest.raises(SystemExit):
             ap.parse_args(["launch", "--stop-grace-s", bad, "prog.py"])
+
+
+def test_sigint_and_sigterm_stop_a_tray_unless_ignored_or_handled_outside_python(monkeypatch) -> None:
+    """A program that ignores SIGINT (started in a script's background) had it taken over for the tray's run; one
+    whose handler was installed in C (getsignal: None) had its tray's result lost to a TypeError when the head put it
+    back, and every later SIGTERM swallowed by the head's handler."""
+    import signal
+
+    from tray.envvars import stop_signals
+
+    handlers = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
+                signal.SIGHUP: signal.SIG_DFL, signal.SIGQUIT: signal.SIG_DFL}
+    monkeypatch.setattr(signal, "getsignal", lambda sig: handlers[sig])
+    assert stop_signals() == (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    handlers[signal.SIGINT] = signal.SIG_IGN
+    handlers[signal.SIGTERM] = None
+    assert stop_signals() == (signal.SIGHUP, signal.SIGQUIT)
+
+
+def test_run_tray_without_a_command_is_a_usage_error() -> None:
+    """TraySpec(cmd=()) raised IndexError from inside subprocess."""
+    from tray.launch import TraySpec, run_tray
+
+    for cmd in ((), ("",)):
+        with pytest.raises(UsageError, match=r"TraySpec.cmd is the command each rank runs"):
+            run_tray(TraySpec(nprocs=1, cmd=cmd, backend="host"))

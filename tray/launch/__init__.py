@@ -7,6 +7,7 @@ import os
 import secrets
 import sys
 
+from tray.errors import UsageError
 from tray.launch.spec import Failure, RankState, TrayResult, TraySpec
 from tray.numa import NumaPlacement, placement_for
 
@@ -41,6 +42,9 @@ def run_tray(spec: TraySpec, placements: list[NumaPlacement] | None = None) -> T
     The result is the last attempt's. Raises SetupError/ManifestError/UsageError before any rank runs."""
     from tray.launch.head import Head
 
+    if not spec.cmd or not all(isinstance(a, str) and a for a in spec.cmd[:1]):
+        raise UsageError(f"TraySpec.cmd is the command each rank runs, e.g. (sys.executable, 'prog.py'); got "
+                         f"{spec.cmd!r}")
     where = placements or placements_for(spec.backend, spec.nprocs, spec.share_gpus)
     if spec.run_id is None:  # one per launch: a restart is the same run (checkpoints keyed on it resume)
         spec = dataclasses.replace(spec, run_id=f"tray-{os.getpid()}-{secrets.token_hex(4)}")

@@ -115,6 +115,7 @@ _CPU_SAMPLE_S = 0.1
 # standard signal pending beside a real-time one is delivered first)
 _STACK_DUMP_WAIT_S = 0.3
 PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -138,9 +139,33 @@ def _init_driver() -> None:
     visible_gpu_count()
 
 
-def _set_child_subreaper(on: bool) -> None:
-    """Orphans of the ranks' descendants reparent to the head while it lives (found at teardown)."""
-    _libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+class _Subreaper:
+    """This process a child subreaper while any tray of it runs: orphans of the ranks' descendants reparent to the
+    head (found at teardown). Counted: of two trays at once, the first to end left the other's orphans to pid 1; and
+    put back as it was (a process that was a subreaper already stayed one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._trays = 0
+        self._before = 0
+
+    def take(self) -> None:
+        with self._lock:
+            if self._trays == 0:
+                was = ctypes.c_int(0)
+                self._before = was.value if _libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0) == 0 \
+                    else 0
+                _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            self._trays += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._trays -= 1
+            if self._trays == 0:
+                _libc.prctl(PR_SET_CHILD_SUBREAPER, int(bool(self._before)), 0, 0, 0)
+
+
+_subreaper = _Subreaper()
 
 
 def _check_log_dir(log_dir: str, ranks: range) -> None:
@@ -326,7 +351,7 @@ class Head:
         endpoint = f"ipc://{job.path}/head.sock"
         ctx = sock = watchdog = pump = None
         ids_thread: threading.Thread | None = None
-        _set_child_subreaper(True)
+        _subreaper.take()
         try:
             self.master_port = self._reserve_master_port(job.root_fd)  # held until the tray is down
             try:
@@ -359,26 +384,55 @@ class Head:
             self._failed_first = self._failed_first or (self.failure is not None and not self._signals)
             self._after_loop()
         finally:
-            self._teardown(job, watchdog, pump)
-            self._close_job()
+            # NOTE: each step of the cleanup runs whatever an earlier one raised (a signal handler of a program that
+            # embeds the head, raising in the grace's sleep, once left a rank, the watchdog, the job dir and fds for
+            # the process's life); the first exception is raised after the last step
+            cut: list[BaseException] = []
+
+            def step(fn: Any, *args: Any) -> None:
+                try:
+                    fn(*args)
+                except BaseException as exc:
+                    cut.append(exc)
+
+            step(self._teardown, job, watchdog, pump)
+            if cut:  # the teardown cut short: whatever it had not stopped is killed now
+                step(self._kill_left, watchdog, pump)
+            step(self._close_job)
             if sock is not None:
-                sock.close()
+                step(sock.close)
             if ctx is not None:
-                ctx.term()
+                step(ctx.term)
             if ids_thread is not None:
-                ids_thread.join(_IDS_JOIN_S)  # it writes into the job dir: done before the dir goes
-            self.start_join.close()
+                step(ids_thread.join, _IDS_JOIN_S)  # it writes into the job dir: done before the dir goes
+            step(self.start_join.close)
             if self.master_port is not None:
-                self.master_port.close()  # before the job: its lock file is removed through the jobs root's fd
-            try:
-                job.close()
-            finally:
-                # NOTE: the watchdog released last: a head SIGKILLed before the job dir is gone is cleaned up after (it
-                # was released first, and a kill between the two left the job dir behind)
-                if watchdog is not None:
-                    watchdog.done()
-                _set_child_subreaper(False)
+                step(self.master_port.close)  # before the job: its lock file is removed through the jobs root's fd
+            step(job.close)
+            # NOTE: the watchdog released last: a head SIGKILLed before the job dir is gone is cleaned up after (it
+            # was released first, and a kill between the two left the job dir behind)
+            if watchdog is not None:
+                step(watchdog.done)
+            step(_subreaper.release)
+            if cut:
+                raise cut[0]
         return job.path
+
+    def _kill_left(self, watchdog: Watchdog | None, pump: OutputPump | None) -> None:
+        """After a teardown cut short by an exception: every rank still running, and the rest of the tray's process
+        group, SIGKILLed and reaped; the output pump stopped."""
+        for p in self.procs:
+            if p.popen.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.popen.kill()
+        if watchdog is not None:
+            with contextlib.suppress(OSError):
+                kill_group(watchdog.pgid, frozenset({watchdog.popen.pid}))
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(REAP_TIMEOUT_S)
+        if pump is not None:
+            pump.stop(0.0)
 
     def _reserve_master_port(self, lock_dir_fd: int) -> PortReservation | None:
         """The ranks' MASTER_PORT on one host: --master-port, else a free one; held while the tray runs."""
