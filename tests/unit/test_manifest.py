@@ -471,6 +471,7 @@ LOAD_ERRORS = [
     # printed by tray inspect as one line: a newline or a terminal's escape went out raw
     (_set(("description",), "two\nlines"), "$.description", ["one line of text", "two\\nlines"]),
     (_set(("description",), "\x1b[2J"), "$.description", ["without control characters"]),
+    (_set(("description",), "\x9b2J"), "$.description", ["without control characters"]),  # C1: CSI
     (_set(("name",), "bad name"), "$.name", ["invalid manifest name"]),
     (_set(("vars",), []), "$.vars", ["expected an object"]),
     (_set(("vars", "world_size"), 4), "$.vars.world_size", ["reserved"]),

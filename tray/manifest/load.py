@@ -388,7 +388,7 @@ class _Parser:
             self.fail("$.format", f"unsupported format {show(fmt)}; this tray reads format {FORMAT_VERSION}")
         name = self.name(top["name"], "$.name", "manifest", MANIFEST_NAME_RE)
         description = self.str_(top.get("description", ""), "$.description", "description")
-        if any(c < " " or c == "\x7f" for c in description):  # printed by tray inspect: a newline, a terminal escape
+        if any(c < " " or "\x7f" <= c <= "\x9f" for c in description):  # printed by tray inspect: a newline, an escape
             self.fail("$.description", f"the description is one line of text, without control characters; got "
                       f"{show(description)}")
         barrier_timeout_s = self.seconds(top["barrier_timeout_s"], "$.barrier_timeout_s") \
