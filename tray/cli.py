@@ -204,11 +204,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise UsageError("--drop and --stress are two gates: --stress checks the barrier's ordering with every rank "
                          "in it, --drop that a rank that never comes is named; run them one at a time")
     check_report_path(args.json)
+    stress = {k: v for k, v in (("replays", args.replays), ("skew_ns", args.skew_ns)) if v is not None}
     return run_gate(GateArgs(nprocs=nprocs, backend=backend, iters=args.iters, drop=args.drop,
                              timeout_s=args.timeout_s, json_path=args.json, log_dir=args.log_dir,
-                             stress=args.stress, replays=5 if args.replays is None else args.replays,
-                             skew_ns=2000 if args.skew_ns is None else args.skew_ns,
-                             corrupt=args.corrupt,
+                             stress=args.stress, **stress, corrupt=args.corrupt,
                              warn=lambda: warn_if_oversubscribed(nprocs, timeout_flag="--timeout-s")))
 
 

@@ -277,7 +277,7 @@ class Head:
                                ranks=spec.local_ranks_filter, quiet=spec.quiet, rank_base=rank_base)
         self.token = secrets.token_hex(16)
         self.procs: list[RankProcess] = []
-        self._exits = _ExitOrder((), None)  # the loop's watches the ranks' exits
+        self._exits = _ExitOrder((), None)  # replaced by the loop's, which watches the ranks' exits
         self._closed_looked_at = 0.0  # when _check_closed_ranks last looked (monotonic)
         self.offers: dict[int, wire.Offer] = {}
         self.ready: dict[int, wire.Ready] = {}
@@ -1133,18 +1133,18 @@ class Head:
 
     def _check_closed_ranks(self, now: float) -> None:
         """Ranks that closed their tray send no heartbeats (the program may go on without the tray), and the tray ends
-        when they exit: one stopped (SIGSTOP, SIGTSTP, a debugger's stop: state T or t) for --heartbeat-timeout-s never
-        would, and fails the tray; while ranks that closed it keep it waiting after others exited, whom it waits for
+        when they exit: one stopped (SIGSTOP, SIGTSTP: state T) for --heartbeat-timeout-s never would, and fails the
+        tray; while ranks that closed it keep it waiting after others exited, whom it waits for
         is said every _WAIT_SAID_EVERY_S (the tray was silent until the job's time limit)."""
         closed = [p for p in self.procs if p.returncode is None and p.phase == "bye"]
         # NOTE: a stop is timed over the head's own looks: a head stopped with its ranks (a job suspended and
         # resumed, the head first) saw none of it pass
         resumed = now - self._closed_looked_at > _LOOK_GAP_S
         self._closed_looked_at = now
+        states = {p.rank: _proc_state(p.pid) for p in closed}
         for p in closed:
-            fields = stat_fields(p.pid)
             # NOTE: T only: a rank stopped at a debugger's breakpoint (t) is being looked at, not frozen
-            if fields is None or fields[0] != "T":
+            if states[p.rank] != "T":
                 p.stopped_since = None
                 continue
             if p.stopped_since is None or resumed:
@@ -1161,9 +1161,9 @@ class Head:
                 now - self._last_wait_said < _WAIT_SAID_EVERY_S:
             return
         self._last_wait_said = now
-        states = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep", "T": "stopped", "t": "stopped"}
+        words = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep", "T": "stopped", "t": "stopped"}
         said = "; ".join(f"rank {p.rank} closed its tray {now - p.phase_at:.0f} s ago, "
-                         f"{states.get((stat_fields(p.pid) or ['?'])[0], 'state unknown')}" for p in closed[:8])
+                         f"{words.get(states[p.rank] or '?', 'state unknown')}" for p in closed[:8])
         more = f"; and {len(closed) - 8} more" if len(closed) > 8 else ""
         _say(f"waiting for {ranks_text([p.rank for p in closed])} to exit ({len(ended)} of {self.spec.nprocs} "
              f"did; a program may go on after close(), and the tray ends when every rank has): {said}{more}")
@@ -1187,10 +1187,10 @@ class Head:
     def _liveness(p: RankProcess) -> str:
         code = p.popen.poll()
         if code is None:
-            fields = stat_fields(p.pid)
+            state = _proc_state(p.pid)
             # a stopped process (SIGSTOP, SIGTSTP, a debugger) is alive, but will not come until continued
-            return f"alive but stopped (state {fields[0]}: SIGSTOP, SIGTSTP or a debugger)" \
-                if fields and fields[0] in ("T", "t") else "alive"
+            return f"alive but stopped (state {state}: SIGSTOP, SIGTSTP or a debugger)" if state in ("T", "t") \
+                else "alive"
         return f"exited with code {code}" if code >= 0 else f"killed by {_signal_name(code)}"
 
     def _heartbeating(self, p: RankProcess) -> bool:
@@ -1685,8 +1685,9 @@ class _ExitOrder:
         failed = [when[p.rank] for p, code in ended if code != 0]
         first = min(failed) if failed else now
         tied = {p.rank for p, code in ended if code != 0 and when[p.rank] - first <= _EXIT_TIE_S}
-        order = sorted(ended, key=lambda e: (e[0].rank not in tied, e[1] != -signal.SIGKILL if e[0].rank in tied
-                                             else False, when[e[0].rank], e[0].rank))
+        # the tied first, a SIGKILL among them first; then as seen
+        order = sorted(ended, key=lambda e: (e[0].rank not in tied, e[0].rank in tied and e[1] != -signal.SIGKILL,
+                                             when[e[0].rank], e[0].rank))
         head, code = order[0]
         if head.rank not in tied or code != -signal.SIGKILL:
             return [(p, c, ()) for p, c in order]
@@ -1749,10 +1750,15 @@ def _terminate(p: RankProcess) -> None:
     """SIGTERM to rank `p`, and SIGCONT when it is stopped: a stopped process acts on no signal but SIGKILL, so its
     SIGTERM handler would not run in the grace, and its end be said as a handler cut short."""
     p.popen.send_signal(signal.SIGTERM)
-    fields = stat_fields(p.pid)
-    if fields is not None and fields[0] == "T":
+    if _proc_state(p.pid) == "T":
         with contextlib.suppress(OSError):
             os.kill(p.pid, signal.SIGCONT)
+
+
+def _proc_state(pid: int) -> str | None:
+    """Process `pid`'s state letter (/proc/PID/stat: R, S, D, T stopped, t traced...); None when it cannot be read."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -178,19 +178,16 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
-        except OSError:
+            if not stat.S_ISREG(st.st_mode):
+                what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, a device...)"
+                raise ManifestError(where, "$", f"the manifest is {what}; give a manifest file")
+            if st.st_size > MAX_MANIFEST_NBYTES:
+                raise ManifestError(where, "$", f"the manifest takes {st.st_size} bytes, more than any manifest may "
+                                    f"({MAX_MANIFEST_NBYTES}); is it the right file?")
+            with open(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_MANIFEST_NBYTES + 1)
+        finally:
             os.close(fd)
-            raise
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, a device...)"
-            raise ManifestError(where, "$", f"the manifest is {what}; give a manifest file")
-        if st.st_size > MAX_MANIFEST_NBYTES:
-            os.close(fd)
-            raise ManifestError(where, "$", f"the manifest takes {st.st_size} bytes, more than any manifest may "
-                                f"({MAX_MANIFEST_NBYTES}); is it the right file?")
-        with open(fd, "rb") as f:
-            raw = f.read(MAX_MANIFEST_NBYTES + 1)
     except OSError as exc:
         raise ManifestError(where, "$", f"cannot read the manifest: {exc.strerror or exc}") from None
     try:
